@@ -1,0 +1,1 @@
+"""unimem: one memory arena for hybrid LLM serving (FULL + SWA + recurrent state)."""

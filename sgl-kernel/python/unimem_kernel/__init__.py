@@ -1,0 +1,38 @@
+"""unimem_kernel: pure tensor ops for the unimem memory runtime.
+
+Each op is a pure function of tensors and ints with caller-owned outputs; each has a Triton
+kernel and a torch reference of identical semantics (see ``_dispatch``). Nothing here knows
+about pools, requests or models.
+"""
+
+from unimem_kernel.id_ops import (
+    bind_units,
+    bind_units_reference,
+    compact_band,
+    compact_band_reference,
+    translate_tokens,
+    translate_tokens_reference,
+    unbind_units,
+    unbind_units_reference,
+)
+from unimem_kernel.unit_ops import (
+    copy_units,
+    copy_units_reference,
+    fill_units,
+    fill_units_reference,
+)
+
+__all__ = [
+    "bind_units",
+    "bind_units_reference",
+    "compact_band",
+    "compact_band_reference",
+    "copy_units",
+    "copy_units_reference",
+    "fill_units",
+    "fill_units_reference",
+    "translate_tokens",
+    "translate_tokens_reference",
+    "unbind_units",
+    "unbind_units_reference",
+]
