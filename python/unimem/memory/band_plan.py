@@ -1,0 +1,262 @@
+"""Planning band moves in the arena, on the host, from counts alone.
+
+The arena is one byte range. Each unit kind (FULL pages, SWA pages, STATE slots) is a *band*:
+a contiguous range of unit ids ``[lo, hi)`` on its own grid — unit ``u`` of a band spans bytes
+``[base + u * unit_bytes, base + (u + 1) * unit_bytes)``. Bands are kept in address order and
+never overlap. The lowest band grows up from the reserved header, the highest grows down from
+the arena end, and a middle band floats between them (DESIGN §3.3). The bytes no band covers
+are gaps.
+
+A band's *free* count is the number of ids on its device free stack: the units of its extent
+that hold no live data. The host knows every count exactly (it decided every push and pop), so
+whether a request fits, and how to make room, is decided here without reading the device.
+
+To give band ``i`` ``m`` free units the planner, in order:
+
+1. uses the units already free in ``i``;
+2. extends ``i`` into the gap on either side (a middle band prefers the larger gap);
+3. makes a neighbour retreat: the neighbour ``j`` evacuates the ``k`` units of its extent that
+   face ``i`` into its own holes (compaction), first extending its far side if its holes are too
+   few (which may in turn make *its* far neighbour retreat). An emptied middle band drops out of
+   the way and re-anchors later in whatever gap it is given.
+
+``plan`` works on a copy and returns the list of actions, or ``None`` when the request
+cannot be met — in which case nothing at all has changed. The executor replays the actions with
+device ops in order.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Side(Enum):
+    DOWN = -1
+    UP = 1
+
+
+@dataclass
+class BandState:
+    """Host bookkeeping of one band (all counts, no device data)."""
+
+    name: str
+    unit_bytes: int
+    base: int
+    lo: int
+    hi: int
+    free: int
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def live(self) -> int:
+        return self.size - self.free
+
+    @property
+    def byte_lo(self) -> int:
+        return self.base + self.lo * self.unit_bytes
+
+    @property
+    def byte_hi(self) -> int:
+        return self.base + self.hi * self.unit_bytes
+
+
+@dataclass(frozen=True)
+class Extend:
+    """Add ``n`` fresh units to band ``band`` at ``side`` (their ids go on its free stack)."""
+
+    band: int
+    side: Side
+    n: int
+
+
+@dataclass(frozen=True)
+class Compact:
+    """Band ``band`` evacuates its ``k`` units at ``side`` into its holes and gives them up."""
+
+    band: int
+    side: Side
+    k: int
+
+
+@dataclass(frozen=True)
+class Reanchor:
+    """Move the (empty) band ``band`` so that its extent is ``[at, at)``."""
+
+    band: int
+    at: int
+
+
+Action = Extend | Compact | Reanchor
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -((-a) // b)
+
+
+class BandLayout:
+    """Bands in address order between ``header_end`` and ``arena_end`` (bytes)."""
+
+    def __init__(self, bands: list[BandState], header_end: int, arena_end: int) -> None:
+        self.bands = bands
+        self.header_end = header_end
+        self.arena_end = arena_end
+        # Free units of each band already promised to an earlier request of the same plan:
+        # compaction may not consume them.
+        self.reserved = [0] * len(bands)
+
+    # --- geometry ----------------------------------------------------------------------------
+
+    def _neighbour(self, i: int, side: Side) -> int | None:
+        """Nearest non-empty band beyond ``i`` at ``side``."""
+        j = i + side.value
+        while 0 <= j < len(self.bands):
+            if self.bands[j].size > 0:
+                return j
+            j += side.value
+        return None
+
+    def limit(self, i: int, side: Side) -> int:
+        """The byte bound band ``i`` may extend to at ``side``."""
+        j = self._neighbour(i, side)
+        if side is Side.UP:
+            return self.arena_end if j is None else self.bands[j].byte_lo
+        return self.header_end if j is None else self.bands[j].byte_hi
+
+    def room(self, i: int, side: Side) -> int:
+        """How many units band ``i`` can add at ``side`` without moving anybody."""
+        b = self.bands[i]
+        if side is Side.UP:
+            return max(0, (self.limit(i, Side.UP) - b.base) // b.unit_bytes - b.hi)
+        return max(0, b.lo - _ceil_div(self.limit(i, Side.DOWN) - b.base, b.unit_bytes))
+
+    def sides(self, i: int) -> list[Side]:
+        """The sides band ``i`` may grow at, preferred first."""
+        n = len(self.bands)
+        if n == 1 or i == 0:
+            return [Side.UP]
+        if i == n - 1:
+            return [Side.DOWN]
+        return sorted((Side.UP, Side.DOWN), key=lambda s: -self.room(i, s))
+
+    def gap_bytes(self) -> int:
+        covered = sum(b.size * b.unit_bytes for b in self.bands)
+        return self.arena_end - self.header_end - covered
+
+    def check(self) -> None:
+        """Raise AssertionError if bands overlap or leave the arena."""
+        prev_hi = self.header_end
+        for b in self.bands:
+            if b.size == 0:
+                continue
+            assert b.lo <= b.hi, f"{b.name}: lo {b.lo} > hi {b.hi}"
+            assert b.byte_lo >= prev_hi, f"{b.name} overlaps the band below it"
+            assert 0 <= b.free <= b.size, f"{b.name}: free {b.free} of {b.size}"
+            prev_hi = b.byte_hi
+        assert prev_hi <= self.arena_end, "a band runs past the arena end"
+
+    # --- actions on the host state ------------------------------------------------------------
+
+    def apply(self, a: Action) -> None:
+        b = self.bands[a.band]
+        if isinstance(a, Extend):
+            if a.side is Side.UP:
+                b.hi += a.n
+            else:
+                b.lo -= a.n
+            b.free += a.n
+        elif isinstance(a, Compact):
+            if a.side is Side.UP:
+                b.hi -= a.k
+            else:
+                b.lo += a.k
+            b.free -= a.k
+        else:
+            b.lo = b.hi = a.at
+
+    # --- planning -----------------------------------------------------------------------------
+
+    def _anchor_for(self, i: int) -> int:
+        """Where an empty band ``i`` should sit: the middle of its gap (ends: at the end)."""
+        b = self.bands[i]
+        lo_b, hi_b = self.limit(i, Side.DOWN), self.limit(i, Side.UP)
+        n = len(self.bands)
+        if n == 1 or i == 0:
+            return _ceil_div(lo_b - b.base, b.unit_bytes)
+        if i == n - 1:
+            return (hi_b - b.base) // b.unit_bytes
+        return _ceil_div((lo_b + hi_b) // 2 - b.base, b.unit_bytes)
+
+    def _make_room(self, i: int, side: Side, need: int, out: list[Action]) -> bool:
+        """Move neighbours at ``side`` until band ``i`` can extend there by ``need`` units."""
+        b = self.bands[i]
+        while self.room(i, side) < need:
+            j = self._neighbour(i, side)
+            if j is None:
+                return False
+            nb = self.bands[j]
+            if side is Side.UP:
+                target = b.base + (b.hi + need) * b.unit_bytes
+                k = _ceil_div(target - nb.base, nb.unit_bytes) - nb.lo
+            else:
+                target = b.base + (b.lo - need) * b.unit_bytes
+                k = nb.hi - (target - nb.base) // nb.unit_bytes
+            k = min(k, nb.size)
+            short = k - (nb.free - self.reserved[j])
+            if short > 0:
+                # The neighbour needs more holes: extend its far side (may move its neighbour).
+                if self._make_room(j, side, short, out):
+                    self._do(Extend(j, side, short), out)
+                else:
+                    k = nb.free - self.reserved[j]
+            if k <= 0:
+                return False
+            self._do(Compact(j, Side.DOWN if side is Side.UP else Side.UP, k), out)
+        return True
+
+    def plan(self, demands: list[tuple[int, int]]) -> list[Action] | None:
+        """Actions that leave each band ``i`` of ``demands`` with ``m`` more free units than
+        earlier demands on it took, or None. Plans on a copy: ``self`` is unchanged.
+        """
+        sim = BandLayout(copy.deepcopy(self.bands), self.header_end, self.arena_end)
+        out: list[Action] = []
+        for i, m in demands:
+            if m <= 0:
+                continue
+            if not sim._grow(i, sim.reserved[i] + m, out):
+                return None
+            sim.reserved[i] += m
+        sim.check()
+        return out
+
+    def _grow(self, i: int, m: int, out: list[Action]) -> bool:
+        """Append to ``out`` (and apply) actions giving band ``i`` at least ``m`` free units."""
+        need = m - self.bands[i].free
+        if need <= 0:
+            return True
+        if self.bands[i].size == 0:
+            at = self._anchor_for(i)
+            if at != self.bands[i].lo:
+                self._do(Reanchor(i, at), out)
+        for side in self.sides(i):
+            take = min(need, self.room(i, side))
+            if take:
+                self._do(Extend(i, side, take), out)
+                need -= take
+        for side in self.sides(i):
+            if need == 0:
+                break
+            self._make_room(i, side, need, out)
+            take = min(need, self.room(i, side))
+            if take:
+                self._do(Extend(i, side, take), out)
+                need -= take
+        return need == 0
+
+    def _do(self, act: Action, out: list[Action]) -> None:
+        self.apply(act)
+        out.append(act)

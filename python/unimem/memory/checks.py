@@ -1,0 +1,77 @@
+"""Invariant checks for pools. They read the device and synchronise: tests and debugging only,
+never on the step path.
+
+``check_unified(mem)`` asserts, for a :class:`UnifiedMemory`:
+
+- bands lie inside the arena, above the header, and never overlap; header + band bytes +
+  gaps == arena bytes;
+- per id space: ``v2p`` and ``p2v`` are inverse; every bound physical id lies inside its
+  band's extent; the sink (physical 0) is never bound;
+- the free stack holds exactly the unbound ids of the extent, each once, and its height is the
+  host's count;
+- every request's pages are bound in FULL, bound in SWA from ``swa_start`` on and unbound
+  before it; its request-table row holds its virtual token ids; its state slot is bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from unimem.memory.pool import RequestMemory
+from unimem.memory.spec import LayerKind
+from unimem.memory.unified import UnifiedMemory
+
+
+def check_unified(mem: UnifiedMemory, requests: Iterable[RequestMemory] = ()) -> None:
+    bands = mem.bands
+    bands.check()
+    spans = sorted((b.byte_lo, b.byte_hi) for b in bands.bands if b.size > 0)
+    covered, gaps, prev = 0, 0, mem.header_bytes
+    for lo, hi in spans:
+        assert lo >= prev, "bands overlap"
+        gaps += lo - prev
+        covered += hi - lo
+        prev = hi
+    gaps += mem.arena_bytes - prev
+    assert mem.header_bytes + covered + gaps == mem.arena_bytes, "bytes not conserved"
+
+    for kind, space in mem.spaces.items():
+        band = mem.band(kind)
+        v2p = space.v2p.cpu().long()
+        p2v = space.p2v.cpu().long()
+        bound_v = torch.nonzero(v2p >= 0).flatten()
+        phys = v2p[bound_v]
+        assert torch.equal(p2v[phys], bound_v), f"{kind}: p2v is not the inverse of v2p"
+        bound_p = torch.nonzero(p2v >= 0).flatten()
+        assert torch.equal(v2p[p2v[bound_p]], bound_p), f"{kind}: v2p is not the inverse of p2v"
+        assert bound_p.numel() == band.live, f"{kind}: {bound_p.numel()} bound, host {band.live}"
+        if bound_p.numel():
+            assert int(bound_p.min()) >= band.lo and int(bound_p.max()) < band.hi, (
+                f"{kind}: a bound unit lies outside the band [{band.lo}, {band.hi})"
+            )
+        if kind is not LayerKind.STATE:
+            assert int(p2v[0]) == -1, f"{kind}: the sink is bound"
+        assert space.free == band.free, f"{kind}: stack height {space.free} != host {band.free}"
+        stack = space.free_stack[: space.free].cpu().long()
+        assert stack.unique().numel() == stack.numel(), f"{kind}: an id is on the stack twice"
+        extent = torch.arange(band.lo, band.hi)
+        holes = extent[p2v[band.lo : band.hi] < 0]
+        assert torch.equal(stack.sort().values, holes), f"{kind}: stack != holes of the extent"
+
+    p = mem.page_size
+    r2t = mem.req_to_token.cpu().long()
+    full_v2p = mem.spaces[LayerKind.FULL].v2p.cpu() if LayerKind.FULL in mem.spaces else None
+    swa_v2p = mem.spaces[LayerKind.SWA].v2p.cpu() if LayerKind.SWA in mem.spaces else None
+    for req in requests:
+        if req.pages:
+            v = torch.tensor(req.pages)
+            assert bool((full_v2p[v] > 0).all()), f"row {req.row}: an unbound FULL page"
+            if swa_v2p is not None:
+                assert bool((swa_v2p[v[req.swa_start :]] > 0).all()), f"row {req.row}: SWA"
+                assert bool((swa_v2p[v[: req.swa_start]] == -1).all()), f"row {req.row}: retired"
+            want = (v[:, None] * p + torch.arange(p)[None, :]).flatten()
+            assert torch.equal(r2t[req.row, : want.numel()], want), f"row {req.row}: table"
+        if LayerKind.STATE in mem.spaces:
+            assert int(mem.spaces[LayerKind.STATE].v2p[req.state_slot]) >= 0, "state slot"

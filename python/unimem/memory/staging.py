@@ -1,0 +1,23 @@
+"""Host -> device uploads that never block the host.
+
+Allocation decisions are made on the host (which rows, which page columns, which virtual ids)
+and executed by device ops that need them as int32 tensors. Uploading through a pinned
+staging tensor and ``non_blocking=True`` keeps the host from waiting: PyTorch's caching host
+allocator records the copy on the current stream and does not recycle the pinned block before
+the copy has run, so reusing the helper every step is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def upload_int32(values: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+    """A new int32 device tensor holding ``values``, copied without a host wait."""
+    host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

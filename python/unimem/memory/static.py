@@ -1,0 +1,218 @@
+"""The static baseline: separate pools with a split fixed at start-up (DESIGN §3.7).
+
+What serving engines do by default, and what the unified arena is measured against: one
+buffer of FULL pages, one of SWA pages and one of state slots, each sized at start-up. FULL
+page ids and state slot ids are physical — ``req_to_token`` holds physical token ids and no
+table translates them (``full_v2p`` and ``state_v2p`` are None). SWA pages, being fewer than
+FULL pages, are reached through a FULL-page -> SWA-page mapping (``swa_v2p``), as in SGLang's
+hybrid SWA pool. Page 0 of each attention pool is the zero sink.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import unimem_kernel as uk
+from unimem.memory.host_ids import HostIdPool
+from unimem.memory.id_space import IdSpace
+from unimem.memory.layout import MemoryLayout
+from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory
+from unimem.memory.spec import LayerKind, MemorySpec
+from unimem.memory.staging import upload_int32
+
+
+class StaticMemory(MemoryPool):
+    """Fixed pools: ``num_full_pages`` FULL pages, ``num_swa_pages`` SWA pages and
+    ``num_state_slots`` state slots (each count excludes the sink)."""
+
+    def __init__(
+        self,
+        spec: MemorySpec,
+        num_full_pages: int,
+        num_swa_pages: int,
+        num_state_slots: int,
+        max_requests: int,
+        max_context: int,
+        device: torch.device | str = "cpu",
+        poison: bool = False,
+    ) -> None:
+        super().__init__(spec, max_requests, max_context, torch.device(device))
+        self.poison = poison
+        counts = {
+            LayerKind.FULL: num_full_pages,
+            LayerKind.SWA: num_swa_pages,
+            LayerKind.STATE: num_state_slots,
+        }
+        self.kinds = spec.kinds
+        for k in self.kinds:
+            if counts[k] < 1:
+                raise ValueError(f"StaticMemory needs at least one {k.value} unit, got {counts[k]}")
+        lay = self.layout
+        fill = POISON_BYTE if poison else 0
+        self.pools: dict[LayerKind, torch.Tensor] = {}
+        self.capacity: dict[LayerKind, int] = {}
+        for k in self.kinds:
+            sink = 0 if k is LayerKind.STATE else 1
+            units = counts[k] + sink
+            self.capacity[k] = counts[k]
+            buf = torch.full((units * lay.unit_bytes(k),), fill, dtype=torch.uint8, device=device)
+            buf[: sink * lay.unit_bytes(k)].zero_()
+            self.pools[k] = buf
+        self.stats.capacity_bytes = sum(b.numel() for b in self.pools.values())
+
+        self._full_ids = HostIdPool(1, num_full_pages) if spec.has(LayerKind.FULL) else None
+        self._slots = HostIdPool(0, num_state_slots) if spec.has(LayerKind.STATE) else None
+        self._swa: IdSpace | None = None
+        if spec.has(LayerKind.SWA):
+            self._swa = IdSpace("swa", num_full_pages + 1, num_swa_pages + 1, self.device)
+            self._swa.push_range(1, num_swa_pages + 1)
+        self.full_v2p = None
+        self.state_v2p = None
+        self.swa_v2p = self._swa.v2p if self._swa is not None else None
+        self._kv_views = {
+            (k, lane): (
+                lay.of(k).k_view(self.pools[k], 0, counts[k] + 1, lane),
+                lay.of(k).v_view(self.pools[k], 0, counts[k] + 1, lane),
+            )
+            for k in self.kinds
+            if k is not LayerKind.STATE
+            for lane in range(lay.of(k).num_lanes)
+        }
+        self._state_views = {}
+        if spec.has(LayerKind.STATE):
+            sl, n, buf = lay.state, num_state_slots, self.pools[LayerKind.STATE]
+            self._state_views = {
+                lane: (sl.conv_view(buf, 0, n, lane), sl.ssm_view(buf, 0, n, lane))
+                for lane in range(sl.num_lanes)
+            }
+
+    @classmethod
+    def from_budget(
+        cls,
+        spec: MemorySpec,
+        budget_bytes: int,
+        num_state_slots: int,
+        swa_to_full: float,
+        max_requests: int,
+        max_context: int,
+        device: torch.device | str = "cpu",
+        poison: bool = False,
+    ) -> StaticMemory:
+        """Split ``budget_bytes``: ``num_state_slots`` slots first, then FULL and SWA pages in
+        the ratio ``num_swa_pages = swa_to_full * num_full_pages`` (SGLang's default hybrid
+        SWA pool uses a token ratio of 0.8). Raises if a pool would be empty."""
+        lay = MemoryLayout.build(spec)
+        left = budget_bytes
+        if spec.has(LayerKind.STATE):
+            left -= num_state_slots * lay.unit_bytes(LayerKind.STATE)
+        else:
+            num_state_slots = 0
+        per_full = lay.unit_bytes(LayerKind.FULL) if spec.has(LayerKind.FULL) else 0
+        per_swa = lay.unit_bytes(LayerKind.SWA) if spec.has(LayerKind.SWA) else 0
+        ratio = swa_to_full if per_swa else 0.0
+        # Sinks come out of the budget too.
+        left -= per_full + per_swa
+        n_full = int(left // (per_full + ratio * per_swa)) if per_full else 0
+        n_swa = int(n_full * ratio) if per_full else int(left // per_swa) if per_swa else 0
+        if left <= 0 or (per_full and n_full < 1) or (per_swa and n_swa < 1):
+            raise ValueError(
+                f"a budget of {budget_bytes} bytes cannot hold {num_state_slots} state slots and "
+                f"at least one page of each attention kind"
+            )
+        return cls(spec, n_full, n_swa, num_state_slots, max_requests, max_context, device, poison)
+
+    # --- views -----------------------------------------------------------------------------------
+
+    def kv_cache(self, kind: LayerKind, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv_views[(kind, lane)]
+
+    def state_cache(self, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._state_views[lane]
+
+    # --- counts ----------------------------------------------------------------------------------
+
+    def live_units(self, kind: LayerKind) -> int:
+        if kind is LayerKind.FULL and self._full_ids is not None:
+            return self._full_ids.used
+        if kind is LayerKind.SWA and self._swa is not None:
+            return self.capacity[kind] - self._swa.free
+        if kind is LayerKind.STATE and self._slots is not None:
+            return self._slots.used
+        return 0
+
+    # --- allocation ------------------------------------------------------------------------------
+
+    def _alloc(self, todo: list[tuple[RequestMemory, int]], state_for: list[RequestMemory]) -> bool:
+        n_pages = sum(n for _, n in todo)
+        if self._full_ids is not None and n_pages > self._full_ids.free:
+            return False
+        if self._swa is not None and n_pages > self._swa.free:
+            return False
+        if state_for and (self._slots is None or len(state_for) > self._slots.free):
+            return False
+        pages = self._full_ids.take(n_pages) if n_pages else []
+        slots = self._slots.take(len(state_for)) if state_for else []
+        if n_pages:
+            rows, cols = [], []
+            for req, n in todo:
+                rows += [req.row] * n
+                cols += range(len(req.pages), len(req.pages) + n)
+            packed = upload_int32(np.array(pages + rows + cols, dtype=np.int32), self.device)
+            pdev = packed[:n_pages]
+            self._write_pages(pdev, packed[n_pages : 2 * n_pages], packed[2 * n_pages :])
+            self._zero(LayerKind.FULL, pdev)
+            if self._swa is not None:
+                self._zero(LayerKind.SWA, self._swa.bind(pdev))
+        if slots:
+            self._zero(LayerKind.STATE, upload_int32(slots, self.device))
+        it = iter(pages)
+        for req, n in todo:
+            req.pages.extend(next(it) for _ in range(n))
+        for req, s in zip(state_for, slots, strict=True):
+            req.state_slot = s
+        return True
+
+    def _write_pages(self, pages: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+        """``req_to_token[row, col * P + o] = page * P + o`` for each page (physical ids)."""
+        p = self.page_size
+        offs = torch.arange(p, device=self.device, dtype=torch.int32)
+        tok_cols = (cols[:, None] * p + offs[None, :]).long()
+        tok_rows = rows[:, None].expand_as(tok_cols).long()
+        self.req_to_token[tok_rows, tok_cols] = pages[:, None] * p + offs[None, :]
+
+    def _zero(self, kind: LayerKind, ids: torch.Tensor, byte: int = 0) -> None:
+        uk.fill_units(self.pools[kind], 0, self.layout.unit_bytes(kind), ids, byte)
+
+    def _unbind_swa(self, rows: list[int], cols: list[int]) -> None:
+        n = len(rows)
+        packed = upload_int32(np.array(rows + cols, dtype=np.int32), self.device)
+        pushed = self._swa.unbind(
+            n,
+            req_to_token=self.req_to_token,
+            unit_rows=packed[:n],
+            unit_cols=packed[n:],
+            page_size=self.page_size,
+        )
+        if self.poison:
+            self._zero(LayerKind.SWA, pushed, POISON_BYTE)
+
+    def release_all(self, reqs: list[RequestMemory]) -> None:
+        full = [v for r in reqs for v in r.pages]
+        has_swa = self.swa_v2p is not None
+        swa = [v for r in reqs for v in r.pages[r.swa_start :]] if has_swa else []
+        slots = [r.state_slot for r in reqs if r.state_slot >= 0]
+        packed = upload_int32(np.array(full + swa + slots, dtype=np.int32), self.device)
+        a, b = len(full), len(full) + len(swa)
+        if swa:
+            pushed = self._swa.unbind(len(swa), vids=packed[a:b])
+            if self.poison:
+                self._zero(LayerKind.SWA, pushed, POISON_BYTE)
+        if full:
+            self._full_ids.give(full)
+            if self.poison:
+                self._zero(LayerKind.FULL, packed[:a], POISON_BYTE)
+        if slots:
+            self._slots.give(slots)
+            if self.poison:
+                self._zero(LayerKind.STATE, packed[b:], POISON_BYTE)

@@ -1,0 +1,250 @@
+"""Random admit / grow / retire-SWA / finish / compact sequences on the unified arena.
+
+After every step: the structural invariants of ``check_unified``; every live unit holds
+exactly the bytes last written through its virtual id (so compaction moved data intact and no
+two live units share bytes); every free unit and every gap byte holds poison (so nothing
+handed out was stale, and nothing live was ever left behind); handed-out units start zeroed.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from unimem.memory.band_plan import Side
+from unimem.memory.checks import check_unified
+from unimem.memory.pool import POISON_BYTE
+from unimem.memory.spec import (
+    AttentionLayerSpec,
+    DraftLane,
+    LayerKind,
+    MemorySpec,
+    StateLayerSpec,
+)
+from unimem.memory.unified import UnifiedMemory
+
+F, S, T = LayerKind.FULL, LayerKind.SWA, LayerKind.STATE
+f32, bf16 = torch.float32, torch.bfloat16
+
+
+def _full(h=2, dk=8, dv=8, dt=f32):
+    return AttentionLayerSpec(F, h, dk, dv, dt)
+
+
+def _swa(w, h=2, dk=8, dv=4, dt=f32):
+    return AttentionLayerSpec(S, h, dk, dv, dt, window=w)
+
+
+def _state():
+    return StateLayerSpec((6, 3), bf16, (2, 4, 4), f32)
+
+
+SPECS = {
+    "full+state": MemorySpec(
+        page_size=4,
+        layers=(_full(), _state(), _full(dt=bf16)),
+        draft_lanes=(DraftLane(T, _state()),),
+    ),
+    "full+swa": MemorySpec(
+        page_size=1,
+        layers=(_full(dk=16, dv=8), _swa(5)),
+        draft_lanes=(DraftLane(F, _full(h=1, dk=16, dv=16)),),
+    ),
+    "full+swa+state": MemorySpec(
+        page_size=4,
+        layers=(_swa(6), _state(), _full(dk=16, dv=8), _swa(9, dt=bf16)),
+        draft_lanes=(DraftLane(S, _swa(6)), DraftLane(F, _full())),
+    ),
+}
+
+
+class UnifiedArenaMachine(RuleBasedStateMachine):
+    @initialize(
+        name=st.sampled_from(sorted(SPECS)),
+        units=st.integers(12, 40),
+        seed=st.integers(0, 2**16),
+    )
+    def setup(self, name, units, seed):
+        spec = SPECS[name]
+        self.spec = spec
+        probe = UnifiedMemory(spec, 1 << 20, 1, 8)
+        per_unit = max(probe.layout.unit_bytes(k) for k in spec.kinds)
+        self.mem = UnifiedMemory(
+            spec, arena_bytes=units * per_unit, max_requests=6, max_context=48, poison=True
+        )
+        self.gen = torch.Generator().manual_seed(seed)
+        self.live = {}  # row -> (request, tokens)
+        self.data = {}  # (kind, vid) -> expected bytes
+        self.saw_compaction = False
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _unit_bytes(self, kind, vid):
+        m = self.mem
+        phys = int(m.spaces[kind].v2p[vid])
+        assert phys > 0 or (kind is T and phys >= 0)
+        ub = m.layout.unit_bytes(kind)
+        start = m.base[kind] + phys * ub
+        return m.arena[start : start + ub]
+
+    def _hand_out(self, kind, vids):
+        for v in vids:
+            view = self._unit_bytes(kind, v)
+            assert not bool(view.any()), f"{kind} unit {v} not zeroed on hand-out"
+            pattern = torch.randint(0, 255, view.shape, generator=self.gen, dtype=torch.uint8)
+            view.copy_(pattern)
+            self.data[(kind, v)] = pattern
+
+    def _forget(self, kind, vids):
+        for v in vids:
+            del self.data[(kind, v)]
+
+    def _new_pages(self, req, before):
+        vids = req.pages[before:]
+        self._hand_out(F, vids)
+        if self.spec.has(S):
+            self._hand_out(S, vids)
+
+    # --- rules ---------------------------------------------------------------------------------
+
+    @rule(tokens=st.integers(1, 30))
+    def admit(self, tokens):
+        req = self.mem.admit(tokens)
+        if req is None:
+            return
+        self._new_pages(req, 0)
+        if self.spec.has(T):
+            self._hand_out(T, [req.state_slot])
+        self.live[req.row] = (req, tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 10**6), extra=st.integers(1, 12))
+    def grow(self, pick, extra):
+        rows = sorted(self.live)
+        req, tokens = self.live[rows[pick % len(rows)]]
+        target = min(tokens + extra, self.mem.max_context)
+        before = len(req.pages)
+        if self.mem.grow([(req, target)]):
+            self._new_pages(req, before)
+            self.live[req.row] = (req, target)
+        else:
+            assert len(req.pages) == before
+
+    @precondition(lambda self: self.live)
+    @rule()
+    def retire_swa(self):
+        if not self.spec.has(S):
+            return
+        batch = [(req, tokens) for req, tokens in self.live.values()]
+        starts = {req.row: req.swa_start for req, _ in batch}
+        self.mem.retire_swa(batch)
+        for req, _ in batch:
+            self._forget(S, req.pages[starts[req.row] : req.swa_start])
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 10**6))
+    def finish(self, pick):
+        rows = sorted(self.live)
+        req, _ = self.live.pop(rows[pick % len(rows)])
+        self._forget(F, req.pages)
+        if self.spec.has(S):
+            self._forget(S, req.pages[req.swa_start :])
+        if self.spec.has(T):
+            self._forget(T, [req.state_slot])
+        self.mem.release([req])
+
+    @rule(kind=st.sampled_from([F, S, T]), up=st.booleans())
+    def compact(self, kind, up):
+        if not self.spec.has(kind):
+            return
+        i = self.mem._band_index[kind]
+        sides = self.mem.bands.sides(i)
+        side = Side.UP if up else Side.DOWN
+        if side not in sides:
+            side = sides[0]
+        self.mem.compact(kind, side)
+
+    # --- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def structure(self):
+        if not hasattr(self, "mem"):
+            return
+        check_unified(self.mem, [req for req, _ in self.live.values()])
+        self.saw_compaction |= self.mem.stats.compactions > 0
+
+    @invariant()
+    def data_survives(self):
+        if not hasattr(self, "mem"):
+            return
+        for (kind, v), pattern in self.data.items():
+            assert torch.equal(self._unit_bytes(kind, v), pattern), f"{kind} unit {v} changed"
+
+    @invariant()
+    def free_bytes_are_poison(self):
+        if not hasattr(self, "mem"):
+            return
+        m = self.mem
+        owned = torch.zeros(m.arena_bytes, dtype=torch.bool)
+        owned[: m.header_bytes] = True
+        for kind, v in self.data:
+            phys = int(m.spaces[kind].v2p[v])
+            ub = m.layout.unit_bytes(kind)
+            owned[m.base[kind] + phys * ub : m.base[kind] + (phys + 1) * ub] = True
+        assert bool((m.arena[~owned] == POISON_BYTE).all()), "a free byte is not poison"
+        assert not bool(m.arena[: m.header_bytes].any()), "a sink is not zero"
+
+
+TestUnifiedArena = UnifiedArenaMachine.TestCase
+TestUnifiedArena.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, derandomize=True
+)
+
+
+def _admit_largest(mem, limit):
+    """Admit the longest request that fits (at most ``limit`` tokens); None if none fits."""
+    lo, hi, best = 1, limit, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        req = mem.admit(mid)
+        if req is None:
+            hi = mid - 1
+            continue
+        if best is not None:
+            mem.release([best[0]])
+        best, lo = (req, mid), mid + 1
+    return best
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_pressure_forces_compaction(name):
+    """Free holes deep inside one band, then make another band grow into it: the arena must
+    compact (not report out of memory) and stay consistent."""
+    spec = SPECS[name]
+    probe = UnifiedMemory(spec, 1 << 20, 1, 8)
+    per_unit = max(probe.layout.unit_bytes(k) for k in spec.kinds)
+    mem = UnifiedMemory(spec, 40 * per_unit, max_requests=40, max_context=256, poison=True)
+    a = _admit_largest(mem, 256)
+    b = _admit_largest(mem, 256)
+    assert a is not None and b is not None
+    mem.retire_swa([a, b])
+    mem.release([a[0]])
+    live = [b[0]]
+    check_unified(mem, live)
+    req_b, n = b
+    progress = True
+    while progress:
+        progress = False
+        req = mem.admit(1)
+        if req is not None:
+            live.append(req)
+            progress = True
+        if n + spec.page_size <= mem.max_context and mem.grow([(req_b, n + spec.page_size)]):
+            n += spec.page_size
+            mem.retire_swa([(req_b, n)])
+            progress = True
+        check_unified(mem, live)
+    assert mem.stats.compactions > 0
