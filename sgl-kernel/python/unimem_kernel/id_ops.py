@@ -18,15 +18,153 @@ runs the Triton kernel on CUDA tensors and the reference otherwise (see ``_dispa
 Request tables: ``req_to_token[R, ctx]`` (int32) holds one virtual token id per token,
 ``vtok = vpage * page_size + offset``. Ops that touch it address whole pages by
 ``(unit_rows[i], unit_cols[i])``: request row and page column (token ``col * page_size + o``).
+
+Each op below reads top-down: its Triton kernel, the launcher (``*_triton``, which tests call
+directly), the torch reference it must equal, and the public entry point.
+
+Kernel conventions:
+
+- Host counts (``phys_top``, ``n``, region bounds) are runtime arguments that Triton does not
+  specialise on (``do_not_specialize``), so a new count never triggers a compile; that matters
+  inside CUDA-graph capture, where a first compile breaks the capture. ``page_size`` is a
+  ``constexpr``: one variant per page size, warmed eagerly by the caller.
+- Triton's ``//`` and ``%`` truncate toward zero, so ids are checked for ``>= 0`` explicitly
+  before any division or gather; a masked lane never touches memory.
+- Table offsets that can exceed 2^31 (request-table rows times their stride) are int64.
+- On ids the contract rules out (negative or unbound where the caller promised bound ones) the
+  kernels skip the table writes instead of writing out of bounds; the references make no
+  promise there, so such inputs are outside what the tests compare.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from unimem_kernel._dispatch import next_pow2, use_triton
+
+# Tile sizes. One program handles BLOCK_UNITS units (bind/unbind; fewer for big pages, so a
+# tile stays at about _TILE request-table entries), BLOCK_TOKENS tokens (translate) or sweeps
+# the whole region/stack in chunks of BLOCK_COMPACT (compact, a single program).
+_BLOCK_UNITS = 128
+_TILE = 2048
+_BLOCK_TOKENS = 1024
+_BLOCK_COMPACT = 2048
+
+
+def _check_table(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 1 or t.stride(0) != 1:
+        raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
+
 
 # ---------------------------------------------------------------------------------------------
-# torch references (the oracle; also the CPU implementation)
+# bind_units: pop physical (and virtual) ids, bind them, write the request table
 # ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["phys_start", "n", "virt_start"])
+def _bind_units_kernel(
+    v2p_ptr,
+    p2v_ptr,
+    phys_free_ptr,
+    phys_start,  # phys_top - n: the first popped stack entry
+    n,
+    vids_ptr,
+    virt_free_ptr,
+    virt_start,  # virt_top - n
+    req_ptr,
+    rows_ptr,
+    cols_ptr,
+    req_stride_row,
+    req_stride_tok,
+    req_width,
+    PAGE_SIZE: tl.constexpr,
+    HAS_VIRT: tl.constexpr,
+    HAS_REQ: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    ok = i < n
+    phys = tl.load(phys_free_ptr + phys_start + i, mask=ok, other=-1)
+    if HAS_VIRT:
+        vid = tl.load(virt_free_ptr + virt_start + i, mask=ok, other=-1)
+        tl.store(vids_ptr + i, vid, mask=ok)
+    else:
+        vid = tl.load(vids_ptr + i, mask=ok, other=-1)
+    tl.store(v2p_ptr + vid, phys, mask=ok & (vid >= 0))
+    tl.store(p2v_ptr + phys, vid, mask=ok & (phys >= 0))
+    if HAS_REQ:
+        o = tl.arange(0, BLOCK_P)
+        row = tl.load(rows_ptr + i, mask=ok, other=0).to(tl.int64)
+        col = tl.load(cols_ptr + i, mask=ok, other=0).to(tl.int64)
+        tok = col[:, None] * PAGE_SIZE + o[None, :]  # [BLOCK_U, BLOCK_P] token columns
+        val = vid.to(tl.int64)[:, None] * PAGE_SIZE + o[None, :]
+        m = ok[:, None] & (o[None, :] < PAGE_SIZE) & (tok >= 0) & (tok < req_width)
+        ptrs = req_ptr + row[:, None] * req_stride_row + tok * req_stride_tok
+        tl.store(ptrs, val, mask=m)
+
+
+def bind_units_triton(
+    v2p: torch.Tensor,
+    p2v: torch.Tensor,
+    phys_free: torch.Tensor,
+    phys_top: int,
+    n: int,
+    vids: torch.Tensor,
+    virt_free: torch.Tensor | None = None,
+    virt_top: int = 0,
+    req_to_token: torch.Tensor | None = None,
+    unit_rows: torch.Tensor | None = None,
+    unit_cols: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> None:
+    """Triton launcher of ``bind_units`` (one launch; none when ``n == 0``)."""
+    if n <= 0:
+        return
+    if n > phys_top or (virt_free is not None and n > virt_top):
+        raise ValueError(f"cannot pop {n} ids (phys_top={phys_top}, virt_top={virt_top})")
+    for name, t in (("v2p", v2p), ("p2v", p2v), ("phys_free", phys_free), ("vids", vids)):
+        _check_table(name, t)
+    has_virt = virt_free is not None
+    if has_virt:
+        _check_table("virt_free", virt_free)
+    has_req = req_to_token is not None
+    if has_req:
+        if unit_rows is None or unit_cols is None:
+            raise ValueError("req_to_token needs unit_rows and unit_cols")
+        _check_table("unit_rows", unit_rows)
+        _check_table("unit_cols", unit_cols)
+        if req_to_token.dim() != 2:
+            raise ValueError("req_to_token must be 2-D")
+        req, rows, cols = req_to_token, unit_rows, unit_cols
+        stride_row, stride_tok, width = req.stride(0), req.stride(1), req.shape[1]
+    else:  # placeholders, never touched (HAS_REQ is a constexpr)
+        req, rows, cols, stride_row, stride_tok, width = vids, vids, vids, 0, 0, 0
+    block_p = next_pow2(page_size) if has_req else 1
+    block_u = max(1, min(_BLOCK_UNITS, _TILE // block_p))
+    _bind_units_kernel[(triton.cdiv(n, block_u),)](
+        v2p,
+        p2v,
+        phys_free,
+        phys_top - n,
+        n,
+        vids,
+        virt_free if has_virt else vids,
+        virt_top - n if has_virt else 0,
+        req,
+        rows,
+        cols,
+        stride_row,
+        stride_tok,
+        width,
+        PAGE_SIZE=page_size,
+        HAS_VIRT=has_virt,
+        HAS_REQ=has_req,
+        BLOCK_U=block_u,
+        BLOCK_P=block_p,
+    )
 
 
 def bind_units_reference(
@@ -75,6 +213,113 @@ def bind_units_reference(
         req_to_token[rows[ok], cols[ok]] = vals[ok].to(req_to_token.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# unbind_units: unbind virtual ids (given, or read from the request table) and push the units
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["phys_top", "n", "virt_top"])
+def _unbind_units_kernel(
+    v2p_ptr,
+    p2v_ptr,
+    phys_free_ptr,
+    phys_top,
+    n,
+    vids_ptr,
+    req_ptr,
+    rows_ptr,
+    cols_ptr,
+    req_stride_row,
+    req_stride_tok,
+    virt_free_ptr,
+    virt_top,
+    PAGE_SIZE: tl.constexpr,
+    FROM_REQ: tl.constexpr,
+    HAS_VIRT: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    ok = i < n
+    if FROM_REQ:
+        row = tl.load(rows_ptr + i, mask=ok, other=0).to(tl.int64)
+        col = tl.load(cols_ptr + i, mask=ok, other=0).to(tl.int64)
+        ptrs = req_ptr + row * req_stride_row + col * PAGE_SIZE * req_stride_tok
+        tok = tl.load(ptrs, mask=ok, other=-1)
+        # `//` truncates: a negative token would map to page 0, so it is masked instead.
+        vid = tl.where(tok >= 0, tok // PAGE_SIZE, -1)
+    else:
+        vid = tl.load(vids_ptr + i, mask=ok, other=-1)
+    bound = ok & (vid >= 0)
+    phys = tl.load(v2p_ptr + vid, mask=bound, other=-1)
+    tl.store(v2p_ptr + vid, -1, mask=bound)
+    tl.store(p2v_ptr + phys, -1, mask=ok & (phys >= 0))
+    tl.store(phys_free_ptr + phys_top + i, phys, mask=ok)
+    if HAS_VIRT:
+        tl.store(virt_free_ptr + virt_top + i, vid, mask=ok)
+
+
+def unbind_units_triton(
+    v2p: torch.Tensor,
+    p2v: torch.Tensor,
+    phys_free: torch.Tensor,
+    phys_top: int,
+    n: int,
+    vids: torch.Tensor | None = None,
+    req_to_token: torch.Tensor | None = None,
+    unit_rows: torch.Tensor | None = None,
+    unit_cols: torch.Tensor | None = None,
+    page_size: int = 1,
+    virt_free: torch.Tensor | None = None,
+    virt_top: int = 0,
+) -> None:
+    """Triton launcher of ``unbind_units`` (one launch; none when ``n == 0``)."""
+    if n <= 0:
+        return
+    if phys_top + n > phys_free.numel():
+        raise ValueError(f"pushing {n} ids overflows the free stack (phys_top={phys_top})")
+    for name, t in (("v2p", v2p), ("p2v", p2v), ("phys_free", phys_free)):
+        _check_table(name, t)
+    from_req = vids is None
+    if from_req:
+        if req_to_token is None or unit_rows is None or unit_cols is None:
+            raise ValueError("without vids, req_to_token, unit_rows and unit_cols are needed")
+        _check_table("unit_rows", unit_rows)
+        _check_table("unit_cols", unit_cols)
+        if req_to_token.dim() != 2:
+            raise ValueError("req_to_token must be 2-D")
+        req, rows, cols = req_to_token, unit_rows, unit_cols
+        stride_row, stride_tok = req.stride(0), req.stride(1)
+        vids_arg = rows  # placeholder, never touched
+    else:
+        _check_table("vids", vids)
+        req, rows, cols, stride_row, stride_tok = vids, vids, vids, 0, 0
+        vids_arg = vids
+    has_virt = virt_free is not None
+    if has_virt:
+        _check_table("virt_free", virt_free)
+        if virt_top + n > virt_free.numel():
+            raise ValueError(f"pushing {n} ids overflows virt_free (virt_top={virt_top})")
+    _unbind_units_kernel[(triton.cdiv(n, _BLOCK_UNITS),)](
+        v2p,
+        p2v,
+        phys_free,
+        phys_top,
+        n,
+        vids_arg,
+        req,
+        rows,
+        cols,
+        stride_row,
+        stride_tok,
+        virt_free if has_virt else phys_free,
+        virt_top if has_virt else 0,
+        PAGE_SIZE=page_size,
+        FROM_REQ=from_req,
+        HAS_VIRT=has_virt,
+        BLOCK_U=_BLOCK_UNITS,
+    )
+
+
 def unbind_units_reference(
     v2p: torch.Tensor,
     p2v: torch.Tensor,
@@ -116,6 +361,43 @@ def unbind_units_reference(
         virt_free[virt_top : virt_top + n] = v.to(virt_free.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# translate_tokens: virtual token ids -> physical token ids (the sink for anything unbound)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _translate_tokens_kernel(
+    vtok_ptr, v2p_ptr, out_ptr, numel, num_pages, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < numel
+    t = tl.load(vtok_ptr + i, mask=ok, other=-1).to(tl.int64)
+    # `//` and `%` truncate toward zero: negative tokens must not reach them unmasked.
+    page = tl.where(t >= 0, t // PAGE_SIZE, -1)
+    inb = ok & (page >= 0) & (page < num_pages)
+    phys = tl.load(v2p_ptr + page, mask=inb, other=-1).to(tl.int64)
+    res = tl.where(phys >= 0, phys * PAGE_SIZE + t % PAGE_SIZE, 0)
+    tl.store(out_ptr + i, res, mask=ok)
+
+
+def translate_tokens_triton(
+    vtok: torch.Tensor, v2p: torch.Tensor, page_size: int, out: torch.Tensor
+) -> None:
+    """Triton launcher of ``translate_tokens`` (one launch; none for an empty ``vtok``)."""
+    if vtok.shape != out.shape:
+        raise ValueError(f"vtok {tuple(vtok.shape)} and out {tuple(out.shape)} differ in shape")
+    if not (vtok.is_contiguous() and out.is_contiguous()):
+        raise ValueError("vtok and out must be contiguous")
+    _check_table("v2p", v2p)
+    numel = vtok.numel()
+    if numel == 0:
+        return
+    _translate_tokens_kernel[(triton.cdiv(numel, _BLOCK_TOKENS),)](
+        vtok, v2p, out, numel, v2p.numel(), PAGE_SIZE=page_size, BLOCK=_BLOCK_TOKENS
+    )
+
+
 def translate_tokens_reference(
     vtok: torch.Tensor, v2p: torch.Tensor, page_size: int, out: torch.Tensor
 ) -> None:
@@ -130,6 +412,127 @@ def translate_tokens_reference(
     phys = torch.where(inb, v2p[page.clamp(0, v2p.numel() - 1)].long(), -1)
     res = torch.where(phys >= 0, phys * page_size + t % page_size, 0)
     out.reshape(-1).copy_(res.to(out.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# compact_band: pair a region's live units with holes outside it and rebind them
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["phys_top", "region_lo", "region_hi"])
+def _compact_band_kernel(
+    v2p_ptr,
+    p2v_ptr,
+    phys_free_ptr,
+    phys_top,
+    region_lo,
+    region_hi,
+    src_out_ptr,
+    dst_out_ptr,
+    BLOCK: tl.constexpr,
+):
+    # A single program: how many units are live (L) and how long the filtered stack is (F) are
+    # only known here, and each pass needs the totals of the one before it.
+    offs = tl.arange(0, BLOCK)
+    k = region_hi - region_lo
+
+    # Pass 1: filter the stack in place, stably, to the ids outside the region. The write
+    # position of an entry never exceeds its read position, so a chunk may be stored over the
+    # stack once it is fully loaded: the barrier separates the chunk's loads (by every thread)
+    # from its stores. Later chunks read only positions past everything stored so far.
+    n_keep = tl.zeros((), dtype=tl.int32)
+    for start in range(0, phys_top, BLOCK):
+        idx = start + offs
+        inb = idx < phys_top
+        ids = tl.load(phys_free_ptr + idx, mask=inb, other=-1)
+        keep = (inb & ((ids < region_lo) | (ids >= region_hi))).to(tl.int32)
+        pos = n_keep + tl.cumsum(keep, axis=0) - keep
+        tl.debug_barrier()
+        tl.store(phys_free_ptr + pos, ids, mask=keep != 0)
+        n_keep += tl.sum(keep, axis=0)
+
+    # Pass 2: the live units of the region, ascending, into src_out[:L].
+    n_live = tl.zeros((), dtype=tl.int32)
+    for start in range(0, k, BLOCK):
+        unit = region_lo + start + offs
+        inr = unit < region_hi
+        vid = tl.load(p2v_ptr + unit, mask=inr, other=-1)
+        live = (inr & (vid != -1)).to(tl.int32)
+        pos = n_live + tl.cumsum(live, axis=0) - live
+        tl.store(src_out_ptr + pos, unit, mask=live != 0)
+        n_live += tl.sum(live, axis=0)
+
+    # Pass 3 reads src_out and the filtered stack, written above by other threads.
+    tl.debug_barrier()
+
+    # Pass 3: pair source j with filtered-stack entry F - L + j, rebind, pad the rest with -1.
+    # Sources are in the region and destinations outside it, so no pair touches another's
+    # p2v entry, and each v2p entry is written once.
+    dst_base = n_keep - n_live
+    for start in range(0, k, BLOCK):
+        j = start + offs
+        in_k = j < k
+        pair = j < n_live
+        src = tl.load(src_out_ptr + j, mask=pair, other=-1)
+        dst = tl.load(phys_free_ptr + dst_base + j, mask=pair & (dst_base + j >= 0), other=-1)
+        vid = tl.load(p2v_ptr + src, mask=pair, other=-1)
+        tl.store(dst_out_ptr + j, dst, mask=in_k)
+        tl.store(src_out_ptr + j, -1, mask=in_k & (j >= n_live))
+        tl.store(v2p_ptr + vid, dst, mask=pair & (vid >= 0))
+        tl.store(p2v_ptr + src, -1, mask=pair)
+        tl.store(p2v_ptr + dst, vid, mask=pair & (dst >= 0))
+
+
+def compact_band_triton(
+    v2p: torch.Tensor,
+    p2v: torch.Tensor,
+    phys_free: torch.Tensor,
+    phys_top: int,
+    region_lo: int,
+    region_hi: int,
+    src_out: torch.Tensor,
+    dst_out: torch.Tensor,
+    *,
+    block: int = _BLOCK_COMPACT,
+) -> None:
+    """Triton launcher of ``compact_band``: one single-program launch; none when ``k <= 0``.
+
+    ``block`` (a power of two) is the chunk the program sweeps the stack and the region in;
+    tests lower it to exercise the chunk loops at small sizes. Cost is linear in ``phys_top``
+    on one SM: on an H200 about 8 us for a 4K-entry stack, 30 us for 64K, 0.4 ms for 1M
+    (block 2048, 8 warps, the fastest of the block/warp combinations tried).
+    """
+    k = region_hi - region_lo
+    if k <= 0:
+        return
+    for name, t in (
+        ("v2p", v2p),
+        ("p2v", p2v),
+        ("phys_free", phys_free),
+        ("src_out", src_out),
+        ("dst_out", dst_out),
+    ):
+        _check_table(name, t)
+    if src_out.numel() < k or dst_out.numel() < k:
+        raise ValueError(f"src_out/dst_out need at least {k} entries")
+    if region_lo < 0 or region_hi > p2v.numel() or phys_top > phys_free.numel():
+        raise ValueError(f"region [{region_lo}, {region_hi}) or phys_top={phys_top} out of range")
+    # num_stages=1: no software pipelining of the chunk loops. Pass 1 filters the stack in
+    # place and is correct without it too (a chunk only reads past every earlier store), but
+    # nothing is gained by prefetching in a loop this short, and it keeps the order plain.
+    _compact_band_kernel[(1,)](
+        v2p,
+        p2v,
+        phys_free,
+        phys_top,
+        region_lo,
+        region_hi,
+        src_out,
+        dst_out,
+        BLOCK=block,
+        num_warps=8,
+        num_stages=1,
+    )
 
 
 def compact_band_reference(
@@ -181,25 +584,92 @@ def compact_band_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# public entry points: Triton on CUDA tensors, the reference otherwise
+# public entry points: Triton on CUDA tensors (or UNIMEM_KERNEL_BACKEND=triton), else reference
 # ---------------------------------------------------------------------------------------------
 
 
-def bind_units(v2p, p2v, phys_free, phys_top, n, vids, **kw) -> None:
+def bind_units(
+    v2p: torch.Tensor,
+    p2v: torch.Tensor,
+    phys_free: torch.Tensor,
+    phys_top: int,
+    n: int,
+    vids: torch.Tensor,
+    virt_free: torch.Tensor | None = None,
+    virt_top: int = 0,
+    req_to_token: torch.Tensor | None = None,
+    unit_rows: torch.Tensor | None = None,
+    unit_cols: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> None:
     """See ``bind_units_reference`` for the contract."""
-    bind_units_reference(v2p, p2v, phys_free, phys_top, n, vids, **kw)
+    impl = bind_units_triton if use_triton(v2p) else bind_units_reference
+    impl(
+        v2p,
+        p2v,
+        phys_free,
+        phys_top,
+        n,
+        vids,
+        virt_free=virt_free,
+        virt_top=virt_top,
+        req_to_token=req_to_token,
+        unit_rows=unit_rows,
+        unit_cols=unit_cols,
+        page_size=page_size,
+    )
 
 
-def unbind_units(v2p, p2v, phys_free, phys_top, n, **kw) -> None:
+def unbind_units(
+    v2p: torch.Tensor,
+    p2v: torch.Tensor,
+    phys_free: torch.Tensor,
+    phys_top: int,
+    n: int,
+    vids: torch.Tensor | None = None,
+    req_to_token: torch.Tensor | None = None,
+    unit_rows: torch.Tensor | None = None,
+    unit_cols: torch.Tensor | None = None,
+    page_size: int = 1,
+    virt_free: torch.Tensor | None = None,
+    virt_top: int = 0,
+) -> None:
     """See ``unbind_units_reference`` for the contract."""
-    unbind_units_reference(v2p, p2v, phys_free, phys_top, n, **kw)
+    impl = unbind_units_triton if use_triton(v2p) else unbind_units_reference
+    impl(
+        v2p,
+        p2v,
+        phys_free,
+        phys_top,
+        n,
+        vids=vids,
+        req_to_token=req_to_token,
+        unit_rows=unit_rows,
+        unit_cols=unit_cols,
+        page_size=page_size,
+        virt_free=virt_free,
+        virt_top=virt_top,
+    )
 
 
-def translate_tokens(vtok, v2p, page_size, out) -> None:
+def translate_tokens(
+    vtok: torch.Tensor, v2p: torch.Tensor, page_size: int, out: torch.Tensor
+) -> None:
     """See ``translate_tokens_reference`` for the contract."""
-    translate_tokens_reference(vtok, v2p, page_size, out)
+    impl = translate_tokens_triton if use_triton(vtok) else translate_tokens_reference
+    impl(vtok, v2p, page_size, out)
 
 
-def compact_band(v2p, p2v, phys_free, phys_top, region_lo, region_hi, src_out, dst_out) -> None:
+def compact_band(
+    v2p: torch.Tensor,
+    p2v: torch.Tensor,
+    phys_free: torch.Tensor,
+    phys_top: int,
+    region_lo: int,
+    region_hi: int,
+    src_out: torch.Tensor,
+    dst_out: torch.Tensor,
+) -> None:
     """See ``compact_band_reference`` for the contract."""
-    compact_band_reference(v2p, p2v, phys_free, phys_top, region_lo, region_hi, src_out, dst_out)
+    impl = compact_band_triton if use_triton(p2v) else compact_band_reference
+    impl(v2p, p2v, phys_free, phys_top, region_lo, region_hi, src_out, dst_out)
