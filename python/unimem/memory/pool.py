@@ -204,6 +204,11 @@ class MemoryPool(ABC):
     # --- what each implementation provides ------------------------------------------------------
 
     @abstractmethod
+    def fits_alone(self, num_tokens: int, swa_tokens: int) -> bool:
+        """Whether one request holding ``num_tokens`` tokens of FULL pages, ``swa_tokens`` of
+        SWA pages and a state slot fits in this pool when nothing else is in it."""
+
+    @abstractmethod
     def live_units(self, kind: LayerKind) -> int:
         """Units of ``kind`` handed out and not yet freed."""
 

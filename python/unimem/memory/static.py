@@ -17,7 +17,7 @@ import unimem_kernel as uk
 from unimem.memory.host_ids import HostIdPool
 from unimem.memory.id_space import IdSpace
 from unimem.memory.layout import MemoryLayout
-from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory
+from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
 
@@ -140,6 +140,15 @@ class StaticMemory(MemoryPool):
         if kind is LayerKind.STATE and self._slots is not None:
             return self._slots.used
         return 0
+
+    def fits_alone(self, num_tokens: int, swa_tokens: int) -> bool:
+        p = self.page_size
+        need = {
+            LayerKind.FULL: pages_for(num_tokens, p),
+            LayerKind.SWA: pages_for(swa_tokens, p),
+            LayerKind.STATE: 1,
+        }
+        return all(need[k] <= self.capacity[k] for k in self.kinds)
 
     # --- allocation ------------------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ and copies in stream order. No step ever reads the device.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -27,7 +29,7 @@ import unimem_kernel as uk
 from unimem.memory.band_plan import Action, BandLayout, BandState, Compact, Extend, Reanchor, Side
 from unimem.memory.host_ids import HostIdPool
 from unimem.memory.id_space import IdSpace
-from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory
+from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
 
@@ -98,6 +100,7 @@ class UnifiedMemory(MemoryPool):
             at = self.bands._anchor_for(i)
             self.bands.apply(Reanchor(i, at))
         self._band_index = {k: i for i, k in enumerate(kinds)}
+        self._empty_bands = copy.deepcopy(self.bands)
         self._vpages = HostIdPool(1, num_virtual_pages - 1)
         self._vslots = HostIdPool(1, max_requests)
 
@@ -143,6 +146,16 @@ class UnifiedMemory(MemoryPool):
 
     def live_units(self, kind: LayerKind) -> int:
         return self.band(kind).live if kind in self._band_index else 0
+
+    def fits_alone(self, num_tokens: int, swa_tokens: int) -> bool:
+        p = self.page_size
+        need = {
+            LayerKind.FULL: pages_for(num_tokens, p),
+            LayerKind.SWA: pages_for(swa_tokens, p),
+            LayerKind.STATE: 1,
+        }
+        demands = [(self._band_index[k], need[k]) for k in self.kinds]
+        return self._empty_bands.plan(demands) is not None
 
     # --- allocation ------------------------------------------------------------------------------
 

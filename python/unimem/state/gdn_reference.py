@@ -1,0 +1,467 @@
+"""Gated DeltaNet (GDN) mixer core in plain torch: the CPU implementation and the oracle of
+GPU kernels.
+
+Pure functions of tensors. Nothing here holds memory: per-request state lives in
+caller-owned tensors indexed by physical slot ids, which may be strided views into a byte
+arena. Functions index them with ``slots`` and write back in place (``index_copy_``); they
+never assume more contiguity than indexing needs.
+
+State layouts (per GDN layer):
+
+* ``conv_state [num_slots, conv_dim, K - 1]`` (conv dtype, usually the model dtype): the last
+  ``K - 1`` inputs of the causal conv, oldest in column 0. A fresh request's state is zeros.
+* ``ssm_state [num_slots, H, Dk, Dv]`` (float32, or float64 for float64 models): the
+  recurrent state ``S`` of every head, mapping keys (``Dk``) to values (``Dv``).
+
+Conventions (Qwen3-Next / fla):
+
+* Causal depthwise conv, no bias: ``y_t[c] = sum_{i<K} w[c, i] * x_{t-K+1+i}[c]``, where
+  inputs before the request's first token come from the conv state (zeros when fresh).
+* Gated delta rule, per head, with ``a_t = exp(g_t)`` (``g_t <= 0`` is the log decay),
+  ``beta_t`` in (0, 1), ``q_t`` scaled by ``scale = Dk ** -0.5``::
+
+      S'  = a_t * S_{t-1}
+      S_t = S' + beta_t * k_t (v_t - S'^T k_t)^T
+      o_t = S_t^T (scale * q_t)
+
+  ``S`` is ``[Dk, Dv]``; ``o_t`` and ``v_t`` are ``[Dv]``.
+* The mixer (:func:`gdn_forward`): conv over ``mixed_qkv = [q | k | v]`` (each head-major:
+  ``H * Dk``, ``H * Dk``, ``H * Dv`` channels), SiLU, split, L2-normalise q and k
+  (``x / sqrt(sum(x^2) + 1e-6)``), delta rule.
+
+Arithmetic runs in the SSM state dtype (the conv in float32, or float64 for float64 inputs);
+outputs are cast back to the input dtype. Run time is deterministic: no randomness, and a
+fixed order of every reduction for given shapes.
+
+Three modes, as in the engine:
+
+* ``extend``: a ragged batch (``cu_seqlens``); reads each request's state from its slot and
+  writes the final state back. The delta rule runs in its chunked (WY) form.
+* ``decode``: one token per request; state updated in place.
+* ``verify``: ``T`` tokens per request; the state after *every* position goes to caller-owned
+  scratch (``[bs, T, ...]``, entry ``t`` = state after token ``t``) and the slot is NOT
+  touched. Committing ``n`` accepted tokens means copying scratch entry ``n - 1`` into the
+  slot (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+"""Epsilon of the q/k L2 normalisation: ``x / sqrt(sum(x^2) + eps)``."""
+
+DEFAULT_CHUNK = 64
+"""Chunk length of the chunked delta rule."""
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the conv: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _seg_bounds(cu_seqlens: torch.Tensor | list[int]) -> list[int]:
+    """Host list of ``cu_seqlens`` (extend is not captured, so a host read is fine)."""
+    return cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2, -1) + eps)`` over the last dim."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# ---------------------------------------------------------------------- causal conv
+
+
+def _conv_windows(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal conv of ``x [B, T, D]`` continuing from ``state [B, D, K-1]``.
+
+    Returns ``y [B, T, D]`` (accumulation dtype) and ``windows [B, T + 1, D, K - 1]``: entry
+    ``t`` is the conv state after ``t`` tokens (entry 0 = ``state``), in ``state``'s dtype.
+    """
+    k = weight.shape[1]
+    acc = _acc_dtype(x.dtype)
+    xs = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, K-1+T, D]
+    xa = xs.to(acc)
+    w = weight.to(acc)
+    t = x.shape[1]
+    y = xa[:, 0:t] * w[:, 0]
+    for i in range(1, k):
+        y = y + xa[:, i : i + t] * w[:, i]
+    windows = xs.unfold(1, k - 1, 1).to(state.dtype)  # [B, T+1, D, K-1]
+    return y, windows
+
+
+def causal_conv1d_extend(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | list[int],
+    has_initial_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal conv over a ragged batch; returns ``y [T, D]`` in ``x``'s dtype (no activation).
+
+    ``x [T, D]``: tokens of ``bs`` requests back to back, request ``i`` at rows
+    ``cu_seqlens[i]:cu_seqlens[i+1]``. ``weight [D, K]``. ``conv_state [N, D, K-1]`` indexed
+    by ``slots [bs]``: request ``i`` continues from ``conv_state[slots[i]]`` — or from zeros
+    where ``has_initial_state[i]`` is False (the slot's bytes are then never read into the
+    result, so stale or NaN bytes are harmless) — and its last ``K - 1`` inputs are written
+    back to that slot. A request with zero tokens keeps its state (zeros if it had none).
+    """
+    bounds = _seg_bounds(cu_seqlens)
+    bs = len(bounds) - 1
+    init = conv_state[slots.long()]
+    if has_initial_state is not None:
+        init = torch.where(has_initial_state.view(bs, 1, 1), init, torch.zeros_like(init))
+    y = torch.empty_like(x)
+    finals = []
+    for i in range(bs):
+        s, e = bounds[i], bounds[i + 1]
+        yi, windows = _conv_windows(x[s:e].unsqueeze(0), init[i : i + 1], weight)
+        y[s:e] = yi[0].to(x.dtype)
+        finals.append(windows[0, -1])
+    if bs:
+        conv_state.index_copy_(0, slots.long(), torch.stack(finals))
+    return y
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """One token per request: ``x [bs, D]`` -> ``y [bs, D]``; slot states updated in place."""
+    idx = slots.long()
+    y, windows = _conv_windows(x.unsqueeze(1), conv_state[idx], weight)
+    conv_state.index_copy_(0, idx, windows[:, -1])
+    return y[:, 0].to(x.dtype)
+
+
+def causal_conv1d_verify(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    state_scratch: torch.Tensor,
+) -> torch.Tensor:
+    """``T`` tokens per request without touching the slots.
+
+    ``x [bs, T, D]`` -> ``y [bs, T, D]``. ``state_scratch [bs, T, D, K-1]`` (caller-owned,
+    conv state dtype) receives in entry ``t`` the conv state after token ``t``.
+    """
+    y, windows = _conv_windows(x, conv_state[slots.long()], weight)
+    state_scratch.copy_(windows[:, 1:])
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------- delta rule
+
+
+def _prep(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    dtype: torch.dtype,
+    scale: float | None,
+) -> tuple[torch.Tensor, ...]:
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return (
+        q.to(dtype) * scale,
+        k.to(dtype),
+        v.to(dtype),
+        g.to(dtype),
+        beta.to(dtype),
+    )
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: float | None = None,
+    states_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule for ``B`` sequences of equal length ``L``.
+
+    ``q, k [B, L, H, Dk]``, ``v [B, L, H, Dv]``, ``g, beta [B, L, H]``,
+    ``initial_state [B, H, Dk, Dv]`` (its dtype is the arithmetic dtype; not modified).
+    ``scale`` defaults to ``Dk ** -0.5``. If given, ``states_out [B, L, H, Dk, Dv]`` receives
+    the state after every token. Returns ``o [B, L, H, Dv]`` (``v``'s dtype) and the final
+    state ``[B, H, Dk, Dv]`` (a new tensor).
+    """
+    dtype = initial_state.dtype
+    qs, ks, vs, gs, bs_ = _prep(q, k, v, g, beta, dtype, scale)
+    state = initial_state.clone()
+    outs = []
+    for t in range(q.shape[1]):
+        state = state * torch.exp(gs[:, t])[..., None, None]
+        kt = ks[:, t]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, state)
+        u = bs_[:, t, :, None] * (vs[:, t] - pred)
+        state = state + kt[..., :, None] * u[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", qs[:, t], state))
+        if states_out is not None:
+            states_out[:, t] = state
+    o = torch.stack(outs, dim=1) if outs else vs.new_empty(vs.shape)
+    return o.to(v.dtype), state
+
+
+def gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY) form of :func:`gated_delta_rule_recurrent`: same arguments and result
+    (equal up to rounding; ~1e-12 relative in float64), ``O(L / C)`` sequential steps.
+
+    Within a chunk of ``C`` tokens starting from state ``S0``, with ``G_t`` the cumulative
+    log decay inside the chunk (``G_t = g_1 + ... + g_t``) and ``D[t, s] = exp(G_t - G_s)``
+    for ``s <= t``, the pre-update values ``u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t)``
+    solve the unit lower-triangular system::
+
+        (I + A) U = beta * (V - exp(G) * K S0),   A[t, s] = beta_t D[t, s] k_t.k_s  (s < t)
+
+    and then ``O = exp(G) * Q S0 + (D * Q K^T) U`` (``s <= t``) and
+    ``S_C = exp(G_C) S0 + K^T (exp(G_C - G) * U)``. Everything except the ``S0`` terms is
+    computed for all chunks at once; the chunk loop carries only the state.
+    """
+    dtype = initial_state.dtype
+    qs, ks, vs, gs, bts = _prep(q, k, v, g, beta, dtype, scale)
+    b, length, h, dk = qs.shape
+    dv = vs.shape[-1]
+    if length == 0:
+        return vs.to(v.dtype), initial_state.clone()
+    c = chunk_size
+    n = -(-length // c)
+    pad = n * c - length
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        # [B, L, H, *D] -> [B, H, N, C, *D]; padding is g = beta = k = v = q = 0, which
+        # leaves the state unchanged (no decay, no update).
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.reshape(b, n, c, h, *x.shape[3:]).movedim(3, 1)
+
+    qc, kc, vc = chunks(qs), chunks(ks), chunks(vs)  # [B, H, N, C, D]
+    gc, bc = chunks(gs), chunks(bts)  # [B, H, N, C]
+    gcum = gc.cumsum(-1)
+    diff = gcum[..., :, None] - gcum[..., None, :]  # [.., C(t), C(s)]
+    incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = torch.exp(diff.masked_fill(~incl, float("-inf")))  # D[t, s], 0 above diagonal
+    strict = decay.tril(-1)
+    a = bc[..., :, None] * strict * (kc @ kc.transpose(-1, -2))
+    eye = torch.eye(c, dtype=dtype, device=q.device)
+    rhs = torch.cat([bc[..., None] * vc, (bc * gcum.exp())[..., None] * kc], dim=-1)
+    solved = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    u0, w = solved[..., :dv], solved[..., dv:]  # U = u0 - w @ S0
+    qdec = gcum.exp()[..., None] * qc  # exp(G) * Q
+    attn = decay * (qc @ kc.transpose(-1, -2))  # (D * Q K^T), lower incl.
+    glast = gcum[..., -1:]  # [B, H, N, 1]
+    kdec = (glast - gcum).exp()[..., None] * kc  # exp(G_C - G) * K
+
+    state = initial_state.clone()
+    outs = []
+    for i in range(n):
+        u = u0[:, :, i] - w[:, :, i] @ state
+        outs.append(qdec[:, :, i] @ state + attn[:, :, i] @ u)
+        state = glast[:, :, i, :, None].exp() * state + kdec[:, :, i].transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2)  # [B, H, N, C, Dv]
+    o = o.movedim(1, 3).reshape(b, n * c, h, dv)[:, :length]
+    return o.to(v.dtype), state
+
+
+def gated_delta_rule_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | list[int],
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Chunked delta rule over a ragged batch: ``q, k [T, H, Dk]``, ``v [T, H, Dv]``,
+    ``g, beta [T, H]``, rows split by ``cu_seqlens [bs+1]``. Request ``i`` starts from
+    ``ssm_state[slots[i]]`` (zeros where ``has_initial_state[i]`` is False) and its final
+    state is written back there. Returns ``o [T, H, Dv]``.
+    """
+    bounds = _seg_bounds(cu_seqlens)
+    bs = len(bounds) - 1
+    idx = slots.long()
+    init = ssm_state[idx]
+    if has_initial_state is not None:
+        init = torch.where(has_initial_state.view(bs, 1, 1, 1), init, torch.zeros_like(init))
+    o = v.new_empty(v.shape)
+    finals = []
+    for i in range(bs):
+        s, e = bounds[i], bounds[i + 1]
+        oi, fi = gated_delta_rule_chunked(
+            q[None, s:e],
+            k[None, s:e],
+            v[None, s:e],
+            g[None, s:e],
+            beta[None, s:e],
+            init[i : i + 1],
+            scale=scale,
+            chunk_size=chunk_size,
+        )
+        o[s:e] = oi[0]
+        finals.append(fi[0])
+    if bs:
+        ssm_state.index_copy_(0, idx, torch.stack(finals))
+    return o
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One token per request (``q, k [bs, H, Dk]``, ``v [bs, H, Dv]``, ``g, beta [bs, H]``);
+    slot states updated in place. Returns ``o [bs, H, Dv]``."""
+    idx = slots.long()
+    o, final = gated_delta_rule_recurrent(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], ssm_state[idx], scale
+    )
+    ssm_state.index_copy_(0, idx, final)
+    return o[:, 0]
+
+
+def gated_delta_rule_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    state_scratch: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``T`` tokens per request (``q, k [bs, T, H, Dk]``, ``v [bs, T, H, Dv]``,
+    ``g, beta [bs, T, H]``) from the slot states, which are NOT modified. Entry ``t`` of
+    ``state_scratch [bs, T, H, Dk, Dv]`` (caller-owned, SSM state dtype) receives the state
+    after token ``t``. Returns ``o [bs, T, H, Dv]``."""
+    o, _ = gated_delta_rule_recurrent(
+        q, k, v, g, beta, ssm_state[slots.long()], scale, states_out=state_scratch
+    )
+    return o
+
+
+# ---------------------------------------------------------------------- the mixer core
+
+
+def split_qkv(
+    y: torch.Tensor, num_heads: int, head_dim_k: int, head_dim_v: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split conv output ``y [..., H*(2Dk+Dv)]`` into ``q, k [..., H, Dk]``, ``v [..., H, Dv]``."""
+    hk = num_heads * head_dim_k
+    lead = y.shape[:-1]
+    q = y[..., :hk].reshape(*lead, num_heads, head_dim_k)
+    k = y[..., hk : 2 * hk].reshape(*lead, num_heads, head_dim_k)
+    v = y[..., 2 * hk :].reshape(*lead, num_heads, head_dim_v)
+    return q, k, v
+
+
+def gdn_forward(
+    mode: str,
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    *,
+    conv_scratch: torch.Tensor | None = None,
+    ssm_scratch: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """The GDN mixer core for one layer and one batch: conv -> SiLU -> split -> L2-norm q, k
+    -> gated delta rule. Returns ``o [T, H, Dv]`` in ``mixed_qkv``'s dtype.
+
+    ``mixed_qkv [T, conv_dim]``, ``conv_weight [conv_dim, K]``, ``g, beta [T, H]``; ``H``,
+    ``Dk``, ``Dv`` are read from ``ssm_state [N, H, Dk, Dv]``; ``conv_state [N, conv_dim,
+    K-1]``; ``slots [bs]``. Per ``mode``:
+
+    * ``"extend"``: rows split by ``cu_seqlens [bs+1]`` (read on the host);
+      ``has_initial_state [bs]`` optional (False: start from zeros, ignoring the slot).
+      Slots updated in place.
+    * ``"decode"``: ``T == bs``, one token per request; slots updated in place.
+    * ``"verify"``: ``T == bs * Tv`` request-major (request ``i`` owns rows
+      ``i*Tv:(i+1)*Tv``), ``Tv`` taken from the scratch shapes ``conv_scratch [bs, Tv,
+      conv_dim, K-1]`` and ``ssm_scratch [bs, Tv, H, Dk, Dv]``, which receive the states after
+      every token. Slots not touched. ``cu_seqlens`` is not read.
+    """
+    num_heads, dk, dv = ssm_state.shape[1:]
+    bs = slots.shape[0]
+    sdt = ssm_state.dtype
+    if mode == "extend":
+        if cu_seqlens is None:
+            raise ValueError("gdn_forward: extend needs cu_seqlens")
+        y = causal_conv1d_extend(
+            mixed_qkv, conv_weight, conv_state, slots, cu_seqlens, has_initial_state
+        )
+    elif mode == "decode":
+        if mixed_qkv.shape[0] != bs:
+            raise ValueError(f"gdn_forward: decode needs T == bs, got {mixed_qkv.shape[0]}, {bs}")
+        y = causal_conv1d_decode(mixed_qkv, conv_weight, conv_state, slots)
+    elif mode == "verify":
+        if conv_scratch is None or ssm_scratch is None:
+            raise ValueError("gdn_forward: verify needs conv_scratch and ssm_scratch")
+        tv = ssm_scratch.shape[1]
+        if mixed_qkv.shape[0] != bs * tv or conv_scratch.shape[:2] != (bs, tv):
+            raise ValueError(
+                f"gdn_forward: verify needs T == bs * Tv = {bs} * {tv} rows and scratch "
+                f"[bs, Tv, ...]; got T = {mixed_qkv.shape[0]}, conv_scratch "
+                f"{tuple(conv_scratch.shape)}"
+            )
+        y = causal_conv1d_verify(
+            mixed_qkv.reshape(bs, tv, -1), conv_weight, conv_state, slots, conv_scratch
+        ).reshape(bs * tv, -1)
+    else:
+        raise ValueError(f"gdn_forward: mode must be extend, decode or verify, got {mode!r}")
+
+    q, k, v = split_qkv(F.silu(y.to(sdt)), num_heads, dk, dv)
+    q, k = l2norm(q), l2norm(k)
+    if mode == "extend":
+        o = gated_delta_rule_extend(
+            q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state, chunk_size=chunk_size
+        )
+    elif mode == "decode":
+        o = gated_delta_rule_decode(q, k, v, g, beta, ssm_state, slots)
+    else:
+        tv = ssm_scratch.shape[1]
+        o = gated_delta_rule_verify(
+            q.reshape(bs, tv, num_heads, dk),
+            k.reshape(bs, tv, num_heads, dk),
+            v.reshape(bs, tv, num_heads, dv),
+            g.reshape(bs, tv, num_heads),
+            beta.reshape(bs, tv, num_heads),
+            ssm_state,
+            slots,
+            ssm_scratch,
+        ).reshape(bs * tv, num_heads, dv)
+    return o.to(mixed_qkv.dtype)
