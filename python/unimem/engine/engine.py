@@ -48,7 +48,7 @@ class Engine:
         bad = [t for t in prompt if not 0 <= int(t) < c.vocab_size]
         if bad:
             raise ValueError(
-                f"request rejected: token id {bad[0]} outside vocab [0, {c.vocab_size})"
+                f"request rejected: token id {bad[0]} outside the vocabulary [0, {c.vocab_size})"
             )
         total = len(prompt) + max_new_tokens - 1
         if total > self.pool.max_context:
