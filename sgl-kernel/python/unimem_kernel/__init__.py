@@ -15,15 +15,28 @@ from unimem_kernel.id_ops import (
     unbind_units,
     unbind_units_reference,
 )
+from unimem_kernel.metadata import (
+    build_decode_metadata,
+    build_decode_metadata_reference,
+    build_extend_metadata,
+    build_extend_metadata_reference,
+)
 from unimem_kernel.unit_ops import (
     copy_units,
     copy_units_reference,
     fill_units,
     fill_units_reference,
 )
+from unimem_kernel.write_window import gather_write_window, gather_write_window_reference
 
 __all__ = [
     "bind_units",
+    "build_decode_metadata",
+    "build_decode_metadata_reference",
+    "build_extend_metadata",
+    "build_extend_metadata_reference",
+    "gather_write_window",
+    "gather_write_window_reference",
     "bind_units_reference",
     "compact_band",
     "compact_band_reference",

@@ -1,0 +1,288 @@
+"""A step's write window: where each new token's K/V goes, in physical FULL and SWA slots.
+
+A decode or verify step writes ``width`` tokens per request (1 for decode, ``gamma + 1`` for a
+chain verify) at positions ``seq_lens[b] + j``, ``j < width``. Their slots were reserved ahead
+in the request table ``req_to_token[R, ctx]`` as *virtual* token ids
+(``vtok = vpage * page_size + o``); this op gathers them and translates each through a space's
+``v2p`` table (virtual page -> physical page, ``-1`` = unbound):
+
+    phys_tok = v2p[vtok // page_size] * page_size + vtok % page_size
+
+Flat outputs of ``bs * width`` entries, entry ``i = b * width + j``:
+
+- ``out_full[i]``: physical FULL token slot (``full_v2p=None``: identity, slot = vtok);
+- ``out_swa[i]``: physical SWA token slot through ``swa_v2p`` (both None, or both given);
+- ``out_positions[i] = seq_lens[b] + j`` (int64: models feed positions to RoPE).
+
+A position outside ``[0, ctx)``, a request row outside ``[0, R)``, a negative virtual token
+id, a virtual page past the end of ``v2p`` and an unbound page all give slot 0: the first slot
+of the sink page, whose contents nobody reads as live data. One launch on a fixed 1-D grid of
+``ceil(bs * width / BLOCK)`` programs; no allocation, no host read, so the op is recorded in a
+step's CUDA graph and re-reads ``req_to_token`` and ``v2p`` on every replay. Slots are formed
+in int64 and stored in the output's dtype (int32 or int64). Triton does not specialise on
+``bs * width``, ``width`` or table sizes; ``page_size``, identity and SWA on/off are
+``constexpr`` (warm each variant eagerly before capture).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unimem_kernel._dispatch import next_pow2, use_triton
+
+_MAX_BLOCK = 128  # one entry per thread: many small programs (see metadata.py)
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _translate_slot(vtok, v2p_ptr, v2p_numel, PAGE_SIZE: tl.constexpr, IDENTITY: tl.constexpr):
+    """Physical token slot of virtual token ids ``vtok`` (int64; negative = invalid), else 0."""
+    ok = vtok >= 0
+    t = tl.where(ok, vtok, 0)
+    if IDENTITY:
+        slot = t
+    else:
+        vpage = t // PAGE_SIZE
+        ok = ok & (vpage < v2p_numel)
+        phys = tl.load(v2p_ptr + vpage, mask=ok, other=-1).to(tl.int64)
+        ok = ok & (phys >= 0)
+        slot = phys * PAGE_SIZE + (t - vpage * PAGE_SIZE)
+    return tl.where(ok, slot, 0)
+
+
+@triton.jit(
+    do_not_specialize=["r2t_rows", "r2t_width", "n", "width", "full_v2p_numel", "swa_v2p_numel"]
+)
+def _write_window_kernel(
+    r2t_ptr,
+    r2t_rows,
+    r2t_width,
+    r2t_stride_r,
+    r2t_stride_c,
+    rpi_ptr,
+    seq_lens_ptr,
+    n,
+    width,
+    full_v2p_ptr,
+    full_v2p_numel,
+    swa_v2p_ptr,
+    swa_v2p_numel,
+    out_full_ptr,
+    out_swa_ptr,
+    out_pos_ptr,
+    PAGE_SIZE: tl.constexpr,
+    FULL_IDENTITY: tl.constexpr,
+    HAS_SWA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    b = i // width
+    j = i - b * width
+    req = tl.load(rpi_ptr + b, mask=m, other=-1).to(tl.int64)
+    pos = tl.load(seq_lens_ptr + b, mask=m, other=0).to(tl.int64) + j
+    ok = m & (req >= 0) & (req < r2t_rows) & (pos >= 0) & (pos < r2t_width)
+    src = r2t_ptr + req * r2t_stride_r + pos * r2t_stride_c
+    vtok = tl.load(src, mask=ok, other=-1).to(tl.int64)
+    full = _translate_slot(vtok, full_v2p_ptr, full_v2p_numel, PAGE_SIZE, FULL_IDENTITY)
+    tl.store(out_full_ptr + i, full.to(out_full_ptr.dtype.element_ty), mask=m)
+    if HAS_SWA:
+        swa = _translate_slot(vtok, swa_v2p_ptr, swa_v2p_numel, PAGE_SIZE, False)
+        tl.store(out_swa_ptr + i, swa.to(out_swa_ptr.dtype.element_ty), mask=m)
+    tl.store(out_pos_ptr + i, pos.to(out_pos_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_args(
+    req_to_token, req_pool_indices, seq_lens, width, swa_v2p, out_full, out_swa, out_positions
+) -> int:
+    """Shape and dtype checks (host metadata only, no device read); returns ``bs``."""
+    bs = req_pool_indices.numel()
+    n = bs * width
+    if width < 0:
+        raise ValueError(f"width must be >= 0, got {width}")
+    if req_to_token.dim() != 2:
+        raise ValueError(f"req_to_token must be 2-D, got {tuple(req_to_token.shape)}")
+    if (swa_v2p is None) != (out_swa is None):
+        raise ValueError("swa_v2p and out_swa must be given together (or both None)")
+    for t, name, need in (
+        (req_pool_indices, "req_pool_indices", bs),
+        (seq_lens, "seq_lens", bs),
+        (out_full, "out_full", n),
+        (out_swa, "out_swa", n),
+        (out_positions, "out_positions", n),
+    ):
+        if t is None:
+            continue
+        if t.dim() != 1 or t.numel() < need or (need > 1 and t.stride(0) != 1):
+            raise ValueError(f"{name} must be 1-D, unit-stride, with at least {need} entries")
+    for t, name in ((out_full, "out_full"), (out_swa, "out_swa")):
+        if t is not None and t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if out_positions.dtype != torch.int64:
+        raise ValueError(f"out_positions must be int64, got {out_positions.dtype}")
+    return bs
+
+
+def gather_write_window_triton(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    width: int,
+    page_size: int,
+    full_v2p: torch.Tensor | None,
+    swa_v2p: torch.Tensor | None,
+    out_full: torch.Tensor,
+    out_swa: torch.Tensor | None,
+    out_positions: torch.Tensor,
+) -> None:
+    """Triton launcher of ``gather_write_window`` (one launch; none when ``bs * width == 0``)."""
+    _check_args(
+        req_to_token, req_pool_indices, seq_lens, width, swa_v2p, out_full, out_swa, out_positions
+    )
+    n = req_pool_indices.numel() * int(width)
+    if n == 0:
+        return
+    block = min(next_pow2(n), _MAX_BLOCK)
+    has_swa = swa_v2p is not None
+    _write_window_kernel[(triton.cdiv(n, block),)](
+        req_to_token,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        req_to_token.stride(1),
+        req_pool_indices,
+        seq_lens,
+        n,
+        int(width),
+        full_v2p if full_v2p is not None else out_full,
+        full_v2p.numel() if full_v2p is not None else 0,
+        swa_v2p if has_swa else out_full,
+        swa_v2p.numel() if has_swa else 0,
+        out_full,
+        out_swa if has_swa else out_full,
+        out_positions,
+        PAGE_SIZE=int(page_size),
+        FULL_IDENTITY=full_v2p is None,
+        HAS_SWA=has_swa,
+        BLOCK=block,
+        num_warps=max(1, min(block // 32, 4)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# torch reference (the oracle; also the CPU implementation)
+# ---------------------------------------------------------------------------------------------
+
+
+def _translate_slot_reference(vtok: torch.Tensor, v2p: torch.Tensor | None, page_size: int):
+    ok = vtok >= 0
+    t = vtok.clamp_min(0)
+    if v2p is None:
+        return torch.where(ok, t, 0)
+    vpage = torch.div(t, page_size, rounding_mode="floor")
+    ok = ok & (vpage < v2p.numel())
+    if v2p.numel() == 0:
+        return torch.zeros_like(t)
+    phys = v2p[vpage.clamp_max(v2p.numel() - 1)].long()
+    ok = ok & (phys >= 0)
+    return torch.where(ok, phys * page_size + t % page_size, 0)
+
+
+def _write_window_reference(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    width: int,
+    page_size: int,
+    full_v2p: torch.Tensor | None,
+    swa_v2p: torch.Tensor | None,
+    out_full: torch.Tensor,
+    out_swa: torch.Tensor | None,
+    out_positions: torch.Tensor,
+) -> None:
+    bs = req_pool_indices.numel()
+    n = bs * int(width)
+    if n == 0:
+        return
+    rows, ctx = req_to_token.shape
+    req = req_pool_indices[:bs].long()[:, None]
+    pos = seq_lens[:bs].long()[:, None] + torch.arange(width, device=req.device)[None, :]
+    ok = (req >= 0) & (req < rows) & (pos >= 0) & (pos < ctx)
+    if rows > 0 and ctx > 0:
+        vtok = req_to_token[req.clamp(0, rows - 1), pos.clamp(0, ctx - 1)].long()
+        vtok = torch.where(ok, vtok, -1)
+    else:
+        vtok = torch.full(pos.shape, -1, dtype=torch.long, device=pos.device)
+    out_full[:n] = _translate_slot_reference(vtok, full_v2p, page_size).reshape(-1)
+    if out_swa is not None:
+        out_swa[:n] = _translate_slot_reference(vtok, swa_v2p, page_size).reshape(-1)
+    out_positions[:n] = pos.reshape(-1)
+
+
+def gather_write_window_reference(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    width: int,
+    page_size: int,
+    full_v2p: torch.Tensor | None,
+    swa_v2p: torch.Tensor | None,
+    out_full: torch.Tensor,
+    out_swa: torch.Tensor | None,
+    out_positions: torch.Tensor,
+) -> None:
+    """Gather and translate each request's next ``width`` write slots, in place.
+
+    With ``bs = req_pool_indices.numel()``, for ``b < bs``, ``j < width``, ``i = b * width + j``:
+    ``pos = seq_lens[b] + j``; ``vtok = req_to_token[req_pool_indices[b], pos]``;
+    ``out_full[i]`` = physical FULL slot of ``vtok`` (``full_v2p=None``: identity);
+    ``out_swa[i]`` = physical SWA slot through ``swa_v2p`` (both None, or both given);
+    ``out_positions[i] = pos``. Sink rules: see the module docstring.
+
+    Inputs: ``req_to_token [R, ctx]`` (may be a strided view), ``req_pool_indices [bs]``,
+    ``seq_lens [bs]``, ``v2p`` tables 1-D; all int32. Outputs are flat, caller-owned, with at
+    least ``bs * width`` entries (entries past that are not touched): ``out_full``/``out_swa``
+    int32 or int64, ``out_positions`` int64.
+    """
+    _check_args(
+        req_to_token, req_pool_indices, seq_lens, width, swa_v2p, out_full, out_swa, out_positions
+    )
+    _write_window_reference(
+        req_to_token, req_pool_indices, seq_lens, width, page_size, full_v2p, swa_v2p,
+        out_full, out_swa, out_positions,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry point: Triton on CUDA tensors, the reference otherwise
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_write_window(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    width: int,
+    page_size: int,
+    full_v2p: torch.Tensor | None,
+    swa_v2p: torch.Tensor | None,
+    out_full: torch.Tensor,
+    out_swa: torch.Tensor | None,
+    out_positions: torch.Tensor,
+) -> None:
+    """One launch; see ``gather_write_window_reference`` for the contract."""
+    impl = gather_write_window_triton if use_triton(out_full) else gather_write_window_reference
+    impl(
+        req_to_token, req_pool_indices, seq_lens, width, page_size, full_v2p, swa_v2p,
+        out_full, out_swa, out_positions,
+    )  # fmt: skip
