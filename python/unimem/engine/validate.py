@@ -31,13 +31,13 @@ MB = 1 << 20
 class ValidateConfig:
     device: str = "cpu"
     preset: str = "tiny"
-    requests: int = 8
+    requests: int = 16
     input_len: int = 96
     output_len: int = 32
     seed: int = 0
     page_size: int = 16
     arena_mb: float | None = None
-    max_running: int = 4
+    max_running: int = 8
     chunk_size: int = 128
     backend: str = "torch"
 
