@@ -21,6 +21,13 @@ from unimem_kernel.metadata import (
     build_extend_metadata,
     build_extend_metadata_reference,
 )
+from unimem_kernel.state_commit import (
+    StateCommitPlan,
+    commit_states,
+    commit_states_multi,
+    commit_states_multi_reference,
+    commit_states_reference,
+)
 from unimem_kernel.unit_ops import (
     copy_units,
     copy_units_reference,
@@ -30,6 +37,11 @@ from unimem_kernel.unit_ops import (
 from unimem_kernel.write_window import gather_write_window, gather_write_window_reference
 
 __all__ = [
+    "StateCommitPlan",
+    "commit_states",
+    "commit_states_multi",
+    "commit_states_multi_reference",
+    "commit_states_reference",
     "bind_units",
     "build_decode_metadata",
     "build_decode_metadata_reference",
