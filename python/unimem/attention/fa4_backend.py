@@ -1,0 +1,191 @@
+"""FlashAttention-4 (CuTe DSL, ``flash_attn.cute``) over arena-strided paged caches. GPU only.
+
+Installed as ``flash-attn-4`` (tested against 4.0.0b36); imported lazily in the constructor so
+that importing this module never needs it.
+
+One call of ``flash_attn.cute.flash_attn_varlen_func`` per layer, with paged KV:
+
+    flash_attn_varlen_func(
+        q [T, Hq, Dk], k_cache [num_pages, page_size, Hkv, Dk], v_cache [..., Dv],
+        cu_seqlens_q=[bs+1] int32, seqused_k=cache_seqlens [bs] int32,
+        page_table=[bs, W] int32, max_seqlen_q=, max_seqlen_k=,
+        softmax_scale=, causal=True, window_size=(W - 1, 0) or (None, None),
+        num_splits=, pack_gqa=)
+
+Facts relied on, read in the flash-attn-4 4.0.0b36 wheel (paths inside it; the upstream
+repository Dao-AILab/flash-attention holds the same files):
+
+- ``flash_attn/cute/interface.py`` ``flash_attn_varlen_func``: the 4th positional parameter is
+  ``qv`` (MLA), so everything after ``v`` is passed by keyword here. It returns
+  ``(out, lse)``; ``lse`` is None unless ``return_lse``. Its docstring: with paged KV loaded
+  by TMA (a page holds whole key tiles) rows past ``seqused_k`` in a sequence's last page are
+  loaded too, so they must be finite (the allocator zeroes pages it hands out); pages a
+  sequence does not use may hold anything. ``max_seqlen_q/k`` host ints "must cover every
+  CUDA graph replay" (we pass the builder's bounds).
+- ``interface.py`` ``_flash_attn_fwd``: with ``page_table``, ``k``/``v`` are
+  ``(num_pages, page_size, Hkv, D)``/``(..., Dv)``, ``cu_seqlens_k`` must be None (key
+  lengths from ``seqused_k``), ``page_table`` is int32 ``(batch, max_pages_per_seq)`` with
+  unit last stride; ``cu_seqlens_q``/``seqused_k`` int32 unit stride; q/k/v one dtype (fp16 or
+  bf16). ``maybe_contiguous`` copies only tensors whose last stride is not 1, and
+  ``cute_dsl_utils.py`` ``to_cute_tensor`` marks layouts dynamic except the unit-stride last
+  dim (``assumed_align=16``): an arena view with the envelope as page stride is passed as is,
+  and one compiled kernel serves every page stride. The view's data pointer must be 16-byte
+  aligned and every non-unit stride a multiple of 16 bytes (TMA; the layout guarantees both).
+  ``paged_kv.py`` forms row addresses from the tensor's own strides (``elem_pointer``), in
+  int64, and reads page 0 for rows past ``seqused_k``.
+- ``_validate_head_dims``: SM90 accepts any ``Dk``, ``Dv`` in 8..256 that are multiples of 8
+  (bf16), so ``Dk != Dv`` (e.g. 192/128) is fine; SM100 accepts 8..128, (192, 128) or
+  (256, 256). ``flash_fwd_sm90.py``: the cp.async paged path needs head dims that are
+  multiples of 16 ("Paged KV does not support irregular head dim").
+- ``_resolve_causal_local_window``: ``causal=True`` sets ``window_size_right = 0``; a
+  ``window_size_left`` that is not None then makes the kernel *local*, with the
+  bottom-right-aligned mask ``p - left <= j <= p + right`` where query ``i`` of a request sits
+  at ``p = seqused_k - q_len + i``. Our window ``W`` (``j > p - W``) is
+  ``window_size=(W - 1, 0)``; no window is ``(None, None)``.
+- Paged path choice: ``paged_kv_tma = page_size == tile_n``. On SM90 ``tile_n`` is 128 for head
+  dim <= 128 (``_tile_size_fwd_sm90``), so page 128 loads pages by TMA and 16/64 take the
+  cp.async ``PagedKVManager`` path; both are supported on SM90 in this version (seen working
+  on H200: page sizes 16, 64, 128). SM90 asserts ``not is_split_kv``: keep ``num_splits=1``.
+- Compile key (``_flash_attn_fwd``): dtype, head dims, GQA ratio, causal/local, which
+  optional tensors are None (window *values* are runtime), tile sizes, split-KV, pack_gqa,
+  arch, ``paged_kv_tma``, ``is_static_persistent`` (true when ``max_seqlen_q * Hq / Hkv``
+  fits one query tile) and whether ``batch > 256`` (``BIN_BATCH_SEARCH_THRESH``: a
+  batch-lookup aid is then built per call). So decode, verify and extend widths, and batch
+  sizes on either side of 256, can be distinct kernels.
+
+CUDA graphs. Every variant (dtype, head dims, GQA ratio, window or not, query width class)
+compiles on its first call (seconds); a first call inside ``torch.cuda.graph`` breaks the
+capture. Call ``warmup`` eagerly for every variant a graph will record. The output tensor is
+allocated by FA4 on each call (inside a graph: from the graph's pool, fixed address).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from unimem.attention.backend import AttentionBackend, check_attention_args
+from unimem.attention.metadata import AttentionMetadata
+
+__all__ = ["FA4Backend"]
+
+_INSTALL_HINT = (
+    "FA4Backend needs FlashAttention-4 (module flash_attn.cute), e.g. "
+    "`pip install flash-attn-4==4.0.0b36` on a machine with an SM90/SM100 GPU"
+)
+
+
+class FA4Backend(AttentionBackend):
+    """Paged attention through ``flash_attn.cute.flash_attn_varlen_func`` (module docstring).
+
+    ``num_splits``: split-KV factor passed to FA4 (1 = none; SM90 supports only 1; values
+    other than 1 make FA4 allocate partial buffers per call). ``pack_gqa``: None lets FA4
+    decide (packs query heads of one KV head into one tile when ``Hq > Hkv``).
+
+    Store: the base class ``store_kv`` (one ``index_put_`` per cache through the strided view;
+    capturable). Attend: capturable once warmed up.
+    """
+
+    def __init__(self, *, num_splits: int = 1, pack_gqa: bool | None = None) -> None:
+        try:
+            from flash_attn.cute import flash_attn_varlen_func
+        except ImportError as e:
+            raise ImportError(f"{_INSTALL_HINT}: {e}") from e
+        if not torch.cuda.is_available():
+            raise RuntimeError("FA4Backend needs a CUDA device")
+        if not isinstance(num_splits, int) or num_splits < 1:
+            raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+        self._varlen = flash_attn_varlen_func
+        self.num_splits = num_splits
+        self.pack_gqa = pack_gqa
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        swa: bool,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        check_attention_args(q, k_cache, v_cache, meta, window)
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"FA4 needs fp16/bf16, got {q.dtype}")
+        if not (q.dtype == k_cache.dtype == v_cache.dtype):
+            raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+        left = None if window is None else window - 1
+        res = self._varlen(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
+            seqused_k=meta.cache_seqlens,
+            page_table=meta.table(swa),
+            softmax_scale=float(scale),
+            causal=True,
+            window_size=(left, None if left is None else 0),
+            num_splits=self.num_splits,
+            pack_gqa=self.pack_gqa,
+        )
+        return res[0] if isinstance(res, tuple) else res
+
+    def warmup(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        num_q_heads: int,
+        q_lens: Iterable[int] = (1,),
+        windows: Iterable[int | None] = (None,),
+        batch_sizes: Iterable[int] = (1,),
+        scale: float | None = None,
+    ) -> None:
+        """Compile (eagerly) every variant a CUDA graph will record, for this cache layout.
+
+        Runs ``attend`` once per (batch size) x (query width) x (window) on requests whose keys
+        all sit in the sink page 0 (read only: the caches are not written). Pass the batch
+        sizes and query widths the graphs are captured at: FA4's compile key depends on
+        whether ``max_seqlen_q * Hq / Hkv`` fits one query tile and on whether the batch
+        exceeds 256 (a batch-lookup aid), besides dtype, head dims, GQA ratio, window or not
+        (not its value) and page size == key tile. Call once per distinct (dtype, Hq, Hkv,
+        Dk, Dv, page size) before capture; later calls of a compiled variant only launch.
+        """
+        page_size, dk = k_cache.shape[1], k_cache.shape[3]
+        dev = k_cache.device
+        scale = dk**-0.5 if scale is None else scale
+        windows = tuple(windows)
+        for bs in batch_sizes:
+            for q_len in q_lens:
+                meta = _sink_metadata(bs, q_len, page_size, dev)
+                q = torch.zeros(bs * q_len, num_q_heads, dk, dtype=k_cache.dtype, device=dev)
+                for window in windows:
+                    self.attend(q, k_cache, v_cache, meta, swa=False, window=window, scale=scale)
+        torch.cuda.synchronize(dev)
+
+
+def _sink_metadata(bs: int, q_len: int, page_size: int, dev: torch.device) -> AttentionMetadata:
+    """Metadata of ``bs`` requests of ``q_len`` tokens each, all read from the sink page 0."""
+    n_pages = -(-q_len // page_size)
+    t = bs * q_len
+    i32 = dict(dtype=torch.int32, device=dev)
+    cu = torch.arange(bs + 1, **i32) * q_len
+    slots = torch.zeros(t, **i32)
+    return AttentionMetadata(
+        cu_seqlens_q=cu,
+        cache_seqlens=torch.full((bs,), q_len, **i32),
+        cu_seqlens_k=cu.clone(),
+        page_table=torch.zeros(bs, n_pages, **i32),
+        swa_page_table=None,
+        max_seqlen_q=q_len,
+        max_seqlen_k=n_pages * page_size,
+        num_tokens=t,
+        page_size=page_size,
+        full_write_slots=slots,
+        swa_write_slots=None,
+        positions=torch.zeros(t, dtype=torch.int64, device=dev),
+    )
