@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
-# Everything the H200 has to prove, in one device call: the gpu-marked tests (kernels,
-# graph replay, memory under sync-debug, FA4 on arena views), then the benchmarks.
-# Usage on the device, from the repository root: bash benchmark/gpu_suite.sh [tests|bench|all]
-# Results land in $OUT (the device tool's output folder) or ./gpu-out.
+# What the H200 has to prove, in one device call. Run from the repository root:
+#   bash benchmark/gpu_suite.sh [PART ...]     PART: tests alloc metadata fa4 (default: all)
+# tests: every gpu-marked test (kernels, graph replay, memory under sync-debug, FA4 when
+# flash-attn-4 is importable); alloc / metadata / fa4: the benchmarks. Output goes to $OUT
+# (the device tool's folder) or ./gpu-out. Exit status 1 if any part failed.
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-what=${1:-all}
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests alloc metadata fa4)
 status=0
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
   | tee "$out/env.txt"
-if [ "$what" != bench ]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
-    sgl-kernel/tests test/memory test/attention 2>&1 | tee "$out/gpu_tests.txt" || status=1
-fi
-if [ "$what" != tests ]; then
-  python3 benchmark/bench_allocator.py --json "$out/bench_allocator.json" 2>&1 \
-    | tee "$out/bench_allocator.txt" || status=1
-  python3 benchmark/bench_fa4_arena.py --json "$out/bench_fa4_arena.json" 2>&1 \
-    | tee "$out/bench_fa4_arena.txt" || status=1
-fi
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
+             sgl-kernel/tests test/memory test/attention 2>&1 | tee "$out/gpu_tests.txt" ;;
+    alloc) python3 benchmark/bench_allocator.py --json "$out/bench_allocator.json" 2>&1 \
+             | tee "$out/bench_allocator.txt" ;;
+    metadata) python3 benchmark/bench_metadata.py --json "$out/bench_metadata.json" 2>&1 \
+             | tee "$out/bench_metadata.txt" ;;
+    fa4) python3 benchmark/bench_fa4_arena.py --json "$out/bench_fa4_arena.json" 2>&1 \
+             | tee "$out/bench_fa4_arena.txt" ;;
+    *) echo "unknown part $part"; false ;;
+  esac || status=1
+done
 exit $status
