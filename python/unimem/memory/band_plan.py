@@ -27,8 +27,7 @@ device ops in order.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 
@@ -108,6 +107,10 @@ class BandLayout:
         # Free units of each band already promised to an earlier request of the same plan:
         # compaction may not consume them.
         self.reserved = [0] * len(bands)
+
+    def copy(self) -> BandLayout:
+        """An independent copy of the host state (plans are made on copies)."""
+        return BandLayout([replace(b) for b in self.bands], self.header_end, self.arena_end)
 
     # --- geometry ----------------------------------------------------------------------------
 
@@ -222,7 +225,7 @@ class BandLayout:
         """Actions that leave each band ``i`` of ``demands`` with ``m`` more free units than
         earlier demands on it took, or None. Plans on a copy: ``self`` is unchanged.
         """
-        sim = BandLayout(copy.deepcopy(self.bands), self.header_end, self.arena_end)
+        sim = self.copy()
         out: list[Action] = []
         for i, m in demands:
             if m <= 0:

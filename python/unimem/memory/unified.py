@@ -20,8 +20,6 @@ and copies in stream order. No step ever reads the device.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import torch
 
@@ -100,7 +98,7 @@ class UnifiedMemory(MemoryPool):
             at = self.bands._anchor_for(i)
             self.bands.apply(Reanchor(i, at))
         self._band_index = {k: i for i, k in enumerate(kinds)}
-        self._empty_bands = copy.deepcopy(self.bands)
+        self._empty_bands = self.bands.copy()
         self._vpages = HostIdPool(1, num_virtual_pages - 1)
         self._vslots = HostIdPool(1, max_requests)
 
