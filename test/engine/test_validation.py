@@ -67,8 +67,9 @@ def _run(model, pool, prompts, output_len=12, corrupt_at=None):
             req = eng.scheduler.running[0]
             vpage = req.mem.pages[0]
             phys = vpage if pool.full_v2p is None else int(pool.full_v2p[vpage])
-            k, _ = pool.kv_cache(LayerKind.FULL, 0)
-            k[phys].normal_()
+            # A deterministic, wrong-but-finite page, as a misaddressed write would leave.
+            _, v = pool.kv_cache(LayerKind.FULL, 0)
+            v[phys].fill_(3.0)
     return {r.rid: r.output for r in eng.scheduler.finished}
 
 
