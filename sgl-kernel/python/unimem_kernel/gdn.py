@@ -1,0 +1,1046 @@
+"""Gated DeltaNet (GDN) mixer core on the GPU: causal conv1d and the gated delta rule, reading
+and writing each request's state in its arena slot in place.
+
+Semantics are those of ``unimem.state.gdn_reference`` (the oracle, and the CPU path of the
+public entry points here): same arguments, same results up to rounding. In short, per request
+with conv state ``[conv_dim, K-1]`` and recurrent state ``S [H, Dk, Dv]``:
+
+* conv: ``y_t[c] = sum_{i<K} w[c, i] * x_{t-K+1+i}[c]`` (inputs before the first token from
+  the conv state), no activation; the conv accumulates in float32 (float64 for float64 inputs)
+  and ``y`` is stored in ``x``'s dtype; a state entry holds inputs rounded to ``x``'s dtype;
+* delta rule, per head, arithmetic in the SSM state's dtype (float32 for bf16/fp32 models):
+  ``S = exp(g_t) S; S += beta_t k_t (v_t - S^T k_t)^T; o_t = S^T (scale q_t)``,
+  ``scale = Dk ** -0.5``;
+* the mixer (:func:`gdn_forward`): conv -> SiLU -> split ``[q | k | v]`` -> L2-normalise q, k
+  (``x / sqrt(sum(x^2) + 1e-6)``) -> delta rule. SiLU and the L2 norm run inside the delta
+  rule kernel, which reads q, k, v straight from the conv output (no intermediate copies).
+
+State layouts: ``conv_state [num_slots, conv_dim, K-1]`` and ``ssm_state [num_slots, H, Dk,
+Dv]`` are usually ``as_strided`` views into the ``uint8`` arena (slot stride = the slot
+envelope); every stride is passed to the kernels, nothing is assumed contiguous. Slot offsets
+(``slot * slot_stride``) and row offsets are int64 inside the kernels.
+
+Modes, as in the engine:
+
+* ``extend``: ragged rows (``cu_seqlens [bs+1]``); request ``i`` starts from slot
+  ``slots[i]`` (from zeros where ``has_initial_state[i]`` is False: the slot is then not read)
+  and its final state is written back to that slot, in place. A zero-length request keeps its
+  state (zeros without an initial state).
+* ``decode``: one token per request; the slot is updated in place.
+* ``verify``: ``T`` tokens per request (request-major rows); the state after every token goes
+  to caller-owned scratch (``conv [bs, T, conv_dim, K-1]``, ``ssm [bs, T, H, Dk, Dv]``, in the
+  states' dtypes, entry ``t`` = after token ``t``); the slots are only read. Committing is
+  ``state_commit.commit_states`` (DESIGN §5).
+
+Padded lanes (``slots[b] < 0``, as in a fixed-size CUDA-graph batch) are skipped by the Triton
+path: their slots and scratch entries are neither read nor written and their output rows are
+zeros. (The torch reference has no padded lanes: on CPU pass live lanes only.)
+
+Kernels (one each, every mode through constexpr switches):
+
+* ``_conv_kernel``: grid ``(bs, token blocks, channel blocks)``; a program computes a
+  ``[BLOCK_T, BLOCK_D]`` tile of ``y`` from ``K`` shifted loads. Only token block 0 of a
+  request touches its slot: it reads the initial state and, in extend/decode, writes the final
+  ``K-1`` inputs back after a barrier (``BLOCK_T >= K-1`` whenever there are several token
+  blocks, so later blocks never need the state). Verify writes the window after every token.
+* ``_rule_kernel``: grid ``(bs, H, cdiv(Dv, BLOCK_V))``; the state tile ``[Dk, BLOCK_V]`` stays
+  in registers (float32, or float64 for float64 states) across a token loop that prefetches the
+  next token's q/k/v/g/beta. Each program owns its slice of the slot, so the in-place read at
+  the start and write at the end never race with another program.
+
+Expected cost of the recurrent form in extend (an estimate; ``benchmark/bench_gdn.py`` measures
+it against fla's chunked kernel plus the gather/scatter copies that kernel needs): each program
+runs ``L`` dependent steps (decay, two ``[Dk, BLOCK_V]`` reductions, rank-1 update, on CUDA
+cores), roughly 0.5-1 us per step, so a 2048-token prompt costs ~1-2 ms per layer however many
+requests run beside it (8 x 2048 tokens at the ``small`` sizes: 2048 programs, all resident at
+once). A chunked (WY) kernel has ``L / 64`` dependent steps of tensor-core matmuls: expected
+~0.2-0.4 ms for the same batch, i.e. 3-8x faster for long prompts and about even below ~64
+tokens. Decode and verify are memory-bound on the state (``H * Dk * Dv * 4`` bytes read, and
+written back or to scratch, per request and layer); the recurrent form is the right one there.
+
+Launchers (``*_triton``) allocate only when ``out`` (and, for the mixer, ``conv_out``) is not
+given, and read nothing back from the device in decode/verify; extend reads ``cu_seqlens`` on
+the host when it is a device tensor and ``max_seqlen`` is not given (extend is not captured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from unimem_kernel._dispatch import next_pow2, use_triton
+
+L2NORM_EPS = 1e-6
+"""Epsilon of the q/k L2 normalisation: ``x / sqrt(sum(x^2) + eps)`` (as the reference)."""
+
+_CONV_MAX_BLOCK_T = 64  # tokens per conv program in long (extend) segments
+_CONV_TILE = 4096  # elements of a conv program's [BLOCK_T, BLOCK_D] tile
+_MAX_GRID_YZ = 65535  # CUDA limit of grid axes 1 and 2
+
+_TL_ACC = {torch.float64: tl.float64}
+
+
+def _acc(dtype: torch.dtype):
+    """Triton accumulation dtype: float64 for float64 tensors, else float32."""
+    return _TL_ACC.get(dtype, tl.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["seq_len"])
+def _conv_kernel(
+    x_ptr,  # [rows, D] inputs (row of (b, t): b * x_sb + (start_b + t) * x_st)
+    w_ptr,  # [D, K]
+    state_ptr,  # [N, D, K-1] conv state (slot view)
+    slots_ptr,  # [bs] physical slots, < 0: padded lane
+    cu_ptr,  # [bs+1] row offsets (VARLEN)
+    init_ptr,  # [bs] uint8 has_initial_state (HAS_INIT)
+    y_ptr,  # like x
+    scratch_ptr,  # [bs, T, D, K-1] (STORE_STATES)
+    seq_len,  # tokens per request (not VARLEN)
+    dim,
+    x_sb,
+    x_st,
+    x_sd,
+    w_sd,
+    w_sk,
+    s_sn,
+    s_sd,
+    s_sk,
+    y_sb,
+    y_st,
+    y_sd,
+    c_sb,
+    c_st,
+    c_sd,
+    c_sk,
+    KW: tl.constexpr,
+    KP: tl.constexpr,  # next_pow2(KW - 1)
+    ACC: tl.constexpr,
+    VARLEN: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    STORE_STATES: tl.constexpr,
+    WRITE_FINAL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    tb = tl.program_id(1)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    live = slot >= 0
+    if VARLEN:
+        start = tl.load(cu_ptr + b).to(tl.int64)
+        length = tl.load(cu_ptr + b + 1).to(tl.int64) - start
+        b_off = 0
+    else:
+        start = 0
+        length = seq_len.to(tl.int64)
+        b_off = b.to(tl.int64)
+    has = live
+    if HAS_INIT:
+        has = has & (tl.load(init_ptr + b) != 0)
+    slot = tl.where(live, slot, 0)
+    st_base = state_ptr + slot * s_sn
+
+    # Scalar predicates enter block masks as integer bounds (``offs < where(p, n, 0)``): the
+    # Triton interpreter mistypes a splatted boolean scalar.
+    live_len = tl.where(live, length, 0)
+    has_len = tl.where(has, length, 0)
+
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < dim
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = offs_t < length
+    t_live = offs_t < live_len
+    t_has = offs_t < has_len
+    rows = start + offs_t  # int64
+    x_base = x_ptr + b_off * x_sb
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=ACC)
+    for i in tl.static_range(KW):
+        # input position of tap i for each output token; < 0: from the conv state
+        pos = offs_t - (KW - 1) + i
+        from_x = (pos >= 0) & t_live
+        from_s = (pos < 0) & t_has
+        xv = tl.load(
+            x_base + (start + pos)[:, None] * x_st + offs_d[None, :] * x_sd,
+            mask=from_x[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        sv = tl.load(
+            st_base + offs_d[None, :] * s_sd + (pos + (KW - 1))[:, None] * s_sk,
+            mask=from_s[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        xin = tl.where(from_x[:, None], xv, sv.to(xv.dtype))  # rounded to x's dtype
+        wi = tl.load(w_ptr + offs_d * w_sd + i * w_sk, mask=dmask, other=0.0).to(ACC)
+        acc += xin.to(ACC) * wi[None, :]
+        if STORE_STATES and i >= 1:
+            # window after token t, column i - 1, is input t - K + 1 + i: this tap's input
+            c_ptrs = (
+                scratch_ptr
+                + b.to(tl.int64) * c_sb
+                + offs_t[:, None].to(tl.int64) * c_st
+                + offs_d[None, :] * c_sd
+                + (i - 1) * c_sk
+            )
+            smask = t_live[:, None] & dmask[None, :]
+            tl.store(c_ptrs, xin.to(scratch_ptr.dtype.element_ty), mask=smask)
+    ymask = tmask[:, None] & dmask[None, :]
+    tl.store(
+        y_ptr + b_off * y_sb + rows[:, None] * y_st + offs_d[None, :] * y_sd,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=ymask,
+    )
+    if WRITE_FINAL:
+        # the last K-1 inputs of the request (token block 0 only: the one program per channel
+        # block that reads this slot)
+        first = tb == 0
+        cols = tl.arange(0, KP)
+        c_live = cols < tl.where(live & first, KW - 1, 0)
+        c_has = cols < tl.where(has & first, KW - 1, 0)
+        pos = length - (KW - 1) + cols
+        fx = (pos >= 0) & c_live
+        fs = (pos < 0) & c_has
+        xv = tl.load(
+            x_base + (start + pos)[None, :] * x_st + offs_d[:, None] * x_sd,
+            mask=dmask[:, None] & fx[None, :],
+            other=0.0,
+        )
+        sv = tl.load(
+            st_base + offs_d[:, None] * s_sd + (pos + (KW - 1))[None, :] * s_sk,
+            mask=dmask[:, None] & fs[None, :],
+            other=0.0,
+        )
+        fin = tl.where(fx[None, :], xv, sv.to(xv.dtype))
+        # every read of the slot (above and in the tap loop, by any thread) before any write
+        tl.debug_barrier()
+        tl.store(
+            st_base + offs_d[:, None] * s_sd + cols[None, :] * s_sk,
+            fin.to(state_ptr.dtype.element_ty),
+            mask=dmask[:, None] & c_live[None, :],
+        )
+
+
+@triton.jit
+def _load_token(
+    q_row,
+    k_row,
+    v_row,
+    g_row,
+    b_row,
+    offs_k,
+    offs_v,
+    q_sd,
+    k_sd,
+    v_sd,
+    ok,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """q, k, v, g, beta of one token (zeros where ``ok`` is False), in ``ACC``."""
+    kmask = offs_k < tl.where(ok, DK, 0)
+    vmask = offs_v < tl.where(ok, DV, 0)
+    q = tl.load(q_row + offs_k * q_sd, mask=kmask, other=0.0).to(ACC)
+    k = tl.load(k_row + offs_k * k_sd, mask=kmask, other=0.0).to(ACC)
+    v = tl.load(v_row + offs_v * v_sd, mask=vmask, other=0.0).to(ACC)
+    g = tl.load(g_row, mask=ok, other=0.0).to(ACC)
+    beta = tl.load(b_row, mask=ok, other=0.0).to(ACC)
+    return q, k, v, g, beta
+
+
+@triton.jit(do_not_specialize=["seq_len"])
+def _rule_kernel(
+    q_ptr,  # [.., H, Dk]: token (b, t) at b * q_sb + (start_b + t) * q_st (+ h * q_sh)
+    k_ptr,
+    v_ptr,  # [.., H, Dv]
+    g_ptr,  # [.., H]
+    beta_ptr,  # [.., H]
+    o_ptr,  # [.., H, Dv]
+    state_ptr,  # [N, H, Dk, Dv] SSM state (slot view)
+    slots_ptr,  # [bs]
+    cu_ptr,  # [bs+1] (VARLEN)
+    init_ptr,  # [bs] uint8 (HAS_INIT)
+    scratch_ptr,  # [bs, T, H, Dk, Dv] (STORE_STATES)
+    seq_len,
+    scale,
+    eps,
+    q_sb,
+    q_st,
+    q_sh,
+    q_sd,
+    k_sb,
+    k_st,
+    k_sh,
+    k_sd,
+    v_sb,
+    v_st,
+    v_sh,
+    v_sd,
+    g_sb,
+    g_st,
+    g_sh,
+    b_sb,
+    b_st,
+    b_sh,
+    o_sb,
+    o_st,
+    o_sh,
+    o_sd,
+    s_sn,
+    s_sh,
+    s_sk,
+    s_sv,
+    c_sb,
+    c_st,
+    c_sh,
+    c_sk,
+    c_sv,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    ACC: tl.constexpr,
+    VARLEN: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    STORE_STATES: tl.constexpr,
+    WRITE_FINAL: tl.constexpr,
+    PREP: tl.constexpr,  # SiLU on q, k, v and L2 norm of q, k (the mixer's prologue)
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    live = slot >= 0
+    if VARLEN:
+        start = tl.load(cu_ptr + b).to(tl.int64)
+        length = tl.load(cu_ptr + b + 1).to(tl.int64) - start
+        b_off = 0
+    else:
+        start = 0
+        length = seq_len.to(tl.int64)
+        b_off = b.to(tl.int64)
+    has = live
+    if HAS_INIT:
+        has = has & (tl.load(init_ptr + b) != 0)
+    slot = tl.where(live, slot, 0)
+
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    vmask = offs_v < DV
+    # scalar predicates as integer bounds (see _conv_kernel)
+    m_has = (offs_k < tl.where(has, DK, 0))[:, None] & vmask[None, :]
+    m_live = (offs_k < tl.where(live, DK, 0))[:, None] & vmask[None, :]
+    s_ptrs = state_ptr + slot * s_sn + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+    state = tl.load(s_ptrs, mask=m_has, other=0.0).to(ACC)
+
+    h64 = h.to(tl.int64)
+    q_row = q_ptr + b_off * q_sb + start * q_st + h64 * q_sh
+    k_row = k_ptr + b_off * k_sb + start * k_st + h64 * k_sh
+    v_row = v_ptr + b_off * v_sb + start * v_st + h64 * v_sh
+    g_row = g_ptr + b_off * g_sb + start * g_st + h64 * g_sh
+    b_row = beta_ptr + b_off * b_sb + start * b_st + h64 * b_sh
+    o_row = o_ptr + b_off * o_sb + start * o_st + h64 * o_sh
+    c_base = scratch_ptr + b.to(tl.int64) * c_sb + h64 * c_sh
+    c_offs = offs_k[:, None] * c_sk + offs_v[None, :] * c_sv
+
+    # software prefetch: token t + 1 is loaded while token t is computed
+    nq, nk, nv, ng, nb = _load_token(
+        q_row, k_row, v_row, g_row, b_row, offs_k, offs_v, q_sd, k_sd, v_sd,
+        live & (length > 0), DK, DV, ACC,
+    )  # fmt: skip
+    for t in range(0, length):
+        q, k, v, g, beta = nq, nk, nv, ng, nb
+        nxt = t + 1
+        nq, nk, nv, ng, nb = _load_token(
+            q_row + nxt * q_st, k_row + nxt * k_st, v_row + nxt * v_st, g_row + nxt * g_st,
+            b_row + nxt * b_st, offs_k, offs_v, q_sd, k_sd, v_sd,
+            live & (nxt < length), DK, DV, ACC,
+        )  # fmt: skip
+        if PREP:
+            q = q / (1.0 + tl.exp(-q))
+            k = k / (1.0 + tl.exp(-k))
+            v = v / (1.0 + tl.exp(-v))
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+        q = q * scale
+        state = state * tl.exp(g)
+        pred = tl.sum(state * k[:, None], axis=0)
+        u = beta * (v - pred)
+        state = state + k[:, None] * u[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+        tl.store(o_row + t * o_st + offs_v * o_sd, o.to(o_ptr.dtype.element_ty), mask=vmask)
+        if STORE_STATES:
+            tl.store(
+                c_base + t * c_st + c_offs,
+                state.to(scratch_ptr.dtype.element_ty),
+                mask=m_live,
+            )
+    if WRITE_FINAL:
+        tl.debug_barrier()  # every thread's read of the slot before any write
+        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=m_live)
+
+
+# ---------------------------------------------------------------------------------------------
+# host-side checks (metadata only, no device read)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_slots(slots: torch.Tensor, device: torch.device) -> int:
+    if slots.device != device:
+        raise ValueError(f"slots on {slots.device}, the states on {device}")
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be 1-D int32/int64, got {slots.dtype} {tuple(slots.shape)}")
+    return slots.shape[0]
+
+
+def _check_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the states on {device}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _init_flags(
+    has_initial_state: torch.Tensor | None, bs: int, device: torch.device
+) -> torch.Tensor | None:
+    """``has_initial_state`` as a uint8 view (bool and integer tensors accepted; no copy for
+    bool/uint8)."""
+    if has_initial_state is None:
+        return None
+    _check_device(device, has_initial_state=has_initial_state)
+    _check_shape("has_initial_state", has_initial_state, (bs,))
+    if has_initial_state.dtype == torch.bool:
+        return has_initial_state.view(torch.uint8)
+    return has_initial_state
+
+
+def _max_len(bounds: Sequence[int]) -> int:
+    return max((bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)), default=0)
+
+
+def _cu_seqlens(
+    cu_seqlens: torch.Tensor | Sequence[int],
+    bs: int,
+    device: torch.device,
+    max_seqlen: int | None,
+) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens on device, max_seqlen)``; a host list is copied to the device, a device
+    tensor is read on the host only when ``max_seqlen`` is not given."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        _check_device(device, cu_seqlens=cu_seqlens)
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be 1-D int32/int64, got {cu_seqlens.dtype}")
+        cu = cu_seqlens
+        if max_seqlen is None:
+            max_seqlen = _max_len(cu.tolist())
+    else:
+        bounds = list(cu_seqlens)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        if max_seqlen is None:
+            max_seqlen = _max_len(bounds)
+    if cu.shape[0] != bs + 1:
+        raise ValueError(f"cu_seqlens must have bs + 1 = {bs + 1} entries, got {cu.shape[0]}")
+    return cu, int(max_seqlen)
+
+
+def _conv_blocks(
+    max_len: int, dim: int, kw: int, block_d: int | None, block_t: int | None
+) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_D, token blocks)``. Several token blocks only with ``BLOCK_T >= K-1``
+    (later blocks must never need the conv state)."""
+    cap = _CONV_MAX_BLOCK_T if block_t is None else block_t
+    if cap <= 0 or cap & (cap - 1):
+        raise ValueError(f"block_t must be a power of two, got {cap}")
+    block_t = min(next_pow2(max_len), cap)
+    n_t = max(1, triton.cdiv(max_len, block_t))
+    if n_t > 1 and block_t < kw - 1:
+        raise ValueError(f"conv kernel width {kw} too large for {block_t}-token blocks")
+    if block_d is None:
+        block_d = max(16, min(512, _CONV_TILE // block_t, next_pow2(dim)))
+    if n_t > _MAX_GRID_YZ or triton.cdiv(dim, block_d) > _MAX_GRID_YZ:
+        raise ValueError(f"conv grid too large: {n_t} token blocks, dim {dim}")
+    return block_t, block_d, n_t
+
+
+def _rule_config(
+    h: int, dk: int, dv: int, block_v: int | None, num_warps: int | None
+) -> tuple[int, int, int]:
+    """``(BK, BV, num_warps)``: the whole key dim in one tile; small V blocks in one warp by
+    default (the reductions over ``Dk`` then stay within a warp, as in fla's recurrent
+    kernel)."""
+    bk = next_pow2(dk)
+    bv = min(next_pow2(dv), 8) if block_v is None else block_v
+    if bv <= 0 or bv & (bv - 1):
+        raise ValueError(f"block_v must be a power of two, got {bv}")
+    if num_warps is None:
+        num_warps = max(1, min(8, bk * bv // 1024))
+    if h > _MAX_GRID_YZ or triton.cdiv(dv, bv) > _MAX_GRID_YZ:
+        raise ValueError(f"delta rule grid too large: H={h}, Dv={dv}, block_v={bv}")
+    return bk, bv, num_warps
+
+
+def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    return tuple(t.stride()) if t is not None else (0,) * n
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def _launch_conv(
+    x: torch.Tensor,
+    x_strides: tuple[int, int, int],  # (batch, token, channel)
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    y: torch.Tensor,
+    y_strides: tuple[int, int, int],
+    *,
+    seq_len: int,
+    max_len: int,
+    cu: torch.Tensor | None,
+    init: torch.Tensor | None,
+    scratch: torch.Tensor | None,
+    write_final: bool,
+    block_d: int | None = None,
+    block_t: int | None = None,
+) -> None:
+    bs = slots.shape[0]
+    dim, kw = weight.shape
+    if bs == 0 or dim == 0:
+        return
+    block_t, block_d, n_t = _conv_blocks(max_len, dim, kw, block_d, block_t)
+    grid = (bs, n_t, triton.cdiv(dim, block_d))
+    _conv_kernel[grid](
+        x, weight, conv_state, slots,
+        slots if cu is None else cu,
+        slots if init is None else init,
+        y,
+        y if scratch is None else scratch,
+        seq_len, dim,
+        *x_strides, *weight.stride(), *conv_state.stride(), *y_strides,
+        *_strides(scratch, 4),
+        KW=kw,
+        KP=next_pow2(max(kw - 1, 1)),
+        ACC=_acc(x.dtype),
+        VARLEN=cu is not None,
+        HAS_INIT=init is not None,
+        STORE_STATES=scratch is not None,
+        WRITE_FINAL=write_final,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def _check_conv(x_dim: int, weight: torch.Tensor, conv_state: torch.Tensor) -> None:
+    if weight.dim() != 2 or conv_state.dim() != 3:
+        raise ValueError(
+            f"need weight [D, K] and conv_state [N, D, K-1], got {tuple(weight.shape)} and "
+            f"{tuple(conv_state.shape)}"
+        )
+    dim, kw = weight.shape
+    if kw < 2 or tuple(conv_state.shape[1:]) != (dim, kw - 1) or x_dim != dim:
+        raise ValueError(
+            f"conv shapes disagree: x has {x_dim} channels, weight {tuple(weight.shape)}, "
+            f"conv_state {tuple(conv_state.shape)}"
+        )
+    _check_device(conv_state.device, weight=weight)
+
+
+def causal_conv1d_extend_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
+    has_initial_state: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    block_d: int | None = None,
+    block_t: int | None = None,
+) -> torch.Tensor:
+    """Triton launcher of ``causal_conv1d_extend`` (one launch): ``x [T, D]`` ragged by
+    ``cu_seqlens``; reads the initial and writes the final conv state of each request in its
+    slot, in place. Returns ``out [T, D]`` (``x``'s dtype). ``block_d``/``block_t`` (powers of
+    two) override the tile; tests lower ``block_t`` to split requests over token blocks."""
+    _check_conv(x.shape[-1], weight, conv_state)
+    bs = _check_slots(slots, conv_state.device)
+    _check_device(conv_state.device, x=x, out=out)
+    cu, max_len = _cu_seqlens(cu_seqlens, bs, conv_state.device, max_seqlen)
+    init = _init_flags(has_initial_state, bs, conv_state.device)
+    y = torch.empty_like(x) if out is None else out
+    _check_shape("out", y, x.shape)
+    _launch_conv(
+        x, (0, *x.stride()), weight, conv_state, slots, y, (0, *y.stride()),
+        seq_len=0, max_len=max_len, cu=cu, init=init, scratch=None, write_final=True,
+        block_d=block_d, block_t=block_t,
+    )  # fmt: skip
+    return y
+
+
+def causal_conv1d_decode_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    block_d: int | None = None,
+) -> torch.Tensor:
+    """Triton launcher of ``causal_conv1d_decode``: ``x [bs, D]`` -> ``out [bs, D]``; each live
+    lane's slot state is updated in place."""
+    _check_conv(x.shape[-1], weight, conv_state)
+    bs = _check_slots(slots, conv_state.device)
+    _check_device(conv_state.device, x=x, out=out)
+    _check_shape("x", x, (bs, weight.shape[0]))
+    y = torch.empty_like(x) if out is None else out
+    _check_shape("out", y, x.shape)
+    _launch_conv(
+        x, (x.stride(0), 0, x.stride(1)), weight, conv_state, slots, y,
+        (y.stride(0), 0, y.stride(1)), seq_len=1, max_len=1, cu=None, init=None, scratch=None,
+        write_final=True, block_d=block_d,
+    )  # fmt: skip
+    return y
+
+
+def causal_conv1d_verify_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    state_scratch: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    block_d: int | None = None,
+) -> torch.Tensor:
+    """Triton launcher of ``causal_conv1d_verify``: ``x [bs, T, D]`` -> ``out [bs, T, D]``;
+    ``state_scratch [bs, T, D, K-1]`` receives the conv state after every token; slots are
+    only read."""
+    _check_conv(x.shape[-1], weight, conv_state)
+    bs = _check_slots(slots, conv_state.device)
+    _check_device(conv_state.device, x=x, out=out, state_scratch=state_scratch)
+    if x.dim() != 3 or x.shape[0] != bs:
+        raise ValueError(f"x must be [bs={bs}, T, D], got {tuple(x.shape)}")
+    t = x.shape[1]
+    _check_shape("state_scratch", state_scratch, (bs, t, *conv_state.shape[1:]))
+    y = torch.empty_like(x) if out is None else out
+    _check_shape("out", y, x.shape)
+    _launch_conv(
+        x, tuple(x.stride()), weight, conv_state, slots, y, tuple(y.stride()), seq_len=t,
+        max_len=t, cu=None, init=None, scratch=state_scratch, write_final=False,
+        block_d=block_d,
+    )  # fmt: skip
+    return y
+
+
+def _launch_rule(
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    qkv_strides: tuple[tuple[int, ...], ...],  # per tensor (batch, token, head, dim)
+    gb: tuple[torch.Tensor, torch.Tensor],
+    gb_strides: tuple[tuple[int, ...], ...],  # per tensor (batch, token, head)
+    out: torch.Tensor,
+    out_strides: tuple[int, ...],
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    seq_len: int,
+    cu: torch.Tensor | None,
+    init: torch.Tensor | None,
+    scratch: torch.Tensor | None,
+    write_final: bool,
+    prep: bool,
+    scale: float | None,
+    block_v: int | None,
+    num_warps: int | None,
+) -> None:
+    bs = slots.shape[0]
+    _, h, dk, dv = ssm_state.shape
+    if bs == 0 or h == 0 or dv == 0:
+        return
+    bk, bv, warps = _rule_config(h, dk, dv, block_v, num_warps)
+    q, k, v = qkv
+    g, beta = gb
+    _rule_kernel[(bs, h, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, out, ssm_state, slots,
+        slots if cu is None else cu,
+        slots if init is None else init,
+        ssm_state if scratch is None else scratch,
+        seq_len,
+        dk**-0.5 if scale is None else scale,
+        L2NORM_EPS,
+        *qkv_strides[0], *qkv_strides[1], *qkv_strides[2], *gb_strides[0], *gb_strides[1],
+        *out_strides, *ssm_state.stride(), *_strides(scratch, 5),
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BV=bv,
+        ACC=_acc(ssm_state.dtype),
+        VARLEN=cu is not None,
+        HAS_INIT=init is not None,
+        STORE_STATES=scratch is not None,
+        WRITE_FINAL=write_final,
+        PREP=prep,
+        num_warps=warps,
+    )  # fmt: skip
+
+
+def _check_rule(q, k, v, g, beta, ssm_state: torch.Tensor, lead: tuple[int, ...]) -> None:
+    """``q, k [*lead, H, Dk]``, ``v [*lead, H, Dv]``, ``g, beta [*lead, H]``."""
+    if ssm_state.dim() != 4:
+        raise ValueError(f"ssm_state must be [N, H, Dk, Dv], got {tuple(ssm_state.shape)}")
+    _, h, dk, dv = ssm_state.shape
+    for name, t, shape in (
+        ("q", q, (*lead, h, dk)),
+        ("k", k, (*lead, h, dk)),
+        ("v", v, (*lead, h, dv)),
+        ("g", g, (*lead, h)),
+        ("beta", beta, (*lead, h)),
+    ):
+        _check_shape(name, t, shape)
+        _check_device(ssm_state.device, **{name: t})
+
+
+def _bthd(t: torch.Tensor, fixed: bool) -> tuple[int, ...]:
+    """(batch, token, head[, dim]) strides of a ``[bs, T, H(, D)]`` (fixed) or ``[T, H(, D)]``
+    (ragged) or ``[bs, H(, D)]`` (decode: pass as fixed with a unit token dim) tensor."""
+    s = tuple(t.stride())
+    return s if fixed else (0, *s)
+
+
+def gated_delta_rule_extend_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Triton launcher of ``gated_delta_rule_extend`` (recurrent form, one launch): ``q, k [T,
+    H, Dk]``, ``v [T, H, Dv]``, ``g, beta [T, H]`` ragged by ``cu_seqlens``; initial state read
+    from and final state written to each request's slot, in place. Returns ``o [T, H, Dv]``
+    (``v``'s dtype). ``max_seqlen`` is accepted for symmetry with the conv (the rule's grid does
+    not depend on it)."""
+    del max_seqlen
+    _check_rule(q, k, v, g, beta, ssm_state, (q.shape[0],))
+    bs = _check_slots(slots, ssm_state.device)
+    cu, _ = _cu_seqlens(cu_seqlens, bs, ssm_state.device, 0)
+    init = _init_flags(has_initial_state, bs, ssm_state.device)
+    o = torch.empty_like(v) if out is None else out
+    _check_shape("out", o, v.shape)
+    _launch_rule(
+        (q, k, v), tuple(_bthd(t, False) for t in (q, k, v)), (g, beta),
+        tuple(_bthd(t, False) for t in (g, beta)), o, _bthd(o, False), ssm_state, slots,
+        seq_len=0, cu=cu, init=init, scratch=None, write_final=True, prep=False, scale=scale,
+        block_v=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return o
+
+
+def _decode_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``[bs, H(, D)]`` as ``[bs, 1, H(, D)]``."""
+    return (t.stride(0), 0, *t.stride()[1:])
+
+
+def gated_delta_rule_decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Triton launcher of ``gated_delta_rule_decode``: one token per lane (``q, k [bs, H,
+    Dk]``, ``v [bs, H, Dv]``, ``g, beta [bs, H]``); slot states updated in place. Returns ``o
+    [bs, H, Dv]``. With ``out`` given: no allocation, no host read."""
+    bs = _check_slots(slots, ssm_state.device)
+    _check_rule(q, k, v, g, beta, ssm_state, (bs,))
+    o = torch.empty_like(v) if out is None else out
+    _check_shape("out", o, v.shape)
+    _launch_rule(
+        (q, k, v), tuple(_decode_strides(t) for t in (q, k, v)), (g, beta),
+        tuple(_decode_strides(t) for t in (g, beta)), o, _decode_strides(o), ssm_state, slots,
+        seq_len=1, cu=None, init=None, scratch=None, write_final=True, prep=False, scale=scale,
+        block_v=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return o
+
+
+def gated_delta_rule_verify_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    state_scratch: torch.Tensor,
+    scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Triton launcher of ``gated_delta_rule_verify``: ``T`` tokens per lane (``q, k [bs, T, H,
+    Dk]``, ``v [bs, T, H, Dv]``, ``g, beta [bs, T, H]``); ``state_scratch [bs, T, H, Dk, Dv]``
+    receives the state after every token; slots only read. Returns ``o [bs, T, H, Dv]``."""
+    bs = _check_slots(slots, ssm_state.device)
+    t = q.shape[1] if q.dim() == 4 else 0
+    _check_rule(q, k, v, g, beta, ssm_state, (bs, t))
+    _check_device(ssm_state.device, state_scratch=state_scratch)
+    _check_shape("state_scratch", state_scratch, (bs, t, *ssm_state.shape[1:]))
+    o = torch.empty_like(v) if out is None else out
+    _check_shape("out", o, v.shape)
+    _launch_rule(
+        (q, k, v), tuple(_bthd(x, True) for x in (q, k, v)), (g, beta),
+        tuple(_bthd(x, True) for x in (g, beta)), o, _bthd(o, True), ssm_state, slots,
+        seq_len=t, cu=None, init=None, scratch=state_scratch, write_final=False, prep=False,
+        scale=scale, block_v=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return o
+
+
+def gdn_forward_triton(
+    mode: str,
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    *,
+    conv_scratch: torch.Tensor | None = None,
+    ssm_scratch: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    out: torch.Tensor | None = None,
+    conv_out: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Triton launcher of ``gdn_forward``: two launches (conv; SiLU + L2 norm + delta rule).
+
+    Arguments as ``gdn_reference.gdn_forward`` (``chunk_size`` is accepted and ignored: the
+    extend kernel is the recurrent form). ``conv_out [T, conv_dim]`` (``mixed_qkv``'s dtype)
+    holds the conv output between the two kernels and ``out [T, H, Dv]`` receives the result;
+    with both given, decode and verify allocate nothing and read nothing on the host (the
+    CUDA-graph path). Returns ``out``.
+    """
+    del chunk_size
+    _, h, dk, dv = ssm_state.shape
+    n, conv_dim = mixed_qkv.shape
+    if conv_dim != h * (2 * dk + dv):
+        raise ValueError(f"conv_dim {conv_dim} != H * (2 Dk + Dv) = {h * (2 * dk + dv)}")
+    _check_conv(conv_dim, conv_weight, conv_state)
+    bs = _check_slots(slots, ssm_state.device)
+    _check_device(ssm_state.device, mixed_qkv=mixed_qkv, g=g, beta=beta, out=out)
+    _check_device(ssm_state.device, conv_out=conv_out, conv_state=conv_state)
+    _check_shape("g", g, (n, h))
+    _check_shape("beta", beta, (n, h))
+    y = torch.empty_like(mixed_qkv) if conv_out is None else conv_out
+    _check_shape("conv_out", y, mixed_qkv.shape)
+    if y.dtype != mixed_qkv.dtype:
+        raise ValueError(f"conv_out dtype {y.dtype} != mixed_qkv dtype {mixed_qkv.dtype}")
+    o = mixed_qkv.new_empty(n, h, dv) if out is None else out
+    _check_shape("out", o, (n, h, dv))
+
+    cu = init = None
+    write_final = True
+    if mode == "extend":
+        if cu_seqlens is None:
+            raise ValueError("gdn_forward: extend needs cu_seqlens")
+        cu, max_len = _cu_seqlens(cu_seqlens, bs, ssm_state.device, max_seqlen)
+        init = _init_flags(has_initial_state, bs, ssm_state.device)
+        tv = 0
+    elif mode == "decode":
+        if n != bs:
+            raise ValueError(f"gdn_forward: decode needs T == bs, got {n}, {bs}")
+        tv = max_len = 1
+    elif mode == "verify":
+        if conv_scratch is None or ssm_scratch is None:
+            raise ValueError("gdn_forward: verify needs conv_scratch and ssm_scratch")
+        tv = ssm_scratch.shape[1] if ssm_scratch.dim() == 5 else -1
+        if n != bs * tv:
+            raise ValueError(f"gdn_forward: verify needs T == bs * Tv = {bs} * {tv}, got {n}")
+        _check_shape("conv_scratch", conv_scratch, (bs, tv, *conv_state.shape[1:]))
+        _check_shape("ssm_scratch", ssm_scratch, (bs, tv, *ssm_state.shape[1:]))
+        _check_device(ssm_state.device, conv_scratch=conv_scratch, ssm_scratch=ssm_scratch)
+        max_len = tv
+        write_final = False
+    else:
+        raise ValueError(f"gdn_forward: mode must be extend, decode or verify, got {mode!r}")
+
+    # rows: ragged (extend) or request-major with tv rows per request (decode: tv = 1)
+    xs, ys = mixed_qkv.stride(0), y.stride(0)
+    fixed = cu is None
+    _launch_conv(
+        mixed_qkv, (xs * tv, xs, mixed_qkv.stride(1)), conv_weight, conv_state, slots, y,
+        (ys * tv, ys, y.stride(1)), seq_len=tv, max_len=max_len, cu=cu, init=init,
+        scratch=conv_scratch if mode == "verify" else None, write_final=write_final,
+        block_d=None,
+    )  # fmt: skip
+    hk = h * dk
+    q = y[:, :hk].unflatten(1, (h, dk))
+    k = y[:, hk : 2 * hk].unflatten(1, (h, dk))
+    v = y[:, 2 * hk :].unflatten(1, (h, dv))
+
+    def rows(t: torch.Tensor) -> tuple[int, ...]:
+        s = tuple(t.stride())
+        return (s[0] * tv, *s) if fixed else (0, *s)
+
+    _launch_rule(
+        (q, k, v), (rows(q), rows(k), rows(v)), (g, beta), (rows(g), rows(beta)), o, rows(o),
+        ssm_state, slots, seq_len=tv, cu=cu, init=init,
+        scratch=ssm_scratch if mode == "verify" else None, write_final=write_final, prep=True,
+        scale=None, block_v=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return o
+
+
+# ---------------------------------------------------------------------------------------------
+# torch references and public entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def _reference():
+    """The torch reference module (``unimem.state.gdn_reference``), imported on first use.
+
+    It is the one place this package reaches above itself: the reference is pure torch and
+    belongs with its kernels; once it lives in ``unimem_kernel`` this import is the only line
+    to change."""
+    from unimem.state import gdn_reference
+
+    return gdn_reference
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def causal_conv1d_extend(
+    x, weight, conv_state, slots, cu_seqlens, has_initial_state=None, *, out=None
+) -> torch.Tensor:
+    """Triton on CUDA (see ``causal_conv1d_extend_triton``), else the reference."""
+    if use_triton(conv_state):
+        return causal_conv1d_extend_triton(
+            x, weight, conv_state, slots, cu_seqlens, has_initial_state, out=out
+        )
+    ref = _reference().causal_conv1d_extend
+    return _into(out, ref(x, weight, conv_state, slots, cu_seqlens, has_initial_state))
+
+
+def causal_conv1d_decode(x, weight, conv_state, slots, *, out=None) -> torch.Tensor:
+    """Triton on CUDA (see ``causal_conv1d_decode_triton``), else the reference."""
+    if use_triton(conv_state):
+        return causal_conv1d_decode_triton(x, weight, conv_state, slots, out=out)
+    return _into(out, _reference().causal_conv1d_decode(x, weight, conv_state, slots))
+
+
+def causal_conv1d_verify(x, weight, conv_state, slots, state_scratch, *, out=None):
+    """Triton on CUDA (see ``causal_conv1d_verify_triton``), else the reference."""
+    if use_triton(conv_state):
+        return causal_conv1d_verify_triton(x, weight, conv_state, slots, state_scratch, out=out)
+    ref = _reference().causal_conv1d_verify
+    return _into(out, ref(x, weight, conv_state, slots, state_scratch))
+
+
+def gated_delta_rule_extend(
+    q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state=None, scale=None, *, out=None
+) -> torch.Tensor:
+    """Triton on CUDA (recurrent form, see ``gated_delta_rule_extend_triton``), else the
+    reference (chunked form)."""
+    args = (q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state, scale)
+    if use_triton(ssm_state):
+        return gated_delta_rule_extend_triton(*args, out=out)
+    return _into(out, _reference().gated_delta_rule_extend(*args))
+
+
+def gated_delta_rule_decode(q, k, v, g, beta, ssm_state, slots, scale=None, *, out=None):
+    """Triton on CUDA (see ``gated_delta_rule_decode_triton``), else the reference."""
+    args = (q, k, v, g, beta, ssm_state, slots, scale)
+    if use_triton(ssm_state):
+        return gated_delta_rule_decode_triton(*args, out=out)
+    return _into(out, _reference().gated_delta_rule_decode(*args))
+
+
+def gated_delta_rule_verify(
+    q, k, v, g, beta, ssm_state, slots, state_scratch, scale=None, *, out=None
+) -> torch.Tensor:
+    """Triton on CUDA (see ``gated_delta_rule_verify_triton``), else the reference."""
+    args = (q, k, v, g, beta, ssm_state, slots, state_scratch, scale)
+    if use_triton(ssm_state):
+        return gated_delta_rule_verify_triton(*args, out=out)
+    return _into(out, _reference().gated_delta_rule_verify(*args))
+
+
+def gdn_forward(
+    mode: str,
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    *,
+    conv_scratch: torch.Tensor | None = None,
+    ssm_scratch: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    out: torch.Tensor | None = None,
+    conv_out: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
+    """The GDN mixer core, drop-in for ``gdn_reference.gdn_forward``: Triton on CUDA tensors
+    (``gdn_forward_triton``; ``out``/``conv_out`` make decode and verify allocation-free; a
+    device ``cu_seqlens`` with ``max_seqlen`` spares extend a host-to-device copy), the
+    reference otherwise (``conv_out`` and ``max_seqlen`` unused there)."""
+    if use_triton(ssm_state):
+        return gdn_forward_triton(
+            mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
+            conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
+            has_initial_state=has_initial_state, out=out, conv_out=conv_out,
+            max_seqlen=max_seqlen,
+        )  # fmt: skip
+    ref = _reference()
+    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
+    result = ref.gdn_forward(
+        mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
+        conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
+        has_initial_state=has_initial_state, **kwargs,
+    )  # fmt: skip
+    return _into(out, result)
