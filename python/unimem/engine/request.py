@@ -22,6 +22,10 @@ class Request:
     memory. The next forward of the request consumes ``tokens[kv_len:]``; when that reaches
     the end, its last logits give the next output token. A retracted request keeps its output
     and recomputes from ``kv_len = 0`` when readmitted.
+
+    With chain speculative decoding, ``verify_steps`` counts its verify steps and
+    ``verified_tokens`` the tokens they committed (``accepted + 1`` each, counted before
+    truncation at ``max_new_tokens``): their ratio is the request's accept length.
     """
 
     rid: int
@@ -33,6 +37,8 @@ class Request:
     kv_len: int = 0
     retractions: int = 0
     forward_steps: int = 0
+    verify_steps: int = 0
+    verified_tokens: int = 0
 
     @property
     def tokens(self) -> list[int]:

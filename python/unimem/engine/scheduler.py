@@ -5,6 +5,14 @@ Policy (deterministic: the same requests and the same capacity give the same bat
 - Each step is either an *extend* batch (requests with more than one pending token: prompts,
   in chunks of at most ``chunk_size`` tokens in total per step) or a *decode* batch (every
   running request with exactly one pending token). Extend goes first.
+- Chain speculative decoding (``gamma`` given): the decode batch becomes a *verify* batch:
+  every running request verifies ``gamma + 1`` tokens from its anchor (its one pending
+  token), and its pages are grown to ``kv_len + gamma + 1`` tokens first (the write window,
+  reserved ahead, page-granular; nothing is freed when drafts are rejected). A request that
+  already has output extends only up to its anchor (``num_tokens - 1``) and samples nothing:
+  a retracted request is rebuilt to exactly the state it had, so its next verify step is
+  the one it would have run anyway (verify counts do not depend on retraction). A request
+  without output extends its whole prompt and samples its first token from the prefill.
 - Admission, FIFO: a waiting request is admitted when fewer than ``max_running`` run and the
   pool can hold its first chunk; the pool says so by returning its memory or None.
 - Before a forward, every request of the batch grows to cover the tokens the step writes. If
@@ -26,8 +34,9 @@ from unimem.memory.pool import MemoryPool
 
 @dataclass
 class Batch:
-    """One forward: ``mode`` "extend" or "decode"; request ``reqs[i]`` consumes
-    ``lens[i]`` tokens starting at its ``kv_len``."""
+    """One forward: ``mode`` "extend", "decode" or "verify"; request ``reqs[i]`` consumes
+    ``lens[i]`` tokens starting at its ``kv_len`` (verify: its write window of ``gamma + 1``
+    tokens, of which the step commits ``accepted + 1``)."""
 
     mode: str
     reqs: list[Request]
@@ -39,11 +48,16 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, pool: MemoryPool, max_running: int, chunk_size: int) -> None:
+    def __init__(
+        self, pool: MemoryPool, max_running: int, chunk_size: int, gamma: int | None = None
+    ) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if gamma is not None and gamma < 1:
+            raise ValueError(f"gamma must be >= 1 (or None without speculation), got {gamma}")
+        self.gamma = gamma
         self.pool = pool
         self.max_running = max_running
         self.chunk_size = chunk_size
@@ -66,7 +80,7 @@ class Scheduler:
         """The next forward to run, with memory for it already reserved; None when idle."""
         self._admit()
         while self.running:
-            prefill = [r for r in self.running if r.pending > 1]
+            prefill = [r for r in self.running if self._needs_extend(r)]
             batch = self._extend_batch(prefill) if prefill else self._decode_batch()
             targets = [(r.mem, r.kv_len + n) for r, n in zip(batch.reqs, batch.lens, strict=True)]
             if self.pool.grow(targets):
@@ -85,6 +99,22 @@ class Scheduler:
             req.forward_steps += 1
             if tok is not None:
                 req.output.append(tok)
+        self._end_step(batch)
+
+    def complete_verify(self, batch: Batch, committed: list[list[int]]) -> None:
+        """Account a verify step: ``committed[i]`` are the ``accepted + 1`` tokens request
+        ``i`` committed (accepted drafts, then the bonus). Its length advances by that many
+        (the anchor and the accepted drafts are now in memory; the bonus is the next anchor);
+        output beyond ``max_new_tokens`` is dropped. Then as :meth:`complete`."""
+        for req, toks in zip(batch.reqs, committed, strict=True):
+            req.kv_len += len(toks)
+            req.forward_steps += 1
+            req.verify_steps += 1
+            req.verified_tokens += len(toks)
+            req.output.extend(toks[: req.max_new_tokens - len(req.output)])
+        self._end_step(batch)
+
+    def _end_step(self, batch: Batch) -> None:
         done = [r for r in batch.reqs if r.finished]
         self.pool.retire_swa([(r.mem, r.kv_len) for r in batch.reqs if not r.finished])
         if done:
@@ -101,7 +131,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running and not self._admission_paused:
             req = self.waiting[0]
-            mem = self.pool.admit(min(req.pending, self.chunk_size))
+            mem = self.pool.admit(min(self._extend_len(req), self.chunk_size))
             if mem is None:
                 return
             self.waiting.popleft()
@@ -109,19 +139,40 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
+    def _needs_extend(self, r: Request) -> bool:
+        """Whether ``r``'s next forward is an extend: without speculation, while more than
+        one token is pending; with it, until it holds :meth:`_spec_extend_end` tokens."""
+        if self.gamma is None:
+            return r.pending > 1
+        return r.kv_len < self._spec_extend_end(r)
+
+    @staticmethod
+    def _spec_extend_end(r: Request) -> int:
+        """With speculation, the tokens ``r`` holds before it verifies: all when it has no
+        output yet (the prefill samples its first token), else all but its anchor."""
+        return r.num_tokens - 1 if r.output else r.num_tokens
+
     def _extend_batch(self, prefill: list[Request]) -> Batch:
         reqs, lens, budget = [], [], self.chunk_size
         for r in prefill:
             if budget == 0:
                 break
-            n = min(r.pending, budget)
+            n = min(self._extend_len(r), budget)
             reqs.append(r)
             lens.append(n)
             budget -= n
         return Batch("extend", reqs, lens)
 
+    def _extend_len(self, r: Request) -> int:
+        """Tokens an extend of ``r`` has left to consume: up to the end of its tokens without
+        speculation (the last chunk samples), up to :meth:`_spec_extend_end` with it."""
+        return r.pending if self.gamma is None else self._spec_extend_end(r) - r.kv_len
+
     def _decode_batch(self) -> Batch:
-        return Batch("decode", list(self.running), [1] * len(self.running))
+        reqs = list(self.running)
+        if self.gamma is None:
+            return Batch("decode", reqs, [1] * len(reqs))
+        return Batch("verify", reqs, [self.gamma + 1] * len(reqs))
 
     def _retract_newest(self) -> None:
         req = self.running.pop()

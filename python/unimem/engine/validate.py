@@ -5,6 +5,16 @@ policy. The static run uses fixed pools sized so that every running request fits
 length (the oracle); the unified run uses one arena of ``arena_mb`` (default: the same bytes
 as the static pools) — a small arena forces compaction and retraction. The report says how
 many requests produced identical output ids, and compares throughput and memory.
+
+With ``spec="dspark"`` both runs decode by chain speculation (a seeded DSPARK drafter whose
+layers live in draft lanes of the pools' pages, ``gamma`` drafts per step). A non-speculative
+run on static memory goes first: its outputs (``gamma`` tokens longer than asked, so every
+drafted position has a reference) drive the acceptance control (``accept_rate``) and are what
+the speculative outputs must equal. The report adds, per mode, verify steps and accept length
+(committed tokens per verify step), and across modes how many requests had the same verify
+count, the same accept length, and speculative output equal to the non-speculative output —
+listing any that differ with the first differing position and the target's top-2 logit margin
+there (a near-tie explains a flip; anything else is a bug).
 """
 
 from __future__ import annotations
@@ -12,17 +22,21 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from unimem.engine.config import HybridConfig, memory_spec, preset
 from unimem.engine.engine import Engine
 from unimem.engine.model import HybridModel
+from unimem.engine.speculative import draft_config_for
 from unimem.memory.pool import MemoryPool, pages_for
-from unimem.memory.spec import LayerKind
+from unimem.memory.spec import DraftLane, LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
+from unimem.spec.chain import DsparkChain
+from unimem.spec.control import AcceptanceControl
+from unimem.spec.drafter import DsparkDrafter
 
 MB = 1 << 20
 
@@ -40,11 +54,33 @@ class ValidateConfig:
     max_running: int = 8
     chunk_size: int = 128
     backend: str = "torch"
+    spec: str = "none"
+    gamma: int = 7
+    accept_rate: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.spec not in SPEC_MODES:
+            raise ValueError(f"spec must be one of {SPEC_MODES}, got {self.spec!r}")
+        if self.spec != "none":
+            if not isinstance(self.gamma, int) or self.gamma < 1:
+                raise ValueError(f"gamma must be an int >= 1, got {self.gamma!r}")
+            if not 0.0 <= self.accept_rate <= 1.0:
+                raise ValueError(f"accept rate must be in [0, 1], got {self.accept_rate!r}")
+
+    @property
+    def window(self) -> int:
+        """Tokens a request's write window reaches past its last token (``gamma`` with
+        speculation, else 0)."""
+        return self.gamma if self.spec != "none" else 0
+
+
+SPEC_MODES = ("none", "dspark")
 
 
 @dataclass
 class RunResult:
-    """One memory mode's run."""
+    """One memory mode's run. ``verify_steps`` / ``verified_tokens`` (per request) are empty
+    without speculation."""
 
     outputs: dict[int, list[int]]
     output_tokens: int
@@ -55,6 +91,14 @@ class RunResult:
     compactions: int = 0
     retractions: int = 0
     forward_steps: dict[int, int] = field(default_factory=dict)
+    verify_steps: dict[int, int] = field(default_factory=dict)
+    verified_tokens: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def accept_length(self) -> float:
+        """Committed tokens per verify step, over all requests (0 without verify steps)."""
+        steps = sum(self.verify_steps.values())
+        return sum(self.verified_tokens.values()) / steps if steps else 0.0
 
     def summary(self, with_arena_stats: bool) -> dict:
         out = {
@@ -68,6 +112,9 @@ class RunResult:
         if with_arena_stats:
             out["compactions"] = self.compactions
             out["retractions"] = self.retractions
+        if self.verify_steps:
+            out["verify_steps"] = sum(self.verify_steps.values())
+            out["accept_length"] = self.accept_length
         return out
 
 
@@ -78,19 +125,29 @@ def make_prompts(cfg: ValidateConfig, vocab_size: int) -> list[list[int]]:
     return ids.tolist()
 
 
-def static_pool(cfg: ValidateConfig, model_cfg: HybridConfig, device: torch.device) -> StaticMemory:
-    """Pools sized so that ``max_running`` requests all fit at their full length."""
-    spec = memory_spec(model_cfg, cfg.page_size)
-    total = cfg.input_len + cfg.output_len
+def static_pool(
+    cfg: ValidateConfig,
+    model_cfg: HybridConfig,
+    device: torch.device,
+    draft_lanes: tuple[DraftLane, ...] = (),
+) -> StaticMemory:
+    """Pools sized so that ``max_running`` requests all fit at their full length (plus the
+    write window with speculation)."""
+    spec = memory_spec(model_cfg, cfg.page_size, draft_lanes)
+    total = cfg.input_len + cfg.output_len + cfg.window
     per_req = pages_for(total, cfg.page_size)
     n = cfg.max_running * per_req
     return StaticMemory(spec, n, n, cfg.max_running, cfg.max_running, model_cfg.max_context, device)
 
 
 def unified_pool(
-    cfg: ValidateConfig, model_cfg: HybridConfig, device: torch.device, default_bytes: int
+    cfg: ValidateConfig,
+    model_cfg: HybridConfig,
+    device: torch.device,
+    default_bytes: int,
+    draft_lanes: tuple[DraftLane, ...] = (),
 ) -> UnifiedMemory:
-    spec = memory_spec(model_cfg, cfg.page_size)
+    spec = memory_spec(model_cfg, cfg.page_size, draft_lanes)
     arena = int(cfg.arena_mb * MB) if cfg.arena_mb is not None else default_bytes
     return UnifiedMemory(spec, arena, cfg.max_running, model_cfg.max_context, device)
 
@@ -114,8 +171,10 @@ def run_one(
     prompts: list[list[int]],
     label: str,
     progress: bool,
+    chain: DsparkChain | None = None,
 ) -> RunResult:
-    engine = Engine(model, pool, make_backend(cfg.backend), cfg.max_running, cfg.chunk_size)
+    backend = make_backend(cfg.backend)
+    engine = Engine(model, pool, backend, cfg.max_running, cfg.chunk_size, chain=chain)
     for p in prompts:
         engine.submit(p, cfg.output_len)
     total = len(prompts) * cfg.output_len
@@ -137,6 +196,8 @@ def run_one(
         compactions=pool.stats.compactions,
         retractions=engine.scheduler.retractions,
         forward_steps={r.rid: r.forward_steps for r in done},
+        verify_steps={r.rid: r.verify_steps for r in done} if chain else {},
+        verified_tokens={r.rid: r.verified_tokens for r in done} if chain else {},
     )
 
 
@@ -147,9 +208,15 @@ def _all(engine: Engine):
 
 def compare(static: RunResult, unified: RunResult) -> list[dict]:
     """Requests whose outputs differ, with the first differing position."""
+    return compare_outputs(static.outputs, unified.outputs)
+
+
+def compare_outputs(expected: dict[int, list[int]], got: dict[int, list[int]]) -> list[dict]:
+    """Requests of ``expected`` whose output in ``got`` differs, with the first differing
+    position."""
     diffs = []
-    for rid, a in static.outputs.items():
-        b = unified.outputs.get(rid)
+    for rid, a in expected.items():
+        b = got.get(rid)
         if a != b:
             pairs = zip(a, b or [], strict=False)
             first = next((i for i, (x, y) in enumerate(pairs) if x != y), len(b or []))
@@ -164,6 +231,8 @@ def validate(cfg: ValidateConfig, progress: bool = False) -> dict:
     model_cfg = preset(cfg.preset)
     model = HybridModel(model_cfg, seed=cfg.seed, device=device)
     prompts = make_prompts(cfg, model_cfg.vocab_size)
+    if cfg.spec == "dspark":
+        return _validate_dspark(cfg, model, prompts, progress)
     static = static_pool(cfg, model_cfg, device)
     unified = unified_pool(cfg, model_cfg, device, static.stats.capacity_bytes + _header(static))
     res_s = run_one(model, static, cfg, prompts, "static ", progress)
@@ -176,6 +245,92 @@ def validate(cfg: ValidateConfig, progress: bool = False) -> dict:
         "mismatches": diffs,
         "static": res_s.summary(with_arena_stats=False),
         "unified": res_u.summary(with_arena_stats=True),
+    }
+
+
+def _validate_dspark(
+    cfg: ValidateConfig, model: HybridModel, prompts: list[list[int]], progress: bool
+) -> dict:
+    model_cfg, device = model.config, model.embed.device
+    # 1. the non-speculative reference, gamma tokens longer so that every drafted position
+    #    of the speculative runs has a reference token
+    ref_cfg = replace(cfg, spec="none", output_len=cfg.output_len + cfg.gamma)
+    res_ref = run_one(
+        model, static_pool(ref_cfg, model_cfg, device), ref_cfg, prompts, "reference", progress
+    )
+    references = {rid: prompts[rid] + out for rid, out in res_ref.outputs.items()}
+    # 2. the same requests by chain speculation, through static and unified memory
+    drafter = DsparkDrafter(
+        draft_config_for(model_cfg), model.embed, model.lm_head, seed=cfg.seed + 17
+    )
+    control = AcceptanceControl(cfg.accept_rate, cfg.seed, references, device)
+    chain = DsparkChain(drafter, cfg.gamma, control)
+    lanes = drafter.config.lanes()
+    static = static_pool(cfg, model_cfg, device, lanes)
+    default_bytes = static.stats.capacity_bytes + _header(static)
+    unified = unified_pool(cfg, model_cfg, device, default_bytes, lanes)
+    res_s = run_one(model, static, cfg, prompts, "static ", progress, chain)
+    res_u = run_one(model, unified, cfg, prompts, "unified", progress, chain)
+    diffs = compare(res_s, res_u)
+    expected = {rid: out[: cfg.output_len] for rid, out in res_ref.outputs.items()}
+    runs = {"static": res_s.outputs, "unified": res_u.outputs}
+    spec_diffs = spec_mismatches(model, prompts, expected, runs)
+    off_ref = {d["rid"] for d in spec_diffs}
+    rids = list(res_s.outputs)
+    return {
+        "config": asdict(cfg),
+        "requests": len(prompts),
+        "exact_match": len(prompts) - len(diffs),
+        "mismatches": diffs,
+        "verify_counts_match": sum(
+            res_s.verify_steps[r] == res_u.verify_steps.get(r) for r in rids
+        ),
+        "accept_lengths_match": sum(
+            res_s.verified_tokens[r] == res_u.verified_tokens.get(r) for r in rids
+        ),
+        "spec_matches_reference": len(prompts) - len(off_ref),
+        "spec_mismatches": spec_diffs,
+        "reference": res_ref.summary(with_arena_stats=False),
+        "static": res_s.summary(with_arena_stats=False),
+        "unified": res_u.summary(with_arena_stats=True),
+    }
+
+
+def spec_mismatches(
+    model: HybridModel,
+    prompts: list[list[int]],
+    expected: dict[int, list[int]],
+    runs: dict[str, dict[int, list[int]]],
+) -> list[dict]:
+    """Requests (rid = prompt index) whose output in a speculative run (``runs[label]``)
+    differs from the non-speculative ``expected`` output: the first differing output position,
+    both tokens there, and the dense oracle's top-2 tokens and logit margin after the common
+    prefix (a near-tie explains a flipped token; a clear margin means a bug)."""
+    out = []
+    for label, outputs in runs.items():
+        for d in compare_outputs(expected, outputs):
+            rid, first = d["rid"], d["first_diff"]
+            d["mode"] = label
+            d["spec_token"] = _at(outputs.get(rid, []), first)
+            d["reference_token"] = _at(expected[rid], first)
+            d.update(_margin(model, prompts[rid] + expected[rid][:first]))
+            out.append(d)
+    return out
+
+
+def _at(tokens: list[int], i: int) -> int | None:
+    return tokens[i] if i < len(tokens) else None
+
+
+def _margin(model: HybridModel, prefix: list[int]) -> dict:
+    """The target's choice after ``prefix`` by the dense oracle: its top-2 tokens and the
+    logit margin between them (a near-tie explains a flipped token)."""
+    ids = torch.tensor(prefix, dtype=torch.long)
+    logits = model.reference_forward([ids])[0][-1]
+    top = torch.topk(logits.double(), 2)
+    return {
+        "oracle_top2": [int(i) for i in top.indices],
+        "logit_margin": float(top.values[0] - top.values[1]),
     }
 
 
@@ -196,10 +351,38 @@ def format_table(report: dict) -> str:
         ("compactions", "-", u["compactions"]),
         ("retractions", "-", u["retractions"]),
     ]
+    if "verify_steps" in s:
+        rows += [
+            ("verify steps", s["verify_steps"], u["verify_steps"]),
+            ("accept length", f"{s['accept_length']:.3f}", f"{u['accept_length']:.3f}"),
+        ]
     w = [max(len(str(r[i])) for r in rows) for i in range(3)]
     lines = [f"{str(a):<{w[0]}}  {str(b):>{w[1]}}  {str(c):>{w[2]}}" for a, b, c in rows]
-    lines.append(f"exact match: {report['exact_match']}/{report['requests']} requests")
+    n = report["requests"]
+    lines.append(f"exact match: {report['exact_match']}/{n} requests")
+    if "verify_counts_match" in report:
+        ref = report["reference"]
+        lines.append(f"verify counts match: {report['verify_counts_match']}/{n} requests")
+        lines.append(f"accept lengths match: {report['accept_lengths_match']}/{n} requests")
+        lines.append(
+            f"speculative == non-speculative: {report['spec_matches_reference']}/{n} requests "
+            f"(reference run: {ref['steps']} steps, {ref['throughput_tok_s']:.1f} tok/s)"
+        )
+        for d in report["spec_mismatches"]:
+            lines.append(
+                f"  {d['mode']} rid {d['rid']}: first differs at output {d['first_diff']} "
+                f"(spec {d['spec_token']}, reference {d['reference_token']}, oracle top-2 "
+                f"{d['oracle_top2']}, logit margin {d['logit_margin']:.3g})"
+            )
     return "\n".join(lines)
+
+
+def passed(report: dict) -> bool:
+    """Whether every request matched: static vs unified output (and, with speculation, verify
+    counts, accept lengths and the non-speculative output)."""
+    n = report["requests"]
+    keys = ("exact_match", "verify_counts_match", "accept_lengths_match", "spec_matches_reference")
+    return all(report[k] == n for k in keys if k in report)
 
 
 def write_json(report: dict, path: str) -> None:

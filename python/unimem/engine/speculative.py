@@ -1,0 +1,169 @@
+"""The drafter's side of a DSPARK step over a pool: draft lanes, draft metadata, context K/V.
+
+:class:`DraftRunner` connects a :class:`~unimem.spec.drafter.DsparkDrafter` to the pool's
+draft lanes. It owns a second :class:`MetadataBuilder` (the draft pass's metadata must stay
+valid next to the target verify's) and nothing else; the drafter's K/V live in the draft
+lanes of the target's own pages, reached through the pool's per-lane views.
+
+- :meth:`DraftRunner.propose`: one block forward of ``gamma`` queries per request at
+  positions ``kv_len .. kv_len + gamma - 1`` (verify-style metadata of ``gamma`` tokens), its
+  K/V written into the draft lanes at those positions; tokens picked left to right, with the
+  acceptance control applied to each column as it is chosen.
+- :meth:`DraftRunner.write_context`: context K/V projected from the target's captured hidden
+  states, stored at a step's write slots — every token of a prefill, or only the committed
+  rows of a verify (the other rows are redirected to the sink slot 0, which stores zeros:
+  a fixed-shape, sync-free masked write).
+
+:func:`draft_config_for` is the default drafter shape for a target configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from unimem.attention.backend import AttentionBackend
+from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
+from unimem.engine.config import HybridConfig
+from unimem.memory.pool import MemoryPool
+from unimem.memory.spec import LayerKind
+from unimem.spec.chain import DsparkChain
+from unimem.spec.drafter import DraftConfig
+
+__all__ = ["DraftRunner", "draft_config_for"]
+
+
+def draft_config_for(
+    config: HybridConfig,
+    num_layers: int = 2,
+    markov_rank: int = 16,
+) -> DraftConfig:
+    """A drafter for ``config``: ``num_layers`` layers alternating FULL and SWA hosts (only
+    the kinds the target has), SWA window half the target's, the target's head shapes and
+    dtype, context from three target layers (low, middle, last)."""
+    has = set(config.layer_pattern)
+    kinds = [k for k in ("full", "swa") if k in has]
+    if not kinds:
+        raise ValueError("a DSPARK drafter needs a target with FULL or SWA layers to host it")
+    hosts = tuple(kinds[j % len(kinds)] for j in range(num_layers))
+    n = config.num_layers
+    targets = tuple(sorted({min(1, n - 1), n // 2, n - 1}))
+    return DraftConfig(
+        vocab_size=config.vocab_size,
+        d_model=config.d_model,
+        layer_hosts=hosts,
+        target_layers=targets,
+        n_q_heads=config.n_q_heads,
+        n_kv_heads=config.n_kv_heads,
+        head_dim_k=config.head_dim_k,
+        head_dim_v=config.head_dim_v,
+        ffn_dim=config.ffn_dim,
+        window=max(1, config.window // 2) if "swa" in hosts else None,
+        markov_rank=markov_rank,
+        rope_theta=config.rope_theta,
+        rms_eps=config.rms_eps,
+        dtype=config.dtype,
+    )
+
+
+class DraftRunner:
+    """Runs ``chain.drafter`` over ``pool``'s draft lanes with ``backend`` (module docstring).
+
+    ``max_bs`` requests per step. The pool's spec must carry exactly the drafter's lanes
+    (``memory_spec(config, page_size, draft_lanes=drafter.config.lanes())``).
+    """
+
+    def __init__(
+        self, chain: DsparkChain, pool: MemoryPool, backend: AttentionBackend, max_bs: int
+    ) -> None:
+        dc = chain.drafter.config
+        if pool.spec.draft_lanes != dc.lanes():
+            raise ValueError(
+                "the pool's MemorySpec.draft_lanes are not the drafter's lanes: build the pool "
+                "with memory_spec(config, page_size, draft_lanes=drafter.config.lanes())"
+            )
+        self.chain = chain
+        self.drafter = chain.drafter
+        self.pool = pool
+        self.backend = backend
+        self.gamma = chain.gamma
+        self.lanes = [
+            (lane.host, pool.spec.lane_of_draft(j), dc.layer_window(j))
+            for j, lane in enumerate(pool.spec.draft_lanes)
+        ]
+        self.builder = MetadataBuilder(
+            max_bs=max_bs,
+            max_pages_per_req=pool.max_pages_per_request,
+            max_tokens=max_bs * chain.gamma,
+            page_size=pool.page_size,
+            swa=pool.spec.has(LayerKind.SWA),
+            device=pool.device,
+        )
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """Target layers whose hidden states the context K/V are projected from."""
+        return self.drafter.config.target_layers
+
+    def propose(
+        self,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        anchors: torch.Tensor,
+        rids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Draft tokens ``[bs, gamma]`` (int64) for requests at request-table ``rows`` with
+        committed lengths ``seq_lens`` and anchors ``anchors`` (the token at ``seq_lens``);
+        ``rids`` key the acceptance control. Writes the block's K/V into the draft lanes at
+        positions ``seq_lens .. seq_lens + gamma - 1``; reads nothing on the host."""
+        pool = self.pool
+        meta = self.builder.verify(
+            pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p, gamma=self.gamma - 1
+        )
+
+        def attend(j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kind, lane, window = self.lanes[j]
+            k_cache, v_cache = pool.kv_cache(kind, lane)
+            return self.backend.forward(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta,
+                swa=kind is LayerKind.SWA,
+                window=window,
+                scale=q.shape[-1] ** -0.5,
+            )
+
+        replace = None
+        control = self.chain.control
+        if control is not None:
+            base = seq_lens.long()
+
+            def replace(i: int, tokens: torch.Tensor) -> torch.Tensor:
+                # column i proposes the token at position seq_len + i + 1
+                return control.apply(tokens, rids, base + (i + 1))
+
+        return self.drafter.propose(anchors, meta.positions, attend, replace)
+
+    def write_context(
+        self,
+        hidden: dict[int, torch.Tensor],
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        """Store context K/V for the tokens of ``meta`` (a target step's metadata: their
+        positions and write slots) projected from ``hidden[i] [T, d_model]``, the target's
+        residual stream after each of :attr:`target_layers`. ``keep [T]`` (bool, optional):
+        only those tokens are written; the others go to the sink slot (zeros)."""
+        kvs = self.drafter.context_kv([hidden[i] for i in self.target_layers], meta.positions)
+        if keep is not None:
+            full = torch.where(keep, meta.full_write_slots, 0)
+            swa = meta.swa_write_slots
+            swa = None if swa is None else torch.where(keep, swa, 0)
+            meta = dataclasses.replace(meta, full_write_slots=full, swa_write_slots=swa)
+        for (kind, lane, _), (k, v) in zip(self.lanes, kvs, strict=True):
+            k_cache, v_cache = self.pool.kv_cache(kind, lane)
+            self.backend.store_kv(k, v, k_cache, v_cache, meta, swa=kind is LayerKind.SWA)

@@ -1,0 +1,58 @@
+"""Greedy acceptance of a drafted chain (DESIGN §6).
+
+A verify step feeds the target ``[anchor, d_1 .. d_gamma]``; row ``j`` of its logits predicts
+the token after row ``j``, so ``target_argmax[:, j]`` is the target's greedy choice for the
+position of ``d_{j+1}`` (and ``target_argmax[:, gamma]`` the one after ``d_gamma``). The
+longest prefix of drafts equal to the target's choices is accepted, and the target's choice
+right after it is the *bonus* token: the step commits ``accepted + 1`` tokens,
+``target_argmax[b, :accepted[b] + 1]`` — exactly what greedy non-speculative decoding would
+have produced.
+
+Pure torch on device tensors: no host read, no data-dependent shape, fixed-size outputs, so it
+can be recorded in a CUDA graph with the verify step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["AcceptResult", "commit_mask", "greedy_accept"]
+
+
+class AcceptResult(NamedTuple):
+    """``accepted [bs]`` int32 in ``0..gamma``: drafts accepted (the kept verify row is
+    ``accepted``; ``accepted + 1`` tokens are committed); ``bonus [bs]`` int64: the target's
+    token after the accepted drafts (``target_argmax[b, accepted[b]]``)."""
+
+    accepted: torch.Tensor
+    bonus: torch.Tensor
+
+
+def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> AcceptResult:
+    """Longest matching prefix of ``draft [bs, gamma]`` against ``target_argmax [bs, gamma+1]``
+    plus the bonus token. Any integer dtypes; ``gamma >= 0``."""
+    if draft.dim() != 2 or target_argmax.dim() != 2:
+        raise ValueError(
+            f"need draft [bs, gamma] and target_argmax [bs, gamma + 1], got "
+            f"{tuple(draft.shape)} and {tuple(target_argmax.shape)}"
+        )
+    bs, gamma = draft.shape
+    if target_argmax.shape != (bs, gamma + 1):
+        raise ValueError(
+            f"target_argmax must be [{bs}, {gamma + 1}] for draft [{bs}, {gamma}], got "
+            f"{tuple(target_argmax.shape)}"
+        )
+    match = draft.long() == target_argmax[:, :gamma].long()
+    # cumprod keeps 1 while every earlier draft matched: its sum is the prefix length.
+    accepted = match.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
+    bonus = target_argmax.long().gather(1, accepted.long()[:, None])[:, 0]
+    return AcceptResult(accepted, bonus)
+
+
+def commit_mask(accepted: torch.Tensor, width: int) -> torch.Tensor:
+    """``[bs, width]`` bool: ``mask[b, j] = j <= accepted[b]`` — the verify rows a step
+    commits (the anchor and the accepted drafts)."""
+    cols = torch.arange(width, device=accepted.device)
+    return cols[None, :] <= accepted.long()[:, None]

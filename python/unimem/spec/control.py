@@ -1,0 +1,103 @@
+"""Acceptance control: make accept lengths reproducible in tests and benchmarks (DESIGN §6).
+
+A seeded drafter with random weights almost never agrees with the target, so every verify
+step would commit one token. The control replaces each drafted token by the *reference*
+continuation (the output of a non-speculative greedy run of the same request) with
+probability ``rate``. When the speculative output equals the reference — which is what
+validation checks — a replaced token is always accepted, so with a drafter that never agrees
+by itself the accepted prefix is geometric and the mean committed tokens per step is
+``1 + sum_{k=1..gamma} rate^k`` (``rate = 0.8``, ``gamma = 7``: 4.16). Chance agreement of
+the drafter can only raise it.
+
+The decision for the token at absolute position ``pos`` of request ``rid`` is a pure function
+of ``(seed, rid, pos)``: a 32-bit integer hash turned into a uniform draw ``u`` and compared
+with ``rate``. It does not depend on the batch, the step or the memory mode, so static and
+unified runs propose the same tokens. Positions the reference does not cover are left as
+drafted.
+
+Device-friendly: the reference tokens live in one device table indexed by ``rid`` (uploaded
+once), and :meth:`AcceptanceControl.apply` is a few elementwise ops and a gather, with no host
+read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+__all__ = ["AcceptanceControl", "uniform_draws"]
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # < 2**27: products of 32-bit values stay below 2**63 in int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) of int64 values in ``[0, 2**32)``."""
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    return (x >> 16) ^ x
+
+
+def uniform_draws(seed: int, rids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniform draws in ``[0, 1)`` (float64), one per element of the broadcast of ``rids``
+    and ``positions``; a pure function of ``(seed, rid, position)``, identical on every
+    device."""
+    x = torch.full_like(positions, seed & _M32, dtype=torch.int64)
+    x = _mix(x)
+    x = _mix(x ^ (rids.long() & _M32))
+    x = _mix(x ^ (positions.long() & _M32))
+    return x.double() / float(1 << 32)
+
+
+class AcceptanceControl:
+    """Replace drafted tokens by the reference continuation with probability ``rate``.
+
+    ``references[rid]`` is request ``rid``'s reference token sequence by absolute position
+    (prompt followed by the non-speculative output); rids are small non-negative ints.
+    ``rate`` in ``[0, 1]``: 0 never replaces (the raw drafter), 1 always does where the
+    reference is known.
+    """
+
+    def __init__(
+        self,
+        rate: float,
+        seed: int,
+        references: Mapping[int, Sequence[int]],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"AcceptanceControl.rate must be in [0, 1], got {rate!r}")
+        if any(not isinstance(r, int) or r < 0 for r in references):
+            raise ValueError("AcceptanceControl.references: rids must be non-negative ints")
+        self.rate = float(rate)
+        self.seed = int(seed)
+        rows = max(references, default=-1) + 1
+        width = max((len(t) for t in references.values()), default=0) + 1
+        table = torch.full((max(rows, 1), width), -1, dtype=torch.int32)
+        for rid, toks in references.items():
+            table[rid, : len(toks)] = torch.tensor(list(toks), dtype=torch.int32)
+        self.table = table.to(device)
+        """``[rids, width]`` int32: reference token at each position, -1 where unknown (the
+        last column is always -1, so clamped out-of-range positions read "unknown")."""
+
+    def reference(self, rids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Reference tokens (int64, -1 where unknown) at ``positions`` of requests ``rids``
+        (broadcast)."""
+        rows, width = self.table.shape
+        r = rids.long()
+        p = positions.long()
+        ok = (r >= 0) & (r < rows) & (p >= 0) & (p < width)
+        idx_r = torch.where(ok, r, 0)
+        idx_p = torch.where(ok, p, width - 1)
+        return torch.where(ok, self.table[idx_r, idx_p].long(), -1)
+
+    def apply(
+        self, tokens: torch.Tensor, rids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """``tokens`` (drafted for ``positions`` of requests ``rids``, broadcast) with each
+        replaced by the reference token where ``u(seed, rid, pos) < rate`` and the reference
+        is known. Returns a new int64 tensor."""
+        ref = self.reference(rids, positions)
+        take = (uniform_draws(self.seed, rids, positions) < self.rate) & (ref >= 0)
+        return torch.where(take, ref, tokens.long())

@@ -1,0 +1,402 @@
+"""A DSPARK-style block drafter whose K/V live in draft lanes of the target's pages (DESIGN §6).
+
+One draft forward proposes ``gamma`` tokens for a request whose committed length is ``n``
+(its anchor — the last committed token, not yet run through the target — sits at position
+``n``):
+
+* input: ``[anchor, mask, .., mask]`` (``gamma`` rows: the anchor's embedding from the
+  target's embedding table, then ``gamma - 1`` copies of a learned mask embedding) at
+  positions ``n .. n + gamma - 1``;
+* every draft layer attends causally over its **context** — positions ``< n``, whose K/V
+  were injected from the target — and over the block itself. Block row ``i`` predicts the
+  token at position ``n + i + 1``;
+* base logits: the draft's final norm, then the target's LM head (shared);
+* tokens are chosen left to right, greedily, each adding a low-rank Markov bias from the
+  previous token: ``logits_i = base_i + V @ U[prev]`` with ``prev`` the anchor for ``i = 0``.
+
+Context injection. After the target has run a position (prefill, or a committed verify row),
+the residual streams of the chosen ``target_layers`` at that position are concatenated,
+fused (``fc``, then an RMSNorm) and fed to each draft layer's own K/V projection (with RoPE at
+that position). That K/V is written into the layer's draft lane at that position; the block's
+own K/V go to the same lane at the block's positions and are overwritten by context K/V once
+those positions are committed.
+
+Memory. Each draft layer is hosted by FULL or SWA pages: :meth:`DraftConfig.lanes` gives the
+``DraftLane`` list that ``memory_spec`` puts into the target's units, so allocating a page
+for the target allocates the drafter's rows too. The drafter itself holds no memory: its
+attention is a callback (``attend(j, q, k, v)``) that stores the block's K/V in lane ``j`` and
+attends through the step's metadata, and :meth:`DsparkDrafter.context_kv` returns K/V for the
+caller to store.
+
+Weights are drawn from per-tensor generators seeded by ``(seed, name)`` (as the target's), so
+the same seed gives the same drafter on every device. Inference only.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unimem.memory.spec import AttentionLayerSpec, DraftLane, LayerKind
+
+__all__ = ["DRAFT_HOSTS", "DraftAttention", "DraftConfig", "DsparkDrafter"]
+
+DRAFT_HOSTS = ("full", "swa")
+"""Valid entries of ``DraftConfig.layer_hosts``."""
+
+DraftAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(j, q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]) -> o [T, Hq, Dv]``: store the
+block's K/V in draft layer ``j``'s lane and attend causally (window: the layer's)."""
+
+Replace = Callable[[int, torch.Tensor], torch.Tensor]
+"""``replace(i, tokens [bs]) -> tokens [bs]``: called on each block column as it is chosen
+(acceptance control); the returned tokens are proposed and condition the next column."""
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Shape of a drafter. Immutable; validated at construction (``ValueError`` naming
+    ``DraftConfig.<field>``).
+
+    ``layer_hosts[j]``: the unit kind hosting draft layer ``j`` ("full" or "swa"; an "swa"
+    layer attends a sliding ``window``). ``target_layers``: target layers (distinct indices,
+    model order not required) whose residual streams make the context. ``vocab_size`` and
+    ``d_model`` must be the target's (embedding and LM head are shared).
+    """
+
+    vocab_size: int
+    d_model: int
+    layer_hosts: tuple[str, ...]
+    target_layers: tuple[int, ...]
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    ffn_dim: int
+    window: int | None = None
+    markov_rank: int = 16
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    dtype: torch.dtype = torch.float64
+
+    def __post_init__(self) -> None:
+        for name in ("layer_hosts", "target_layers"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_q_heads",
+            "n_kv_heads",
+            "head_dim_k",
+            "head_dim_v",
+            "ffn_dim",
+            "markov_rank",
+        ):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"DraftConfig.{name} must be a positive int, got {value!r}")
+        hosts = self.layer_hosts
+        if not isinstance(hosts, tuple) or not hosts:
+            raise ValueError(f"DraftConfig.layer_hosts must be a non-empty tuple, got {hosts!r}")
+        for j, h in enumerate(hosts):
+            if h not in DRAFT_HOSTS:
+                raise ValueError(
+                    f"DraftConfig.layer_hosts[{j}] must be one of {DRAFT_HOSTS}, got {h!r}"
+                )
+        layers = self.target_layers
+        if (
+            not isinstance(layers, tuple)
+            or not layers
+            or not all(_is_int(i) and i >= 0 for i in layers)
+            or len(set(layers)) != len(layers)
+        ):
+            raise ValueError(
+                f"DraftConfig.target_layers must be a non-empty tuple of distinct layer "
+                f"indices, got {layers!r}"
+            )
+        if "swa" in hosts:
+            if not _is_int(self.window) or self.window <= 0:
+                raise ValueError(
+                    f"DraftConfig.window must be > 0 with an swa layer, got {self.window!r}"
+                )
+        elif self.window is not None:
+            raise ValueError("DraftConfig.window must be None without swa layers")
+        if self.n_q_heads % self.n_kv_heads:
+            raise ValueError(
+                f"DraftConfig.n_kv_heads ({self.n_kv_heads}) must divide n_q_heads "
+                f"({self.n_q_heads})"
+            )
+        if self.head_dim_k % 2:
+            raise ValueError(f"DraftConfig.head_dim_k must be even (RoPE), got {self.head_dim_k}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"DraftConfig.dtype must be a floating torch.dtype, got {self.dtype}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_hosts)
+
+    def layer_window(self, j: int) -> int | None:
+        """The sliding window of draft layer ``j`` (None for a FULL-hosted layer)."""
+        return self.window if self.layer_hosts[j] == "swa" else None
+
+    def lanes(self) -> tuple[DraftLane, ...]:
+        """Draft lane ``j`` of the memory spec holds draft layer ``j``'s K/V rows."""
+        out = []
+        for j, host in enumerate(self.layer_hosts):
+            kind = LayerKind.FULL if host == "full" else LayerKind.SWA
+            layer = AttentionLayerSpec(
+                kind=kind,
+                num_kv_heads=self.n_kv_heads,
+                k_head_dim=self.head_dim_k,
+                v_head_dim=self.head_dim_v,
+                dtype=self.dtype,
+                window=self.layer_window(j),
+            )
+            out.append(DraftLane(kind, layer))
+        return tuple(out)
+
+    def check_target(
+        self, vocab_size: int, d_model: int, num_layers: int, max_window: int | None
+    ) -> None:
+        """Raise ``ValueError`` unless this drafter fits a target with these dimensions: same
+        vocabulary and width, ``target_layers`` inside the model, and the SWA window at most
+        the target's largest (so SWA retirement, driven by the target's window, never frees
+        a page a draft layer still reads)."""
+        if vocab_size != self.vocab_size or d_model != self.d_model:
+            raise ValueError(
+                f"DraftConfig.vocab_size/d_model ({self.vocab_size}, {self.d_model}) must be "
+                f"the target's ({vocab_size}, {d_model}): embedding and LM head are shared"
+            )
+        bad = [i for i in self.target_layers if i >= num_layers]
+        if bad:
+            raise ValueError(
+                f"DraftConfig.target_layers {bad} out of range for {num_layers} target layers"
+            )
+        if "swa" in self.layer_hosts and (max_window is None or self.window > max_window):
+            raise ValueError(
+                f"DraftConfig.window {self.window} must be <= the target's largest SWA window "
+                f"({max_window})"
+            )
+
+
+# ---------------------------------------------------------------------- math
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xa = x.to(acc)
+    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(acc)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    xa = x.to(cos.dtype)
+    x1, x2 = xa[..., :half], xa[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class DraftLayer(nn.Module):
+    """One draft block: attention (its K/V projection also maps the injected context) and a
+    SwiGLU MLP, pre-norm residual."""
+
+    def __init__(self, c: DraftConfig) -> None:
+        super().__init__()
+        self.q_dim = c.n_q_heads * c.head_dim_k
+        self.k_dim = c.n_kv_heads * c.head_dim_k
+        self.v_dim = c.n_kv_heads * c.head_dim_v
+        self.ffn_dim = c.ffn_dim
+        self.input_norm = _param(c.d_model)
+        self.qkv_proj = _param(self.q_dim + self.k_dim + self.v_dim, c.d_model)
+        self.o_proj = _param(c.d_model, c.n_q_heads * c.head_dim_v)
+        self.mlp_norm = _param(c.d_model)
+        self.gate_up = _param(2 * c.ffn_dim, c.d_model)
+        self.down = _param(c.d_model, c.ffn_dim)
+
+    def mlp(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        gate, up = F.linear(_rms_norm(x, self.mlp_norm, eps), self.gate_up).split(self.ffn_dim, -1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class DsparkDrafter(nn.Module):
+    """The DSPARK block drafter (see the module docstring).
+
+    ``embed [vocab, d_model]`` and ``lm_head [vocab, d_model]`` are the target's tensors,
+    shared (not copied, not registered as this module's parameters).
+    """
+
+    def __init__(
+        self,
+        config: DraftConfig,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        c = config
+        if embed.shape != (c.vocab_size, c.d_model) or lm_head.shape != embed.shape:
+            raise ValueError(
+                f"embed {tuple(embed.shape)} and lm_head {tuple(lm_head.shape)} must both be "
+                f"[vocab_size, d_model] = [{c.vocab_size}, {c.d_model}]"
+            )
+        self.config = c
+        self.seed = seed
+        self._shared = (embed, lm_head)  # a tuple: not registered as parameters
+        self.mask_embed = _param(c.d_model)
+        self.fc = _param(c.d_model, len(c.target_layers) * c.d_model)
+        self.ctx_norm = _param(c.d_model)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.final_norm = _param(c.d_model)
+        self.markov_u = _param(c.vocab_size, c.markov_rank)
+        self.markov_v = _param(c.vocab_size, c.markov_rank)
+        self._init_weights(seed)
+        self.to(device=embed.device)
+        self.rope_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
+        exps = torch.arange(0, c.head_dim_k, 2, dtype=torch.float64) / c.head_dim_k
+        inv_freq = (c.rope_theta**-exps).to(self.rope_dtype).to(embed.device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def embed(self) -> torch.Tensor:
+        return self._shared[0]
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self._shared[1]
+
+    def _init_weights(self, seed: int) -> None:
+        c = self.config
+        out_scale = 1.0 / math.sqrt(2 * c.num_layers)
+        for name, p in self.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith("norm"):
+                w = torch.ones(p.shape)
+            elif leaf in ("mask_embed", "markov_u"):
+                w = torch.randn(p.shape, generator=gen)
+            elif leaf == "markov_v":  # bias(prev) = V @ U[prev] of standard deviation ~1
+                w = torch.randn(p.shape, generator=gen) / math.sqrt(c.markov_rank)
+            else:  # an [out, in] projection
+                w = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+                if leaf in ("o_proj", "down"):
+                    w = w * out_scale
+            p.data = w.to(c.dtype)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(self.rope_dtype)[:, None] * self.inv_freq[None, :]
+        return angles.cos(), angles.sin()
+
+    def _qkv(
+        self, j: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c, layer, t = self.config, self.layers[j], x.shape[0]
+        h = _rms_norm(x, layer.input_norm, c.rms_eps)
+        q, k, v = F.linear(h, layer.qkv_proj).split([layer.q_dim, layer.k_dim, layer.v_dim], -1)
+        q = _rope(q.reshape(t, c.n_q_heads, c.head_dim_k), *rope)
+        k = _rope(k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope)
+        return q, k, v.reshape(t, c.n_kv_heads, c.head_dim_v).contiguous()
+
+    # ------------------------------------------------------------------ context
+
+    @torch.no_grad()
+    def context_kv(
+        self, hidden: Sequence[torch.Tensor], positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context K/V of every draft layer for ``T`` target positions.
+
+        ``hidden[i] [T, d_model]``: the target's residual stream after layer
+        ``target_layers[i]`` at these positions; ``positions [T]``. Returns per draft layer
+        ``(k [T, Hkv, Dk], v [T, Hkv, Dv])``, to be stored in its lane at those positions.
+        """
+        c = self.config
+        if len(hidden) != len(c.target_layers):
+            raise ValueError(f"need {len(c.target_layers)} hidden states, got {len(hidden)}")
+        feats = torch.cat([h.to(c.dtype) for h in hidden], dim=-1)
+        ctx = _rms_norm(F.linear(feats, self.fc), self.ctx_norm, c.rms_eps)
+        rope = self._rope_tables(positions)
+        out = []
+        for j in range(c.num_layers):
+            _, k, v = self._qkv(j, ctx, rope)
+            out.append((k, v))
+        return out
+
+    # ------------------------------------------------------------------ block
+
+    @torch.no_grad()
+    def block_logits(
+        self, anchors: torch.Tensor, positions: torch.Tensor, attend: DraftAttention
+    ) -> torch.Tensor:
+        """Base logits ``[bs, gamma, vocab]`` of one block forward.
+
+        ``anchors [bs]`` token ids; ``positions [bs * gamma]`` (int64, request-major: request
+        ``b``'s block sits at ``positions[b * gamma :]``, starting at its committed length).
+        ``attend`` stores each layer's block K/V and attends (context + block, causal).
+        """
+        c = self.config
+        bs = anchors.shape[0]
+        gamma = positions.shape[0] // bs
+        x = self.mask_embed.expand(bs, gamma, c.d_model).clone()
+        x[:, 0] = self.embed[anchors.long()].to(c.dtype)
+        x = x.reshape(bs * gamma, c.d_model)
+        rope = self._rope_tables(positions)
+        for j, layer in enumerate(self.layers):
+            q, k, v = self._qkv(j, x, rope)
+            o = attend(j, q, k, v)
+            x = x + F.linear(o.reshape(x.shape[0], -1), layer.o_proj)
+            x = x + layer.mlp(x, c.rms_eps)
+        h = _rms_norm(x, self.final_norm, c.rms_eps)
+        logits = F.linear(h, self.lm_head.to(c.dtype))
+        if logits.dtype != torch.float64:
+            logits = logits.float()
+        return logits.reshape(bs, gamma, c.vocab_size)
+
+    @torch.no_grad()
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """``[bs, vocab]``: ``V @ U[prev]`` for each previous token ``prev [bs]``."""
+        return self.markov_u[prev.long()] @ self.markov_v.T
+
+    @torch.no_grad()
+    def pick(
+        self, base: torch.Tensor, anchors: torch.Tensor, replace: Replace | None = None
+    ) -> torch.Tensor:
+        """Choose the block's tokens left to right: column ``i`` is
+        ``argmax(base[:, i] + markov_bias(prev))`` with ``prev`` the anchor or column
+        ``i - 1`` (after ``replace``, if given). Returns ``[bs, gamma]`` int64."""
+        prev = anchors.long()
+        cols = []
+        for i in range(base.shape[1]):
+            logits = base[:, i] + self.markov_bias(prev).to(base.dtype)
+            tok = torch.argmax(logits, dim=-1)
+            if replace is not None:
+                tok = replace(i, tok)
+            cols.append(tok)
+            prev = tok
+        return torch.stack(cols, dim=1)
+
+    def propose(
+        self,
+        anchors: torch.Tensor,
+        positions: torch.Tensor,
+        attend: DraftAttention,
+        replace: Replace | None = None,
+    ) -> torch.Tensor:
+        """One draft step: :meth:`block_logits` then :meth:`pick`; ``[bs, gamma]`` int64."""
+        return self.pick(self.block_logits(anchors, positions, attend), anchors, replace)
