@@ -263,7 +263,7 @@ def bench_step(ctx: Context, mode: str, bs: int) -> None:
         gdn.gdn_forward_triton(mode, x, w, g, beta, conv, ssm, slots, out=o, conv_out=y, **scr)
 
     # the mixer against the torch reference, on copies of the states
-    from unimem.state import gdn_reference as gr
+    from unimem_kernel import gdn_reference as gr
 
     scr_a = {key: torch.empty_like(t) for key, t in scr.items()}
     scr_b = {key: torch.empty_like(t) for key, t in scr.items()}

@@ -1,4 +1,4 @@
-"""GDN kernels (``unimem_kernel.gdn``) against the torch reference ``unimem.state.gdn_reference``.
+"""GDN kernels (``unimem_kernel.gdn``) against the torch reference ``unimem_kernel.gdn_reference``.
 
 Every Triton launcher is compared with its reference function on fresh random inputs. States
 live in strided slot views carved from one ``uint8`` arena poisoned with 0xFF (NaN in float32
@@ -26,8 +26,8 @@ import os
 import pytest
 import torch
 
-from unimem.state import gdn_reference as gr
 from unimem_kernel import gdn
+from unimem_kernel import gdn_reference as gr
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from unimem.engine.config import HybridConfig
-from unimem.state import gdn_reference as gdn_ref
+from unimem_kernel import gdn_reference as gdn_ref
 
 
 class ForwardMode(str, enum.Enum):

@@ -29,7 +29,7 @@ from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
 from unimem.spec.accept import commit_mask, greedy_accept
 from unimem.spec.chain import DsparkChain
-from unimem.state import gdn_reference
+from unimem_kernel import gdn_reference
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
 

@@ -1,7 +1,7 @@
 """Gated DeltaNet (GDN) mixer core on the GPU: causal conv1d and the gated delta rule, reading
 and writing each request's state in its arena slot in place.
 
-Semantics are those of ``unimem.state.gdn_reference`` (the oracle, and the CPU path of the
+Semantics are those of ``unimem_kernel.gdn_reference`` (the oracle, and the CPU path of the
 public entry points here): same arguments, same results up to rounding. In short, per request
 with conv state ``[conv_dim, K-1]`` and recurrent state ``S [H, Dk, Dv]``:
 
@@ -71,6 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
+from unimem_kernel import gdn_reference
 from unimem_kernel._dispatch import next_pow2, use_triton
 
 L2NORM_EPS = 1e-6
@@ -932,17 +933,6 @@ def gdn_forward_triton(
 # ---------------------------------------------------------------------------------------------
 
 
-def _reference():
-    """The torch reference module (``unimem.state.gdn_reference``), imported on first use.
-
-    It is the one place this package reaches above itself: the reference is pure torch and
-    belongs with its kernels; once it lives in ``unimem_kernel`` this import is the only line
-    to change."""
-    from unimem.state import gdn_reference
-
-    return gdn_reference
-
-
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     if out is None:
         return result
@@ -958,7 +948,7 @@ def causal_conv1d_extend(
         return causal_conv1d_extend_triton(
             x, weight, conv_state, slots, cu_seqlens, has_initial_state, out=out
         )
-    ref = _reference().causal_conv1d_extend
+    ref = gdn_reference.causal_conv1d_extend
     return _into(out, ref(x, weight, conv_state, slots, cu_seqlens, has_initial_state))
 
 
@@ -966,14 +956,14 @@ def causal_conv1d_decode(x, weight, conv_state, slots, *, out=None) -> torch.Ten
     """Triton on CUDA (see ``causal_conv1d_decode_triton``), else the reference."""
     if use_triton(conv_state):
         return causal_conv1d_decode_triton(x, weight, conv_state, slots, out=out)
-    return _into(out, _reference().causal_conv1d_decode(x, weight, conv_state, slots))
+    return _into(out, gdn_reference.causal_conv1d_decode(x, weight, conv_state, slots))
 
 
 def causal_conv1d_verify(x, weight, conv_state, slots, state_scratch, *, out=None):
     """Triton on CUDA (see ``causal_conv1d_verify_triton``), else the reference."""
     if use_triton(conv_state):
         return causal_conv1d_verify_triton(x, weight, conv_state, slots, state_scratch, out=out)
-    ref = _reference().causal_conv1d_verify
+    ref = gdn_reference.causal_conv1d_verify
     return _into(out, ref(x, weight, conv_state, slots, state_scratch))
 
 
@@ -985,7 +975,7 @@ def gated_delta_rule_extend(
     args = (q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state, scale)
     if use_triton(ssm_state):
         return gated_delta_rule_extend_triton(*args, out=out)
-    return _into(out, _reference().gated_delta_rule_extend(*args))
+    return _into(out, gdn_reference.gated_delta_rule_extend(*args))
 
 
 def gated_delta_rule_decode(q, k, v, g, beta, ssm_state, slots, scale=None, *, out=None):
@@ -993,7 +983,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_state, slots, scale=None, *, o
     args = (q, k, v, g, beta, ssm_state, slots, scale)
     if use_triton(ssm_state):
         return gated_delta_rule_decode_triton(*args, out=out)
-    return _into(out, _reference().gated_delta_rule_decode(*args))
+    return _into(out, gdn_reference.gated_delta_rule_decode(*args))
 
 
 def gated_delta_rule_verify(
@@ -1003,7 +993,7 @@ def gated_delta_rule_verify(
     args = (q, k, v, g, beta, ssm_state, slots, state_scratch, scale)
     if use_triton(ssm_state):
         return gated_delta_rule_verify_triton(*args, out=out)
-    return _into(out, _reference().gated_delta_rule_verify(*args))
+    return _into(out, gdn_reference.gated_delta_rule_verify(*args))
 
 
 def gdn_forward(
@@ -1036,7 +1026,7 @@ def gdn_forward(
             has_initial_state=has_initial_state, out=out, conv_out=conv_out,
             max_seqlen=max_seqlen,
         )  # fmt: skip
-    ref = _reference()
+    ref = gdn_reference
     kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
     result = ref.gdn_forward(
         mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,

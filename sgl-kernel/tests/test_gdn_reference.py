@@ -1,4 +1,4 @@
-"""GDN mixer core (``unimem.state.gdn_reference``): conv and delta-rule forms agree with each
+"""GDN mixer core (``unimem_kernel.gdn_reference``): conv and delta-rule forms agree with each
 other and with literal definitions; verify touches no slot; strided slot views work."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unimem.state import gdn_reference as gr
+from unimem_kernel import gdn_reference as gr
 
 F64 = torch.float64
 
