@@ -12,7 +12,9 @@ class HostIdPool:
 
     ``take(n)`` returns ``n`` ids or raises if fewer are free (callers check ``free`` first:
     running out is a scheduling decision, not an error). ``give`` returns ids; giving an id
-    that is not taken is a bug and raises.
+    that is not taken is a bug and raises. Returned ids are handed out again first (last
+    returned, first taken); after them the lowest never-used ids, ascending, so small runs use
+    small ids. Never-used ids cost no memory: a pool may span millions of ids.
     """
 
     def __init__(self, first: int, count: int) -> None:
@@ -20,25 +22,31 @@ class HostIdPool:
             raise ValueError(f"HostIdPool count must be >= 0, got {count}")
         self.first = first
         self.capacity = count
-        # Lowest ids on top so that small runs use small ids (easier to read in dumps).
-        self._free = list(range(first + count - 1, first - 1, -1))
+        self._next = first  # lowest id never handed out
+        self._returned: list[int] = []  # stack: the top is handed out first
         self._taken: set[int] = set()
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self.capacity - len(self._taken)
 
     @property
     def used(self) -> int:
         return len(self._taken)
 
+    def holds(self, i: int) -> bool:
+        """Whether ``i`` is currently taken."""
+        return i in self._taken
+
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"HostIdPool: {n} ids requested, {len(self._free)} free")
-        if n == 0:
-            return []
-        ids = self._free[-n:][::-1]
-        del self._free[-n:]
+        if n > self.free:
+            raise RuntimeError(f"HostIdPool: {n} ids requested, {self.free} free")
+        k = min(n, len(self._returned))
+        ids = self._returned[len(self._returned) - k :][::-1]
+        del self._returned[len(self._returned) - k :]
+        fresh = n - k
+        ids += range(self._next, self._next + fresh)
+        self._next += fresh
         self._taken.update(ids)
         return ids
 
@@ -47,4 +55,4 @@ class HostIdPool:
             if i not in self._taken:
                 raise RuntimeError(f"HostIdPool: id {i} returned but not taken")
             self._taken.remove(i)
-        self._free.extend(reversed(ids))
+        self._returned.extend(reversed(ids))

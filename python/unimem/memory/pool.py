@@ -9,7 +9,8 @@ Contract (what may be called when, what is always safe):
 - Every method is host-driven and sync-free: the host decides how many units each request
   gets from lengths it already knows; device ops are launched in stream order and nothing is
   read back. Running out of memory is a *value* (``admit`` returns None, ``grow`` returns
-  False) and leaves the pool exactly as it was: the scheduler then evicts or retracts.
+  False, ``save_state`` returns None) and leaves the pool exactly as it was: the scheduler
+  then evicts or retracts.
 - ``req_to_token[row, pos]`` holds the *virtual* token id of position ``pos`` of the request
   at ``row``: ``vpage * page_size + offset``. Row 0, virtual page 0 and virtual state slot 0
   are never handed out: padded batch lanes point at them and resolve to the zero sink.
@@ -18,19 +19,36 @@ Contract (what may be called when, what is always safe):
   They are allocated once: their addresses never change.
 - Units are zeroed when handed out (FULL/SWA pages and state slots), so a fresh request's
   recurrent state is zero and no stale NaN can leak into a tile load.
+
+Sharing (the prefix cache). A page may be held by several holders — requests and the prefix
+cache — and the host counts them, per page and per kind:
+
+- ``page_refs(p)``: holders of page ``p``'s FULL unit. Every request holds each page of its
+  ``pages``; the cache holds the pages of its nodes. The page is unbound (FULL, and SWA if
+  still bound) when the count reaches 0, and its virtual id goes back to the pool.
+- SWA holders: a request holds the SWA unit of its pages from ``swa_start`` on; the cache
+  holds the SWA units of the windows it retains. ``swa_bound(p)`` is true while any holder
+  does. Policy: **an SWA unit is unbound exactly when its last SWA holder lets go** —
+  ``retire_swa`` drops only the retiring request's hold, so a page whose window the cache
+  keeps stays bound. An SWA holder always holds the page's FULL unit too, and a retired SWA
+  unit is never bound again (its bytes are gone).
+- State slots have one owner each: a request (``state_slot``) or the cache (a checkpoint
+  made by ``save_state``, freed by ``free_states``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+import unimem_kernel as uk
 from unimem.memory.host_ids import HostIdPool
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.spec import LayerKind, MemorySpec
+from unimem.memory.staging import upload_int32
 
 POISON_BYTE = 0xFF
 """Byte that makes every float format NaN; free units hold it in poison mode."""
@@ -40,22 +58,59 @@ POISON_BYTE = 0xFF
 class RequestMemory:
     """What one request holds, as the host knows it (no device reads needed).
 
-    ``pages``: virtual FULL page ids by page column; ``swa_start``: columns below it have had
-    their SWA pages retired; ``state_slot``: virtual state slot (-1 when no STATE layers).
+    ``pages``: virtual FULL page ids by page column (the first ``shared`` of them came from a
+    matched prefix); ``swa_start``: the request holds the SWA units of columns from
+    ``swa_start`` on, not before (they were retired, or never needed: a resumed request starts
+    at the first column of its window); ``state_slot``: virtual state slot (-1 when no STATE
+    layers).
     """
 
     row: int
     state_slot: int
     pages: list[int] = field(default_factory=list)
     swa_start: int = 0
+    shared: int = 0
 
     def capacity_tokens(self, page_size: int) -> int:
         return len(self.pages) * page_size
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A prefix a new request resumes from (what a prefix-cache hit hands to ``admit``).
+
+    ``pages``: the page ids of its first ``len(pages)`` columns (FULL bound; SWA bound over the
+    window behind the prefix's end); ``checkpoint``: a state slot holding the recurrent state
+    after the prefix's last token (-1 when the model has no STATE layers).
+    """
+
+    pages: tuple[int, ...]
+    checkpoint: int = -1
+
+
+@dataclass(frozen=True)
+class FreedUnits:
+    """Units an operation unbound (gave back to their band), and their bytes."""
+
+    full: int = 0
+    swa: int = 0
+    state: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: FreedUnits) -> FreedUnits:
+        return FreedUnits(
+            self.full + other.full,
+            self.swa + other.swa,
+            self.state + other.state,
+            self.bytes + other.bytes,
+        )
+
+
 @dataclass
 class MemoryStats:
-    """Counters every pool keeps (host-side)."""
+    """Counters every pool keeps (host-side). ``retired_swa_pages`` counts SWA units unbound
+    by ``retire_swa`` (a retirement that only drops one holder of a shared unit unbinds
+    nothing)."""
 
     used_bytes: int = 0
     peak_bytes: int = 0
@@ -94,6 +149,10 @@ class MemoryPool(ABC):
         self.stats = MemoryStats()
         self.swa_window = spec.max_window
         self._has_state = spec.has(LayerKind.STATE)
+        self._has_swa = spec.has(LayerKind.SWA)
+        # Holders per page (host counts; a page absent from a dict has no holder of that kind).
+        self._full_refs: dict[int, int] = {}
+        self._swa_refs: dict[int, int] = {}
 
     # --- tables readers translate through ------------------------------------------------------
 
@@ -103,17 +162,49 @@ class MemoryPool(ABC):
 
     # --- request lifecycle ---------------------------------------------------------------------
 
-    def admit(self, num_tokens: int) -> RequestMemory | None:
+    def admit(self, num_tokens: int, prefix: SharedPrefix | None = None) -> RequestMemory | None:
         """A request row, a state slot and pages for ``num_tokens`` tokens; None if they do
-        not fit (nothing changes then)."""
+        not fit (nothing changes then).
+
+        With ``prefix``, the request resumes at ``p = len(prefix.pages) * page_size``: its
+        first columns are the shared pages (written into its row of the request table, one
+        launch), its SWA hold starts at the first column of the window behind ``p``
+        (``swa_start = swa_stop(p, len(pages))``: exactly what a request that computed the
+        prefix itself would hold), its state slot is a device copy of the checkpoint, and it
+        gets fresh pages for the rest of ``num_tokens`` (``>= p``). Raises ``ValueError`` if
+        the prefix is not held as promised (a page without holders, a needed SWA unit
+        retired, a checkpoint slot not taken): resuming there would read the sink.
+        """
         self._check_tokens(num_tokens)
+        shared = list(prefix.pages) if prefix is not None else []
+        k = len(shared)
+        if k * self.page_size > num_tokens:
+            raise ValueError(f"{num_tokens} tokens do not cover the {k}-page shared prefix")
+        swa_start = self.swa_stop(k * self.page_size, k) if prefix is not None else 0
+        if prefix is not None:
+            self._check_prefix(prefix, swa_start)
         if self._rows.free == 0:
             return None
-        req = RequestMemory(row=self._rows.take(1)[0], state_slot=-1)
-        n = pages_for(num_tokens, self.page_size)
-        if not self._alloc([(req, n)] if n else [], [req] if self._has_state else []):
+        req = RequestMemory(
+            row=self._rows.take(1)[0],
+            state_slot=-1,
+            pages=list(shared),
+            swa_start=swa_start,
+            shared=k,
+        )
+        n = pages_for(num_tokens, self.page_size) - k
+        slots = self._alloc([(req, n)] if n else [], 1 if self._has_state else 0)
+        if slots is None:
             self._rows.give([req.row])
             return None
+        self._hold_fresh(req.pages[k:])
+        if self._has_state:
+            req.state_slot = slots[0]
+        if prefix is not None and k:
+            self._add_refs(shared, shared[swa_start:] if self._has_swa else [])
+            self._write_pages(shared, [req.row] * k, list(range(k)))
+        if prefix is not None and self._has_state:
+            self.copy_states([prefix.checkpoint], [req.state_slot])
         self._update_usage()
         return req
 
@@ -127,8 +218,11 @@ class MemoryPool(ABC):
                 todo.append((req, n))
         if not todo:
             return True
-        if not self._alloc(todo, []):
+        before = [len(req.pages) for req, _ in todo]
+        if self._alloc(todo, 0) is None:
             return False
+        for (req, _), b in zip(todo, before, strict=True):
+            self._hold_fresh(req.pages[b:])
         self._update_usage()
         return True
 
@@ -136,39 +230,212 @@ class MemoryPool(ABC):
         if tokens > self.max_context:
             raise ValueError(f"{tokens} tokens exceed max_context {self.max_context}")
 
-    def retire_swa(self, batch: Sequence[tuple[RequestMemory, int]]) -> int:
-        """Release SWA pages wholly behind the window of each request.
-
-        ``batch`` pairs a request with the position of its next query (its committed length):
-        tokens at positions ``<= pos - window`` are never attended again, so a page column ``c``
-        retires when ``(c + 1) * page_size <= pos - window + 1``. One launch for the batch.
-        Returns the number of pages retired.
-        """
-        if self.swa_v2p is None:
+    def swa_stop(self, pos: int, num_pages: int) -> int:
+        """The first page column a request whose next query sits at ``pos`` still attends to
+        through its SWA layers (0 without SWA), capped at ``num_pages``: tokens at positions
+        ``<= pos - window`` are never attended again, so column ``c`` is behind the window
+        when ``(c + 1) * page_size <= pos - window + 1``."""
+        if not self._has_swa:
             return 0
-        rows: list[int] = []
-        cols: list[int] = []
-        for req, pos in batch:
-            stop = min(max(0, (pos - self.swa_window + 1) // self.page_size), len(req.pages))
-            for c in range(req.swa_start, stop):
-                rows.append(req.row)
-                cols.append(c)
-            req.swa_start = max(req.swa_start, stop)
-        if rows:
-            self._unbind_swa(rows, cols)
-            self.stats.retired_swa_pages += len(rows)
-            self._update_usage()
-        return len(rows)
+        return min(max(0, (pos - self.swa_window + 1) // self.page_size), num_pages)
 
-    def release(self, reqs: Sequence[RequestMemory]) -> None:
-        """Free everything the requests hold and return their rows."""
-        self.release_all(list(reqs))
+    def retire_swa(self, batch: Sequence[tuple[RequestMemory, int]]) -> int:
+        """Drop each request's hold on the SWA units wholly behind its window.
+
+        ``batch`` pairs a request with the position of its next query (its committed length);
+        columns below ``swa_stop(pos)`` are let go. A unit is unbound when its last holder lets
+        go (one launch for the batch); a unit the prefix cache keeps stays bound. Returns the
+        number of columns the requests let go.
+        """
+        if not self._has_swa:
+            return 0
+        drop: list[int] = []
+        for req, pos in batch:
+            stop = self.swa_stop(pos, len(req.pages))
+            drop += req.pages[req.swa_start : stop]
+            req.swa_start = max(req.swa_start, stop)
+        if drop:
+            freed = self._drop_refs([], drop)
+            self.stats.retired_swa_pages += freed.swa
+            self._update_usage()
+        return len(drop)
+
+    def release(self, reqs: Sequence[RequestMemory]) -> FreedUnits:
+        """Drop everything the requests hold and return their rows. Pages someone else still
+        holds (the prefix cache, another request) stay bound. Returns what was unbound."""
+        full: list[int] = []
+        swa: list[int] = []
+        for req in reqs:
+            full += req.pages
+            if self._has_swa:
+                swa += req.pages[req.swa_start :]
+        slots = [req.state_slot for req in reqs if req.state_slot >= 0]
+        freed = self._drop_refs(full, swa, slots)
         for req in reqs:
             self._rows.give([req.row])
             req.pages = []
             req.swa_start = 0
+            req.shared = 0
             req.state_slot = -1
         self._update_usage()
+        return freed
+
+    # --- sharing: holders other than the request that allocated a page ---------------------------
+
+    def page_refs(self, page: int) -> int:
+        """Holders of page ``page``'s FULL unit (0: not bound)."""
+        return self._full_refs.get(page, 0)
+
+    def swa_bound(self, page: int) -> bool:
+        """Whether page ``page``'s SWA unit is bound (some holder keeps it)."""
+        return page in self._swa_refs
+
+    def holders(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Copies of the host counts ``({page: FULL holders}, {page: SWA holders})`` of every
+        bound page (checks and tests)."""
+        return dict(self._full_refs), dict(self._swa_refs)
+
+    def ref_pages(self, pages: Iterable[int], swa: Iterable[int] = ()) -> None:
+        """Add a holder to the FULL unit of each of ``pages`` and to the SWA unit of each of
+        ``swa``. Host only. Raises ``ValueError`` for a page that is not bound (a unit cannot
+        be revived once let go): callers share only what someone still holds."""
+        pages, swa = list(pages), list(swa)
+        for p in pages:
+            if p not in self._full_refs:
+                raise ValueError(f"page {p} has no holder: it cannot be shared")
+        for p in swa:
+            if p not in self._swa_refs:
+                raise ValueError(f"the SWA unit of page {p} is not bound: it cannot be shared")
+        self._add_refs(pages, swa)
+
+    def unref_pages(self, pages: Iterable[int], swa: Iterable[int] = ()) -> FreedUnits:
+        """Drop one holder from the FULL unit of each of ``pages`` and the SWA unit of each of
+        ``swa``; unbinds what no one holds any more (one launch per kind). A page's SWA hold
+        must be dropped no later than its FULL hold."""
+        freed = self._drop_refs(list(pages), list(swa))
+        self._update_usage()
+        return freed
+
+    def save_state(self, slot: int) -> int | None:
+        """A new state slot, owned by the caller, holding a device copy of slot ``slot``'s
+        state (a checkpoint); None if no slot fits (nothing changes then). Free it with
+        :meth:`free_states`. Draft lanes of STATE ride along (they are part of the slot)."""
+        if not self._has_state:
+            raise ValueError("the model has no STATE layers: there is no state to save")
+        slots = self._alloc([], 1)
+        if slots is None:
+            return None
+        self.copy_states([slot], slots)
+        self._update_usage()
+        return slots[0]
+
+    def free_states(self, slots: Sequence[int]) -> FreedUnits:
+        """Unbind state slots made by :meth:`save_state` (one launch)."""
+        freed = self._drop_refs([], [], list(slots))
+        self._update_usage()
+        return freed
+
+    def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the bytes of state slot ``src[i]`` onto slot ``dst[i]`` (virtual slots; the
+        physical ones are gathered on the device through ``state_v2p``: no host read). One
+        launch. Slots must be bound and ``dst`` distinct from ``src``."""
+        n = len(src)
+        if n != len(dst):
+            raise ValueError(f"copy_states: {n} sources, {len(dst)} destinations")
+        if n == 0:
+            return
+        ids = self.physical_state_slots(upload_int32(list(src) + list(dst), self.device))
+        buf, base = self._unit_buffer(LayerKind.STATE)
+        ub = self.layout.unit_bytes(LayerKind.STATE)
+        uk.copy_units(buf, base, ub, ids[:n].contiguous(), ids[n:].contiguous())
+
+    def _check_prefix(self, prefix: SharedPrefix, swa_start: int) -> None:
+        k = len(prefix.pages)
+        if k == 0:
+            raise ValueError("a shared prefix needs at least one page")
+        if k > self.max_pages_per_request:
+            raise ValueError(f"a {k}-page prefix exceeds {self.max_pages_per_request} pages")
+        for c, p in enumerate(prefix.pages):
+            if p not in self._full_refs:
+                raise ValueError(f"prefix column {c}: page {p} has no holder")
+            if self._has_swa and c >= swa_start and p not in self._swa_refs:
+                raise ValueError(
+                    f"prefix column {c}: page {p}'s SWA unit is retired but lies in the "
+                    f"window behind the resume point (columns {swa_start}..{k - 1})"
+                )
+        if self._has_state and not self._holds_state(prefix.checkpoint):
+            raise ValueError(f"prefix checkpoint {prefix.checkpoint} is not a held state slot")
+
+    # --- host reference counts -------------------------------------------------------------------
+
+    def _hold_fresh(self, pages: list[int]) -> None:
+        """Freshly bound pages: one holder (the request), FULL and SWA."""
+        for p in pages:
+            self._full_refs[p] = 1
+            if self._has_swa:
+                self._swa_refs[p] = 1
+
+    def _add_refs(self, pages: list[int], swa: list[int]) -> None:
+        for p in pages:
+            self._full_refs[p] += 1
+        for p in swa:
+            self._swa_refs[p] += 1
+
+    def _drop_refs(self, full: list[int], swa: list[int], slots: Sequence[int] = ()) -> FreedUnits:
+        """Drop one holder per entry (SWA first, then FULL), then unbind the units that lost
+        their last holder together with ``slots``. Each unit is unbound at most once, so a
+        page shared by two released requests is pushed once."""
+        swa_free: list[int] = []
+        for p in swa:
+            n = self._swa_refs.get(p, 0) - 1
+            if n < 0:
+                raise RuntimeError(f"SWA unit of page {p} released without a holder")
+            if n:
+                self._swa_refs[p] = n
+            else:
+                del self._swa_refs[p]
+                swa_free.append(p)
+        full_free: list[int] = []
+        for p in full:
+            n = self._full_refs.get(p, 0) - 1
+            if n < 0:
+                raise RuntimeError(f"page {p} released without a holder")
+            if n:
+                self._full_refs[p] = n
+                continue
+            if p in self._swa_refs:
+                raise RuntimeError(f"page {p}: last FULL holder gone while its SWA unit is held")
+            del self._full_refs[p]
+            full_free.append(p)
+        if full_free or swa_free or slots:
+            self._free_units(full_free, swa_free, list(slots))
+        lay = self.layout
+        nbytes = sum(
+            n * lay.unit_bytes(k)
+            for k, n in (
+                (LayerKind.FULL, len(full_free)),
+                (LayerKind.SWA, len(swa_free)),
+                (LayerKind.STATE, len(slots)),
+            )
+            if n
+        )
+        return FreedUnits(len(full_free), len(swa_free), len(slots), nbytes)
+
+    def _write_pages(self, pages: list[int], rows: list[int], cols: list[int]) -> None:
+        """``req_to_token[rows[i], cols[i] * P + o] = pages[i] * P + o`` (one upload, one
+        scatter; no host read). Used for pages that are already bound (shared ones)."""
+        n = len(pages)
+        if n == 0:
+            return
+        packed = upload_int32(list(pages) + list(rows) + list(cols), self.device)
+        self._write_page_rows(packed[:n], packed[n : 2 * n], packed[2 * n :])
+
+    def _write_page_rows(self, pages: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+        p = self.page_size
+        offs = torch.arange(p, device=self.device, dtype=torch.int32)
+        tok_cols = (cols[:, None] * p + offs[None, :]).long()
+        tok_rows = rows[:, None].expand_as(tok_cols).long()
+        self.req_to_token[tok_rows, tok_cols] = pages[:, None] * p + offs[None, :]
 
     # --- views -----------------------------------------------------------------------------------
 
@@ -213,14 +480,21 @@ class MemoryPool(ABC):
         """Units of ``kind`` handed out and not yet freed."""
 
     @abstractmethod
-    def _alloc(self, todo: list[tuple[RequestMemory, int]], state_for: list[RequestMemory]) -> bool:
-        """Append ``n`` pages to each ``(req, n)`` of ``todo`` (FULL, and SWA when present),
-        writing them into the request table, and give each request of ``state_for`` a zeroed
-        state slot. All or nothing: False leaves everything as it was."""
+    def _alloc(self, todo: list[tuple[RequestMemory, int]], n_slots: int) -> list[int] | None:
+        """Append ``n`` fresh pages to each ``(req, n)`` of ``todo`` (FULL, and SWA when
+        present), writing them into the request table, and bind ``n_slots`` zeroed state
+        slots, returned. All or nothing: None leaves everything as it was."""
 
     @abstractmethod
-    def _unbind_swa(self, rows: list[int], cols: list[int]) -> None: ...
+    def _free_units(self, full: list[int], swa: list[int], slots: list[int]) -> None:
+        """Unbind these FULL pages, SWA units (by page id) and state slots, each listed once
+        (one launch per kind), and give their ids back."""
 
     @abstractmethod
-    def release_all(self, reqs: list[RequestMemory]) -> None:
-        """Unbind every unit the requests hold (one launch per kind)."""
+    def _holds_state(self, slot: int) -> bool:
+        """Whether state slot ``slot`` is handed out."""
+
+    @abstractmethod
+    def _unit_buffer(self, kind: LayerKind) -> tuple[torch.Tensor, int]:
+        """``(buffer, base)``: the byte tensor holding units of ``kind`` and the byte offset of
+        its unit 0 (physical unit ``u`` spans ``base + u * unit_bytes``)."""

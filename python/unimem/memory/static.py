@@ -152,16 +152,16 @@ class StaticMemory(MemoryPool):
 
     # --- allocation ------------------------------------------------------------------------------
 
-    def _alloc(self, todo: list[tuple[RequestMemory, int]], state_for: list[RequestMemory]) -> bool:
+    def _alloc(self, todo: list[tuple[RequestMemory, int]], n_slots: int) -> list[int] | None:
         n_pages = sum(n for _, n in todo)
         if self._full_ids is not None and n_pages > self._full_ids.free:
-            return False
+            return None
         if self._swa is not None and n_pages > self._swa.free:
-            return False
-        if state_for and (self._slots is None or len(state_for) > self._slots.free):
-            return False
+            return None
+        if n_slots and (self._slots is None or n_slots > self._slots.free):
+            return None
         pages = self._full_ids.take(n_pages) if n_pages else []
-        slots = self._slots.take(len(state_for)) if state_for else []
+        slots = self._slots.take(n_slots) if n_slots else []
         if n_pages:
             rows, cols = [], []
             for req, n in todo:
@@ -169,7 +169,7 @@ class StaticMemory(MemoryPool):
                 cols += range(len(req.pages), len(req.pages) + n)
             packed = upload_int32(np.array(pages + rows + cols, dtype=np.int32), self.device)
             pdev = packed[:n_pages]
-            self._write_pages(pdev, packed[n_pages : 2 * n_pages], packed[2 * n_pages :])
+            self._write_page_rows(pdev, packed[n_pages : 2 * n_pages], packed[2 * n_pages :])
             self._zero(LayerKind.FULL, pdev)
             if self._swa is not None:
                 self._zero(LayerKind.SWA, self._swa.bind(pdev))
@@ -178,39 +178,12 @@ class StaticMemory(MemoryPool):
         it = iter(pages)
         for req, n in todo:
             req.pages.extend(next(it) for _ in range(n))
-        for req, s in zip(state_for, slots, strict=True):
-            req.state_slot = s
-        return True
-
-    def _write_pages(self, pages: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
-        """``req_to_token[row, col * P + o] = page * P + o`` for each page (physical ids)."""
-        p = self.page_size
-        offs = torch.arange(p, device=self.device, dtype=torch.int32)
-        tok_cols = (cols[:, None] * p + offs[None, :]).long()
-        tok_rows = rows[:, None].expand_as(tok_cols).long()
-        self.req_to_token[tok_rows, tok_cols] = pages[:, None] * p + offs[None, :]
+        return slots
 
     def _zero(self, kind: LayerKind, ids: torch.Tensor, byte: int = 0) -> None:
         uk.fill_units(self.pools[kind], 0, self.layout.unit_bytes(kind), ids, byte)
 
-    def _unbind_swa(self, rows: list[int], cols: list[int]) -> None:
-        n = len(rows)
-        packed = upload_int32(np.array(rows + cols, dtype=np.int32), self.device)
-        pushed = self._swa.unbind(
-            n,
-            req_to_token=self.req_to_token,
-            unit_rows=packed[:n],
-            unit_cols=packed[n:],
-            page_size=self.page_size,
-        )
-        if self.poison:
-            self._zero(LayerKind.SWA, pushed, POISON_BYTE)
-
-    def release_all(self, reqs: list[RequestMemory]) -> None:
-        full = [v for r in reqs for v in r.pages]
-        has_swa = self.swa_v2p is not None
-        swa = [v for r in reqs for v in r.pages[r.swa_start :]] if has_swa else []
-        slots = [r.state_slot for r in reqs if r.state_slot >= 0]
+    def _free_units(self, full: list[int], swa: list[int], slots: list[int]) -> None:
         packed = upload_int32(np.array(full + swa + slots, dtype=np.int32), self.device)
         a, b = len(full), len(full) + len(swa)
         if swa:
@@ -225,3 +198,9 @@ class StaticMemory(MemoryPool):
             self._slots.give(slots)
             if self.poison:
                 self._zero(LayerKind.STATE, packed[b:], POISON_BYTE)
+
+    def _holds_state(self, slot: int) -> bool:
+        return self._slots is not None and self._slots.holds(slot)
+
+    def _unit_buffer(self, kind: LayerKind) -> tuple[torch.Tensor, int]:
+        return self.pools[kind], 0

@@ -80,17 +80,15 @@ class UnifiedMemory(MemoryPool):
 
         self.kinds = kinds
         self.spaces: dict[LayerKind, IdSpace] = {}
-        num_virtual_pages = (
-            min(
-                (arena_end - self.base.get(LayerKind.FULL, 0)) // ub.get(LayerKind.FULL, arena_end),
-                max_requests * self.max_pages_per_request,
-            )
-            + 1
-        )
+        # Virtual ids: as many as physical units could ever be bound at once (plus the
+        # never-handed-out id 0). Pages and slots held by the prefix cache need ids beyond
+        # what running requests hold, and every bound virtual id has a physical unit.
+        num_phys = {k: (arena_end - self.base[k]) // ub[k] for k in kinds}
+        num_virtual_pages = num_phys.get(LayerKind.FULL, 0) + 1
+        num_virtual_slots = num_phys.get(LayerKind.STATE, 0) + 1
         for k in kinds:
-            num_phys = (arena_end - self.base[k]) // ub[k]
-            num_virt = max_requests + 1 if k is LayerKind.STATE else num_virtual_pages
-            self.spaces[k] = IdSpace(k.value, num_virt, num_phys, self.device)
+            num_virt = num_virtual_slots if k is LayerKind.STATE else num_virtual_pages
+            self.spaces[k] = IdSpace(k.value, num_virt, num_phys[k], self.device)
         self.bands = BandLayout(
             [BandState(k.value, ub[k], self.base[k], 0, 0, 0) for k in kinds], header, arena_end
         )
@@ -100,7 +98,7 @@ class UnifiedMemory(MemoryPool):
         self._band_index = {k: i for i, k in enumerate(kinds)}
         self._empty_bands = self.bands.copy()
         self._vpages = HostIdPool(1, num_virtual_pages - 1)
-        self._vslots = HostIdPool(1, max_requests)
+        self._vslots = HostIdPool(1, num_virtual_slots - 1)
 
         self.full_v2p = self._v2p(LayerKind.FULL)
         self.swa_v2p = self._v2p(LayerKind.SWA)
@@ -157,11 +155,10 @@ class UnifiedMemory(MemoryPool):
 
     # --- allocation ------------------------------------------------------------------------------
 
-    def _alloc(self, todo: list[tuple[RequestMemory, int]], state_for: list[RequestMemory]) -> bool:
+    def _alloc(self, todo: list[tuple[RequestMemory, int]], n_slots: int) -> list[int] | None:
         n_pages = sum(n for _, n in todo)
-        n_slots = len(state_for)
         if n_pages > self._vpages.free or n_slots > self._vslots.free:
-            return False
+            return None
         demands = []
         if n_pages:
             demands.append((self._band_index[LayerKind.FULL], n_pages))
@@ -171,7 +168,7 @@ class UnifiedMemory(MemoryPool):
             demands.append((self._band_index[LayerKind.STATE], n_slots))
         plan = self.bands.plan(demands)
         if plan is None:
-            return False
+            return None
         for act in plan:
             self._execute(act)
 
@@ -195,9 +192,7 @@ class UnifiedMemory(MemoryPool):
         it = iter(vids)
         for req, n in todo:
             req.pages.extend(next(it) for _ in range(n))
-        for req, s in zip(state_for, slots, strict=True):
-            req.state_slot = s
-        return True
+        return slots
 
     def _bind(self, kind, vids, rows=None, cols=None) -> None:
         space = self.spaces[kind]
@@ -220,22 +215,7 @@ class UnifiedMemory(MemoryPool):
             ub = self.layout.unit_bytes(kind)
             uk.fill_units(self.arena, self.base[kind], ub, pushed, POISON_BYTE)
 
-    def _unbind_swa(self, rows: list[int], cols: list[int]) -> None:
-        n = len(rows)
-        packed = upload_int32(np.array(rows + cols, dtype=np.int32), self.device)
-        self._unbind(
-            LayerKind.SWA,
-            n,
-            req_to_token=self.req_to_token,
-            unit_rows=packed[:n],
-            unit_cols=packed[n:],
-        )
-
-    def release_all(self, reqs: list[RequestMemory]) -> None:
-        full = [v for r in reqs for v in r.pages]
-        has_swa = self.swa_v2p is not None
-        swa = [v for r in reqs for v in r.pages[r.swa_start :]] if has_swa else []
-        slots = [r.state_slot for r in reqs if r.state_slot > 0]
+    def _free_units(self, full: list[int], swa: list[int], slots: list[int]) -> None:
         packed = upload_int32(np.array(full + swa + slots, dtype=np.int32), self.device)
         a, b = len(full), len(full) + len(swa)
         if full:
@@ -246,6 +226,12 @@ class UnifiedMemory(MemoryPool):
         if slots:
             self._unbind(LayerKind.STATE, len(slots), vids=packed[b:])
             self._vslots.give(slots)
+
+    def _holds_state(self, slot: int) -> bool:
+        return self._vslots.holds(slot)
+
+    def _unit_buffer(self, kind: LayerKind) -> tuple[torch.Tensor, int]:
+        return self.arena, self.base[kind]
 
     # --- band moves ------------------------------------------------------------------------------
 
