@@ -58,6 +58,24 @@ def _parser() -> argparse.ArgumentParser:
         "continuation with this probability (seeded; 0 = the raw drafter)",
     )
     v.add_argument(
+        "--prefix-cache",
+        choices=["on", "off"],
+        default="on" if d.prefix_cache else "off",
+        help="prefix cache over both memories (on: also a cache-off run to compare against)",
+    )
+    v.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=d.shared_prefix_len,
+        help="the first L prompt tokens are the same in every request (L <= --input-len)",
+    )
+    v.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=d.checkpoint_interval,
+        help="prefix-cache anchors (state checkpoints) every this many pages",
+    )
+    v.add_argument(
         "--cpu-threads",
         type=int,
         default=1,
@@ -101,6 +119,9 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         spec=args.spec,
         gamma=args.gamma,
         accept_rate=args.accept_rate,
+        prefix_cache=args.prefix_cache == "on",
+        shared_prefix_len=args.shared_prefix_len,
+        checkpoint_interval=args.checkpoint_interval,
     )
 
 

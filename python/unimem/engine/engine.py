@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from unimem.attention.backend import AttentionBackend
+from unimem.cache import PrefixCache
 from unimem.engine.model import HybridModel
 from unimem.engine.request import Request
 from unimem.engine.runner import ModelRunner
@@ -27,6 +28,10 @@ class Engine:
     ``chain``: decode by chain speculation. The pool must have been built with the drafter's
     draft lanes (``memory_spec(config, page_size, draft_lanes=drafter.config.lanes())``), and
     every request needs ``gamma`` tokens of context beyond its last for the write window.
+
+    ``cache``: a :class:`~unimem.cache.PrefixCache` over ``pool``: requests resume at cached
+    prefixes, prefixes are inserted at anchor points and on finish, and the cache is evicted
+    before a running request is retracted (see :mod:`unimem.engine.scheduler`).
     """
 
     def __init__(
@@ -37,16 +42,22 @@ class Engine:
         max_running: int,
         chunk_size: int,
         chain: DsparkChain | None = None,
+        cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.chain = chain
+        self.cache = cache
         if chain is not None:
             c = model.config
             window = c.window if "swa" in c.layer_pattern else None
             chain.drafter.config.check_target(c.vocab_size, c.d_model, c.num_layers, window)
         self.scheduler = Scheduler(
-            pool, max_running, chunk_size, gamma=chain.gamma if chain is not None else None
+            pool,
+            max_running,
+            chunk_size,
+            gamma=chain.gamma if chain is not None else None,
+            cache=cache,
         )
         self.runner = ModelRunner(
             model,

@@ -26,6 +26,9 @@ class Request:
     With chain speculative decoding, ``verify_steps`` counts its verify steps and
     ``verified_tokens`` the tokens they committed (``accepted + 1`` each, counted before
     truncation at ``max_new_tokens``): their ratio is the request's accept length.
+
+    ``cached_tokens``: tokens admissions skipped on prefix-cache hits (summed over
+    readmissions after retraction).
     """
 
     rid: int
@@ -39,6 +42,7 @@ class Request:
     forward_steps: int = 0
     verify_steps: int = 0
     verified_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def tokens(self) -> list[int]:

@@ -15,6 +15,13 @@ the speculative outputs must equal. The report adds, per mode, verify steps and 
 count, the same accept length, and speculative output equal to the non-speculative output —
 listing any that differ with the first differing position and the target's top-2 logit margin
 there (a near-tie explains a flip; anything else is a bug).
+
+With ``prefix_cache`` both runs go through a :class:`~unimem.cache.PrefixCache` (anchors every
+``checkpoint_interval`` pages; the static pools get extra state slots for its checkpoints, and
+the default unified arena is as many bytes as those pools). A third run, on static memory with
+the cache off, is the reference: ``cache_off_matches`` counts requests whose output equals it
+in both cached runs, and each mode reports its cache statistics under ``"prefix_cache"``.
+``shared_prefix_len`` gives every prompt the same first tokens (drawn from the seed).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from unimem.cache import PrefixCache
 from unimem.engine.config import HybridConfig, memory_spec, preset
 from unimem.engine.engine import Engine
 from unimem.engine.model import HybridModel
@@ -57,8 +65,20 @@ class ValidateConfig:
     spec: str = "none"
     gamma: int = 7
     accept_rate: float = 0.8
+    prefix_cache: bool = False
+    shared_prefix_len: int = 0
+    checkpoint_interval: int = 1
 
     def __post_init__(self) -> None:
+        if not 0 <= self.shared_prefix_len <= self.input_len:
+            raise ValueError(
+                f"shared prefix length must be in [0, input length {self.input_len}], "
+                f"got {self.shared_prefix_len}"
+            )
+        if not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1:
+            raise ValueError(
+                f"checkpoint interval must be an int >= 1, got {self.checkpoint_interval!r}"
+            )
         if self.spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {SPEC_MODES}, got {self.spec!r}")
         if self.spec != "none":
@@ -93,6 +113,7 @@ class RunResult:
     forward_steps: dict[int, int] = field(default_factory=dict)
     verify_steps: dict[int, int] = field(default_factory=dict)
     verified_tokens: dict[int, int] = field(default_factory=dict)
+    prefix_cache: dict | None = None
 
     @property
     def accept_length(self) -> float:
@@ -115,13 +136,21 @@ class RunResult:
         if self.verify_steps:
             out["verify_steps"] = sum(self.verify_steps.values())
             out["accept_length"] = self.accept_length
+        if self.prefix_cache is not None:
+            out["prefix_cache"] = self.prefix_cache
         return out
 
 
 def make_prompts(cfg: ValidateConfig, vocab_size: int) -> list[list[int]]:
-    """Fixed synthetic prompts: ``requests`` x ``input_len`` token ids drawn from the seed."""
+    """Fixed synthetic prompts: ``requests`` x ``input_len`` token ids drawn from the seed; the
+    first ``shared_prefix_len`` of them are the same in every prompt."""
     g = torch.Generator().manual_seed(cfg.seed + 1)
     ids = torch.randint(0, vocab_size, (cfg.requests, cfg.input_len), generator=g)
+    if cfg.shared_prefix_len:
+        g = torch.Generator().manual_seed(cfg.seed + 2)
+        ids[:, : cfg.shared_prefix_len] = torch.randint(
+            0, vocab_size, (cfg.shared_prefix_len,), generator=g
+        )
     return ids.tolist()
 
 
@@ -132,12 +161,16 @@ def static_pool(
     draft_lanes: tuple[DraftLane, ...] = (),
 ) -> StaticMemory:
     """Pools sized so that ``max_running`` requests all fit at their full length (plus the
-    write window with speculation)."""
+    write window with speculation). With the prefix cache, one more state slot per anchor
+    point of each running request's length, for checkpoints."""
     spec = memory_spec(model_cfg, cfg.page_size, draft_lanes)
     total = cfg.input_len + cfg.output_len + cfg.window
     per_req = pages_for(total, cfg.page_size)
     n = cfg.max_running * per_req
-    return StaticMemory(spec, n, n, cfg.max_running, cfg.max_running, model_cfg.max_context, device)
+    slots = cfg.max_running
+    if cfg.prefix_cache:
+        slots += cfg.max_running * max(1, total // (cfg.page_size * cfg.checkpoint_interval))
+    return StaticMemory(spec, n, n, slots, cfg.max_running, model_cfg.max_context, device)
 
 
 def unified_pool(
@@ -174,7 +207,8 @@ def run_one(
     chain: DsparkChain | None = None,
 ) -> RunResult:
     backend = make_backend(cfg.backend)
-    engine = Engine(model, pool, backend, cfg.max_running, cfg.chunk_size, chain=chain)
+    cache = PrefixCache(pool, cfg.checkpoint_interval) if cfg.prefix_cache else None
+    engine = Engine(model, pool, backend, cfg.max_running, cfg.chunk_size, chain=chain, cache=cache)
     for p in prompts:
         engine.submit(p, cfg.output_len)
     total = len(prompts) * cfg.output_len
@@ -198,7 +232,21 @@ def run_one(
         forward_steps={r.rid: r.forward_steps for r in done},
         verify_steps={r.rid: r.verify_steps for r in done} if chain else {},
         verified_tokens={r.rid: r.verified_tokens for r in done} if chain else {},
+        prefix_cache=cache_stats(cache, done, engine.scheduler.cache_flushes)
+        if cache is not None
+        else None,
     )
+
+
+def cache_stats(cache: PrefixCache, done: list, flushes: int) -> dict:
+    """The cache's counters and gauges at the end of a run, and the requests' skipped
+    tokens (``cached_tokens``, retractions' readmissions included) and how often memory
+    pressure flushed the cache (``flushes``)."""
+    out = cache.stats.as_dict()
+    out["cached_tokens"] = sum(r.cached_tokens for r in done)
+    out["checkpoint_interval"] = cache.checkpoint_interval
+    out["flushes"] = flushes
+    return out
 
 
 def _all(engine: Engine):
@@ -238,7 +286,7 @@ def validate(cfg: ValidateConfig, progress: bool = False) -> dict:
     res_s = run_one(model, static, cfg, prompts, "static ", progress)
     res_u = run_one(model, unified, cfg, prompts, "unified", progress)
     diffs = compare(res_s, res_u)
-    return {
+    report = {
         "config": asdict(cfg),
         "requests": len(prompts),
         "exact_match": len(prompts) - len(diffs),
@@ -246,6 +294,36 @@ def validate(cfg: ValidateConfig, progress: bool = False) -> dict:
         "static": res_s.summary(with_arena_stats=False),
         "unified": res_u.summary(with_arena_stats=True),
     }
+    if cfg.prefix_cache:
+        _compare_cache_off(report, cfg, model, prompts, progress, res_s, res_u)
+    return report
+
+
+def _compare_cache_off(
+    report: dict,
+    cfg: ValidateConfig,
+    model: HybridModel,
+    prompts: list[list[int]],
+    progress: bool,
+    res_s: RunResult,
+    res_u: RunResult,
+    chain_for=None,
+    lanes: tuple[DraftLane, ...] = (),
+) -> None:
+    """Run the requests on static memory with the cache off and add ``cache_off_matches``
+    (requests whose output equals it in both cached runs), ``cache_off_mismatches`` and the
+    run's summary (``"cache_off"``) to ``report``."""
+    off_cfg = replace(cfg, prefix_cache=False)
+    pool = static_pool(off_cfg, model.config, model.embed.device, lanes)
+    chain = chain_for() if chain_for is not None else None
+    res_off = run_one(model, pool, off_cfg, prompts, "no cache", progress, chain)
+    diffs = []
+    for label, res in (("static", res_s), ("unified", res_u)):
+        for d in compare_outputs(res_off.outputs, res.outputs):
+            diffs.append({**d, "mode": label})
+    report["cache_off_matches"] = len(prompts) - len({d["rid"] for d in diffs})
+    report["cache_off_mismatches"] = diffs
+    report["cache_off"] = res_off.summary(with_arena_stats=False)
 
 
 def _validate_dspark(
@@ -263,8 +341,14 @@ def _validate_dspark(
     drafter = DsparkDrafter(
         draft_config_for(model_cfg), model.embed, model.lm_head, seed=cfg.seed + 17
     )
-    control = AcceptanceControl(cfg.accept_rate, cfg.seed, references, device)
-    chain = DsparkChain(drafter, cfg.gamma, control)
+
+    def chain_for() -> DsparkChain:
+        # a fresh acceptance control per run: each run replays the same coin flips
+        return DsparkChain(
+            drafter, cfg.gamma, AcceptanceControl(cfg.accept_rate, cfg.seed, references, device)
+        )
+
+    chain = chain_for()
     lanes = drafter.config.lanes()
     static = static_pool(cfg, model_cfg, device, lanes)
     default_bytes = static.stats.capacity_bytes + _header(static)
@@ -277,7 +361,7 @@ def _validate_dspark(
     spec_diffs = spec_mismatches(model, prompts, expected, runs)
     off_ref = {d["rid"] for d in spec_diffs}
     rids = list(res_s.outputs)
-    return {
+    report = {
         "config": asdict(cfg),
         "requests": len(prompts),
         "exact_match": len(prompts) - len(diffs),
@@ -294,6 +378,9 @@ def _validate_dspark(
         "static": res_s.summary(with_arena_stats=False),
         "unified": res_u.summary(with_arena_stats=True),
     }
+    if cfg.prefix_cache:
+        _compare_cache_off(report, cfg, model, prompts, progress, res_s, res_u, chain_for, lanes)
+    return report
 
 
 def spec_mismatches(
@@ -356,10 +443,24 @@ def format_table(report: dict) -> str:
             ("verify steps", s["verify_steps"], u["verify_steps"]),
             ("accept length", f"{s['accept_length']:.3f}", f"{u['accept_length']:.3f}"),
         ]
+    if "prefix_cache" in s:
+        cs, cu = s["prefix_cache"], u["prefix_cache"]
+        rows += [
+            ("cache hit rate", f"{cs['hit_rate']:.3f}", f"{cu['hit_rate']:.3f}"),
+            ("cache hit tokens", cs["hit_tokens"], cu["hit_tokens"]),
+            ("cache evictions", cs["evictions"], cu["evictions"]),
+            ("checkpoints saved", cs["checkpoints_saved"], cu["checkpoints_saved"]),
+        ]
     w = [max(len(str(r[i])) for r in rows) for i in range(3)]
     lines = [f"{str(a):<{w[0]}}  {str(b):>{w[1]}}  {str(c):>{w[2]}}" for a, b, c in rows]
     n = report["requests"]
     lines.append(f"exact match: {report['exact_match']}/{n} requests")
+    if "cache_off_matches" in report:
+        off = report["cache_off"]
+        lines.append(
+            f"cache on == cache off: {report['cache_off_matches']}/{n} requests "
+            f"(cache-off run: {off['steps']} steps, {off['throughput_tok_s']:.1f} tok/s)"
+        )
     if "verify_counts_match" in report:
         ref = report["reference"]
         lines.append(f"verify counts match: {report['verify_counts_match']}/{n} requests")
@@ -379,9 +480,16 @@ def format_table(report: dict) -> str:
 
 def passed(report: dict) -> bool:
     """Whether every request matched: static vs unified output (and, with speculation, verify
-    counts, accept lengths and the non-speculative output)."""
+    counts, accept lengths and the non-speculative output; with the prefix cache, the
+    cache-off output)."""
     n = report["requests"]
-    keys = ("exact_match", "verify_counts_match", "accept_lengths_match", "spec_matches_reference")
+    keys = (
+        "exact_match",
+        "verify_counts_match",
+        "accept_lengths_match",
+        "spec_matches_reference",
+        "cache_off_matches",
+    )
     return all(report[k] == n for k in keys if k in report)
 
 
