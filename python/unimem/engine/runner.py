@@ -29,7 +29,7 @@ from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
 from unimem.spec.accept import commit_mask, greedy_accept
 from unimem.spec.chain import DsparkChain
-from unimem_kernel import gdn_reference
+from unimem_kernel import gdn as gdn_ops
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
 
@@ -81,7 +81,7 @@ class PagedContext(ForwardContext):
             bs = self.state_slots.shape[0]
             conv_scratch, ssm_scratch = r.verify_scratch[layer_idx]
             scratch = {"conv_scratch": conv_scratch[:bs], "ssm_scratch": ssm_scratch[:bs]}
-        return gdn_reference.gdn_forward(
+        return gdn_ops.gdn_forward(
             self.mode.value,
             mixed_qkv,
             conv_weight,
