@@ -38,6 +38,7 @@ from torch import nn
 
 from unimem.engine.config import HybridConfig
 from unimem.engine.forward_context import ForwardContext, WholeSequenceContext
+from unimem.nn_ops import apply_rope, frozen_param, rms_norm
 
 
 class ModelOutput(NamedTuple):
@@ -49,28 +50,6 @@ class ModelOutput(NamedTuple):
     hidden: torch.Tensor
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, in float32 (float64 for
-    float64 inputs); returns ``x``'s dtype."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xa = x.to(acc)
-    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.to(acc)).to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: ``x [T, H, D]``, ``cos, sin [T, D/2]`` (rotation dtype)."""
-    half = x.shape[-1] // 2
-    xa = x.to(cos.dtype)
-    x1, x2 = xa[..., :half], xa[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
 class AttentionMixer(nn.Module):
     """FULL or SWA attention of one layer (the window is applied by the context)."""
 
@@ -80,8 +59,8 @@ class AttentionMixer(nn.Module):
         self.q_dim = c.n_q_heads * c.head_dim_k
         self.k_dim = c.n_kv_heads * c.head_dim_k
         self.v_dim = c.n_kv_heads * c.head_dim_v
-        self.qkv_proj = _param(self.q_dim + self.k_dim + self.v_dim, c.d_model)
-        self.o_proj = _param(c.d_model, c.n_q_heads * c.head_dim_v)
+        self.qkv_proj = frozen_param(self.q_dim + self.k_dim + self.v_dim, c.d_model)
+        self.o_proj = frozen_param(c.d_model, c.n_q_heads * c.head_dim_v)
 
     def forward(
         self,
@@ -108,12 +87,12 @@ class GdnMixer(nn.Module):
         self.c = c
         h, dv = c.gdn_heads, c.gdn_head_dim_v
         self.split = [c.gdn_conv_dim, h * dv, h, h]  # mixed_qkv | z | b | a
-        self.in_proj = _param(sum(self.split), c.d_model)
-        self.conv_weight = _param(c.gdn_conv_dim, c.conv_kernel)
-        self.A_log = _param(h)
-        self.dt_bias = _param(h)
-        self.norm = _param(dv)
-        self.out_proj = _param(c.d_model, h * dv)
+        self.in_proj = frozen_param(sum(self.split), c.d_model)
+        self.conv_weight = frozen_param(c.gdn_conv_dim, c.conv_kernel)
+        self.A_log = frozen_param(h)
+        self.dt_bias = frozen_param(h)
+        self.norm = frozen_param(dv)
+        self.out_proj = frozen_param(c.d_model, h * dv)
 
     def forward(self, layer_idx: int, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         c, t = self.c, h.shape[0]
@@ -134,8 +113,8 @@ class Mlp(nn.Module):
     def __init__(self, c: HybridConfig) -> None:
         super().__init__()
         self.ffn_dim = c.ffn_dim
-        self.gate_up = _param(2 * c.ffn_dim, c.d_model)
-        self.down = _param(c.d_model, c.ffn_dim)
+        self.gate_up = frozen_param(2 * c.ffn_dim, c.d_model)
+        self.down = frozen_param(c.d_model, c.ffn_dim)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(h, self.gate_up).split(self.ffn_dim, dim=-1)
@@ -149,8 +128,8 @@ class HybridLayer(nn.Module):
         super().__init__()
         self.c = c
         self.kind = kind
-        self.mixer_norm = _param(c.d_model)
-        self.mlp_norm = _param(c.d_model)
+        self.mixer_norm = frozen_param(c.d_model)
+        self.mlp_norm = frozen_param(c.d_model)
         self.mixer = GdnMixer(c) if kind == "gdn" else AttentionMixer(c)
         self.mlp = Mlp(c)
 
@@ -182,10 +161,10 @@ class HybridModel(nn.Module):
         c = config
         self.config = c
         self.seed = seed
-        self.embed = _param(c.vocab_size, c.d_model)
+        self.embed = frozen_param(c.vocab_size, c.d_model)
         self.layers = nn.ModuleList(HybridLayer(c, kind) for kind in c.layer_pattern)
-        self.final_norm = _param(c.d_model)
-        self.lm_head = _param(c.vocab_size, c.d_model)
+        self.final_norm = frozen_param(c.d_model)
+        self.lm_head = frozen_param(c.vocab_size, c.d_model)
         self._init_weights(seed)
         self.to(device=device)
         self.rope_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unimem.memory.spec import AttentionLayerSpec, DraftLane, LayerKind
+from unimem.nn_ops import apply_rope, frozen_param, rms_norm
 
 __all__ = ["DRAFT_HOSTS", "DraftAttention", "DraftConfig", "DsparkDrafter"]
 
@@ -190,26 +191,7 @@ class DraftConfig:
             )
 
 
-# ---------------------------------------------------------------------- math
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xa = x.to(acc)
-    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.to(acc)).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    xa = x.to(cos.dtype)
-    x1, x2 = xa[..., :half], xa[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+# ---------------------------------------------------------------------- modules
 
 
 class DraftLayer(nn.Module):
@@ -222,15 +204,15 @@ class DraftLayer(nn.Module):
         self.k_dim = c.n_kv_heads * c.head_dim_k
         self.v_dim = c.n_kv_heads * c.head_dim_v
         self.ffn_dim = c.ffn_dim
-        self.input_norm = _param(c.d_model)
-        self.qkv_proj = _param(self.q_dim + self.k_dim + self.v_dim, c.d_model)
-        self.o_proj = _param(c.d_model, c.n_q_heads * c.head_dim_v)
-        self.mlp_norm = _param(c.d_model)
-        self.gate_up = _param(2 * c.ffn_dim, c.d_model)
-        self.down = _param(c.d_model, c.ffn_dim)
+        self.input_norm = frozen_param(c.d_model)
+        self.qkv_proj = frozen_param(self.q_dim + self.k_dim + self.v_dim, c.d_model)
+        self.o_proj = frozen_param(c.d_model, c.n_q_heads * c.head_dim_v)
+        self.mlp_norm = frozen_param(c.d_model)
+        self.gate_up = frozen_param(2 * c.ffn_dim, c.d_model)
+        self.down = frozen_param(c.d_model, c.ffn_dim)
 
     def mlp(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        gate, up = F.linear(_rms_norm(x, self.mlp_norm, eps), self.gate_up).split(self.ffn_dim, -1)
+        gate, up = F.linear(rms_norm(x, self.mlp_norm, eps), self.gate_up).split(self.ffn_dim, -1)
         return F.linear(F.silu(gate) * up, self.down)
 
 
@@ -258,13 +240,13 @@ class DsparkDrafter(nn.Module):
         self.config = c
         self.seed = seed
         self._shared = (embed, lm_head)  # a tuple: not registered as parameters
-        self.mask_embed = _param(c.d_model)
-        self.fc = _param(c.d_model, len(c.target_layers) * c.d_model)
-        self.ctx_norm = _param(c.d_model)
+        self.mask_embed = frozen_param(c.d_model)
+        self.fc = frozen_param(c.d_model, len(c.target_layers) * c.d_model)
+        self.ctx_norm = frozen_param(c.d_model)
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
-        self.final_norm = _param(c.d_model)
-        self.markov_u = _param(c.vocab_size, c.markov_rank)
-        self.markov_v = _param(c.vocab_size, c.markov_rank)
+        self.final_norm = frozen_param(c.d_model)
+        self.markov_u = frozen_param(c.vocab_size, c.markov_rank)
+        self.markov_v = frozen_param(c.vocab_size, c.markov_rank)
         self._init_weights(seed)
         self.to(device=embed.device)
         self.rope_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
@@ -308,10 +290,10 @@ class DsparkDrafter(nn.Module):
         self, j: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c, layer, t = self.config, self.layers[j], x.shape[0]
-        h = _rms_norm(x, layer.input_norm, c.rms_eps)
+        h = rms_norm(x, layer.input_norm, c.rms_eps)
         q, k, v = F.linear(h, layer.qkv_proj).split([layer.q_dim, layer.k_dim, layer.v_dim], -1)
-        q = _rope(q.reshape(t, c.n_q_heads, c.head_dim_k), *rope)
-        k = _rope(k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope)
+        q = apply_rope(q.reshape(t, c.n_q_heads, c.head_dim_k), *rope)
+        k = apply_rope(k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope)
         return q, k, v.reshape(t, c.n_kv_heads, c.head_dim_v).contiguous()
 
     # ------------------------------------------------------------------ context
@@ -330,7 +312,7 @@ class DsparkDrafter(nn.Module):
         if len(hidden) != len(c.target_layers):
             raise ValueError(f"need {len(c.target_layers)} hidden states, got {len(hidden)}")
         feats = torch.cat([h.to(c.dtype) for h in hidden], dim=-1)
-        ctx = _rms_norm(F.linear(feats, self.fc), self.ctx_norm, c.rms_eps)
+        ctx = rms_norm(F.linear(feats, self.fc), self.ctx_norm, c.rms_eps)
         rope = self._rope_tables(positions)
         out = []
         for j in range(c.num_layers):
@@ -362,7 +344,7 @@ class DsparkDrafter(nn.Module):
             o = attend(j, q, k, v)
             x = x + F.linear(o.reshape(x.shape[0], -1), layer.o_proj)
             x = x + layer.mlp(x, c.rms_eps)
-        h = _rms_norm(x, self.final_norm, c.rms_eps)
+        h = rms_norm(x, self.final_norm, c.rms_eps)
         logits = F.linear(h, self.lm_head.to(c.dtype))
         if logits.dtype != torch.float64:
             logits = logits.float()
