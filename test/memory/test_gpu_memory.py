@@ -24,49 +24,17 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from specs import SPECS as TINY_SPECS
+from specs import F, S, T
 
 from unimem.engine.config import memory_spec, preset
 from unimem.memory.checks import check_unified
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory
-from unimem.memory.spec import AttentionLayerSpec, DraftLane, LayerKind, MemorySpec, StateLayerSpec
+from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
-
-F, S, T = LayerKind.FULL, LayerKind.SWA, LayerKind.STATE
-f32, bf16 = torch.float32, torch.bfloat16
-
-
-def _full(h=2, dk=8, dv=8, dt=f32):
-    return AttentionLayerSpec(F, h, dk, dv, dt)
-
-
-def _swa(w, h=2, dk=8, dv=4, dt=f32):
-    return AttentionLayerSpec(S, h, dk, dv, dt, window=w)
-
-
-def _state():
-    return StateLayerSpec((6, 3), bf16, (2, 4, 4), f32)
-
-
-TINY_SPECS = {
-    "full+state": MemorySpec(
-        page_size=4,
-        layers=(_full(), _state(), _full(dt=bf16)),
-        draft_lanes=(DraftLane(T, _state()),),
-    ),
-    "full+swa": MemorySpec(
-        page_size=1,
-        layers=(_full(dk=16, dv=8), _swa(5)),
-        draft_lanes=(DraftLane(F, _full(h=1, dk=16, dv=16)),),
-    ),
-    "full+swa+state": MemorySpec(
-        page_size=4,
-        layers=(_swa(6), _state(), _full(dk=16, dv=8), _swa(9, dt=bf16)),
-        draft_lanes=(DraftLane(S, _swa(6)), DraftLane(F, _full())),
-    ),
-}
 
 
 def _small_spec() -> MemorySpec:
