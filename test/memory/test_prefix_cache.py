@@ -269,6 +269,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         before = self.pool.used_bytes()
         freed = self.cache.evict(nbytes)
         assert self.pool.used_bytes() == before - freed.bytes
+        if freed.bytes < nbytes:
+            # Short of the ask: nothing the cache alone holds can be freed any more — no
+            # unlocked leaf, no anchor with a checkpoint or an SWA unit only its window keeps
+            # (anchors of locked nodes were dropped too).
+            assert self.cache.evict(1 << 30).bytes == 0
+            assert self.cache.stats.checkpoints == 0
 
     @rule(go=st.integers(0, 3))
     def flush(self, go):
@@ -609,11 +615,71 @@ def test_eviction_is_lru_over_unlocked_leaves():
     cache.tree.walk(x)[2].last_access = 10**9
     cache.evict(1)
     assert cache.match(x).full_tokens == 8 and cache.match(z).num_tokens == 8
-    # Everything unlocked goes; the locked path stays.
-    assert cache.evict(1 << 30).bytes > 0
-    assert cache.match(y).num_tokens == 8, "locked by the running request"
-    assert cache.match(x).full_tokens == 0 and cache.match(z).full_tokens == 0
+    # Everything unlocked goes before anything of the locked path.
+    while cache.match(x).full_tokens or cache.match(z).full_tokens:
+        assert cache.evict(1).bytes > 0
+        assert cache.match(y).num_tokens == 8, "locked by the running request"
+    # Then the locked anchor gives back its checkpoint (its pages stay with the request).
+    assert cache.evict(1).state == 1
+    assert cache.match(y).num_tokens == 0 and cache.match(y).full_tokens == 8
     pool.release([held.mem])
+    cache.evict(1 << 30)
+    assert cache.tree.size == 0
+    assert all(pool.live_units(k) == 0 for k in spec.kinds)
+
+
+@pytest.mark.parametrize("kind", ["unified", "static"])
+@pytest.mark.parametrize("state", [False, True], ids=["full+swa", "full+swa+state"])
+def test_eviction_drops_the_anchors_of_locked_nodes(state, kind):
+    """When no unlocked leaf is left, eviction drops anchors of locked nodes (LRU, deeper
+    first): their checkpoint slots and the SWA units only their windows keep are freed, match
+    no longer ends there, and the running request's pages are untouched. An anchor whose
+    dropping would free nothing (no checkpoint, window still held by the request) is kept."""
+    spec = _hybrid(state=state)
+    pool = _pools(spec)[kind]
+    cache = PrefixCache(pool)
+    ub = pool.layout.unit_bytes
+    seq = list(range(40, 64))  # 6 pages; anchors at 2, 4, 6 (windows: 2 pages behind each)
+    a = _run(cache, seq, [8, 16, 24])
+    assert a.swa_start == 4, "the request retired columns 0-3: only the cache holds them"
+    assert all(pool.page_refs(page) == 2 for page in a.pages), "every node is locked"
+    assert cache.match(seq).num_tokens == 24
+    used = pool.used_bytes()
+
+    def request_untouched():
+        check_holders(pool, [a], *cache.held())
+        cache.check()
+        for c, page in enumerate(a.pages):
+            assert holds(pool, F, page, seq[: (c + 1) * P4])
+            if c >= a.swa_start:
+                assert holds(pool, S, page, seq[: (c + 1) * P4])
+        if state:
+            assert holds(pool, T, a.state_slot, seq)
+
+    freed = cache.evict(1)
+    assert freed.full == 0 and pool.used_bytes() == used - freed.bytes
+    if state:
+        # the anchor at 6: its checkpoint (its window's SWA units are the request's too)
+        assert (freed.state, freed.swa) == (1, 0) and freed.bytes == ub(T)
+        assert cache.match(seq).num_tokens == 16 and cache.match(seq).full_tokens == 24
+    else:
+        # the anchor at 6 would free nothing: the one at 4 goes, with columns 2-3
+        assert (freed.state, freed.swa) == (0, 2) and freed.bytes == 2 * ub(S)
+        assert cache.match(seq).num_tokens == 24, "the window behind 6 is still held"
+        assert cache.match(seq[:16]).num_tokens == 8, "no resume point at 4 any more"
+    request_untouched()
+
+    # Ask for more than is left: every anchor that frees something goes.
+    used = pool.used_bytes()
+    freed = cache.evict(1 << 30)
+    assert freed.full == 0 and pool.used_bytes() == used - freed.bytes
+    assert freed.swa == (4 if state else 2) and freed.state == (2 if state else 0)
+    assert cache.stats.anchors == (0 if state else 1)
+    assert cache.match(seq).num_tokens == (0 if state else 24)
+    assert cache.match(seq).full_tokens == 24, "the locked nodes stay"
+    assert cache.evict(1).bytes == 0, "nothing of its own is left"
+    request_untouched()
+    pool.release([a])
     cache.evict(1 << 30)
     assert cache.tree.size == 0
     assert all(pool.live_units(k) == 0 for k in spec.kinds)

@@ -20,9 +20,11 @@ It never returns a point lacking one: there the pool would hand attention the ze
 Who holds what. The pool counts holders per page (requests and the cache); a unit is unbound
 when its last holder lets go. A node whose page a running request also holds is *locked*: it
 is never evicted (evicting it would free nothing). Eviction is LRU over unlocked leaves,
-leaves that are not resume points first (they can serve no match). Nothing here reads the
-device; device work (copying a checkpoint, writing shared pages into a request row, unbinding)
-is launched by the pool, sync-free.
+leaves that are not resume points first (they can serve no match); when those are not
+enough, the anchors of the remaining (locked) nodes are dropped, LRU: their checkpoint slots
+and the SWA units only their windows keep are freed, and they stop being resume points.
+Nothing here reads the device; device work (copying a checkpoint, writing shared pages into a
+request row, unbinding) is launched by the pool, sync-free.
 
 Contract for the engine (see ``docs/prefix_cache.md``):
 
@@ -31,7 +33,8 @@ Contract for the engine (see ``docs/prefix_cache.md``):
 - insertion: :meth:`PrefixCache.insert` when a request's committed length reaches an anchor
   point (a chunk boundary on the interval) and on finish, *before* ``retire_swa`` of that step
   and before ``release``: the window must still be held;
-- memory pressure: :meth:`PrefixCache.evict` before retracting a running request.
+- memory pressure: :meth:`PrefixCache.evict` before retracting a running request (then
+  :meth:`PrefixCache.flush` only if eviction freed nothing).
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class CacheStats:
     checkpoint_failures: int = 0
     checkpoints_saved: int = 0
     evictions: int = 0
+    dropped_anchors: int = 0
     evicted_bytes: int = 0
     cached_pages: int = 0
     retained_swa_pages: int = 0
@@ -342,10 +346,19 @@ class PrefixCache:
     # --- eviction --------------------------------------------------------------------------------
 
     def evict(self, num_bytes: int) -> FreedUnits:
-        """Evict unlocked, unpinned leaves — those that are no resume point first, then least
-        recently used — until at least ``num_bytes`` bytes of units were unbound or nothing
-        is left to evict. Returns what was unbound (a node locked by a running request is
-        never evicted: its page would stay bound anyway)."""
+        """Free at least ``num_bytes`` bytes of units the cache holds, or all it can without
+        touching what running requests use. Returns what was unbound.
+
+        1. Unlocked, unpinned leaves are evicted — those that are no resume point first, then
+           least recently used (a parent may become such a leaf).
+        2. If that is not enough, the anchors left (nodes locked by a running request, or
+           above one; pinned nodes excepted) are dropped, least recently used first (deeper
+           first on ties): each gives back its checkpoint slot and the SWA units of its window
+           that no other window needs. The nodes stay (their FULL pages are in use) but are no
+           resume point any more, so ``match`` no longer ends there. An anchor that would free
+           nothing (no checkpoint, and its window's SWA units still held by a request or
+           another window) is kept.
+        """
         freed = FreedUnits()
         if num_bytes <= 0:
             return freed
@@ -358,7 +371,45 @@ class PrefixCache:
             self.stats.evictions += 1
             if parent is not self.tree.root and self._evictable(parent):
                 heapq.heappush(heap, (self._priority(parent), id(parent), parent))
+        if freed.bytes < num_bytes:
+            freed += self._drop_anchors(num_bytes - freed.bytes)
         return freed
+
+    def _drop_anchors(self, num_bytes: int) -> FreedUnits:
+        """Phase 2 of :meth:`evict`: drop unpinned anchors (LRU, deeper first on ties) until
+        ``num_bytes`` bytes were unbound or no anchor would free anything."""
+        freed = FreedUnits()
+        anchors = [n for n in self.tree.nodes() if n.anchor and n.pins == 0]
+        if not anchors:
+            return freed
+        anchors.sort(key=lambda n: (n.last_access, -n.depth))
+        # SWA holders per page, taken once: it stays right for every node that still holds
+        # its SWA unit (dropping a cover either lets the node's unit go or leaves it alone).
+        swa_refs = self.pool.holders()[1] if self.has_swa else {}
+        progress = True
+        while progress and freed.bytes < num_bytes:
+            progress = False
+            for node in anchors:
+                if freed.bytes >= num_bytes:
+                    break
+                if not node.anchor or not self._frees_on_drop(node, swa_refs):
+                    continue
+                got = self._unanchor(node)
+                freed += got
+                self.stats.dropped_anchors += 1
+                self.stats.evicted_bytes += got.bytes
+                progress = True
+        return freed
+
+    def _frees_on_drop(self, node: Node, swa_refs: dict[int, int]) -> bool:
+        """Whether dropping the anchor ``node`` unbinds anything: its checkpoint, or an SWA
+        unit only its window keeps (the cache's is the only hold)."""
+        if node.checkpoint >= 0:
+            return True
+        return any(
+            w.window_refs == 1 and swa_refs.get(w.page, 0) == 1
+            for w in node.window(self.window_pages)
+        )
 
     def flush(self) -> FreedUnits:
         """Drop everything the cache holds, locked nodes included (running requests keep
