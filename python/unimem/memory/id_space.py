@@ -33,6 +33,9 @@ class IdSpace:
         self.p2v = torch.full((num_physical,), -1, dtype=torch.int32, device=device)
         self.free_stack = torch.zeros(num_physical, dtype=torch.int32, device=device)
         self.free = 0
+        # Source/destination pairs of the latest compaction (rows 0 and 1), allocated once:
+        # the caller's copy is queued before any later compaction can overwrite them.
+        self._moves = torch.empty((2, num_physical), dtype=torch.int32, device=device)
 
     def push_range(self, lo: int, hi: int) -> torch.Tensor:
         """Push the fresh ids ``[lo, hi)``; returns the stack slice that now holds them."""
@@ -111,12 +114,12 @@ class IdSpace:
     def compact(self, region_lo: int, region_hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Evacuate physical ``[region_lo, region_hi)`` into holes; rebinds the tables and
         removes the region from the stack. Returns ``(src, dst)`` pairs (``-1`` padded) whose
-        bytes the caller must copy next, in stream order."""
+        bytes the caller must copy next, in stream order. The pairs are views of a buffer
+        owned by this space: valid until the next ``compact``."""
         k = region_hi - region_lo
         if k > self.free:
             raise RuntimeError(f"{self.name}: compacting {k} units with {self.free} free")
-        src = torch.empty(k, dtype=torch.int32, device=self.device)
-        dst = torch.empty(k, dtype=torch.int32, device=self.device)
+        src, dst = self._moves[0, :k], self._moves[1, :k]
         uk.compact_band(
             self.v2p, self.p2v, self.free_stack, self.free, region_lo, region_hi, src, dst
         )
