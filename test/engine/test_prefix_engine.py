@@ -111,7 +111,7 @@ def test_engine_chunks_end_on_anchors_and_everything_is_given_back(interval):
                 end = r.kv_len + n
                 # a chunk crossing an anchor point ends on the last one it crosses
                 assert end // anchor == r.kv_len // anchor or end % anchor == 0
-        eng.scheduler.next_batch = lambda b=batch: b  # replay the batch through step()
+        eng.scheduler.next_batch = lambda b=batch, **_: b  # replay the batch through step()
         eng.step()
         del eng.scheduler.next_batch
         cache.check()

@@ -22,7 +22,7 @@ from unimem.memory.unified import UnifiedMemory
 
 @pytest.mark.parametrize(
     "page_size, input_len, arena_mb",
-    [(1, 40, 1.0), (16, 40, 1.0), (64, 60, 3.0)],
+    [(1, 40, 1.0), (16, 40, 1.1), (64, 60, 3.0)],
 )
 def test_static_and_unified_match_under_pressure(page_size, input_len, arena_mb):
     cfg = ValidateConfig(

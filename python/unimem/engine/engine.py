@@ -1,19 +1,31 @@
 """The reference engine: submit requests, step the scheduler, run the model, sample greedily
 — one token per step, or, with a :class:`~unimem.spec.chain.DsparkChain`, a verified chain of
-up to ``gamma + 1`` tokens per step."""
+up to ``gamma + 1`` tokens per step.
+
+The step loop never waits for the step it just launched (DESIGN §1.4): sampled tokens and
+accepted lengths stay on the device, where the next step reads them, and reach the host
+through non-blocking copies into pinned memory. The host reads step ``k``'s results after it
+has launched step ``k + 1`` (the GPU is busy meanwhile) and plans with upper bounds until
+then (see :mod:`unimem.engine.scheduler`).
+
+One exception: with a prefix cache over a model with STATE layers the engine reads each
+step's results before planning the next (``overlap`` False). The cache checkpoints a
+request's state slot when its committed length reaches an anchor point, and with a step in
+flight the slot would already hold the state of a later position. (Taking the checkpoint on
+the device at launch, and inserting the tokens when they arrive, would lift this.)
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-
-import torch
 
 from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
 from unimem.engine.model import HybridModel
 from unimem.engine.request import Request
 from unimem.engine.runner import ModelRunner
-from unimem.engine.scheduler import Scheduler
+from unimem.engine.scheduler import Batch, Scheduler
+from unimem.engine.step_io import ResultRing, StagedResult
 from unimem.memory.pool import MemoryPool, pages_for
 from unimem.spec.chain import DsparkChain
 
@@ -32,6 +44,13 @@ class Engine:
     ``cache``: a :class:`~unimem.cache.PrefixCache` over ``pool``: requests resume at cached
     prefixes, prefixes are inserted at anchor points and on finish, and the cache is evicted
     before a running request is retracted (see :mod:`unimem.engine.scheduler`).
+
+    ``cuda_graphs`` (CUDA pool, FA4 backend): decode / verify steps are replayed CUDA graphs,
+    one per batch-size bucket (``graph_buckets``), recorded at construction.
+
+    With results read one step late, a speculative request may run one verify step past its
+    end (its in-flight step finished it): every request reserves ``lookahead`` (``gamma + 1``)
+    tokens of context and memory beyond its write window for that step.
     """
 
     def __init__(
@@ -43,11 +62,16 @@ class Engine:
         chunk_size: int,
         chain: DsparkChain | None = None,
         cache: PrefixCache | None = None,
+        *,
+        cuda_graphs: bool = False,
+        graph_buckets: Sequence[int] | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.chain = chain
         self.cache = cache
+        self.overlap = cache is None or not cache.has_state
+        self.lookahead = chain.verify_width if chain is not None and self.overlap else 0
         if chain is not None:
             c = model.config
             window = c.window if "swa" in c.layer_pattern else None
@@ -66,7 +90,11 @@ class Engine:
             max_bs=max_running,
             max_tokens=max(chunk_size, max_running),
             chain=chain,
+            cuda_graphs=cuda_graphs,
+            graph_buckets=graph_buckets,
         )
+        self.results = ResultRing(max_running, self.runner.width, pool.device)
+        self._pending: tuple[Batch, StagedResult] | None = None
         self._next_rid = 0
         self.steps = 0
 
@@ -81,10 +109,12 @@ class Engine:
             raise ValueError(
                 f"request rejected: token id {bad[0]} outside the vocabulary [0, {c.vocab_size})"
             )
-        # With a chain, the last verify's write window reaches gamma tokens past the end.
-        total = len(prompt) + max_new_tokens - 1 + (self.chain.gamma if self.chain else 0)
+        # With a chain, the last verify's write window reaches gamma tokens past the end, and
+        # one more verify step may run before the host learns that the request finished.
+        reach = (self.chain.gamma if self.chain else 0) + self.lookahead
+        total = len(prompt) + max_new_tokens - 1 + reach
         if total > self.pool.max_context:
-            window = f" + write window {self.chain.gamma}" if self.chain else ""
+            window = f" + write window and look-ahead {reach}" if self.chain else ""
             raise ValueError(
                 f"request rejected: prompt {len(prompt)} + output {max_new_tokens} tokens"
                 f"{window} exceed the context of {self.pool.max_context}"
@@ -105,30 +135,41 @@ class Engine:
         p = self.pool.page_size
         step = self.scheduler.chunk_size
         if self.chain is not None:
-            step = max(step, self.chain.verify_width)
+            step = max(step, self.chain.verify_width + self.lookahead)
         return min(total, (pages_for(window, p) + pages_for(step, p) + 1) * p)
 
     def step(self) -> bool:
-        """Run one batch; False when there is nothing left to do."""
-        batch = self.scheduler.next_batch()
-        if batch is None:
+        """Launch one batch and read the previous one's results; False when there is
+        nothing left to do (every result read)."""
+        batch = self.scheduler.next_batch(drain=self._drain)
+        if batch is None:  # next_batch drained the pipeline before giving up
             return False
-        if batch.mode == "verify":
-            out = self.runner.verify(batch)
-            # The step's one host read: accepted counts and the target's tokens together.
-            rows = torch.cat([out.accepted.long()[:, None], out.target], dim=1).tolist()
-            self.scheduler.complete_verify(batch, [row[1 : row[0] + 2] for row in rows])
-            self.steps += 1
-            return True
-        logits = self.runner.forward(batch)
-        sampled = torch.argmax(logits, dim=-1).tolist()
-        new_tokens = [
-            tok if r.kv_len + n == r.num_tokens else None
-            for r, n, tok in zip(batch.reqs, batch.lens, sampled, strict=True)
-        ]
-        self.scheduler.complete(batch, new_tokens)
+        bs = self.runner.launch(batch)
+        self.scheduler.launched(batch)
+        staged = self.results.stage(self.runner.out, bs)
+        previous, self._pending = self._pending, (batch, staged)
+        if previous is not None:
+            self._account(*previous)
+        if not self.overlap:
+            self._drain()
         self.steps += 1
         return True
+
+    def _drain(self) -> bool:
+        """Read the in-flight step's results, if any (waits for that step)."""
+        if self._pending is None:
+            return False
+        pending, self._pending = self._pending, None
+        self._account(*pending)
+        return True
+
+    def _account(self, batch: Batch, staged: StagedResult) -> None:
+        tokens, counts = staged.read()
+        if batch.mode == "verify":
+            committed = [row[:c] for row, c in zip(tokens, counts, strict=True)]
+            self.scheduler.complete_verify(batch, committed)
+        else:
+            self.scheduler.complete(batch, [row[0] for row in tokens])
 
     def run(self, on_step: Callable[[Engine], None] | None = None) -> list[Request]:
         """Step until every submitted request finished; returns them in finishing order."""

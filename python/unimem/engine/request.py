@@ -8,6 +8,23 @@ from dataclasses import dataclass, field
 from unimem.memory.pool import RequestMemory
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A step launched for a request whose results the host has not read yet (the engine
+    reads each step's results one step late: when the next batch is planned, at most one
+    step per request is in flight; right after a launch, two).
+
+    ``tokens``: tokens the step feeds; ``kv_min``/``kv_max``: bounds of what it adds to the
+    request's ``kv_len`` (exact for extend and decode, ``1 .. gamma + 1`` for verify);
+    ``outputs_min``: output tokens it appends at least (1 if it samples, else 0)."""
+
+    mode: str
+    tokens: int
+    kv_min: int
+    kv_max: int
+    outputs_min: int
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -29,6 +46,13 @@ class Request:
 
     ``cached_tokens``: tokens admissions skipped on prefix-cache hits (summed over
     readmissions after retraction).
+
+    One step late: ``kv_len`` and ``output`` are what the host has *read*; launched steps not
+    read yet are ``inflight`` (oldest first), and the ``planned_*`` properties bound where the
+    request stands on the device once they are done. ``primed``: an extend of this run has
+    set the request's row of the device state (length and next token), which decode and
+    verify steps read. ``epoch`` counts retractions' restarts: a step's results carry the
+    epoch it was launched in and are dropped if the request has restarted since.
     """
 
     rid: int
@@ -43,6 +67,9 @@ class Request:
     verify_steps: int = 0
     verified_tokens: int = 0
     cached_tokens: int = 0
+    inflight: list[InFlight] = field(default_factory=list)
+    epoch: int = 0
+    primed: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -65,3 +92,37 @@ class Request:
     @property
     def finished(self) -> bool:
         return len(self.output) >= self.max_new_tokens
+
+    # --- where the request stands on the device (with a step in flight) -----------------------
+
+    @property
+    def planned_kv_max(self) -> int:
+        """Upper bound of the tokens in memory once the in-flight steps are done."""
+        return self.kv_len + sum(f.kv_max for f in self.inflight)
+
+    @property
+    def planned_outputs(self) -> int:
+        """Output tokens once the in-flight steps are done (exact unless a verify step is in
+        flight: then a lower bound)."""
+        return len(self.output) + sum(f.outputs_min for f in self.inflight)
+
+    @property
+    def planned_tokens(self) -> int:
+        """Tokens the request has once the in-flight steps are done (a lower bound with a
+        verify step in flight)."""
+        return len(self.prompt) + self.planned_outputs
+
+    @property
+    def planned_has_output(self) -> bool:
+        return self.planned_outputs > 0
+
+    @property
+    def verifying(self) -> bool:
+        """Whether a verify step is in flight (the request is past its extends)."""
+        return any(f.mode == "verify" for f in self.inflight)
+
+    @property
+    def planned_finished(self) -> bool:
+        """Finished for sure once the in-flight steps are done (a verify step that may finish
+        the request is not counted: it commits between 1 and ``gamma + 1`` tokens)."""
+        return self.planned_outputs >= self.max_new_tokens

@@ -1,29 +1,41 @@
-"""Runs one scheduled batch through the model with paged memory (eager).
+"""Runs one scheduled batch through the model with paged memory: eager, or as a replayed
+CUDA graph.
 
-The runner owns a :class:`MetadataBuilder` (capture-stable buffers) and an attention backend;
-the pool owns the memory and its tables. For each batch it builds the step's attention
-metadata from the request table and the pool's live ``v2p`` tables, wraps pool views in a
-:class:`PagedContext` and calls the model. The model never sees pages or slots.
+The runner owns a :class:`MetadataBuilder` (capture-stable buffers), an attention backend and
+the step buffers of :mod:`unimem.engine.step_io`; the pool owns the memory and its tables. For
+each batch it builds the step's attention metadata from the request table and the pool's live
+``v2p`` tables, wraps pool views in a :class:`PagedContext` and calls the model. The model
+never sees pages or slots.
 
-With a :class:`~unimem.spec.chain.DsparkChain` the runner also drives chain speculative
-decoding (DESIGN §6): an extend pass captures the chosen target layers' hidden states and
-writes the drafter's context K/V for every token it runs; :meth:`ModelRunner.verify` runs a
-whole verify step — write window, draft, target verify, accept, commit — on the device
-without reading anything back, and returns device tensors for the caller to read once.
+Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
+
+- *extend* (eager): the chunk's tokens come from the host; the sampled token and the new
+  length go to :class:`~unimem.engine.step_io.DeviceRequestState`;
+- *decode*: each lane feeds its row's next token at its row's length (both on the device),
+  samples greedily and advances the row;
+- *verify* (with a :class:`~unimem.spec.chain.DsparkChain`, DESIGN §6): write window, draft,
+  target verify, greedy accept, commit of GDN states and draft context K/V — all on the
+  device, the row advanced by ``accepted + 1`` and its next anchor set to the bonus token.
+
+Every step writes ``StepOutputs`` (tokens and counts per lane) for the caller to copy to the
+host and read one step late. Decode and verify read only device buffers, so with
+``cuda_graphs`` they are recorded per batch-size bucket (:class:`StepGraphs`) and replayed.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import torch
 
 from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
+from unimem.engine.cuda_graphs import StepGraphs, default_buckets
 from unimem.engine.forward_context import ForwardContext, ForwardMode
 from unimem.engine.model import HybridModel
 from unimem.engine.scheduler import Batch
 from unimem.engine.speculative import DraftRunner
+from unimem.engine.step_io import DeviceRequestState, StepLanes, StepOutputs
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
@@ -46,14 +58,12 @@ class PagedContext(ForwardContext):
         meta: AttentionMetadata,
         state_slots: torch.Tensor | None,
         logits_indices: torch.Tensor,
-        cu_seqlens_q_host: list[int],
         capture: tuple[int, ...] = (),
     ) -> None:
         super().__init__(mode, meta.positions, meta.cu_seqlens_q, logits_indices)
         self.runner = runner
         self.meta = meta
         self.state_slots = state_slots
-        self.cu_seqlens_q_host = cu_seqlens_q_host
         self.capture = capture
         self.hidden: dict[int, torch.Tensor] = {}
 
@@ -90,7 +100,9 @@ class PagedContext(ForwardContext):
             conv,
             ssm,
             self.state_slots,
-            self.cu_seqlens_q_host,
+            # extend rows: device offsets with a host bound (no host read, no upload)
+            self.meta.cu_seqlens_q,
+            max_seqlen=self.meta.max_seqlen_q,
             **scratch,
         )
 
@@ -99,18 +111,15 @@ class PagedContext(ForwardContext):
             self.hidden[layer_idx] = hidden
 
 
-class VerifyOutput(NamedTuple):
-    """Device results of one verify step (nothing read back yet): ``target [bs, gamma + 1]``
-    int64, the target's greedy token after each verify row; ``accepted [bs]`` int32, drafts
-    accepted. The step committed ``target[b, :accepted[b] + 1]``."""
-
-    target: torch.Tensor
-    accepted: torch.Tensor
-
-
 class ModelRunner:
-    """Eager forward of scheduled batches over ``pool`` with ``backend``; with ``chain``, also
-    the draft and commit halves of chain speculative decoding."""
+    """Forward of scheduled batches over ``pool`` with ``backend``; with ``chain``, also the
+    draft and commit halves of chain speculative decoding (module docstring).
+
+    ``max_bs`` lanes per step, ``max_tokens`` tokens per extend. ``cuda_graphs``: record the
+    decode step (or, with a chain, the verify step) for every bucket of ``graph_buckets``
+    (default :func:`default_buckets`) at construction; needs a CUDA pool and a backend that
+    can be captured (FA4), and a GDN path that skips padded lanes (the Triton kernels).
+    """
 
     def __init__(
         self,
@@ -120,6 +129,9 @@ class ModelRunner:
         max_bs: int,
         max_tokens: int,
         chain: DsparkChain | None = None,
+        *,
+        cuda_graphs: bool = False,
+        graph_buckets: Sequence[int] | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -128,8 +140,9 @@ class ModelRunner:
         self.device = pool.device
         self.layer_kinds = [layer.kind for layer in pool.spec.layers]
         self.max_bs = max_bs
-        if chain is not None:
-            max_tokens = max(max_tokens, max_bs * chain.verify_width)
+        self.chain = chain
+        self.width = chain.verify_width if chain is not None else 1
+        max_tokens = max(max_tokens, max_bs * self.width)
         self.builder = MetadataBuilder(
             max_bs=max_bs,
             max_pages_per_req=pool.max_pages_per_request,
@@ -138,13 +151,25 @@ class ModelRunner:
             swa=pool.spec.has(LayerKind.SWA),
             device=pool.device,
         )
-        self.chain = chain
+        self.state = DeviceRequestState(pool.req_to_token.shape[0], self.device)
+        self.lanes = StepLanes(max_bs, self.device)
+        self.out = StepOutputs.allocate(max_bs, self.width, self.device)
+        self._arange = torch.arange(max_tokens, device=self.device)
         self.drafts: DraftRunner | None = None
         self.verify_scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._commit_plan: StateCommitPlan | None = None
         if chain is not None:
             self.drafts = DraftRunner(chain, pool, backend, max_bs)
             self._init_verify_scratch(chain.verify_width)
+        self.graphs: StepGraphs | None = None
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError("cuda_graphs needs a pool on a CUDA device")
+            buckets = tuple(graph_buckets) if graph_buckets else default_buckets(max_bs)
+            if max(buckets) > max_bs:
+                raise ValueError(f"graph bucket {max(buckets)} exceeds max_bs {max_bs}")
+            with torch.inference_mode():  # as launch() runs the eager steps
+                self.graphs = StepGraphs(self._uniform_step, self.lanes.pad, buckets, self.device)
 
     def _init_verify_scratch(self, width: int) -> None:
         """Per GDN layer, ``[max_bs, width, *S]`` scratch for the conv and SSM states after
@@ -165,50 +190,112 @@ class ModelRunner:
         if scratches:
             self._commit_plan = StateCommitPlan(scratches, dests)
 
-    # ----------------------------------------------------------------------------- extend/decode
+    # ----------------------------------------------------------------------------- launch
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits ``[bs, vocab]`` of the last consumed token of each request. With a chain,
-        also stores the drafter's context K/V for every token consumed."""
-        reqs, lens = batch.reqs, batch.lens
+    def launch(self, batch: Batch) -> int:
+        """Run ``batch`` (queued on the current stream; nothing is read back). Its results
+        are in ``self.out`` lanes ``:len(batch.reqs)`` (valid until the next launch):
+        extend/decode lane ``i`` sampled ``out.tokens[i, 0]`` (meaningful where
+        ``batch.samples[i]``), verify lane ``i`` committed ``out.tokens[i, :out.counts[i]]``.
+        Returns the number of lanes."""
+        if batch.mode == "extend":
+            self._extend(batch)
+            return len(batch.reqs)
+        if batch.mode != ("verify" if self.chain is not None else "decode"):
+            raise ValueError(
+                f"this runner runs extend and {'verify' if self.chain else 'decode'} steps, "
+                f"not {batch.mode!r}"
+            )
+        bs = len(batch.reqs)
+        width = self.graphs.bucket(bs) if self.graphs is not None else bs
+        self.lanes.stage(
+            [r.mem.row for r in batch.reqs],
+            [r.mem.state_slot for r in batch.reqs],
+            [r.rid for r in batch.reqs],
+            width,
+        )
+        if self.graphs is not None:
+            self.graphs.replay(width)
+        else:
+            self._uniform_step(width)
+        return bs
+
+    def _uniform_step(self, width: int) -> None:
+        if self.chain is not None:
+            self._verify_step(width)
+        else:
+            self._decode_step(width)
+
+    # ----------------------------------------------------------------------------- extend
+
+    def _extend(self, batch: Batch) -> None:
+        """A ragged chunk per request from host-known tokens; the sample of each lane and
+        the request's next token (the sample where the chunk reaches the end of the known
+        tokens, else the next known token) and length go to the device state. With a
+        chain, also stores the drafter's context K/V for every token consumed."""
+        reqs, lens, starts = batch.reqs, batch.lens, batch.starts
         bs = len(reqs)
-        starts = [r.kv_len for r in reqs]
         ids = [t for r, s, n in zip(reqs, starts, lens, strict=True) for t in r.tokens[s : s + n]]
-        slots_v = [r.mem.state_slot for r in reqs]
+        if len(ids) != sum(lens):
+            raise ValueError("an extend chunk reaches past the tokens the host knows")
+        known_next = [
+            -1 if sampled else r.tokens[s + n]
+            for r, s, n, sampled in zip(reqs, starts, lens, batch.samples, strict=True)
+        ]
         packed = upload_int32(
-            [r.mem.row for r in reqs] + starts + lens + slots_v + ids, self.device
+            [r.mem.row for r in reqs]
+            + starts
+            + lens
+            + [r.mem.state_slot for r in reqs]
+            + known_next
+            + ids,
+            self.device,
         )
         rows, prefix, ext = packed[:bs], packed[bs : 2 * bs], packed[2 * bs : 3 * bs]
-        vslots, input_ids = packed[3 * bs : 4 * bs], packed[4 * bs :]
+        vslots, nxt, input_ids = packed[3 * bs : 4 * bs], packed[4 * bs : 5 * bs], packed[5 * bs :]
         pool = self.pool
-        if batch.mode == "decode":
-            meta = self.builder.decode(pool.req_to_token, rows, prefix, pool.full_v2p, pool.swa_v2p)
-            mode = ForwardMode.DECODE
-        elif batch.mode == "extend":
-            meta = self.builder.extend(
-                pool.req_to_token,
-                rows,
-                prefix,
-                ext,
-                pool.full_v2p,
-                pool.swa_v2p,
-                num_tokens=len(ids),
-                max_seqlen_q=max(lens),
-            )
-            mode = ForwardMode.EXTEND
-        else:
-            raise ValueError(f"ModelRunner.forward runs extend and decode, not {batch.mode!r}")
+        meta = self.builder.extend(
+            pool.req_to_token,
+            rows,
+            prefix,
+            ext,
+            pool.full_v2p,
+            pool.swa_v2p,
+            num_tokens=len(ids),
+            max_seqlen_q=max(lens),
+        )
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
         last = upload_int32(cu[1:], self.device).long() - 1
         capture = self.drafts.target_layers if self.drafts is not None else ()
-        ctx = PagedContext(self, mode, meta, self._state_slots(vslots), last, cu, capture)
+        ctx = PagedContext(self, ForwardMode.EXTEND, meta, self._state_slots(vslots), last, capture)
         logits = self.model.forward(input_ids.long(), ctx)
         if self.drafts is not None:
             self.drafts.write_context(ctx.hidden, meta)
-        return logits
+        sampled = torch.argmax(logits, dim=-1)
+        self.state.write(rows, prefix + ext, torch.where(nxt >= 0, nxt.long(), sampled))
+        self.out.tokens[:bs, 0] = sampled
+        self.out.counts[:bs] = 1
+
+    # ----------------------------------------------------------------------------- decode
+
+    def _decode_step(self, width: int) -> None:
+        """One token per lane: each lane feeds its row's next token at its row's length.
+        Device inputs only (capturable)."""
+        rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
+        seq_lens, input_ids = self.state.read(rows)
+        pool = self.pool
+        meta = self.builder.decode(pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p)
+        ctx = PagedContext(
+            self, ForwardMode.DECODE, meta, self._state_slots(vslots), self._arange[:width]
+        )
+        logits = self.model.forward(input_ids, ctx)
+        sampled = torch.argmax(logits, dim=-1)
+        self.state.write(rows, seq_lens + 1, sampled)
+        self.out.tokens[:width, 0] = sampled
+        self.out.counts[:width] = 1
 
     def _state_slots(self, vslots: torch.Tensor) -> torch.Tensor | None:
         if not self.spec.has(LayerKind.STATE):
@@ -217,62 +304,52 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- verify
 
-    @torch.inference_mode()
-    def verify(self, batch: Batch) -> VerifyOutput:
-        """One chain step for every request of ``batch`` (mode "verify": each request's
-        anchor is its token at ``kv_len``, and its pages cover ``kv_len + gamma + 1`` tokens).
+    def _verify_step(self, width: int) -> None:
+        """One chain step for every lane (each lane's anchor is its row's next token, its
+        committed length its row's length, its pages cover ``length + gamma + 1`` tokens —
+        the scheduler reserved them). Device inputs only (capturable):
 
         1. write window: the verify metadata gathers and translates the ``gamma + 1`` write
-           slots per request (one launch) — they were reserved ahead by the scheduler;
+           slots per request (one launch);
         2. draft: ``gamma`` tokens per request (block K/V into the draft lanes);
         3. target verify of ``[anchor, d_1 .. d_gamma]``: K/V into the write window, GDN
            states after every position into scratch (slots untouched), hidden states of the
            drafter's target layers captured;
         4. greedy accept;
         5. commit: every GDN layer's conv and SSM state at row ``accepted`` into the request's
-           slot (one launch translating virtual slots), and the drafter's context K/V for the
-           committed rows only.
+           slot (one launch translating virtual slots), the drafter's context K/V for the
+           committed rows only, and the row's length and anchor (the bonus token).
 
-        Nothing is read back and nothing is freed (rejected rows are overwritten next step).
+        Nothing is freed (rejected rows are overwritten next step).
         """
-        if self.chain is None or batch.mode != "verify":
-            raise ValueError("ModelRunner.verify needs a chain and a verify batch")
-        gamma, width = self.chain.gamma, self.chain.verify_width
-        reqs = batch.reqs
-        bs = len(reqs)
-        starts = [r.kv_len for r in reqs]
-        anchors = [r.tokens[r.kv_len] for r in reqs]
-        packed = upload_int32(
-            [r.mem.row for r in reqs]
-            + starts
-            + [r.mem.state_slot for r in reqs]
-            + [r.rid for r in reqs]
-            + anchors,
-            self.device,
+        gamma, vw = self.chain.gamma, self.chain.verify_width
+        rows, vslots, rids = (
+            self.lanes.rows(width),
+            self.lanes.vslots(width),
+            self.lanes.rids(width),
         )
-        rows, seq_lens, vslots, rids, anchor_ids = packed.view(5, bs)
+        seq_lens, anchors = self.state.read(rows)
         pool = self.pool
         meta = self.builder.verify(
             pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p, gamma=gamma
         )
-        draft = self.drafts.propose(rows, seq_lens, anchor_ids, rids)
-        input_ids = torch.cat([anchor_ids.long()[:, None], draft], dim=1).reshape(-1)
-        logits_rows = torch.arange(bs * width, device=self.device)
-        cu = list(range(0, bs * width + 1, width))
+        draft = self.drafts.propose(rows, seq_lens, anchors, rids)
+        input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
         ctx = PagedContext(
             self,
             ForwardMode.VERIFY,
             meta,
             self._state_slots(vslots),
-            logits_rows,
-            cu,
+            self._arange[: width * vw],
             self.drafts.target_layers,
         )
         logits = self.model.forward(input_ids, ctx)
-        target = torch.argmax(logits, dim=-1).reshape(bs, width)
-        accepted, _ = greedy_accept(draft, target)
+        target = torch.argmax(logits, dim=-1).reshape(width, vw)
+        accepted, bonus = greedy_accept(draft, target)
         if self._commit_plan is not None:
             commit_states_multi(self._commit_plan, accepted, vslots, pool.state_v2p)
-        keep = commit_mask(accepted, width).reshape(-1)
+        keep = commit_mask(accepted, vw).reshape(-1)
         self.drafts.write_context(ctx.hidden, meta, keep)
-        return VerifyOutput(target, accepted)
+        self.state.write(rows, seq_lens + accepted + 1, bonus)
+        self.out.tokens[:width] = target
+        self.out.counts[:width] = accepted + 1

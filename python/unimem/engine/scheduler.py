@@ -22,6 +22,18 @@ Policy (deterministic: the same requests and the same capacity give the same bat
   (otherwise the retracted request would be readmitted at once and thrash).
 - Every step, SWA pages behind each request's window are retired (one launch).
 
+One step late (DESIGN §3.5). The engine launches step ``k + 1`` before it reads step ``k``'s
+results, so a request may have one step *in flight* (:class:`~unimem.engine.request.InFlight`)
+when the next batch is planned. Planning then uses bounds: the request stands at most at
+``planned_kv_max`` (a verify step commits ``1 .. gamma + 1`` tokens) and its pages are grown to
+that plus the new step's tokens; a request is left out only once it is finished for sure
+(``planned_finished``) — a verify batch may therefore run one step too many for a request
+that its in-flight step finished, whose results are then dropped. When a batch does not fit,
+the in-flight results are read first (``drain``) and the batch is planned again from exact
+lengths, before anything is evicted or retracted. Results are accounted by :meth:`complete`
+and :meth:`complete_verify` when read; those of a request that has finished or restarted
+(retraction) since the launch are dropped.
+
 With a :class:`~unimem.cache.PrefixCache` (``cache``):
 
 - admission goes through ``cache.admit``: a request resumes at the longest cached prefix of
@@ -39,10 +51,11 @@ With a :class:`~unimem.cache.PrefixCache` (``cache``):
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from unimem.engine.request import Request, RequestStatus
+from unimem.engine.request import InFlight, Request, RequestStatus
 from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import LayerKind
 
@@ -53,12 +66,21 @@ if TYPE_CHECKING:
 @dataclass
 class Batch:
     """One forward: ``mode`` "extend", "decode" or "verify"; request ``reqs[i]`` consumes
-    ``lens[i]`` tokens starting at its ``kv_len`` (verify: its write window of ``gamma + 1``
-    tokens, of which the step commits ``accepted + 1``)."""
+    ``lens[i]`` tokens (verify: its write window of ``gamma + 1`` tokens, of which the step
+    commits ``accepted + 1``).
+
+    ``starts[i]``: where an extend chunk starts (the request's ``kv_len`` once its in-flight
+    step is done; exact for extends). Decode and verify steps read the request's length and
+    next token from the device. ``samples[i]``: whether the step produces an output token for
+    request ``i`` (extend: the chunk reaches the end of the known tokens; decode and verify:
+    always). ``epochs``: the requests' epochs when the batch was launched."""
 
     mode: str
     reqs: list[Request]
     lens: list[int]
+    starts: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -105,55 +127,95 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------------
 
-    def next_batch(self) -> Batch | None:
-        """The next forward to run, with memory for it already reserved; None when idle."""
-        self._admit()
-        while self.running:
-            prefill = [r for r in self.running if self._needs_extend(r)]
-            batch = self._extend_batch(prefill) if prefill else self._decode_batch()
-            targets = [(r.mem, r.kv_len + n) for r, n in zip(batch.reqs, batch.lens, strict=True)]
+    def next_batch(self, drain: Callable[[], bool] | None = None) -> Batch | None:
+        """The next forward to run, with memory for it already reserved; None when there is
+        nothing to run. ``drain()`` reads the in-flight step's results (accounting them
+        through :meth:`complete` / :meth:`complete_verify`) and says whether there were any:
+        it is called when nothing can be planned from bounds or a planned batch does not fit.
+        """
+        while True:
+            self._admit()
+            batch = self._plan()
+            if batch is None:
+                if drain is not None and drain():
+                    continue
+                if self.waiting and not self.running:
+                    raise RuntimeError("no request can run: the pool cannot hold even one request")
+                return None
+            targets = [
+                (r.mem, r.planned_kv_max + n) for r, n in zip(batch.reqs, batch.lens, strict=True)
+            ]
             if self.pool.grow(targets):
                 return batch
+            if drain is not None and drain():
+                continue
             if self.cache is not None and self._evict_for(targets):
                 continue
             self._retract_newest()
-        if self.waiting:
-            raise RuntimeError("no request can run: the pool cannot hold even one request")
-        return None
 
-    def complete(self, batch: Batch, new_tokens: list[int | None]) -> None:
-        """Account a finished forward: advance lengths, append sampled tokens, retire SWA
-        pages, release finished requests. ``new_tokens[i]`` is None for a request whose chunk
-        did not reach the end of its tokens."""
-        for req, n, tok in zip(batch.reqs, batch.lens, new_tokens, strict=True):
+    def launched(self, batch: Batch) -> None:
+        """Record that ``batch`` was launched: each request has it in flight until its
+        results are accounted."""
+        batch.epochs = [r.epoch for r in batch.reqs]
+        for r, n, samples in zip(batch.reqs, batch.lens, batch.samples, strict=True):
+            if batch.mode == "verify":
+                r.inflight.append(InFlight("verify", n, 1, n, 1))
+            else:
+                r.inflight.append(InFlight(batch.mode, n, n, n, int(samples)))
+                r.primed = True
+
+    def complete(self, batch: Batch, new_tokens: list[int]) -> None:
+        """Account a finished extend or decode step: advance lengths, append the sampled
+        tokens of the requests with ``batch.samples[i]``, then cache / retire SWA pages /
+        release finished requests. Results of requests that finished or restarted since the
+        launch are dropped."""
+        live = []
+        for i, (req, n, tok) in enumerate(zip(batch.reqs, batch.lens, new_tokens, strict=True)):
+            if not self._current(req, batch.epochs[i]):
+                continue
+            req.inflight.pop(0)
             req.kv_len += n
             req.forward_steps += 1
-            if tok is not None:
+            if batch.samples[i]:
                 req.output.append(tok)
-        self._end_step(batch)
+            live.append(req)
+        self._end_step(live)
 
     def complete_verify(self, batch: Batch, committed: list[list[int]]) -> None:
         """Account a verify step: ``committed[i]`` are the ``accepted + 1`` tokens request
         ``i`` committed (accepted drafts, then the bonus). Its length advances by that many
         (the anchor and the accepted drafts are now in memory; the bonus is the next anchor);
         output beyond ``max_new_tokens`` is dropped. Then as :meth:`complete`."""
-        for req, toks in zip(batch.reqs, committed, strict=True):
+        live = []
+        for i, (req, toks) in enumerate(zip(batch.reqs, committed, strict=True)):
+            if not self._current(req, batch.epochs[i]):
+                continue
+            req.inflight.pop(0)
             req.kv_len += len(toks)
             req.forward_steps += 1
             req.verify_steps += 1
             req.verified_tokens += len(toks)
             req.output.extend(toks[: req.max_new_tokens - len(req.output)])
-        self._end_step(batch)
+            live.append(req)
+        self._end_step(live)
 
-    def _end_step(self, batch: Batch) -> None:
-        done = [r for r in batch.reqs if r.finished]
+    @staticmethod
+    def _current(req: Request, epoch: int) -> bool:
+        """Whether a result launched at ``epoch`` still belongs to ``req``'s run."""
+        return req.status is RequestStatus.RUNNING and req.epoch == epoch
+
+    def _end_step(self, reqs: list[Request]) -> None:
+        done = [r for r in reqs if r.finished]
         if self.cache is not None:
-            self._insert(batch.reqs)
-        self.pool.retire_swa([(r.mem, r.kv_len) for r in batch.reqs if not r.finished])
+            self._insert(reqs)
+        self.pool.retire_swa([(r.mem, r.kv_len) for r in reqs if not r.finished])
         if done:
+            # A step launched after the finishing one may still be in flight: the release
+            # runs after it in stream order, and its results are dropped.
             self.pool.release([r.mem for r in done])
             for r in done:
                 r.mem = None
+                r.inflight.clear()
                 r.status = RequestStatus.FINISHED
                 self.running.remove(r)
                 self.finished.append(r)
@@ -179,49 +241,68 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
+    def _plan(self) -> Batch | None:
+        """The next batch from the requests' planned positions (module docstring), or None
+        when every running request is finished for sure."""
+        active = [r for r in self.running if not r.planned_finished]
+        if not active:
+            return None
+        prefill = [r for r in active if self._needs_extend(r)]
+        return self._extend_batch(prefill) if prefill else self._decode_batch(active)
+
     def _needs_extend(self, r: Request) -> bool:
         """Whether ``r``'s next forward is an extend: without speculation, while more than
-        one token is pending; with it, until it holds :meth:`_spec_extend_end` tokens."""
+        one token is pending; with it, until it holds :meth:`_spec_extend_end` tokens. A
+        request with a verify step in flight is past its extends."""
+        if r.verifying:
+            return False
+        if not r.primed:
+            # Decode and verify steps read the length and next token from the device
+            # state, which only an extend sets: a (re)admitted request extends first, even
+            # a single token (a prefix-cache hit leaves at least one to compute).
+            return True
         if self.gamma is None:
-            return r.pending > 1
-        return r.kv_len < self._spec_extend_end(r)
+            return r.planned_tokens - r.planned_kv_max > 1
+        return r.planned_kv_max < self._spec_extend_end(r)
 
     @staticmethod
     def _spec_extend_end(r: Request) -> int:
         """With speculation, the tokens ``r`` holds before it verifies: all when it has no
         output yet (the prefill samples its first token), else all but its anchor."""
-        return r.num_tokens - 1 if r.output else r.num_tokens
+        return r.planned_tokens - 1 if r.planned_has_output else r.planned_tokens
 
     def _extend_end(self, r: Request) -> int:
         """The tokens ``r`` holds when its extends are done."""
-        return r.num_tokens if self.gamma is None else self._spec_extend_end(r)
+        return r.planned_tokens if self.gamma is None else self._spec_extend_end(r)
 
     def _extend_batch(self, prefill: list[Request]) -> Batch:
-        reqs, lens, budget = [], [], self.chunk_size
+        reqs, lens, starts, samples, budget = [], [], [], [], self.chunk_size
         for r in prefill:
             if budget == 0:
                 break
+            start = r.planned_kv_max  # exact: no verify step is in flight
             n = min(self._extend_len(r), budget)
             if self.anchor_tokens:
                 # End the chunk on the last anchor point it crosses (a checkpoint there).
-                cut = (r.kv_len + n) // self.anchor_tokens * self.anchor_tokens
-                if cut > r.kv_len:
-                    n = cut - r.kv_len
+                cut = (start + n) // self.anchor_tokens * self.anchor_tokens
+                if cut > start:
+                    n = cut - start
             reqs.append(r)
             lens.append(n)
+            starts.append(start)
+            samples.append(start + n == r.planned_tokens)
             budget -= n
-        return Batch("extend", reqs, lens)
+        return Batch("extend", reqs, lens, starts, samples)
 
     def _extend_len(self, r: Request) -> int:
         """Tokens an extend of ``r`` has left to consume: up to the end of its tokens without
         speculation (the last chunk samples), up to :meth:`_spec_extend_end` with it."""
-        return r.pending if self.gamma is None else self._spec_extend_end(r) - r.kv_len
+        return self._extend_end(r) - r.planned_kv_max
 
-    def _decode_batch(self) -> Batch:
-        reqs = list(self.running)
-        if self.gamma is None:
-            return Batch("decode", reqs, [1] * len(reqs))
-        return Batch("verify", reqs, [self.gamma + 1] * len(reqs))
+    def _decode_batch(self, reqs: list[Request]) -> Batch:
+        n = 1 if self.gamma is None else self.gamma + 1
+        mode = "decode" if self.gamma is None else "verify"
+        return Batch(mode, reqs, [n] * len(reqs), [], [True] * len(reqs))
 
     def _insert(self, reqs: list[Request]) -> None:
         """Cache the committed prefix of every request on an anchor point, and of finished
@@ -253,9 +334,14 @@ class Scheduler:
 
     def _retract_newest(self) -> None:
         req = self.running.pop()
+        # A step of it still in flight runs before the release in stream order; its results
+        # are dropped (new epoch): the request recomputes from what the host has read.
         self.pool.release([req.mem])
         req.mem = None
         req.kv_len = 0
+        req.inflight.clear()
+        req.primed = False
+        req.epoch += 1
         req.retractions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

@@ -448,10 +448,12 @@ class MemoryPool(ABC):
         """Conv view ``[num_slots, *conv_shape]`` and SSM view ``[num_slots, *ssm_shape]``."""
 
     def physical_state_slots(self, vslots: torch.Tensor) -> torch.Tensor:
-        """Physical slots of virtual state slots (device gather; -1 for unbound)."""
+        """Physical slots of virtual state slots (device gather; -1 for unbound slots and for
+        negative ``vslots``: padded lanes of a fixed-size batch)."""
         if self.state_v2p is None:
             return vslots
-        return self.state_v2p[vslots.long()]
+        phys = self.state_v2p[vslots.long().clamp(min=0)]
+        return torch.where(vslots >= 0, phys, -1)
 
     # --- accounting ------------------------------------------------------------------------------
 

@@ -1,0 +1,174 @@
+"""Where a decode/verify step's time goes, on one GPU (the data for choosing the next
+optimisation).
+
+Builds the ``small`` preset with a DSPARK drafter (gamma 7) over a unified arena, admits
+``--requests`` prompts, prefills them, and then, in the steady state (every request verifying):
+
+1. **engine loop**: ``--steps`` engine steps, wall time per step, and the host's share — the
+   time ``Engine.step`` spends outside its one wait for the previous step's results (plan,
+   grow, launch, account). The GPU is never idle while host time < GPU time per step.
+2. **GPU per step**: back-to-back replays of the recorded verify step, timed by CUDA events.
+3. **kernel breakdown**: ``torch.profiler`` over a few replays; kernels grouped by what they
+   do (GEMMs: every projection, MLP and the LM heads; attention: FA4; GDN: our Triton conv +
+   delta rule; metadata: our fused builder + write window; state commit; the rest: norms,
+   RoPE, argmax, accept, elementwise).
+
+Prints a table and writes JSON (``--json``). Replays in parts 2-3 advance the device state
+past what the host read, so they come last.
+
+    python benchmark/profile_step.py --requests 48 --input-len 512 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from collections import defaultdict
+
+import torch
+
+from unimem.attention.fa4_backend import FA4Backend
+from unimem.engine.config import memory_spec, preset
+from unimem.engine.engine import Engine
+from unimem.engine.model import HybridModel
+from unimem.engine.speculative import draft_config_for
+from unimem.engine.step_io import StagedResult
+from unimem.memory.unified import UnifiedMemory
+from unimem.spec.chain import DsparkChain
+from unimem.spec.control import AcceptanceControl
+from unimem.spec.drafter import DsparkDrafter
+
+CATEGORIES = [
+    ("attention (FA4)", re.compile(r"flash|fmha|FlashAttn|cute", re.I)),
+    ("GDN conv + delta rule", re.compile(r"_conv_kernel|_rule_kernel")),
+    ("metadata + write window", re.compile(r"_metadata_kernel|_write_window_kernel")),
+    ("state commit", re.compile(r"_commit")),
+    ("GEMM (projections, MLP, LM heads)", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),
+]
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other (norms, RoPE, sampling, accept, elementwise)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    cfg = preset("small")
+    model = HybridModel(cfg, seed=0, device=dev)
+    drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=17)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, cfg.vocab_size, (args.requests, args.input_len), generator=g)
+    prompts = prompts.tolist()
+    # Per-step cost does not depend on what is accepted; the prompt doubled as "reference"
+    # only makes some drafts acceptable.
+    refs = {i: p + p for i, p in enumerate(prompts)}
+    chain = DsparkChain(drafter, args.gamma, AcceptanceControl(0.8, 0, refs, dev))
+    spec = memory_spec(cfg, args.page_size, drafter.config.lanes())
+    pool = UnifiedMemory(spec, 24 << 30, args.requests, cfg.max_context, dev)
+    eng = Engine(model, pool, FA4Backend(), args.requests, 8192, chain=chain, cuda_graphs=True)
+    for p in prompts:
+        eng.submit(p, 8192)
+    while any(r.kv_len < args.input_len for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(10):
+        eng.step()
+    torch.cuda.synchronize()
+
+    # 1. engine loop, host share
+    waited = [0.0]
+    read = StagedResult.read
+
+    def timed_read(self):
+        t = time.perf_counter()
+        out = read(self)
+        waited[0] += time.perf_counter() - t
+        return out
+
+    StagedResult.read = timed_read
+    t0 = time.perf_counter()
+    tokens0 = sum(len(r.output) for r in eng.scheduler.running)
+    for _ in range(args.steps):
+        eng.step()
+    eng._drain()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.steps
+    StagedResult.read = read
+    tokens = sum(len(r.output) for r in eng.scheduler.running) - tokens0
+    host = wall - waited[0] / args.steps
+
+    # 2. GPU time of one verify step (graph replays back to back)
+    runner = eng.runner
+    bs = len(eng.scheduler.running)
+    width = runner.graphs.bucket(bs)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    runner.graphs.replay(width)
+    start.record()
+    for _ in range(args.replays):
+        runner.graphs.replay(width)
+    end.record()
+    torch.cuda.synchronize()
+    gpu_ms = start.elapsed_time(end) / args.replays
+
+    # 3. kernel breakdown
+    n_prof = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_prof):
+            runner.graphs.replay(width)
+        torch.cuda.synchronize()
+    per_cat: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = evt.self_cuda_time_total
+        if us > 0:
+            per_cat[category(evt.key)] += us / 1000 / n_prof
+    kernel_ms = sum(per_cat.values())
+
+    result = {
+        "gpu": torch.cuda.get_device_name(dev),
+        "requests": bs,
+        "bucket": width,
+        "gamma": args.gamma,
+        "page_size": args.page_size,
+        "input_len": args.input_len,
+        "step_wall_ms": wall * 1e3,
+        "host_ms_per_step": host * 1e3,
+        "tokens_per_step": tokens / args.steps,
+        "output_tok_s": tokens / (wall * args.steps),
+        "gpu_ms_per_verify_step": gpu_ms,
+        "kernel_ms_per_step": dict(per_cat),
+    }
+    print(
+        f"{result['gpu']}: small preset, {bs} requests verifying (bucket {width}), "
+        f"gamma {args.gamma}, page {args.page_size}, prompts {args.input_len}"
+    )
+    print(
+        f"engine loop: {wall * 1e3:.2f} ms/step wall, host {host * 1e3:.2f} ms/step outside "
+        f"the wait, {tokens / args.steps:.1f} tokens/step, {result['output_tok_s']:.0f} tok/s"
+    )
+    print(f"verify step on the GPU (graph replays): {gpu_ms:.2f} ms")
+    print(f"{'kernels by category':<52}{'ms/step':>9}{'share':>8}")
+    for label, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
+        print(f"{label:<52}{ms:>9.3f}{100 * ms / kernel_ms:>7.1f}%")
+    print(f"{'sum of kernel time':<52}{kernel_ms:>9.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

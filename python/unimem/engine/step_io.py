@@ -1,0 +1,162 @@
+"""What a decode or verify step reads and writes besides the pool: capture-stable buffers.
+
+A step of the GPU path reads nothing from the host but the batch's lanes, and the host reads
+its results one step late (DESIGN §1.4, §3.5). Four small owners make that explicit:
+
+- :class:`DeviceRequestState`: per request-table row, the request's committed length and its
+  next input token (the pending token of a decode, the anchor of a verify), **on the device**.
+  Every step reads them and writes the advanced values back, so consecutive steps chain on
+  the device without the host knowing accepted lengths. Row 0 (the pool's padding row) is
+  never advanced: it stays length 0, token 0.
+- :class:`StepLanes`: the batch's per-lane inputs ``rows``, ``vslots`` (virtual state slots)
+  and ``rids`` (acceptance-control keys) in one ``[3, max_bs]`` int32 buffer, filled by one
+  non-blocking copy from pinned memory. Lanes past the batch (padding up to a captured batch
+  size) point at row 0, slot -1, rid -1: they read the sink, skip every state slot and write
+  nothing anyone reads.
+- :class:`StepOutputs`: ``tokens [max_bs, width]`` int64 and ``counts [max_bs]`` int32 that a
+  step writes (lane ``b`` committed ``tokens[b, :counts[b]]``).
+- :class:`ResultRing`: pinned host copies of a step's outputs, taken by non-blocking copies
+  and an event; the host reads them after it has launched the next step.
+
+All buffers are allocated once; their addresses never change, so a CUDA graph records them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["DeviceRequestState", "ResultRing", "StagedResult", "StepLanes", "StepOutputs"]
+
+
+class DeviceRequestState:
+    """Per request-table row: ``seq_lens [R]`` int32 (tokens in memory) and
+    ``next_tokens [R]`` int64 (the token the next decode/verify step feeds). Device-owned:
+    only steps write them (an extend sets them from host-known values or its sample)."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.next_tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def read(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seq_lens, next_tokens)`` of ``rows [bs]`` (gathers; no host read)."""
+        idx = rows.long()
+        return self.seq_lens[idx], self.next_tokens[idx]
+
+    def write(self, rows: torch.Tensor, seq_lens: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Set the state of ``rows [bs]``; lanes on row 0 (padding) write row 0's own zeros,
+        so duplicates of row 0 all agree and row 0 never changes."""
+        idx = rows.long()
+        live = rows > 0
+        self.seq_lens[idx] = torch.where(live, seq_lens.to(torch.int32), 0)
+        self.next_tokens[idx] = torch.where(live, next_tokens.long(), 0)
+
+
+class StepLanes:
+    """Capture-stable per-lane inputs of a step (module docstring)."""
+
+    PAD = (0, -1, -1)
+    """``(row, vslot, rid)`` of a padded lane."""
+
+    def __init__(self, max_bs: int, device: torch.device) -> None:
+        self.max_bs = max_bs
+        self.device = device
+        self.buffer = torch.zeros(3, max_bs, dtype=torch.int32, device=device)
+        self.pad(max_bs)
+
+    def rows(self, bs: int) -> torch.Tensor:
+        return self.buffer[0, :bs]
+
+    def vslots(self, bs: int) -> torch.Tensor:
+        return self.buffer[1, :bs]
+
+    def rids(self, bs: int) -> torch.Tensor:
+        return self.buffer[2, :bs]
+
+    def stage(
+        self, rows: Sequence[int], vslots: Sequence[int], rids: Sequence[int], width: int
+    ) -> None:
+        """Write the batch's lanes, padded to ``width`` lanes, with one copy from pinned
+        memory that does not block the host (stream-ordered after the previous step)."""
+        bs = len(rows)
+        if not bs <= width <= self.max_bs:
+            raise ValueError(f"{bs} lanes padded to {width} (max_bs {self.max_bs})")
+        host = np.empty((3, width), dtype=np.int32)
+        for i, (lane, pad) in enumerate(zip((rows, vslots, rids), self.PAD, strict=True)):
+            host[i, :bs] = lane
+            host[i, bs:] = pad
+        src = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        self.buffer[:, :width].copy_(src, non_blocking=True)
+
+    def pad(self, width: int) -> None:
+        """Every lane below ``width`` padded (before a warm-up run or a capture)."""
+        for i, value in enumerate(self.PAD):
+            self.buffer[i, :width].fill_(value)
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """Device results of the last step: lane ``b`` committed ``tokens[b, :counts[b]]``."""
+
+    tokens: torch.Tensor  # [max_bs, width] int64
+    counts: torch.Tensor  # [max_bs] int32
+
+    @classmethod
+    def allocate(cls, max_bs: int, width: int, device: torch.device) -> StepOutputs:
+        return cls(
+            torch.zeros(max_bs, width, dtype=torch.int64, device=device),
+            torch.zeros(max_bs, dtype=torch.int32, device=device),
+        )
+
+
+@dataclass
+class StagedResult:
+    """Host copies of one step's outputs for ``bs`` lanes, valid once ``event`` completed
+    (None: already valid, a CPU run)."""
+
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    event: torch.cuda.Event | None
+
+    def read(self) -> tuple[list[list[int]], list[int]]:
+        """``(tokens per lane, counts)`` — waits for the step if it is still running."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.tolist(), self.counts.tolist()
+
+
+class ResultRing:
+    """``depth`` sets of pinned host buffers that step outputs are copied into without
+    blocking; set ``k % depth`` holds step ``k``. With results read one step late, a set is
+    reused two steps after it was filled, when it has been read: ``depth = 2``."""
+
+    def __init__(self, max_bs: int, width: int, device: torch.device, depth: int = 2) -> None:
+        pin = device.type == "cuda"
+        self.device = device
+        self._sets = [
+            (
+                torch.zeros(max_bs, width, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(max_bs, dtype=torch.int32, pin_memory=pin),
+            )
+            for _ in range(depth)
+        ]
+        self._next = 0
+
+    def stage(self, out: StepOutputs, bs: int) -> StagedResult:
+        """Copy lanes ``:bs`` of ``out`` to the next host set (stream-ordered after the
+        step) and record an event behind the copies."""
+        tokens, counts = self._sets[self._next]
+        self._next = (self._next + 1) % len(self._sets)
+        width = out.tokens.shape[1]
+        tokens[:bs, :width].copy_(out.tokens[:bs], non_blocking=True)
+        counts[:bs].copy_(out.counts[:bs], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return StagedResult(tokens[:bs, :width], counts[:bs], event)

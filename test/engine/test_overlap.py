@@ -1,0 +1,110 @@
+"""The engine reads each step's results one step late: step k's tokens and accepted lengths
+are read after step k + 1 was launched, which ran from device state alone; planning in
+between uses upper bounds. With a prefix cache over a model with STATE layers the engine
+reads every step before planning the next (its checkpoints need the exact slot state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unimem.attention.torch_backend import TorchReferenceBackend
+from unimem.cache import PrefixCache
+from unimem.engine.config import memory_spec, preset
+from unimem.engine.engine import Engine
+from unimem.engine.model import HybridModel
+from unimem.engine.speculative import draft_config_for
+from unimem.memory.static import StaticMemory
+from unimem.memory.unified import UnifiedMemory
+from unimem.spec.chain import DsparkChain
+from unimem.spec.drafter import DsparkDrafter
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny")
+    return cfg, HybridModel(cfg, seed=4)
+
+
+def _prompts(cfg, n, length):
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, cfg.vocab_size, (n, length), generator=g).tolist()
+
+
+def _record(eng: Engine) -> list[tuple[str, int]]:
+    """Log ("launch", k) when step k's results are staged and ("read", k) when the host
+    reads them."""
+    log: list[tuple[str, int]] = []
+    stage = eng.results.stage
+
+    def staged(out, bs):
+        result = stage(out, bs)
+        k = sum(1 for e in log if e[0] == "launch")
+        log.append(("launch", k))
+        read = result.read
+
+        def logged_read():
+            log.append(("read", k))
+            return read()
+
+        result.read = logged_read
+        return result
+
+    eng.results.stage = staged
+    return log
+
+
+def _reference(model, prompts, n):
+    out = {}
+    for rid, p in enumerate(prompts):
+        toks = list(p)
+        for _ in range(n):
+            toks.append(int(model.reference_forward([torch.tensor(toks)])[0][-1].argmax()))
+        out[rid] = toks[len(p) :]
+    return out
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_step_k_is_read_after_step_k_plus_1_is_launched(tiny, speculative):
+    cfg, model = tiny
+    prompts = _prompts(cfg, 3, 20)
+    chain, lanes = None, ()
+    if speculative:
+        drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=2)
+        chain, lanes = DsparkChain(drafter, 3), drafter.config.lanes()
+    pool = UnifiedMemory(memory_spec(cfg, 16, lanes), 8 << 20, 3, cfg.max_context)
+    eng = Engine(model, pool, TorchReferenceBackend(), 3, 64, chain=chain)
+    assert eng.overlap
+    log = _record(eng)
+    lanes_run = []
+    launch = eng.runner.launch
+    eng.runner.launch = lambda batch: lanes_run.append(len(batch.reqs)) or launch(batch)
+    for p in prompts:
+        eng.submit(p, 12)
+    done = eng.run()
+    assert {r.rid: r.output for r in done} == _reference(model, prompts, 12)
+    launches = [k for kind, k in log if kind == "launch"]
+    assert launches == list(range(len(launches))) and len(launches) == eng.steps
+    for k in launches[:-1]:  # with memory to spare nothing forces an early read
+        assert log.index(("read", k)) > log.index(("launch", k + 1))
+    assert log[-1] == ("read", launches[-1])
+    if speculative:
+        # at most one verify step per request runs past its end (launched before its finish
+        # was read); its results are dropped and it is not counted
+        extends = sum(r.forward_steps - r.verify_steps for r in done)
+        extra = sum(lanes_run) - extends - sum(r.verify_steps for r in done)
+        assert 0 <= extra <= len(done)
+
+
+def test_prefix_cache_with_state_reads_every_step_before_the_next(tiny):
+    cfg, model = tiny
+    spec = memory_spec(cfg, 16)
+    pool = StaticMemory(spec, 40, 40, 12, max_requests=3, max_context=cfg.max_context)
+    eng = Engine(model, pool, TorchReferenceBackend(), 3, 64, cache=PrefixCache(pool, 1))
+    assert not eng.overlap and eng.lookahead == 0
+    log = _record(eng)
+    for p in _prompts(cfg, 3, 20):
+        eng.submit(p, 6)
+    eng.run()
+    for i in range(0, len(log), 2):
+        assert log[i] == ("launch", i // 2) and log[i + 1] == ("read", i // 2)
