@@ -83,6 +83,15 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         "continuation with this probability (seeded; 0 = the raw drafter)",
     )
     v.add_argument(
+        "--control-reference",
+        choices=["decode", "speculative"],
+        default=d.control_reference,
+        help="what the acceptance control replaces drafts with: the non-speculative output "
+        "(decode) or that of a speculative run without replacement (speculative: keeps the "
+        "acceptance on long bf16 outputs, where decode and verify kernels break near-ties "
+        "differently)",
+    )
+    v.add_argument(
         "--prefix-cache",
         choices=["on", "off"],
         default="on" if d.prefix_cache else "off",
@@ -149,6 +158,7 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         spec=args.spec,
         gamma=args.gamma,
         accept_rate=args.accept_rate,
+        control_reference=args.control_reference,
         prefix_cache=args.prefix_cache == "on",
         shared_prefix_len=args.shared_prefix_len,
         checkpoint_interval=args.checkpoint_interval,

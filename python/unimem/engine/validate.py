@@ -10,11 +10,16 @@ With ``spec="dspark"`` both runs decode by chain speculation (a seeded DSPARK dr
 layers live in draft lanes of the pools' pages, ``gamma`` drafts per step). A non-speculative
 run on static memory goes first: its outputs (``gamma`` tokens longer than asked, so every
 drafted position has a reference) drive the acceptance control (``accept_rate``) and are what
-the speculative outputs must equal. The report adds, per mode, verify steps and accept length
-(committed tokens per verify step), and across modes how many requests had the same verify
-count, the same accept length, and speculative output equal to the non-speculative output —
-listing any that differ with the first differing position and the target's top-2 logit margin
-there (a near-tie explains a flip; anything else is a bug).
+the speculative outputs must equal. With ``control_reference="speculative"`` the acceptance
+control follows instead the output of a speculative run on static memory whose drafts are
+never replaced (``accept_rate`` 0): on a bf16 model the non-speculative output drifts from
+any speculative one at the first near-tie (decode and verify steps run different kernel
+shapes), and a control following it stops accepting after that point; a reference computed
+by verify steps keeps the requested acceptance over long outputs. The report adds, per mode,
+verify steps and accept length (committed tokens per verify step), and across modes how many
+requests had the same verify count, the same accept length, and speculative output equal to
+the non-speculative output — listing any that differ with the first differing position and
+the target's top-2 logit margin there (a near-tie explains a flip; anything else is a bug).
 
 With ``prefix_cache`` both runs go through a :class:`~unimem.cache.PrefixCache` (anchors every
 ``checkpoint_interval`` pages; the static pools get extra state slots for its checkpoints, and
@@ -78,6 +83,7 @@ class ValidateConfig:
     spec: str = "none"
     gamma: int = 7
     accept_rate: float = 0.8
+    control_reference: str = "decode"
     prefix_cache: bool = False
     shared_prefix_len: int = 0
     checkpoint_interval: int = 1
@@ -103,6 +109,11 @@ class ValidateConfig:
             )
         if self.spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {SPEC_MODES}, got {self.spec!r}")
+        if self.control_reference not in CONTROL_REFERENCES:
+            raise ValueError(
+                f"control reference must be one of {CONTROL_REFERENCES}, "
+                f"got {self.control_reference!r}"
+            )
         if self.spec != "none":
             if not isinstance(self.gamma, int) or self.gamma < 1:
                 raise ValueError(f"gamma must be an int >= 1, got {self.gamma!r}")
@@ -138,6 +149,7 @@ class ValidateConfig:
 
 
 SPEC_MODES = ("none", "dspark")
+CONTROL_REFERENCES = ("decode", "speculative")
 BACKENDS = ("auto", "torch", "fa4")
 
 
@@ -363,7 +375,8 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
 def bench_config(**overrides) -> ValidateConfig:
     """The ``bench`` protocol's defaults: serving sizes on one GPU — the ``small`` preset, 48
     requests of 512 prompt and 2048 output tokens, all running at once, DSPARK gamma 7 with
-    acceptance control 0.8, page size 64, FA4 and CUDA graphs."""
+    acceptance control 0.8 following a speculative reference run, page size 64, FA4 and CUDA
+    graphs."""
     base = dict(
         device="cuda",
         preset="small",
@@ -376,6 +389,7 @@ def bench_config(**overrides) -> ValidateConfig:
         spec="dspark",
         gamma=7,
         accept_rate=0.8,
+        control_reference="speculative",
     )
     base.update(overrides)
     return ValidateConfig(**base)
@@ -401,10 +415,11 @@ def _warm_up(
     prompts: list[list[int]],
     chain: DsparkChain | None = None,
 ) -> None:
-    """On CUDA, an untimed run of two requests (a short output, eager steps) through a
-    fresh static pool: every kernel of the extend, decode and verify paths compiles here,
-    not inside the first timed run (FA4 compiles each variant once per process, so the run
-    that went first would pay for both). Nothing on CPU."""
+    """On CUDA, untimed runs of two requests (a short output, eager steps) through a fresh
+    static pool and a fresh unified arena, then a compaction of every band: every kernel of
+    the extend, decode and verify paths and of the allocator compiles here, not inside a
+    timed run (kernels compile once per process, so the run that went first would pay for
+    both). Nothing on CPU."""
     if cfg.device != "cuda":
         return
     n = min(2, len(prompts))
@@ -416,10 +431,17 @@ def _warm_up(
         prefix_cache=False,
         cuda_graphs="off",
     )
-    pool = static_pool(warm, model.config, model.embed.device, chain_lanes(chain))
-    run_one(model, pool, warm, prompts[:n], "warm-up", False, chain)
-    del pool
-    torch.cuda.synchronize(model.embed.device)
+    device = model.embed.device
+    static = static_pool(warm, model.config, device, chain_lanes(chain))
+    run_one(model, static, warm, prompts[:n], "warm-up", False, chain)
+    # the unified arena's own kernel variants (translation through v2p), and compaction
+    bytes_ = static.stats.capacity_bytes + _header(static)
+    unified = unified_pool(warm, model.config, device, bytes_, chain_lanes(chain))
+    run_one(model, unified, warm, prompts[:n], "warm-up", False, chain)
+    for kind in unified.kinds:
+        unified.compact(kind)
+    del static, unified
+    torch.cuda.synchronize(device)
 
 
 def chain_lanes(chain: DsparkChain | None) -> tuple[DraftLane, ...]:
@@ -469,10 +491,21 @@ def _validate_dspark(
         model, static_pool(ref_cfg, model_cfg, device), ref_cfg, prompts, "reference", progress
     )
     references = {rid: prompts[rid] + out for rid, out in res_ref.outputs.items()}
-    # 2. the same requests by chain speculation, through static and unified memory
     drafter = DsparkDrafter(
         draft_config_for(model_cfg), model.embed, model.lm_head, seed=cfg.seed + 17
     )
+    lanes = drafter.config.lanes()
+    res_ctl = None
+    if cfg.control_reference == "speculative":
+        # 1b. the control's reference by verify steps: drafts never replaced
+        ctl_cfg = replace(cfg, output_len=cfg.output_len + cfg.gamma, accept_rate=0.0)
+        ctl_chain = DsparkChain(drafter, cfg.gamma, AcceptanceControl(0.0, cfg.seed, {}, device))
+        _warm_up(model, ctl_cfg, prompts, ctl_chain)
+        pool = static_pool(ctl_cfg, model_cfg, device, lanes)
+        res_ctl = run_one(model, pool, ctl_cfg, prompts, "control", progress, ctl_chain)
+        del pool
+        references = {rid: prompts[rid] + out for rid, out in res_ctl.outputs.items()}
+    # 2. the same requests by chain speculation, through static and unified memory
 
     def chain_for() -> DsparkChain:
         # a fresh acceptance control per run: each run replays the same coin flips
@@ -481,7 +514,6 @@ def _validate_dspark(
         )
 
     chain = chain_for()
-    lanes = drafter.config.lanes()
     _warm_up(model, cfg, prompts, chain_for())
     static = static_pool(cfg, model_cfg, device, lanes)
     default_bytes = static.stats.capacity_bytes + _header(static)
@@ -511,6 +543,8 @@ def _validate_dspark(
         "static": res_s.summary(with_arena_stats=False),
         "unified": res_u.summary(with_arena_stats=True),
     }
+    if res_ctl is not None:
+        report["control_run"] = res_ctl.summary(with_arena_stats=False)
     if cfg.prefix_cache:
         _compare_cache_off(report, cfg, model, prompts, progress, res_s, res_u, chain_for, lanes)
     return report
@@ -623,6 +657,12 @@ def format_table(report: dict) -> str:
             f"speculative == non-speculative: {report['spec_matches_reference']}/{n} requests "
             f"(reference run: {ref['steps']} steps, {ref['throughput_tok_s']:.1f} tok/s)"
         )
+        if "control_run" in report:
+            ctl = report["control_run"]
+            lines.append(
+                f"acceptance control follows a speculative run without replacement "
+                f"({ctl['steps']} steps, accept length {ctl['accept_length']:.3f})"
+            )
         for d in report["spec_mismatches"]:
             m = d["logit_margin"]
             margin = "not computed" if m is None else f"{m:.3g}"
