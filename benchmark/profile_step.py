@@ -1,8 +1,9 @@
 """Where a decode/verify step's time goes, on one GPU (the data for choosing the next
 optimisation).
 
-Builds the ``small`` preset with a DSPARK drafter (gamma 7) over a unified arena, admits
-``--requests`` prompts, prefills them, and then, in the steady state (every request verifying):
+Builds the ``small`` preset with a DSPARK drafter (gamma 7) over static pools and over a
+unified arena (``--memory``), admits ``--requests`` prompts, prefills them, and then, in the
+steady state (every request verifying):
 
 1. **engine loop**: ``--steps`` engine steps, wall time per step, and the host's share — the
    time ``Engine.step`` spends outside its one wait for the previous step's results (plan,
@@ -13,8 +14,8 @@ Builds the ``small`` preset with a DSPARK drafter (gamma 7) over a unified arena
    delta rule; metadata: our fused builder + write window; state commit; the rest: norms,
    RoPE, argmax, accept, elementwise).
 
-Prints a table and writes JSON (``--json``). Replays in parts 2-3 advance the device state
-past what the host read, so they come last.
+Prints a table per memory kind (and the top kernels) and writes JSON (``--json``). Replays in
+parts 2-3 advance the device state past what the host read, so they come last.
 
     python benchmark/profile_step.py --requests 48 --input-len 512 --json out.json
 """
@@ -35,6 +36,7 @@ from unimem.engine.engine import Engine
 from unimem.engine.model import HybridModel
 from unimem.engine.speculative import draft_config_for
 from unimem.engine.step_io import StagedResult
+from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
 from unimem.spec.chain import DsparkChain
 from unimem.spec.control import AcceptanceControl
@@ -56,32 +58,23 @@ def category(name: str) -> str:
     return "other (norms, RoPE, sampling, accept, elementwise)"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--gamma", type=int, default=7)
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    cfg = preset("small")
-    model = HybridModel(cfg, seed=0, device=dev)
-    drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=17)
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, cfg.vocab_size, (args.requests, args.input_len), generator=g)
-    prompts = prompts.tolist()
-    # Per-step cost does not depend on what is accepted; the prompt doubled as "reference"
-    # only makes some drafts acceptable.
+def measure(kind: str, args, model, drafter, prompts) -> dict:
+    """Steady-state numbers of one memory kind ("static" or "unified")."""
+    dev = model.embed.device
+    cfg = model.config
     refs = {i: p + p for i, p in enumerate(prompts)}
     chain = DsparkChain(drafter, args.gamma, AcceptanceControl(0.8, 0, refs, dev))
     spec = memory_spec(cfg, args.page_size, drafter.config.lanes())
-    pool = UnifiedMemory(spec, 24 << 30, args.requests, cfg.max_context, dev)
-    eng = Engine(model, pool, FA4Backend(), args.requests, 8192, chain=chain, cuda_graphs=True)
+    n = len(prompts)
+    out_len = 1024
+    if kind == "static":
+        pages = n * -(-(args.input_len + out_len + 2 * (args.gamma + 1)) // args.page_size)
+        pool = StaticMemory(spec, pages, pages, n, n, cfg.max_context, dev)
+    else:
+        pool = UnifiedMemory(spec, 24 << 30, n, cfg.max_context, dev)
+    eng = Engine(model, pool, FA4Backend(), n, 8192, chain=chain, cuda_graphs=True)
     for p in prompts:
-        eng.submit(p, 8192)
+        eng.submit(p, out_len)
     while any(r.kv_len < args.input_len for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     for _ in range(10):
@@ -99,8 +92,8 @@ def main() -> None:
         return out
 
     StagedResult.read = timed_read
-    t0 = time.perf_counter()
     tokens0 = sum(len(r.output) for r in eng.scheduler.running)
+    t0 = time.perf_counter()
     for _ in range(args.steps):
         eng.step()
     eng._drain()
@@ -130,44 +123,82 @@ def main() -> None:
             runner.graphs.replay(width)
         torch.cuda.synchronize()
     per_cat: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
             us = evt.self_cuda_time_total
         if us > 0:
             per_cat[category(evt.key)] += us / 1000 / n_prof
-    kernel_ms = sum(per_cat.values())
-
-    result = {
-        "gpu": torch.cuda.get_device_name(dev),
+            per_kernel[evt.key[:90]] += us / 1000 / n_prof
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
+    del eng, pool
+    return {
+        "memory": kind,
         "requests": bs,
         "bucket": width,
-        "gamma": args.gamma,
-        "page_size": args.page_size,
-        "input_len": args.input_len,
         "step_wall_ms": wall * 1e3,
         "host_ms_per_step": host * 1e3,
         "tokens_per_step": tokens / args.steps,
         "output_tok_s": tokens / (wall * args.steps),
         "gpu_ms_per_verify_step": gpu_ms,
         "kernel_ms_per_step": dict(per_cat),
+        "top_kernels_ms": dict(top),
     }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--memory", default="static,unified", help="comma-separated kinds")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    cfg = preset("small")
+    model = HybridModel(cfg, seed=0, device=dev)
+    drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=17)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, cfg.vocab_size, (args.requests, args.input_len), generator=g)
+    prompts = prompts.tolist()
+    gpu = torch.cuda.get_device_name(dev)
     print(
-        f"{result['gpu']}: small preset, {bs} requests verifying (bucket {width}), "
-        f"gamma {args.gamma}, page {args.page_size}, prompts {args.input_len}"
+        f"{gpu}: small preset, {args.requests} requests verifying, gamma {args.gamma}, "
+        f"page {args.page_size}, prompts {args.input_len}; steady state"
     )
-    print(
-        f"engine loop: {wall * 1e3:.2f} ms/step wall, host {host * 1e3:.2f} ms/step outside "
-        f"the wait, {tokens / args.steps:.1f} tokens/step, {result['output_tok_s']:.0f} tok/s"
-    )
-    print(f"verify step on the GPU (graph replays): {gpu_ms:.2f} ms")
-    print(f"{'kernels by category':<52}{'ms/step':>9}{'share':>8}")
-    for label, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
-        print(f"{label:<52}{ms:>9.3f}{100 * ms / kernel_ms:>7.1f}%")
-    print(f"{'sum of kernel time':<52}{kernel_ms:>9.3f}")
+    results = []
+    for kind in args.memory.split(","):
+        r = measure(kind, args, model, drafter, prompts)
+        results.append(r)
+        print(
+            f"[{kind}] engine loop: {r['step_wall_ms']:.2f} ms/step wall, host "
+            f"{r['host_ms_per_step']:.2f} ms/step outside the wait, "
+            f"{r['tokens_per_step']:.1f} tokens/step, {r['output_tok_s']:.0f} tok/s; "
+            f"verify step on the GPU (replays): {r['gpu_ms_per_verify_step']:.2f} ms"
+        )
+        per_cat = r["kernel_ms_per_step"]
+        total = sum(per_cat.values())
+        print(f"  {'kernels by category':<52}{'ms/step':>9}{'share':>8}")
+        for label, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
+            print(f"  {label:<52}{ms:>9.3f}{100 * ms / total:>7.1f}%")
+        print(f"  {'sum of kernel time':<52}{total:>9.3f}")
+        print("  top kernels (ms/step):")
+        for name, ms in r["top_kernels_ms"].items():
+            print(f"    {ms:7.3f}  {name}")
+    if len(results) == 2:
+        a, b = results
+        print(
+            f"{b['memory']}/{a['memory']}: wall {a['step_wall_ms'] / b['step_wall_ms']:.3f}x "
+            f"throughput, GPU step {a['gpu_ms_per_verify_step'] / b['gpu_ms_per_verify_step']:.3f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({"gpu": gpu, "gamma": args.gamma, "page_size": args.page_size,
+                       "input_len": args.input_len, "runs": results}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -110,6 +110,13 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         help="prefix-cache anchors (state checkpoints) every this many pages",
     )
     v.add_argument(
+        "--repeats",
+        type=int,
+        default=d.repeats,
+        help="run static and unified this many times each, in ABBA order; throughputs are "
+        "the means (every run is also checked for identical outputs)",
+    )
+    v.add_argument(
         "--cpu-threads",
         type=int,
         default=1,
@@ -159,6 +166,7 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         gamma=args.gamma,
         accept_rate=args.accept_rate,
         control_reference=args.control_reference,
+        repeats=args.repeats,
         prefix_cache=args.prefix_cache == "on",
         shared_prefix_len=args.shared_prefix_len,
         checkpoint_interval=args.checkpoint_interval,

@@ -84,6 +84,7 @@ class ValidateConfig:
     gamma: int = 7
     accept_rate: float = 0.8
     control_reference: str = "decode"
+    repeats: int = 1
     prefix_cache: bool = False
     shared_prefix_len: int = 0
     checkpoint_interval: int = 1
@@ -109,6 +110,8 @@ class ValidateConfig:
             )
         if self.spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {SPEC_MODES}, got {self.spec!r}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {self.repeats!r}")
         if self.control_reference not in CONTROL_REFERENCES:
             raise ValueError(
                 f"control reference must be one of {CONTROL_REFERENCES}, "
@@ -353,10 +356,7 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
         report["gpu"] = gpu_name(device)
         return report
     _warm_up(model, cfg, prompts)
-    static = static_pool(cfg, model_cfg, device)
-    unified = unified_pool(cfg, model_cfg, device, static.stats.capacity_bytes + _header(static))
-    res_s = run_one(model, static, cfg, prompts, "static ", progress)
-    res_u = run_one(model, unified, cfg, prompts, "unified", progress)
+    res_s, res_u, timing = _static_and_unified(model, cfg, prompts, progress)
     diffs = compare(res_s, res_u)
     report = {
         "config": asdict(cfg),
@@ -365,6 +365,7 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
         "mismatches": diffs,
         "static": res_s.summary(with_arena_stats=False),
         "unified": res_u.summary(with_arena_stats=True),
+        "timing_runs": timing,
         "gpu": gpu_name(device),
     }
     if cfg.prefix_cache:
@@ -372,11 +373,55 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
     return report
 
 
+def _static_and_unified(
+    model: HybridModel,
+    cfg: ValidateConfig,
+    prompts: list[list[int]],
+    progress: bool,
+    chain_for=None,
+    lanes: tuple[DraftLane, ...] = (),
+) -> tuple[RunResult, RunResult, dict[str, list[float]]]:
+    """The requests through fresh static pools and fresh unified arenas, ``cfg.repeats``
+    times each in ABBA order (static, unified, unified, static, ...: a slow drift of the
+    machine cancels in the means). Returns the first run of each mode, with ``seconds`` set
+    so that its throughput is the mode's mean, and every run's throughput per mode. Every
+    run of a mode must give the same outputs, verify counts and accept lengths (the runs are
+    deterministic), else ``RuntimeError``."""
+    model_cfg, device = model.config, model.embed.device
+    order: list[str] = []
+    for i in range(cfg.repeats):
+        order += ["static", "unified"] if i % 2 == 0 else ["unified", "static"]
+    probe = static_pool(cfg, model_cfg, device, lanes)
+    default_bytes = probe.stats.capacity_bytes + _header(probe)
+    del probe
+    runs: dict[str, list[RunResult]] = {"static": [], "unified": []}
+    for mode in order:
+        if mode == "static":
+            pool = static_pool(cfg, model_cfg, device, lanes)
+        else:
+            pool = unified_pool(cfg, model_cfg, device, default_bytes, lanes)
+        chain = chain_for() if chain_for is not None else None
+        runs[mode].append(run_one(model, pool, cfg, prompts, f"{mode:<7}", progress, chain))
+        del pool
+    timing = {m: [r.output_tokens / r.seconds for r in rs] for m, rs in runs.items()}
+    for mode, results in runs.items():
+        first = results[0]
+        for k, other in enumerate(results[1:], 1):
+            if (other.outputs, other.verify_steps, other.verified_tokens) != (
+                first.outputs,
+                first.verify_steps,
+                first.verified_tokens,
+            ):
+                raise RuntimeError(f"{mode} run {k} differs from its run 0: not deterministic")
+        first.seconds = first.output_tokens * len(results) / sum(timing[mode])
+    return runs["static"][0], runs["unified"][0], timing
+
+
 def bench_config(**overrides) -> ValidateConfig:
     """The ``bench`` protocol's defaults: serving sizes on one GPU — the ``small`` preset, 48
     requests of 512 prompt and 2048 output tokens, all running at once, DSPARK gamma 7 with
     acceptance control 0.8 following a speculative reference run, page size 64, FA4 and CUDA
-    graphs."""
+    graphs; static and unified each run twice (ABBA order)."""
     base = dict(
         device="cuda",
         preset="small",
@@ -390,6 +435,7 @@ def bench_config(**overrides) -> ValidateConfig:
         gamma=7,
         accept_rate=0.8,
         control_reference="speculative",
+        repeats=2,
     )
     base.update(overrides)
     return ValidateConfig(**base)
@@ -400,7 +446,7 @@ def bench(cfg: ValidateConfig, progress: bool = False, max_margins: int = 8) -> 
     ``throughput_ratio`` (unified / static output tokens per second, from this one run)."""
     report = validate(cfg, progress, max_margins)
     s, u = report["static"]["throughput_tok_s"], report["unified"]["throughput_tok_s"]
-    report["throughput_ratio"] = u / s if s else 0.0
+    report["throughput_ratio"] = u / s if s else 0.0  # of the mean throughputs
     return report
 
 
@@ -513,13 +559,8 @@ def _validate_dspark(
             drafter, cfg.gamma, AcceptanceControl(cfg.accept_rate, cfg.seed, references, device)
         )
 
-    chain = chain_for()
     _warm_up(model, cfg, prompts, chain_for())
-    static = static_pool(cfg, model_cfg, device, lanes)
-    default_bytes = static.stats.capacity_bytes + _header(static)
-    unified = unified_pool(cfg, model_cfg, device, default_bytes, lanes)
-    res_s = run_one(model, static, cfg, prompts, "static ", progress, chain)
-    res_u = run_one(model, unified, cfg, prompts, "unified", progress, chain)
+    res_s, res_u, timing = _static_and_unified(model, cfg, prompts, progress, chain_for, lanes)
     diffs = compare(res_s, res_u)
     expected = {rid: out[: cfg.output_len] for rid, out in res_ref.outputs.items()}
     runs = {"static": res_s.outputs, "unified": res_u.outputs}
@@ -542,6 +583,7 @@ def _validate_dspark(
         "reference": res_ref.summary(with_arena_stats=False),
         "static": res_s.summary(with_arena_stats=False),
         "unified": res_u.summary(with_arena_stats=True),
+        "timing_runs": timing,
     }
     if res_ctl is not None:
         report["control_run"] = res_ctl.summary(with_arena_stats=False)
