@@ -461,29 +461,27 @@ def _warm_up(
     prompts: list[list[int]],
     chain: DsparkChain | None = None,
 ) -> None:
-    """On CUDA, untimed runs of two requests (a short output, eager steps) through a fresh
-    static pool and a fresh unified arena, then a compaction of every band: every kernel of
-    the extend, decode and verify paths and of the allocator compiles here, not inside a
-    timed run (kernels compile once per process, so the run that went first would pay for
-    both). Nothing on CPU."""
+    """On CUDA, untimed runs of every request with a short output (eager steps) through a
+    fresh static pool and a fresh unified arena, then a compaction of every band: every
+    kernel of the extend, decode and verify paths and of the allocator compiles here — in
+    each variant the real batches need (Triton specialises on argument alignment) — not
+    inside a timed run (kernels compile once per process, so the run that went first would
+    pay for both). Nothing on CPU."""
     if cfg.device != "cuda":
         return
-    n = min(2, len(prompts))
     warm = replace(
         cfg,
-        requests=n,
         output_len=min(cfg.output_len, 2 * cfg.gamma + 4),
-        max_running=n,
         prefix_cache=False,
         cuda_graphs="off",
     )
     device = model.embed.device
     static = static_pool(warm, model.config, device, chain_lanes(chain))
-    run_one(model, static, warm, prompts[:n], "warm-up", False, chain)
+    run_one(model, static, warm, prompts, "warm-up", False, chain)
     # the unified arena's own kernel variants (translation through v2p), and compaction
     bytes_ = static.stats.capacity_bytes + _header(static)
     unified = unified_pool(warm, model.config, device, bytes_, chain_lanes(chain))
-    run_one(model, unified, warm, prompts[:n], "warm-up", False, chain)
+    run_one(model, unified, warm, prompts, "warm-up", False, chain)
     for kind in unified.kinds:
         unified.compact(kind)
     del static, unified
