@@ -173,6 +173,9 @@ class RunResult:
     verify_steps: dict[int, int] = field(default_factory=dict)
     verified_tokens: dict[int, int] = field(default_factory=dict)
     prefix_cache: dict | None = None
+    slowest_steps: dict[int, float] = field(default_factory=dict)
+    """The host wall time (ms) of the five slowest engine steps, by step index: stalls
+    (compiles, allocations, retractions) show here."""
 
     @property
     def accept_length(self) -> float:
@@ -197,6 +200,7 @@ class RunResult:
             out["accept_length"] = self.accept_length
         if self.prefix_cache is not None:
             out["prefix_cache"] = self.prefix_cache
+        out["slowest_steps_ms"] = self.slowest_steps
         return out
 
 
@@ -281,11 +285,20 @@ def run_one(
         engine.submit(p, cfg.output_len)
     total = len(prompts) * cfg.output_len
     bar = ProgressBar(label, total) if progress else None
+    marks: list[float] = []
+
+    def on_step(e: Engine) -> None:
+        marks.append(time.perf_counter())
+        if bar:
+            bar.update(sum(len(r.output) for r in _all(e)))
+
     start = time.perf_counter()
-    done = engine.run(lambda e: bar.update(sum(len(r.output) for r in _all(e))) if bar else None)
+    done = engine.run(on_step)
     if pool.device.type == "cuda":
         torch.cuda.synchronize(pool.device)
     seconds = time.perf_counter() - start
+    gaps = [b - a for a, b in zip([start, *marks], marks, strict=False)]
+    slowest = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:5]
     if bar:
         bar.close()
     return RunResult(
@@ -303,6 +316,7 @@ def run_one(
         prefix_cache=cache_stats(cache, done, engine.scheduler.cache_flushes)
         if cache is not None
         else None,
+        slowest_steps={i: round(gaps[i] * 1e3, 3) for i in slowest},
     )
 
 
@@ -461,20 +475,15 @@ def _warm_up(
     prompts: list[list[int]],
     chain: DsparkChain | None = None,
 ) -> None:
-    """On CUDA, untimed runs of every request with a short output (eager steps) through a
-    fresh static pool and a fresh unified arena, then a compaction of every band: every
-    kernel of the extend, decode and verify paths and of the allocator compiles here — in
-    each variant the real batches need (Triton specialises on argument alignment) — not
-    inside a timed run (kernels compile once per process, so the run that went first would
-    pay for both). Nothing on CPU."""
+    """On CUDA, untimed runs of every request with a short output (the timed runs' steps,
+    graphs included) through a fresh static pool and a fresh unified arena, then a
+    compaction of every band: every kernel of the extend, decode and verify paths and of the
+    allocator compiles here — in each variant the real batches need (Triton specialises on
+    argument alignment) — not inside a timed run (kernels compile once per process, so the
+    run that went first would pay for both). Nothing on CPU."""
     if cfg.device != "cuda":
         return
-    warm = replace(
-        cfg,
-        output_len=min(cfg.output_len, 2 * cfg.gamma + 4),
-        prefix_cache=False,
-        cuda_graphs="off",
-    )
+    warm = replace(cfg, output_len=min(cfg.output_len, 2 * cfg.gamma + 4), prefix_cache=False)
     device = model.embed.device
     static = static_pool(warm, model.config, device, chain_lanes(chain))
     run_one(model, static, warm, prompts, "warm-up", False, chain)
