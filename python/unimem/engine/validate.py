@@ -475,15 +475,21 @@ def _warm_up(
     prompts: list[list[int]],
     chain: DsparkChain | None = None,
 ) -> None:
-    """On CUDA, untimed runs of every request with a short output (the timed runs' steps,
-    graphs included) through a fresh static pool and a fresh unified arena, then a
+    """On CUDA, untimed runs of every request with a short output — past the point where
+    SWA pages start to retire — (the timed runs' steps, graphs included) through a fresh static pool and a fresh unified arena, then a
     compaction of every band: every kernel of the extend, decode and verify paths and of the
     allocator compiles here — in each variant the real batches need (Triton specialises on
     argument alignment) — not inside a timed run (kernels compile once per process, so the
     run that went first would pay for both). Nothing on CPU."""
     if cfg.device != "cuda":
         return
-    warm = replace(cfg, output_len=min(cfg.output_len, 2 * cfg.gamma + 4), prefix_cache=False)
+    # long enough for SWA retirement to begin (its release path has kernel variants of its
+    # own), and for a few decode / verify steps after it
+    c = model.config
+    window = c.window if "swa" in c.layer_pattern else 0
+    retire_at = max(0, window + 2 * cfg.page_size - cfg.input_len)
+    out = min(cfg.output_len, retire_at + 2 * cfg.gamma + 4)
+    warm = replace(cfg, output_len=out, prefix_cache=False)
     device = model.embed.device
     static = static_pool(warm, model.config, device, chain_lanes(chain))
     run_one(model, static, warm, prompts, "warm-up", False, chain)
