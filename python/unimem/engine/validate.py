@@ -475,12 +475,13 @@ def _warm_up(
     prompts: list[list[int]],
     chain: DsparkChain | None = None,
 ) -> None:
-    """On CUDA, untimed runs of every request with a short output — past the point where
-    SWA pages start to retire — (the timed runs' steps, graphs included) through a fresh static pool and a fresh unified arena, then a
-    compaction of every band: every kernel of the extend, decode and verify paths and of the
-    allocator compiles here — in each variant the real batches need (Triton specialises on
-    argument alignment) — not inside a timed run (kernels compile once per process, so the
-    run that went first would pay for both). Nothing on CPU."""
+    """On CUDA, untimed runs of every request with a short output (past the point where
+    SWA pages start to retire; the timed runs' steps, graphs included) through a fresh static
+    pool and a fresh unified arena, then a compaction of every band: every kernel of the
+    extend, decode and verify paths and of the allocator compiles here — in each variant the
+    real batches need (Triton specialises on argument alignment) — not inside a timed run
+    (kernels compile once per process, so the run that went first would pay for both).
+    Nothing on CPU."""
     if cfg.device != "cuda":
         return
     # long enough for SWA retirement to begin (its release path has kernel variants of its
