@@ -80,11 +80,6 @@ class Request:
         return len(self.prompt) + len(self.output)
 
     @property
-    def pending(self) -> int:
-        """Tokens not yet in memory (1 for a request in decode)."""
-        return self.num_tokens - self.kv_len
-
-    @property
     def max_total_tokens(self) -> int:
         """Tokens whose K/V the request holds at most (the last output is never fed)."""
         return len(self.prompt) + self.max_new_tokens - 1
