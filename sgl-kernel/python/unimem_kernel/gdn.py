@@ -474,17 +474,30 @@ def _conv_blocks(
 
 
 def _rule_config(
-    h: int, dk: int, dv: int, block_v: int | None, num_warps: int | None
+    h: int, dk: int, dv: int, block_v: int | None, num_warps: int | None, fixed_rows: bool
 ) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)``: the whole key dim in one tile; small V blocks in one warp by
-    default (the reductions over ``Dk`` then stay within a warp, as in fla's recurrent
-    kernel)."""
+    """``(BK, BV, num_warps)``: the whole key dim in one tile. Defaults, measured on an H200
+    at the ``small`` sizes (H 16, Dk = Dv = 128; ``bench_gdn.py --sweep``, docs/benchmarks.md):
+
+    - decode / verify (``fixed_rows``: a few tokens per request, bound by moving the state):
+      wide V blocks, ``BV = 64`` in 4 warps — verify at bs 48 x 8 tokens 132 us (3.5 TB/s)
+      against 500 us with ``BV = 8`` in one warp, decode 26 us against 55 us;
+    - extend (long sequences, few requests: bound by the token loop's latency): small V
+      blocks in one warp, ``BV = 8`` (the reductions over ``Dk`` stay within a warp, as in
+      fla's recurrent kernel), which keeps more programs in flight.
+    """
     bk = next_pow2(dk)
-    bv = min(next_pow2(dv), 8) if block_v is None else block_v
+    if block_v is None:
+        bv = min(next_pow2(dv), 64 if fixed_rows else 8)
+    else:
+        bv = block_v
     if bv <= 0 or bv & (bv - 1):
         raise ValueError(f"block_v must be a power of two, got {bv}")
     if num_warps is None:
-        num_warps = max(1, min(8, bk * bv // 1024))
+        if fixed_rows:
+            num_warps = max(1, min(4, bk * bv // 2048))
+        else:
+            num_warps = max(1, min(8, bk * bv // 1024))
     if h > _MAX_GRID_YZ or triton.cdiv(dv, bv) > _MAX_GRID_YZ:
         raise ValueError(f"delta rule grid too large: H={h}, Dv={dv}, block_v={bv}")
     return bk, bv, num_warps
@@ -671,7 +684,7 @@ def _launch_rule(
     _, h, dk, dv = ssm_state.shape
     if bs == 0 or h == 0 or dv == 0:
         return
-    bk, bv, warps = _rule_config(h, dk, dv, block_v, num_warps)
+    bk, bv, warps = _rule_config(h, dk, dv, block_v, num_warps, fixed_rows=cu is None)
     q, k, v = qkv
     g, beta = gb
     _rule_kernel[(bs, h, triton.cdiv(dv, bv))](
