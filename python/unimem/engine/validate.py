@@ -103,7 +103,9 @@ class ValidateConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
-        if self.attention_backend == "torch" and self.use_cuda_graphs:
+        if self.attention_backend == "fa4" and self.device != "cuda":
+            raise ValueError("the fa4 backend needs --device cuda")
+        if self.use_cuda_graphs and self.attention_backend == "torch":
             raise ValueError(
                 "CUDA graphs need the fa4 backend on a CUDA device (the torch reference "
                 "backend reads lengths on the host)"
@@ -361,8 +363,12 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda given but no CUDA device is available")
-    cfg.use_cuda_graphs  # noqa: B018 -- raises for an impossible combination, before any work
     model_cfg = preset(cfg.preset)
+    if cfg.attention_backend == "fa4" and model_cfg.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"the fa4 backend needs a bf16/fp16 model; preset {cfg.preset!r} is "
+            f"{model_cfg.dtype}: use --backend torch, or a 16-bit preset (small)"
+        )
     model = HybridModel(model_cfg, seed=cfg.seed, device=device)
     prompts = make_prompts(cfg, model_cfg.vocab_size)
     if cfg.spec == "dspark":
