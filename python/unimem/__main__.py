@@ -60,7 +60,7 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         "--backend",
         choices=BACKENDS,
         default=d.backend,
-        help="attention backend (auto: fa4 on cuda, the torch reference on cpu)",
+        help="attention backend (auto: fa4 on cuda for a 16-bit preset, else the torch reference)",
     )
     v.add_argument(
         "--cuda-graphs",

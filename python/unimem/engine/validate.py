@@ -139,10 +139,12 @@ class ValidateConfig:
 
     @property
     def attention_backend(self) -> str:
-        """The backend ``auto`` resolves to: FA4 on CUDA, the torch reference on CPU."""
+        """The backend ``auto`` resolves to: FA4 on CUDA for a 16-bit preset, else the torch
+        reference (float64 presets are for exactness, which FA4 does not compute in)."""
         if self.backend != "auto":
             return self.backend
-        return "fa4" if self.device == "cuda" else "torch"
+        sixteen_bit = preset(self.preset).dtype in (torch.bfloat16, torch.float16)
+        return "fa4" if self.device == "cuda" and sixteen_bit else "torch"
 
     @property
     def use_cuda_graphs(self) -> bool:
