@@ -96,7 +96,7 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
     t0 = time.perf_counter()
     for _ in range(args.steps):
         eng.step()
-    eng._drain()
+    eng.drain()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps
     StagedResult.read = read

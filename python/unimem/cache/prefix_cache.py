@@ -212,10 +212,18 @@ class PrefixCache:
 
     # --- insertion -------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], req: RequestMemory) -> int:
+    def insert(
+        self, tokens: Sequence[int], req: RequestMemory, checkpoint: int | None = None
+    ) -> int:
         """Cache the prefix ``tokens`` held by ``req``: ``len(tokens)`` is the request's
         committed length (its state slot holds the state after exactly these tokens), and
         ``req.pages[c]`` holds page column ``c`` of them.
+
+        ``checkpoint``: a state slot already holding the state after exactly ``tokens`` (a
+        snapshot taken when that state was current — the engine takes one when a later step
+        may advance the request's slot before this call). The cache takes it over: it becomes
+        the anchor's checkpoint, or is freed if no checkpoint is made here. Without it, a
+        checkpoint is copied from ``req``'s slot.
 
         The resume point is ``k = len(tokens) // page_size`` pages, rounded down to the
         interval (with STATE layers ``len(tokens)`` must be ``k * page_size`` exactly: the
@@ -226,6 +234,23 @@ class PrefixCache:
         FULL pages): pages that could never be resumed from are not cached. Returns the tokens
         resumable at the insertion point (0 when no anchor exists there).
         """
+        if checkpoint is not None and not self.has_state:
+            raise ValueError("a checkpoint was given but the model has no STATE layers")
+        taken = [False]
+        try:
+            return self._insert(tokens, req, checkpoint, taken)
+        finally:
+            if checkpoint is not None and not taken[0]:
+                self.pool.free_states([checkpoint])
+
+    def _insert(
+        self,
+        tokens: Sequence[int],
+        req: RequestMemory,
+        checkpoint: int | None,
+        taken: list[bool],
+    ) -> int:
+        """:meth:`insert`; ``taken[0]`` is set when ``checkpoint`` became an anchor's."""
         p = self.page_size
         k = len(tokens) // p
         if len(req.pages) < k:
@@ -250,11 +275,12 @@ class PrefixCache:
             return 0
         ckpt = -1
         if self.has_state:
-            saved = self.pool.save_state(req.state_slot)
+            saved = self.pool.save_state(req.state_slot) if checkpoint is None else checkpoint
             if saved is None:
                 self.stats.checkpoint_failures += 1
                 return 0
             ckpt = saved
+            taken[0] = True
             self.stats.checkpoints_saved += 1
             self.stats.checkpoints += 1
         path = self._extend_path(tokens, req, k)

@@ -6,13 +6,8 @@ The step loop never waits for the step it just launched (DESIGN §1.4): sampled 
 accepted lengths stay on the device, where the next step reads them, and reach the host
 through non-blocking copies into pinned memory. The host reads step ``k``'s results after it
 has launched step ``k + 1`` (the GPU is busy meanwhile) and plans with upper bounds until
-then (see :mod:`unimem.engine.scheduler`).
-
-One exception: with a prefix cache over a model with STATE layers the engine reads each
-step's results before planning the next (``overlap`` False). The cache checkpoints a
-request's state slot when its committed length reaches an anchor point, and with a step in
-flight the slot would already hold the state of a later position. (Taking the checkpoint on
-the device at launch, and inserting the tokens when they arrive, would lift this.)
+then (see :mod:`unimem.engine.scheduler`; with a prefix cache over STATE layers, the
+state checkpoints are snapshots taken at launch).
 """
 
 from __future__ import annotations
@@ -70,8 +65,7 @@ class Engine:
         self.pool = pool
         self.chain = chain
         self.cache = cache
-        self.overlap = cache is None or not cache.has_state
-        self.lookahead = chain.verify_width if chain is not None and self.overlap else 0
+        self.lookahead = chain.verify_width if chain is not None else 0
         if chain is not None:
             c = model.config
             window = c.window if "swa" in c.layer_pattern else None
@@ -141,7 +135,7 @@ class Engine:
     def step(self) -> bool:
         """Launch one batch and read the previous one's results; False when there is
         nothing left to do (every result read)."""
-        batch = self.scheduler.next_batch(drain=self._drain)
+        batch = self.scheduler.next_batch(drain=self.drain)
         if batch is None:  # next_batch drained the pipeline before giving up
             return False
         bs = self.runner.launch(batch)
@@ -150,13 +144,13 @@ class Engine:
         previous, self._pending = self._pending, (batch, staged)
         if previous is not None:
             self._account(*previous)
-        if not self.overlap:
-            self._drain()
         self.steps += 1
         return True
 
-    def _drain(self) -> bool:
-        """Read the in-flight step's results, if any (waits for that step)."""
+    def drain(self) -> bool:
+        """Read the in-flight step's results, if any (waits for that step); whether there
+        were any. ``step`` does this itself when it must; callers that drive the scheduler
+        directly use it to account the last launched step."""
         if self._pending is None:
             return False
         pending, self._pending = self._pending, None

@@ -16,13 +16,17 @@ class InFlight:
 
     ``tokens``: tokens the step feeds; ``kv_min``/``kv_max``: bounds of what it adds to the
     request's ``kv_len`` (exact for extend and decode, ``1 .. gamma + 1`` for verify);
-    ``outputs_min``: output tokens it appends at least (1 if it samples, else 0)."""
+    ``outputs_min``: output tokens it appends at least (1 if it samples, else 0).
+    ``snapshot``: a state slot holding a copy of the request's state taken right after the
+    step (before any later step), when the step may end on a prefix-cache anchor; -1 if
+    none."""
 
     mode: str
     tokens: int
     kv_min: int
     kv_max: int
     outputs_min: int
+    snapshot: int = -1
 
 
 class RequestStatus(enum.Enum):

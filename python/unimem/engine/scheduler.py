@@ -42,7 +42,11 @@ With a :class:`~unimem.cache.PrefixCache` (``cache``):
   checkpoint_interval`` tokens) is cut there, so that chunk boundaries are checkpoints;
 - after every step, a request whose committed length is on an anchor point is inserted into
   the cache, and a finished request is inserted before it is released (both before SWA
-  retirement: the window behind the insertion point must still be held);
+  retirement: the window behind the insertion point must still be held). With STATE layers
+  the checkpoint must hold the state after exactly those tokens, but results are read one
+  step late, when a later step may have advanced the slot: a step that may end on an anchor
+  point therefore copies the request's state right after its launch (a *snapshot*, stream-
+  ordered before any later step), which becomes the checkpoint or is freed;
 - when a step cannot be served, the cache evicts first (LRU); if that frees nothing, the
   cache is flushed (entries locked by running requests still keep checkpoint slots and SWA
   windows of their own); a running request is retracted only when neither freed anything.
@@ -50,6 +54,7 @@ With a :class:`~unimem.cache.PrefixCache` (``cache``):
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,6 +114,8 @@ class Scheduler:
         self.cache = cache
         # Anchor points of the cache: committed lengths that are multiples of this.
         self.anchor_tokens = pool.page_size * cache.checkpoint_interval if cache else 0
+        # Checkpoints of STATE layers are snapshots taken at launch (see launched / _insert).
+        self._snapshots = cache is not None and cache.has_state
         self.max_running = max_running
         self.chunk_size = chunk_size
         self.waiting: deque[Request] = deque()
@@ -154,15 +161,39 @@ class Scheduler:
             self._retract_newest()
 
     def launched(self, batch: Batch) -> None:
-        """Record that ``batch`` was launched: each request has it in flight until its
-        results are accounted."""
+        """Record that ``batch`` was launched (call right after the launch, before the next
+        one): each request has it in flight until its results are accounted. With a prefix
+        cache over STATE layers, the state of each request that the step may leave on an
+        anchor point is copied now, in stream order before any later step can advance it
+        (see :meth:`_insert`)."""
         batch.epochs = [r.epoch for r in batch.reqs]
         for r, n, samples in zip(batch.reqs, batch.lens, batch.samples, strict=True):
             if batch.mode == "verify":
-                r.inflight.append(InFlight("verify", n, 1, n, 1))
+                step = InFlight("verify", n, 1, n, 1)
             else:
-                r.inflight.append(InFlight(batch.mode, n, n, n, int(samples)))
+                step = InFlight(batch.mode, n, n, n, int(samples))
                 r.primed = True
+            if self._snapshots and self._may_end_on_anchor(r, step):
+                saved = self.pool.save_state(r.mem.state_slot)
+                if saved is not None:
+                    step = dataclasses.replace(step, snapshot=saved)
+            r.inflight.append(step)
+
+    def _may_end_on_anchor(self, r: Request, step: InFlight) -> bool:
+        """Whether ``r``'s committed length after ``step`` (and the steps in flight before
+        it) can be a multiple of the anchor spacing."""
+        lo = r.kv_len + sum(f.kv_min for f in r.inflight) + step.kv_min
+        hi = r.kv_len + sum(f.kv_max for f in r.inflight) + step.kv_max
+        a = self.anchor_tokens
+        return hi // a * a >= max(lo, self.pool.page_size)
+
+    def _drop_inflight(self, r: Request) -> None:
+        """Forget ``r``'s steps in flight (finished or retracted): free their snapshots
+        (after the copies, in stream order); their results will be dropped."""
+        snaps = [f.snapshot for f in r.inflight if f.snapshot >= 0]
+        if snaps:
+            self.pool.free_states(snaps)
+        r.inflight.clear()
 
     def complete(self, batch: Batch, new_tokens: list[int]) -> None:
         """Account a finished extend or decode step: advance lengths, append the sampled
@@ -173,12 +204,12 @@ class Scheduler:
         for i, (req, n, tok) in enumerate(zip(batch.reqs, batch.lens, new_tokens, strict=True)):
             if not self._current(req, batch.epochs[i]):
                 continue
-            req.inflight.pop(0)
+            step = req.inflight.pop(0)
             req.kv_len += n
             req.forward_steps += 1
             if batch.samples[i]:
                 req.output.append(tok)
-            live.append(req)
+            live.append((req, step.snapshot))
         self._end_step(live)
 
     def complete_verify(self, batch: Batch, committed: list[list[int]]) -> None:
@@ -190,13 +221,13 @@ class Scheduler:
         for i, (req, toks) in enumerate(zip(batch.reqs, committed, strict=True)):
             if not self._current(req, batch.epochs[i]):
                 continue
-            req.inflight.pop(0)
+            step = req.inflight.pop(0)
             req.kv_len += len(toks)
             req.forward_steps += 1
             req.verify_steps += 1
             req.verified_tokens += len(toks)
             req.output.extend(toks[: req.max_new_tokens - len(req.output)])
-            live.append(req)
+            live.append((req, step.snapshot))
         self._end_step(live)
 
     @staticmethod
@@ -204,18 +235,23 @@ class Scheduler:
         """Whether a result launched at ``epoch`` still belongs to ``req``'s run."""
         return req.status is RequestStatus.RUNNING and req.epoch == epoch
 
-    def _end_step(self, reqs: list[Request]) -> None:
+    def _end_step(self, stepped: list[tuple[Request, int]]) -> None:
+        """After accounting a step: ``stepped`` pairs each request whose result was taken
+        with the step's state snapshot (-1: none)."""
+        reqs = [r for r, _ in stepped]
         done = [r for r in reqs if r.finished]
         if self.cache is not None:
-            self._insert(reqs)
+            self._insert(stepped)
+        else:
+            assert all(snap < 0 for _, snap in stepped)
         self.pool.retire_swa([(r.mem, r.kv_len) for r in reqs if not r.finished])
         if done:
             # A step launched after the finishing one may still be in flight: the release
             # runs after it in stream order, and its results are dropped.
             self.pool.release([r.mem for r in done])
             for r in done:
+                self._drop_inflight(r)
                 r.mem = None
-                r.inflight.clear()
                 r.status = RequestStatus.FINISHED
                 self.running.remove(r)
                 self.finished.append(r)
@@ -304,17 +340,30 @@ class Scheduler:
         mode = "decode" if self.gamma is None else "verify"
         return Batch(mode, reqs, [n] * len(reqs), [], [True] * len(reqs))
 
-    def _insert(self, reqs: list[Request]) -> None:
+    def _insert(self, stepped: list[tuple[Request, int]]) -> None:
         """Cache the committed prefix of every request on an anchor point, and of finished
-        ones (a model without STATE layers can resume inside; with them, only on anchors)."""
+        ones (a model without STATE layers can resume inside; with them, only on anchors).
+
+        The checkpoint of a model with STATE layers is the state after exactly the committed
+        tokens: the step's snapshot when it took one (:meth:`launched`), else the request's
+        slot if no later step of it is in flight; otherwise — a later step has advanced the
+        slot and no snapshot fitted in memory — nothing is inserted. An unused snapshot is
+        freed."""
         cache, step = self.cache, self.anchor_tokens
-        for r in reqs:
+        for r, snap in stepped:
             n = r.kv_len
             # With speculation a finished request may hold drafts beyond its truncated output.
-            if n < self.pool.page_size or n > r.num_tokens:
-                continue
-            if n % step == 0 or (r.finished and not cache.has_state):
+            fits = self.pool.page_size <= n <= r.num_tokens
+            if fits and n % step == 0 and cache.has_state:
+                if snap >= 0:
+                    cache.insert(r.tokens[:n], r.mem, checkpoint=snap)
+                    continue
+                if not r.inflight:
+                    cache.insert(r.tokens[:n], r.mem)
+            elif fits and not cache.has_state and (n % step == 0 or r.finished):
                 cache.insert(r.tokens[:n], r.mem)
+            if snap >= 0:
+                self.pool.free_states([snap])
 
     def _evict_for(self, targets: list) -> bool:
         """Evict cache entries worth the pages ``targets`` still need (LRU), or, when that
@@ -336,10 +385,10 @@ class Scheduler:
         req = self.running.pop()
         # A step of it still in flight runs before the release in stream order; its results
         # are dropped (new epoch): the request recomputes from what the host has read.
+        self._drop_inflight(req)
         self.pool.release([req.mem])
         req.mem = None
         req.kv_len = 0
-        req.inflight.clear()
         req.primed = False
         req.epoch += 1
         req.retractions += 1
