@@ -28,10 +28,10 @@ the cache off, is the reference: ``cache_off_matches`` counts requests whose out
 in both cached runs, and each mode reports its cache statistics under ``"prefix_cache"``.
 ``shared_prefix_len`` gives every prompt the same first tokens (drawn from the seed).
 
-On CUDA the runs use FA4 (``backend="auto"``) and replay decode / verify steps as CUDA graphs
-(``cuda_graphs="auto"``); graphs are recorded when each run's engine is built and one short
-untimed warm-up run per decoding mode compiles every kernel first, so the timed runs measure
-steady-state work. :func:`bench` is the same protocol at serving sizes, adding the
+On CUDA the runs use FA4 (``backend="auto"``, 16-bit presets) and replay decode / verify
+steps as CUDA graphs (``cuda_graphs="auto"``); graphs are recorded when each run's engine is
+built, and short untimed warm-up runs (both memories, per decoding mode) compile every kernel
+first, so that no timed run pays for a compile. :func:`bench` is the same protocol at serving sizes, adding the
 unified/static throughput ratio and the GPU's name.
 
 Near-ties. On a float64 model a speculative token differing from the non-speculative one is a
