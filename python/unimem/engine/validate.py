@@ -31,8 +31,8 @@ in both cached runs, and each mode reports its cache statistics under ``"prefix_
 On CUDA the runs use FA4 (``backend="auto"``, 16-bit presets) and replay decode / verify
 steps as CUDA graphs (``cuda_graphs="auto"``); graphs are recorded when each run's engine is
 built, and short untimed warm-up runs (both memories, per decoding mode) compile every kernel
-first, so that no timed run pays for a compile. :func:`bench` is the same protocol at serving sizes, adding the
-unified/static throughput ratio and the GPU's name.
+first, so that no timed run pays for a compile. :func:`bench` is the same protocol at
+serving sizes, adding the unified/static throughput ratio and the GPU's name.
 
 Near-ties. On a float64 model a speculative token differing from the non-speculative one is a
 bug. In bf16, a verify step (``gamma + 1`` rows per request) and a decode step (one row) run
