@@ -487,10 +487,7 @@ def _rule_config(
       fla's recurrent kernel), which keeps more programs in flight.
     """
     bk = next_pow2(dk)
-    if block_v is None:
-        bv = min(next_pow2(dv), 64 if fixed_rows else 8)
-    else:
-        bv = block_v
+    bv = min(next_pow2(dv), 64 if fixed_rows else 8) if block_v is None else block_v
     if bv <= 0 or bv & (bv - 1):
         raise ValueError(f"block_v must be a power of two, got {bv}")
     if num_warps is None:
