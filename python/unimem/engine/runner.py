@@ -265,10 +265,7 @@ class ModelRunner:
             num_tokens=len(ids),
             max_seqlen_q=max(lens),
         )
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        last = upload_int32(cu[1:], self.device).long() - 1
+        last = meta.cu_seqlens_q[1:].long() - 1  # each request's last row (device, no upload)
         capture = self.drafts.target_layers if self.drafts is not None else ()
         ctx = PagedContext(self, ForwardMode.EXTEND, meta, self._state_slots(vslots), last, capture)
         logits = self.model.forward(input_ids.long(), ctx)
