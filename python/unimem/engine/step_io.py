@@ -138,10 +138,13 @@ class ResultRing:
     def __init__(self, max_bs: int, width: int, device: torch.device, depth: int = 2) -> None:
         pin = device.type == "cuda"
         self.device = device
+        # per set: tokens, counts and the event recorded behind the copies into them (reused:
+        # a set is refilled only after it was read, i.e. after its last record completed)
         self._sets = [
             (
                 torch.zeros(max_bs, width, dtype=torch.int64, pin_memory=pin),
                 torch.zeros(max_bs, dtype=torch.int32, pin_memory=pin),
+                torch.cuda.Event() if pin else None,
             )
             for _ in range(depth)
         ]
@@ -150,13 +153,11 @@ class ResultRing:
     def stage(self, out: StepOutputs, bs: int) -> StagedResult:
         """Copy lanes ``:bs`` of ``out`` to the next host set (stream-ordered after the
         step) and record an event behind the copies."""
-        tokens, counts = self._sets[self._next]
+        tokens, counts, event = self._sets[self._next]
         self._next = (self._next + 1) % len(self._sets)
         width = out.tokens.shape[1]
         tokens[:bs, :width].copy_(out.tokens[:bs], non_blocking=True)
         counts[:bs].copy_(out.counts[:bs], non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
+        if event is not None:
             event.record()
         return StagedResult(tokens[:bs, :width], counts[:bs], event)
