@@ -413,13 +413,15 @@ def _static_and_unified(
     order: list[str] = []
     for i in range(cfg.repeats):
         order += ["static", "unified"] if i % 2 == 0 else ["unified", "static"]
-    probe = static_pool(cfg, model_cfg, device, lanes)
-    default_bytes = probe.stats.capacity_bytes + _header(probe)
-    del probe
+    first_static = static_pool(cfg, model_cfg, device, lanes)  # the order starts static
+    default_bytes = first_static.stats.capacity_bytes + _header(first_static)
     runs: dict[str, list[RunResult]] = {"static": [], "unified": []}
     for mode in order:
         if mode == "static":
-            pool = static_pool(cfg, model_cfg, device, lanes)
+            if first_static is not None:
+                pool, first_static = first_static, None
+            else:
+                pool = static_pool(cfg, model_cfg, device, lanes)
         else:
             pool = unified_pool(cfg, model_cfg, device, default_bytes, lanes)
         chain = chain_for() if chain_for is not None else None
