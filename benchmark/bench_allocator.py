@@ -47,12 +47,13 @@ import torch
 import triton
 
 import unimem_kernel
-from unimem.engine.config import memory_spec, preset
 from unimem.memory.checks import check_unified
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import RequestMemory, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.unified import UnifiedMemory
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
 
 SWA = LayerKind.SWA
 GiB = 1 << 30

@@ -58,12 +58,13 @@ from typing import Any
 import torch
 
 import unimem_kernel as uk
-from unimem.engine.config import memory_spec, preset
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
 
 GIB = 1 << 30
 MIB = 1 << 20

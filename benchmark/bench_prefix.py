@@ -19,9 +19,9 @@ from dataclasses import replace
 
 import torch
 
-from unimem.engine.config import preset
-from unimem.engine.model import HybridModel
-from unimem.engine.validate import (
+from unimem.models.presets import preset
+from unimem.models.synthetic import HybridModel
+from unimem.validate.protocol import (
     ValidateConfig,
     _header,
     make_prompts,

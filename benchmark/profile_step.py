@@ -6,7 +6,7 @@ unified arena (``--memory``), admits ``--requests`` prompts, prefills them, and 
 steady state (every request verifying):
 
 1. **engine loop**: ``--steps`` engine steps, wall time per step, and the host's share — the
-   time ``Engine.step`` spends outside its one wait for the previous step's results (plan,
+   time ``EngineCore.step`` spends outside its one wait for the previous step's results (plan,
    grow, launch, account). The GPU is never idle while host time < GPU time per step.
 2. **GPU per step**: back-to-back replays of the recorded verify step, timed by CUDA events.
 3. **kernel breakdown**: ``torch.profiler`` over a few replays; kernels grouped by what they
@@ -31,16 +31,17 @@ from collections import defaultdict
 import torch
 
 from unimem.attention.fa4_backend import FA4Backend
-from unimem.engine.config import memory_spec, preset
-from unimem.engine.engine import Engine
-from unimem.engine.model import HybridModel
-from unimem.engine.speculative import draft_config_for
+from unimem.engine.core import EngineCore
+from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.step_io import StagedResult
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
-from unimem.spec.chain import DsparkChain
-from unimem.spec.control import AcceptanceControl
-from unimem.spec.drafter import DsparkDrafter
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
+from unimem.models.synthetic import HybridModel
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.control import AcceptanceControl
+from unimem.speculative.drafter import DsparkDrafter
 
 CATEGORIES = [
     ("attention (FA4)", re.compile(r"flash|fmha|FlashAttn|cute", re.I)),
@@ -60,7 +61,7 @@ def category(name: str) -> str:
 
 def measure(kind: str, args, model, drafter, prompts) -> dict:
     """Steady-state numbers of one memory kind ("static" or "unified")."""
-    dev = model.embed.device
+    dev = model.device
     cfg = model.config
     refs = {i: p + p for i, p in enumerate(prompts)}
     chain = DsparkChain(drafter, args.gamma, AcceptanceControl(0.8, 0, refs, dev))
@@ -72,7 +73,7 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
         pool = StaticMemory(spec, pages, pages, n, n, cfg.max_context, dev)
     else:
         pool = UnifiedMemory(spec, 24 << 30, n, cfg.max_context, dev)
-    eng = Engine(model, pool, FA4Backend(), n, 8192, chain=chain, cuda_graphs=True)
+    eng = EngineCore(model, pool, FA4Backend(), n, 8192, chain=chain, cuda_graphs=True)
     for p in prompts:
         eng.submit(p, out_len)
     while any(r.kv_len < args.input_len for r in eng.scheduler.running) or eng.scheduler.waiting:
@@ -161,7 +162,9 @@ def main() -> None:
     dev = torch.device("cuda")
     cfg = preset("small")
     model = HybridModel(cfg, seed=0, device=dev)
-    drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=17)
+    drafter = DsparkDrafter(
+        draft_config_for(cfg), model.embed_weight, model.lm_head_weight, seed=17
+    )
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, cfg.vocab_size, (args.requests, args.input_len), generator=g)
     prompts = prompts.tolist()

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from unimem.engine.config import preset_names
-from unimem.engine.validate import (
+from unimem.models.presets import preset_names
+from unimem.validate.protocol import (
     BACKENDS,
     SPEC_MODES,
     ValidateConfig,

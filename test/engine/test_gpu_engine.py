@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unimem.engine.config import HybridConfig, memory_spec
-from unimem.engine.engine import Engine
-from unimem.engine.model import HybridModel
-from unimem.engine.speculative import draft_config_for
+from unimem.engine.core import EngineCore
+from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.spec import LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
-from unimem.spec.chain import DsparkChain
-from unimem.spec.control import AcceptanceControl
-from unimem.spec.drafter import DsparkDrafter
+from unimem.models.config import HybridConfig, memory_spec
+from unimem.models.synthetic import HybridModel
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.control import AcceptanceControl
+from unimem.speculative.drafter import DsparkDrafter
 
 pytestmark = pytest.mark.gpu
 
@@ -61,8 +61,8 @@ def _prompts(cfg: HybridConfig, n: int, length: int) -> list[list[int]]:
 
 def _run(
     model, pool, prompts, output_len, chain, max_running, sync_debug: bool
-) -> tuple[dict[int, list[int]], Engine]:
-    eng = Engine(model, pool, _fa4(), max_running, 256, chain=chain, cuda_graphs=True)
+) -> tuple[dict[int, list[int]], EngineCore]:
+    eng = EngineCore(model, pool, _fa4(), max_running, 256, chain=chain, cuda_graphs=True)
     for p in prompts:
         eng.submit(p, output_len)
     torch.cuda.synchronize()
@@ -126,7 +126,7 @@ def test_graph_replay_equals_eager_steps():
     outs = []
     for graphs in (False, True):
         pool = UnifiedMemory(spec, 64 * MB, 4, cfg.max_context, dev)
-        eng = Engine(model, pool, _fa4(), 4, 512, cuda_graphs=graphs,
+        eng = EngineCore(model, pool, _fa4(), 4, 512, cuda_graphs=graphs,
                      graph_buckets=(4,) if graphs else None)  # fmt: skip
         for p in prompts:
             eng.submit(p, 60)

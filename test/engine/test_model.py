@@ -8,14 +8,15 @@ import dataclasses
 import pytest
 import torch
 
-from unimem.engine.config import memory_spec, preset, preset_names
-from unimem.engine.forward_context import (
+from unimem.models.config import memory_spec
+from unimem.models.forward_context import (
     DenseCache,
     DenseContext,
     ForwardMode,
     masked_attention,
 )
-from unimem.engine.model import HybridModel
+from unimem.models.presets import preset, preset_names
+from unimem.models.synthetic import HybridModel
 
 TOL = 1e-10
 

@@ -10,13 +10,14 @@ import torch
 
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.cache import PrefixCache
-from unimem.engine.config import memory_spec, preset
-from unimem.engine.engine import Engine
-from unimem.engine.model import HybridModel
-from unimem.engine.speculative import draft_config_for
+from unimem.engine.core import EngineCore
+from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.unified import UnifiedMemory
-from unimem.spec.chain import DsparkChain
-from unimem.spec.drafter import DsparkDrafter
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
+from unimem.models.synthetic import HybridModel
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.drafter import DsparkDrafter
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def _prompts(cfg, n, length):
     return torch.randint(0, cfg.vocab_size, (n, length), generator=g).tolist()
 
 
-def _record(eng: Engine) -> list[tuple[str, int]]:
+def _record(eng: EngineCore) -> list[tuple[str, int]]:
     """Log ("launch", k) when step k's results are staged and ("read", k) when the host
     reads them."""
     log: list[tuple[str, int]] = []
@@ -72,7 +73,7 @@ def test_step_k_is_read_after_step_k_plus_1_is_launched(tiny, speculative):
         drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=2)
         chain, lanes = DsparkChain(drafter, 3), drafter.config.lanes()
     pool = UnifiedMemory(memory_spec(cfg, 16, lanes), 8 << 20, 3, cfg.max_context)
-    eng = Engine(model, pool, TorchReferenceBackend(), 3, 64, chain=chain)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), 3, 64, chain=chain)
     log = _record(eng)
     lanes_run = []
     launch = eng.runner.launch
@@ -115,7 +116,7 @@ def test_prefix_cache_checkpoints_are_snapshots_taken_at_launch(tiny, speculativ
     for cached in (True, False):
         pool = UnifiedMemory(spec, 8 << 20, 2, cfg.max_context)
         cache = PrefixCache(pool, 1) if cached else None
-        eng = Engine(model, pool, TorchReferenceBackend(), 2, 32, chain=chain, cache=cache)
+        eng = EngineCore(model, pool, TorchReferenceBackend(), 2, 32, chain=chain, cache=cache)
         log = _record(eng)
         for p in prompts:
             eng.submit(p, 20)

@@ -14,13 +14,14 @@ import torch
 from unimem.__main__ import main
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.cache import PrefixCache
-from unimem.engine.config import memory_spec, preset
-from unimem.engine.engine import Engine
-from unimem.engine.model import HybridModel
-from unimem.engine.validate import ValidateConfig, make_prompts, validate
+from unimem.engine.core import EngineCore
 from unimem.memory.checks import check_unified
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
+from unimem.models.synthetic import HybridModel
+from unimem.validate.protocol import ValidateConfig, make_prompts, validate
 
 
 def _cfg(**kw) -> ValidateConfig:
@@ -96,7 +97,9 @@ def test_engine_chunks_end_on_anchors_and_everything_is_given_back(interval):
     spec = memory_spec(cfg, 16)
     pool = UnifiedMemory(spec, 3 << 20, max_requests=3, max_context=cfg.max_context)
     cache = PrefixCache(pool, interval)
-    eng = Engine(model, pool, TorchReferenceBackend(), max_running=3, chunk_size=40, cache=cache)
+    eng = EngineCore(
+        model, pool, TorchReferenceBackend(), max_running=3, chunk_size=40, cache=cache
+    )
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(0, cfg.vocab_size, (64,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 512, (9,), generator=g).tolist() for _ in range(5)]
@@ -118,7 +121,7 @@ def test_engine_chunks_end_on_anchors_and_everything_is_given_back(interval):
     assert [r.cached_tokens for r in reqs] == [0, 0, 0, 64, 64]
     # the same outputs as static memory without a cache
     static = StaticMemory(spec, 30, 30, 3, max_requests=3, max_context=cfg.max_context)
-    ref = Engine(model, static, TorchReferenceBackend(), max_running=3, chunk_size=40)
+    ref = EngineCore(model, static, TorchReferenceBackend(), max_running=3, chunk_size=40)
     for p in prompts:
         ref.submit(p, 10)
     assert {r.rid: r.output for r in ref.run()} == {r.rid: r.output for r in reqs}

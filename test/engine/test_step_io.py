@@ -8,7 +8,7 @@ import torch
 
 from unimem.engine.cuda_graphs import default_buckets
 from unimem.engine.step_io import DeviceRequestState, ResultRing, StepLanes, StepOutputs
-from unimem.engine.validate import ValidateConfig, validate
+from unimem.validate.protocol import ValidateConfig, validate
 
 CPU = torch.device("cpu")
 

@@ -11,13 +11,14 @@ import torch
 
 from unimem.__main__ import main
 from unimem.attention.torch_backend import TorchReferenceBackend
-from unimem.engine.config import memory_spec, preset
-from unimem.engine.engine import Engine
-from unimem.engine.model import HybridModel
-from unimem.engine.validate import ValidateConfig, validate
+from unimem.engine.core import EngineCore
 from unimem.memory.spec import LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
+from unimem.models.synthetic import HybridModel
+from unimem.validate.protocol import ValidateConfig, validate
 
 
 @pytest.mark.parametrize(
@@ -59,7 +60,7 @@ def _static(cfg, page_size=16):
 
 
 def _run(model, pool, prompts, output_len=12, corrupt_at=None):
-    eng = Engine(model, pool, TorchReferenceBackend(), max_running=4, chunk_size=64)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), max_running=4, chunk_size=64)
     for p in prompts:
         eng.submit(p, output_len)
     while eng.step():
@@ -92,7 +93,7 @@ def test_bad_requests_are_rejected_and_the_others_finish(tiny):
 
     spec = memory_spec(cfg, 16)
     pool = UnifiedMemory(spec, 2 << 20, max_requests=4, max_context=cfg.max_context)
-    eng = Engine(model, pool, TorchReferenceBackend(), max_running=4, chunk_size=64)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), max_running=4, chunk_size=64)
     eng.submit(good[0], 12)
     with pytest.raises(ValueError, match="prompt is empty"):
         eng.submit([], 12)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import unimem_kernel as uk
-from unimem.engine.config import memory_spec, preset
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_capacity.py"
 

@@ -63,8 +63,11 @@ def check_attention_args(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Shape checks shared by backends (host metadata only, no device read)."""
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
+        raise ValueError(f"sinks must be [Hq = {q.shape[1]}], got {tuple(sinks.shape)}")
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
@@ -125,8 +128,11 @@ class AttentionBackend(ABC):
         swa: bool,
         window: int | None,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of ``q [T, Hq, Dk]`` over the paged caches; returns ``[T, Hq, Dv]``."""
+        """Attention of ``q [T, Hq, Dk]`` over the paged caches; returns ``[T, Hq, Dv]``.
+        ``sinks [Hq]`` (float32): per-head logits that join every softmax without a value
+        (gpt-oss's attention sinks); None for none."""
 
     def forward(
         self,
@@ -140,7 +146,10 @@ class AttentionBackend(ABC):
         swa: bool,
         window: int | None,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``store_kv`` then ``attend`` (see the module docstring for the full contract)."""
         self.store_kv(k, v, k_cache, v_cache, meta, swa=swa)
-        return self.attend(q, k_cache, v_cache, meta, swa=swa, window=window, scale=scale)
+        return self.attend(
+            q, k_cache, v_cache, meta, swa=swa, window=window, scale=scale, sinks=sinks
+        )

@@ -110,13 +110,15 @@ class FA4Backend(AttentionBackend):
         swa: bool,
         window: int | None,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        check_attention_args(q, k_cache, v_cache, meta, window)
+        check_attention_args(q, k_cache, v_cache, meta, window, sinks)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"FA4 needs fp16/bf16, got {q.dtype}")
         if not (q.dtype == k_cache.dtype == v_cache.dtype):
             raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
         left = None if window is None else window - 1
+        extra = {} if sinks is None else {"learnable_sink": sinks}
         res = self._varlen(
             q,
             k_cache,
@@ -131,6 +133,7 @@ class FA4Backend(AttentionBackend):
             window_size=(left, None if left is None else 0),
             num_splits=self.num_splits,
             pack_gqa=self.pack_gqa,
+            **extra,
         )
         return res[0] if isinstance(res, tuple) else res
 
@@ -144,6 +147,7 @@ class FA4Backend(AttentionBackend):
         windows: Iterable[int | None] = (None,),
         batch_sizes: Iterable[int] = (1,),
         scale: float | None = None,
+        sinks: bool = False,
     ) -> None:
         """Compile (eagerly) every variant a CUDA graph will record, for this cache layout.
 
@@ -154,17 +158,29 @@ class FA4Backend(AttentionBackend):
         exceeds 256 (a batch-lookup aid), besides dtype, head dims, GQA ratio, window or not
         (not its value) and page size == key tile. Call once per distinct (dtype, Hq, Hkv,
         Dk, Dv, page size) before capture; later calls of a compiled variant only launch.
+        ``sinks``: compile the variants with learnable sinks too.
         """
         page_size, dk = k_cache.shape[1], k_cache.shape[3]
         dev = k_cache.device
         scale = dk**-0.5 if scale is None else scale
         windows = tuple(windows)
+        zeros = torch.zeros(num_q_heads, dtype=torch.float32, device=dev)
         for bs in batch_sizes:
             for q_len in q_lens:
                 meta = _sink_metadata(bs, q_len, page_size, dev)
                 q = torch.zeros(bs * q_len, num_q_heads, dk, dtype=k_cache.dtype, device=dev)
                 for window in windows:
-                    self.attend(q, k_cache, v_cache, meta, swa=False, window=window, scale=scale)
+                    for sink in (None, zeros) if sinks else (None,):
+                        self.attend(
+                            q,
+                            k_cache,
+                            v_cache,
+                            meta,
+                            swa=False,
+                            window=window,
+                            scale=scale,
+                            sinks=sink,
+                        )
         torch.cuda.synchronize(dev)
 
 

@@ -36,11 +36,13 @@ def attend_one_request(
     *,
     window: int | None,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one request's ``q [n_q, Hq, Dk]`` over contiguous ``k [n_k, Hkv, Dk]``,
     ``v [n_k, Hkv, Dv]`` whose row ``r`` holds key position ``first_key_pos + r``; the queries
-    are the last ``n_q`` positions (``first_key_pos + n_k - n_q ..``). Returns
-    ``[n_q, Hq, Dv]`` in ``q``'s dtype."""
+    are the last ``n_q`` positions (``first_key_pos + n_k - n_q ..``). ``sinks [Hq]``: per-head
+    logits that join the softmax without a value. Returns ``[n_q, Hq, Dv]`` in ``q``'s
+    dtype."""
     n_q, hq, _ = q.shape
     n_k, hkv, _ = k.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -55,7 +57,11 @@ def attend_one_request(
     if window is not None:
         allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
     scores = scores.masked_fill(~allowed[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.to(acc)[:, None, None].expand(-1, n_q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
 
 
@@ -72,8 +78,9 @@ class TorchReferenceBackend(AttentionBackend):
         swa: bool,
         window: int | None,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        check_attention_args(q, k_cache, v_cache, meta, window)
+        check_attention_args(q, k_cache, v_cache, meta, window, sinks)
         table = meta.table(swa)
         page_size = meta.page_size
         num_heads = q.shape[1]
@@ -94,5 +101,7 @@ class TorchReferenceBackend(AttentionBackend):
             base = first_page * page_size
             k = k_cache[pages].flatten(0, 1)[lo - base : seq_len - base]
             v = v_cache[pages].flatten(0, 1)[lo - base : seq_len - base]
-            out[q0:q1] = attend_one_request(q[q0:q1], k, v, lo, window=window, scale=scale)
+            out[q0:q1] = attend_one_request(
+                q[q0:q1], k, v, lo, window=window, scale=scale, sinks=sinks
+            )
         return out

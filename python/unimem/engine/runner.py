@@ -13,7 +13,7 @@ Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
   length go to :class:`~unimem.engine.step_io.DeviceRequestState`;
 - *decode*: each lane feeds its row's next token at its row's length (both on the device),
   samples greedily and advances the row;
-- *verify* (with a :class:`~unimem.spec.chain.DsparkChain`, DESIGN §6): write window, draft,
+- *verify* (with a :class:`~unimem.speculative.chain.DsparkChain`, DESIGN §6): write window, draft,
   target verify, greedy accept, commit of GDN states and draft context K/V — all on the
   device, the row advanced by ``accepted + 1`` and its next anchor set to the bonus token.
 
@@ -31,16 +31,16 @@ import torch
 from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
 from unimem.engine.cuda_graphs import StepGraphs, default_buckets
-from unimem.engine.forward_context import ForwardContext, ForwardMode
-from unimem.engine.model import HybridModel
+from unimem.engine.draft_runner import DraftRunner
 from unimem.engine.scheduler import Batch
-from unimem.engine.speculative import DraftRunner
 from unimem.engine.step_io import DeviceRequestState, StepLanes, StepOutputs
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
-from unimem.spec.accept import commit_mask, greedy_accept
-from unimem.spec.chain import DsparkChain
+from unimem.models.base import CausalLM
+from unimem.models.forward_context import ForwardContext, ForwardMode
+from unimem.speculative.accept import commit_mask, greedy_accept
+from unimem.speculative.chain import DsparkChain
 from unimem_kernel import gdn as gdn_ops
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
@@ -67,7 +67,7 @@ class PagedContext(ForwardContext):
         self.capture = capture
         self.hidden: dict[int, torch.Tensor] = {}
 
-    def attention(self, layer_idx, q, k, v):
+    def attention(self, layer_idx, q, k, v, *, sinks=None):
         r = self.runner
         kind = r.layer_kinds[layer_idx]
         k_cache, v_cache = r.pool.kv_cache(kind, r.spec.lane_of_layer(layer_idx))
@@ -80,7 +80,8 @@ class PagedContext(ForwardContext):
             self.meta,
             swa=kind is LayerKind.SWA,
             window=r.model.config.layer_window(layer_idx),
-            scale=q.shape[-1] ** -0.5,
+            scale=r.model.config.attention_scale,
+            sinks=sinks,
         )
 
     def gdn(self, layer_idx, mixed_qkv, g, beta, *, conv_weight):
@@ -103,6 +104,7 @@ class PagedContext(ForwardContext):
             # extend rows: device offsets with a host bound (no host read, no upload)
             self.meta.cu_seqlens_q,
             max_seqlen=self.meta.max_seqlen_q,
+            num_k_heads=r.model.config.gdn_key_heads,
             **scratch,
         )
 
@@ -123,7 +125,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: HybridModel,
+        model: CausalLM,
         pool: MemoryPool,
         backend: AttentionBackend,
         max_bs: int,

@@ -1,7 +1,9 @@
-"""Shape of the reference engine's hybrid model: ``HybridConfig``, named presets, and the
-``MemorySpec`` the model asks of the memory.
+"""The shape of a hybrid model as the engine and the memory see it: ``HybridConfig``, and the
+``MemorySpec`` it asks of the memory.
 
-A hybrid model is a stack of layers, each one of three mixers followed by a SwiGLU MLP:
+Every model — the seeded synthetic one (:mod:`unimem.models.synthetic`) and every
+architecture loaded from a checkpoint (:mod:`unimem.models.registry`) — exposes its shape as a
+``HybridConfig`` (``model.config``): a stack of layers, each with one of three mixers:
 
 * ``"full"``: causal multi-head attention with GQA (``n_q_heads`` query heads share
   ``n_kv_heads`` K/V heads), RoPE over the K head dim;
@@ -9,10 +11,12 @@ A hybrid model is a stack of layers, each one of three mixers followed by a SwiG
   attends keys at positions ``j`` with ``p - window < j <= p`` (``window`` keys, itself
   included);
 * ``"gdn"``: a Gated DeltaNet layer (Qwen3-Next style) with a causal depthwise conv of
-  ``conv_kernel`` taps and a ``[gdn_heads, gdn_head_dim_k, gdn_head_dim_v]`` recurrent state.
+  ``conv_kernel`` taps and a ``[gdn_heads, gdn_head_dim_k, gdn_head_dim_v]`` recurrent state;
+  q and k may have fewer heads (``gdn_k_heads``) than v, each shared by a group of value heads.
 
-Attention K and V head dims may differ (asymmetric rows): the output projection takes
-``n_q_heads * head_dim_v`` inputs.
+Attention K and V head dims may differ (asymmetric rows). What lies around the mixers (MLP or
+experts, norms, rotary variant) is the architecture's own business; ``ffn_dim``,
+``rope_theta`` and ``rms_eps`` describe the synthetic model and size the default drafter.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class HybridConfig:
     head_dim_v: int
     ffn_dim: int
     layer_pattern: tuple[str, ...]
-    window: int
+    window: int | None
     gdn_heads: int
     gdn_head_dim_k: int
     gdn_head_dim_v: int
@@ -66,6 +70,8 @@ class HybridConfig:
     rms_eps: float = 1e-6
     dtype: torch.dtype = torch.float64
     max_context: int = 4096
+    gdn_k_heads: int | None = None
+    attn_scale: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_pattern, list):
@@ -78,10 +84,6 @@ class HybridConfig:
             "head_dim_k",
             "head_dim_v",
             "ffn_dim",
-            "window",
-            "gdn_heads",
-            "gdn_head_dim_k",
-            "gdn_head_dim_v",
             "max_context",
         ):
             value = getattr(self, name)
@@ -97,6 +99,27 @@ class HybridConfig:
                 raise ValueError(
                     f"HybridConfig.layer_pattern[{i}] must be one of {LAYER_KINDS}, got {kind!r}"
                 )
+        # fields of a kind the model has must be positive; others are unused
+        used = {"window": "swa" in pattern}
+        for name in ("gdn_heads", "gdn_head_dim_k", "gdn_head_dim_v"):
+            used[name] = "gdn" in pattern
+        for name, needed in used.items():
+            value = getattr(self, name)
+            if needed and (not _is_int(value) or value <= 0):
+                raise ValueError(f"HybridConfig.{name} must be a positive int, got {value!r}")
+        if self.gdn_k_heads is not None and (
+            not _is_int(self.gdn_k_heads)
+            or self.gdn_k_heads <= 0
+            or self.gdn_heads % self.gdn_k_heads
+        ):
+            raise ValueError(
+                f"HybridConfig.gdn_k_heads must be a positive int dividing gdn_heads "
+                f"({self.gdn_heads}), got {self.gdn_k_heads!r}"
+            )
+        if self.attn_scale is not None and not (
+            isinstance(self.attn_scale, (int, float)) and self.attn_scale > 0
+        ):
+            raise ValueError(f"HybridConfig.attn_scale must be > 0, got {self.attn_scale!r}")
         if self.n_q_heads % self.n_kv_heads:
             raise ValueError(
                 f"HybridConfig.n_kv_heads ({self.n_kv_heads}) must divide "
@@ -144,13 +167,20 @@ class HybridConfig:
 
     @property
     def attention_scale(self) -> float:
-        """Softmax scale of every attention layer: ``head_dim_k ** -0.5``."""
-        return self.head_dim_k**-0.5
+        """Softmax scale of every attention layer: ``attn_scale``, else ``head_dim_k ** -0.5``."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim_k**-0.5
+
+    @property
+    def gdn_key_heads(self) -> int:
+        """Heads of the GDN q and k: ``gdn_k_heads``, else ``gdn_heads``. Value head ``h`` reads
+        key head ``h // (gdn_heads // gdn_key_heads)``."""
+        return self.gdn_k_heads if self.gdn_k_heads is not None else self.gdn_heads
 
     @property
     def gdn_conv_dim(self) -> int:
-        """Channels of the GDN causal conv: ``gdn_heads * (2 * dk + dv)`` (q, k, v)."""
-        return self.gdn_heads * (2 * self.gdn_head_dim_k + self.gdn_head_dim_v)
+        """Channels of the GDN causal conv, ``[q | k | v]``: ``2 * Hk * dk + H * dv``."""
+        key = self.gdn_key_heads * self.gdn_head_dim_k
+        return 2 * key + self.gdn_heads * self.gdn_head_dim_v
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -166,74 +196,6 @@ class HybridConfig:
     def ssm_state_shape(self) -> tuple[int, int, int]:
         """Per-request recurrent state of one GDN layer: ``(gdn_heads, dk, dv)``."""
         return (self.gdn_heads, self.gdn_head_dim_k, self.gdn_head_dim_v)
-
-
-# ---------------------------------------------------------------------- presets
-
-
-def _tiny() -> HybridConfig:
-    # Every kind twice, asymmetric K/V head dims, GQA, float64 so that no reduction order can
-    # ever flip a greedy token. Small window so that short test sequences exercise it.
-    return HybridConfig(
-        vocab_size=512,
-        d_model=256,
-        n_q_heads=4,
-        n_kv_heads=2,
-        head_dim_k=64,
-        head_dim_v=32,
-        ffn_dim=512,
-        layer_pattern=("full", "gdn", "swa", "gdn", "swa", "full"),
-        window=16,
-        gdn_heads=4,
-        gdn_head_dim_k=32,
-        gdn_head_dim_v=48,
-        conv_kernel=4,
-        rope_theta=10000.0,
-        rms_eps=1e-6,
-        dtype=torch.float64,
-        max_context=2048,
-    )
-
-
-def _small() -> HybridConfig:
-    # One H200: ~0.9 B parameters in bf16. Symmetric head dims of 128, the best-supported
-    # shape of GPU attention kernels; GQA 4:1; 8 GDN, 4 SWA, 4 FULL layers.
-    return HybridConfig(
-        vocab_size=32000,
-        d_model=2048,
-        n_q_heads=16,
-        n_kv_heads=4,
-        head_dim_k=128,
-        head_dim_v=128,
-        ffn_dim=5632,
-        layer_pattern=("gdn", "swa", "gdn", "full") * 4,
-        window=512,
-        gdn_heads=16,
-        gdn_head_dim_k=128,
-        gdn_head_dim_v=128,
-        conv_kernel=4,
-        rope_theta=1_000_000.0,
-        rms_eps=1e-6,
-        dtype=torch.bfloat16,
-        max_context=32768,
-    )
-
-
-_PRESETS = {"tiny": _tiny, "small": _small}
-
-
-def preset_names() -> tuple[str, ...]:
-    """Names accepted by :func:`preset`."""
-    return tuple(_PRESETS)
-
-
-def preset(name: str) -> HybridConfig:
-    """The named configuration: ``tiny`` (CPU, float64, 6 layers) or ``small`` (one H200,
-    bf16, 16 layers). Raises ``ValueError`` listing the valid names for an unknown one."""
-    try:
-        return _PRESETS[name]()
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; valid presets: {sorted(_PRESETS)}") from None
 
 
 # ---------------------------------------------------------------------- memory spec

@@ -1,8 +1,9 @@
-"""The reference engine's hybrid model: FULL / SWA attention and Gated DeltaNet layers built
-from a seed.
+"""The synthetic hybrid model: FULL / SWA attention and Gated DeltaNet layers built from a
+seed (the presets of :mod:`unimem.models.presets`), for memory stress tests and benchmarks.
 
-``HybridModel(config, seed)`` is memory-agnostic: :meth:`HybridModel.forward` takes the
-batch's token ids and a :class:`~unimem.engine.forward_context.ForwardContext`, and every
+``HybridModel(config, seed)`` is a :class:`~unimem.models.base.CausalLM`, memory-agnostic:
+:meth:`HybridModel.forward` takes the
+batch's token ids and a :class:`~unimem.models.forward_context.ForwardContext`, and every
 access to K/V or recurrent state goes through that context.
 
 Architecture (pre-norm residual stack)::
@@ -30,24 +31,15 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unimem.engine.config import HybridConfig
-from unimem.engine.forward_context import ForwardContext, WholeSequenceContext
-from unimem.nn_ops import apply_rope, frozen_param, rms_norm
-
-
-class ModelOutput(NamedTuple):
-    """Result of :meth:`HybridModel.forward_with_hidden` for the rows ``ctx.logits_indices``:
-    ``logits [N, vocab]`` (float32, or float64 for float64 models) and ``hidden [N, d_model]``,
-    the final-normed hidden states the LM head reads (``config.dtype``)."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor
+from unimem.models.base import CausalLM, ModelOutput
+from unimem.models.config import HybridConfig
+from unimem.models.forward_context import ForwardContext
+from unimem.models.nn_ops import apply_rope, frozen_param, rms_norm
 
 
 class AttentionMixer(nn.Module):
@@ -148,7 +140,7 @@ class HybridLayer(nn.Module):
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.c.rms_eps))
 
 
-class HybridModel(nn.Module):
+class HybridModel(CausalLM):
     """A hybrid FULL/SWA/GDN language model with deterministic weights from ``seed``.
 
     Inference only (no gradients). All run-time math is deterministic.
@@ -221,18 +213,10 @@ class HybridModel(nn.Module):
             logits = logits.float()
         return ModelOutput(logits, hidden)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """``logits [len(ctx.logits_indices), vocab]``; see :meth:`forward_with_hidden`."""
-        return self.forward_with_hidden(input_ids, ctx).logits
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.embed
 
-    @torch.no_grad()
-    def reference_forward(self, input_ids_per_request: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The oracle: each request's full sequence run alone and densely from an empty
-        cache (one masked softmax per attention layer, an unfolded conv and the token-by-token
-        delta rule per GDN layer). Returns ``logits [L_i, vocab]`` for every position."""
-        device = self.embed.device
-        out = []
-        for ids in input_ids_per_request:
-            ctx = WholeSequenceContext(self.config, int(ids.shape[0]), device)
-            out.append(self.forward(ids.to(device), ctx))
-        return out
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head

@@ -10,14 +10,15 @@ import torch
 
 from unimem.__main__ import main
 from unimem.attention.torch_backend import TorchReferenceBackend
-from unimem.engine.config import memory_spec, preset
-from unimem.engine.engine import Engine
-from unimem.engine.model import HybridModel
-from unimem.engine.speculative import draft_config_for
-from unimem.engine.validate import spec_mismatches
+from unimem.engine.core import EngineCore
+from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.unified import UnifiedMemory
-from unimem.spec.chain import DsparkChain
-from unimem.spec.drafter import DsparkDrafter
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
+from unimem.models.synthetic import HybridModel
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.drafter import DsparkDrafter
+from unimem.validate.protocol import spec_mismatches
 
 
 def test_main_command_with_dspark_writes_the_report(tmp_path):
@@ -79,7 +80,7 @@ def test_chain_engine_needs_room_for_the_write_window_and_the_draft_lanes(tiny):
     chain = DsparkChain(drafter, 4)
     spec = memory_spec(cfg, 16, draft_lanes=drafter.config.lanes())
     pool = UnifiedMemory(spec, 16 << 20, 2, cfg.max_context)
-    eng = Engine(model, pool, TorchReferenceBackend(), 2, 32, chain=chain)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), 2, 32, chain=chain)
     # prompt + output - 1 fits the context, but not the last write window (4) plus the
     # look-ahead step (5) that may run before the host reads that the request finished
     with pytest.raises(ValueError, match="write window and look-ahead 9 exceed the context"):
@@ -87,6 +88,6 @@ def test_chain_engine_needs_room_for_the_write_window_and_the_draft_lanes(tiny):
     eng.submit([1] * (cfg.max_context - 18), 10)
     plain = UnifiedMemory(memory_spec(cfg, 16), 4 << 20, 2, cfg.max_context)
     with pytest.raises(ValueError, match="draft_lanes"):
-        Engine(model, plain, TorchReferenceBackend(), 2, 32, chain=chain)
+        EngineCore(model, plain, TorchReferenceBackend(), 2, 32, chain=chain)
     with pytest.raises(ValueError, match="gamma"):
         DsparkChain(drafter, 0)

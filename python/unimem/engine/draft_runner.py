@@ -1,6 +1,6 @@
 """The drafter's side of a DSPARK step over a pool: draft lanes, draft metadata, context K/V.
 
-:class:`DraftRunner` connects a :class:`~unimem.spec.drafter.DsparkDrafter` to the pool's
+:class:`DraftRunner` connects a :class:`~unimem.speculative.drafter.DsparkDrafter` to the pool's
 draft lanes. It owns a second :class:`MetadataBuilder` (the draft pass's metadata must stay
 valid next to the target verify's) and nothing else; the drafter's K/V live in the draft
 lanes of the target's own pages, reached through the pool's per-lane views.
@@ -25,11 +25,11 @@ import torch
 
 from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
-from unimem.engine.config import HybridConfig
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
-from unimem.spec.chain import DsparkChain
-from unimem.spec.drafter import DraftConfig
+from unimem.models.config import HybridConfig
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.drafter import DraftConfig
 
 __all__ = ["DraftRunner", "draft_config_for"]
 

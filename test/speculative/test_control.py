@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unimem.spec.control import AcceptanceControl, uniform_draws
+from unimem.speculative.control import AcceptanceControl, uniform_draws
 
 REFS = {0: list(range(100, 140)), 1: list(range(200, 230)), 3: list(range(300, 350))}
 

@@ -1,5 +1,5 @@
 """The reference engine: submit requests, step the scheduler, run the model, sample greedily
-— one token per step, or, with a :class:`~unimem.spec.chain.DsparkChain`, a verified chain of
+— one token per step, or, with a :class:`~unimem.speculative.chain.DsparkChain`, a verified chain of
 up to ``gamma + 1`` tokens per step.
 
 The step loop never waits for the step it just launched (DESIGN §1.4): sampled tokens and
@@ -16,16 +16,16 @@ from collections.abc import Callable, Sequence
 
 from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
-from unimem.engine.model import HybridModel
 from unimem.engine.request import Request
 from unimem.engine.runner import ModelRunner
 from unimem.engine.scheduler import Batch, Scheduler
 from unimem.engine.step_io import ResultRing, StagedResult
 from unimem.memory.pool import MemoryPool, pages_for
-from unimem.spec.chain import DsparkChain
+from unimem.models.base import CausalLM
+from unimem.speculative.chain import DsparkChain
 
 
-class Engine:
+class EngineCore:
     """Continuous-batching greedy generation over one memory pool.
 
     ``submit`` validates a request against the model and the pool and raises ``ValueError``
@@ -50,7 +50,7 @@ class Engine:
 
     def __init__(
         self,
-        model: HybridModel,
+        model: CausalLM,
         pool: MemoryPool,
         backend: AttentionBackend,
         max_running: int,
@@ -165,7 +165,7 @@ class Engine:
         else:
             self.scheduler.complete(batch, [row[0] for row in tokens])
 
-    def run(self, on_step: Callable[[Engine], None] | None = None) -> list[Request]:
+    def run(self, on_step: Callable[[EngineCore], None] | None = None) -> list[Request]:
         """Step until every submitted request finished; returns them in finishing order."""
         while self.step():
             if on_step is not None:

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from unimem.attention.backend import store_kv_paged
-from unimem.engine.config import memory_spec, preset
-from unimem.engine.speculative import draft_config_for
+from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.spec import LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
-from unimem.spec.drafter import DraftConfig
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
+from unimem.speculative.drafter import DraftConfig
 
 PAGE = 16
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unimem.memory.spec import AttentionLayerSpec, DraftLane, LayerKind
-from unimem.nn_ops import apply_rope, frozen_param, rms_norm
+from unimem.models.nn_ops import apply_rope, frozen_param, rms_norm
 
 __all__ = ["DRAFT_HOSTS", "DraftAttention", "DraftConfig", "DsparkDrafter"]
 

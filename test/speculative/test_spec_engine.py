@@ -16,17 +16,18 @@ import pytest
 import torch
 
 from unimem.attention.torch_backend import TorchReferenceBackend
-from unimem.engine.config import memory_spec, preset
-from unimem.engine.engine import Engine
-from unimem.engine.forward_context import WholeSequenceContext, masked_attention
-from unimem.engine.model import HybridModel
-from unimem.engine.speculative import draft_config_for
-from unimem.engine.validate import ValidateConfig, validate
+from unimem.engine.core import EngineCore
+from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
-from unimem.spec.chain import DsparkChain
-from unimem.spec.control import AcceptanceControl
-from unimem.spec.drafter import DsparkDrafter
+from unimem.models.config import memory_spec
+from unimem.models.forward_context import WholeSequenceContext, masked_attention
+from unimem.models.presets import preset
+from unimem.models.synthetic import HybridModel
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.control import AcceptanceControl
+from unimem.speculative.drafter import DsparkDrafter
+from unimem.validate.protocol import ValidateConfig, validate
 
 # ------------------------------------------------------------------ the validation protocol
 
@@ -85,7 +86,7 @@ def _reference(model, prompts, output_len, max_running=8):
     cfg = model.config
     spec = memory_spec(cfg, 16)
     pool = StaticMemory(spec, 256, 256, max_running, max_running, cfg.max_context)
-    eng = Engine(model, pool, TorchReferenceBackend(), max_running, 64)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), max_running, 64)
     for p in prompts:
         eng.submit(p, output_len)
     eng.run()
@@ -94,7 +95,7 @@ def _reference(model, prompts, output_len, max_running=8):
 
 def _spec_engine(model, drafter, pool, gamma, control, max_running=8, chunk=64):
     chain = DsparkChain(drafter, gamma, control)
-    return Engine(model, pool, TorchReferenceBackend(), max_running, chunk, chain=chain)
+    return EngineCore(model, pool, TorchReferenceBackend(), max_running, chunk, chain=chain)
 
 
 def _spec_pool(cfg, drafter, arena_bytes=None, max_running=8):

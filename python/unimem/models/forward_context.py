@@ -13,7 +13,7 @@ Implementations:
 * :class:`WholeSequenceContext`: one request's whole sequence in one extend from an empty
   cache, with attention as one masked softmax and the GDN conv as a sum over unfolded
   zero-padded inputs followed by the token-by-token delta rule. Used by
-  ``HybridModel.reference_forward`` as the oracle.
+  ``CausalLM.reference_forward`` as the oracle.
 
 The runner's paged contexts live with the runner and implement the same interface.
 """
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from unimem.engine.config import HybridConfig
+from unimem.models.config import HybridConfig
 from unimem_kernel import gdn_reference as gdn_ref
 
 
@@ -81,15 +81,24 @@ class ForwardContext(ABC):
 
     @abstractmethod
     def attention(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of attention layer ``layer_idx`` (FULL or SWA).
 
         ``q [T, Hq, Dk]``, ``k [T, Hkv, Dk]``, ``v [T, Hkv, Dv]``, RoPE already applied to
         q and k. Stores k/v of these tokens in the request's cache at ``positions``, then
-        each query at position ``p`` attends, with softmax scale ``Dk ** -0.5``, every cached
-        key of its request at position ``j <= p`` — and ``j > p - window`` for an SWA layer.
-        Query head ``h`` uses K/V head ``h // (Hq // Hkv)`` (GQA). Returns ``[T, Hq, Dv]``.
+        each query at position ``p`` attends, with softmax scale ``config.attention_scale``,
+        every cached key of its request at position ``j <= p`` — and ``j > p - window`` for
+        an SWA layer. Query head ``h`` uses K/V head ``h // (Hq // Hkv)`` (GQA).
+        ``sinks [Hq]`` (float32, optional): a learned logit per query head that joins every
+        softmax as a key with no value (it takes probability mass and contributes nothing).
+        Returns ``[T, Hq, Dv]``.
         """
 
     @abstractmethod
@@ -104,7 +113,8 @@ class ForwardContext(ABC):
     ) -> torch.Tensor:
         """GDN mixer core of GDN layer ``layer_idx``, as ``gdn_reference.gdn_forward``.
 
-        ``mixed_qkv [T, conv_dim]`` (``[q | k | v]`` channels, head-major),
+        ``mixed_qkv [T, conv_dim]`` (``[q | k | v]`` channels, head-major; q and k have
+        ``config.gdn_key_heads`` heads, v ``config.gdn_heads``),
         ``g [T, H]`` (log decay, ``<= 0``) and ``beta [T, H]`` in ``config.state_dtype``,
         ``conv_weight [conv_dim, K]`` (the layer's depthwise conv taps). Runs the causal conv
         continuing from the request's conv state, SiLU, splits q/k/v, L2-normalises q and k
@@ -131,12 +141,14 @@ def masked_attention(
     k_positions: torch.Tensor,
     window: int | None,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense attention of one request: ``q [Lq, Hq, Dk]`` at ``q_positions [Lq]`` over
     ``k [Lk, Hkv, Dk]``, ``v [Lk, Hkv, Dv]`` at ``k_positions [Lk]``; key ``j`` is visible
     to query ``p`` iff ``j <= p`` and (no window or ``p - j < window``). Every query must see
-    at least one key. Softmax in float32 (float64 for float64 inputs). Returns
-    ``[Lq, Hq, Dv]`` in ``q``'s dtype."""
+    at least one key. ``sinks [Hq]``: per-head logits that join the softmax without a value.
+    Softmax in float32 (float64 for float64 inputs). Returns ``[Lq, Hq, Dv]`` in ``q``'s
+    dtype."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
     kk = k.to(acc).repeat_interleave(group, dim=1)
@@ -146,7 +158,12 @@ def masked_attention(
     visible = dist >= 0
     if window is not None:
         visible &= dist < window
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(acc)[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
 
 
@@ -281,7 +298,13 @@ class DenseContext(ForwardContext):
                 cache.seq_lens[s] += n
 
     def attention(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cache, config = self.cache, self.cache.config
         window = config.layer_window(layer_idx)
@@ -293,7 +316,14 @@ class DenseContext(ForwardContext):
             values = torch.cat([cache.values[layer_idx][slot], v[s:e]])
             k_pos = torch.arange(keys.shape[0], device=q.device)
             out[s:e] = masked_attention(
-                q[s:e], keys, values, self.positions[s:e], k_pos, window, config.attention_scale
+                q[s:e],
+                keys,
+                values,
+                self.positions[s:e],
+                k_pos,
+                window,
+                config.attention_scale,
+                sinks,
             )
             if self.mode is ForwardMode.VERIFY:
                 pending.append((k[s:e].clone(), v[s:e].clone()))
@@ -336,6 +366,7 @@ class DenseContext(ForwardContext):
             ssm_state,
             self._slot_ids,
             self.cu_seqlens_q,
+            num_k_heads=cache.config.gdn_key_heads,
             **kwargs,
         )
 
@@ -375,7 +406,7 @@ class WholeSequenceContext(ForwardContext):
     cache, computed without any cache machinery: attention is one masked softmax over the
     given K/V; the GDN conv sums unfolded zero-padded inputs and the delta rule runs
     token by token from a zero state. Logits for every position. The oracle of
-    ``HybridModel.reference_forward``."""
+    ``CausalLM.reference_forward``."""
 
     def __init__(self, config: HybridConfig, length: int, device: torch.device | str = "cpu"):
         if length < 1:
@@ -386,11 +417,18 @@ class WholeSequenceContext(ForwardContext):
         self.config = config
 
     def attention(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = self.config
         pos = self.positions
-        return masked_attention(q, k, v, pos, pos, c.layer_window(layer_idx), c.attention_scale)
+        window = c.layer_window(layer_idx)
+        return masked_attention(q, k, v, pos, pos, window, c.attention_scale, sinks)
 
     def gdn(
         self,
@@ -408,8 +446,13 @@ class WholeSequenceContext(ForwardContext):
         taps = padded.unfold(0, kernel, 1)  # [L, D, K]: inputs t-K+1 .. t
         y = (taps * conv_weight.to(acc)).sum(-1)
         y = F.silu(y.to(mixed_qkv.dtype).to(acc))
-        q, k, v = gdn_ref.split_qkv(y, c.gdn_heads, c.gdn_head_dim_k, c.gdn_head_dim_v)
-        q, k = gdn_ref.l2norm(q), gdn_ref.l2norm(k)
+        hk, dk = c.gdn_key_heads, c.gdn_head_dim_k
+        q = y[:, : hk * dk].unflatten(1, (hk, dk))
+        k = y[:, hk * dk : 2 * hk * dk].unflatten(1, (hk, dk))
+        v = y[:, 2 * hk * dk :].unflatten(1, (c.gdn_heads, c.gdn_head_dim_v))
+        group = c.gdn_heads // hk  # value head h reads key head h // group
+        q = gdn_ref.l2norm(q).repeat_interleave(group, dim=1)
+        k = gdn_ref.l2norm(k).repeat_interleave(group, dim=1)
         state = torch.zeros(1, *c.ssm_state_shape, dtype=acc, device=mixed_qkv.device)
         o, _ = gdn_ref.gated_delta_rule_recurrent(
             q[None], k[None], v[None], g[None], beta[None], state

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unimem.spec.control import AcceptanceControl
-from unimem.spec.drafter import DsparkDrafter
+from unimem.speculative.control import AcceptanceControl
+from unimem.speculative.drafter import DsparkDrafter
 
 __all__ = ["DsparkChain"]
 

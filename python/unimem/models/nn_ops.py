@@ -1,5 +1,5 @@
-"""Numerical building blocks shared by the target model (``unimem.engine.model``) and the
-drafter (``unimem.spec.drafter``). Pure torch; deterministic; no memory access."""
+"""Numerical building blocks shared by the target model (``unimem.models.synthetic``) and the
+drafter (``unimem.speculative.drafter``). Pure torch; deterministic; no memory access."""
 
 from __future__ import annotations
 

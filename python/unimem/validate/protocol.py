@@ -51,17 +51,19 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from unimem.cache import PrefixCache
-from unimem.engine.config import HybridConfig, memory_spec, preset
-from unimem.engine.engine import Engine
-from unimem.engine.model import HybridModel
-from unimem.engine.speculative import draft_config_for
+from unimem.engine.core import EngineCore
+from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import DraftLane, LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
-from unimem.spec.chain import DsparkChain
-from unimem.spec.control import AcceptanceControl
-from unimem.spec.drafter import DsparkDrafter
+from unimem.models.base import CausalLM
+from unimem.models.config import HybridConfig, memory_spec
+from unimem.models.presets import preset
+from unimem.models.synthetic import HybridModel
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.control import AcceptanceControl
+from unimem.speculative.drafter import DsparkDrafter
 
 MB = 1 << 20
 
@@ -265,7 +267,7 @@ def make_backend(name: str):
 
 
 def run_one(
-    model: HybridModel,
+    model: CausalLM,
     pool: MemoryPool,
     cfg: ValidateConfig,
     prompts: list[list[int]],
@@ -275,7 +277,7 @@ def run_one(
 ) -> RunResult:
     backend = make_backend(cfg.attention_backend)
     cache = PrefixCache(pool, cfg.checkpoint_interval) if cfg.prefix_cache else None
-    engine = Engine(
+    engine = EngineCore(
         model,
         pool,
         backend,
@@ -291,7 +293,7 @@ def run_one(
     bar = ProgressBar(label, total) if progress else None
     marks: list[float] = []
 
-    def on_step(e: Engine) -> None:
+    def on_step(e: EngineCore) -> None:
         marks.append(time.perf_counter())
         if bar:
             bar.update(sum(len(r.output) for r in _all(e)))
@@ -335,7 +337,7 @@ def cache_stats(cache: PrefixCache, done: list, flushes: int) -> dict:
     return out
 
 
-def _all(engine: Engine):
+def _all(engine: EngineCore):
     s = engine.scheduler
     return list(s.finished) + list(s.running) + list(s.waiting)
 
@@ -396,7 +398,7 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
 
 
 def _static_and_unified(
-    model: HybridModel,
+    model: CausalLM,
     cfg: ValidateConfig,
     prompts: list[list[int]],
     progress: bool,
@@ -409,7 +411,7 @@ def _static_and_unified(
     so that its throughput is the mode's mean, and every run's throughput per mode. Every
     run of a mode must give the same outputs, verify counts and accept lengths (the runs are
     deterministic), else ``RuntimeError``."""
-    model_cfg, device = model.config, model.embed.device
+    model_cfg, device = model.config, model.device
     order: list[str] = []
     for i in range(cfg.repeats):
         order += ["static", "unified"] if i % 2 == 0 else ["unified", "static"]
@@ -480,7 +482,7 @@ def gpu_name(device: torch.device) -> str | None:
 
 
 def _warm_up(
-    model: HybridModel,
+    model: CausalLM,
     cfg: ValidateConfig,
     prompts: list[list[int]],
     chain: DsparkChain | None = None,
@@ -501,7 +503,7 @@ def _warm_up(
     retire_at = max(0, window + 2 * cfg.page_size - cfg.input_len)
     out = min(cfg.output_len, retire_at + 2 * cfg.gamma + 4)
     warm = replace(cfg, output_len=out, prefix_cache=False)
-    device = model.embed.device
+    device = model.device
     static = static_pool(warm, model.config, device, chain_lanes(chain))
     run_one(model, static, warm, prompts, "warm-up", False, chain)
     # the unified arena's own kernel variants (translation through v2p), and compaction
@@ -521,7 +523,7 @@ def chain_lanes(chain: DsparkChain | None) -> tuple[DraftLane, ...]:
 def _compare_cache_off(
     report: dict,
     cfg: ValidateConfig,
-    model: HybridModel,
+    model: CausalLM,
     prompts: list[list[int]],
     progress: bool,
     res_s: RunResult,
@@ -533,7 +535,7 @@ def _compare_cache_off(
     (requests whose output equals it in both cached runs), ``cache_off_mismatches`` and the
     run's summary (``"cache_off"``) to ``report``."""
     off_cfg = replace(cfg, prefix_cache=False)
-    pool = static_pool(off_cfg, model.config, model.embed.device, lanes)
+    pool = static_pool(off_cfg, model.config, model.device, lanes)
     chain = chain_for() if chain_for is not None else None
     res_off = run_one(model, pool, off_cfg, prompts, "no cache", progress, chain)
     diffs = []
@@ -547,12 +549,12 @@ def _compare_cache_off(
 
 def _validate_dspark(
     cfg: ValidateConfig,
-    model: HybridModel,
+    model: CausalLM,
     prompts: list[list[int]],
     progress: bool,
     max_margins: int | None,
 ) -> dict:
-    model_cfg, device = model.config, model.embed.device
+    model_cfg, device = model.config, model.device
     # 1. the non-speculative reference, gamma tokens longer so that every drafted position
     #    of the speculative runs has a reference token
     ref_cfg = replace(cfg, spec="none", output_len=cfg.output_len + cfg.gamma)
@@ -562,7 +564,7 @@ def _validate_dspark(
     )
     references = {rid: prompts[rid] + out for rid, out in res_ref.outputs.items()}
     drafter = DsparkDrafter(
-        draft_config_for(model_cfg), model.embed, model.lm_head, seed=cfg.seed + 17
+        draft_config_for(model_cfg), model.embed_weight, model.lm_head_weight, seed=cfg.seed + 17
     )
     lanes = drafter.config.lanes()
     res_ctl = None
@@ -628,7 +630,7 @@ def near_tie_margin(dtype: torch.dtype) -> float:
 
 
 def spec_mismatches(
-    model: HybridModel,
+    model: CausalLM,
     prompts: list[list[int]],
     expected: dict[int, list[int]],
     runs: dict[str, dict[int, list[int]]],
@@ -663,7 +665,7 @@ def _at(tokens: list[int], i: int) -> int | None:
     return tokens[i] if i < len(tokens) else None
 
 
-def _margin(model: HybridModel, prefix: list[int]) -> dict:
+def _margin(model: CausalLM, prefix: list[int]) -> dict:
     """The target's choice after ``prefix`` by the dense oracle: its top-2 tokens and the
     logit margin between them (a near-tie explains a flipped token)."""
     ids = torch.tensor(prefix, dtype=torch.long)

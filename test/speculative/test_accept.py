@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unimem.spec.accept import commit_mask, greedy_accept
+from unimem.speculative.accept import commit_mask, greedy_accept
 
 
 def _naive(draft: list[int], target: list[int]) -> tuple[int, int]:

@@ -1,0 +1,92 @@
+"""What the engine asks of a model: :class:`CausalLM`.
+
+A model is an ``nn.Module`` that never sees pages. For each batch it gets token ids and a
+:class:`~unimem.models.forward_context.ForwardContext` (positions, rows that need logits, and
+the two memory-touching operations: paged attention and the GDN conv + delta rule), and
+returns logits and the final hidden states of the rows the context asks for. Its shape, as far
+as the memory, the scheduler and the drafter care, is a :class:`~unimem.models.config.
+HybridConfig` (``model.config``), from which :func:`~unimem.models.config.memory_spec` derives
+the memory layout: the memory layer stays model-agnostic.
+
+Contract every implementation keeps:
+
+* inference only: parameters do not require grad and ``forward_with_hidden`` runs under
+  ``torch.no_grad``;
+* attention layers call ``ctx.attention(i, q, k, v, sinks=...)`` with RoPE already applied,
+  GDN layers call ``ctx.gdn(i, mixed_qkv, g, beta, conv_weight=...)``, exactly once per
+  layer in layer order, then ``ctx.capture_hidden(i, x)`` with the residual stream;
+* logits are float32 (float64 for a float64 model); ``hidden`` is what the LM head reads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from unimem.models.config import HybridConfig
+from unimem.models.forward_context import ForwardContext, WholeSequenceContext
+
+
+class ModelOutput(NamedTuple):
+    """Result of :meth:`CausalLM.forward_with_hidden` for the rows ``ctx.logits_indices``:
+    ``logits [N, vocab]`` (float32, or float64 for float64 models) and ``hidden [N, d_model]``,
+    the final-normed hidden states the LM head reads (``config.dtype``)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class CausalLM(nn.Module, ABC):
+    """A causal language model over a :class:`ForwardContext` (module docstring).
+
+    ``config``: the model's shape for the engine. ``embed_weight`` / ``lm_head_weight``
+    (``[vocab, d_model]``) are shared with a DSPARK drafter, which embeds its anchor with the
+    former and computes its base logits with the latter.
+    """
+
+    config: HybridConfig
+
+    @abstractmethod
+    def forward_with_hidden(self, input_ids: torch.Tensor, ctx: ForwardContext) -> ModelOutput:
+        """Run one batch: ``input_ids [T]`` (int, rows laid out as ``ctx`` says) through every
+        layer, calling ``ctx`` for all memory access. Returns logits and final-normed hidden
+        states of the rows ``ctx.logits_indices``, in that order."""
+
+    @property
+    @abstractmethod
+    def embed_weight(self) -> torch.Tensor:
+        """The input embedding table ``[vocab, d_model]`` (before any scaling the model
+        applies)."""
+
+    @property
+    @abstractmethod
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head ``[vocab, d_model]`` (the embedding table when tied)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``logits [len(ctx.logits_indices), vocab]``; see :meth:`forward_with_hidden`."""
+        return self.forward_with_hidden(input_ids, ctx).logits
+
+    @torch.no_grad()
+    def reference_forward(self, input_ids_per_request: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The dense oracle: each request's whole sequence run alone from an empty cache
+        (:class:`WholeSequenceContext`: one masked softmax per attention layer, an unfolded
+        conv and the token-by-token delta rule per GDN layer). Returns ``logits [L_i,
+        vocab]`` for every position."""
+        out = []
+        for ids in input_ids_per_request:
+            ctx = WholeSequenceContext(self.config, int(ids.shape[0]), self.device)
+            out.append(self.forward(ids.to(self.device), ctx))
+        return out
+
+
+def logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype logits are returned in for a model computing in ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
