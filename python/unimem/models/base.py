@@ -21,6 +21,7 @@ Contract every implementation keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -48,6 +49,29 @@ class CausalLM(nn.Module, ABC):
     """
 
     config: HybridConfig
+
+    ignored_checkpoint_prefixes: tuple[str, ...] = ()
+    """Checkpoint tensor-name prefixes the loader skips (e.g. multi-token-prediction heads)."""
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        hf_config,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_context: int | None = None,
+    ) -> CausalLM:
+        """The architecture for a ``transformers`` config, with uninitialised parameters of
+        ``dtype`` on ``device`` (``max_context`` overrides the config's context length).
+        ``ValueError`` naming the field for a configuration it does not implement."""
+        raise TypeError(f"{cls.__name__} is not built from HuggingFace configs")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors ``(name, tensor)`` into the parameters (re-laying out
+        those the architecture stores differently) and return the names of the parameters
+        filled. ``ValueError`` naming the tensor for an unknown name or a wrong shape."""
+        raise TypeError(f"{type(self).__name__} does not load HuggingFace checkpoints")
 
     @abstractmethod
     def forward_with_hidden(self, input_ids: torch.Tensor, ctx: ForwardContext) -> ModelOutput:

@@ -1,0 +1,129 @@
+"""Routed expert MLPs for mixture-of-experts layers: one grouped GEMM per projection.
+
+:func:`expert_mlp` runs every (token, expert) pair a router chose through its expert's
+gate/up projection, the architecture's activation and the down projection, and sums the
+pairs back per token with their routing weights. The pairs are sorted by expert on the device
+(``argsort`` + ``bincount`` + ``cumsum``: fixed shapes, no host read, so the step stays
+capturable in a CUDA graph) and each projection is one ``torch._grouped_mm`` over the
+experts' row groups — never a Python loop over experts. :func:`expert_mlp_reference` is the
+per-expert loop with identical semantics, the oracle in tests (it reads which experts were
+chosen on the host).
+
+Weights are stacked per expert: ``w_gate_up [E, 2I, d]`` with rows ``[gate (I) | up (I)]``
+and ``w_down [E, d, I]`` (``nn.Linear`` orientation: out x in), optional biases
+``b_gate_up [E, 2I]`` and ``b_down [E, d]``. ``act(gate [M, I], up [M, I]) -> [M, I]`` is
+the architecture's gated activation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+GatedAct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+__all__ = ["GatedAct", "expert_mlp", "expert_mlp_reference", "grouped_mm_supported"]
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs for activations like ``x``: bf16 on CUDA (SM90+),
+    float32 on the CPU. Other cases take the reference loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16
+    return x.dtype == torch.float32
+
+
+def _check(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down) -> None:
+    t, d = x.shape
+    e, two_i, d1 = w_gate_up.shape
+    if d1 != d or two_i % 2 or w_down.shape != (e, d, two_i // 2):
+        raise ValueError(
+            f"expert weights do not fit: x [T, {d}], w_gate_up {tuple(w_gate_up.shape)}, "
+            f"w_down {tuple(w_down.shape)} (expected [E, 2I, d] and [E, d, I])"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+            f"must both be [T = {t}, k]"
+        )
+    if b_gate_up is not None and b_gate_up.shape != (e, two_i):
+        raise ValueError(f"b_gate_up {tuple(b_gate_up.shape)} != [{e}, {two_i}]")
+    if b_down is not None and b_down.shape != (e, d):
+        raise ValueError(f"b_down {tuple(b_down.shape)} != [{e}, {d}]")
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    act: GatedAct,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token.
+
+    ``x [T, d]`` (model dtype), ``topk_ids [T, k]`` int64 in ``[0, E)``, ``topk_weights
+    [T, k]`` (float32; cast to ``x``'s dtype before the weighted sum, as the activations
+    are). Returns ``[T, d]`` in ``x``'s dtype. Grouped GEMMs where
+    :func:`grouped_mm_supported`, else :func:`expert_mlp_reference`.
+    """
+    _check(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down)
+    if not grouped_mm_supported(x):
+        return expert_mlp_reference(
+            x, topk_ids, topk_weights, w_gate_up, w_down, act=act, b_gate_up=b_gate_up,
+            b_down=b_down,
+        )  # fmt: skip
+    t, k = topk_ids.shape
+    num_experts = w_gate_up.shape[0]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    expert_of_pair = flat[order]
+    token_of_pair = order // k
+    counts = torch.bincount(flat, minlength=num_experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # end row of each expert's group
+    xs = x[token_of_pair]
+    h = torch._grouped_mm(xs, w_gate_up.transpose(-2, -1), offs=offs)
+    if b_gate_up is not None:
+        h = h + b_gate_up[expert_of_pair]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(act(gate, up).contiguous(), w_down.transpose(-2, -1), offs=offs)
+    if b_down is not None:
+        y = y + b_down[expert_of_pair]
+    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+    out = torch.zeros_like(x)
+    return out.index_add_(0, token_of_pair, y.to(x.dtype))
+
+
+def expert_mlp_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    act: GatedAct,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`expert_mlp` as a loop over the experts that were chosen (reads the choice on
+    the host: eager only)."""
+    _check(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down)
+    out = torch.zeros_like(x)
+    for e in torch.unique(topk_ids).tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        h = x[tok] @ w_gate_up[e].T
+        if b_gate_up is not None:
+            h = h + b_gate_up[e]
+        gate, up = h.chunk(2, dim=-1)
+        y = act(gate, up) @ w_down[e].T
+        if b_down is not None:
+            y = y + b_down[e]
+        y = y * topk_weights[tok, slot, None].to(y.dtype)
+        out.index_add_(0, tok, y.to(x.dtype))
+    return out
