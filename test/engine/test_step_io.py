@@ -44,8 +44,8 @@ def test_result_ring_alternates_host_buffers():
     out.tokens[:1] = 9
     out.counts[:1] = 2
     second = ring.stage(out, 1)
-    assert first.read() == ([[1, 2, 3], [4, 5, 6]], [3, 1])  # not overwritten by step 2
-    assert second.read() == ([[9, 9, 9]], [2])
+    assert first.read() == ([[1, 2, 3], [4, 5, 6]], [3, 1], None)  # not overwritten by step 2
+    assert second.read() == ([[9, 9, 9]], [2], None)
     third = ring.stage(out, 1)  # reuses the first set, which has been read
     assert third.tokens.data_ptr() == first.tokens.data_ptr()
 

@@ -12,7 +12,7 @@ state checkpoints are snapshots taken at launch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
@@ -43,6 +43,9 @@ class EngineCore:
     ``cuda_graphs`` (CUDA pool, FA4 backend): decode / verify steps are replayed CUDA graphs,
     one per batch-size bucket (``graph_buckets``), recorded at construction.
 
+    ``logprobs``: every output token comes with its log-probability
+    (``Request.output_logprobs``).
+
     With results read one step late, a speculative request may run one verify step past its
     end (its in-flight step finished it): every request reserves ``lookahead`` (``gamma + 1``)
     tokens of context and memory beyond its write window for that step.
@@ -60,6 +63,7 @@ class EngineCore:
         *,
         cuda_graphs: bool = False,
         graph_buckets: Sequence[int] | None = None,
+        logprobs: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -86,13 +90,22 @@ class EngineCore:
             chain=chain,
             cuda_graphs=cuda_graphs,
             graph_buckets=graph_buckets,
+            logprobs=logprobs,
         )
-        self.results = ResultRing(max_running, self.runner.width, pool.device)
+        self.results = ResultRing(max_running, self.runner.width, pool.device, logprobs=logprobs)
         self._pending: tuple[Batch, StagedResult] | None = None
         self._next_rid = 0
         self.steps = 0
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+    ) -> Request:
+        """Queue a request of ``prompt`` token ids for up to ``max_new_tokens`` output tokens,
+        ending early at any of ``stop_token_ids`` (kept as its last output token).
+        ``ValueError`` naming the problem, before anything is queued."""
         c = self.model.config
         if len(prompt) == 0:
             raise ValueError("request rejected: the prompt is empty")
@@ -117,7 +130,10 @@ class EngineCore:
             raise ValueError(
                 f"request rejected: {total} tokens do not fit in the memory even alone"
             )
-        req = Request(self._next_rid, [int(t) for t in prompt], max_new_tokens)
+        stops = frozenset(int(t) for t in stop_token_ids)
+        req = Request(
+            self._next_rid, [int(t) for t in prompt], max_new_tokens, stop_token_ids=stops
+        )
         self._next_rid += 1
         self.scheduler.add(req)
         return req
@@ -158,12 +174,16 @@ class EngineCore:
         return True
 
     def _account(self, batch: Batch, staged: StagedResult) -> None:
-        tokens, counts = staged.read()
+        tokens, counts, logprobs = staged.read()
         if batch.mode == "verify":
             committed = [row[:c] for row, c in zip(tokens, counts, strict=True)]
-            self.scheduler.complete_verify(batch, committed)
+            lps = None
+            if logprobs is not None:
+                lps = [row[:c] for row, c in zip(logprobs, counts, strict=True)]
+            self.scheduler.complete_verify(batch, committed, lps)
         else:
-            self.scheduler.complete(batch, [row[0] for row in tokens])
+            lps = None if logprobs is None else [row[0] for row in logprobs]
+            self.scheduler.complete(batch, [row[0] for row in tokens], lps)
 
     def run(self, on_step: Callable[[EngineCore], None] | None = None) -> list[Request]:
         """Step until every submitted request finished; returns them in finishing order."""

@@ -51,6 +51,11 @@ class Request:
     ``cached_tokens``: tokens admissions skipped on prefix-cache hits (summed over
     readmissions after retraction).
 
+    ``stop_token_ids``: output tokens that end the request (EOS and the caller's stop ids);
+    the stop token is kept as the last output token and ``finish_reason`` becomes "stop"
+    (else "length" once ``max_new_tokens`` are out). ``output_logprobs`` holds each output
+    token's log-probability when the engine computes them.
+
     One step late: ``kv_len`` and ``output`` are what the host has *read*; launched steps not
     read yet are ``inflight`` (oldest first), and the ``planned_*`` properties bound where the
     request stands on the device once they are done. ``primed``: an extend of this run has
@@ -74,6 +79,28 @@ class Request:
     inflight: list[InFlight] = field(default_factory=list)
     epoch: int = 0
     primed: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    stopped: bool = False
+    output_logprobs: list[float] = field(default_factory=list)
+
+    def append_output(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
+        """Append sampled ``tokens`` (with their ``logprobs``), up to ``max_new_tokens`` and
+        up to and including the first stop token; nothing once finished."""
+        for j, tok in enumerate(tokens):
+            if self.finished:
+                return
+            self.output.append(tok)
+            if logprobs is not None:
+                self.output_logprobs.append(logprobs[j])
+            if tok in self.stop_token_ids:
+                self.stopped = True
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "stop" (a stop token), "length" (``max_new_tokens``), or None while running."""
+        if self.stopped:
+            return "stop"
+        return "length" if len(self.output) >= self.max_new_tokens else None
 
     @property
     def tokens(self) -> list[int]:
@@ -90,7 +117,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        return self.stopped or len(self.output) >= self.max_new_tokens
 
     # --- where the request stands on the device (with a step in flight) -----------------------
 

@@ -45,6 +45,13 @@ from unimem_kernel import gdn as gdn_ops
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[i, tokens[i]]`` per row (float32): ``logits [N, V]``,
+    ``tokens [N]`` int64."""
+    chosen = logits.gather(1, tokens[:, None].long())[:, 0]
+    return (chosen - torch.logsumexp(logits, dim=-1)).float()
+
+
 class PagedContext(ForwardContext):
     """A ``ForwardContext`` over a pool: attention through paged K/V views and the step's
     metadata, GDN through the requests' state slots — updated in place (extend, decode) or,
@@ -121,6 +128,8 @@ class ModelRunner:
     decode step (or, with a chain, the verify step) for every bucket of ``graph_buckets``
     (default :func:`default_buckets`) at construction; needs a CUDA pool and a backend that
     can be captured (FA4), and a GDN path that skips padded lanes (the Triton kernels).
+    ``logprobs``: every step also writes the log-probability of each output token
+    (``out.logprobs``; one log-sum-exp over the vocabulary per logits row).
     """
 
     def __init__(
@@ -134,8 +143,10 @@ class ModelRunner:
         *,
         cuda_graphs: bool = False,
         graph_buckets: Sequence[int] | None = None,
+        logprobs: bool = False,
     ) -> None:
         self.model = model
+        self.logprobs = logprobs
         self.pool = pool
         self.backend = backend
         self.spec = pool.spec
@@ -277,6 +288,8 @@ class ModelRunner:
         self.state.write(rows, prefix + ext, torch.where(nxt >= 0, nxt.long(), sampled))
         self.out.tokens[:bs, 0] = sampled
         self.out.counts[:bs] = 1
+        if self.logprobs:
+            self.out.logprobs[:bs, 0] = token_logprobs(logits, sampled)
 
     # ----------------------------------------------------------------------------- decode
 
@@ -295,6 +308,8 @@ class ModelRunner:
         self.state.write(rows, seq_lens + 1, sampled)
         self.out.tokens[:width, 0] = sampled
         self.out.counts[:width] = 1
+        if self.logprobs:
+            self.out.logprobs[:width, 0] = token_logprobs(logits, sampled)
 
     def _state_slots(self, vslots: torch.Tensor) -> torch.Tensor | None:
         if not self.spec.has(LayerKind.STATE):
@@ -352,3 +367,6 @@ class ModelRunner:
         self.state.write(rows, seq_lens + accepted + 1, bonus)
         self.out.tokens[:width] = target
         self.out.counts[:width] = accepted + 1
+        if self.logprobs:
+            lp = token_logprobs(logits, target.reshape(-1))
+            self.out.logprobs[:width] = lp.reshape(width, vw)

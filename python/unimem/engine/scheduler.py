@@ -195,11 +195,13 @@ class Scheduler:
             self.pool.free_states(snaps)
         r.inflight.clear()
 
-    def complete(self, batch: Batch, new_tokens: list[int]) -> None:
+    def complete(
+        self, batch: Batch, new_tokens: list[int], logprobs: list[float] | None = None
+    ) -> None:
         """Account a finished extend or decode step: advance lengths, append the sampled
-        tokens of the requests with ``batch.samples[i]``, then cache / retire SWA pages /
-        release finished requests. Results of requests that finished or restarted since the
-        launch are dropped."""
+        tokens (and their ``logprobs``, if given) of the requests with ``batch.samples[i]``,
+        then cache / retire SWA pages / release finished requests. Results of requests that
+        finished or restarted since the launch are dropped."""
         live = []
         for i, (req, n, tok) in enumerate(zip(batch.reqs, batch.lens, new_tokens, strict=True)):
             if not self._current(req, batch.epochs[i]):
@@ -208,15 +210,21 @@ class Scheduler:
             req.kv_len += n
             req.forward_steps += 1
             if batch.samples[i]:
-                req.output.append(tok)
+                req.append_output([tok], None if logprobs is None else [logprobs[i]])
             live.append((req, step.snapshot))
         self._end_step(live)
 
-    def complete_verify(self, batch: Batch, committed: list[list[int]]) -> None:
+    def complete_verify(
+        self,
+        batch: Batch,
+        committed: list[list[int]],
+        logprobs: list[list[float]] | None = None,
+    ) -> None:
         """Account a verify step: ``committed[i]`` are the ``accepted + 1`` tokens request
-        ``i`` committed (accepted drafts, then the bonus). Its length advances by that many
-        (the anchor and the accepted drafts are now in memory; the bonus is the next anchor);
-        output beyond ``max_new_tokens`` is dropped. Then as :meth:`complete`."""
+        ``i`` committed (accepted drafts, then the bonus), ``logprobs[i]`` theirs if given.
+        Its length advances by that many (the anchor and the accepted drafts are now in
+        memory; the bonus is the next anchor); output beyond ``max_new_tokens`` or a stop
+        token is dropped. Then as :meth:`complete`."""
         live = []
         for i, (req, toks) in enumerate(zip(batch.reqs, committed, strict=True)):
             if not self._current(req, batch.epochs[i]):
@@ -226,7 +234,7 @@ class Scheduler:
             req.forward_steps += 1
             req.verify_steps += 1
             req.verified_tokens += len(toks)
-            req.output.extend(toks[: req.max_new_tokens - len(req.output)])
+            req.append_output(toks, None if logprobs is None else logprobs[i])
             live.append((req, step.snapshot))
         self._end_step(live)
 

@@ -101,49 +101,67 @@ class StepLanes:
 
 @dataclass(frozen=True)
 class StepOutputs:
-    """Device results of the last step: lane ``b`` committed ``tokens[b, :counts[b]]``."""
+    """Device results of the last step: lane ``b`` committed ``tokens[b, :counts[b]]``;
+    ``logprobs[b, j]`` is the log-probability the target gave ``tokens[b, j]`` (written only
+    by a runner built with ``logprobs=True``)."""
 
     tokens: torch.Tensor  # [max_bs, width] int64
     counts: torch.Tensor  # [max_bs] int32
+    logprobs: torch.Tensor  # [max_bs, width] float32
 
     @classmethod
     def allocate(cls, max_bs: int, width: int, device: torch.device) -> StepOutputs:
         return cls(
             torch.zeros(max_bs, width, dtype=torch.int64, device=device),
             torch.zeros(max_bs, dtype=torch.int32, device=device),
+            torch.zeros(max_bs, width, dtype=torch.float32, device=device),
         )
 
 
 @dataclass
 class StagedResult:
     """Host copies of one step's outputs for ``bs`` lanes, valid once ``event`` completed
-    (None: already valid, a CPU run)."""
+    (None: already valid, a CPU run). ``logprobs`` is None unless the ring copies them."""
 
     tokens: torch.Tensor
     counts: torch.Tensor
+    logprobs: torch.Tensor | None
     event: torch.cuda.Event | None
 
-    def read(self) -> tuple[list[list[int]], list[int]]:
-        """``(tokens per lane, counts)`` — waits for the step if it is still running."""
+    def read(self) -> tuple[list[list[int]], list[int], list[list[float]] | None]:
+        """``(tokens per lane, counts, logprobs per lane or None)`` — waits for the step if
+        it is still running."""
         if self.event is not None:
             self.event.synchronize()
-        return self.tokens.tolist(), self.counts.tolist()
+        logprobs = self.logprobs.tolist() if self.logprobs is not None else None
+        return self.tokens.tolist(), self.counts.tolist(), logprobs
 
 
 class ResultRing:
     """``depth`` sets of pinned host buffers that step outputs are copied into without
     blocking; set ``k % depth`` holds step ``k``. With results read one step late, a set is
-    reused two steps after it was filled, when it has been read: ``depth = 2``."""
+    reused two steps after it was filled, when it has been read: ``depth = 2``. With
+    ``logprobs``, the outputs' log-probabilities are copied too."""
 
-    def __init__(self, max_bs: int, width: int, device: torch.device, depth: int = 2) -> None:
+    def __init__(
+        self,
+        max_bs: int,
+        width: int,
+        device: torch.device,
+        depth: int = 2,
+        *,
+        logprobs: bool = False,
+    ) -> None:
         pin = device.type == "cuda"
         self.device = device
+        self.logprobs = logprobs
         # per set: tokens, counts and the event recorded behind the copies into them (reused:
         # a set is refilled only after it was read, i.e. after its last record completed)
         self._sets = [
             (
                 torch.zeros(max_bs, width, dtype=torch.int64, pin_memory=pin),
                 torch.zeros(max_bs, dtype=torch.int32, pin_memory=pin),
+                torch.zeros(max_bs, width, dtype=torch.float32, pin_memory=pin),
                 torch.cuda.Event() if pin else None,
             )
             for _ in range(depth)
@@ -153,11 +171,15 @@ class ResultRing:
     def stage(self, out: StepOutputs, bs: int) -> StagedResult:
         """Copy lanes ``:bs`` of ``out`` to the next host set (stream-ordered after the
         step) and record an event behind the copies."""
-        tokens, counts, event = self._sets[self._next]
+        tokens, counts, logprobs, event = self._sets[self._next]
         self._next = (self._next + 1) % len(self._sets)
         width = out.tokens.shape[1]
         tokens[:bs, :width].copy_(out.tokens[:bs], non_blocking=True)
         counts[:bs].copy_(out.counts[:bs], non_blocking=True)
+        staged_logprobs = None
+        if self.logprobs:
+            logprobs[:bs, :width].copy_(out.logprobs[:bs], non_blocking=True)
+            staged_logprobs = logprobs[:bs, :width]
         if event is not None:
             event.record()
-        return StagedResult(tokens[:bs, :width], counts[:bs], event)
+        return StagedResult(tokens[:bs, :width], counts[:bs], staged_logprobs, event)
