@@ -43,6 +43,14 @@ DTYPES = [pytest.param((F32, F32), id="f32"), pytest.param((BF16, F32), id="bf16
 H, DK, DV, K = 2, 8, 16, 4  # tiny GDN layer: conv_dim = H * (2 DK + DV) = 64
 NUM_SLOTS = 7
 SLOTS = [5, -1, 0, 3]  # lane 1 is padded
+# (value heads H, key heads Hk): ungrouped, and grouped key heads (value head h reads key head
+# h // (H // Hk), as Qwen3-Next with 16 key and 32 value heads)
+HEADS = [
+    pytest.param((H, H), id="h2"),
+    pytest.param((4, 4), id="h4"),
+    pytest.param((4, 2), id="h4k2"),
+    pytest.param((4, 1), id="h4k1"),
+]
 
 
 def tol(dtype: torch.dtype) -> dict[str, float]:
@@ -168,10 +176,12 @@ def rand(gen, shape, dtype, device, scale=1.0):
     return (scale * torch.randn(shape, generator=gen)).to(dtype).to(device)
 
 
-def rule_inputs(gen, lead, dtype, sdt, device, h=H, dk=DK, dv=DV):
-    """q, k (unit norm, as the mixer passes them), v in ``dtype``; g (<= 0), beta in ``sdt``."""
-    q = rand(gen, (*lead, h, dk), dtype, device)
-    k = gr.l2norm(torch.randn(*lead, h, dk, generator=gen)).to(dtype).to(device)
+def rule_inputs(gen, lead, dtype, sdt, device, h=H, dk=DK, dv=DV, hk=None):
+    """q, k (``hk`` heads, default ``h``; k unit norm, as the mixer passes it), v in ``dtype``;
+    g (<= 0), beta in ``sdt``."""
+    hk = h if hk is None else hk
+    q = rand(gen, (*lead, hk, dk), dtype, device)
+    k = gr.l2norm(torch.randn(*lead, hk, dk, generator=gen)).to(dtype).to(device)
     v = rand(gen, (*lead, h, dv), dtype, device)
     g = (-torch.rand(*lead, h, generator=gen)).to(sdt).to(device)
     beta = torch.rand(*lead, h, generator=gen).to(sdt).to(device)
@@ -280,13 +290,15 @@ def test_conv_extend(device, dtypes, block_t):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES)
-def test_rule_decode(device, dtypes):
+@pytest.mark.parametrize("heads", HEADS)
+def test_rule_decode(device, dtypes, heads):
     dtype, sdt = dtypes
-    gen = torch.Generator().manual_seed(11)
-    arena = make_arena(gen, dtype, sdt, device)
+    h, hk = heads
+    gen = torch.Generator().manual_seed(11 + 10 * h + hk)
+    arena = make_arena(gen, dtype, sdt, device, ssm_shape=(h, DK, DV))
     ref = arena.clone()
     bs = len(SLOTS)
-    q, k, v, g, beta = rule_inputs(gen, (bs,), dtype, sdt, device)
+    q, k, v, g, beta = rule_inputs(gen, (bs,), dtype, sdt, device, h=h, hk=hk)
     slots = torch.tensor(SLOTS, dtype=torch.int32, device=device)
     out = nan_like(v.shape, dtype, device)
     o = gdn.gated_delta_rule_decode_triton(q, k, v, g, beta, arena.ssm, slots, out=out)
@@ -302,19 +314,21 @@ def test_rule_decode(device, dtypes):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("t_len", [1, 4])
-def test_rule_verify(device, dtypes, t_len):
+@pytest.mark.parametrize("heads", HEADS)
+def test_rule_verify(device, dtypes, t_len, heads):
     dtype, sdt = dtypes
-    gen = torch.Generator().manual_seed(12 + t_len)
-    arena = make_arena(gen, dtype, sdt, device)
+    h, hk = heads
+    gen = torch.Generator().manual_seed(12 + t_len + 10 * h + hk)
+    arena = make_arena(gen, dtype, sdt, device, ssm_shape=(h, DK, DV))
     before = arena.buf.clone()
     bs = len(SLOTS)
-    q, k, v, g, beta = rule_inputs(gen, (bs, t_len), dtype, sdt, device)
+    q, k, v, g, beta = rule_inputs(gen, (bs, t_len), dtype, sdt, device, h=h, hk=hk)
     slots = torch.tensor(SLOTS, dtype=torch.int64, device=device)
-    scratch = nan_like((bs, t_len, H, DK, DV), sdt, device)
+    scratch = nan_like((bs, t_len, h, DK, DV), sdt, device)
     o = gdn.gated_delta_rule_verify_triton(q, k, v, g, beta, arena.ssm, slots, scratch)
     assert torch.equal(arena.buf, before), "verify must not touch the arena"
     lv = torch.tensor(live_lanes(SLOTS), device=device)
-    ref_scratch = nan_like((lv.numel(), t_len, H, DK, DV), sdt, device)
+    ref_scratch = nan_like((lv.numel(), t_len, h, DK, DV), sdt, device)
     o_ref = gr.gated_delta_rule_verify(
         q[lv], k[lv], v[lv], g[lv], beta[lv], arena.ssm, slots[lv], ref_scratch
     )
@@ -326,19 +340,22 @@ def test_rule_verify(device, dtypes, t_len):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES)
-def test_rule_extend(device, dtypes):
+@pytest.mark.parametrize("heads", HEADS)
+def test_rule_extend(device, dtypes, heads):
     """Ragged: zero tokens without an initial state (slot zeroed), one token, padded, 20 tokens
-    (longer than the reference's chunk of 8), zero tokens with a state (kept)."""
+    without an initial state (longer than the reference's chunk of 8), 5 tokens from a state,
+    zero tokens with a state (kept)."""
     dtype, sdt = dtypes
-    gen = torch.Generator().manual_seed(21)
-    slots_l = [4, 2, -1, 6, 1]
-    lens = [0, 1, 3, 20, 0]
-    init_l = [False, True, True, False, True]
-    arena = make_arena(gen, dtype, sdt, device, slots=slots_l)
+    h, hk = heads
+    gen = torch.Generator().manual_seed(21 + 10 * h + hk)
+    slots_l = [4, 2, -1, 6, 3, 1]
+    lens = [0, 1, 3, 20, 5, 0]
+    init_l = [False, True, True, False, True, True]
+    arena = make_arena(gen, dtype, sdt, device, slots=slots_l, ssm_shape=(h, DK, DV))
     arena.ssm[6] = float("nan")  # no initial state: never read
     ref = arena.clone()
     bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    q, k, v, g, beta = rule_inputs(gen, (bounds[-1],), dtype, sdt, device)
+    q, k, v, g, beta = rule_inputs(gen, (bounds[-1],), dtype, sdt, device, h=h, hk=hk)
     slots = torch.tensor(slots_l, dtype=torch.int64, device=device)
     init = torch.tensor(init_l, device=device)
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
@@ -364,9 +381,10 @@ def test_rule_extend(device, dtypes):
 
 
 def mixer_case(gen, mode, dtype, sdt, device, slots_l, *, t_len=4, lens=None, h=H, dk=DK,
-               dv=DV):  # fmt: skip
-    """``(row bounds, mixed_qkv, conv_weight, g, beta)`` of one ``gdn_forward`` call."""
-    conv_dim = h * (2 * dk + dv)
+               dv=DV, hk=None):  # fmt: skip
+    """``(row bounds, mixed_qkv, conv_weight, g, beta)`` of one ``gdn_forward`` call (``hk``
+    key heads, default ``h``)."""
+    conv_dim = gr.mixed_qkv_dim(h, dk, dv, hk)
     bs = len(slots_l)
     if mode == "extend":
         bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
@@ -383,7 +401,7 @@ def mixer_case(gen, mode, dtype, sdt, device, slots_l, *, t_len=4, lens=None, h=
 
 
 def run_mixer(mode, arena, ref, bounds, x, w, g, beta, slots_l, init_l, device, t_len,
-              chunk_size=8):  # fmt: skip
+              chunk_size=8, num_k_heads=None):  # fmt: skip
     """``gdn_forward_triton`` on all lanes of ``arena``, the reference on the live lanes of
     ``ref``; returns ``(out, ref_out, rows of live lanes, rows of padded lanes, scratches)``."""
     bs = len(slots_l)
@@ -391,22 +409,22 @@ def run_mixer(mode, arena, ref, bounds, x, w, g, beta, slots_l, init_l, device, 
     live = live_lanes(slots_l)
     lv = torch.tensor(live, device=device)
     rows = torch.tensor(ragged_rows(bounds, live), dtype=torch.long, device=device)
-    kw, kw_ref, scratch = {}, {}, {}
+    kw, kw_ref, scratch = {"num_k_heads": num_k_heads}, {"num_k_heads": num_k_heads}, {}
     if mode == "extend":
         init = torch.tensor(init_l, device=device)
-        kw = {"has_initial_state": init}
-        kw_ref = {"has_initial_state": init[lv], "chunk_size": chunk_size}
+        kw["has_initial_state"] = init
+        kw_ref.update(has_initial_state=init[lv], chunk_size=chunk_size)
     if mode == "verify":
         conv_shape, ssm_shape = arena.conv_shape, arena.ssm_shape
         scratch = {
             "conv_scratch": nan_like((bs, t_len, *conv_shape), arena.conv_dtype, device),
             "ssm_scratch": nan_like((bs, t_len, *ssm_shape), arena.ssm_dtype, device),
         }
-        kw = dict(scratch)
-        kw_ref = {
-            "conv_scratch": nan_like((len(live), t_len, *conv_shape), arena.conv_dtype, device),
-            "ssm_scratch": nan_like((len(live), t_len, *ssm_shape), arena.ssm_dtype, device),
-        }
+        kw.update(scratch)
+        kw_ref.update(
+            conv_scratch=nan_like((len(live), t_len, *conv_shape), arena.conv_dtype, device),
+            ssm_scratch=nan_like((len(live), t_len, *ssm_shape), arena.ssm_dtype, device),
+        )
     o = gdn.gdn_forward_triton(mode, x, w, g, beta, arena.conv, arena.ssm, slots, bounds, **kw)
     o_ref = gr.gdn_forward(
         mode, x[rows], w, g[rows], beta[rows], ref.conv, ref.ssm, slots[lv],
@@ -419,25 +437,34 @@ def run_mixer(mode, arena, ref, bounds, x, w, g, beta, slots_l, init_l, device, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["decode", "verify", "extend"])
 @pytest.mark.parametrize("dtypes", [*DTYPES, pytest.param((F64, F64), id="f64")])
-def test_gdn_forward(device, mode, dtypes):
+@pytest.mark.parametrize("heads", HEADS)
+def test_gdn_forward(device, mode, dtypes, heads):
     """conv -> SiLU -> split -> L2 norm -> delta rule, two launches, against the reference
-    (float64: the ``tiny`` preset's dtype, float64 arithmetic in both kernels)."""
+    (float64: the ``tiny`` preset's dtype, float64 arithmetic in both kernels). Grouped key
+    heads: ``mixed_qkv`` is ``[q: Hk*Dk | k: Hk*Dk | v: H*Dv]``. Extend: no tokens and no
+    initial state, 1 and 2 tokens from a state, padded, 13 tokens without an initial state."""
     dtype, sdt = dtypes
-    gen = torch.Generator().manual_seed(31 + len(mode))
-    slots_l = [5, -1, 0, 3] if mode != "extend" else [4, 2, -1, 6]
-    lens, init_l = [0, 1, 2, 13], [False, True, True, True]
-    arena = make_arena(gen, dtype, sdt, device, slots=slots_l)
+    h, hk = heads
+    gen = torch.Generator().manual_seed(31 + len(mode) + 10 * h + hk)
+    slots_l = [5, -1, 0, 3] if mode != "extend" else [4, 2, 1, -1, 6]
+    lens, init_l = [0, 1, 2, 3, 13], [False, True, True, True, False]
+    conv_dim = gr.mixed_qkv_dim(h, DK, DV, hk)
+    arena = make_arena(gen, dtype, sdt, device, slots=slots_l, conv_dim=conv_dim,
+                       ssm_shape=(h, DK, DV))  # fmt: skip
     if mode == "extend":
-        arena.conv[4] = float("nan")
-        arena.ssm[4] = float("nan")
+        for s in (4, 6):  # no initial state: never read
+            arena.conv[s] = float("nan")
+            arena.ssm[s] = float("nan")
     ref = arena.clone()
     before = arena.buf.clone()
     t_len = 4
-    bounds, x, w, g, beta = mixer_case(gen, mode, dtype, sdt, device, slots_l, lens=lens)
+    bounds, x, w, g, beta = mixer_case(gen, mode, dtype, sdt, device, slots_l, lens=lens, h=h,
+                                       hk=hk)  # fmt: skip
     o, o_ref, rows, pad_rows, (scratch, kw_ref, lv) = run_mixer(
-        mode, arena, ref, bounds, x, w, g, beta, slots_l, init_l, device, t_len
-    )
-    assert o.dtype == dtype and o.shape == (x.shape[0], H, DV)
+        mode, arena, ref, bounds, x, w, g, beta, slots_l, init_l, device, t_len,
+        num_k_heads=None if hk == h else hk,
+    )  # fmt: skip
+    assert o.dtype == dtype and o.shape == (x.shape[0], h, DV)
     close(o[rows], o_ref, **tol(dtype))
     assert bool((o[pad_rows] == 0).all()) and bool(o.isfinite().all())
     if mode == "verify":
@@ -492,6 +519,30 @@ def test_rejects_bad_inputs():
         gb3 = torch.zeros(2, 3, H)
         bad = torch.zeros(2, 2, H, DK, DV)
         gdn.gated_delta_rule_verify_triton(q, q, v, gb3, gb3, arena.ssm, slots, bad)
+
+
+def test_rejects_key_heads_not_dividing_value_heads():
+    """``Hk`` must divide ``H``, and ``mixed_qkv`` must have ``2 Hk Dk + H Dv`` channels."""
+    h, dk, dv = 4, DK, DV
+    arena = SlotArena(F32, F32, "cpu", conv_dim=gr.mixed_qkv_dim(h, dk, dv, 3),
+                      ssm_shape=(h, dk, dv))  # fmt: skip
+    slots = torch.tensor([0, 1])
+    x = torch.zeros(2, arena.conv_shape[0])
+    w = torch.zeros(arena.conv_shape[0], K)
+    gb = torch.zeros(2, h)
+    args = (x, w, gb, gb, arena.conv, arena.ssm, slots)
+    with pytest.raises(ValueError, match="num_k_heads 3 must divide .* 4"):
+        gdn.gdn_forward_triton("decode", *args, num_k_heads=3)
+    with pytest.raises(ValueError, match="num_k_heads 3 must divide .* 4"):
+        gdn.gdn_forward("decode", *args, num_k_heads=3)  # CPU: the reference
+    with pytest.raises(ValueError, match=f"conv_dim {x.shape[1]} != .* = {2 * 2 * dk + h * dv}"):
+        gdn.gdn_forward_triton("decode", *args, num_k_heads=2)
+    with pytest.raises(ValueError, match="num_k_heads 3 must divide .* 4"):
+        q = torch.zeros(2, 3, dk)
+        gdn.gated_delta_rule_decode_triton(q, q, torch.zeros(2, h, dv), gb, gb, arena.ssm, slots)
+    with pytest.raises(ValueError, match="k must be"):
+        q, k = torch.zeros(2, 2, dk), torch.zeros(2, 1, dk)
+        gdn.gated_delta_rule_decode_triton(q, k, torch.zeros(2, h, dv), gb, gb, arena.ssm, slots)
 
 
 # ---------------------------------------------------------------------------------------------

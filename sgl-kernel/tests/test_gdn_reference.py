@@ -1,5 +1,6 @@
 """GDN mixer core (``unimem_kernel.gdn_reference``): conv and delta-rule forms agree with each
-other and with literal definitions; verify touches no slot; strided slot views work."""
+other and with literal definitions; verify touches no slot; strided slot views work; grouped key
+heads (``Hk < H``) equal the ungrouped layer on explicitly ``repeat_interleave``'d q, k."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _rule_inputs(gen: torch.Generator, b: int, length: int, h: int, dk: int, dv: int):
-    q = torch.randn(b, length, h, dk, generator=gen, dtype=F64)
-    k = gr.l2norm(torch.randn(b, length, h, dk, generator=gen, dtype=F64))
+def _rule_inputs(
+    gen: torch.Generator, b: int, length: int, h: int, dk: int, dv: int, hk: int | None = None
+):
+    """q, k with ``hk`` heads (default ``h``), v, g, beta with ``h``."""
+    hk = h if hk is None else hk
+    q = torch.randn(b, length, hk, dk, generator=gen, dtype=F64)
+    k = gr.l2norm(torch.randn(b, length, hk, dk, generator=gen, dtype=F64))
     v = torch.randn(b, length, h, dv, generator=gen, dtype=F64)
     g = -2.0 * torch.rand(b, length, h, generator=gen, dtype=F64)
     beta = torch.rand(b, length, h, generator=gen, dtype=F64)
@@ -36,21 +41,26 @@ def _strided_slots(n: int, shape: tuple[int, ...], dtype: torch.dtype, fill: flo
     return buf, view
 
 
-def test_recurrent_matches_literal_definition():
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (4, 1)])
+def test_recurrent_matches_literal_definition(heads: tuple[int, int]):
+    """Per value head ``h``, with key head ``h // (H // Hk)`` (HuggingFace's Qwen3-Next)."""
+    nh, nk = heads
     gen = _gen(0)
-    q, k, v, g, beta = _rule_inputs(gen, 1, 9, 2, 5, 3)
-    s0 = torch.randn(1, 2, 5, 3, generator=gen, dtype=F64)
+    q, k, v, g, beta = _rule_inputs(gen, 1, 9, nh, 5, 3, hk=nk)
+    s0 = torch.randn(1, nh, 5, 3, generator=gen, dtype=F64)
+    s0_before = s0.clone()
     o, final = gr.gated_delta_rule_recurrent(q, k, v, g, beta, s0)
     scale = 5**-0.5
-    for h in range(2):
+    for h in range(nh):
         s = s0[0, h].clone()
+        j = h // (nh // nk)
         for t in range(9):
-            kt, vt, qt = k[0, t, h], v[0, t, h], q[0, t, h]
+            kt, vt, qt = k[0, t, j], v[0, t, h], q[0, t, j]
             sd = torch.exp(g[0, t, h]) * s
             s = sd + beta[0, t, h] * torch.outer(kt, vt - sd.T @ kt)
             torch.testing.assert_close(o[0, t, h], s.T @ (scale * qt), rtol=0, atol=1e-12)
         torch.testing.assert_close(final[0, h], s, rtol=0, atol=1e-12)
-    assert torch.equal(s0, s0.clone())  # the initial state is not modified
+    assert torch.equal(s0, s0_before)  # the initial state is not modified
 
 
 @pytest.mark.parametrize("length", [1, 7, 64, 150])
@@ -232,3 +242,128 @@ def test_gdn_forward_modes_agree():
         assert torch.equal(conv[slots[i]], conv_b[slots[i]])
     with pytest.raises(ValueError, match="mode"):
         gr.gdn_forward("prefill", mixed, w, g, beta, conv, ssm, slots)
+
+
+# ---------------------------------------------------------------------- grouped key heads
+
+
+def _same(*pairs: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Equal up to float64 rounding (reductions over differently strided views may round
+    differently; a wrong head mapping is off by O(1))."""
+    return all(a.shape == b.shape and (a - b).abs().max() < 1e-12 for a, b in pairs)
+
+
+def _expand(x: torch.Tensor, h: int) -> torch.Tensor:
+    """``[..., Hk, D]`` -> ``[..., H, D]``: key head ``j`` repeated for value heads
+    ``j * r .. (j + 1) * r - 1`` (``r = H // Hk``), as HuggingFace's Qwen3-Next."""
+    return x.repeat_interleave(h // x.shape[-2], dim=-2)
+
+
+def _expand_channels(x: torch.Tensor, dim: int, h: int, hk: int, dk: int) -> torch.Tensor:
+    """Channels ``[q: Hk*Dk | k: Hk*Dk | v]`` along ``dim`` -> ``[q: H*Dk | k: H*Dk | v]``."""
+    x = x.movedim(dim, -1)
+    kd = hk * dk
+    q, k, v = x[..., :kd], x[..., kd : 2 * kd], x[..., 2 * kd :]
+    q, k = (_expand(t.unflatten(-1, (hk, dk)), h).flatten(-2) for t in (q, k))
+    return torch.cat([q, k, v], dim=-1).movedim(-1, dim)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1), (6, 3)])
+def test_grouped_rule_equals_ungrouped_on_expanded_qk(heads: tuple[int, int]):
+    h, hk = heads
+    gen = _gen(7 + h + hk)
+    q, k, v, g, beta = _rule_inputs(gen, 2, 19, h, 4, 3, hk=hk)
+    s0 = torch.randn(2, h, 4, 3, generator=gen, dtype=F64)
+    qe, ke = _expand(q, h), _expand(k, h)
+    states, states_e = (
+        torch.empty(2, 19, h, 4, 3, dtype=F64),
+        torch.empty(2, 19, h, 4, 3, dtype=F64),
+    )
+    o, s = gr.gated_delta_rule_recurrent(q, k, v, g, beta, s0, states_out=states)
+    o_e, s_e = gr.gated_delta_rule_recurrent(qe, ke, v, g, beta, s0, states_out=states_e)
+    assert _same((o, o_e), (s, s_e), (states, states_e))
+    o_c, s_c = gr.gated_delta_rule_chunked(q, k, v, g, beta, s0, chunk_size=8)
+    o_ce, s_ce = gr.gated_delta_rule_chunked(qe, ke, v, g, beta, s0, chunk_size=8)
+    assert _same((o_c, o_ce), (s_c, s_ce))
+    assert (o_c - o).abs().max() < 1e-10 and (s_c - s).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1)])
+def test_grouped_gdn_forward_equals_ungrouped_on_expanded_channels(heads: tuple[int, int]):
+    """extend (ragged, with and without initial state) -> verify (scratch) -> decode with ``Hk``
+    key heads equals the ungrouped layer (``num_k_heads`` unset) whose q/k channels of
+    ``mixed_qkv``, conv weight and conv state are ``repeat_interleave``'d to ``H`` heads."""
+    h, hk = heads
+    dk, dv, kernel, tv = 3, 2, 4, 3
+    gen = _gen(8 + hk)
+    dim, dim_e = gr.mixed_qkv_dim(h, dk, dv, hk), gr.mixed_qkv_dim(h, dk, dv)
+    assert dim == 2 * hk * dk + h * dv
+
+    def ex(x: torch.Tensor, d: int) -> torch.Tensor:
+        return _expand_channels(x, d, h, hk, dk)
+
+    w = torch.randn(dim, kernel, generator=gen, dtype=F64) / 2
+    conv = torch.randn(5, dim, kernel - 1, generator=gen, dtype=F64)
+    ssm = torch.randn(5, h, dk, dv, generator=gen, dtype=F64) / 2
+    conv_e, ssm_e = ex(conv, 1), ssm.clone()
+    slots = torch.tensor([3, 0, 4])
+
+    def rows(n: int):
+        x = torch.randn(n, dim, generator=gen, dtype=F64)
+        return (
+            x,
+            -torch.rand(n, h, generator=gen, dtype=F64),
+            torch.rand(n, h, generator=gen, dtype=F64),
+        )
+
+    # extend: 5 tokens from a state, none, 9 tokens without an initial state (> chunk of 4)
+    cu = torch.tensor([0, 5, 5, 14])
+    init = torch.tensor([True, True, False])
+    x, g, beta = rows(14)
+    o = gr.gdn_forward("extend", x, w, g, beta, conv, ssm, slots, cu, has_initial_state=init,
+                       chunk_size=4, num_k_heads=hk)  # fmt: skip
+    o_e = gr.gdn_forward("extend", ex(x, 1), ex(w, 0), g, beta, conv_e, ssm_e, slots, cu,
+                         has_initial_state=init, chunk_size=4)  # fmt: skip
+    assert _same((o, o_e), (ssm, ssm_e)) and torch.equal(ex(conv, 1), conv_e)
+    # verify tv tokens per request into scratch (slots untouched)
+    x, g, beta = rows(3 * tv)
+    cs, ss = (
+        torch.empty(3, tv, dim, kernel - 1, dtype=F64),
+        torch.empty(3, tv, h, dk, dv, dtype=F64),
+    )
+    cs_e, ss_e = torch.empty(3, tv, dim_e, kernel - 1, dtype=F64), torch.empty_like(ss)
+    o = gr.gdn_forward("verify", x, w, g, beta, conv, ssm, slots, conv_scratch=cs,
+                       ssm_scratch=ss, num_k_heads=hk)  # fmt: skip
+    o_e = gr.gdn_forward("verify", ex(x, 1), ex(w, 0), g, beta, conv_e, ssm_e, slots,
+                         conv_scratch=cs_e, ssm_scratch=ss_e)  # fmt: skip
+    assert _same((o, o_e), (ss, ss_e)) and torch.equal(ex(cs, 2), cs_e)
+    assert _same((ssm, ssm_e)) and torch.equal(ex(conv, 1), conv_e)  # not touched
+    # decode
+    x, g, beta = rows(3)
+    o = gr.gdn_forward("decode", x, w, g, beta, conv, ssm, slots, num_k_heads=hk)
+    o_e = gr.gdn_forward("decode", ex(x, 1), ex(w, 0), g, beta, conv_e, ssm_e, slots)
+    assert _same((o, o_e), (ssm, ssm_e)) and torch.equal(ex(conv, 1), conv_e)
+    assert o.shape == (3, h, dv)
+
+
+def test_grouped_heads_are_validated():
+    h, dk, dv = 4, 3, 2
+    conv = torch.zeros(2, gr.mixed_qkv_dim(h, dk, dv, 3), 3, dtype=F64)
+    ssm = torch.zeros(2, h, dk, dv, dtype=F64)
+    x = torch.zeros(2, conv.shape[1], dtype=F64)
+    w = torch.zeros(conv.shape[1], 4, dtype=F64)
+    gb = torch.zeros(2, h, dtype=F64)
+    slots = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="num_k_heads 3 must divide the number of value heads 4"):
+        gr.gdn_forward("decode", x, w, gb, gb, conv, ssm, slots, num_k_heads=3)
+    with pytest.raises(ValueError, match=r"conv_dim 26 != 2 \* Hk \* Dk \+ H \* Dv = .* = 20"):
+        gr.gdn_forward("decode", x, w, gb, gb, conv, ssm, slots, num_k_heads=2)
+    with pytest.raises(ValueError, match="conv_dim 26 != .* = 32"):
+        gr.gdn_forward("decode", x, w, gb, gb, conv, ssm, slots)  # Hk defaults to H
+    q = torch.zeros(1, 1, 3, dk, dtype=F64)
+    v = torch.zeros(1, 1, h, dv, dtype=F64)
+    g1 = torch.zeros(1, 1, h, dtype=F64)
+    with pytest.raises(ValueError, match="num_k_heads 3 must divide the number of value heads 4"):
+        gr.gated_delta_rule_recurrent(q, q, v, g1, g1, ssm[:1])
+    with pytest.raises(ValueError, match="num_k_heads 3 must divide"):
+        gr.gated_delta_rule_chunked(q, q, v, g1, g1, ssm[:1])

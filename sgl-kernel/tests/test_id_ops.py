@@ -80,18 +80,23 @@ def make_space(
     bound_phys: torch.Tensor,
     device: str,
     band_lo: int = 1,
+    bind_virt0: bool = False,
 ) -> Space:
     """A random valid space over the band ``[band_lo, num_phys)`` of physical units.
 
     Units below ``band_lo`` (unit 0, the sink, by default) are neither bound nor free. The
-    units ``bound_phys`` are bound to random distinct virtual ids (a random permutation); the
-    band's other units are on the free stack, shuffled, and the unbound virtual ids on the
-    virtual stack, shuffled. Stack entries past the tops hold ``JUNK``.
+    units ``bound_phys`` are bound to random distinct virtual ids (a random permutation; with
+    ``bind_virt0``, virtual id 0 is one of them); the band's other units are on the free stack,
+    shuffled, and the unbound virtual ids on the virtual stack, shuffled. Stack entries past the
+    tops hold ``JUNK``.
     """
     bound_phys = bound_phys.long()
     assert bool(((bound_phys >= band_lo) & (bound_phys < num_phys)).all())
     nb = bound_phys.numel()
     perm_v = torch.randperm(num_virt, generator=gen)
+    if bind_virt0:
+        assert nb >= 1
+        perm_v = torch.cat([perm_v[perm_v == 0], perm_v[perm_v != 0]])
     vids = perm_v[:nb]
     v2p = torch.full((num_virt,), -1, dtype=torch.int32)
     p2v = torch.full((num_phys,), -1, dtype=torch.int32)
@@ -370,7 +375,14 @@ def test_bind_unbind_largest_ids(device):
 def test_translate(device, page_size, shape):
     gen = torch.Generator().manual_seed(5000 + page_size + len(shape))
     num_virt, num_phys = 24, 20
-    space = random_space(gen, num_virt, num_phys, device)
+    # virtual page 0 bound by construction: token -1 must give the sink, not a slot of page 0
+    # (``//`` truncating toward zero maps -1 to page 0 unless negatives are guarded)
+    band = torch.arange(1, num_phys)
+    nb = int(torch.randint(1, min(num_virt, band.numel()) + 1, (), generator=gen))
+    bound = band[torch.randperm(band.numel(), generator=gen)[:nb]]
+    space = make_space(gen, num_virt, num_phys, bound, device, bind_virt0=True)
+    page0 = int(space.v2p[0])
+    assert page0 >= 1
     lo, hi = -2 * page_size, (num_virt + 3) * page_size  # negatives and pages past the end
     vtok = torch.randint(lo, hi, shape, generator=gen, dtype=torch.int32)
     flat = vtok.view(-1)
@@ -383,9 +395,14 @@ def test_translate(device, page_size, shape):
         fn(vtok, space.v2p, page_size, out)
         outs.append(out)
     assert_same(outs[0], outs[1])
-    if flat.numel() >= len(specials):  # negative, past-the-end and unbound give the sink
-        assert outs[1].view(-1)[:3].tolist() == [0, 0, 0]
-        assert int(outs[1].view(-1)[4]) == 0
+    for out in outs:
+        got = out.view(-1).tolist()
+        if got:
+            assert got[0] == 0, "token -1 must give the sink"
+        if len(got) >= len(specials):  # negative, past-the-end and unbound give the sink
+            assert got[:3] == [0, 0, 0]
+            assert got[4] == 0
+            assert got[5] == page0 * page_size  # token 0: the first slot of page 0
 
 
 # ---------------------------------------------------------------------------------------------

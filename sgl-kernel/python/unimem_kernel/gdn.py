@@ -13,7 +13,11 @@ with conv state ``[conv_dim, K-1]`` and recurrent state ``S [H, Dk, Dv]``:
   ``scale = Dk ** -0.5``;
 * the mixer (:func:`gdn_forward`): conv -> SiLU -> split ``[q | k | v]`` -> L2-normalise q, k
   (``x / sqrt(sum(x^2) + 1e-6)``) -> delta rule. SiLU and the L2 norm run inside the delta
-  rule kernel, which reads q, k, v straight from the conv output (no intermediate copies).
+  rule kernel, which reads q, k, v straight from the conv output (no intermediate copies);
+* grouped key heads: q and k may have ``Hk`` heads dividing the ``H`` value heads (Qwen3-Next:
+  16 and 32); value head ``h`` uses key head ``h // (H // Hk)`` (HuggingFace's
+  ``repeat_interleave``). The rule kernel indexes the key head directly, so q and k are never
+  expanded on the GPU; ``mixed_qkv`` channels are ``[q: Hk*Dk | k: Hk*Dk | v: H*Dv]``.
 
 State layouts: ``conv_state [num_slots, conv_dim, K-1]`` and ``ssm_state [num_slots, H, Dk,
 Dv]`` are usually ``as_strided`` views into the ``uint8`` arena (slot stride = the slot
@@ -43,7 +47,8 @@ Kernels (one each, every mode through constexpr switches):
   request touches its slot: it reads the initial state and, in extend/decode, writes the final
   ``K-1`` inputs back after a barrier (``BLOCK_T >= K-1`` whenever there are several token
   blocks, so later blocks never need the state). Verify writes the window after every token.
-* ``_rule_kernel``: grid ``(bs, H, cdiv(Dv, BLOCK_V))``; the state tile ``[Dk, BLOCK_V]`` stays
+* ``_rule_kernel``: grid ``(bs, H, cdiv(Dv, BLOCK_V))`` over value heads (q/k read from key head
+  ``h // GROUP``, ``GROUP = H // Hk``); the state tile ``[Dk, BLOCK_V]`` stays
   in registers (float32, or float64 for float64 states) across a token loop that prefetches the
   next token's q/k/v/g/beta. Each program owns its slice of the slot, so the in-place read at
   the start and write at the end never race with another program.
@@ -258,8 +263,8 @@ def _load_token(
 
 @triton.jit(do_not_specialize=["seq_len"])
 def _rule_kernel(
-    q_ptr,  # [.., H, Dk]: token (b, t) at b * q_sb + (start_b + t) * q_st (+ h * q_sh)
-    k_ptr,
+    q_ptr,  # [.., Hk, Dk]: token (b, t) at b * q_sb + (start_b + t) * q_st (+ hk * q_sh)
+    k_ptr,  # [.., Hk, Dk]
     v_ptr,  # [.., H, Dv]
     g_ptr,  # [.., H]
     beta_ptr,  # [.., H]
@@ -313,9 +318,10 @@ def _rule_kernel(
     STORE_STATES: tl.constexpr,
     WRITE_FINAL: tl.constexpr,
     PREP: tl.constexpr,  # SiLU on q, k, v and L2 norm of q, k (the mixer's prologue)
+    GROUP: tl.constexpr,  # H // Hk: value head h reads q, k of key head h // GROUP
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1)  # value head
     slot = tl.load(slots_ptr + b).to(tl.int64)
     live = slot >= 0
     if VARLEN:
@@ -341,8 +347,9 @@ def _rule_kernel(
     state = tl.load(s_ptrs, mask=m_has, other=0.0).to(ACC)
 
     h64 = h.to(tl.int64)
-    q_row = q_ptr + b_off * q_sb + start * q_st + h64 * q_sh
-    k_row = k_ptr + b_off * k_sb + start * k_st + h64 * k_sh
+    hk64 = (h // GROUP).to(tl.int64)  # its key head
+    q_row = q_ptr + b_off * q_sb + start * q_st + hk64 * q_sh
+    k_row = k_ptr + b_off * k_sb + start * k_st + hk64 * k_sh
     v_row = v_ptr + b_off * v_sb + start * v_st + h64 * v_sh
     g_row = g_ptr + b_off * g_sb + start * g_st + h64 * g_sh
     b_row = beta_ptr + b_off * b_sb + start * b_st + h64 * b_sh
@@ -684,6 +691,7 @@ def _launch_rule(
     bk, bv, warps = _rule_config(h, dk, dv, block_v, num_warps, fixed_rows=cu is None)
     q, k, v = qkv
     g, beta = gb
+    group = gdn_reference.check_heads(h, q.shape[-2])
     _rule_kernel[(bs, h, triton.cdiv(dv, bv))](
         q, k, v, g, beta, out, ssm_state, slots,
         slots if cu is None else cu,
@@ -704,18 +712,22 @@ def _launch_rule(
         STORE_STATES=scratch is not None,
         WRITE_FINAL=write_final,
         PREP=prep,
+        GROUP=group,
         num_warps=warps,
     )  # fmt: skip
 
 
 def _check_rule(q, k, v, g, beta, ssm_state: torch.Tensor, lead: tuple[int, ...]) -> None:
-    """``q, k [*lead, H, Dk]``, ``v [*lead, H, Dv]``, ``g, beta [*lead, H]``."""
+    """``q, k [*lead, Hk, Dk]`` (``Hk`` dividing ``H``), ``v [*lead, H, Dv]``,
+    ``g, beta [*lead, H]``."""
     if ssm_state.dim() != 4:
         raise ValueError(f"ssm_state must be [N, H, Dk, Dv], got {tuple(ssm_state.shape)}")
     _, h, dk, dv = ssm_state.shape
+    hk = q.shape[-2] if q.dim() == len(lead) + 2 else h
+    gdn_reference.check_heads(h, hk)
     for name, t, shape in (
-        ("q", q, (*lead, h, dk)),
-        ("k", k, (*lead, h, dk)),
+        ("q", q, (*lead, hk, dk)),
+        ("k", k, (*lead, hk, dk)),
         ("v", v, (*lead, h, dv)),
         ("g", g, (*lead, h)),
         ("beta", beta, (*lead, h)),
@@ -749,7 +761,7 @@ def gated_delta_rule_extend_triton(
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of ``gated_delta_rule_extend`` (recurrent form, one launch): ``q, k [T,
-    H, Dk]``, ``v [T, H, Dv]``, ``g, beta [T, H]`` ragged by ``cu_seqlens``; initial state read
+    Hk, Dk]``, ``v [T, H, Dv]``, ``g, beta [T, H]`` ragged by ``cu_seqlens``; initial state read
     from and final state written to each request's slot, in place. Returns ``o [T, H, Dv]``
     (``v``'s dtype). ``max_seqlen`` is accepted for symmetry with the conv (the rule's grid does
     not depend on it)."""
@@ -788,7 +800,7 @@ def gated_delta_rule_decode_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Triton launcher of ``gated_delta_rule_decode``: one token per lane (``q, k [bs, H,
+    """Triton launcher of ``gated_delta_rule_decode``: one token per lane (``q, k [bs, Hk,
     Dk]``, ``v [bs, H, Dv]``, ``g, beta [bs, H]``); slot states updated in place. Returns ``o
     [bs, H, Dv]``. With ``out`` given: no allocation, no host read."""
     bs = _check_slots(slots, ssm_state.device)
@@ -819,7 +831,7 @@ def gated_delta_rule_verify_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Triton launcher of ``gated_delta_rule_verify``: ``T`` tokens per lane (``q, k [bs, T, H,
+    """Triton launcher of ``gated_delta_rule_verify``: ``T`` tokens per lane (``q, k [bs, T, Hk,
     Dk]``, ``v [bs, T, H, Dv]``, ``g, beta [bs, T, H]``); ``state_scratch [bs, T, H, Dk, Dv]``
     receives the state after every token; slots only read. Returns ``o [bs, T, H, Dv]``."""
     bs = _check_slots(slots, ssm_state.device)
@@ -852,7 +864,7 @@ def gdn_forward_triton(
     conv_scratch: torch.Tensor | None = None,
     ssm_scratch: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
-    chunk_size: int | None = None,
+    num_k_heads: int | None = None,
     out: torch.Tensor | None = None,
     conv_out: torch.Tensor | None = None,
     max_seqlen: int | None = None,
@@ -861,17 +873,22 @@ def gdn_forward_triton(
 ) -> torch.Tensor:
     """Triton launcher of ``gdn_forward``: two launches (conv; SiLU + L2 norm + delta rule).
 
-    Arguments as ``gdn_reference.gdn_forward`` (``chunk_size`` is accepted and ignored: the
-    extend kernel is the recurrent form). ``conv_out [T, conv_dim]`` (``mixed_qkv``'s dtype)
-    holds the conv output between the two kernels and ``out [T, H, Dv]`` receives the result;
-    with both given, decode and verify allocate nothing and read nothing on the host (the
-    CUDA-graph path). Returns ``out``.
+    Arguments as ``gdn_reference.gdn_forward`` (the extend kernel is the recurrent form: no
+    chunk size). ``num_k_heads`` (``Hk``, default ``H``) must divide ``H``; ``mixed_qkv``
+    channels are ``[q: Hk*Dk | k: Hk*Dk | v: H*Dv]`` and q, k are read per key head from the
+    conv output, never expanded. ``conv_out [T, conv_dim]`` (``mixed_qkv``'s dtype) holds the
+    conv output between the two kernels and ``out [T, H, Dv]`` receives the result; with both
+    given, decode and verify allocate nothing and read nothing on the host (the CUDA-graph
+    path). Returns ``out``.
     """
-    del chunk_size
+    if ssm_state.dim() != 4 or mixed_qkv.dim() != 2:
+        raise ValueError(
+            f"need ssm_state [N, H, Dk, Dv] and mixed_qkv [T, conv_dim], got "
+            f"{tuple(ssm_state.shape)} and {tuple(mixed_qkv.shape)}"
+        )
     _, h, dk, dv = ssm_state.shape
     n, conv_dim = mixed_qkv.shape
-    if conv_dim != h * (2 * dk + dv):
-        raise ValueError(f"conv_dim {conv_dim} != H * (2 Dk + Dv) = {h * (2 * dk + dv)}")
+    nk = gdn_reference.check_conv_dim(conv_dim, h, dk, dv, num_k_heads)
     _check_conv(conv_dim, conv_weight, conv_state)
     bs = _check_slots(slots, ssm_state.device)
     _check_device(ssm_state.device, mixed_qkv=mixed_qkv, g=g, beta=beta, out=out)
@@ -920,10 +937,10 @@ def gdn_forward_triton(
         scratch=conv_scratch if mode == "verify" else None, write_final=write_final,
         block_d=None,
     )  # fmt: skip
-    hk = h * dk
-    q = y[:, :hk].unflatten(1, (h, dk))
-    k = y[:, hk : 2 * hk].unflatten(1, (h, dk))
-    v = y[:, 2 * hk :].unflatten(1, (h, dv))
+    kd = nk * dk
+    q = y[:, :kd].unflatten(1, (nk, dk))
+    k = y[:, kd : 2 * kd].unflatten(1, (nk, dk))
+    v = y[:, 2 * kd :].unflatten(1, (h, dv))
 
     def rows(t: torch.Tensor) -> tuple[int, ...]:
         s = tuple(t.stride())
@@ -1020,7 +1037,7 @@ def gdn_forward(
     conv_scratch: torch.Tensor | None = None,
     ssm_scratch: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
-    chunk_size: int | None = None,
+    num_k_heads: int | None = None,
     out: torch.Tensor | None = None,
     conv_out: torch.Tensor | None = None,
     max_seqlen: int | None = None,
@@ -1028,19 +1045,19 @@ def gdn_forward(
     """The GDN mixer core, drop-in for ``gdn_reference.gdn_forward``: Triton on CUDA tensors
     (``gdn_forward_triton``; ``out``/``conv_out`` make decode and verify allocation-free; a
     device ``cu_seqlens`` with ``max_seqlen`` spares extend a host-to-device copy), the
-    reference otherwise (``conv_out`` and ``max_seqlen`` unused there)."""
+    reference otherwise (``conv_out`` and ``max_seqlen`` unused there; its extend runs the
+    chunked form at the default chunk size). ``num_k_heads``: the key heads ``Hk`` (default
+    ``H``), as ``gdn_reference.gdn_forward``."""
     if use_triton(ssm_state):
         return gdn_forward_triton(
             mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
             conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
-            has_initial_state=has_initial_state, out=out, conv_out=conv_out,
-            max_seqlen=max_seqlen,
+            has_initial_state=has_initial_state, num_k_heads=num_k_heads, out=out,
+            conv_out=conv_out, max_seqlen=max_seqlen,
         )  # fmt: skip
-    ref = gdn_reference
-    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-    result = ref.gdn_forward(
+    result = gdn_reference.gdn_forward(
         mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
         conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
-        has_initial_state=has_initial_state, **kwargs,
+        has_initial_state=has_initial_state, num_k_heads=num_k_heads,
     )  # fmt: skip
     return _into(out, result)

@@ -26,8 +26,12 @@ Conventions (Qwen3-Next / fla):
 
   ``S`` is ``[Dk, Dv]``; ``o_t`` and ``v_t`` are ``[Dv]``.
 * The mixer (:func:`gdn_forward`): conv over ``mixed_qkv = [q | k | v]`` (each head-major:
-  ``H * Dk``, ``H * Dk``, ``H * Dv`` channels), SiLU, split, L2-normalise q and k
+  ``Hk * Dk``, ``Hk * Dk``, ``H * Dv`` channels), SiLU, split, L2-normalise q and k
   (``x / sqrt(sum(x^2) + 1e-6)``), delta rule.
+* Grouped key heads (Qwen3-Next: 16 key heads, 32 value heads): q and k have ``Hk`` heads,
+  v, g, beta and the state ``H``, with ``Hk`` dividing ``H``. Value head ``h`` uses key head
+  ``h // (H // Hk)``, i.e. q and k are ``repeat_interleave``'d over the value heads (as
+  HuggingFace's ``Qwen3NextGatedDeltaNet``). ``Hk == H`` is the ungrouped layer.
 
 Arithmetic runs in the SSM state dtype (the conv in float32, or float64 for float64 inputs);
 outputs are cast back to the input dtype. Run time is deterministic: no randomness, and a
@@ -159,6 +163,24 @@ def causal_conv1d_verify(
 # ---------------------------------------------------------------------- delta rule
 
 
+def check_heads(num_heads: int, num_k_heads: int) -> int:
+    """``H // Hk``, the value heads per key head; ValueError unless ``Hk`` divides ``H``."""
+    if num_k_heads <= 0 or num_heads % num_k_heads:
+        raise ValueError(
+            f"num_k_heads {num_k_heads} must divide the number of value heads {num_heads}"
+        )
+    return num_heads // num_k_heads
+
+
+def expand_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``x [..., Hk, D]`` with each key head repeated for its ``H // Hk`` value heads (value
+    head ``h`` gets key head ``h // (H // Hk)``); ``x`` itself when ``Hk == H``."""
+    hk = x.shape[-2]
+    if hk == num_heads:
+        return x
+    return x.repeat_interleave(check_heads(num_heads, hk), dim=-2)
+
+
 def _prep(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -168,8 +190,13 @@ def _prep(
     dtype: torch.dtype,
     scale: float | None,
 ) -> tuple[torch.Tensor, ...]:
+    """Casts to ``dtype``, scales q and expands q, k from ``Hk`` to ``H = v.shape[-2]`` heads."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if k.shape != q.shape:
+        raise ValueError(f"q and k must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}")
+    h = v.shape[-2]
+    q, k = expand_heads(q, h), expand_heads(k, h)
     return (
         q.to(dtype) * scale,
         k.to(dtype),
@@ -191,7 +218,8 @@ def gated_delta_rule_recurrent(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token gated delta rule for ``B`` sequences of equal length ``L``.
 
-    ``q, k [B, L, H, Dk]``, ``v [B, L, H, Dv]``, ``g, beta [B, L, H]``,
+    ``q, k [B, L, Hk, Dk]`` (``Hk`` dividing ``H``: value head ``h`` uses key head
+    ``h // (H // Hk)``), ``v [B, L, H, Dv]``, ``g, beta [B, L, H]``,
     ``initial_state [B, H, Dk, Dv]`` (its dtype is the arithmetic dtype; not modified).
     ``scale`` defaults to ``Dk ** -0.5``. If given, ``states_out [B, L, H, Dk, Dv]`` receives
     the state after every token. Returns ``o [B, L, H, Dv]`` (``v``'s dtype) and the final
@@ -240,7 +268,7 @@ def gated_delta_rule_chunked(
     """
     dtype = initial_state.dtype
     qs, ks, vs, gs, bts = _prep(q, k, v, g, beta, dtype, scale)
-    b, length, h, dk = qs.shape
+    b, length, h, dk = qs.shape  # q, k expanded to H heads
     dv = vs.shape[-1]
     if length == 0:
         return vs.to(v.dtype), initial_state.clone()
@@ -295,7 +323,7 @@ def gated_delta_rule_extend(
     scale: float | None = None,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
-    """Chunked delta rule over a ragged batch: ``q, k [T, H, Dk]``, ``v [T, H, Dv]``,
+    """Chunked delta rule over a ragged batch: ``q, k [T, Hk, Dk]``, ``v [T, H, Dv]``,
     ``g, beta [T, H]``, rows split by ``cu_seqlens [bs+1]``. Request ``i`` starts from
     ``ssm_state[slots[i]]`` (zeros where ``has_initial_state[i]`` is False) and its final
     state is written back there. Returns ``o [T, H, Dv]``.
@@ -337,7 +365,7 @@ def gated_delta_rule_decode(
     slots: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """One token per request (``q, k [bs, H, Dk]``, ``v [bs, H, Dv]``, ``g, beta [bs, H]``);
+    """One token per request (``q, k [bs, Hk, Dk]``, ``v [bs, H, Dv]``, ``g, beta [bs, H]``);
     slot states updated in place. Returns ``o [bs, H, Dv]``."""
     idx = slots.long()
     o, final = gated_delta_rule_recurrent(
@@ -358,7 +386,7 @@ def gated_delta_rule_verify(
     state_scratch: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """``T`` tokens per request (``q, k [bs, T, H, Dk]``, ``v [bs, T, H, Dv]``,
+    """``T`` tokens per request (``q, k [bs, T, Hk, Dk]``, ``v [bs, T, H, Dv]``,
     ``g, beta [bs, T, H]``) from the slot states, which are NOT modified. Entry ``t`` of
     ``state_scratch [bs, T, H, Dk, Dv]`` (caller-owned, SSM state dtype) receives the state
     after token ``t``. Returns ``o [bs, T, H, Dv]``."""
@@ -371,14 +399,44 @@ def gated_delta_rule_verify(
 # ---------------------------------------------------------------------- the mixer core
 
 
+def mixed_qkv_dim(
+    num_heads: int, head_dim_k: int, head_dim_v: int, num_k_heads: int | None = None
+) -> int:
+    """Channels of ``mixed_qkv``: ``2 * Hk * Dk + H * Dv`` (``Hk`` defaults to ``H``)."""
+    hk = num_heads if num_k_heads is None else num_k_heads
+    return 2 * hk * head_dim_k + num_heads * head_dim_v
+
+
+def check_conv_dim(
+    dim: int, num_heads: int, head_dim_k: int, head_dim_v: int, num_k_heads: int | None = None
+) -> int:
+    """``Hk`` (``H`` when None) after checking that it divides ``H`` and that ``dim`` channels
+    are ``[q: Hk*Dk | k: Hk*Dk | v: H*Dv]``; ValueError naming the numbers otherwise."""
+    hk = num_heads if num_k_heads is None else num_k_heads
+    check_heads(num_heads, hk)
+    want = mixed_qkv_dim(num_heads, head_dim_k, head_dim_v, hk)
+    if dim != want:
+        raise ValueError(
+            f"conv_dim {dim} != 2 * Hk * Dk + H * Dv = 2 * {hk} * {head_dim_k} + {num_heads} * "
+            f"{head_dim_v} = {want}"
+        )
+    return hk
+
+
 def split_qkv(
-    y: torch.Tensor, num_heads: int, head_dim_k: int, head_dim_v: int
+    y: torch.Tensor,
+    num_heads: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    num_k_heads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split conv output ``y [..., H*(2Dk+Dv)]`` into ``q, k [..., H, Dk]``, ``v [..., H, Dv]``."""
-    hk = num_heads * head_dim_k
+    """Split conv output ``y [..., 2*Hk*Dk + H*Dv]`` into ``q, k [..., Hk, Dk]`` and
+    ``v [..., H, Dv]`` (``num_k_heads`` = ``Hk``, default ``H``)."""
+    nk = num_heads if num_k_heads is None else num_k_heads
+    hk = nk * head_dim_k
     lead = y.shape[:-1]
-    q = y[..., :hk].reshape(*lead, num_heads, head_dim_k)
-    k = y[..., hk : 2 * hk].reshape(*lead, num_heads, head_dim_k)
+    q = y[..., :hk].reshape(*lead, nk, head_dim_k)
+    k = y[..., hk : 2 * hk].reshape(*lead, nk, head_dim_k)
     v = y[..., 2 * hk :].reshape(*lead, num_heads, head_dim_v)
     return q, k, v
 
@@ -398,13 +456,17 @@ def gdn_forward(
     ssm_scratch: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    num_k_heads: int | None = None,
 ) -> torch.Tensor:
     """The GDN mixer core for one layer and one batch: conv -> SiLU -> split -> L2-norm q, k
     -> gated delta rule. Returns ``o [T, H, Dv]`` in ``mixed_qkv``'s dtype.
 
-    ``mixed_qkv [T, conv_dim]``, ``conv_weight [conv_dim, K]``, ``g, beta [T, H]``; ``H``,
-    ``Dk``, ``Dv`` are read from ``ssm_state [N, H, Dk, Dv]``; ``conv_state [N, conv_dim,
-    K-1]``; ``slots [bs]``. Per ``mode``:
+    ``mixed_qkv [T, conv_dim]`` with channels ``[q: Hk*Dk | k: Hk*Dk | v: H*Dv]``,
+    ``conv_weight [conv_dim, K]``, ``g, beta [T, H]``; ``H``, ``Dk``, ``Dv`` are read from
+    ``ssm_state [N, H, Dk, Dv]``, ``Hk`` is ``num_k_heads`` (default ``H``; it must divide
+    ``H``: value head ``h`` uses key head ``h // (H // Hk)``); ``conv_state [N, conv_dim,
+    K-1]``; ``slots [bs]``. ``chunk_size``: chunk length of the chunked delta rule (extend).
+    Per ``mode``:
 
     * ``"extend"``: rows split by ``cu_seqlens [bs+1]`` (read on the host);
       ``has_initial_state [bs]`` optional (False: start from zeros, ignoring the slot).
@@ -416,6 +478,7 @@ def gdn_forward(
       every token. Slots not touched. ``cu_seqlens`` is not read.
     """
     num_heads, dk, dv = ssm_state.shape[1:]
+    nk = check_conv_dim(mixed_qkv.shape[-1], num_heads, dk, dv, num_k_heads)
     bs = slots.shape[0]
     sdt = ssm_state.dtype
     if mode == "extend":
@@ -444,7 +507,7 @@ def gdn_forward(
     else:
         raise ValueError(f"gdn_forward: mode must be extend, decode or verify, got {mode!r}")
 
-    q, k, v = split_qkv(F.silu(y.to(sdt)), num_heads, dk, dv)
+    q, k, v = split_qkv(F.silu(y.to(sdt)), num_heads, dk, dv, nk)
     q, k = l2norm(q), l2norm(k)
     if mode == "extend":
         o = gated_delta_rule_extend(
@@ -455,8 +518,8 @@ def gdn_forward(
     else:
         tv = ssm_scratch.shape[1]
         o = gated_delta_rule_verify(
-            q.reshape(bs, tv, num_heads, dk),
-            k.reshape(bs, tv, num_heads, dk),
+            q.reshape(bs, tv, nk, dk),
+            k.reshape(bs, tv, nk, dk),
             v.reshape(bs, tv, num_heads, dv),
             g.reshape(bs, tv, num_heads),
             beta.reshape(bs, tv, num_heads),
