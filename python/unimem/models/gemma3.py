@@ -133,9 +133,9 @@ def _rope_specs(text) -> dict[str, RopeSpec]:
                 out[kind] = RopeSpec.from_params(p, f"rope_parameters[{hf_kind!r}]")
         return out
     glob = dict(getattr(text, "rope_scaling", None) or {})
-    glob.setdefault("rope_theta", getattr(text, "rope_theta", 1_000_000.0))
+    glob.setdefault("rope_theta", getattr(text, "rope_theta", None) or 1_000_000.0)
     local = {"rope_type": "default"}
-    local["rope_theta"] = getattr(text, "rope_local_base_freq", 10_000.0)
+    local["rope_theta"] = getattr(text, "rope_local_base_freq", None) or 10_000.0
     return {
         "full": RopeSpec.from_params(glob, "rope_scaling"),
         "swa": RopeSpec.from_params(local, "rope_local_base_freq"),
