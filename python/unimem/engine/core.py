@@ -97,15 +97,10 @@ class EngineCore:
         self._next_rid = 0
         self.steps = 0
 
-    def submit(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        stop_token_ids: Iterable[int] = (),
-    ) -> Request:
-        """Queue a request of ``prompt`` token ids for up to ``max_new_tokens`` output tokens,
-        ending early at any of ``stop_token_ids`` (kept as its last output token).
-        ``ValueError`` naming the problem, before anything is queued."""
+    def check_request(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """``ValueError`` naming the problem if a request of ``prompt`` for
+        ``max_new_tokens`` tokens cannot run here (empty, token outside the vocabulary, past
+        the context with the write window and look-ahead, larger than the memory alone)."""
         c = self.model.config
         if len(prompt) == 0:
             raise ValueError("request rejected: the prompt is empty")
@@ -130,6 +125,18 @@ class EngineCore:
             raise ValueError(
                 f"request rejected: {total} tokens do not fit in the memory even alone"
             )
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+    ) -> Request:
+        """Queue a request of ``prompt`` token ids for up to ``max_new_tokens`` output tokens,
+        ending early at any of ``stop_token_ids`` (kept as its last output token).
+        ``ValueError`` naming the problem (:meth:`check_request`), before anything is
+        queued."""
+        self.check_request(prompt, max_new_tokens)
         stops = frozenset(int(t) for t in stop_token_ids)
         req = Request(
             self._next_rid, [int(t) for t in prompt], max_new_tokens, stop_token_ids=stops

@@ -1,0 +1,308 @@
+"""``unimem.Engine``: the offline API, shaped like ``sglang.Engine``.
+
+::
+
+    engine = unimem.Engine(model_path=PATH, device="cpu", dtype="float32",
+                           enable_unified_memory=True, page_size=16, max_total_tokens=4096)
+    outs = engine.generate(input_ids=[[1, 2, 3], [4, 5]],     # or prompt=["text", ...]
+                           sampling_params={"max_new_tokens": 16, "temperature": 0.0})
+    outs[0]["output_ids"], outs[0]["text"], outs[0]["meta_info"]
+    engine.shutdown()
+
+Construction loads the checkpoint (:func:`unimem.models.loader.load_checkpoint`), sizes the
+memory as SGLang does (:mod:`unimem.engine.pools`), and builds the step loop
+(:class:`~unimem.engine.core.EngineCore`): static pools, or with ``enable_unified_memory`` one
+arena of the same bytes; FA4 and CUDA graphs on a GPU for a 16-bit model; DSPARK chain
+speculation with ``speculative_algorithm="DSPARK"``. Decoding is greedy.
+
+``generate`` validates every request before any runs (``ValueError`` naming the field:
+unknown or invalid sampling parameters, an empty prompt, a prompt past the context), then
+runs them together with continuous batching and returns one dict per request, in order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from unimem.engine.args import EngineArgs
+from unimem.engine.core import EngineCore
+from unimem.engine.draft_runner import draft_config_for
+from unimem.engine.pools import plan_pools, tokens_for_budget
+from unimem.engine.request import Request
+from unimem.models.config import memory_spec
+from unimem.models.loader import load_checkpoint
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.drafter import DsparkDrafter
+
+__all__ = ["Engine", "SamplingParams"]
+
+DEFAULT_MAX_NEW_TOKENS = 128
+"""SGLang's default ``max_new_tokens``."""
+
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+"""Share of the GPU's free memory (after the weights) that KV pages and state take when
+neither ``max_total_tokens`` nor ``mem_fraction_static`` is given."""
+
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "ignore_eos", "stop_token_ids")
+
+
+class SamplingParams:
+    """Validated sampling parameters of one request (greedy decoding: ``temperature`` 0)."""
+
+    def __init__(self, params: Mapping | None) -> None:
+        params = dict(params or {})
+        for key in params:
+            if key not in SAMPLING_KEYS:
+                raise ValueError(
+                    f"sampling_params: unknown key {key!r}; supported: {', '.join(SAMPLING_KEYS)}"
+                )
+        n = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"sampling_params.max_new_tokens must be an int >= 1, got {n!r}")
+        temperature = params.get("temperature", 0.0)
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
+            raise ValueError(f"sampling_params.temperature must be a number, got {temperature!r}")
+        if temperature != 0:
+            raise ValueError(
+                "sampling_params.temperature: only greedy decoding (0) is implemented, "
+                f"got {temperature!r}"
+            )
+        ignore_eos = params.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"sampling_params.ignore_eos must be a bool, got {ignore_eos!r}")
+        stops = params.get("stop_token_ids") or []
+        if not isinstance(stops, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, int) for t in stops
+        ):
+            raise ValueError(
+                f"sampling_params.stop_token_ids must be a list of ints, got {stops!r}"
+            )
+        self.max_new_tokens: int = n
+        self.ignore_eos: bool = ignore_eos
+        self.stop_token_ids: tuple[int, ...] = tuple(stops)
+
+
+class Engine:
+    """Offline generation over one model (module docstring). Keyword arguments are
+    :class:`~unimem.engine.args.EngineArgs` (SGLang's names); an unknown or unsupported one
+    raises ``ValueError`` naming it."""
+
+    def __init__(self, **kwargs) -> None:
+        self.args = args = EngineArgs.from_kwargs(**kwargs)
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda requested but no CUDA device is available")
+        torch.manual_seed(args.random_seed)
+        ckpt = load_checkpoint(
+            args.model_path,
+            dtype=args.dtype,
+            device=device,
+            max_context=args.context_length,
+            tokenizer_path=args.tokenizer_path,
+        )
+        self.checkpoint = ckpt
+        self.model = ckpt.model
+        self.tokenizer = None if args.skip_tokenizer_init else ckpt.tokenizer
+        self.eos_token_ids = ckpt.eos_token_ids
+        config = self.model.config
+        self.context_length = config.max_context
+        sixteen_bit = config.dtype in (torch.bfloat16, torch.float16)
+        backend_name = args.attention_backend or (
+            "fa4" if device.type == "cuda" and sixteen_bit else "torch"
+        )
+        if backend_name == "fa4" and not sixteen_bit:
+            raise ValueError(f"attention_backend fa4 needs a bf16/fp16 model, got {config.dtype}")
+        cuda_graphs = (
+            device.type == "cuda" and backend_name == "fa4" and not args.disable_cuda_graph
+        )
+
+        chain = None
+        lanes = ()
+        if args.speculative_algorithm == "DSPARK":
+            drafter = DsparkDrafter(
+                draft_config_for(config),
+                self.model.embed_weight,
+                self.model.lm_head_weight,
+                seed=args.random_seed + 17,
+            )
+            chain = DsparkChain(drafter, args.gamma)
+            lanes = drafter.config.lanes()
+        spec = memory_spec(config, args.page_size, lanes)
+
+        max_running = args.max_running_requests or (256 if device.type == "cuda" else 16)
+        if args.cuda_graph_max_bs is not None:
+            max_running = min(max_running, args.cuda_graph_max_bs)
+        max_total = args.max_total_tokens
+        if max_total is None:
+            max_total = self._gpu_tokens(spec, max_running, device)
+        plan = plan_pools(spec, max_total, max_running)
+        self.max_total_num_tokens = max_total
+        self.max_running_requests = max_running
+        pool = plan.build(args.enable_unified_memory, config.max_context, device)
+        self.pool = pool
+        chunk = args.chunked_prefill_size or (8192 if device.type == "cuda" else 512)
+        self.core = EngineCore(
+            self.model,
+            pool,
+            _make_backend(backend_name),
+            max_running,
+            chunk,
+            chain=chain,
+            cuda_graphs=cuda_graphs,
+            logprobs=True,
+        )
+        self.backend_name = backend_name
+        self.cuda_graphs = cuda_graphs
+
+    def _gpu_tokens(self, spec, max_running: int, device: torch.device) -> int:
+        from unimem.engine.args import DEFAULT_CPU_MAX_TOTAL_TOKENS
+
+        if device.type != "cuda":
+            return DEFAULT_CPU_MAX_TOTAL_TOKENS
+        frac = self.args.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        free, _ = torch.cuda.mem_get_info(device)
+        return tokens_for_budget(spec, int(free * frac), max_running)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: Mapping | Sequence[Mapping] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        return_logprob: bool = False,
+    ) -> dict | list[dict]:
+        """Generate for one prompt (a string or a list of token ids: returns a dict) or a
+        batch (a list of either: returns a list of dicts, in order). ``sampling_params``: one
+        dict for all, or one per request. Each result has ``text``, ``output_ids`` and
+        ``meta_info`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
+        ``finish_reason`` as ``{"type": "stop", "matched": id}`` or ``{"type": "length",
+        "length": n}``, and with ``return_logprob`` ``output_token_logprobs``: a
+        ``(logprob, token_id, None)`` triple per output token)."""
+        prompts, single = self._prompts(prompt, input_ids)
+        params = self._params(sampling_params, len(prompts))
+        for i, ids in enumerate(prompts):
+            self._check_request(i, ids, params[i])
+        reqs = [self._submit(ids, p) for ids, p in zip(prompts, params, strict=True)]
+        self.core.run()
+        outs = [self._result(r, return_logprob) for r in reqs]
+        return outs[0] if single else outs
+
+    def _prompts(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt needs a tokenizer (the checkpoint has none): pass input_ids"
+                )
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not texts or any(not isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a non-empty list of strings")
+            return [self.tokenizer.encode(t) for t in texts], single
+        if not isinstance(input_ids, (list, tuple)) or not input_ids:
+            raise ValueError("input_ids must be a non-empty list of token ids or of lists of them")
+        single = not isinstance(input_ids[0], (list, tuple))
+        batch = [input_ids] if single else list(input_ids)
+        for i, ids in enumerate(batch):
+            if not isinstance(ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in ids
+            ):
+                raise ValueError(f"input_ids[{i}] must be a list of ints")
+        return [list(ids) for ids in batch], single
+
+    @staticmethod
+    def _params(sampling_params, n: int) -> list[SamplingParams]:
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != n:
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {n} prompts"
+                )
+            return [SamplingParams(p) for p in sampling_params]
+        return [SamplingParams(sampling_params)] * n
+
+    def _check_request(self, i: int, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError(f"request {i}: the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {i}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        total = len(ids) + params.max_new_tokens
+        if total > self.context_length:
+            raise ValueError(
+                f"request {i}: prompt {len(ids)} + max_new_tokens {params.max_new_tokens} "
+                f"tokens exceed the context length {self.context_length}"
+            )
+        self.core.check_request(ids, params.max_new_tokens)
+
+    def _submit(self, ids: list[int], params: SamplingParams) -> Request:
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        return self.core.submit(ids, params.max_new_tokens, stop_token_ids=stops)
+
+    def _result(self, req: Request, return_logprob: bool) -> dict:
+        if req.finish_reason == "stop":
+            finish = {"type": "stop", "matched": req.output[-1]}
+        else:
+            finish = {"type": "length", "length": len(req.output)}
+        meta = {
+            "id": str(req.rid),
+            "prompt_tokens": len(req.prompt),
+            "completion_tokens": len(req.output),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": finish,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [
+                (lp, tok, None) for lp, tok in zip(req.output_logprobs, req.output, strict=True)
+            ]
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output, skip_special_tokens=True)
+        return {"text": text, "output_ids": list(req.output), "meta_info": meta}
+
+    def get_server_info(self) -> dict:
+        """Capacity and memory use: ``max_total_num_tokens``, ``max_running_requests``,
+        ``context_length``, the memory mode, and the pool's used / capacity bytes."""
+        stats = self.pool.stats
+        return {
+            "model_path": self.args.model_path,
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_running_requests": self.max_running_requests,
+            "context_length": self.context_length,
+            "enable_unified_memory": self.args.enable_unified_memory,
+            "attention_backend": self.backend_name,
+            "cuda_graphs": self.cuda_graphs,
+            "used_bytes": self.pool.used_bytes(),
+            "capacity_bytes": stats.capacity_bytes,
+        }
+
+    def shutdown(self) -> None:
+        """Release the model and the memory."""
+        self.core = None
+        self.pool = None
+        self.model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _make_backend(name: str):
+    if name == "fa4":
+        from unimem.attention.fa4_backend import FA4Backend
+
+        return FA4Backend()
+    from unimem.attention.torch_backend import TorchReferenceBackend
+
+    return TorchReferenceBackend()

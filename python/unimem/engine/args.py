@@ -1,0 +1,157 @@
+"""Engine arguments with SGLang's names and meanings (``sglang.srt.server_args.ServerArgs``),
+validated at construction so that an impossible configuration fails before anything loads.
+
+Only the flags unimem implements exist here; a flag SGLang has and unimem does not is refused
+by name (:data:`UNSUPPORTED_SGLANG_ARGS`) rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+__all__ = ["EngineArgs", "UNSUPPORTED_SGLANG_ARGS", "SWA_FULL_TOKENS_RATIO"]
+
+SWA_FULL_TOKENS_RATIO = 0.8
+"""SWA pool tokens per FULL pool token in the static split: SGLang's default
+``--swa-full-tokens-ratio`` (server_args.py)."""
+
+DEFAULT_CPU_MAX_TOTAL_TOKENS = 16384
+"""FULL-pool tokens on the CPU when ``max_total_tokens`` is not given (no memory probe)."""
+
+UNSUPPORTED_SGLANG_ARGS = frozenset(
+    {
+        "tp_size",
+        "dp_size",
+        "pp_size",
+        "ep_size",
+        "quantization",
+        "kv_cache_dtype",
+        "lora_paths",
+        "enable_lora",
+        "speculative_draft_model_path",
+        "speculative_num_steps",
+        "speculative_eagle_topk",
+        "enable_torch_compile",
+        "enable_mixed_chunk",
+        "disable_radix_cache",
+        "schedule_policy",
+        "trust_remote_code",
+        "load_format",
+        "revision",
+    }
+)
+"""SGLang arguments unimem does not implement: passing one is an error naming it."""
+
+SPECULATIVE_ALGORITHMS = ("DSPARK",)
+ATTENTION_BACKENDS = ("fa4", "torch")
+DEVICES = ("cpu", "cuda")
+
+
+def _positive_int(name: str, value: object, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass
+class EngineArgs:
+    """What ``unimem.Engine`` and ``python -m unimem.launch_server`` take (SGLang's names).
+
+    ``max_total_tokens``: tokens of the FULL-attention pool (SGLang's meaning). Without
+    ``enable_unified_memory`` the static pools hold that many FULL tokens,
+    ``SWA_FULL_TOKENS_RATIO`` times as many SWA tokens and ``max_running_requests`` state
+    slots; with it, one arena of the same bytes. Unset: on CUDA, ``mem_fraction_static`` of
+    the GPU's memory minus the weights; on the CPU, ``DEFAULT_CPU_MAX_TOTAL_TOKENS``.
+    ``speculative_num_draft_tokens``: tokens each verify step checks (the anchor plus
+    ``gamma`` drafted tokens), as in SGLang's chain speculation.
+    """
+
+    model_path: str
+    tokenizer_path: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    context_length: int | None = None
+    enable_unified_memory: bool = False
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None
+    attention_backend: str | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    random_seed: int = 0
+    skip_tokenizer_init: bool = False
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        """Build from keyword arguments, refusing unknown and unsupported SGLang ones by
+        name."""
+        known = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key in UNSUPPORTED_SGLANG_ARGS:
+                raise ValueError(f"argument {key!r} (an SGLang option) is not supported by unimem")
+            if key not in known:
+                raise ValueError(f"unknown argument {key!r}")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise ValueError(f"model_path must be a non-empty path, got {self.model_path!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        for name in (
+            "context_length",
+            "page_size",
+            "max_total_tokens",
+            "max_running_requests",
+            "chunked_prefill_size",
+            "cuda_graph_max_bs",
+            "speculative_num_draft_tokens",
+        ):
+            _positive_int(name, getattr(self, name))
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        frac = self.mem_fraction_static
+        if frac is not None and not (
+            isinstance(frac, (int, float)) and math.isfinite(frac) and 0 < frac < 1
+        ):
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {frac!r}")
+        if frac is not None and self.device != "cuda":
+            raise ValueError("mem_fraction_static applies to device cuda only")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "fa4" and self.device != "cuda":
+            raise ValueError("attention_backend fa4 needs device cuda")
+        if self.speculative_algorithm is not None:
+            if self.speculative_algorithm.upper() not in SPECULATIVE_ALGORITHMS:
+                raise ValueError(
+                    f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                    f"got {self.speculative_algorithm!r}"
+                )
+            self.speculative_algorithm = self.speculative_algorithm.upper()
+            if self.speculative_num_draft_tokens is None:
+                self.speculative_num_draft_tokens = 8
+            if self.speculative_num_draft_tokens < 2:
+                raise ValueError(
+                    "speculative_num_draft_tokens must be >= 2 (the anchor and at least one "
+                    f"drafted token), got {self.speculative_num_draft_tokens}"
+                )
+        elif self.speculative_num_draft_tokens is not None:
+            raise ValueError("speculative_num_draft_tokens needs speculative_algorithm DSPARK")
+        if self.cuda_graph_max_bs is not None and self.device != "cuda":
+            raise ValueError("cuda_graph_max_bs applies to device cuda only")
+
+    @property
+    def gamma(self) -> int:
+        """Drafted tokens per verify step (0 without speculation)."""
+        if self.speculative_algorithm is None:
+            return 0
+        return self.speculative_num_draft_tokens - 1
