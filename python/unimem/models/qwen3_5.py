@@ -1,0 +1,102 @@
+"""Qwen3.5 text model (``Qwen3_5ForCausalLM``): Gated DeltaNet and gated full attention
+layers (``config.layer_types``) with a dense SwiGLU MLP on every layer.
+
+The stack, norms, attention and GDN core are :mod:`unimem.models.qwen_common`'s. Qwen3.5's
+GDN projections are separate and already in the core's layout: ``in_proj_qkv`` rows are
+``[q (all key heads) | k | v (all value heads)]`` (no per-key-head grouping), ``in_proj_z``
+``[H * Dv]``, ``in_proj_b`` and ``in_proj_a`` ``[H]`` — they load 1:1.
+
+Checkpoints: the text-only format ``save_pretrained`` writes for ``Qwen3_5ForCausalLM``
+(``model.layers...``, ``lm_head.weight``, config ``Qwen3_5TextConfig``) and the hub's
+multimodal format (``Qwen3_5ForConditionalGeneration``, config ``Qwen3_5Config`` whose
+``text_config`` is the text model's): there the text weights are ``model.language_model.*``,
+loaded as ``model.*``, and the vision tower ``model.visual.*`` and the multi-token-prediction
+head ``mtp.*`` are skipped.
+
+Rotary: HuggingFace's Qwen3.5 text rotary is multimodal ("mrope": the rotary frequencies are
+split into interleaved T/H/W sections, each rotated by its own position id). For text-only
+input the three position ids are the token position, so every section rotates by the same
+position and the result is plain partial RoPE, which is what this module applies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from unimem.models.config import HybridConfig
+from unimem.models.qwen_common import (
+    DecoderLayer,
+    DenseMlp,
+    GatedAttention,
+    GdnMixer,
+    QwenHybridForCausalLM,
+    Weight,
+    check_common,
+    hybrid_config,
+    rope_settings,
+)
+
+__all__ = ["Qwen3_5ForCausalLM"]
+
+
+class Qwen3_5Gdn(GdnMixer):
+    """GDN mixer with Qwen3.5's separate projections ``in_proj_qkv [conv_dim, d]``,
+    ``in_proj_z [H * Dv, d]``, ``in_proj_b`` and ``in_proj_a [H, d]``."""
+
+    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
+        super().__init__(c, device)
+        h, dv, d = c.gdn_heads, c.gdn_head_dim_v, c.d_model
+        kw = {"dtype": c.dtype, "device": device}
+        self.in_proj_qkv = Weight(c.gdn_conv_dim, d, **kw)
+        self.in_proj_z = Weight(h * dv, d, **kw)
+        self.in_proj_b = Weight(h, d, **kw)
+        self.in_proj_a = Weight(h, d, **kw)
+
+    def project(self, h):
+        return (
+            F.linear(h, self.in_proj_qkv.weight),
+            F.linear(h, self.in_proj_z.weight),
+            F.linear(h, self.in_proj_b.weight),
+            F.linear(h, self.in_proj_a.weight),
+        )
+
+
+class Qwen3_5ForCausalLM(QwenHybridForCausalLM):
+    """Qwen3.5 (text) on unimem's model interface (module docstring). Build with
+    :meth:`from_hf_config`, fill with :meth:`load_weights`."""
+
+    ignored_checkpoint_prefixes = ("mtp.", "model.visual.")
+    checkpoint_prefix_map = (("model.language_model.", "model."),)
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        hf_config,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_context: int | None = None,
+    ) -> Qwen3_5ForCausalLM:
+        """Uninitialised model of ``hf_config``: a ``Qwen3_5TextConfig``, or a multimodal
+        ``Qwen3_5Config`` whose ``text_config`` is used (``tie_word_embeddings`` is read from
+        the outer config, as the loader does). ValueError naming the field for anything
+        unsupported."""
+        tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+        model_type = getattr(hf_config, "model_type", "qwen3_5_text")
+        if model_type == "qwen3_5":
+            hf_config = hf_config.text_config
+            model_type = getattr(hf_config, "model_type", "qwen3_5_text")
+        if model_type != "qwen3_5_text":
+            raise ValueError(f"model_type {model_type!r}: expected 'qwen3_5_text' or 'qwen3_5'")
+        check_common(hf_config)
+        c = hybrid_config(
+            hf_config, ffn_dim=hf_config.intermediate_size, dtype=dtype, max_context=max_context
+        )
+        _, factor = rope_settings(hf_config)
+        layers = []
+        for kind in c.layer_pattern:
+            mixer = Qwen3_5Gdn(c, device) if kind == "gdn" else GatedAttention(c, device)
+            mlp = DenseMlp(c.d_model, hf_config.intermediate_size, dtype, device)
+            layers.append(DecoderLayer(c, kind, mixer, mlp, device))
+        return cls(c, layers, int(c.head_dim_k * factor), tie, device)

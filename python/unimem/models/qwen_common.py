@@ -1,0 +1,511 @@
+"""Layers shared by the Qwen hybrid families (Qwen3-Next, Qwen3.5): the pieces both stack in
+the same pre-norm residual layout, and the model shell that runs that stack on a
+:class:`~unimem.models.forward_context.ForwardContext`.
+
+Layout (both families)::
+
+    x = embed_tokens[ids]                                       # no embedding scaling
+    for each layer i:
+        x = x + mixer_i(norm1(x))          # GDN ("linear_attention") or gated attention
+        x = x + mlp_i(norm2(x))            # dense SwiGLU, or sparse MoE + shared expert
+    logits = lm_head(norm(x[logits_indices]))
+
+* Every stack norm (``input_layernorm``, ``post_attention_layernorm``, final ``norm``, the
+  attention ``q_norm`` / ``k_norm``) is zero-centred: ``rmsnorm(x) * (1 + w)``, computed in
+  float32 and cast back (:func:`zero_centered_rms_norm`).
+* Gated attention (:class:`GatedAttention`): ``q_proj`` yields per head ``[query (Dh) |
+  gate (Dh)]``; per-head ``q_norm`` / ``k_norm``; rotate-half RoPE on the first
+  ``rotary_dim`` dims only (partial rotary); ``ctx.attention``; output times
+  ``sigmoid(gate)``; ``o_proj``.
+* GDN mixer (:class:`GdnMixer`): the family's input projections give ``mixed_qkv`` (conv
+  channels ``[q | k | v]``, head-major), ``z``, ``b``, ``a``;
+  ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` (state dtype);
+  ``ctx.gdn`` (conv + SiLU + L2-norm + delta rule); gated RMSNorm per value head
+  ``rmsnorm(o) * w * silu(z)`` (plain ``w``, ones-initialised — not ``1 + w``); ``out_proj``.
+
+Parameters carry the checkpoint names (``model.layers.N.self_attn.q_proj.weight``, ...), so
+most tensors load 1:1 by name (:meth:`QwenHybridForCausalLM.load_weights`); a family
+re-lays out the tensors whose layout differs in :meth:`QwenHybridForCausalLM._load_special`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unimem.models.base import CausalLM, ModelOutput, logits_dtype
+from unimem.models.config import HybridConfig
+from unimem.models.forward_context import ForwardContext
+from unimem.models.loader import copy_param
+from unimem.models.moe import expert_mlp
+from unimem.models.nn_ops import apply_rope
+
+LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "full"}
+"""HF ``config.layer_types`` entry -> ``HybridConfig.layer_pattern`` entry."""
+
+
+# ---------------------------------------------------------------------- parameters
+
+
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """An uninitialised inference-only parameter (the loader fills it)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Weight(nn.Module):
+    """Holds one parameter named ``weight`` so that module paths end in ``.weight`` as the
+    checkpoint names them (``...q_proj.weight``, ``...input_layernorm.weight``)."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = empty_param(*shape, dtype=dtype, device=device)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------- norms
+
+
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, in float32 (float64
+    for float64 inputs), cast back to ``x``'s dtype once at the end."""
+    acc = _acc(x.dtype)
+    xa = x.to(acc)
+    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.to(acc))).to(x.dtype)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The GDN output norm: ``(rmsnorm(x) * weight) * silu(gate)`` over the last dim.
+    ``x, gate [..., D]``, ``weight [D]``. The normalised ``x`` is rounded to ``x``'s dtype
+    before the weight multiplies it and the gate applies in float32 (float64 for float64),
+    as HuggingFace's ``RMSNormGated``; returns ``x``'s dtype."""
+    acc = _acc(x.dtype)
+    xa = x.to(acc)
+    normed = (xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = (weight * normed).to(acc) * F.silu(gate.to(acc))
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------- rotary
+
+
+class PartialRotary(nn.Module):
+    """Rotate-half RoPE over the first ``rotary_dim`` dims of each head (the rest pass
+    through): ``inv_freq[j] = theta ** (-2j / rotary_dim)``, angles ``position * inv_freq``,
+    computed in float32 (float64 for float64 models) as HuggingFace's default rope."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float, dtype: torch.dtype):
+        super().__init__()
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(
+                f"partial_rotary_factor gives rotary dim {rotary_dim}: must be even and in "
+                f"(0, head_dim = {head_dim}]"
+            )
+        self.rotary_dim = rotary_dim
+        self.rope_dtype = _acc(dtype)
+        exps = torch.arange(0, rotary_dim, 2, dtype=self.rope_dtype) / rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exps), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [T, rotary_dim / 2]`` for ``positions [T]``."""
+        angles = positions.to(self.rope_dtype)[:, None] * self.inv_freq[None, :]
+        return angles.cos(), angles.sin()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [T, H, D]`` with its first ``rotary_dim`` dims rotated; same dtype."""
+        rd = self.rotary_dim
+        if rd == x.shape[-1]:
+            return apply_rope(x, cos, sin)
+        return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+
+
+# ---------------------------------------------------------------------- mixers
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate (module docstring). Parameters as the checkpoint's
+    ``self_attn``: ``q_proj [Hq * 2 * Dh, d]`` (per head ``[query | gate]``), ``k_proj``,
+    ``v_proj [Hkv * Dh, d]``, ``o_proj [d, Hq * Dh]``, ``q_norm``, ``k_norm [Dh]``."""
+
+    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
+        super().__init__()
+        self.c = c
+        hq, hkv, dh, d = c.n_q_heads, c.n_kv_heads, c.head_dim_k, c.d_model
+        kw = {"dtype": c.dtype, "device": device}
+        self.q_proj = Weight(hq * 2 * dh, d, **kw)
+        self.k_proj = Weight(hkv * dh, d, **kw)
+        self.v_proj = Weight(hkv * dh, d, **kw)
+        self.o_proj = Weight(d, hq * dh, **kw)
+        self.q_norm = Weight(dh, **kw)
+        self.k_norm = Weight(dh, **kw)
+
+    def forward(
+        self,
+        layer_idx: int,
+        h: torch.Tensor,
+        rotary: PartialRotary,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        c, t = self.c, h.shape[0]
+        hq, hkv, dh = c.n_q_heads, c.n_kv_heads, c.head_dim_k
+        qg = F.linear(h, self.q_proj.weight).view(t, hq, 2 * dh)
+        q, gate = qg[..., :dh], qg[..., dh:]
+        q = zero_centered_rms_norm(q, self.q_norm.weight, c.rms_eps)
+        k = F.linear(h, self.k_proj.weight).view(t, hkv, dh)
+        k = zero_centered_rms_norm(k, self.k_norm.weight, c.rms_eps)
+        v = F.linear(h, self.v_proj.weight).view(t, hkv, dh)
+        q = rotary.apply(q, *cos_sin).contiguous()
+        k = rotary.apply(k, *cos_sin).contiguous()
+        o = ctx.attention(layer_idx, q, k, v.contiguous())
+        o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
+        return F.linear(o, self.o_proj.weight)
+
+
+class GdnMixer(nn.Module):
+    """Gated DeltaNet mixer (module docstring) without its input projections, which differ
+    per family: subclasses create them and implement :meth:`project`.
+
+    Parameters as the checkpoint's ``linear_attn``: ``conv1d.weight [conv_dim, K]`` (the
+    checkpoint stores ``[conv_dim, 1, K]``; the middle dim is dropped at load), ``A_log``
+    and ``dt_bias [H]`` (kept in ``config.state_dtype``), ``norm.weight [Dv]``,
+    ``out_proj.weight [d, H * Dv]``.
+    """
+
+    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
+        super().__init__()
+        self.c = c
+        h, dv = c.gdn_heads, c.gdn_head_dim_v
+        kw = {"dtype": c.dtype, "device": device}
+        self.conv1d = Weight(c.gdn_conv_dim, c.conv_kernel, **kw)
+        self.A_log = empty_param(h, dtype=c.state_dtype, device=device)
+        self.dt_bias = empty_param(h, dtype=c.state_dtype, device=device)
+        self.norm = Weight(dv, **kw)
+        self.out_proj = Weight(c.d_model, h * dv, **kw)
+
+    def project(
+        self, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``h [T, d]`` -> ``mixed_qkv [T, conv_dim]`` (contiguous, ``[q | k | v]``),
+        ``z [T, H * Dv]``, ``b [T, H]``, ``a [T, H]``."""
+        raise NotImplementedError
+
+    def forward(self, layer_idx: int, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        c, t = self.c, h.shape[0]
+        sdt = c.state_dtype
+        mixed_qkv, z, b, a = self.project(h)
+        g = -self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))
+        beta = torch.sigmoid(b.to(sdt))
+        o = ctx.gdn(layer_idx, mixed_qkv, g, beta, conv_weight=self.conv1d.weight)
+        z = z.reshape(t, c.gdn_heads, c.gdn_head_dim_v)
+        o = gated_rms_norm(o, self.norm.weight, z, c.rms_eps)
+        return F.linear(o.reshape(t, -1), self.out_proj.weight)
+
+
+# ---------------------------------------------------------------------- MLPs
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation ``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
+class DenseMlp(nn.Module):
+    """SwiGLU ``down_proj(silu(gate_proj(x)) * up_proj(x))`` of width ``ffn``."""
+
+    def __init__(self, d: int, ffn: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.gate_proj = Weight(ffn, d, **kw)
+        self.up_proj = Weight(ffn, d, **kw)
+        self.down_proj = Weight(d, ffn, **kw)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        act = silu_mul(F.linear(h, self.gate_proj.weight), F.linear(h, self.up_proj.weight))
+        return F.linear(act, self.down_proj.weight)
+
+
+class StackedExperts(nn.Module):
+    """The routed experts as stacked parameters, named as HuggingFace's in-memory module:
+    ``gate_up_proj [E, 2I, d]`` (rows ``[gate (I) | up (I)]``) and ``down_proj [E, d, I]``."""
+
+    def __init__(
+        self, e: int, d: int, ffn: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = empty_param(e, 2 * ffn, d, dtype=dtype, device=device)
+        self.down_proj = empty_param(e, d, ffn, dtype=dtype, device=device)
+
+
+class SparseMoe(nn.Module):
+    """Top-k routed SwiGLU experts plus a sigmoid-gated shared SwiGLU expert.
+
+    Router ``gate.weight [E, d]``: logits in the model dtype, softmax in float32 (float64 for
+    float64 models), top-``k``, renormalised to sum 1 when ``norm_topk``. Output
+    ``experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)``.
+    """
+
+    def __init__(
+        self,
+        d: int,
+        num_experts: int,
+        top_k: int,
+        moe_ffn: int,
+        shared_ffn: int,
+        norm_topk: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.top_k = top_k
+        self.norm_topk = norm_topk
+        self.gate = Weight(num_experts, d, **kw)
+        self.experts = StackedExperts(num_experts, d, moe_ffn, **kw)
+        self.shared_expert = DenseMlp(d, shared_ffn, **kw)
+        self.shared_expert_gate = Weight(1, d, **kw)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.gate.weight)
+        probs = torch.softmax(logits.to(_acc(h.dtype)), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        ex = self.experts
+        routed = expert_mlp(h, ids, weights, ex.gate_up_proj, ex.down_proj, act=silu_mul)
+        shared_gate = torch.sigmoid(F.linear(h, self.shared_expert_gate.weight))
+        return routed + shared_gate * self.shared_expert(h)
+
+
+# ---------------------------------------------------------------------- the stack
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: ``linear_attn`` (GDN) or ``self_attn`` (gated attention), then
+    ``mlp``, each around a zero-centred RMSNorm and a residual add."""
+
+    def __init__(
+        self,
+        c: HybridConfig,
+        kind: str,
+        mixer: nn.Module,
+        mlp: nn.Module,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.c = c
+        self.kind = kind
+        if kind == "gdn":
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.mlp = mlp
+        self.input_layernorm = Weight(c.d_model, dtype=c.dtype, device=device)
+        self.post_attention_layernorm = Weight(c.d_model, dtype=c.dtype, device=device)
+
+    def forward(
+        self,
+        layer_idx: int,
+        x: torch.Tensor,
+        rotary: PartialRotary,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        eps = self.c.rms_eps
+        h = zero_centered_rms_norm(x, self.input_layernorm.weight, eps)
+        if self.kind == "gdn":
+            x = x + self.linear_attn(layer_idx, h, ctx)
+        else:
+            x = x + self.self_attn(layer_idx, h, rotary, cos_sin, ctx)
+        h = zero_centered_rms_norm(x, self.post_attention_layernorm.weight, eps)
+        return x + self.mlp(h)
+
+
+def rope_settings(hf_config) -> tuple[float, float]:
+    """``(rope_theta, partial_rotary_factor)`` of a Qwen hybrid text config; ValueError
+    naming ``rope_parameters`` for any rope type but the default one (multimodal
+    ``mrope_section`` / ``mrope_interleaved`` keys are accepted: text positions give every
+    section the same position, which is plain RoPE)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"rope_parameters: rope_type {rope_type!r} is not supported (only 'default')"
+        )
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("rope_parameters: no rope_theta")
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    return float(theta), float(factor)
+
+
+def layer_pattern(hf_config) -> tuple[str, ...]:
+    """``HybridConfig.layer_pattern`` from ``config.layer_types``; ValueError naming
+    ``layer_types`` for an unknown type or a length other than ``num_hidden_layers``."""
+    types = list(hf_config.layer_types)
+    if len(types) != hf_config.num_hidden_layers:
+        raise ValueError(
+            f"layer_types has {len(types)} entries, num_hidden_layers is "
+            f"{hf_config.num_hidden_layers}"
+        )
+    for i, t in enumerate(types):
+        if t not in LAYER_TYPES:
+            raise ValueError(
+                f"layer_types[{i}] = {t!r} is not supported (known: {sorted(LAYER_TYPES)})"
+            )
+    return tuple(LAYER_TYPES[t] for t in types)
+
+
+def check_common(hf_config) -> None:
+    """ValueError naming the field for features both families' implementations lack."""
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
+    if getattr(hf_config, "attention_bias", False):
+        raise ValueError("attention_bias = True is not supported")
+
+
+def hybrid_config(
+    hf_config,
+    *,
+    ffn_dim: int,
+    dtype: torch.dtype,
+    max_context: int | None,
+) -> HybridConfig:
+    """The :class:`HybridConfig` of a Qwen hybrid text config (no SWA layers)."""
+    theta, _ = rope_settings(hf_config)
+    return HybridConfig(
+        vocab_size=hf_config.vocab_size,
+        d_model=hf_config.hidden_size,
+        n_q_heads=hf_config.num_attention_heads,
+        n_kv_heads=hf_config.num_key_value_heads,
+        head_dim_k=hf_config.head_dim,
+        head_dim_v=hf_config.head_dim,
+        ffn_dim=ffn_dim,
+        layer_pattern=layer_pattern(hf_config),
+        window=None,
+        gdn_heads=hf_config.linear_num_value_heads,
+        gdn_k_heads=hf_config.linear_num_key_heads,
+        gdn_head_dim_k=hf_config.linear_key_head_dim,
+        gdn_head_dim_v=hf_config.linear_value_head_dim,
+        conv_kernel=hf_config.linear_conv_kernel_dim,
+        rope_theta=theta,
+        rms_eps=float(hf_config.rms_norm_eps),
+        dtype=dtype,
+        max_context=int(max_context or hf_config.max_position_embeddings),
+    )
+
+
+class QwenHybridForCausalLM(CausalLM):
+    """The model shell both families share: ``model.embed_tokens``, ``model.layers``,
+    ``model.norm``, ``lm_head`` (the embedding ``Parameter`` itself when tied), the forward
+    over a context, and name-based weight loading. Subclasses build the layers
+    (:meth:`_build`) and handle re-laid-out tensors (:meth:`_load_special`)."""
+
+    ignored_checkpoint_prefixes: tuple[str, ...] = ("mtp.",)
+    checkpoint_prefix_map: tuple[tuple[str, str], ...] = ()
+    """``(checkpoint prefix, parameter prefix)`` renames applied before matching names."""
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        layers: list[DecoderLayer],
+        rotary_dim: int,
+        tie_word_embeddings: bool,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        kw = {"dtype": c.dtype, "device": device}
+        self.model = nn.Module()
+        self.model.embed_tokens = Weight(c.vocab_size, c.d_model, **kw)
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = Weight(c.d_model, **kw)
+        self.lm_head = Weight(c.vocab_size, c.d_model, **kw)
+        self.tie_word_embeddings = tie_word_embeddings
+        if tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = PartialRotary(c.head_dim_k, rotary_dim, c.rope_theta, c.dtype).to(device)
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.no_grad()
+    def forward_with_hidden(self, input_ids: torch.Tensor, ctx: ForwardContext) -> ModelOutput:
+        """See :meth:`CausalLM.forward_with_hidden`."""
+        c = self.config
+        cos_sin = self.rotary.cos_sin(ctx.positions)
+        x = self.model.embed_tokens.weight[input_ids]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(i, x, self.rotary, cos_sin, ctx)
+            ctx.capture_hidden(i, x)
+        hidden = zero_centered_rms_norm(x[ctx.logits_indices], self.model.norm.weight, c.rms_eps)
+        logits = F.linear(hidden, self.lm_head.weight).to(logits_dtype(c.dtype))
+        return ModelOutput(logits, hidden)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    # ------------------------------------------------------------------ weights
+
+    def _param_name(self, name: str) -> str:
+        for src, dst in self.checkpoint_prefix_map:
+            if name.startswith(src):
+                return dst + name[len(src) :]
+        return name
+
+    def _load_special(
+        self, pname: str, tensor: torch.Tensor, ckpt_name: str, params: dict[str, nn.Parameter]
+    ) -> set[str] | None:
+        """Load a tensor whose layout differs from its parameter's. Returns the parameter
+        names it completed (possibly none yet), or None when ``pname`` is not special."""
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the parameters of the same name (after
+        :attr:`checkpoint_prefix_map`), cast to each parameter's dtype and device; names
+        under :attr:`ignored_checkpoint_prefixes` are skipped. ``...conv1d.weight`` drops
+        its ``[conv_dim, 1, K]`` middle dim; family-specific layouts go through
+        :meth:`_load_special`. ``ValueError`` naming the tensor for an unknown name or a
+        wrong shape. Returns the parameter names filled (``lm_head.weight`` with the
+        embedding when tied)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        filled: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith(self.ignored_checkpoint_prefixes):
+                continue
+            pname = self._param_name(name)
+            special = self._load_special(pname, tensor, name, params)
+            if special is not None:
+                filled |= special
+                continue
+            param = params.get(pname)
+            if param is None:
+                raise ValueError(f"unexpected tensor {name}")
+            if pname.endswith(".conv1d.weight") and tensor.dim() == 3 and tensor.shape[1] == 1:
+                tensor = tensor[:, 0]
+            copy_param(param, tensor, name)
+            filled.add(pname)
+        if self.tie_word_embeddings and "model.embed_tokens.weight" in filled:
+            filled.add("lm_head.weight")
+        return filled
+
+
+EXPERT_TENSOR = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
+)
+"""A per-expert checkpoint tensor (hub format): group 1 the experts' module path, 2 the
+expert index, 3 the projection."""
