@@ -41,7 +41,38 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
     v.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
-    v.add_argument("--preset", default=d.preset, help=f"model preset: {', '.join(preset_names())}")
+    v.add_argument(
+        "--preset",
+        default=d.preset,
+        help=f"synthetic model preset: {', '.join(preset_names())} (ignored with --model-path)",
+    )
+    v.add_argument(
+        "--model-path",
+        default=d.model_path,
+        help="a HuggingFace checkpoint directory (config.json, safetensors, tokenizer) to run "
+        "instead of a preset",
+    )
+    v.add_argument(
+        "--dtype",
+        default=d.dtype,
+        help="with --model-path: auto (the checkpoint's; float32 runs in bfloat16 on cuda), "
+        "bfloat16, float16, float32 or float64",
+    )
+    v.add_argument(
+        "--prompts",
+        dest="prompts_file",
+        default=d.prompts_file,
+        metavar="FILE",
+        help="with --model-path: one text prompt per line, encoded by its tokenizer (default: "
+        "random token ids)",
+    )
+    v.add_argument(
+        "--oracle",
+        choices=["none", "transformers"],
+        default=d.oracle,
+        help="transformers: also run the prompts through transformers' generate on the same "
+        "checkpoint and compare tokens and log-probabilities",
+    )
     v.add_argument("--requests", type=int, default=d.requests)
     v.add_argument("--input-len", type=int, default=d.input_len)
     v.add_argument("--output-len", type=int, default=d.output_len)
@@ -170,6 +201,10 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         prefix_cache=args.prefix_cache == "on",
         shared_prefix_len=args.shared_prefix_len,
         checkpoint_interval=args.checkpoint_interval,
+        model_path=args.model_path,
+        dtype=args.dtype,
+        prompts_file=args.prompts_file,
+        oracle=args.oracle,
     )
 
 

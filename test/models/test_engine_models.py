@@ -74,7 +74,7 @@ def test_static_memory_equals_transformers(checkpoint):
 def test_unified_arena_with_compaction_equals_transformers(checkpoint):
     _, path, prompts, expected = checkpoint
     # a budget that binds: not every request fits at once, so the arena's split moves
-    engine = _engine(path, enable_unified_memory=True, max_total_tokens=64, max_running_requests=4)
+    engine = _engine(path, enable_unified_memory=True, max_total_tokens=64, max_running_requests=3)
     params = {"max_new_tokens": OUT, "ignore_eos": True}
     outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     _check(outs, expected)

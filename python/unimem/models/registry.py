@@ -14,8 +14,12 @@ __all__ = ["model_class", "supported_architectures"]
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLM": ("unimem.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("unimem.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    # multimodal checkpoint, text weights under model.language_model.* (vision is skipped)
+    "Qwen3_5ForConditionalGeneration": ("unimem.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "GptOssForCausalLM": ("unimem.models.gpt_oss", "GptOssForCausalLM"),
     "Gemma3ForCausalLM": ("unimem.models.gemma3", "Gemma3ForCausalLM"),
+    # multimodal checkpoint, text weights under language_model.* (the vision tower is skipped)
+    "Gemma3ForConditionalGeneration": ("unimem.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 

@@ -44,6 +44,7 @@ the model's dtype is reported as explained.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -59,6 +60,7 @@ from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
 from unimem.models.base import CausalLM
 from unimem.models.config import HybridConfig, memory_spec
+from unimem.models.loader import load_checkpoint, load_hf_config, resolve_dtype
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
@@ -90,8 +92,24 @@ class ValidateConfig:
     prefix_cache: bool = False
     shared_prefix_len: int = 0
     checkpoint_interval: int = 1
+    model_path: str | None = None
+    dtype: str = "auto"
+    prompts_file: str | None = None
+    oracle: str = "none"
 
     def __post_init__(self) -> None:
+        if self.oracle not in ORACLES:
+            raise ValueError(f"oracle must be one of {ORACLES}, got {self.oracle!r}")
+        if self.oracle != "none" and self.model_path is None:
+            raise ValueError("--oracle transformers needs --model-path (a HuggingFace checkpoint)")
+        if self.prompts_file is not None and self.model_path is None:
+            raise ValueError("--prompts needs --model-path (its tokenizer encodes them)")
+        if self.model_path is not None and not os.path.isfile(
+            os.path.join(self.model_path, "config.json")
+        ):
+            raise ValueError(f"--model-path {self.model_path}: no config.json there")
+        if self.prompts_file is not None and not os.path.isfile(self.prompts_file):
+            raise ValueError(f"--prompts {self.prompts_file}: no such file")
         if not 0 <= self.shared_prefix_len <= self.input_len:
             raise ValueError(
                 f"shared prefix length must be in [0, input length {self.input_len}], "
@@ -145,8 +163,17 @@ class ValidateConfig:
         reference (float64 presets are for exactness, which FA4 does not compute in)."""
         if self.backend != "auto":
             return self.backend
-        sixteen_bit = preset(self.preset).dtype in (torch.bfloat16, torch.float16)
+        sixteen_bit = self.model_dtype in (torch.bfloat16, torch.float16)
         return "fa4" if self.device == "cuda" and sixteen_bit else "torch"
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: the preset's, or the checkpoint's resolved from
+        ``dtype`` (:func:`unimem.models.loader.resolve_dtype`)."""
+        if self.model_path is None:
+            return preset(self.preset).dtype
+        hf_config = load_hf_config(self.model_path)
+        return resolve_dtype(self.dtype, hf_config, torch.device(self.device))
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -158,6 +185,7 @@ class ValidateConfig:
 
 
 SPEC_MODES = ("none", "dspark")
+ORACLES = ("none", "transformers")
 CONTROL_REFERENCES = ("decode", "speculative")
 BACKENDS = ("auto", "torch", "fa4")
 
@@ -367,14 +395,12 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda given but no CUDA device is available")
-    model_cfg = preset(cfg.preset)
-    if cfg.attention_backend == "fa4" and model_cfg.dtype not in (torch.bfloat16, torch.float16):
+    if cfg.attention_backend == "fa4" and cfg.model_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
-            f"the fa4 backend needs a bf16/fp16 model; preset {cfg.preset!r} is "
-            f"{model_cfg.dtype}: use --backend torch, or a 16-bit preset (small)"
+            f"the fa4 backend needs a bf16/fp16 model; this one is {cfg.model_dtype}: use "
+            "--backend torch, a 16-bit preset (small) or --dtype bfloat16"
         )
-    model = HybridModel(model_cfg, seed=cfg.seed, device=device)
-    prompts = make_prompts(cfg, model_cfg.vocab_size)
+    model, prompts = build_model_and_prompts(cfg, device)
     if cfg.spec == "dspark":
         report = _validate_dspark(cfg, model, prompts, progress, max_margins)
         report["gpu"] = gpu_name(device)
@@ -394,7 +420,110 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
     }
     if cfg.prefix_cache:
         _compare_cache_off(report, cfg, model, prompts, progress, res_s, res_u)
+    _add_oracle(report, cfg, model, prompts, {"static": res_s.outputs, "unified": res_u.outputs})
     return report
+
+
+def build_model_and_prompts(
+    cfg: ValidateConfig, device: torch.device
+) -> tuple[CausalLM, list[list[int]]]:
+    """The model (the seeded preset, or the checkpoint of ``model_path``) and the prompts:
+    ``--prompts`` lines encoded by the checkpoint's tokenizer, else random token ids from
+    the seed (below the tokenizer's size when there is one)."""
+    if cfg.model_path is None:
+        model_cfg = preset(cfg.preset)
+        model = HybridModel(model_cfg, seed=cfg.seed, device=device)
+        return model, make_prompts(cfg, model_cfg.vocab_size)
+    ckpt = load_checkpoint(cfg.model_path, dtype=cfg.dtype, device=device)
+    model = ckpt.model
+    vocab = model.config.vocab_size
+    if ckpt.tokenizer is not None:
+        vocab = min(vocab, len(ckpt.tokenizer))
+    if cfg.prompts_file is None:
+        return model, make_prompts(cfg, vocab)
+    if ckpt.tokenizer is None:
+        raise ValueError(f"--prompts: the checkpoint {cfg.model_path} has no tokenizer")
+    with open(cfg.prompts_file) as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    if len(lines) < cfg.requests:
+        raise ValueError(f"--prompts has {len(lines)} prompts, --requests asks for {cfg.requests}")
+    return model, [ckpt.tokenizer.encode(t) for t in lines[: cfg.requests]]
+
+
+def _add_oracle(
+    report: dict,
+    cfg: ValidateConfig,
+    model: CausalLM,
+    prompts: list[list[int]],
+    runs: dict[str, dict[int, list[int]]],
+) -> None:
+    """With ``--oracle transformers``: the same prompts through
+    ``transformers.AutoModelForCausalLM.generate`` (greedy, eager attention, the model's
+    dtype) — ``oracle_matches`` (requests whose static and unified outputs both equal it),
+    ``oracle_mismatches`` and ``oracle_max_logprob_diff`` (the largest difference between
+    our per-token log-probabilities, from a static run, and transformers' over the common
+    prefix)."""
+    if cfg.oracle != "transformers":
+        return
+    from transformers import AutoModelForCausalLM
+
+    device = model.device
+    hf = AutoModelForCausalLM.from_pretrained(
+        cfg.model_path, dtype=model.config.dtype, attn_implementation="eager"
+    ).to(device)
+    hf.eval()
+    expected, hf_logprobs = {}, {}
+    for rid, ids in enumerate(prompts):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids], device=device),
+                max_new_tokens=cfg.output_len,
+                min_new_tokens=cfg.output_len,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        toks = out.sequences[0, len(ids) :].tolist()
+        logits = torch.stack([x[0] for x in out.logits]).float()
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks, device=device)[:, None])
+        expected[rid], hf_logprobs[rid] = toks, lp[:, 0].tolist()
+    del hf
+    ours = _logprob_run(model, cfg, prompts)
+    diffs = []
+    for label in runs:
+        for d in compare_outputs(expected, runs[label]):
+            diffs.append({**d, "mode": label})
+    worst = 0.0
+    for rid, (toks, lps) in ours.items():
+        n = 0
+        while n < min(len(toks), len(expected[rid])) and toks[n] == expected[rid][n]:
+            n += 1
+        n = min(n + 1, len(toks), len(expected[rid]))  # the first differing token's too
+        worst = max(
+            [worst] + [abs(a - b) for a, b in zip(lps[:n], hf_logprobs[rid][:n], strict=True)]
+        )
+    report["oracle_matches"] = len(prompts) - len({d["rid"] for d in diffs})
+    report["oracle_mismatches"] = diffs
+    report["oracle_max_logprob_diff"] = worst
+
+
+def _logprob_run(model: CausalLM, cfg: ValidateConfig, prompts) -> dict:
+    """Outputs and per-token log-probabilities of a non-speculative static run."""
+    plain = replace(cfg, spec="none", prefix_cache=False)
+    pool = static_pool(plain, model.config, model.device)
+    engine = EngineCore(
+        model,
+        pool,
+        make_backend(plain.attention_backend),
+        plain.max_running,
+        plain.chunk_size,
+        cuda_graphs=plain.use_cuda_graphs,
+        logprobs=True,
+    )
+    reqs = [engine.submit(p, plain.output_len) for p in prompts]
+    engine.run()
+    return {r.rid: (r.output, r.output_logprobs) for r in reqs}
 
 
 def _static_and_unified(
@@ -613,6 +742,7 @@ def _validate_dspark(
     }
     if res_ctl is not None:
         report["control_run"] = res_ctl.summary(with_arena_stats=False)
+    _add_oracle(report, cfg, model, prompts, {"static": res_s.outputs, "unified": res_u.outputs})
     if cfg.prefix_cache:
         _compare_cache_off(report, cfg, model, prompts, progress, res_s, res_u, chain_for, lanes)
     return report
@@ -740,6 +870,11 @@ def format_table(report: dict) -> str:
                 f"(spec {d['spec_token']}, reference {d['reference_token']}, oracle top-2 "
                 f"{d['oracle_top2']}, logit margin {margin}{tie})"
             )
+    if "oracle_matches" in report:
+        lines.append(
+            f"equal to transformers: {report['oracle_matches']}/{n} requests "
+            f"(largest logprob difference {report['oracle_max_logprob_diff']:.3g})"
+        )
     if "throughput_ratio" in report:
         lines.append(f"throughput unified / static: {report['throughput_ratio']:.3f}")
     if report.get("gpu"):
@@ -753,7 +888,13 @@ def passed(report: dict, spec_vs_reference: bool = True) -> bool:
     ``spec_vs_reference`` — the speculative output equals the non-speculative one wherever
     no near-tie explains a flip."""
     n = report["requests"]
-    keys = ("exact_match", "verify_counts_match", "accept_lengths_match", "cache_off_matches")
+    keys = (
+        "exact_match",
+        "verify_counts_match",
+        "accept_lengths_match",
+        "cache_off_matches",
+        "oracle_matches",
+    )
     ok = all(report[k] == n for k in keys if k in report)
     if spec_vs_reference and "spec_mismatches" in report:
         ok = ok and all(d["near_tie"] for d in report["spec_mismatches"])
