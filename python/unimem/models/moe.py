@@ -3,7 +3,7 @@
 :func:`expert_mlp` runs every (token, expert) pair a router chose through its expert's
 gate/up projection, the architecture's activation and the down projection, and sums the
 pairs back per token with their routing weights. The pairs are sorted by expert on the device
-(``argsort`` + ``bincount`` + ``cumsum``: fixed shapes, no host read, so the step stays
+(``argsort`` + a scatter-add count + ``cumsum``: fixed shapes, no host read, so the step stays
 capturable in a CUDA graph) and each projection is one ``torch._grouped_mm`` over the
 experts' row groups — never a Python loop over experts. :func:`expert_mlp_reference` is the
 per-expert loop with identical semantics, the oracle in tests (it reads which experts were
@@ -85,8 +85,10 @@ def expert_mlp(
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
     expert_of_pair = flat[order]
     token_of_pair = order // k
-    counts = torch.bincount(flat, minlength=num_experts)
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # end row of each expert's group
+    # per-expert pair counts by scatter-add (bincount reads the max on the host on CUDA)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # end row of each expert's group
     xs = x[token_of_pair]
     h = torch._grouped_mm(xs, w_gate_up.transpose(-2, -1), offs=offs)
     if b_gate_up is not None:
