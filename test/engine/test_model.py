@@ -232,6 +232,18 @@ def test_bfloat16_model_runs_and_roughly_matches_reference():
     assert lg.dtype == torch.float32
     for t in (18, 19):
         lg = m(ids[t : t + 1], DenseContext(cache, [slot], [1], "decode"))
-    (ref,) = m.reference_forward([ids])
     assert torch.isfinite(lg).all()
-    assert _max_diff(lg[0], ref[-1]) < 0.1
+    # the error scale of bf16 here: the dense oracle in bf16 vs the same (bf16-valued)
+    # weights computed in float32; the paged bf16 run must stay within twice that scale of
+    # the float32 truth, and agree with it on every token whose margin exceeds the bound
+    exact = HybridModel(dataclasses.replace(c, dtype=torch.float32), seed=0)
+    exact.load_state_dict({k: v.float() for k, v in m.state_dict().items()})
+    (ref_bf16,) = m.reference_forward([ids])
+    (truth,) = exact.reference_forward([ids])
+    scale = _max_diff(ref_bf16, truth)
+    assert 0 < scale < 0.1
+    bound = 2 * scale  # measured: scale ~3e-2 here
+    assert _max_diff(lg[0], truth[-1]) <= bound
+    top2 = torch.topk(truth[-1], 2).values
+    if top2[0] - top2[1] > 2 * bound:
+        assert int(lg[0].argmax()) == int(truth[-1].argmax())
