@@ -17,6 +17,7 @@ Two drivers, each run on CPU (fast, plain tests) and on CUDA (``gpu`` tests):
 
 from __future__ import annotations
 
+import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,6 @@ import torch
 from specs import SPECS as TINY_SPECS
 from specs import F, S, T
 
-from unimem.engine.config import memory_spec, preset
 from unimem.memory.checks import check_unified
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory
@@ -35,6 +35,9 @@ from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
+from unimem_kernel import id_ops, unit_ops
 
 
 def _small_spec() -> MemorySpec:
@@ -227,10 +230,26 @@ def _random_run(spec: MemorySpec, device: str, seed: int, steps: int, units: int
     assert {"admit", "grow", "compact"} <= seen
 
 
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (root conftest)"
+)
 @pytest.mark.parametrize("name", sorted(TINY_SPECS))
-def test_random_ops_cpu(name, one_thread):
+def test_random_ops_cpu(name, one_thread, monkeypatch):
+    """The Triton kernels, run on CPU by the interpreter (the dispatcher picks them when
+    ``UNIMEM_KERNEL_BACKEND=triton``); small, so the interpreter stays fast."""
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    launched = []
+    for module, op in ((id_ops, "bind_units"), (id_ops, "compact_band"), (unit_ops, "fill_units")):
+        kernel = getattr(module, f"{op}_triton")
+
+        def spy(*args, _kernel=kernel, _op=op, **kwargs):
+            launched.append(_op)
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(module, f"{op}_triton", spy)
     for seed in range(2):
         _random_run(TINY_SPECS[name], "cpu", seed, steps=60, units=16)
+    assert {"bind_units", "compact_band", "fill_units"} <= set(launched), "a kernel did not run"
 
 
 @pytest.mark.gpu

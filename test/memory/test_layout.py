@@ -14,7 +14,6 @@ from unimem.memory.layout import (
     PageLayout,
     SlotLayout,
     align_up,
-    unit_byte_offset,
 )
 from unimem.memory.spec import (
     AttentionLayerSpec,
@@ -67,7 +66,6 @@ def test_page_offsets_asymmetric_rows():
     assert layout.num_target == 2 and layout.num_lanes == 3
     assert layout.sources == ("layers[0]", "layers[3]", "draft_lanes[0]")
     assert layout.block_byte_ranges(0) == ((0, 8192), (8192, 12288))
-    assert layout.k_offset(1) == 12288 and layout.v_offset(1) == 15360
 
 
 def test_slot_offsets_padded():
@@ -123,12 +121,7 @@ def test_memory_layout_and_describe():
     assert "float8_e4m3fn" in text and "[16, 1, 192]" in text and "25600" in text
 
 
-def test_offset_arithmetic_is_exact_past_2_31():
-    layout = PageLayout.build(hybrid(), FULL)
-    base, unit = 3 << 32, 1_000_000
-    expected = base + unit * layout.unit_bytes + layout.v_offsets[2]
-    assert layout.v_byte_offset(base, unit, 2) == expected > 2**33
-    assert unit_byte_offset(base, unit, layout.unit_bytes, 0) == layout.k_byte_offset(base, unit, 0)
+def test_align_up_is_exact_past_2_31():
     assert align_up(2**40 + 1, 16) == 2**40 + 16 and align_up(0, 16) == 0
 
 
@@ -145,7 +138,8 @@ def test_views_past_2_31_on_meta():
     assert v.stride() == (page.unit_bytes, 128, 128, 1)
     assert v.storage_offset() == base + page.v_offsets[1]
     last = v[n - 1]
-    assert last.storage_offset() == page.v_byte_offset(base, n - 1, 1) > 2**33
+    last_start = base + (n - 1) * page.unit_bytes + page.v_offsets[1]
+    assert last.storage_offset() == last_start > 2**33
     s = slot.ssm_view(arena, base, 5, 0)
     assert s.dtype == FP32 and s.storage_offset() * 4 == base + slot.ssm_offsets[0]
     with pytest.raises(ValueError, match="exceed the arena"):
@@ -217,7 +211,7 @@ def _check_aliasing(layout, base: int, n: int, seed: int) -> None:
         before = [w.clone() for *_, w in views]
         value = _random_like(view[u], gen)
         view[u] = value
-        start = unit_byte_offset(base, u, layout.unit_bytes, off)
+        start = base + u * layout.unit_bytes + off
         nbytes = value.numel() * value.element_size()
         expect = before_arena.clone()
         expect[start : start + nbytes] = value.contiguous().view(-1).view(torch.uint8)
@@ -264,7 +258,7 @@ def test_state_views_mixed_dtypes():
     assert conv.stride() == (layout.unit_bytes // 2, 3, 1)
     assert ssm.stride() == (layout.unit_bytes // 4, 128, 8, 1)
     ssm[2] = 1.0
-    got = arena[layout.ssm_byte_offset(32, 2, 0) :][: 4 * 16 * 8 * 4].view(FP32)
+    got = arena[32 + 2 * layout.unit_bytes + layout.ssm_offsets[0] :][: 4 * 16 * 8 * 4].view(FP32)
     assert torch.equal(got, torch.ones_like(got))
     assert conv.abs().sum() == 0 and ssm[1].abs().sum() == 0 and ssm[3].abs().sum() == 0
 
@@ -277,7 +271,7 @@ def test_view_relative_to_sliced_arena():
     k = layout.k_view(arena, 0, 2, 1)
     assert k.data_ptr() == arena.data_ptr() + layout.k_offsets[1]
     k[1] = 2.0
-    start = layout.k_byte_offset(4096, 1, 1)
+    start = 4096 + layout.unit_bytes + layout.k_offsets[1]
     assert buf[start : start + layout.k_block_bytes(1)].any()
     assert not buf[:start].any()
 

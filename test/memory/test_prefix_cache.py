@@ -7,7 +7,10 @@
   still referenced was freed or overwritten), every free byte is poison, handed-out units
   start zeroed, and every match ends at a point with FULL pages, the SWA window and the
   checkpoint — all holding the right bytes. At teardown, releasing every request and flushing
-  the cache leaves every band empty (nothing leaks).
+  the cache leaves every band empty (nothing leaks). Misuse is interleaved — stale handles,
+  duplicates, double frees, a request's own slot or page handed to the sharing entry points,
+  out-of-range ids, bad token ids — and each is refused (``ValueError``) with the pool and
+  the cache bit-identical (``pool_state.snapshot``).
 - Deterministic tests: a prefix whose SWA pages were partly retired resumes only where its
   window is whole (one page later the window has a retired page: the sink); a request admitted
   on a hit reads exactly the cached bytes (FULL through translation, the SWA window, the
@@ -34,6 +37,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from pool_state import changed, snapshot
 
 import unimem_kernel as uk
 from unimem.cache import PrefixCache
@@ -157,6 +161,23 @@ sequences = st.builds(
 )
 
 
+# Misuse the machine interleaves (each refused with nothing changed; see ``_misuse``).
+STALE = ("stale_insert", "stale_release", "stale_grow")
+ON_LIVE = (
+    "insert_own_slot",
+    "insert_anchor_checkpoint",
+    "insert_freed_checkpoint",
+    "insert_bad_tokens",
+    "insert_too_long",
+    "unref_request_page",
+    "free_own_slot",
+    "free_checkpoint_twice",
+    "twice_release",
+    "twice_grow",
+)
+ANY = ("evict_negative", "admit_bad_chunk", "free_unheld", "save_unheld", "prefix_unheld")
+
+
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Subclassed per spec (``NAME``) and pool (``KIND``: "unified" or "static")."""
 
@@ -170,6 +191,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.P = self.pool.page_size
         self.cache = PrefixCache(self.pool, checkpoint_interval=interval)
         self.live: dict[int, Live] = {}
+        self.dead: list = []  # released handles
         self.hits = 0
 
     # --- simulation of the model's writes ------------------------------------------------------
@@ -207,12 +229,20 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.live[mem.row] = r
 
     @precondition(lambda self: self.live)
-    @rule(pick=st.integers(0, 99), n=st.integers(1, 12), align=st.booleans(), insert=st.booleans())
-    def advance(self, pick, n, align, insert):
+    @rule(
+        pick=st.integers(0, 99),
+        n=st.integers(1, 12),
+        align=st.booleans(),
+        insert=st.booleans(),
+        misuse=st.sampled_from(ON_LIVE),
+    )
+    def advance(self, pick, n, align, insert, misuse):
         """Compute ``n`` more tokens (``align``: up to an anchor point, as the engine's chunks
         will end); insert at the new length (before retiring, as the engine does at a chunk
-        boundary), then retire SWA pages behind the window."""
+        boundary), then retire SWA pages behind the window. Then ``misuse``: a call that
+        breaks the contract on a running request (refused, nothing changes)."""
         self._advance(self._pick(pick), n, align, insert)
+        self._refuse(misuse, pick)
 
     def _advance(self, r: Live, n: int, align: bool, insert: bool) -> bool:
         kv = r.kv + n
@@ -233,23 +263,31 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.pool.retire_swa([(r.mem, kv)])
         return True
 
-    @rule(seq=sequences, chunk=st.integers(1, 24), n=st.integers(1, 12))
-    def serve(self, seq, chunk, n):
+    @rule(
+        seq=sequences,
+        chunk=st.integers(1, 24),
+        n=st.integers(1, 12),
+        misuse=st.sampled_from(ON_LIVE),
+        pick=st.integers(0, 99),
+    )
+    def serve(self, seq, chunk, n, misuse, pick):
         """A whole request: admitted through the cache, computed in chunks ending on anchor
-        points with an insert at each, inserted and released at the end."""
+        points with an insert at each, inserted and released at the end. After each chunk,
+        a call that breaks the contract on it (refused, nothing changes)."""
         self.admit(seq, chunk)
         r = next((r for r in self.live.values() if r.seq is seq), None)
         if r is None:
             return
         while r.kv < len(r.seq) and self._advance(r, n, True, True):
-            pass
+            self._refuse(misuse, pick, r)
+            misuse = ON_LIVE[(ON_LIVE.index(misuse) + 1) % len(ON_LIVE)]
         self.finish_request(r, insert=True)
 
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 99))
     def insert(self, pick):
         r = self._pick(pick)
-        got = self.cache.insert(r.seq[: r.kv], r.mem)
+        got = self.cache.insert(r.seq[: r.kv], r.mem).tokens
         if got:
             assert self.cache.match(r.seq[: r.kv]).num_tokens >= got
 
@@ -263,6 +301,84 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.cache.insert(r.seq[: r.kv], r.mem)
         del self.live[r.mem.row]
         self.pool.release([r.mem])
+        self.dead.append(r.mem)
+
+    # --- misuse: refused, and nothing changes ----------------------------------------------------
+
+    @precondition(lambda self: self.dead)
+    @rule(which=st.sampled_from(STALE), pick=st.integers(0, 99))
+    def misuse_stale_handle(self, which, pick):
+        self._refuse(which, pick)
+
+    @rule(which=st.sampled_from(ANY), pick=st.integers(0, 99))
+    def misuse_ids_and_counts(self, which, pick):
+        self._refuse(which, pick)
+
+    def _refuse(self, which, pick, r=None):
+        call = self._misuse(which, pick, r)
+        if call is None:
+            return
+        before = snapshot(self.pool, self.cache)
+        with pytest.raises(ValueError):
+            call()
+        diff = changed(before, snapshot(self.pool, self.cache))
+        assert not diff, f"refused {which} changed {diff}"
+
+    def _misuse(self, which, pick, r=None):
+        """The misuse ``which`` (of ``STALE``, ``ON_LIVE``, ``ANY``) as a call, on request
+        ``r`` (default: one picked by ``pick``); None where it does not apply."""
+        pool, cache, has_t = self.pool, self.cache, self.spec.has(T)
+        r = r or (self._pick(pick) if self.live else None)
+        stale = self.dead[pick % len(self.dead)] if self.dead else None
+        unheld = next(s for s in range(1, 10**6) if not pool._holds_state(s))
+        if which.startswith("stale_"):
+            return {
+                "stale_insert": lambda: cache.insert([0] * self.P, stale),
+                "stale_release": lambda: pool.release([stale]),
+                "stale_grow": lambda: pool.grow([(stale, self.P)]),
+            }[which]
+        if which == "insert_own_slot" and has_t:
+            return lambda: cache.insert(r.seq[: r.kv], r.mem, checkpoint=r.mem.state_slot)
+        if which == "insert_anchor_checkpoint" and has_t and cache.held()[2]:
+            ckpt = cache.held()[2][pick % len(cache.held()[2])]
+            return lambda: cache.insert(r.seq[: r.kv], r.mem, checkpoint=ckpt)
+        if which in ("insert_freed_checkpoint", "free_checkpoint_twice") and has_t:
+            ckpt = pool.save_state(r.mem.state_slot)
+            if ckpt is None:
+                return None
+            pool.free_states([ckpt])  # a valid call; the next use of ckpt is not
+            if which == "free_checkpoint_twice":
+                return lambda: pool.free_states([ckpt])
+            return lambda: cache.insert(r.seq[: r.kv], r.mem, checkpoint=ckpt)
+        read = cache._anchor_pages(r.kv) * self.P if r else 0  # the token ids an insert reads
+        if which == "insert_bad_tokens" and read:
+            bad = list(r.seq[: r.kv])
+            bad[pick % read] = float(bad[pick % read]) + 0.5
+            return lambda: cache.insert(bad, r.mem)
+        if which == "insert_too_long":
+            n = (len(r.mem.pages) + 1) * self.P
+            return lambda: cache.insert(list(r.seq) + [0] * n, r.mem)
+        if which == "unref_request_page":
+            mine = [p for p in r.mem.pages if p not in set(cache.held()[0])]
+            return mine and (lambda: pool.unref_pages(mine[:1])) or None
+        if which == "free_own_slot" and has_t:
+            return lambda: pool.free_states([r.mem.state_slot])
+        if which == "twice_release":
+            return lambda: pool.release([x.mem for x in self.live.values()] + [r.mem])
+        if which == "twice_grow":
+            return lambda: pool.grow([(r.mem, r.kv), (r.mem, MAX_CONTEXT)])
+        if which == "evict_negative":
+            return lambda: cache.evict([-1, 0.5, None][pick % 3])
+        if which == "admit_bad_chunk":
+            return lambda: cache.admit(STEMS[0][:8], [0, -1, 1.5][pick % 3])
+        if which == "free_unheld":
+            return lambda: pool.free_states([[unheld, -1, 10**9][pick % 3]])
+        if which == "save_unheld":
+            return lambda: pool.save_state([unheld, -1, 10**9][pick % 3])
+        if which == "prefix_unheld":
+            pages = tuple(range(10**6, 10**6 + 1 + pick % 3))
+            return lambda: pool.admit(MAX_CONTEXT, SharedPrefix(pages, unheld))
+        return None
 
     @rule(nbytes=st.integers(0, 1 << 13))
     def evict(self, nbytes):
@@ -588,7 +704,7 @@ def test_pool_sharing_contract(kind):
     pool.free_states([ckpt])
     pool.release([b])
     assert all(pool.live_units(k) == 0 for k in spec.kinds)
-    with pytest.raises(RuntimeError, match="without a holder"):
+    with pytest.raises(ValueError, match="no holder taken by ref_pages"):
         pool.unref_pages([pages[0]])
 
 
@@ -720,7 +836,7 @@ def test_insert_adopts_a_page_whose_swa_unit_is_gone():
     assert not pool.swa_bound(old[4]) and not pool.swa_bound(old[5])
     b = _run(cache, seq[:24] + [1] * 8, [24], insert=False)  # a miss: computes its own pages
     assert b.shared == 0
-    assert cache.insert(seq[:24], b) == 24
+    assert cache.insert(seq[:24], b).tokens == 24
     assert cache.stats.adopted_pages == 2
     now = [n.page for n in cache.tree.walk(seq)]
     assert now[4:6] == b.pages[4:6] and now[:4] == old[:4] and now[6:] == old[6:]
@@ -738,7 +854,7 @@ def test_stats_and_full_only_model():
     cache = PrefixCache(pool)
     seq = list(range(30))
     a = cache.admit(seq, 64)
-    assert cache.insert(seq[:30], a.mem) == 28  # 7 whole pages
+    assert cache.insert(seq[:30], a.mem).tokens == 28  # 7 whole pages
     pool.release([a.mem])
     b = cache.admit(seq[:13] + [0] * 5, 64)
     assert b.prefix_tokens == 12

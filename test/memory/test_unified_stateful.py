@@ -1,4 +1,7 @@
-"""Random admit / grow / retire-SWA / finish / compact sequences on the unified arena.
+"""Random admit / grow / retire-SWA / finish / compact sequences on the unified arena, with
+misuse interleaved: stale handles, duplicates in one batch, double and foreign frees,
+out-of-range ids and counts. Every misuse raises ``ValueError`` and leaves the pool
+bit-identical (``pool_state.snapshot``).
 
 After every step: the structural invariants of ``check_unified``; every live unit holds
 exactly the bytes last written through its virtual id (so compaction moved data intact and no
@@ -13,6 +16,7 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from pool_state import changed, snapshot
 from specs import SPECS, F, S, T
 
 from unimem.memory.band_plan import Side
@@ -39,6 +43,8 @@ class UnifiedArenaMachine(RuleBasedStateMachine):
         self.live = {}  # row -> (request, tokens)
         self.data = {}  # (kind, vid) -> expected bytes
         self.saw_compaction = False
+        self.dead = []  # released handles (stale: every later use must be refused)
+        self.refused = 0
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -115,6 +121,72 @@ class UnifiedArenaMachine(RuleBasedStateMachine):
         if self.spec.has(T):
             self._forget(T, [req.state_slot])
         self.mem.release([req])
+        self.dead.append(req)
+
+    STALE = ("stale_release", "stale_grow", "stale_retire")
+    ON_LIVE = (
+        "twice_grow",
+        "twice_release",
+        "twice_retire",
+        "free_own_slot",
+        "copy_unheld_slot",
+        "unref_request_page",
+        "grow_count",
+    )
+    ANY = ("free_unheld_slot", "save_unheld_slot", "admit_count", "compact_kind")
+
+    @precondition(lambda self: self.dead)
+    @rule(which=st.sampled_from(STALE), pick=st.integers(0, 10**6))
+    def misuse_stale_handle(self, which, pick):
+        self._refuse(which, pick)
+
+    @precondition(lambda self: self.live)
+    @rule(which=st.sampled_from(ON_LIVE), pick=st.integers(0, 10**6))
+    def misuse_live_request(self, which, pick):
+        self._refuse(which, pick)
+
+    @rule(which=st.sampled_from(ANY), pick=st.integers(0, 10**6))
+    def misuse_ids_and_counts(self, which, pick):
+        self._refuse(which, pick)
+
+    def _refuse(self, which, pick):
+        """A call that breaks the contract: refused, and nothing changes."""
+        call = self._misuse(which, pick)
+        if call is None:
+            return
+        before = snapshot(self.mem)
+        with pytest.raises(ValueError):
+            call()
+        diff = changed(before, snapshot(self.mem))
+        assert not diff, f"refused {which} changed {diff}"
+        self.refused += 1
+
+    def _misuse(self, which, pick):
+        m, live = self.mem, [req for req, _ in self.live.values()]
+        req = live[pick % len(live)] if live else None
+        stale = self.dead[pick % len(self.dead)] if self.dead else None
+        unheld = next(s for s in range(1, 10**6) if not m._holds_state(s))
+        calls = {
+            "stale_release": stale and (lambda: m.release([stale])),
+            "stale_grow": stale and (lambda: m.grow([(stale, 8)])),
+            "stale_retire": stale and (lambda: m.retire_swa([(stale, 0)])),
+            "twice_grow": req and (lambda: m.grow([(req, 8), (req, m.max_context)])),
+            "twice_release": req and (lambda: m.release(live + [req])),
+            "twice_retire": req and (lambda: m.retire_swa([(req, 0), (req, 0)])),
+            "free_own_slot": req and self.spec.has(T) and (lambda: m.free_states([req.state_slot])),
+            "free_unheld_slot": lambda: m.free_states([[unheld, -1, 10**9][pick % 3]]),
+            "save_unheld_slot": lambda: m.save_state([unheld, 0, -1, 10**9][pick % 4]),
+            "copy_unheld_slot": req and (lambda: m.copy_states([unheld], [req.state_slot])),
+            "unref_request_page": req and req.pages and (lambda: m.unref_pages(req.pages[:1])),
+            "admit_count": lambda: m.admit([0, -5, 1.5, m.max_context + 1][pick % 4]),
+            "grow_count": req and (lambda: m.grow([(req, [-3, 0, 2.5][pick % 3])])),
+            "compact_kind": lambda: (
+                m.compact(next(k for k in (F, S, T) if not self.spec.has(k)))
+                if len(self.spec.kinds) < 3
+                else m.compact("swa")
+            ),
+        }
+        return calls[which] or None
 
     @rule(kind=st.sampled_from([F, S, T]), up=st.booleans())
     def compact(self, kind, up):

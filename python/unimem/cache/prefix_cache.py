@@ -44,7 +44,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from unimem.cache.radix import Node, RadixTree
-from unimem.memory.pool import FreedUnits, MemoryPool, RequestMemory, SharedPrefix, pages_for
+from unimem.memory.pool import (
+    FreedUnits,
+    MemoryPool,
+    RequestMemory,
+    SharedPrefix,
+    as_int,
+    pages_for,
+)
 from unimem.memory.spec import LayerKind
 
 
@@ -78,6 +85,17 @@ class Admission:
 
     mem: RequestMemory
     prefix_tokens: int
+
+
+@dataclass(frozen=True)
+class Insertion:
+    """What :meth:`PrefixCache.insert` did: ``tokens`` resumable at the insertion point (0 when
+    no anchor exists there); ``checkpoint``: the state slot of the anchor this call made (a
+    copy of the request's state, or the ``checkpoint`` it was handed), now owned by the cache;
+    -1 when it made none (no STATE layers, an anchor already there, or none possible)."""
+
+    tokens: int
+    checkpoint: int = -1
 
 
 @dataclass
@@ -117,7 +135,9 @@ class PrefixCache:
     """Prefix cache over ``pool``; anchors every ``checkpoint_interval`` pages at most."""
 
     def __init__(self, pool: MemoryPool, checkpoint_interval: int = 1) -> None:
-        if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
+        if not isinstance(pool, MemoryPool):
+            raise ValueError(f"pool must be a MemoryPool, got {type(pool).__name__}")
+        if type(checkpoint_interval) is not int or checkpoint_interval < 1:
             raise ValueError(f"checkpoint_interval must be an int >= 1, got {checkpoint_interval}")
         self.pool = pool
         self.page_size = pool.page_size
@@ -129,6 +149,7 @@ class PrefixCache:
         self.tree = RadixTree(p)
         self.stats = CacheStats()
         self._clock = 0
+        self._checkpoints: set[int] = set()  # the anchors' checkpoint slots
 
     # --- lookup ----------------------------------------------------------------------------------
 
@@ -137,7 +158,7 @@ class PrefixCache:
         SWA units of the ``window_pages`` pages behind its end (all of them when it is
         shorter) and, with STATE layers, a checkpoint at its end. Host only; changes nothing.
         """
-        path = self.tree.walk(tokens)
+        path = self.tree.walk(_token_seq("tokens", tokens))
         best, run = 0, 0
         for d, node in enumerate(path, start=1):
             run = run + 1 if node.swa else 0
@@ -165,10 +186,11 @@ class PrefixCache:
         more tokens at most. When the pool is full, unlocked cache entries are evicted (never
         the matched path) until the request fits or nothing is left to evict. None: it does
         not fit (the pool is as it was, less what was evicted)."""
+        chunk = as_int("chunk", chunk)
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
-        if len(tokens) == 0:
-            raise ValueError("a request needs at least one token")
+        if len(_token_seq("tokens", tokens)) == 0:
+            raise ValueError("tokens: a request needs at least one token")
         if self.pool.free_rows == 0:
             return None
         m = self.match(tokens[: len(tokens) - 1])
@@ -214,7 +236,7 @@ class PrefixCache:
 
     def insert(
         self, tokens: Sequence[int], req: RequestMemory, checkpoint: int | None = None
-    ) -> int:
+    ) -> Insertion:
         """Cache the prefix ``tokens`` held by ``req``: ``len(tokens)`` is the request's
         committed length (its state slot holds the state after exactly these tokens), and
         ``req.pages[c]`` holds page column ``c`` of them.
@@ -232,63 +254,84 @@ class PrefixCache:
         own SWA unit is gone adopts ``req``'s page) — and, with STATE layers, a checkpoint
         slot fits. Only then are the missing nodes of the path created (sharing ``req``'s
         FULL pages): pages that could never be resumed from are not cached. Returns the tokens
-        resumable at the insertion point (0 when no anchor exists there).
+        resumable at the insertion point and the checkpoint slot of the anchor made.
+
+        ``ValueError`` before anything changes (``checkpoint`` then stays the caller's) when
+        ``req`` is not a live handle, ``tokens`` are not token ids or exceed ``req``'s pages,
+        or ``checkpoint`` is not a held slot, is a live request's own slot or is already an
+        anchor's.
         """
-        if checkpoint is not None and not self.has_state:
-            raise ValueError("a checkpoint was given but the model has no STATE layers")
-        taken = [False]
+        tokens = _token_seq("tokens", tokens)
+        self.pool.check_request(req, "req")
+        k = len(tokens) // self.page_size
+        if len(req.pages) < k:
+            raise ValueError(
+                f"tokens: {len(tokens)} tokens span {k} pages, the request holds {len(req.pages)}"
+            )
+        if checkpoint is not None:
+            if not self.has_state:
+                raise ValueError("checkpoint: given, but the model has no STATE layers")
+            checkpoint = self.pool.check_checkpoint(checkpoint, "checkpoint")
+            if checkpoint in self._checkpoints:
+                raise ValueError(f"checkpoint: slot {checkpoint} is already an anchor's")
+        k = self._anchor_pages(len(tokens))
+        keys = [self.tree.key(tokens, c) for c in range(k)]  # checks the token ids
+        made = -1
         try:
-            return self._insert(tokens, req, checkpoint, taken)
+            made, got = self._insert(keys, req, checkpoint)
         finally:
-            if checkpoint is not None and not taken[0]:
+            if checkpoint is not None and made != checkpoint:
                 self.pool.free_states([checkpoint])
+        return Insertion(got, made)
+
+    def _anchor_pages(self, num_tokens: int) -> int:
+        """The pages an insertion of ``num_tokens`` tokens caches: whole pages, rounded down to
+        the interval where an anchor needs a window or a checkpoint (0: none; with STATE
+        layers the state exists only at exactly ``num_tokens``)."""
+        p = self.page_size
+        k = num_tokens // p
+        if not self.has_swa and not self.has_state:
+            return k
+        if self.has_state and (num_tokens != k * p or k % self.checkpoint_interval):
+            return 0
+        return k - k % self.checkpoint_interval
 
     def _insert(
-        self,
-        tokens: Sequence[int],
-        req: RequestMemory,
-        checkpoint: int | None,
-        taken: list[bool],
-    ) -> int:
-        """:meth:`insert`; ``taken[0]`` is set when ``checkpoint`` became an anchor's."""
+        self, keys: list[tuple[int, ...]], req: RequestMemory, checkpoint: int | None
+    ) -> tuple[int, int]:
+        """:meth:`insert` of the pages keyed ``keys`` on checked arguments: ``(checkpoint
+        made, tokens resumable)``."""
         p = self.page_size
-        k = len(tokens) // p
-        if len(req.pages) < k:
-            raise ValueError(f"the request holds {len(req.pages)} pages, {k} are inserted")
+        k = len(keys)
         self.stats.inserts += 1
-        if not self.has_swa and not self.has_state:
-            path = self._extend_path(tokens, req, k)
-            self._touch(path)
-            return k * p
-        if self.has_state and (len(tokens) != k * p or k % self.checkpoint_interval):
-            return 0
-        k -= k % self.checkpoint_interval
         if k == 0:
-            return 0
-        path = self.tree.walk(tokens[: k * p])
+            return -1, 0
+        if not self.has_swa and not self.has_state:
+            self._touch(self._extend_path(keys, req))
+            return -1, k * p
+        path = self.tree.walk_keys(keys)
         if len(path) == k and path[-1].anchor:
             self._touch(path)
-            return k * p
+            return -1, k * p
         adopt = self._window_plan(path, req, k)
         if adopt is None:
             self.stats.window_misses += 1
-            return 0
+            return -1, 0
         ckpt = -1
         if self.has_state:
             saved = self.pool.save_state(req.state_slot) if checkpoint is None else checkpoint
             if saved is None:
                 self.stats.checkpoint_failures += 1
-                return 0
+                return -1, 0
             ckpt = saved
-            taken[0] = True
             self.stats.checkpoints_saved += 1
             self.stats.checkpoints += 1
-        path = self._extend_path(tokens, req, k)
+        path = self._extend_path(keys, req)
         for c in adopt:
             self._adopt(path[c], req.pages[c])
         self._anchor(path[k - 1], ckpt)
         self._touch(path)
-        return k * p
+        return ckpt, k * p
 
     def _window_plan(self, path: list[Node], req: RequestMemory, k: int) -> list[int] | None:
         """Columns of the window behind ``k`` whose node must adopt ``req``'s page; None if
@@ -305,15 +348,15 @@ class PrefixCache:
             return None
         return adopt
 
-    def _extend_path(self, tokens: Sequence[int], req: RequestMemory, k: int) -> list[Node]:
-        """The path of the first ``k`` pages of ``tokens``, creating missing nodes with
-        ``req``'s pages (the cache takes a FULL hold on each)."""
-        path = self.tree.walk(tokens[: k * self.page_size])
+    def _extend_path(self, keys: list[tuple[int, ...]], req: RequestMemory) -> list[Node]:
+        """The path of the pages keyed ``keys``, creating missing nodes with ``req``'s pages
+        (the cache takes a FULL hold on each)."""
+        path = self.tree.walk_keys(keys)
         parent = path[-1] if path else self.tree.root
-        new = req.pages[len(path) : k]
+        new = req.pages[len(path) : len(keys)]
         self.pool.ref_pages(new)
         for c, page in enumerate(new, start=len(path)):
-            parent = self.tree.add(parent, self.tree.key(tokens, c), page)
+            parent = self.tree.add(parent, keys[c], page)
             path.append(parent)
         self.stats.inserted_pages += len(new)
         self.stats.cached_pages += len(new)
@@ -330,12 +373,15 @@ class PrefixCache:
         self._cover(node)
         node.anchor = True
         node.checkpoint = checkpoint
+        if checkpoint >= 0:
+            self._checkpoints.add(checkpoint)
         self.stats.anchors += 1
 
     def _unanchor(self, node: Node) -> FreedUnits:
         freed = self._uncover(node)
         if node.checkpoint >= 0:
             freed += self.pool.free_states([node.checkpoint])
+            self._checkpoints.discard(node.checkpoint)
             node.checkpoint = -1
             self.stats.checkpoints -= 1
         node.anchor = False
@@ -385,8 +431,11 @@ class PrefixCache:
            nothing (no checkpoint, and its window's SWA units still held by a request or
            another window) is kept.
         """
+        num_bytes = as_int("num_bytes", num_bytes)
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
         freed = FreedUnits()
-        if num_bytes <= 0:
+        if num_bytes == 0:
             return freed
         heap = [(self._priority(n), id(n), n) for n in self.tree.nodes() if self._evictable(n)]
         heapq.heapify(heap)
@@ -493,7 +542,19 @@ class PrefixCache:
             assert n.window_refs == refs[id(n)], f"page {n.page}: window count"
             assert n.swa == (n.window_refs > 0), f"page {n.page}: SWA hold != window cover"
             assert not n.swa or self.pool.swa_bound(n.page), f"page {n.page}: SWA not bound"
+        ckpts = [n.checkpoint for n in nodes if n.checkpoint >= 0]
+        assert set(ckpts) == self._checkpoints and len(ckpts) == len(set(ckpts)), "checkpoints"
         s = self.stats
         assert s.retained_swa_pages == sum(n.swa for n in nodes), "retained SWA gauge"
         assert s.checkpoints == sum(n.checkpoint >= 0 for n in nodes), "checkpoint gauge"
         assert s.anchors == sum(n.anchor for n in nodes), "anchor gauge"
+
+
+def _token_seq(name: str, tokens: object) -> Sequence[int]:
+    """``tokens`` if it is a sequence (sized and sliceable, not a string); ``ValueError``
+    otherwise. Token ids are checked where they are read (:meth:`RadixTree.key`)."""
+    if isinstance(tokens, (str, bytes)) or not (
+        hasattr(tokens, "__len__") and hasattr(tokens, "__getitem__")
+    ):
+        raise ValueError(f"{name} must be a sequence of token ids, got {type(tokens).__name__}")
+    return tokens  # type: ignore[return-value]

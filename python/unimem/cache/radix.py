@@ -8,6 +8,7 @@ puts in each node (a page id and what the cache holds there) and answers structu
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -63,9 +64,18 @@ class RadixTree:
         self.size = 0
 
     def key(self, tokens: Sequence[int], column: int) -> PageKey:
-        """The key of page column ``column`` of ``tokens`` (which must cover it)."""
+        """The key of page column ``column`` of ``tokens`` (which must cover it); ``ValueError``
+        if a token id there is not an integer."""
         p = self.page_size
-        return tuple(int(t) for t in tokens[column * p : (column + 1) * p])
+        try:
+            return tuple(map(operator.index, tokens[column * p : (column + 1) * p]))
+        except TypeError:
+            bad = next(
+                t for t in tokens[column * p : (column + 1) * p] if not hasattr(t, "__index__")
+            )
+            raise ValueError(
+                f"tokens[{column * p}:{(column + 1) * p}]: token ids must be ints, got {bad!r}"
+            ) from None
 
     def walk(self, tokens: Sequence[int]) -> list[Node]:
         """The longest path of existing nodes spelling a prefix of ``tokens`` (whole pages)."""
@@ -73,6 +83,18 @@ class RadixTree:
         node = self.root
         for c in range(len(tokens) // self.page_size):
             child = node.children.get(self.key(tokens, c))
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        return path
+
+    def walk_keys(self, keys: Sequence[PageKey]) -> list[Node]:
+        """The longest path of existing nodes whose keys are a prefix of ``keys``."""
+        path: list[Node] = []
+        node = self.root
+        for key in keys:
+            child = node.children.get(key)
             if child is None:
                 break
             path.append(child)

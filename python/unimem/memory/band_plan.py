@@ -146,10 +146,6 @@ class BandLayout:
             return [Side.DOWN]
         return sorted((Side.UP, Side.DOWN), key=lambda s: -self.room(i, s))
 
-    def gap_bytes(self) -> int:
-        covered = sum(b.size * b.unit_bytes for b in self.bands)
-        return self.arena_end - self.header_end - covered
-
     def check(self) -> None:
         """Raise AssertionError if bands overlap or leave the arena."""
         prev_hi = self.header_end

@@ -43,11 +43,6 @@ def align_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def unit_byte_offset(base: int, unit: int, unit_bytes: int, block_offset: int) -> int:
-    """Arena byte offset of a block: ``base + unit * unit_bytes + block_offset`` (exact int)."""
-    return base + unit * unit_bytes + block_offset
-
-
 def _check_align(align: int) -> None:
     if not isinstance(align, int) or align < BLOCK_ALIGN or align & (align - 1):
         raise ValueError(f"align must be a power of two >= {BLOCK_ALIGN}, got {align!r}")
@@ -166,14 +161,6 @@ class PageLayout:
     def num_lanes(self) -> int:
         return len(self.lanes)
 
-    def k_offset(self, lane: int) -> int:
-        """Byte offset of lane ``lane``'s K block inside the envelope."""
-        return self.k_offsets[lane]
-
-    def v_offset(self, lane: int) -> int:
-        """Byte offset of lane ``lane``'s V block inside the envelope."""
-        return self.v_offsets[lane]
-
     def k_block_bytes(self, lane: int) -> int:
         """Bytes of lane ``lane``'s K block: ``page_size * k_row_bytes``."""
         return self.page_size * self.lanes[lane].k_row_bytes
@@ -187,14 +174,6 @@ class PageLayout:
         V blocks, relative to the envelope start (padding excluded)."""
         k, v = self.k_offsets[lane], self.v_offsets[lane]
         return (k, k + self.k_block_bytes(lane)), (v, v + self.v_block_bytes(lane))
-
-    def k_byte_offset(self, base: int, unit: int, lane: int) -> int:
-        """Arena byte offset of unit ``unit``'s K block of ``lane`` in a band at ``base``."""
-        return unit_byte_offset(base, unit, self.unit_bytes, self.k_offsets[lane])
-
-    def v_byte_offset(self, base: int, unit: int, lane: int) -> int:
-        """Arena byte offset of unit ``unit``'s V block of ``lane`` in a band at ``base``."""
-        return unit_byte_offset(base, unit, self.unit_bytes, self.v_offsets[lane])
 
     def k_view(self, arena: torch.Tensor, base: int, num_units: int, lane: int) -> torch.Tensor:
         """K cache of ``lane`` over ``num_units`` pages from byte ``base``:
@@ -282,24 +261,12 @@ class SlotLayout:
     def num_lanes(self) -> int:
         return len(self.lanes)
 
-    def conv_offset(self, lane: int) -> int:
-        return self.conv_offsets[lane]
-
-    def ssm_offset(self, lane: int) -> int:
-        return self.ssm_offsets[lane]
-
     def block_byte_ranges(self, lane: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """``((conv_start, conv_end), (ssm_start, ssm_end))`` relative to the envelope
         (padding excluded)."""
         c, s = self.conv_offsets[lane], self.ssm_offsets[lane]
         spec = self.lanes[lane]
         return (c, c + spec.conv_bytes), (s, s + spec.ssm_bytes)
-
-    def conv_byte_offset(self, base: int, unit: int, lane: int) -> int:
-        return unit_byte_offset(base, unit, self.unit_bytes, self.conv_offsets[lane])
-
-    def ssm_byte_offset(self, base: int, unit: int, lane: int) -> int:
-        return unit_byte_offset(base, unit, self.unit_bytes, self.ssm_offsets[lane])
 
     def conv_view(self, arena: torch.Tensor, base: int, num_units: int, lane: int) -> torch.Tensor:
         """Conv state of ``lane`` over ``num_units`` slots: ``[num_units, *conv_shape]`` in

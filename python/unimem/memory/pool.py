@@ -34,10 +34,23 @@ cache — and the host counts them, per page and per kind:
   unit is never bound again (its bytes are gone).
 - State slots have one owner each: a request (``state_slot``) or the cache (a checkpoint
   made by ``save_state``, freed by ``free_states``).
+
+Misuse is refused before anything changes. Every public operation checks all of its
+arguments first — types, ranges, duplicates within one batch, handles that are not live — and
+raises ``ValueError`` naming the argument, leaving the pool exactly as it was. The checks are
+host work linear in the batch (no device read, no per-token loop):
+
+- a :class:`RequestMemory` is a *handle* with a ``generation``; ``release`` invalidates it, and
+  any later use of it is refused, whatever happened to its row since;
+- a request appears at most once per batch, a page at most once per list, a slot at most once;
+- what a live request holds cannot be let go through the sharing entry points: ``unref_pages``
+  drops only holds taken by ``ref_pages``, ``free_states`` frees only checkpoint slots (not a
+  request's own slot, not a slot that is not held — a second free is refused).
 """
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +75,8 @@ class RequestMemory:
     matched prefix); ``swa_start``: the request holds the SWA units of columns from
     ``swa_start`` on, not before (they were retired, or never needed: a resumed request starts
     at the first column of its window); ``state_slot``: virtual state slot (-1 when no STATE
-    layers).
+    layers); ``generation``: which admission of its pool made this handle (unique per pool).
+    The pool accepts a handle only while it is live: from ``admit`` until ``release``.
     """
 
     row: int
@@ -70,9 +84,7 @@ class RequestMemory:
     pages: list[int] = field(default_factory=list)
     swa_start: int = 0
     shared: int = 0
-
-    def capacity_tokens(self, page_size: int) -> int:
-        return len(self.pages) * page_size
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,8 +132,50 @@ class MemoryStats:
     retired_swa_pages: int = 0
 
 
+def _count(counts: dict[int, int], ids: list[int], delta: int) -> None:
+    """Add ``delta`` to ``counts[i]`` for each id; drop entries that reach 0."""
+    for i in ids:
+        n = counts.get(i, 0) + delta
+        if n:
+            counts[i] = n
+        else:
+            del counts[i]
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
+
+
+def as_int(name: str, value: object) -> int:
+    """``value`` as an int; ``ValueError`` naming ``name`` for anything else (bools, floats,
+    tensors included)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def as_list(name: str, values: object) -> list:
+    """``values`` (any finite iterable but a string) as a list; ``ValueError`` otherwise."""
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence, got {type(values).__name__}")
+    try:
+        return list(values)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence, got {type(values).__name__}") from None
+
+
+def as_ids(name: str, values: object) -> list[int]:
+    """A list of distinct ints (page ids, slot ids); ``ValueError`` naming ``name`` else."""
+    ids = [as_int(f"{name}[{i}]", v) for i, v in enumerate(as_list(name, values))]
+    if len(set(ids)) != len(ids):
+        seen: set[int] = set()
+        for i, v in enumerate(ids):
+            if v in seen:
+                raise ValueError(f"{name}[{i}]: id {v} appears twice in one call")
+            seen.add(v)
+    return ids
 
 
 class MemoryPool(ABC):
@@ -130,6 +184,10 @@ class MemoryPool(ABC):
     def __init__(
         self, spec: MemorySpec, max_requests: int, max_context: int, device: torch.device
     ) -> None:
+        if not isinstance(spec, MemorySpec):
+            raise ValueError(f"spec must be a MemorySpec, got {type(spec).__name__}")
+        max_requests = as_int("max_requests", max_requests)
+        max_context = as_int("max_context", max_context)
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         if max_context < 1:
@@ -153,12 +211,108 @@ class MemoryPool(ABC):
         # Holders per page (host counts; a page absent from a dict has no holder of that kind).
         self._full_refs: dict[int, int] = {}
         self._swa_refs: dict[int, int] = {}
+        # The part of those counts taken through ``ref_pages`` (the only holds ``unref_pages``
+        # may drop: the rest belong to requests and go with ``release``).
+        self._shared_full: dict[int, int] = {}
+        self._shared_swa: dict[int, int] = {}
+        # Live handles by row, their state slots (slot -> row), and the last generation made.
+        self._live: dict[int, RequestMemory] = {}
+        self._request_slots: dict[int, int] = {}
+        self._generation = 0
 
     # --- tables readers translate through ------------------------------------------------------
 
     full_v2p: torch.Tensor | None
     swa_v2p: torch.Tensor | None
     state_v2p: torch.Tensor | None
+
+    # --- argument checks (host only, linear in the batch) ---------------------------------------
+
+    def check_request(self, req: object, name: str = "req") -> RequestMemory:
+        """``req`` if it is a live handle of this pool; ``ValueError`` naming ``name`` if it is
+        not a handle, was released (stale, whatever its row holds now) or is another pool's."""
+        if not isinstance(req, RequestMemory):
+            raise ValueError(f"{name} must be a RequestMemory, got {type(req).__name__}")
+        live = self._live.get(req.row) if type(req.row) is int else None
+        if live is not req:
+            now = (
+                f"row {req.row} now holds generation {live.generation}"
+                if live is not None
+                else f"row {req.row} is not in use"
+            )
+            raise ValueError(
+                f"{name} is not a live request handle of this pool (generation "
+                f"{req.generation}; released, or never admitted here): {now}"
+            )
+        return req
+
+    def _check_batch(self, name: str, batch: object, what: str) -> list[tuple[RequestMemory, int]]:
+        """``batch`` as ``(live handle, int)`` pairs, each request at most once."""
+        out: list[tuple[RequestMemory, int]] = []
+        rows: set[int] = set()
+        for i, item in enumerate(as_list(name, batch)):
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise ValueError(f"{name}[{i}] must be a (request, {what}) pair, got {item!r}")
+            req = self.check_request(item[0], f"{name}[{i}]")
+            if req.row in rows:
+                raise ValueError(f"{name}[{i}]: the request at row {req.row} appears twice")
+            rows.add(req.row)
+            out.append((req, as_int(f"{name}[{i}] {what}", item[1])))
+        return out
+
+    def _check_requests(self, name: str, reqs: object) -> list[RequestMemory]:
+        """``reqs`` as live handles, each at most once."""
+        out: list[RequestMemory] = []
+        rows: set[int] = set()
+        for i, req in enumerate(as_list(name, reqs)):
+            self.check_request(req, f"{name}[{i}]")
+            if req.row in rows:
+                raise ValueError(f"{name}[{i}]: the request at row {req.row} appears twice")
+            rows.add(req.row)
+            out.append(req)
+        return out
+
+    def _check_slot(self, name: str, slot: object) -> int:
+        """``slot`` if it is a held state slot (an int); ``ValueError`` naming ``name``."""
+        s = as_int(name, slot)
+        if not self._has_state:
+            raise ValueError(f"{name}: the model has no STATE layers: there are no state slots")
+        if not self._holds_state(s):
+            raise ValueError(f"{name}: state slot {s} is not held (never made, or freed)")
+        return s
+
+    def check_checkpoint(self, slot: object, name: str = "slot") -> int:
+        """``slot`` if it is a held state slot that no live request owns (a checkpoint, which
+        ``free_states`` may free); ``ValueError`` naming ``name`` otherwise."""
+        s = self._check_slot(name, slot)
+        row = self._request_slots.get(s)
+        if row is not None:
+            raise ValueError(
+                f"{name}: state slot {s} is the own slot of the live request at row {row}: "
+                f"only release lets it go"
+            )
+        return s
+
+    @staticmethod
+    def _check_count(name: str, n: object) -> int:
+        n = as_int(name, n)
+        if n < 0:
+            raise ValueError(f"{name} must be >= 0, got {n}")
+        return n
+
+    @staticmethod
+    def _view(views: dict, key: object, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return views[key]
+        except (KeyError, TypeError):
+            have = ", ".join(repr(k) for k in views)
+            raise ValueError(f"{name}: no view {key!r} in this pool (it has {have})") from None
+
+    def _check_tokens(self, name: str, tokens: object) -> int:
+        tokens = as_int(name, tokens)
+        if not 1 <= tokens <= self.max_context:
+            raise ValueError(f"{name} must be in [1, max_context={self.max_context}], got {tokens}")
+        return tokens
 
     # --- request lifecycle ---------------------------------------------------------------------
 
@@ -175,22 +329,32 @@ class MemoryPool(ABC):
         the prefix is not held as promised (a page without holders, a needed SWA unit
         retired, a checkpoint slot not taken): resuming there would read the sink.
         """
-        self._check_tokens(num_tokens)
-        shared = list(prefix.pages) if prefix is not None else []
-        k = len(shared)
-        if k * self.page_size > num_tokens:
-            raise ValueError(f"{num_tokens} tokens do not cover the {k}-page shared prefix")
-        swa_start = self.swa_stop(k * self.page_size, k) if prefix is not None else 0
+        num_tokens = self._check_tokens("num_tokens", num_tokens)
+        shared: list[int] = []
+        swa_start = 0
         if prefix is not None:
+            if not isinstance(prefix, SharedPrefix):
+                raise ValueError(f"prefix must be a SharedPrefix, got {type(prefix).__name__}")
+            shared = as_ids("prefix.pages", prefix.pages)
+            k = len(shared)
+            if k * self.page_size > num_tokens:
+                raise ValueError(
+                    f"num_tokens {num_tokens} does not cover the {k}-page shared prefix "
+                    f"({k * self.page_size} tokens)"
+                )
+            swa_start = self.swa_stop(k * self.page_size, k)
             self._check_prefix(prefix, swa_start)
+        k = len(shared)
         if self._rows.free == 0:
             return None
+        self._generation += 1
         req = RequestMemory(
             row=self._rows.take(1)[0],
             state_slot=-1,
             pages=list(shared),
             swa_start=swa_start,
             shared=k,
+            generation=self._generation,
         )
         n = pages_for(num_tokens, self.page_size) - k
         slots = self._alloc([(req, n)] if n else [], 1 if self._has_state else 0)
@@ -198,21 +362,24 @@ class MemoryPool(ABC):
             self._rows.give([req.row])
             return None
         self._hold_fresh(req.pages[k:])
+        self._live[req.row] = req
         if self._has_state:
             req.state_slot = slots[0]
+            self._request_slots[req.state_slot] = req.row
         if prefix is not None and k:
             self._add_refs(shared, shared[swa_start:] if self._has_swa else [])
             self._write_pages(shared, [req.row] * k, list(range(k)))
         if prefix is not None and self._has_state:
-            self.copy_states([prefix.checkpoint], [req.state_slot])
+            self._copy_states([prefix.checkpoint], [req.state_slot])
         self._update_usage()
         return req
 
     def grow(self, batch: Sequence[tuple[RequestMemory, int]]) -> bool:
-        """Give every request pages for its target token count; all or nothing."""
+        """Give every request pages for its target token count (``1..max_context``); all or
+        nothing. A target the request already covers needs nothing."""
         todo = []
-        for req, tokens in batch:
-            self._check_tokens(tokens)
+        for i, (req, tokens) in enumerate(self._check_batch("batch", batch, "tokens")):
+            self._check_tokens(f"batch[{i}] tokens", tokens)
             n = pages_for(tokens, self.page_size) - len(req.pages)
             if n > 0:
                 todo.append((req, n))
@@ -226,10 +393,6 @@ class MemoryPool(ABC):
         self._update_usage()
         return True
 
-    def _check_tokens(self, tokens: int) -> None:
-        if tokens > self.max_context:
-            raise ValueError(f"{tokens} tokens exceed max_context {self.max_context}")
-
     def swa_stop(self, pos: int, num_pages: int) -> int:
         """The first page column a request whose next query sits at ``pos`` still attends to
         through its SWA layers (0 without SWA), capped at ``num_pages``: tokens at positions
@@ -242,15 +405,22 @@ class MemoryPool(ABC):
     def retire_swa(self, batch: Sequence[tuple[RequestMemory, int]]) -> int:
         """Drop each request's hold on the SWA units wholly behind its window.
 
-        ``batch`` pairs a request with the position of its next query (its committed length);
-        columns below ``swa_stop(pos)`` are let go. A unit is unbound when its last holder lets
-        go (one launch for the batch); a unit the prefix cache keeps stays bound. Returns the
-        number of columns the requests let go.
+        ``batch`` pairs a request with the position of its next query (its committed length,
+        ``0..`` the tokens its pages hold); columns below ``swa_stop(pos)`` are let go. A unit
+        is unbound when its last holder lets go (one launch for the batch); a unit the prefix
+        cache keeps stays bound. Returns the number of columns the requests let go.
         """
+        items = self._check_batch("batch", batch, "pos")
+        for i, (req, pos) in enumerate(items):
+            cap = len(req.pages) * self.page_size
+            if not 0 <= pos <= cap:
+                raise ValueError(
+                    f"batch[{i}] pos must be in [0, {cap}] (the tokens its pages hold), got {pos}"
+                )
         if not self._has_swa:
             return 0
         drop: list[int] = []
-        for req, pos in batch:
+        for req, pos in items:
             stop = self.swa_stop(pos, len(req.pages))
             drop += req.pages[req.swa_start : stop]
             req.swa_start = max(req.swa_start, stop)
@@ -261,8 +431,10 @@ class MemoryPool(ABC):
         return len(drop)
 
     def release(self, reqs: Sequence[RequestMemory]) -> FreedUnits:
-        """Drop everything the requests hold and return their rows. Pages someone else still
-        holds (the prefix cache, another request) stay bound. Returns what was unbound."""
+        """Drop everything the requests hold and return their rows; their handles are stale
+        from now on. Pages someone else still holds (the prefix cache, another request) stay
+        bound. Returns what was unbound."""
+        reqs = self._check_requests("reqs", reqs)
         full: list[int] = []
         swa: list[int] = []
         for req in reqs:
@@ -272,6 +444,8 @@ class MemoryPool(ABC):
         slots = [req.state_slot for req in reqs if req.state_slot >= 0]
         freed = self._drop_refs(full, swa, slots)
         for req in reqs:
+            del self._live[req.row]
+            self._request_slots.pop(req.state_slot, None)
             self._rows.give([req.row])
             req.pages = []
             req.swa_start = 0
@@ -297,74 +471,132 @@ class MemoryPool(ABC):
 
     def ref_pages(self, pages: Iterable[int], swa: Iterable[int] = ()) -> None:
         """Add a holder to the FULL unit of each of ``pages`` and to the SWA unit of each of
-        ``swa``. Host only. Raises ``ValueError`` for a page that is not bound (a unit cannot
-        be revived once let go): callers share only what someone still holds."""
-        pages, swa = list(pages), list(swa)
-        for p in pages:
+        ``swa`` (each page at most once per list). Host only. Raises ``ValueError`` for a page
+        that is not bound (a unit cannot be revived once let go: callers share only what
+        someone still holds) and for an SWA hold without a FULL hold of the same holder."""
+        pages, swa = as_ids("pages", pages), as_ids("swa", swa)
+        if swa and not self._has_swa:
+            raise ValueError("swa: the model has no SWA layers")
+        for i, p in enumerate(pages):
             if p not in self._full_refs:
-                raise ValueError(f"page {p} has no holder: it cannot be shared")
-        for p in swa:
+                raise ValueError(f"pages[{i}]: page {p} has no holder: it cannot be shared")
+        new_full = set(pages)
+        for i, p in enumerate(swa):
             if p not in self._swa_refs:
-                raise ValueError(f"the SWA unit of page {p} is not bound: it cannot be shared")
+                raise ValueError(
+                    f"swa[{i}]: the SWA unit of page {p} is not bound: it cannot be shared"
+                )
+            full = self._shared_full.get(p, 0) + (p in new_full)
+            if self._shared_swa.get(p, 0) + 1 > full:
+                raise ValueError(
+                    f"swa[{i}]: page {p}: an SWA hold needs a FULL hold of the same holder "
+                    f"(ref the page in pages too)"
+                )
+        _count(self._shared_full, pages, 1)
+        _count(self._shared_swa, swa, 1)
         self._add_refs(pages, swa)
 
     def unref_pages(self, pages: Iterable[int], swa: Iterable[int] = ()) -> FreedUnits:
-        """Drop one holder from the FULL unit of each of ``pages`` and the SWA unit of each of
-        ``swa``; unbinds what no one holds any more (one launch per kind). A page's SWA hold
-        must be dropped no later than its FULL hold."""
-        freed = self._drop_refs(list(pages), list(swa))
+        """Drop one holder taken by :meth:`ref_pages` from the FULL unit of each of ``pages``
+        and the SWA unit of each of ``swa``; unbinds what no one holds any more (one launch
+        per kind). A page's SWA hold must be dropped no later than its FULL hold. Raises
+        ``ValueError`` for a hold ``ref_pages`` did not take: what a request holds goes with
+        ``release`` / ``retire_swa``."""
+        pages, swa = as_ids("pages", pages), as_ids("swa", swa)
+        for name, ids, shared in (
+            ("pages", pages, self._shared_full),
+            ("swa", swa, self._shared_swa),
+        ):
+            for i, p in enumerate(ids):
+                if shared.get(p, 0) < 1:
+                    what = "" if name == "pages" else "SWA unit of "
+                    raise ValueError(
+                        f"{name}[{i}]: no holder taken by ref_pages holds the {what}page {p} "
+                        f"(a request's holds go with release and retire_swa)"
+                    )
+        dropped_swa = set(swa)
+        for i, p in enumerate(pages):
+            if self._shared_swa.get(p, 0) - (p in dropped_swa) > self._shared_full[p] - 1:
+                raise ValueError(
+                    f"pages[{i}]: page {p}'s SWA hold must be dropped no later than its FULL "
+                    f"hold (pass it in swa too)"
+                )
+        _count(self._shared_full, pages, -1)
+        _count(self._shared_swa, swa, -1)
+        freed = self._drop_refs(pages, swa)
         self._update_usage()
         return freed
 
     def save_state(self, slot: int) -> int | None:
         """A new state slot, owned by the caller, holding a device copy of slot ``slot``'s
-        state (a checkpoint); None if no slot fits (nothing changes then). Free it with
-        :meth:`free_states`. Draft lanes of STATE ride along (they are part of the slot)."""
+        state (a checkpoint); None if no slot fits (nothing changes then). ``slot`` must be
+        held (a request's slot or a checkpoint). Free it with :meth:`free_states`. Draft lanes
+        of STATE ride along (they are part of the slot)."""
         if not self._has_state:
             raise ValueError("the model has no STATE layers: there is no state to save")
+        src = self._check_slot("slot", slot)
         slots = self._alloc([], 1)
         if slots is None:
             return None
-        self.copy_states([slot], slots)
+        self._copy_states([src], slots)
         self._update_usage()
         return slots[0]
 
     def free_states(self, slots: Sequence[int]) -> FreedUnits:
-        """Unbind state slots made by :meth:`save_state` (one launch)."""
-        freed = self._drop_refs([], [], list(slots))
+        """Unbind state slots made by :meth:`save_state` (one launch). Each must be held and
+        listed once, and none may be a live request's own slot (``release`` frees those): a
+        slot freed twice is refused."""
+        ids = as_ids("slots", slots)
+        for i, s in enumerate(ids):
+            self.check_checkpoint(s, f"slots[{i}]")
+        freed = self._drop_refs([], [], ids)
         self._update_usage()
         return freed
 
     def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy the bytes of state slot ``src[i]`` onto slot ``dst[i]`` (virtual slots; the
         physical ones are gathered on the device through ``state_v2p``: no host read). One
-        launch. Slots must be bound and ``dst`` distinct from ``src``."""
+        launch. Slots must be held, ``dst`` distinct and disjoint from ``src``."""
+        src_ids = [self._check_slot(f"src[{i}]", v) for i, v in enumerate(as_list("src", src))]
+        dst_ids = [self._check_slot(f"dst[{i}]", v) for i, v in enumerate(as_ids("dst", dst))]
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"copy_states: {len(src_ids)} sources, {len(dst_ids)} destinations")
+        both = set(src_ids) & set(dst_ids)
+        if both:
+            raise ValueError(f"dst: slot {min(both)} is also a source")
+        self._copy_states(src_ids, dst_ids)
+
+    def _copy_states(self, src: list[int], dst: list[int]) -> None:
         n = len(src)
-        if n != len(dst):
-            raise ValueError(f"copy_states: {n} sources, {len(dst)} destinations")
         if n == 0:
             return
-        ids = self.physical_state_slots(upload_int32(list(src) + list(dst), self.device))
+        ids = self.physical_state_slots(upload_int32(src + dst, self.device))
         buf, base = self._unit_buffer(LayerKind.STATE)
         ub = self.layout.unit_bytes(LayerKind.STATE)
         uk.copy_units(buf, base, ub, ids[:n].contiguous(), ids[n:].contiguous())
 
     def _check_prefix(self, prefix: SharedPrefix, swa_start: int) -> None:
-        k = len(prefix.pages)
+        pages = as_ids("prefix.pages", prefix.pages)
+        k = len(pages)
         if k == 0:
-            raise ValueError("a shared prefix needs at least one page")
+            raise ValueError("prefix.pages: a shared prefix needs at least one page")
         if k > self.max_pages_per_request:
-            raise ValueError(f"a {k}-page prefix exceeds {self.max_pages_per_request} pages")
-        for c, p in enumerate(prefix.pages):
+            raise ValueError(
+                f"prefix.pages: a {k}-page prefix exceeds {self.max_pages_per_request} pages"
+            )
+        for c, p in enumerate(pages):
             if p not in self._full_refs:
-                raise ValueError(f"prefix column {c}: page {p} has no holder")
+                raise ValueError(f"prefix.pages[{c}]: page {p} has no holder")
             if self._has_swa and c >= swa_start and p not in self._swa_refs:
                 raise ValueError(
-                    f"prefix column {c}: page {p}'s SWA unit is retired but lies in the "
+                    f"prefix.pages[{c}]: page {p}'s SWA unit is retired but lies in the "
                     f"window behind the resume point (columns {swa_start}..{k - 1})"
                 )
-        if self._has_state and not self._holds_state(prefix.checkpoint):
-            raise ValueError(f"prefix checkpoint {prefix.checkpoint} is not a held state slot")
+        ckpt = as_int("prefix.checkpoint", prefix.checkpoint)
+        if self._has_state and not self._holds_state(ckpt):
+            raise ValueError(f"prefix.checkpoint {ckpt} is not a held state slot")
+        if not self._has_state and ckpt != -1:
+            raise ValueError(f"prefix.checkpoint must be -1 without STATE layers, got {ckpt}")
 
     # --- host reference counts -------------------------------------------------------------------
 
@@ -384,12 +616,11 @@ class MemoryPool(ABC):
     def _drop_refs(self, full: list[int], swa: list[int], slots: Sequence[int] = ()) -> FreedUnits:
         """Drop one holder per entry (SWA first, then FULL), then unbind the units that lost
         their last holder together with ``slots``. Each unit is unbound at most once, so a
-        page shared by two released requests is pushed once."""
+        page shared by two released requests is pushed once. Callers have checked that every
+        entry has a holder to drop."""
         swa_free: list[int] = []
         for p in swa:
-            n = self._swa_refs.get(p, 0) - 1
-            if n < 0:
-                raise RuntimeError(f"SWA unit of page {p} released without a holder")
+            n = self._swa_refs[p] - 1
             if n:
                 self._swa_refs[p] = n
             else:
@@ -397,14 +628,10 @@ class MemoryPool(ABC):
                 swa_free.append(p)
         full_free: list[int] = []
         for p in full:
-            n = self._full_refs.get(p, 0) - 1
-            if n < 0:
-                raise RuntimeError(f"page {p} released without a holder")
+            n = self._full_refs[p] - 1
             if n:
                 self._full_refs[p] = n
                 continue
-            if p in self._swa_refs:
-                raise RuntimeError(f"page {p}: last FULL holder gone while its SWA unit is held")
             del self._full_refs[p]
             full_free.append(p)
         if full_free or swa_free or slots:

@@ -17,7 +17,7 @@ import unimem_kernel as uk
 from unimem.memory.host_ids import HostIdPool
 from unimem.memory.id_space import IdSpace
 from unimem.memory.layout import MemoryLayout
-from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, pages_for
+from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, as_int, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
 
@@ -46,8 +46,16 @@ class StaticMemory(MemoryPool):
         }
         self.kinds = spec.kinds
         for k in self.kinds:
+            counts[k] = as_int(
+                f"num_{k.value}_{'slots' if k is LayerKind.STATE else 'pages'}", counts[k]
+            )
             if counts[k] < 1:
                 raise ValueError(f"StaticMemory needs at least one {k.value} unit, got {counts[k]}")
+        num_full_pages, num_swa_pages, num_state_slots = (
+            counts[LayerKind.FULL],
+            counts[LayerKind.SWA],
+            counts[LayerKind.STATE],
+        )
         lay = self.layout
         fill = POISON_BYTE if poison else 0
         self.pools: dict[LayerKind, torch.Tensor] = {}
@@ -125,10 +133,10 @@ class StaticMemory(MemoryPool):
     # --- views -----------------------------------------------------------------------------------
 
     def kv_cache(self, kind: LayerKind, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kv_views[(kind, lane)]
+        return self._view(self._kv_views, (kind, lane), "(kind, lane)")
 
     def state_cache(self, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._state_views[lane]
+        return self._view(self._state_views, lane, "lane")
 
     # --- counts ----------------------------------------------------------------------------------
 
@@ -144,8 +152,8 @@ class StaticMemory(MemoryPool):
     def fits_alone(self, num_tokens: int, swa_tokens: int) -> bool:
         p = self.page_size
         need = {
-            LayerKind.FULL: pages_for(num_tokens, p),
-            LayerKind.SWA: pages_for(swa_tokens, p),
+            LayerKind.FULL: pages_for(self._check_count("num_tokens", num_tokens), p),
+            LayerKind.SWA: pages_for(self._check_count("swa_tokens", swa_tokens), p),
             LayerKind.STATE: 1,
         }
         return all(need[k] <= self.capacity[k] for k in self.kinds)

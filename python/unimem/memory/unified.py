@@ -27,7 +27,7 @@ import unimem_kernel as uk
 from unimem.memory.band_plan import Action, BandLayout, BandState, Compact, Extend, Reanchor, Side
 from unimem.memory.host_ids import HostIdPool
 from unimem.memory.id_space import IdSpace
-from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, pages_for
+from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, as_int, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
 
@@ -35,8 +35,53 @@ ADDRESS_ORDER = (LayerKind.STATE, LayerKind.SWA, LayerKind.FULL)
 """Bands from the low end of the arena to the high end."""
 
 
+def _empty_layout(
+    kinds: list[LayerKind],
+    unit_bytes: dict[LayerKind, int],
+    base: dict[LayerKind, int],
+    header: int,
+    arena_end: int,
+) -> BandLayout:
+    """The bands of an empty arena of ``arena_end`` bytes, each anchored where it grows."""
+    bands = BandLayout(
+        [BandState(k.value, unit_bytes[k], base[k], 0, 0, 0) for k in kinds], header, arena_end
+    )
+    for i in range(len(kinds)):
+        bands.apply(Reanchor(i, bands._anchor_for(i)))
+    return bands
+
+
+def _fits_minimal(kinds, unit_bytes, base, header, arena_end, demands) -> bool:
+    """Whether an empty arena of ``arena_end`` bytes can plan ``demands`` (host only)."""
+    if arena_end < header + sum(unit_bytes.values()):
+        return False
+    return _empty_layout(kinds, unit_bytes, base, header, arena_end).plan(demands) is not None
+
+
+def _minimal_arena_bytes(kinds, unit_bytes, base, header, demands) -> int:
+    """The smallest arena size (a multiple of 16) whose empty bands can plan ``demands``:
+    the sinks plus one unit of each kind, plus what the bands' unit grids waste at their
+    boundaries (bisection from a size that always fits: twice every unit)."""
+    lo = header + sum(unit_bytes.values())
+    lo += -lo % 16
+    hi = lo + 2 * sum(unit_bytes.values())
+    hi += -hi % 16
+    while not _fits_minimal(kinds, unit_bytes, base, header, hi, demands):
+        hi *= 2
+    while lo < hi:
+        mid = (lo + hi) // 32 * 16
+        if _fits_minimal(kinds, unit_bytes, base, header, mid, demands):
+            hi = mid
+        else:
+            lo = mid + 16
+    return lo
+
+
 class UnifiedMemory(MemoryPool):
-    """One arena of ``arena_bytes`` whose split between kinds follows the workload.
+    """One arena of ``arena_bytes`` whose split between kinds follows the workload. The arena
+    must hold at least one minimal request (one page of every attention kind and one state
+    slot, draft lanes included): the constructor refuses a smaller one, naming the bytes
+    needed.
 
     ``poison``: fill free units with NaN bytes (and evacuated ones after a move), so that a
     read of memory nobody owns shows up as NaN. Debug and test use.
@@ -56,6 +101,7 @@ class UnifiedMemory(MemoryPool):
         lay = self.layout
         kinds = [k for k in ADDRESS_ORDER if spec.has(k)]
         ub = {k: lay.unit_bytes(k) for k in kinds}
+        arena_bytes = as_int("arena_bytes", arena_bytes)
         arena_end = arena_bytes - arena_bytes % 16
         self.base: dict[LayerKind, int] = {}
         header = 0
@@ -66,11 +112,15 @@ class UnifiedMemory(MemoryPool):
         if LayerKind.STATE in ub:
             self.base[LayerKind.STATE] = header
         self.header_bytes = header
-        smallest = header + sum(ub.values())
-        if arena_end < smallest:
+        self.kinds = kinds
+        self._band_index = {k: i for i, k in enumerate(kinds)}
+        geometry = (kinds, ub, self.base, header)
+        if not _fits_minimal(*geometry, arena_end, self._demands(1, 1)):
+            need = _minimal_arena_bytes(*geometry, self._demands(1, 1))
             raise ValueError(
-                f"arena_bytes {arena_bytes} is too small: the sinks and one unit of each kind "
-                f"need {smallest} bytes"
+                f"arena_bytes {arena_bytes} is too small: the sinks and one minimal request (one "
+                f"page of every attention kind, one state slot, draft lanes included) need "
+                f"{need} bytes"
             )
         self.arena_bytes = arena_end
         self.stats.capacity_bytes = arena_end
@@ -78,7 +128,6 @@ class UnifiedMemory(MemoryPool):
         self.arena = torch.full((arena_end,), fill, dtype=torch.uint8, device=self.device)
         self.arena[:header].zero_()
 
-        self.kinds = kinds
         self.spaces: dict[LayerKind, IdSpace] = {}
         # Virtual ids: as many as physical units could ever be bound at once (plus the
         # never-handed-out id 0). Pages and slots held by the prefix cache need ids beyond
@@ -89,13 +138,7 @@ class UnifiedMemory(MemoryPool):
         for k in kinds:
             num_virt = num_virtual_slots if k is LayerKind.STATE else num_virtual_pages
             self.spaces[k] = IdSpace(k.value, num_virt, num_phys[k], self.device)
-        self.bands = BandLayout(
-            [BandState(k.value, ub[k], self.base[k], 0, 0, 0) for k in kinds], header, arena_end
-        )
-        for i in range(len(kinds)):
-            at = self.bands._anchor_for(i)
-            self.bands.apply(Reanchor(i, at))
-        self._band_index = {k: i for i, k in enumerate(kinds)}
+        self.bands = _empty_layout(*geometry, arena_end)
         self._empty_bands = self.bands.copy()
         self._vpages = HostIdPool(1, num_virtual_pages - 1)
         self._vslots = HostIdPool(1, num_virtual_slots - 1)
@@ -130,10 +173,10 @@ class UnifiedMemory(MemoryPool):
     # --- views -----------------------------------------------------------------------------------
 
     def kv_cache(self, kind: LayerKind, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kv_views[(kind, lane)]
+        return self._view(self._kv_views, (kind, lane), "(kind, lane)")
 
     def state_cache(self, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._state_views[lane]
+        return self._view(self._state_views, lane, "lane")
 
     # --- counts ----------------------------------------------------------------------------------
 
@@ -145,13 +188,23 @@ class UnifiedMemory(MemoryPool):
 
     def fits_alone(self, num_tokens: int, swa_tokens: int) -> bool:
         p = self.page_size
-        need = {
-            LayerKind.FULL: pages_for(num_tokens, p),
-            LayerKind.SWA: pages_for(swa_tokens, p),
-            LayerKind.STATE: 1,
-        }
-        demands = [(self._band_index[k], need[k]) for k in self.kinds]
-        return self._empty_bands.plan(demands) is not None
+        full = pages_for(self._check_count("num_tokens", num_tokens), p)
+        swa = pages_for(self._check_count("swa_tokens", swa_tokens), p)
+        return self._empty_bands.plan(self._demands(full, 1, swa)) is not None
+
+    def _demands(self, n_pages: int, n_slots: int, n_swa: int | None = None) -> list:
+        """Band demands of ``n_pages`` FULL pages, ``n_swa`` SWA pages (default: as many) and
+        ``n_slots`` state slots, in the order ``_alloc`` plans them."""
+        n_swa = n_pages if n_swa is None else n_swa
+        out = []
+        for kind, n in (
+            (LayerKind.FULL, n_pages),
+            (LayerKind.SWA, n_swa),
+            (LayerKind.STATE, n_slots),
+        ):
+            if n and kind in self._band_index:
+                out.append((self._band_index[kind], n))
+        return out
 
     # --- allocation ------------------------------------------------------------------------------
 
@@ -159,14 +212,7 @@ class UnifiedMemory(MemoryPool):
         n_pages = sum(n for _, n in todo)
         if n_pages > self._vpages.free or n_slots > self._vslots.free:
             return None
-        demands = []
-        if n_pages:
-            demands.append((self._band_index[LayerKind.FULL], n_pages))
-            if LayerKind.SWA in self._band_index:
-                demands.append((self._band_index[LayerKind.SWA], n_pages))
-        if n_slots:
-            demands.append((self._band_index[LayerKind.STATE], n_slots))
-        plan = self.bands.plan(demands)
+        plan = self.bands.plan(self._demands(n_pages, n_slots))
         if plan is None:
             return None
         for act in plan:
@@ -261,14 +307,21 @@ class UnifiedMemory(MemoryPool):
     # --- explicit compaction ---------------------------------------------------------------------
 
     def compact(self, kind: LayerKind, side: Side | None = None) -> int:
-        """Evacuate every hole of band ``kind`` at ``side`` (default: the side it grows at):
-        its live units move into its holes and the band shrinks to its live size, returning
-        the freed bytes to the gap. Returns the number of units given up."""
+        """Evacuate every hole of band ``kind`` at ``side`` (default: the side it grows at; a
+        middle band may use either): its live units move into its holes and the band shrinks
+        to its live size, returning the freed bytes to the gap. Returns the number of units
+        given up."""
+        if not isinstance(kind, LayerKind) or kind not in self._band_index:
+            have = ", ".join(k.name for k in self.kinds)
+            raise ValueError(f"kind: the arena has no {kind!r} band (it has {have})")
         i = self._band_index[kind]
+        sides = self.bands.sides(i)
+        if side is not None and side not in sides:
+            allowed = ", ".join(s.name for s in sides)
+            raise ValueError(f"side: the {kind.name} band grows at {allowed}, not {side!r}")
         band = self.bands.bands[i]
         k = band.free
         if k == 0:
             return 0
-        side = side if side is not None else self.bands.sides(i)[0]
-        self._execute(Compact(i, side, k))
+        self._execute(Compact(i, side if side is not None else sides[0], k))
         return k
