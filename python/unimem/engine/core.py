@@ -145,6 +145,12 @@ class EngineCore:
         self.scheduler.add(req)
         return req
 
+    def abort(self, req: Request) -> bool:
+        """Stop ``req`` between steps, whatever its state: its memory comes back and any of
+        its results still in flight are dropped (``Scheduler.abort``). False if it had
+        already finished."""
+        return self.scheduler.abort(req)
+
     def _swa_peak_tokens(self, total: int) -> int:
         """Most SWA tokens a request holds at once: its window behind the oldest query of a
         step plus the step's chunk, page-rounded."""

@@ -81,6 +81,7 @@ class Request:
     primed: bool = False
     stop_token_ids: frozenset[int] = frozenset()
     stopped: bool = False
+    aborted: bool = False
     output_logprobs: list[float] = field(default_factory=list)
 
     def append_output(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
@@ -97,7 +98,10 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """ "stop" (a stop token), "length" (``max_new_tokens``), or None while running."""
+        """``"abort"`` (aborted), ``"stop"`` (a stop token), ``"length"``
+        (``max_new_tokens``), or None while running."""
+        if self.aborted:
+            return "abort"
         if self.stopped:
             return "stop"
         return "length" if len(self.output) >= self.max_new_tokens else None
@@ -111,13 +115,8 @@ class Request:
         return len(self.prompt) + len(self.output)
 
     @property
-    def max_total_tokens(self) -> int:
-        """Tokens whose K/V the request holds at most (the last output is never fed)."""
-        return len(self.prompt) + self.max_new_tokens - 1
-
-    @property
     def finished(self) -> bool:
-        return self.stopped or len(self.output) >= self.max_new_tokens
+        return self.aborted or self.stopped or len(self.output) >= self.max_new_tokens
 
     # --- where the request stands on the device (with a step in flight) -----------------------
 

@@ -128,6 +128,25 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def abort(self, req: Request) -> bool:
+        """Finish ``req`` now (``finish_reason`` "abort"): a waiting request leaves the queue;
+        a running one releases its memory — launched in stream order after its steps in
+        flight, whose results are then dropped. False if it had already finished."""
+        if req.status is RequestStatus.FINISHED:
+            return False
+        req.aborted = True
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.pool.release([req.mem])
+            self._drop_inflight(req)
+            req.mem = None
+            self.running.remove(req)
+            self._admission_paused = False
+        req.status = RequestStatus.FINISHED
+        self.finished.append(req)
+        return True
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
