@@ -15,11 +15,9 @@ from unimem.validate.protocol import (
     ValidateConfig,
     bench,
     bench_config,
-    format_table,
-    passed,
     validate,
-    write_json,
 )
+from unimem.validate.report import format_table, passed, write_json
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -43,9 +43,7 @@ the model's dtype is reported as explained.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -66,6 +64,7 @@ from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
 from unimem.speculative.drafter import DsparkDrafter
+from unimem.validate.report import ProgressBar
 
 MB = 1 << 20
 
@@ -810,119 +809,3 @@ def _margin(model: CausalLM, prefix: list[int]) -> dict:
 def _header(static: StaticMemory) -> int:
     """Bytes of the unified arena's sinks (so the default arena holds what static holds)."""
     return sum(static.layout.unit_bytes(k) for k in static.kinds if k is not LayerKind.STATE)
-
-
-def format_table(report: dict) -> str:
-    s, u = report["static"], report["unified"]
-    rows = [
-        ("", "static", "unified"),
-        ("output tokens", s["output_tokens"], u["output_tokens"]),
-        ("throughput tok/s", f"{s['throughput_tok_s']:.1f}", f"{u['throughput_tok_s']:.1f}"),
-        ("peak bytes", s["peak_bytes"], u["peak_bytes"]),
-        ("capacity bytes", s["capacity_bytes"], u["capacity_bytes"]),
-        ("steps", s["steps"], u["steps"]),
-        ("compactions", "-", u["compactions"]),
-        ("retractions", "-", u["retractions"]),
-    ]
-    if "verify_steps" in s:
-        rows += [
-            ("verify steps", s["verify_steps"], u["verify_steps"]),
-            ("accept length", f"{s['accept_length']:.3f}", f"{u['accept_length']:.3f}"),
-        ]
-    if "prefix_cache" in s:
-        cs, cu = s["prefix_cache"], u["prefix_cache"]
-        rows += [
-            ("cache hit rate", f"{cs['hit_rate']:.3f}", f"{cu['hit_rate']:.3f}"),
-            ("cache hit tokens", cs["hit_tokens"], cu["hit_tokens"]),
-            ("cache evictions", cs["evictions"], cu["evictions"]),
-            ("checkpoints saved", cs["checkpoints_saved"], cu["checkpoints_saved"]),
-        ]
-    w = [max(len(str(r[i])) for r in rows) for i in range(3)]
-    lines = [f"{str(a):<{w[0]}}  {str(b):>{w[1]}}  {str(c):>{w[2]}}" for a, b, c in rows]
-    n = report["requests"]
-    lines.append(f"exact match: {report['exact_match']}/{n} requests")
-    if "cache_off_matches" in report:
-        off = report["cache_off"]
-        lines.append(
-            f"cache on == cache off: {report['cache_off_matches']}/{n} requests "
-            f"(cache-off run: {off['steps']} steps, {off['throughput_tok_s']:.1f} tok/s)"
-        )
-    if "verify_counts_match" in report:
-        ref = report["reference"]
-        lines.append(f"verify counts match: {report['verify_counts_match']}/{n} requests")
-        lines.append(f"accept lengths match: {report['accept_lengths_match']}/{n} requests")
-        lines.append(
-            f"speculative == non-speculative: {report['spec_matches_reference']}/{n} requests "
-            f"(reference run: {ref['steps']} steps, {ref['throughput_tok_s']:.1f} tok/s)"
-        )
-        if "control_run" in report:
-            ctl = report["control_run"]
-            lines.append(
-                f"acceptance control follows a speculative run without replacement "
-                f"({ctl['steps']} steps, accept length {ctl['accept_length']:.3f})"
-            )
-        for d in report["spec_mismatches"]:
-            m = d["logit_margin"]
-            margin = "not computed" if m is None else f"{m:.3g}"
-            tie = ", a near-tie" if d["near_tie"] else ""
-            lines.append(
-                f"  {d['mode']} rid {d['rid']}: first differs at output {d['first_diff']} "
-                f"(spec {d['spec_token']}, reference {d['reference_token']}, oracle top-2 "
-                f"{d['oracle_top2']}, logit margin {margin}{tie})"
-            )
-    if "oracle_matches" in report:
-        lines.append(
-            f"equal to transformers: {report['oracle_matches']}/{n} requests "
-            f"(largest logprob difference {report['oracle_max_logprob_diff']:.3g})"
-        )
-    if "throughput_ratio" in report:
-        lines.append(f"throughput unified / static: {report['throughput_ratio']:.3f}")
-    if report.get("gpu"):
-        lines.append(f"gpu: {report['gpu']}")
-    return "\n".join(lines)
-
-
-def passed(report: dict, spec_vs_reference: bool = True) -> bool:
-    """Whether every request matched: static vs unified output (and, with speculation, verify
-    counts and accept lengths; with the prefix cache, the cache-off output) and — with
-    ``spec_vs_reference`` — the speculative output equals the non-speculative one wherever
-    no near-tie explains a flip."""
-    n = report["requests"]
-    keys = (
-        "exact_match",
-        "verify_counts_match",
-        "accept_lengths_match",
-        "cache_off_matches",
-        "oracle_matches",
-    )
-    ok = all(report[k] == n for k in keys if k in report)
-    if spec_vs_reference and "spec_mismatches" in report:
-        ok = ok and all(d["near_tie"] for d in report["spec_mismatches"])
-    return ok
-
-
-def write_json(report: dict, path: str) -> None:
-    text = json.dumps(report, indent=2)
-    if path == "-":
-        print(text)
-    else:
-        with open(path, "w") as f:
-            f.write(text + "\n")
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr (only when stderr is a terminal)."""
-
-    def __init__(self, label: str, total: int) -> None:
-        self.label, self.total, self.enabled = label, max(total, 1), sys.stderr.isatty()
-
-    def update(self, done: int) -> None:
-        if self.enabled:
-            filled = int(30 * done / self.total)
-            bar = "#" * filled + "." * (30 - filled)
-            sys.stderr.write(f"\r{self.label} [{bar}] {done}/{self.total} tokens")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
