@@ -270,3 +270,22 @@ def test_static_and_unified_are_bit_identical_and_exact(device):
     for a, b in zip(static, unified, strict=True):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b)
+
+
+def test_builder_runs_the_triton_kernels_on_cpu(monkeypatch):
+    """The same checks with the builder's Triton kernels forced on CPU (the interpreter),
+    so the dispatch path that runs on GPUs is exercised in this layer's CPU tests too."""
+    import unimem_kernel.metadata as metadata_ops
+
+    launched = []
+    real = metadata_ops.use_triton
+
+    def spy(t):
+        launched.append(real(t))
+        return launched[-1]
+
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    monkeypatch.setattr(metadata_ops, "use_triton", spy)
+    test_same_buffers_every_call_tails_cleared_values_exact("cpu")
+    test_static_and_unified_are_bit_identical_and_exact("cpu")
+    assert launched and all(launched)
