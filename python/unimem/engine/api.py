@@ -13,7 +13,9 @@ Construction loads the checkpoint (:func:`unimem.models.loader.load_checkpoint`)
 memory as SGLang does (:mod:`unimem.engine.pools`), and builds the step loop
 (:class:`~unimem.engine.core.EngineCore`): static pools, or with ``enable_unified_memory`` one
 arena of the same bytes; FA4 and CUDA graphs on a GPU for a 16-bit model; DSPARK chain
-speculation with ``speculative_algorithm="DSPARK"``. Decoding is greedy.
+speculation with ``speculative_algorithm="DSPARK"``. Decoding is greedy unless a request asks
+for ``temperature`` > 0 (with ``top_p``, ``top_k``, ``min_p``, ``seed``: sampled on the device,
+see :mod:`unimem.engine.sampling`; not with DSPARK yet).
 
 ``generate`` validates every request before any runs (``ValueError`` naming the field:
 unknown or invalid sampling parameters, an empty prompt, a prompt past the context), then
@@ -22,7 +24,6 @@ runs them together with continuous batching and returns one dict per request, in
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -32,6 +33,7 @@ from unimem.engine.core import EngineCore
 from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.pools import plan_pools, tokens_for_budget
 from unimem.engine.request import Request
+from unimem.engine.sampling import SamplingOptions
 from unimem.models.config import memory_spec
 from unimem.models.loader import load_checkpoint
 from unimem.speculative.chain import DsparkChain
@@ -46,11 +48,23 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 """Share of the GPU's free memory (after the weights) that KV pages and state take when
 neither ``max_total_tokens`` nor ``mem_fraction_static`` is given."""
 
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "ignore_eos", "stop_token_ids")
+SAMPLING_KEYS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "ignore_eos",
+    "stop_token_ids",
+)
 
 
 class SamplingParams:
-    """Validated sampling parameters of one request (greedy decoding: ``temperature`` 0)."""
+    """Validated sampling parameters of one request: ``max_new_tokens``, ``ignore_eos``,
+    ``stop_token_ids`` and :class:`~unimem.engine.sampling.SamplingOptions`
+    (``temperature`` 0 — the default — is greedy; ``top_p``, ``top_k`` (-1: off), ``min_p``,
+    ``seed``) as ``self.sampling``. ``ValueError`` naming the key."""
 
     def __init__(self, params: Mapping | None) -> None:
         params = dict(params or {})
@@ -62,14 +76,15 @@ class SamplingParams:
         n = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"sampling_params.max_new_tokens must be an int >= 1, got {n!r}")
-        temperature = params.get("temperature", 0.0)
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
-            raise ValueError(f"sampling_params.temperature must be a number, got {temperature!r}")
-        if temperature != 0:
-            raise ValueError(
-                "sampling_params.temperature: only greedy decoding (0) is implemented, "
-                f"got {temperature!r}"
-            )
+        options = {
+            key: params[key]
+            for key in ("temperature", "top_p", "top_k", "min_p", "seed")
+            if key in params and params[key] is not None
+        }
+        try:
+            sampling = SamplingOptions(**options)
+        except ValueError as e:
+            raise ValueError(f"sampling_params.{e}") from None
         ignore_eos = params.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"sampling_params.ignore_eos must be a bool, got {ignore_eos!r}")
@@ -83,6 +98,7 @@ class SamplingParams:
         self.max_new_tokens: int = n
         self.ignore_eos: bool = ignore_eos
         self.stop_token_ids: tuple[int, ...] = tuple(stops)
+        self.sampling: SamplingOptions = sampling
 
 
 class Engine:
@@ -153,6 +169,7 @@ class Engine:
             chain=chain,
             cuda_graphs=cuda_graphs,
             logprobs=True,
+            random_seed=args.random_seed,
         )
         self.backend_name = backend_name
         self.cuda_graphs = cuda_graphs
@@ -239,12 +256,15 @@ class Engine:
                 f"tokens exceed the context length {self.context_length}"
             )
         self.core.check_request(ids, params.max_new_tokens)
+        self.core.check_sampling(params.sampling)
 
     def _submit(self, ids: list[int], params: SamplingParams) -> Request:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
-        return self.core.submit(ids, params.max_new_tokens, stop_token_ids=stops)
+        return self.core.submit(
+            ids, params.max_new_tokens, stop_token_ids=stops, sampling=params.sampling
+        )
 
     def _result(self, req: Request, return_logprob: bool) -> dict:
         if req.finish_reason == "stop":

@@ -18,6 +18,7 @@ from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
 from unimem.engine.request import Request
 from unimem.engine.runner import ModelRunner
+from unimem.engine.sampling import GREEDY, SamplingOptions, default_seed, seed_to_int64
 from unimem.engine.scheduler import Batch, Scheduler
 from unimem.engine.step_io import ResultRing, StagedResult
 from unimem.memory.pool import MemoryPool, pages_for
@@ -44,7 +45,11 @@ class EngineCore:
     one per batch-size bucket (``graph_buckets``), recorded at construction.
 
     ``logprobs``: every output token comes with its log-probability
-    (``Request.output_logprobs``).
+    (``Request.output_logprobs``) under the model's raw distribution (before temperature and
+    sampling filters).
+
+    ``random_seed``: requests submitted without a seed get one drawn from it and their
+    request id (:func:`~unimem.engine.sampling.default_seed`), so a run is reproducible.
 
     With results read one step late, a speculative request may run one verify step past its
     end (its in-flight step finished it): every request reserves ``lookahead`` (``gamma + 1``)
@@ -64,8 +69,10 @@ class EngineCore:
         cuda_graphs: bool = False,
         graph_buckets: Sequence[int] | None = None,
         logprobs: bool = False,
+        random_seed: int = 0,
     ) -> None:
         self.model = model
+        self.random_seed = random_seed
         self.pool = pool
         self.chain = chain
         self.cache = cache
@@ -126,20 +133,42 @@ class EngineCore:
                 f"request rejected: {total} tokens do not fit in the memory even alone"
             )
 
+    def check_sampling(self, sampling: SamplingOptions) -> None:
+        """``ValueError`` if ``sampling`` cannot run here: not a :class:`SamplingOptions`, or
+        temperature > 0 with a chain (DSPARK verifies greedily)."""
+        if not isinstance(sampling, SamplingOptions):
+            raise ValueError(f"sampling must be a SamplingOptions or None, got {sampling!r}")
+        if self.chain is not None and not sampling.greedy:
+            raise ValueError(
+                f"request rejected: temperature > 0 with DSPARK speculative decoding is not "
+                f"supported yet (temperature {sampling.temperature}); use temperature 0"
+            )
+
     def submit(
         self,
         prompt: Sequence[int],
         max_new_tokens: int,
         stop_token_ids: Iterable[int] = (),
+        sampling: SamplingOptions | None = None,
     ) -> Request:
         """Queue a request of ``prompt`` token ids for up to ``max_new_tokens`` output tokens,
-        ending early at any of ``stop_token_ids`` (kept as its last output token).
-        ``ValueError`` naming the problem (:meth:`check_request`), before anything is
-        queued."""
+        ending early at any of ``stop_token_ids`` (kept as its last output token), picked by
+        ``sampling`` (None: greedy; a seedless one gets a seed from the engine's
+        ``random_seed`` and the request id). ``ValueError`` naming the problem
+        (:meth:`check_request`; temperature > 0 with a chain), before anything is queued."""
         self.check_request(prompt, max_new_tokens)
+        sampling = GREEDY if sampling is None else sampling
+        self.check_sampling(sampling)
+        rid = self._next_rid
+        seed = default_seed(self.random_seed, rid) if sampling.seed is None else sampling.seed
         stops = frozenset(int(t) for t in stop_token_ids)
         req = Request(
-            self._next_rid, [int(t) for t in prompt], max_new_tokens, stop_token_ids=stops
+            rid,
+            [int(t) for t in prompt],
+            max_new_tokens,
+            stop_token_ids=stops,
+            sampling=sampling,
+            seed=seed_to_int64(seed),
         )
         self._next_rid += 1
         self.scheduler.add(req)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from unimem.engine.sampling import GREEDY, SamplingOptions
 from unimem.memory.pool import RequestMemory
 
 
@@ -37,7 +38,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class Request:
-    """One request: ``prompt`` token ids, up to ``max_new_tokens`` greedy output tokens.
+    """One request: ``prompt`` token ids, up to ``max_new_tokens`` output tokens picked by
+    ``sampling`` (greedy by default) with the resolved int64 ``seed`` (the options' seed, or
+    one the engine drew from its random seed and ``rid``).
 
     ``kv_len`` counts the leading tokens of ``tokens`` whose K/V and recurrent state are in
     memory. The next forward of the request consumes ``tokens[kv_len:]``; when that reaches
@@ -83,6 +86,14 @@ class Request:
     stopped: bool = False
     aborted: bool = False
     output_logprobs: list[float] = field(default_factory=list)
+    sampling: SamplingOptions = GREEDY
+    seed: int = 0
+
+    @property
+    def sampling_row(self) -> tuple[float, int, float, float, int]:
+        """``(temperature, top_k, top_p, min_p, seed)`` as the device state holds them."""
+        s = self.sampling
+        return (float(s.temperature), int(s.top_k), float(s.top_p), float(s.min_p), self.seed)
 
     def append_output(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
         """Append sampled ``tokens`` (with their ``logprobs``), up to ``max_new_tokens`` and

@@ -9,10 +9,12 @@ never sees pages or slots.
 
 Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
 
-- *extend* (eager): the chunk's tokens come from the host; the sampled token and the new
-  length go to :class:`~unimem.engine.step_io.DeviceRequestState`;
+- *extend* (eager): the chunk's tokens come from the host; the requests' sampling parameters
+  go to :class:`~unimem.engine.step_io.DeviceSamplingState`, the sampled token and the new
+  length to :class:`~unimem.engine.step_io.DeviceRequestState`;
 - *decode*: each lane feeds its row's next token at its row's length (both on the device),
-  samples greedily and advances the row;
+  samples (:func:`unimem.engine.sampling.sample` with its row's parameters, or plain argmax
+  when no lane of the batch samples) and advances the row;
 - *verify* (with a :class:`~unimem.speculative.chain.DsparkChain`, DESIGN §6): write window, draft,
   target verify, greedy accept, commit of GDN states and draft context K/V — all on the
   device, the row advanced by ``accepted + 1`` and its next anchor set to the bonus token.
@@ -20,6 +22,10 @@ Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
 Every step writes ``StepOutputs`` (tokens and counts per lane) for the caller to copy to the
 host and read one step late. Decode and verify read only device buffers, so with
 ``cuda_graphs`` they are recorded per batch-size bucket (:class:`StepGraphs`) and replayed.
+Decode is recorded twice: a greedy variant (argmax only: a greedy batch pays nothing for
+sampling) and a sampling variant; the host picks one per batch from the requests' options,
+which it knows. A lane's sample depends only on its logits, its row's parameters and the
+position of the sampled token (see :mod:`unimem.engine.sampling`), never on its batch.
 """
 
 from __future__ import annotations
@@ -32,8 +38,15 @@ from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
 from unimem.engine.cuda_graphs import StepGraphs, default_buckets
 from unimem.engine.draft_runner import DraftRunner
+from unimem.engine.sampling import sample
 from unimem.engine.scheduler import Batch
-from unimem.engine.step_io import DeviceRequestState, StepLanes, StepOutputs
+from unimem.engine.step_io import (
+    DeviceRequestState,
+    DeviceSamplingState,
+    SamplingRows,
+    StepLanes,
+    StepOutputs,
+)
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
@@ -129,7 +142,11 @@ class ModelRunner:
     (default :func:`default_buckets`) at construction; needs a CUDA pool and a backend that
     can be captured (FA4), and a GDN path that skips padded lanes (the Triton kernels).
     ``logprobs``: every step also writes the log-probability of each output token
-    (``out.logprobs``; one log-sum-exp over the vocabulary per logits row).
+    (``out.logprobs``; one log-sum-exp over the vocabulary per logits row) under the model's
+    raw distribution — before temperature and filters, as SGLang reports it.
+
+    Sampling (temperature > 0) runs in extend and decode steps; verify steps are greedy
+    (``EngineCore.submit`` refuses sampled requests with a chain).
     """
 
     def __init__(
@@ -165,6 +182,7 @@ class ModelRunner:
             device=pool.device,
         )
         self.state = DeviceRequestState(pool.req_to_token.shape[0], self.device)
+        self.sampling = DeviceSamplingState(pool.req_to_token.shape[0], self.device)
         self.lanes = StepLanes(max_bs, self.device)
         self.out = StepOutputs.allocate(max_bs, self.width, self.device)
         self._arange = torch.arange(max_tokens, device=self.device)
@@ -175,6 +193,7 @@ class ModelRunner:
             self.drafts = DraftRunner(chain, pool, backend, max_bs)
             self._init_verify_scratch(chain.verify_width)
         self.graphs: StepGraphs | None = None
+        self.sample_graphs: StepGraphs | None = None
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError("cuda_graphs needs a pool on a CUDA device")
@@ -183,6 +202,10 @@ class ModelRunner:
                 raise ValueError(f"graph bucket {max(buckets)} exceeds max_bs {max_bs}")
             with torch.inference_mode():  # as launch() runs the eager steps
                 self.graphs = StepGraphs(self._uniform_step, self.lanes.pad, buckets, self.device)
+                if chain is None:
+                    self.sample_graphs = StepGraphs(
+                        self._sampling_decode_step, self.lanes.pad, buckets, self.device
+                    )
 
     def _init_verify_scratch(self, width: int) -> None:
         """Per GDN layer, ``[max_bs, width, *S]`` scratch for the conv and SSM states after
@@ -228,8 +251,12 @@ class ModelRunner:
             [r.rid for r in batch.reqs],
             width,
         )
-        if self.graphs is not None:
-            self.graphs.replay(width)
+        draw = self.chain is None and any(not r.sampling.greedy for r in batch.reqs)
+        graphs = self.sample_graphs if draw else self.graphs
+        if graphs is not None:
+            graphs.replay(width)
+        elif draw:
+            self._sampling_decode_step(width)
         else:
             self._uniform_step(width)
         return bs
@@ -239,6 +266,19 @@ class ModelRunner:
             self._verify_step(width)
         else:
             self._decode_step(width)
+
+    def _sampling_decode_step(self, width: int) -> None:
+        self._decode_step(width, draw=True)
+
+    @staticmethod
+    def _pick(
+        logits: torch.Tensor, params: SamplingRows | None, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """argmax (``params`` None: no lane samples) or :func:`sample` per lane."""
+        if params is None:
+            return torch.argmax(logits, dim=-1)
+        p = params
+        return sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.seeds, positions)
 
     # ----------------------------------------------------------------------------- extend
 
@@ -267,6 +307,12 @@ class ModelRunner:
         )
         rows, prefix, ext = packed[:bs], packed[bs : 2 * bs], packed[2 * bs : 3 * bs]
         vslots, nxt, input_ids = packed[3 * bs : 4 * bs], packed[4 * bs : 5 * bs], packed[5 * bs :]
+        params = None
+        if self.chain is None:  # verify runners are greedy: their rows stay greedy
+            floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
+            self.sampling.write(rows, floats, ints)
+            if any(not r.sampling.greedy for r in reqs):
+                params = DeviceSamplingState.lanes(floats, ints)
         pool = self.pool
         meta = self.builder.extend(
             pool.req_to_token,
@@ -284,7 +330,8 @@ class ModelRunner:
         logits = self.model.forward(input_ids.long(), ctx)
         if self.drafts is not None:
             self.drafts.write_context(ctx.hidden, meta)
-        sampled = torch.argmax(logits, dim=-1)
+        # the sampled token's index in prompt + output is the number of tokens consumed
+        sampled = self._pick(logits, params, (prefix + ext).long())
         self.state.write(rows, prefix + ext, torch.where(nxt >= 0, nxt.long(), sampled))
         self.out.tokens[:bs, 0] = sampled
         self.out.counts[:bs] = 1
@@ -293,8 +340,9 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- decode
 
-    def _decode_step(self, width: int) -> None:
-        """One token per lane: each lane feeds its row's next token at its row's length.
+    def _decode_step(self, width: int, draw: bool = False) -> None:
+        """One token per lane: each lane feeds its row's next token at its row's length and
+        picks the next by argmax, or with ``draw`` by its row's sampling parameters.
         Device inputs only (capturable)."""
         rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
         seq_lens, input_ids = self.state.read(rows)
@@ -304,7 +352,9 @@ class ModelRunner:
             self, ForwardMode.DECODE, meta, self._state_slots(vslots), self._arange[:width]
         )
         logits = self.model.forward(input_ids, ctx)
-        sampled = torch.argmax(logits, dim=-1)
+        params = self.sampling.read(rows) if draw else None
+        # the input token sits at index seq_lens; the sampled one at seq_lens + 1
+        sampled = self._pick(logits, params, seq_lens.long() + 1)
         self.state.write(rows, seq_lens + 1, sampled)
         self.out.tokens[:width, 0] = sampled
         self.out.counts[:width] = 1

@@ -8,6 +8,10 @@ its results one step late (DESIGN §1.4, §3.5). Four small owners make that exp
   Every step reads them and writes the advanced values back, so consecutive steps chain on
   the device without the host knowing accepted lengths. Row 0 (the pool's padding row) is
   never advanced: it stays length 0, token 0.
+- :class:`DeviceSamplingState`: per request-table row, the request's sampling parameters
+  (temperature, top-k, top-p, min-p, seed), written by every extend of the request from
+  host-known values (one non-blocking copy); decode steps gather them by row. Row 0 stays
+  greedy.
 - :class:`StepLanes`: the batch's per-lane inputs ``rows``, ``vslots`` (virtual state slots)
   and ``rids`` (acceptance-control keys) in one ``[3, max_bs]`` int32 buffer, filled by one
   non-blocking copy from pinned memory. Lanes past the batch (padding up to a captured batch
@@ -28,8 +32,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import Tensor
 
-__all__ = ["DeviceRequestState", "ResultRing", "StagedResult", "StepLanes", "StepOutputs"]
+__all__ = [
+    "DeviceRequestState",
+    "DeviceSamplingState",
+    "ResultRing",
+    "SamplingRows",
+    "StagedResult",
+    "StepLanes",
+    "StepOutputs",
+]
 
 
 class DeviceRequestState:
@@ -53,6 +66,70 @@ class DeviceRequestState:
         live = rows > 0
         self.seq_lens[idx] = torch.where(live, seq_lens.to(torch.int32), 0)
         self.next_tokens[idx] = torch.where(live, next_tokens.long(), 0)
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """Sampling parameters of a step's lanes (``[bs]`` device tensors each)."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int32, <= 0: off
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    seeds: torch.Tensor  # int64
+
+
+class DeviceSamplingState:
+    """Per request-table row, the sampling parameters of the request on that row:
+    ``floats [3, R]`` float32 (temperature, top-p, min-p) and ``ints [2, R]`` int64 (top-k,
+    seed). Allocated once (capture-stable); rows start greedy (temperature 0, top-p 1, top-k
+    off, min-p 0, seed 0) and row 0 (padding) is never written."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.device = device
+        self.floats = torch.zeros(3, rows, dtype=torch.float32, device=device)
+        self.floats[1].fill_(1.0)
+        self.ints = torch.zeros(2, rows, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def pack(params: Sequence[tuple[float, int, float, float, int]]) -> tuple[Tensor, Tensor]:
+        """Host tensors ``(floats [3, bs], ints [2, bs])`` of ``(temperature, top_k, top_p,
+        min_p, seed)`` per lane."""
+        floats = np.array([[p[0], p[2], p[3]] for p in params], dtype=np.float32).T
+        ints = np.array([[p[1], p[4]] for p in params], dtype=np.int64).T
+        return (
+            torch.from_numpy(np.ascontiguousarray(floats.reshape(3, len(params)))),
+            torch.from_numpy(np.ascontiguousarray(ints.reshape(2, len(params)))),
+        )
+
+    def upload(
+        self, params: Sequence[tuple[float, int, float, float, int]]
+    ) -> tuple[Tensor, Tensor]:
+        """Device copies of :meth:`pack` (non-blocking from pinned memory on CUDA)."""
+        floats, ints = self.pack(params)
+        if self.device.type != "cuda":
+            return floats.to(self.device), ints.to(self.device)
+        return (
+            floats.pin_memory().to(self.device, non_blocking=True),
+            ints.pin_memory().to(self.device, non_blocking=True),
+        )
+
+    def write(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
+        """Set the parameters of ``rows [bs]`` (distinct, non-zero) from uploaded
+        ``floats [3, bs]`` / ``ints [2, bs]``."""
+        idx = rows.long()
+        self.floats[:, idx] = floats
+        self.ints[:, idx] = ints
+
+    @staticmethod
+    def lanes(floats: torch.Tensor, ints: torch.Tensor) -> SamplingRows:
+        """:class:`SamplingRows` view of ``floats [3, bs]`` / ``ints [2, bs]``."""
+        return SamplingRows(floats[0], ints[0].int(), floats[1], floats[2], ints[1])
+
+    def read(self, rows: torch.Tensor) -> SamplingRows:
+        """The parameters of ``rows [bs]`` (gathers; no host read)."""
+        idx = rows.long()
+        return self.lanes(self.floats[:, idx], self.ints[:, idx])
 
 
 class StepLanes:

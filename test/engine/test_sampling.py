@@ -1,0 +1,379 @@
+"""Sampling on the device: temperature 0 is argmax bit for bit; a seeded request samples the
+same tokens alone, in batches of any composition and after retraction; the empirical
+distribution of a sample matches softmax(logits / T) restricted by top-k / top-p / min-p (and
+a deliberately wrong filter fails the same check); bad options are rejected naming the field;
+DSPARK refuses temperature > 0."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from unimem.attention.torch_backend import TorchReferenceBackend
+from unimem.engine import sampling as sampling_mod
+from unimem.engine.api import SamplingParams
+from unimem.engine.core import EngineCore
+from unimem.engine.draft_runner import draft_config_for
+from unimem.engine.sampling import (
+    SamplingOptions,
+    default_seed,
+    gumbel_noise,
+    hash_uniform,
+    sample,
+    seed_to_int64,
+)
+from unimem.engine.step_io import DeviceSamplingState
+from unimem.memory.unified import UnifiedMemory
+from unimem.models.config import memory_spec
+from unimem.models.presets import preset
+from unimem.models.synthetic import HybridModel
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.drafter import DsparkDrafter
+
+
+def _rows(n, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0):
+    return (
+        torch.full((n,), float(temperature)),
+        torch.full((n,), top_k, dtype=torch.int32),
+        torch.full((n,), float(top_p)),
+        torch.full((n,), float(min_p)),
+    )
+
+
+# ------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.01}, "min_p"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_invalid_options_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingOptions(**kwargs)
+
+
+def test_engine_sampling_params_pass_options_through_and_name_the_key():
+    p = SamplingParams({"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 3})
+    assert p.sampling == SamplingOptions(0.7, 0.9, 20, 0.05, 3)
+    assert SamplingParams({}).sampling.greedy
+    with pytest.raises(ValueError, match=r"sampling_params\.top_k must be an int"):
+        SamplingParams({"top_k": 1.5})
+    with pytest.raises(ValueError, match=r"sampling_params\.min_p must be in"):
+        SamplingParams({"min_p": 2})
+
+
+def test_seeds_are_int64_and_default_seeds_are_deterministic():
+    assert seed_to_int64(2**64 + 5) == 5 and seed_to_int64(2**64 - 1) == -1
+    assert default_seed(0, 1) == default_seed(0, 1)
+    assert len({default_seed(s, r) for s in range(4) for r in range(50)}) == 200
+    assert all(-(2**63) <= default_seed(7, r) < 2**63 for r in range(20))
+
+
+# ------------------------------------------------------------------- the sampling function
+
+
+def test_temperature_zero_is_argmax_bit_identical():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=g)
+    logits[5, 17] = logits[5, 3] = logits[5].max() + 1  # a tie: argmax's own choice
+    temperature = torch.where(torch.arange(64) % 2 == 0, 0.0, 0.8)
+    _, top_k, top_p, min_p = _rows(64, top_k=5, top_p=0.5, min_p=0.1)
+    seeds, positions = torch.arange(64), torch.arange(64) * 3
+    out = sample(logits, temperature, top_k, top_p, min_p, seeds, positions)
+    greedy = torch.argmax(logits, dim=-1)
+    assert out.dtype == torch.int64 and out.shape == (64,)
+    assert torch.equal(out[::2], greedy[::2])
+    assert not torch.equal(out[1::2], greedy[1::2])  # the others sampled
+
+
+def test_sampling_shapes_and_dtypes_are_fixed():
+    logits = torch.randn(3, 50, dtype=torch.bfloat16)
+    out = sample(
+        logits, *_rows(3, 1.0, 4, 0.9, 0.0), torch.arange(3), torch.zeros(3, dtype=torch.int64)
+    )
+    assert out.shape == (3,) and out.dtype == torch.int64
+    u = hash_uniform(torch.tensor([1, -1]), torch.tensor([0, 9]), 1000)
+    assert u.shape == (2, 1000) and u.dtype == torch.float32
+    assert u.min() > 0 and u.max() < 1
+    assert torch.isfinite(gumbel_noise(torch.tensor([3]), torch.tensor([4]), 10_000)).all()
+
+
+def test_noise_depends_only_on_seed_position_and_vocab_index():
+    a = hash_uniform(torch.tensor([11, 12]), torch.tensor([5, 5]), 64)
+    b = hash_uniform(torch.tensor([99, 11, 11]), torch.tensor([5, 5, 6]), 64)
+    assert torch.equal(a[0], b[1])  # the same row wherever it sits in the batch
+    assert not torch.equal(a[0], a[1]) and not torch.equal(b[1], b[2])
+    assert torch.equal(hash_uniform(torch.tensor([11]), torch.tensor([5]), 32)[0], a[0, :32])
+
+
+LOGITS = torch.tensor([2.0, 1.6, 1.3, 1.0, 0.6, 0.1, -0.5, -1.5])
+SEEDS = 4000
+
+
+def _expected(logits, temperature, top_k, top_p, min_p):
+    """softmax(logits / T) restricted by top-k, top-p (of the top-k renormalised mass) and
+    min-p, by ranks in numpy."""
+    p = np.exp(logits.double().numpy() / temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(len(p), dtype=bool)
+    k = len(p) if top_k <= 0 else min(top_k, len(p))
+    topk_mass = p[order[:k]].sum()
+    mass = 0.0
+    for rank, i in enumerate(order[:k]):
+        if rank > 0 and (mass >= top_p * topk_mass or p[i] < min_p * p[order[0]]):
+            break
+        keep[i] = True
+        mass += p[i]
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def _empirical(temperature, top_k, top_p, min_p, position=7):
+    n = SEEDS
+    logits = LOGITS.expand(n, -1).contiguous()
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 + 13
+    positions = torch.full((n,), position, dtype=torch.int64)
+    out = sample(logits, *_rows(n, temperature, top_k, top_p, min_p), seeds, positions)
+    return np.bincount(out.numpy(), minlength=len(LOGITS)) / n
+
+
+TV_BOUND = 0.035  # about 2.5x the expected TV of 4000 draws over 8 outcomes
+
+CONFIGS = [
+    (1.0, -1, 1.0, 0.0),
+    (0.5, -1, 1.0, 0.0),
+    (2.0, 0, 1.0, 0.0),
+    (1.0, 3, 1.0, 0.0),
+    (1.0, -1, 0.7, 0.0),
+    (1.3, 6, 0.8, 0.0),
+    (1.0, -1, 1.0, 0.3),
+    (0.8, 5, 0.9, 0.2),
+]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", CONFIGS)
+def test_empirical_distribution_matches_the_filtered_softmax(temperature, top_k, top_p, min_p):
+    want = _expected(LOGITS, temperature, top_k, top_p, min_p)
+    got = _empirical(temperature, top_k, top_p, min_p)
+    assert np.all(got[want == 0] == 0)  # filtered tokens are never drawn
+    assert 0.5 * np.abs(got - want).sum() < TV_BOUND, (got, want)
+
+
+def _top_p_one_too_many(scaled, top_k, top_p, min_p):
+    """keep_threshold whose top-p keeps one more token than it should (a wrong filter)."""
+    desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(desc, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs
+    kept = (before < top_p[:, None]).sum(dim=-1, keepdim=True)  # then one too many
+    return desc.gather(1, kept.clamp(max=desc.shape[1] - 1))[:, 0]
+
+
+def test_a_wrong_top_p_filter_fails_the_same_check(monkeypatch):
+    config = (1.0, -1, 0.7, 0.0)
+    want = _expected(LOGITS, *config)
+    monkeypatch.setattr(sampling_mod, "keep_threshold", _top_p_one_too_many)
+    got = _empirical(*config)
+    assert 0.5 * np.abs(got - want).sum() > TV_BOUND
+
+
+def test_different_positions_and_seeds_draw_differently():
+    a = _empirical(1.0, -1, 1.0, 0.0, position=7)
+    b = _empirical(1.0, -1, 1.0, 0.0, position=8)
+    assert not np.array_equal(a, b)
+
+
+# ------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny")
+    return cfg, HybridModel(cfg, seed=3)
+
+
+def _prompts(cfg, n, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (n, length), generator=g).tolist()
+
+
+def _engine(cfg, model, arena=8 << 20, max_running=4, chunk=64, **kw):
+    pool = UnifiedMemory(memory_spec(cfg, 16), arena, max_running, cfg.max_context)
+    return EngineCore(model, pool, TorchReferenceBackend(), max_running, chunk, **kw)
+
+
+def _run(eng, jobs):
+    """Submit ``(prompt, n, options)`` jobs and run; outputs in submission order."""
+    reqs = [eng.submit(p, n, sampling=s) for p, n, s in jobs]
+    eng.run()
+    return [r.output for r in reqs]
+
+
+HOT = SamplingOptions(temperature=1.5, top_p=0.95, top_k=40, seed=1234)
+
+
+def _reference(model, prompt, n, options):
+    """Autoregressive reference: full forward over the whole sequence every token, then
+    :func:`sample` on the last logits with the request's seed at the token's position."""
+    toks = list(prompt)
+    seed = torch.tensor([seed_to_int64(options.seed)])
+    params = _rows(1, options.temperature, options.top_k, options.top_p, options.min_p)
+    for _ in range(n):
+        logits = model.reference_forward([torch.tensor(toks)])[0][-1:]
+        pos = torch.tensor([len(toks)])
+        toks.append(int(sample(logits, *params, seed, pos)[0]))
+    return toks[len(prompt) :]
+
+
+def test_sampled_engine_output_equals_the_reference_sampler(tiny):
+    cfg, model = tiny
+    prompt = _prompts(cfg, 1, 30)[0]
+    (out,) = _run(_engine(cfg, model), [(prompt, 16, HOT)])
+    assert out == _reference(model, prompt, 16, HOT)
+    assert out != _run(_engine(cfg, model), [(prompt, 16, None)])[0]
+
+
+def test_a_seeded_request_samples_the_same_tokens_in_any_batch(tiny):
+    cfg, model = tiny
+    prompts = _prompts(cfg, 6, 30, seed=1)
+    target = (prompts[0], 20, HOT)
+    alone = _run(_engine(cfg, model), [target])[0]
+    others = [
+        (prompts[i], 10 + i, SamplingOptions(temperature=0.7, seed=i) if i % 2 else None)
+        for i in range(1, 6)
+    ]
+    batches = [
+        (4, 64, [target, *others[:3]]),
+        (4, 16, [*others[:2], target]),  # joins later, small chunks
+        (2, 64, [others[3], target, others[4]]),
+        (3, 32, [*others, target]),
+    ]
+    for max_running, chunk, jobs in batches:
+        outs = _run(_engine(cfg, model, max_running=max_running, chunk=chunk), jobs)
+        assert outs[jobs.index(target)] == alone
+
+
+def test_a_seeded_request_samples_the_same_tokens_after_retraction(tiny):
+    cfg, model = tiny
+    prompts = _prompts(cfg, 6, 40, seed=2)
+    jobs = [
+        (p, 24, SamplingOptions(temperature=1.0, top_p=0.9, seed=50 + i))
+        for i, p in enumerate(prompts)
+    ]
+    roomy = _run(_engine(cfg, model), jobs)
+    eng = _engine(cfg, model, arena=int(1.1 * (1 << 20)), chunk=32)
+    tight = _run(eng, jobs)
+    assert eng.scheduler.retractions > 0
+    assert tight == roomy
+
+
+def test_different_seeds_differ_and_seedless_requests_are_reproducible(tiny):
+    cfg, model = tiny
+    prompt = _prompts(cfg, 1, 30, seed=3)[0]
+    jobs = [(prompt, 16, SamplingOptions(temperature=1.0, seed=s)) for s in (1, 2, 3)]
+    outs = _run(_engine(cfg, model), jobs)
+    assert len({tuple(o) for o in outs}) == 3
+    seedless = [(prompt, 16, SamplingOptions(temperature=1.0))] * 2
+    first = _run(_engine(cfg, model, random_seed=5), seedless)
+    assert first[0] != first[1]  # different rids, different seeds
+    assert _run(_engine(cfg, model, random_seed=5), seedless) == first
+    assert _run(_engine(cfg, model, random_seed=6), seedless) != first
+
+
+def test_logprobs_are_those_of_the_unfiltered_distribution(tiny):
+    cfg, model = tiny
+    prompt = _prompts(cfg, 1, 20, seed=4)[0]
+    eng = _engine(cfg, model, logprobs=True)
+    opts = SamplingOptions(temperature=2.0, top_k=3, seed=9)
+    (req,) = [eng.submit(prompt, 6, sampling=opts)]
+    eng.run()
+    toks = list(prompt)
+    for tok, lp in zip(req.output, req.output_logprobs, strict=True):
+        logits = model.reference_forward([torch.tensor(toks)])[0][-1]
+        assert lp == pytest.approx(float(torch.log_softmax(logits.double(), -1)[tok]), abs=1e-4)
+        toks.append(tok)
+
+
+def test_sampling_state_is_allocated_once_and_row_zero_stays_greedy(tiny):
+    cfg, model = tiny
+    eng = _engine(cfg, model)
+    state = eng.runner.sampling
+    ptrs = (state.floats.data_ptr(), state.ints.data_ptr())
+    _run(eng, [(p, 8, HOT) for p in _prompts(cfg, 3, 20)])
+    assert (state.floats.data_ptr(), state.ints.data_ptr()) == ptrs
+    assert state.floats[:, 0].tolist() == [0.0, 1.0, 0.0] and state.ints[:, 0].tolist() == [0, 0]
+    assert state.floats.dtype == torch.float32 and state.ints.dtype == torch.int64
+
+
+def test_dspark_refuses_temperature_above_zero(tiny):
+    cfg, model = tiny
+    drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=2)
+    chain = DsparkChain(drafter, 3)
+    pool = UnifiedMemory(memory_spec(cfg, 16, drafter.config.lanes()), 8 << 20, 2, cfg.max_context)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), 2, 64, chain=chain)
+    prompt = _prompts(cfg, 1, 20)[0]
+    with pytest.raises(ValueError, match="temperature > 0 with DSPARK speculative decoding"):
+        eng.submit(prompt, 4, sampling=SamplingOptions(temperature=0.5))
+    assert eng.scheduler.idle
+    greedy = eng.submit(prompt, 4, sampling=SamplingOptions(temperature=0.0, top_k=3))
+    eng.run()
+    assert len(greedy.output) == 4
+
+
+# ------------------------------------------------------------------- GPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sampling_never_syncs_and_is_capturable():
+    dev = torch.device("cuda")
+    n, vocab = 8, 4096
+    logits = torch.randn(n, vocab, device=dev)
+    params = [t.to(dev) for t in _rows(n, 0.9, 50, 0.9, 0.05)]
+    seeds = torch.arange(n, device=dev)
+    positions = torch.arange(n, device=dev) + 10
+    out = torch.empty(n, dtype=torch.int64, device=dev)
+    out.copy_(sample(logits, *params, seeds, positions))  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out.copy_(sample(logits, *params, seeds, positions))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(sample(logits, *params, seeds, positions))
+    eager = sample(logits, *params, seeds, positions)
+    graph.replay()
+    assert torch.equal(out, eager)
+    cpu = sample(logits.cpu(), *(t.cpu() for t in params), seeds.cpu(), positions.cpu())
+    assert (cpu == eager.cpu()).float().mean() > 0.9  # log/exp may differ in the last ulp
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_device_sampling_state_writes_without_sync():
+    dev = torch.device("cuda")
+    state = DeviceSamplingState(8, dev)
+    floats, ints = state.upload([(0.5, 3, 0.9, 0.0, 7), (1.0, -1, 1.0, 0.1, -3)])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        state.write(torch.tensor([2, 5], dtype=torch.int32, device=dev), floats, ints)
+        rows = state.read(torch.tensor([5, 0], dtype=torch.int32, device=dev))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rows.seeds.tolist() == [-3, 0] and rows.top_k.tolist() == [-1, 0]
