@@ -36,7 +36,8 @@ short, and neither touches a decision:
   pools on ``--device``, where the counts must match.
 
 Prints the device, budget, page size, unit sizes and, per mix, the counts with the splits
-behind them and the ratios unified/best and unified/default; ``--json PATH`` writes the results.
+behind them and the ratios unified/best and unified/default; ``--json PATH`` writes the results,
+``--plot PATH`` draws them as grouped bars (:func:`unimem.validate.plot.capacity_figure`).
 Targets: unified >= 0.97x the best static split on every mix, >= 1.3x the default split on
 the skewed mixes.
 """
@@ -607,7 +608,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--short", type=int, nargs=2, default=[256, 512], metavar=("LO", "HI"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
-    return ap.parse_args(argv)
+    ap.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="draw the counts per mix as grouped bars into PATH (.png, .svg or .pdf; needs "
+        "matplotlib: pip install 'unimem[plot]')",
+    )
+    args = ap.parse_args(argv)
+    if args.plot:
+        from unimem.validate import plot
+
+        try:
+            plot.check_plot_path(args.plot)
+            plot.require_matplotlib()
+        except ValueError as e:
+            ap.error(str(e))
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> list[MixResult]:
@@ -654,7 +671,7 @@ def main(argv: Sequence[str] | None = None) -> list[MixResult]:
     print(f"\nunified >= 0.97x best static on every mix: {'yes' if ok_best else 'NO'}")
     for r in results:
         print(f"unified / default on {r.name}: {r.unified_over_default:.3f}x")
-    if args.json:
+    if args.json or args.plot:
         payload = {
             "date": datetime.date.today().isoformat(),
             "device": device_name(args.device),
@@ -670,8 +687,13 @@ def main(argv: Sequence[str] | None = None) -> list[MixResult]:
             "mixes": [{"name": m.name, "lengths": list(m.lengths)} for m in mixes],
             "results": [asdict(r) for r in results],
         }
+    if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
+    if args.plot:
+        from unimem.validate.plot import capacity_figure
+
+        capacity_figure(payload, args.plot)
     return results
 
 

@@ -1,9 +1,17 @@
 """Command line: ``python -m unimem validate ...`` and ``python -m unimem bench ...`` (see
-``--help``)."""
+``--help``).
+
+Errors a user can make — a count that is not positive, an arena size that is not a finite
+positive number, an output path (``--json``, ``--plot``) that cannot be written (checked
+before the run starts), a flag that only applies with another one, ``--plot`` without
+matplotlib — end the command with one line on stderr and exit status 2, never a traceback.
+Ctrl-C stops it with one line and exit status 130.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -20,8 +28,15 @@ from unimem.validate.protocol import (
 from unimem.validate.report import format_table, passed, write_json
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m unimem")
+    p = _Parser(prog="python -m unimem")
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser(
         "validate",
@@ -52,7 +67,7 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
     )
     v.add_argument(
         "--dtype",
-        default=d.dtype,
+        default=None,
         help="with --model-path: auto (the checkpoint's; float32 runs in bfloat16 on cuda), "
         "bfloat16, float16, float32 or float64",
     )
@@ -103,22 +118,28 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         default=d.spec,
         help="decode by DSPARK chain speculation (dspark) or one token per step (none)",
     )
-    v.add_argument("--gamma", type=int, default=d.gamma, help="drafted tokens per verify step")
+    v.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help=f"drafted tokens per verify step (default {d.gamma})",
+    )
     v.add_argument(
         "--accept-rate",
         type=float,
-        default=d.accept_rate,
+        default=None,
         help="acceptance control: replace each drafted token by the non-speculative "
-        "continuation with this probability (seeded; 0 = the raw drafter)",
+        f"continuation with this probability (seeded; 0 = the raw drafter; default "
+        f"{d.accept_rate})",
     )
     v.add_argument(
         "--control-reference",
         choices=["decode", "speculative"],
-        default=d.control_reference,
+        default=None,
         help="what the acceptance control replaces drafts with: the non-speculative output "
         "(decode) or that of a speculative run without replacement (speculative: keeps the "
         "acceptance on long bf16 outputs, where decode and verify kernels break near-ties "
-        "differently)",
+        f"differently; default {d.control_reference})",
     )
     v.add_argument(
         "--prefix-cache",
@@ -135,8 +156,9 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
     v.add_argument(
         "--checkpoint-interval",
         type=int,
-        default=d.checkpoint_interval,
-        help="prefix-cache anchors (state checkpoints) every this many pages",
+        default=None,
+        help="with --prefix-cache on: prefix-cache anchors (state checkpoints) every this many "
+        f"pages (default {d.checkpoint_interval})",
     )
     v.add_argument(
         "--repeats",
@@ -148,19 +170,43 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
     v.add_argument(
         "--cpu-threads",
         type=int,
-        default=1,
+        default=None,
         help="torch intra-op threads with --device cpu (default 1: the CPU presets' ops are "
         "too small to gain from more, and contended threads slow them down many times)",
     )
     v.add_argument("--json", metavar="PATH", help="write the report as JSON (- for stdout)")
+    v.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="draw the bytes in use per kind per step, static vs unified, into PATH "
+        "(.png, .svg or .pdf; needs matplotlib: pip install 'unimem[plot]')",
+    )
+    v.set_defaults(_defaults=d)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.device == "cpu" and args.cpu_threads > 0:
-        torch.set_num_threads(args.cpu_threads)
     try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _check_flags(args)
         cfg = _config(args)
+        if args.plot:
+            from unimem.validate import plot
+
+            plot.check_plot_path(args.plot)
+            plot.require_matplotlib()
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            if path and path != "-":
+                _check_writable(flag, path)
+        if cfg.device == "cpu":
+            torch.set_num_threads(args.cpu_threads or 1)
         if args.command == "bench":
             report = bench(cfg, progress=True)
         else:
@@ -168,13 +214,67 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except torch.OutOfMemoryError as e:
+        print(f"error: out of device memory: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     if args.json != "-":
         print(format_table(report))
-    if args.json:
-        write_json(report, args.json)
+    try:
+        if args.json:
+            write_json(report, args.json)
+        if args.plot:
+            plot.memory_figure(report, args.plot)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # bench: static vs unified must agree exactly; speculative vs non-speculative flips are
     # reported (bf16 near-ties; margins of the first few only) but do not fail it.
     return 0 if passed(report, spec_vs_reference=args.command == "validate") else 1
+
+
+_NEEDS = (
+    # (flag, attribute, needed flag, whether it is given)
+    ("--gamma", "gamma", "--spec dspark", lambda a: a.spec != "none"),
+    ("--accept-rate", "accept_rate", "--spec dspark", lambda a: a.spec != "none"),
+    ("--control-reference", "control_reference", "--spec dspark", lambda a: a.spec != "none"),
+    (
+        "--checkpoint-interval",
+        "checkpoint_interval",
+        "--prefix-cache on",
+        lambda a: a.prefix_cache == "on",
+    ),
+    ("--dtype", "dtype", "--model-path", lambda a: a.model_path is not None),
+    ("--cpu-threads", "cpu_threads", "--device cpu", lambda a: a.device == "cpu"),
+)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` for a flag given without the flag it applies with, or a bad count
+    that only the command line has (``--cpu-threads``); then fill in the defaults."""
+    for flag, attr, needed, given in _NEEDS:
+        if getattr(args, attr) is not None and not given(args):
+            raise ValueError(f"{flag} only applies with {needed}")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise ValueError(f"--cpu-threads must be an int >= 1, got {args.cpu_threads}")
+    d = args._defaults
+    for attr in ("gamma", "accept_rate", "control_reference", "checkpoint_interval", "dtype"):
+        if getattr(args, attr) is None:
+            setattr(args, attr, getattr(d, attr))
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """``ValueError`` naming ``flag`` unless ``path`` can be written (tried by opening it for
+    appending; a file that did not exist is removed again)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+    if not existed:
+        os.remove(path)
 
 
 def _config(args: argparse.Namespace) -> ValidateConfig:

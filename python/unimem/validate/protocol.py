@@ -39,10 +39,16 @@ bug. In bf16, a verify step (``gamma + 1`` rows per request) and a decode step (
 different kernel shapes, so two tokens whose logits differ by less than the rounding of the
 logits may swap: a speculative mismatch whose oracle margin is below ``near_tie_margin`` of
 the model's dtype is reported as explained.
+
+Series. Every run records, per engine step, the units of each kind in use, the running
+requests and the steps of its compactions and retractions, from host counters only
+(:class:`SeriesRecorder`); the report carries the static and unified runs' series under
+``"series"`` — what ``--plot`` draws (:mod:`unimem.validate.plot`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -52,6 +58,7 @@ import torch
 from unimem.cache import PrefixCache
 from unimem.engine.core import EngineCore
 from unimem.engine.draft_runner import draft_config_for
+from unimem.memory.layout import PageLayout, SlotLayout
 from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import DraftLane, LayerKind
 from unimem.memory.static import StaticMemory
@@ -97,6 +104,17 @@ class ValidateConfig:
     oracle: str = "none"
 
     def __post_init__(self) -> None:
+        for name in ("requests", "input_len", "output_len", "page_size", "max_running"):
+            _check_count(name, getattr(self, name))
+        _check_count("chunk_size", self.chunk_size)
+        if self.arena_mb is not None and not (
+            isinstance(self.arena_mb, (int, float))
+            and math.isfinite(self.arena_mb)
+            and self.arena_mb > 0
+        ):
+            raise ValueError(
+                f"arena_mb (--arena-mb) must be a finite number > 0, got {self.arena_mb!r}"
+            )
         if self.oracle not in ORACLES:
             raise ValueError(f"oracle must be one of {ORACLES}, got {self.oracle!r}")
         if self.oracle != "none" and self.model_path is None:
@@ -183,6 +201,13 @@ class ValidateConfig:
         return self.cuda_graphs == "on"
 
 
+def _check_count(name: str, value: object) -> None:
+    """``ValueError`` naming the field (and its flag) unless ``value`` is an int >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{name} ({flag}) must be an int >= 1, got {value!r}")
+
+
 SPEC_MODES = ("none", "dspark")
 ORACLES = ("none", "transformers")
 CONTROL_REFERENCES = ("decode", "speculative")
@@ -209,6 +234,8 @@ class RunResult:
     slowest_steps: dict[int, float] = field(default_factory=dict)
     """The host wall time (ms) of the five slowest engine steps, by step index: stalls
     (compiles, allocations, retractions) show here."""
+    series: StepSeries | None = None
+    """What the run held, step by step (:class:`StepSeries`)."""
 
     @property
     def accept_length(self) -> float:
@@ -235,6 +262,130 @@ class RunResult:
             out["prefix_cache"] = self.prefix_cache
         out["slowest_steps_ms"] = self.slowest_steps
         return out
+
+
+@dataclass
+class StepSeries:
+    """What one run held, engine step by engine step, from the host's counts only (the pool's
+    live-unit counters, its stats and the scheduler's lists; nothing is read from the device).
+
+    ``units[kind][i]``: units of ``kind`` (``"full"``, ``"swa"``, ``"state"``) in use at the
+    fullest moment of engine step ``i + 1`` (the step's start included: a step that only frees
+    keeps the bytes it started with). ``unit_bytes[kind]``: one unit's bytes, of which
+    ``draft_unit_bytes[kind]`` belong to the drafter's lanes (0 without speculation). So
+    :meth:`used_bytes` is the pool's ``used_bytes()`` at those moments, and its largest value
+    is the run's ``peak_bytes``. ``running[i]``: requests running after step ``i + 1``.
+    ``compaction_steps`` / ``retraction_steps``: the step of each compaction / retraction, one
+    entry each (their lengths are the run's counts). ``capacity``: the fixed walls in bytes,
+    static: each pool's size by kind (its sink included; they sum to ``capacity_bytes``),
+    unified: ``{"arena": capacity_bytes}``."""
+
+    units: dict[str, list[int]]
+    unit_bytes: dict[str, int]
+    draft_unit_bytes: dict[str, int]
+    running: list[int] = field(default_factory=list)
+    compaction_steps: list[int] = field(default_factory=list)
+    retraction_steps: list[int] = field(default_factory=list)
+    capacity: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return len(self.running)
+
+    def kind_bytes(self, kind: str, draft: bool = False) -> list[int]:
+        """Per step, the bytes of ``kind``'s units in use that hold the target model's layers
+        (``draft`` False) or the drafter's lanes (``draft`` True)."""
+        d = self.draft_unit_bytes[kind]
+        per = d if draft else self.unit_bytes[kind] - d
+        return [n * per for n in self.units[kind]]
+
+    def used_bytes(self) -> list[int]:
+        """Per step, the bytes of every unit in use (all kinds, draft lanes included)."""
+        kinds = list(self.units)
+        return [
+            sum(self.units[k][i] * self.unit_bytes[k] for k in kinds) for i in range(self.steps)
+        ]
+
+
+class SeriesRecorder:
+    """Records a :class:`StepSeries` while an engine runs on ``pool``: call :meth:`step`
+    after every engine step and :meth:`close` at the end.
+
+    Host counts only. A step allocates (admission, growth) before it accounts the previous
+    step (retirement, release), so its fullest moment lies inside it: the recorder wraps the
+    pool's usage update — host arithmetic the pool runs after every operation that changes
+    what it holds — to keep, per step, the per-kind counts at the moment the total was
+    largest. :meth:`close` removes the wrapper."""
+
+    def __init__(self, pool: MemoryPool) -> None:
+        self.pool = pool
+        kinds = pool.spec.kinds
+        self._kinds = [k.value for k in kinds]
+        self.series = StepSeries(
+            units={k: [] for k in self._kinds},
+            unit_bytes={k.value: pool.layout.unit_bytes(k) for k in kinds},
+            draft_unit_bytes={k.value: _draft_unit_bytes(pool.layout.of(k)) for k in kinds},
+            capacity=_capacity(pool),
+        )
+        self._fullest = self._sample()
+        self._compactions = pool.stats.compactions
+        self._retractions = 0
+        self._steps = 0
+        inner = pool._update_usage
+
+        def update_usage() -> None:
+            inner()
+            now = self._sample()
+            if self._bytes(now) > self._bytes(self._fullest):
+                self._fullest = now
+
+        pool._update_usage = update_usage  # type: ignore[method-assign]
+
+    def _sample(self) -> tuple[int, ...]:
+        return tuple(self.pool.live_units(LayerKind(k)) for k in self._kinds)
+
+    def _bytes(self, units: tuple[int, ...]) -> int:
+        return sum(n * self.series.unit_bytes[k] for k, n in zip(self._kinds, units, strict=True))
+
+    def step(self, engine: EngineCore) -> None:
+        """Close the step the engine just ran: its fullest counts, running requests, and the
+        compactions and retractions it made."""
+        s = self.series
+        for k, n in zip(self._kinds, self._fullest, strict=True):
+            s.units[k].append(n)
+        self._fullest = self._sample()
+        s.running.append(len(engine.scheduler.running))
+        self._steps = engine.steps
+        self._marks(engine.scheduler.retractions)
+
+    def _marks(self, retractions: int) -> None:
+        s, step = self.series, self._steps
+        compactions = self.pool.stats.compactions
+        s.compaction_steps += [step] * (compactions - self._compactions)
+        s.retraction_steps += [step] * (retractions - self._retractions)
+        self._compactions, self._retractions = compactions, retractions
+
+    def close(self, engine: EngineCore) -> StepSeries:
+        """Unwrap the pool; compactions or retractions after the last step (the final drain)
+        are marked on the last step. Returns the series."""
+        vars(self.pool).pop("_update_usage", None)
+        self._marks(engine.scheduler.retractions)
+        return self.series
+
+
+def _draft_unit_bytes(layout: PageLayout | SlotLayout) -> int:
+    """Bytes of one unit from its first draft lane's block on (the draft lanes follow the
+    target's in the envelope), 0 without draft lanes."""
+    if layout.num_lanes == layout.num_target:
+        return 0
+    offsets = layout.k_offsets if isinstance(layout, PageLayout) else layout.conv_offsets
+    return layout.unit_bytes - offsets[layout.num_target]
+
+
+def _capacity(pool: MemoryPool) -> dict[str, int]:
+    if isinstance(pool, StaticMemory):
+        return {k.value: pool.pools[k].numel() for k in pool.kinds}
+    return {"arena": pool.stats.capacity_bytes}
 
 
 def make_prompts(cfg: ValidateConfig, vocab_size: int) -> list[list[int]]:
@@ -319,14 +470,19 @@ def run_one(
     total = len(prompts) * cfg.output_len
     bar = ProgressBar(label, total) if progress else None
     marks: list[float] = []
+    recorder = SeriesRecorder(pool)
 
     def on_step(e: EngineCore) -> None:
         marks.append(time.perf_counter())
+        recorder.step(e)
         if bar:
             bar.update(sum(len(r.output) for r in _all(e)))
 
     start = time.perf_counter()
-    done = engine.run(on_step)
+    try:
+        done = engine.run(on_step)
+    finally:
+        series = recorder.close(engine)
     if pool.device.type == "cuda":
         torch.cuda.synchronize(pool.device)
     seconds = time.perf_counter() - start
@@ -350,6 +506,7 @@ def run_one(
         if cache is not None
         else None,
         slowest_steps={i: round(gaps[i] * 1e3, 3) for i in slowest},
+        series=series,
     )
 
 
@@ -415,6 +572,7 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
         "static": res_s.summary(with_arena_stats=False),
         "unified": res_u.summary(with_arena_stats=True),
         "timing_runs": timing,
+        "series": run_series(res_s, res_u),
         "gpu": gpu_name(device),
     }
     if cfg.prefix_cache:
@@ -569,6 +727,12 @@ def _static_and_unified(
                 raise RuntimeError(f"{mode} run {k} differs from its run 0: not deterministic")
         first.seconds = first.output_tokens * len(results) / sum(timing[mode])
     return runs["static"][0], runs["unified"][0], timing
+
+
+def run_series(static: RunResult, unified: RunResult) -> dict[str, dict]:
+    """The report's ``"series"``: each mode's :class:`StepSeries` as plain data (what
+    ``--plot`` draws)."""
+    return {m: asdict(r.series) for m, r in (("static", static), ("unified", unified))}
 
 
 def bench_config(**overrides) -> ValidateConfig:
@@ -738,6 +902,7 @@ def _validate_dspark(
         "static": res_s.summary(with_arena_stats=False),
         "unified": res_u.summary(with_arena_stats=True),
         "timing_runs": timing,
+        "series": run_series(res_s, res_u),
     }
     if res_ctl is not None:
         report["control_run"] = res_ctl.summary(with_arena_stats=False)
