@@ -14,7 +14,8 @@ lanes of the target's own pages, reached through the pool's per-lane views.
   rows of a verify (the other rows are redirected to the sink slot 0, which stores zeros:
   a fixed-shape, sync-free masked write).
 
-:func:`draft_config_for` is the default drafter shape for a target configuration.
+:func:`draft_config_for` (defined beside the drafter, re-exported here) is the default drafter
+shape for a target configuration.
 """
 
 from __future__ import annotations
@@ -27,44 +28,10 @@ from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
-from unimem.models.config import HybridConfig
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.drafter import DraftConfig
+from unimem.speculative.drafter import draft_config_for
 
 __all__ = ["DraftRunner", "draft_config_for"]
-
-
-def draft_config_for(
-    config: HybridConfig,
-    num_layers: int = 2,
-    markov_rank: int = 16,
-) -> DraftConfig:
-    """A drafter for ``config``: ``num_layers`` layers alternating FULL and SWA hosts (only
-    the kinds the target has), SWA window half the target's, the target's head shapes and
-    dtype, context from three target layers (low, middle, last)."""
-    has = set(config.layer_pattern)
-    kinds = [k for k in ("full", "swa") if k in has]
-    if not kinds:
-        raise ValueError("a DSPARK drafter needs a target with FULL or SWA layers to host it")
-    hosts = tuple(kinds[j % len(kinds)] for j in range(num_layers))
-    n = config.num_layers
-    targets = tuple(sorted({min(1, n - 1), n // 2, n - 1}))
-    return DraftConfig(
-        vocab_size=config.vocab_size,
-        d_model=config.d_model,
-        layer_hosts=hosts,
-        target_layers=targets,
-        n_q_heads=config.n_q_heads,
-        n_kv_heads=config.n_kv_heads,
-        head_dim_k=config.head_dim_k,
-        head_dim_v=config.head_dim_v,
-        ffn_dim=config.ffn_dim,
-        window=max(1, config.window // 2) if "swa" in hosts else None,
-        markov_rank=markov_rank,
-        rope_theta=config.rope_theta,
-        rms_eps=config.rms_eps,
-        dtype=config.dtype,
-    )
 
 
 class DraftRunner:

@@ -29,12 +29,16 @@ attends through the step's metadata, and :meth:`DsparkDrafter.context_kv` return
 caller to store.
 
 Weights are drawn from per-tensor generators seeded by ``(seed, name)`` (as the target's), so
-the same seed gives the same drafter on every device. Inference only.
+the same seed gives the same drafter on every device. Inference only: the parameters do not
+require grad (distillation, :mod:`unimem.speculative.distill`, turns them on inside its loop).
+A drafter saves itself as a directory (:meth:`DsparkDrafter.save_pretrained`) that
+:func:`unimem.speculative.checkpoint.load_drafter` reads back onto a target.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,9 +48,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from unimem.memory.spec import AttentionLayerSpec, DraftLane, LayerKind
+from unimem.models.config import HybridConfig
 from unimem.models.nn_ops import apply_rope, frozen_param, rms_norm
 
-__all__ = ["DRAFT_HOSTS", "DraftAttention", "DraftConfig", "DsparkDrafter"]
+__all__ = ["DRAFT_HOSTS", "DraftAttention", "DraftConfig", "DsparkDrafter", "draft_config_for"]
 
 DRAFT_HOSTS = ("full", "swa")
 """Valid entries of ``DraftConfig.layer_hosts``."""
@@ -72,7 +77,9 @@ class DraftConfig:
     ``layer_hosts[j]``: the unit kind hosting draft layer ``j`` ("full" or "swa"; an "swa"
     layer attends a sliding ``window``). ``target_layers``: target layers (distinct indices,
     model order not required) whose residual streams make the context. ``vocab_size`` and
-    ``d_model`` must be the target's (embedding and LM head are shared).
+    ``d_model`` must be the target's (embedding and LM head are shared). ``gamma``: the block
+    size the drafter was trained for (None: untrained; recorded, not enforced — any block
+    size runs).
     """
 
     vocab_size: int
@@ -89,6 +96,7 @@ class DraftConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     dtype: torch.dtype = torch.float64
+    gamma: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layer_hosts", "target_layers"):
@@ -142,6 +150,8 @@ class DraftConfig:
             raise ValueError(f"DraftConfig.head_dim_k must be even (RoPE), got {self.head_dim_k}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"DraftConfig.dtype must be a floating torch.dtype, got {self.dtype}")
+        if self.gamma is not None and (not _is_int(self.gamma) or self.gamma < 1):
+            raise ValueError(f"DraftConfig.gamma must be None or an int >= 1, got {self.gamma!r}")
 
     @property
     def num_layers(self) -> int:
@@ -189,6 +199,39 @@ class DraftConfig:
                 f"DraftConfig.window {self.window} must be <= the target's largest SWA window "
                 f"({max_window})"
             )
+
+
+def draft_config_for(
+    config: HybridConfig,
+    num_layers: int = 2,
+    markov_rank: int = 16,
+) -> DraftConfig:
+    """A drafter for ``config``: ``num_layers`` layers alternating FULL and SWA hosts (only
+    the kinds the target has), SWA window half the target's, the target's head shapes and
+    dtype, context from three target layers (low, middle, last)."""
+    has = set(config.layer_pattern)
+    kinds = [k for k in ("full", "swa") if k in has]
+    if not kinds:
+        raise ValueError("a DSPARK drafter needs a target with FULL or SWA layers to host it")
+    hosts = tuple(kinds[j % len(kinds)] for j in range(num_layers))
+    n = config.num_layers
+    targets = tuple(sorted({min(1, n - 1), n // 2, n - 1}))
+    return DraftConfig(
+        vocab_size=config.vocab_size,
+        d_model=config.d_model,
+        layer_hosts=hosts,
+        target_layers=targets,
+        n_q_heads=config.n_q_heads,
+        n_kv_heads=config.n_kv_heads,
+        head_dim_k=config.head_dim_k,
+        head_dim_v=config.head_dim_v,
+        ffn_dim=config.ffn_dim,
+        window=max(1, config.window // 2) if "swa" in hosts else None,
+        markov_rank=markov_rank,
+        rope_theta=config.rope_theta,
+        rms_eps=config.rms_eps,
+        dtype=config.dtype,
+    )
 
 
 # ---------------------------------------------------------------------- modules
@@ -261,6 +304,14 @@ class DsparkDrafter(nn.Module):
     @property
     def lm_head(self) -> torch.Tensor:
         return self._shared[1]
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write this drafter as a directory: ``config.json`` (the :class:`DraftConfig`)
+        and ``model.safetensors`` (its own weights only, not the target's shared embedding
+        and LM head). :func:`unimem.speculative.checkpoint.load_drafter` reads it back."""
+        from unimem.speculative.checkpoint import save_drafter
+
+        save_drafter(self, path)
 
     def _init_weights(self, seed: int) -> None:
         c = self.config
@@ -350,9 +401,9 @@ class DsparkDrafter(nn.Module):
             logits = logits.float()
         return logits.reshape(bs, gamma, c.vocab_size)
 
-    @torch.no_grad()
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
-        """``[bs, vocab]``: ``V @ U[prev]`` for each previous token ``prev [bs]``."""
+        """``[..., vocab]``: ``V @ U[prev]`` for each previous token ``prev [...]`` (also
+        the training forward's bias, so not under ``no_grad``)."""
         return self.markov_u[prev.long()] @ self.markov_v.T
 
     @torch.no_grad()

@@ -1,0 +1,185 @@
+"""DSPARK drafter checkpoints: a directory with ``config.json`` and ``model.safetensors``.
+
+``config.json`` holds the :class:`~unimem.speculative.drafter.DraftConfig` fields (the target
+layers it reads, its layer hosts and shapes, window, Markov rank, the ``gamma`` it was trained
+for, dtype — by name, e.g. ``"float64"`` — and the target's ``vocab_size`` / ``d_model`` it
+fits) plus ``"format": "unimem-dspark-drafter"``. ``model.safetensors`` holds the drafter's own
+parameters by their module names (``fc``, ``layers.0.qkv_proj``, ``markov_u``, ...); the
+target's embedding and LM head, which the drafter shares, are never written.
+
+:func:`load_drafter` rebuilds the drafter on a target and refuses, with a ``ValueError``
+naming the field or tensor, a checkpoint that does not fit it: a different ``vocab_size`` or
+``d_model``, a target layer index out of range, an SWA window larger than the target's, a
+missing, unexpected or wrongly shaped tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from unimem.models.base import CausalLM
+from unimem.speculative.drafter import DraftConfig, DsparkDrafter
+
+__all__ = ["CONFIG_NAME", "FORMAT", "WEIGHTS_NAME", "load_drafter", "save_drafter"]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT = "unimem-dspark-drafter"
+
+_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_FIELDS = {f.name: f for f in dataclasses.fields(DraftConfig)}
+
+
+def config_to_dict(config: DraftConfig) -> dict:
+    """The JSON form of ``config`` (tuples as lists, dtype by name)."""
+    out = {"format": FORMAT}
+    for name in _FIELDS:
+        value = getattr(config, name)
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        out[name] = value
+    return out
+
+
+def config_from_dict(d: dict, dtype: torch.dtype | None = None) -> DraftConfig:
+    """A :class:`DraftConfig` from its JSON form (``dtype`` overrides the stored one).
+    ``ValueError`` naming the field for an unknown, missing or invalid one."""
+    if d.get("format") != FORMAT:
+        raise ValueError(f"config.json format must be {FORMAT!r}, got {d.get('format')!r}")
+    kwargs = {}
+    for name, value in d.items():
+        if name == "format":
+            continue
+        if name not in _FIELDS:
+            raise ValueError(f"config.json: unknown field {name!r}")
+        if name == "dtype":
+            if value not in _DTYPES:
+                raise ValueError(
+                    f"config.json: dtype must be one of {sorted(_DTYPES)}, got {value!r}"
+                )
+            value = _DTYPES[value]
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    required = [
+        n
+        for n, f in _FIELDS.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [n for n in required if n not in kwargs]
+    if missing:
+        raise ValueError(f"config.json: missing field(s) {missing}")
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return DraftConfig(**kwargs)
+
+
+def save_drafter(drafter: DsparkDrafter, path: str | os.PathLike) -> None:
+    """Write ``drafter`` as a checkpoint directory ``path`` (created if needed; its
+    ``config.json`` and ``model.safetensors`` are overwritten)."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in drafter.state_dict().items()}
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": FORMAT})
+    with open(out / CONFIG_NAME, "w") as f:
+        json.dump(config_to_dict(drafter.config), f, indent=2)
+        f.write("\n")
+
+
+def read_config(path: str | os.PathLike, dtype: torch.dtype | None = None) -> DraftConfig:
+    """The :class:`DraftConfig` of the checkpoint directory ``path``."""
+    cfg_path = Path(path) / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise ValueError(f"drafter checkpoint {path}: no {CONFIG_NAME} there")
+    with open(cfg_path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"drafter checkpoint {path}: {CONFIG_NAME} is not JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"drafter checkpoint {path}: {CONFIG_NAME} must hold an object")
+    return config_from_dict(d, dtype)
+
+
+def check_fits(config: DraftConfig, target: CausalLM) -> None:
+    """``ValueError`` naming the field unless a drafter of ``config`` fits ``target``."""
+    c = target.config
+    for name in ("vocab_size", "d_model"):
+        ours, theirs = getattr(config, name), getattr(c, name)
+        if ours != theirs:
+            raise ValueError(
+                f"drafter {name} {ours} does not fit the target's {name} {theirs} (the "
+                "embedding and LM head are shared)"
+            )
+    for i in config.target_layers:
+        if i >= c.num_layers:
+            raise ValueError(
+                f"drafter target_layers: layer index {i} out of range for a target of "
+                f"{c.num_layers} layers"
+            )
+    if "swa" in config.layer_hosts:
+        window = c.window if "swa" in c.layer_pattern else None
+        if window is None or config.window > window:
+            raise ValueError(
+                f"drafter window {config.window} is larger than the target's SWA window "
+                f"({window}): retirement would free pages the drafter still reads"
+            )
+    window = c.window if "swa" in c.layer_pattern else None
+    config.check_target(c.vocab_size, c.d_model, c.num_layers, window)
+
+
+def load_drafter(
+    path: str | os.PathLike,
+    target_model: CausalLM,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> DsparkDrafter:
+    """The drafter saved in directory ``path``, sharing ``target_model``'s embedding and LM
+    head, on ``device`` (default: the target's; another device gets copies of the shared
+    tensors) in ``dtype`` (default: the checkpoint's; weights are cast). ``ValueError``
+    naming the field or tensor if it does not fit the target (module docstring)."""
+    config = read_config(path, dtype)
+    check_fits(config, target_model)
+    weights = Path(path) / WEIGHTS_NAME
+    if not weights.is_file():
+        raise ValueError(f"drafter checkpoint {path}: no {WEIGHTS_NAME} there")
+    dev = target_model.device if device is None else torch.device(device)
+    embed, lm_head = target_model.embed_weight, target_model.lm_head_weight
+    if embed.device != dev:
+        embed, lm_head = embed.to(dev), lm_head.to(dev)
+    drafter = DsparkDrafter(config, embed, lm_head)
+    params = dict(drafter.named_parameters())
+    with safe_open(str(weights), framework="pt") as f:
+        names = set(f.keys())
+        missing = sorted(set(params) - names)
+        if missing:
+            raise ValueError(f"drafter checkpoint {path}: missing tensor {missing[0]!r}")
+        unexpected = sorted(names - set(params))
+        if unexpected:
+            raise ValueError(f"drafter checkpoint {path}: unexpected tensor {unexpected[0]!r}")
+        for name, p in params.items():
+            t = f.get_tensor(name)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"drafter checkpoint {path}: tensor {name!r} has shape {tuple(t.shape)}, "
+                    f"the config needs {tuple(p.shape)}"
+                )
+            # copied into the parameter's own (aligned) storage: a tensor read from the file
+            # may sit at another alignment, and CPU GEMMs may round differently for it
+            p.data.copy_(t)
+    return drafter
