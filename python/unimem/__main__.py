@@ -142,6 +142,14 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         f"differently; default {d.control_reference})",
     )
     v.add_argument(
+        "--speculative-draft-model-path",
+        metavar="DIR",
+        default=None,
+        help="with --spec dspark: a drafter checkpoint directory (config.json, "
+        "model.safetensors; e.g. from python -m unimem.speculative.distill) instead of the "
+        "seeded drafter",
+    )
+    v.add_argument(
         "--prefix-cache",
         choices=["on", "off"],
         default="on" if d.prefix_cache else "off",
@@ -238,6 +246,12 @@ _NEEDS = (
     ("--accept-rate", "accept_rate", "--spec dspark", lambda a: a.spec != "none"),
     ("--control-reference", "control_reference", "--spec dspark", lambda a: a.spec != "none"),
     (
+        "--speculative-draft-model-path",
+        "speculative_draft_model_path",
+        "--spec dspark",
+        lambda a: a.spec != "none",
+    ),
+    (
         "--checkpoint-interval",
         "checkpoint_interval",
         "--prefix-cache on",
@@ -303,6 +317,7 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         dtype=args.dtype,
         prompts_file=args.prompts_file,
         oracle=args.oracle,
+        speculative_draft_model_path=args.speculative_draft_model_path,
     )
 
 

@@ -6,8 +6,9 @@ length (the oracle); the unified run uses one arena of ``arena_mb`` (default: th
 as the static pools) — a small arena forces compaction and retraction. The report says how
 many requests produced identical output ids, and compares throughput and memory.
 
-With ``spec="dspark"`` both runs decode by chain speculation (a seeded DSPARK drafter whose
-layers live in draft lanes of the pools' pages, ``gamma`` drafts per step). A non-speculative
+With ``spec="dspark"`` both runs decode by chain speculation (a seeded DSPARK drafter, or the
+drafter checkpoint of ``speculative_draft_model_path``, whose layers live in draft lanes of the
+pools' pages, ``gamma`` drafts per step). A non-speculative
 run on static memory goes first: its outputs (``gamma`` tokens longer than asked, so every
 drafted position has a reference) drive the acceptance control (``accept_rate``) and are what
 the speculative outputs must equal. With ``control_reference="speculative"`` the acceptance
@@ -69,6 +70,7 @@ from unimem.models.loader import load_checkpoint, load_hf_config, resolve_dtype
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
+from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.control import AcceptanceControl
 from unimem.speculative.drafter import DsparkDrafter
 from unimem.validate.report import ProgressBar
@@ -102,6 +104,7 @@ class ValidateConfig:
     dtype: str = "auto"
     prompts_file: str | None = None
     oracle: str = "none"
+    speculative_draft_model_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("requests", "input_len", "output_len", "page_size", "max_running"):
@@ -161,6 +164,9 @@ class ValidateConfig:
                 raise ValueError(f"gamma must be an int >= 1, got {self.gamma!r}")
             if not 0.0 <= self.accept_rate <= 1.0:
                 raise ValueError(f"accept rate must be in [0, 1], got {self.accept_rate!r}")
+        draft = self.speculative_draft_model_path  # used with spec dspark only
+        if draft is not None and not os.path.isfile(os.path.join(draft, "config.json")):
+            raise ValueError(f"--speculative-draft-model-path {draft}: no config.json there")
 
     @property
     def window(self) -> int:
@@ -855,9 +861,15 @@ def _validate_dspark(
         model, static_pool(ref_cfg, model_cfg, device), ref_cfg, prompts, "reference", progress
     )
     references = {rid: prompts[rid] + out for rid, out in res_ref.outputs.items()}
-    drafter = DsparkDrafter(
-        draft_config_for(model_cfg), model.embed_weight, model.lm_head_weight, seed=cfg.seed + 17
-    )
+    if cfg.speculative_draft_model_path is not None:
+        drafter = load_drafter(cfg.speculative_draft_model_path, model)
+    else:
+        drafter = DsparkDrafter(
+            draft_config_for(model_cfg),
+            model.embed_weight,
+            model.lm_head_weight,
+            seed=cfg.seed + 17,
+        )
     lanes = drafter.config.lanes()
     res_ctl = None
     if cfg.control_reference == "speculative":
