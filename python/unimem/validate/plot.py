@@ -129,6 +129,7 @@ def memory_figure(report: dict, path: str, title: str | None = None) -> None:
         run_ax.yaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("engine step")
         ax.set_xlim(0, max(len(steps) - 1, 1))
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylim(0, top / MIB * 1.12)
         ax.grid(True, alpha=0.3)
         ax.set_title(_panel_title(mode, report[mode], s), fontsize=10)
@@ -176,8 +177,20 @@ def _panel_title(mode: str, summary: dict, s: dict) -> str:
     out = f"{what}: {cap:.2f} MiB, peak in use {peak:.2f} MiB"
     out += f"\n{summary['steps']} steps, {summary['throughput_tok_s']:.0f} tok/s"
     if mode == "unified":
-        out += f", {summary['compactions']} compactions, {summary['retractions']} retractions"
+        out += f", {_count(summary['compactions'], 'compaction')}, "
+        out += _count(summary["retractions"], "retraction")
     return out
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _draft_handle():
+    """The legend's entry for the drafter's lanes: hatching on any kind's colour."""
+    from matplotlib.patches import Patch
+
+    return Patch(facecolor="white", edgecolor="#555555", hatch="//")
 
 
 def _kind_mib(s: dict, kind: str, draft: bool) -> list[float]:
@@ -199,10 +212,10 @@ def _static_panel(ax, s: dict, steps: list[int], handles: dict) -> None:
         h = ax.fill_between(steps, lo, mid, step="post", color=COLORS[kind], lw=0)
         handles.setdefault(LABELS[kind], h)
         if any(draft):
-            h = ax.fill_between(
+            ax.fill_between(
                 steps, mid, hi, step="post", color=COLORS[kind], alpha=0.45, hatch="//", lw=0
             )
-            handles.setdefault(DRAFT, h)
+            handles.setdefault(DRAFT, _draft_handle())
         wall = base + s["capacity"][kind] / MIB
         h = ax.axhline(wall, **WALL_STYLE)
         handles.setdefault(WALLS, h)
@@ -231,7 +244,10 @@ def _unified_panel(ax, s: dict, steps: list[int], handles: dict) -> None:
             top = [b + p for b, p in zip(bottom, part, strict=True)]
             style = {"alpha": 0.45, "hatch": "//"} if draft else {}
             h = ax.fill_between(steps, bottom, top, step="post", color=COLORS[kind], lw=0, **style)
-            handles.setdefault(DRAFT if draft else LABELS[kind], h)
+            if draft:
+                handles.setdefault(DRAFT, _draft_handle())
+            else:
+                handles.setdefault(LABELS[kind], h)
             bottom = top
     cap = s["capacity"]["arena"] / MIB
     h = ax.axhline(cap, **WALL_STYLE)
