@@ -1,0 +1,318 @@
+"""The step loop in its own thread, fed by a queue: the HTTP side never blocks it.
+
+:class:`EngineLoop` owns an :class:`~unimem.engine.core.EngineCore` (built by
+:class:`unimem.Engine`) and runs it in a dedicated thread. Between two steps the thread drains
+its inbox (new requests, aborts, calls such as a cache flush), steps the core once, and hands
+every request's new output tokens to that request's ``sink`` (a callable; the HTTP side passes
+one that moves the :class:`Delta` into an asyncio queue with ``loop.call_soon_threadsafe``).
+It sleeps on a condition variable only when the core is idle and the inbox empty. Nothing
+the HTTP side does waits on a step, and nothing in a step waits on HTTP.
+
+After every step (and every inbox drain) the thread publishes a snapshot of the engine's
+state (:meth:`EngineLoop.snapshot`: running and queued requests, memory in use per kind,
+compactions, retractions, token counters), which ``/get_server_info`` and ``/metrics`` read
+without touching the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from unimem.engine.core import EngineCore
+from unimem.engine.request import Request
+from unimem.engine.sampling import SamplingOptions
+from unimem.memory.spec import LayerKind
+
+__all__ = ["Delta", "EngineLoop", "Handle", "Submission"]
+
+log = logging.getLogger("unimem.serve")
+
+THROUGHPUT_WINDOW_S = 10.0
+"""Seconds of history behind the prompt / generation throughput gauges."""
+
+IDLE_PUBLISH_S = 1.0
+"""How often an idle engine thread refreshes its snapshot."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one request since its previous delta: ``tokens`` with their
+    ``logprobs``; ``finish_reason`` ("stop", "length", "abort") on its last delta, with
+    ``cached_tokens`` (prefix-cache hits) and ``error`` (a message if the engine could not
+    run the request: then no tokens follow)."""
+
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Submission:
+    """What the HTTP side asks for: ``prompt`` ids, ``max_new_tokens``, ``stop_token_ids``
+    (EOS included unless ignored), ``sampling`` (None: greedy), and where its deltas go.
+    ``arrival``: ``time.monotonic()`` when the HTTP request came in (time to first token is
+    measured from it)."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    sampling: SamplingOptions | None
+    sink: Callable[[Delta], None]
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class Handle:
+    """One submitted request, as the HTTP side holds it (pass it to :meth:`EngineLoop.abort`)."""
+
+    def __init__(self, sub: Submission) -> None:
+        self.sub = sub
+        self.req: Request | None = None  # set by the engine thread
+        self.sent = 0
+        self.last_emit = 0.0
+
+
+@dataclass
+class _Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    verify_steps: int = 0
+    verified_tokens: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+
+
+class EngineLoop:
+    """Runs ``core`` in a thread (module docstring). ``observe``: optional callbacks the
+    thread calls as tokens come out (``ttft(seconds)``, ``itl(seconds, n)``,
+    ``finished(reason, seconds)``), for the metrics."""
+
+    def __init__(self, core: EngineCore, observe=None) -> None:
+        self.core = core
+        self.pool = core.pool
+        self.observe = observe
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._active: list[Handle] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+        self._counters = _Counters()
+        self._history: deque[tuple[float, int, int]] = deque()
+        self._snapshot: dict = {}
+        self._publish()
+
+    # ------------------------------------------------------------------ HTTP side
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="unimem-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def submit(self, sub: Submission) -> Handle:
+        """Queue ``sub`` for the engine thread; returns at once."""
+        handle = Handle(sub)
+        self._post("submit", handle)
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        """End ``handle``'s request between steps (its memory comes back); a no-op once it
+        finished. Returns at once."""
+        self._post("abort", handle)
+
+    def call(self, fn: Callable[[EngineCore], object]) -> Future:
+        """Run ``fn(core)`` on the engine thread between two steps; its result as a future."""
+        fut: Future = Future()
+        self._post("call", (fn, fut))
+        return fut
+
+    def snapshot(self) -> dict:
+        """The engine's state as of its last step (module docstring); never blocks."""
+        return self._snapshot
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort every request, stop the thread and wait for it."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _post(self, kind: str, item: object) -> None:
+        with self._cond:
+            if self._stopping or self.error is not None:
+                reason = self.error or "the server is shutting down"
+                if kind == "submit":
+                    _deliver(item, Delta(finish_reason="abort", error=reason))
+                elif kind == "call":
+                    item[1].set_exception(RuntimeError(reason))
+                return
+            self._inbox.append((kind, item))
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        busy = False
+        try:
+            while True:
+                with self._cond:
+                    if not self._inbox and not busy and not self._stopping:
+                        self._cond.wait(IDLE_PUBLISH_S)
+                    inbox, self._inbox = self._inbox, []
+                    stopping = self._stopping
+                if not inbox and not busy and not stopping:
+                    self._publish()  # idle: keep the throughput gauges current
+                    continue
+                self._handle(inbox)
+                if stopping:
+                    for h in list(self._active):
+                        self._abort(h)
+                    self._emit()
+                    return
+                busy = self.core.step()
+                self._emit()
+                self._publish()
+        except Exception as e:  # a broken engine: fail every request, keep the process up
+            log.exception("engine loop failed")
+            with self._cond:
+                self.error = f"engine failure: {type(e).__name__}: {e}"
+                pending, self._inbox = self._inbox, []
+            for h in self._active + [i for k, i in pending if k == "submit"]:
+                _deliver(h, Delta(finish_reason="abort", error=self.error))
+            for k, item in pending:
+                if k == "call":
+                    item[1].set_exception(RuntimeError(self.error))
+            self._active = []
+            self._publish()
+
+    def _handle(self, inbox: list[tuple[str, object]]) -> None:
+        for kind, item in inbox:
+            if kind == "submit":
+                self._submit(item)
+            elif kind == "abort":
+                self._abort(item)
+            else:
+                fn, fut = item
+                try:
+                    fut.set_result(fn(self.core))
+                except Exception as e:
+                    fut.set_exception(e)
+        if inbox:
+            self._emit()
+            self._publish()
+
+    def _submit(self, h: Handle) -> None:
+        s = h.sub
+        try:
+            h.req = self.core.submit(
+                s.prompt, s.max_new_tokens, stop_token_ids=s.stop_token_ids, sampling=s.sampling
+            )
+        except ValueError as e:  # checked on the HTTP side already; a race is still answered
+            _deliver(h, Delta(finish_reason="abort", error=str(e)))
+            return
+        self._counters.prompt_tokens += len(s.prompt)
+        self._active.append(h)
+
+    def _abort(self, h: Handle) -> None:
+        if h.req is None:  # never submitted (or refused): nothing to stop
+            return
+        self.core.abort(h.req)
+
+    def _emit(self) -> None:
+        now = time.monotonic()
+        still = []
+        for h in self._active:
+            r = h.req
+            n = len(r.output)
+            done = r.finished
+            if n > h.sent or done:
+                toks = tuple(r.output[h.sent : n])
+                lps = tuple(r.output_logprobs[h.sent : n])
+                self._observe_tokens(h, len(toks), now)
+                h.sent = n
+                reason = r.finish_reason if done else None
+                if done:
+                    self._finished(h, reason, now)
+                _deliver(h, Delta(toks, lps, reason, r.cached_tokens if done else 0))
+            if not done:
+                still.append(h)
+        self._active = still
+
+    def _observe_tokens(self, h: Handle, n: int, now: float) -> None:
+        if n == 0:
+            return
+        self._counters.generation_tokens += n
+        if self.observe is not None:
+            if h.sent == 0:
+                self.observe.ttft(now - h.sub.arrival)
+                if n > 1:
+                    self.observe.itl(0.0, n - 1)
+            else:
+                self.observe.itl((now - h.last_emit) / n, n)
+        h.last_emit = now
+
+    def _finished(self, h: Handle, reason: str, now: float) -> None:
+        c = self._counters
+        r = h.req
+        c.cached_tokens += r.cached_tokens
+        c.verify_steps += r.verify_steps
+        c.verified_tokens += r.verified_tokens
+        c.requests_finished[reason] = c.requests_finished.get(reason, 0) + 1
+        if self.observe is not None:
+            self.observe.finished(reason, now - h.sub.arrival)
+
+    def _publish(self) -> None:
+        """Swap in a fresh snapshot (one reference assignment: readers never see a torn one)."""
+        pool, sched, c = self.pool, self.core.scheduler, self._counters
+        stats = pool.stats
+        now = time.monotonic()
+        hist = self._history
+        hist.append((now, c.prompt_tokens, c.generation_tokens))
+        while len(hist) > 2 and now - hist[1][0] > THROUGHPUT_WINDOW_S:
+            hist.popleft()
+        span = now - hist[0][0]
+        units = {k.name.lower(): pool.live_units(k) for k in pool.spec.kinds}
+        tokens = {
+            k: n * (1 if k == LayerKind.STATE.name.lower() else pool.page_size)
+            for k, n in units.items()
+        }
+        self._snapshot = {
+            "running_requests": len(sched.running),
+            "queued_requests": len(sched.waiting),
+            "used_bytes": pool.used_bytes(),
+            "peak_bytes": stats.peak_bytes,
+            "capacity_bytes": stats.capacity_bytes,
+            "live_units": units,
+            "tokens_in_use": tokens,
+            "compactions": stats.compactions,
+            "moved_units": stats.moved_units,
+            "retractions": sched.retractions,
+            "steps": self.core.steps,
+            "prompt_tokens_total": c.prompt_tokens,
+            "generation_tokens_total": c.generation_tokens,
+            "cached_tokens_total": c.cached_tokens,
+            "spec_verify_steps_total": c.verify_steps,
+            "spec_verified_tokens_total": c.verified_tokens,
+            "requests_finished": dict(c.requests_finished),
+            "prompt_throughput": (c.prompt_tokens - hist[0][1]) / span if span > 0 else 0.0,
+            "generation_throughput": (c.generation_tokens - hist[0][2]) / span if span > 0 else 0.0,
+            "engine_error": self.error,
+        }
+
+
+def _deliver(h: Handle, delta: Delta) -> None:
+    try:
+        h.sub.sink(delta)
+    except Exception:  # the HTTP side is gone (its event loop closed): nothing to tell
+        log.debug("dropped a delta for a closed request", exc_info=True)

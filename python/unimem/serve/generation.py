@@ -1,0 +1,314 @@
+"""One generation request as the HTTP side runs it: checked, submitted to the engine thread,
+and read back as text pieces.
+
+:class:`Serving` holds what every route needs (the engine, its thread, the tokenizer, the
+server options) and checks a request before anything is queued (:meth:`Serving.prepare`:
+every problem is an :class:`~unimem.serve.protocol.ApiError` 400 naming the field).
+:meth:`Serving.sampling_options` is the one place a request's sampling parameters become
+:class:`~unimem.engine.sampling.SamplingOptions`.
+
+:class:`Generation` submits one request and yields :class:`Piece` objects: new text (from
+:class:`~unimem.serve.detokenize.IncrementalDetokenizer`, never a split character), the
+tokens and log-probabilities behind it, and on the last piece the finish reason. A stop
+string ends the request through ``EngineCore.abort`` (its memory comes back) and is reported
+as ``"stop"`` with the text cut right before it. A matched stop token (EOS included) ends the
+output ids but not the text (SGLang trims it). A client that disconnects — noticed by polling
+``request.is_disconnected()`` while waiting, or by the stream's cancellation — aborts the
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from unimem.engine.sampling import SamplingOptions
+from unimem.serve.args import ServerOptions
+from unimem.serve.detokenize import IncrementalDetokenizer, StopMatcher
+from unimem.serve.engine_loop import Delta, EngineLoop, Submission
+from unimem.serve.protocol import ApiError
+
+__all__ = ["GenParams", "Generation", "Piece", "Serving"]
+
+DISCONNECT_POLL_S = 0.5
+"""How often a request waiting for tokens checks whether its client is still there."""
+
+DEFAULT_TEMPERATURE = 1.0
+"""OpenAI's and SGLang's default temperature when a request gives none."""
+
+
+@dataclass
+class GenParams:
+    """A request's generation parameters, named as SGLang names them. ``max_new_tokens``
+    None: up to the end of the context. ``top_logprobs``: 0, or 1 (the most likely token
+    beside the chosen one: the chosen one itself under greedy decoding)."""
+
+    max_new_tokens: int | None = None
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    max_tokens_field: str = "max_tokens"  # how the request spelled it (errors name it)
+
+
+@dataclass
+class Piece:
+    """New output of a request: ``text`` (may be empty), ``token_ids`` and ``logprobs``
+    behind it; ``finish_reason`` ("stop", "length", "abort") and ``matched`` (the stop token
+    id or stop string, if any) on the last piece."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched: int | str | None = None
+
+
+class Serving:
+    """The HTTP side's view of the server (module docstring)."""
+
+    def __init__(self, engine, loop: EngineLoop, options: ServerOptions) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.options = options
+        self.tokenizer = engine.tokenizer
+        self.core = engine.core
+        self.vocab_size = engine.model.config.vocab_size
+        self.context_length = engine.context_length
+        self.eos_token_ids = frozenset(engine.eos_token_ids)
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ checks
+
+    def require_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ApiError(
+                400,
+                "this server runs without a tokenizer (--skip-tokenizer-init):"
+                " send input_ids to /generate",
+                code="no_tokenizer",
+            )
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless ``name`` is the served model name (or omitted)."""
+        if name is not None and name != self.options.served_model_name:
+            raise ApiError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
+
+    def max_room(self, prompt_len: int) -> int:
+        """The most output tokens a prompt of ``prompt_len`` tokens may ask for: within the
+        context, with the write window and look-ahead of speculation."""
+        core = self.core
+        reach = core.lookahead + (core.chain.gamma if core.chain is not None else 0)
+        return min(self.context_length - prompt_len, core.pool.max_context - prompt_len + 1 - reach)
+
+    def sampling_options(self, p: GenParams) -> SamplingOptions | None:
+        """The one place request parameters become engine sampling options (None: greedy).
+        400 naming the field if a value is invalid or cannot run here (temperature > 0 with
+        DSPARK)."""
+        try:
+            opts = SamplingOptions(p.temperature, p.top_p, p.top_k, p.min_p, p.seed)
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            raise ApiError(400, str(e), param=name, code="invalid_value") from None
+        try:
+            self.core.check_sampling(opts)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="temperature", code="unsupported_value") from None
+        return None if opts.greedy else opts
+
+    def prepare(self, prompt: Sequence[int], p: GenParams, prompt_field: str) -> Submission:
+        """Check a request (400 naming the field) and build its submission (without a sink)."""
+        prompt = list(prompt)
+        if not prompt:
+            raise ApiError(
+                400, f"{prompt_field} is empty", param=prompt_field, code="invalid_value"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(
+                400,
+                f"{prompt_field}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
+                param=prompt_field,
+                code="invalid_value",
+            )
+        if p.n != 1:
+            raise ApiError(400, f"n must be 1, got {p.n}", param="n", code="unsupported_value")
+        room = self.max_room(len(prompt))
+        if room < 1:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.context_length} "
+                f"tokens; the {prompt_field} has {len(prompt)} tokens, which leaves "
+                "no room for output",
+                param=prompt_field,
+                code="context_length_exceeded",
+            )
+        n, name = p.max_new_tokens, p.max_tokens_field
+        if n is None:
+            n = room
+        elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ApiError(
+                400, f"{name} must be an int >= 1, got {n!r}", param=name, code="invalid_value"
+            )
+        elif n > room:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.context_length} "
+                f"tokens; {prompt_field} {len(prompt)} + {name} {n} do not fit "
+                f"(at most {room} output tokens)",
+                param=name,
+                code="context_length_exceeded",
+            )
+        for s in p.stop:
+            if not isinstance(s, str) or not s:
+                raise ApiError(
+                    400, "stop strings must be non-empty", param="stop", code="invalid_value"
+                )
+        bad = [t for t in p.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(
+                400,
+                f"stop_token_ids: {bad[0]} outside the vocabulary",
+                param="stop_token_ids",
+                code="invalid_value",
+            )
+        if p.stop and self.tokenizer is None:
+            raise ApiError(400, "stop strings need a tokenizer", param="stop")
+        if p.top_logprobs not in (0, 1):
+            raise ApiError(
+                400,
+                f"top logprobs: only 0 or 1 are supported, got {p.top_logprobs}",
+                param="top_logprobs",
+                code="unsupported_value",
+            )
+        sampling = self.sampling_options(p)
+        if p.top_logprobs and sampling is not None:
+            raise ApiError(
+                400,
+                "top logprobs need temperature 0",
+                param="top_logprobs",
+                code="unsupported_value",
+            )
+        try:
+            self.core.check_request(prompt, n)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=prompt_field, code="invalid_value") from None
+        stops = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stops |= self.eos_token_ids
+        return Submission(prompt, n, frozenset(stops), sampling, sink=_no_sink)
+
+    # ------------------------------------------------------------------ helpers
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _no_sink(delta: Delta) -> None:  # replaced by Generation before submission
+    raise RuntimeError("submission without a sink")
+
+
+class Generation:
+    """One submitted request (module docstring). ``http_request``: the Starlette request
+    (for disconnects; None: never polled). After the pieces: ``prompt_tokens``,
+    ``completion_tokens``, ``cached_tokens``, ``output_ids``."""
+
+    def __init__(self, serving: Serving, sub: Submission, stop: Sequence[str], http_request):
+        self.serving = serving
+        self.sub = sub
+        self.http_request = http_request
+        self.detok = IncrementalDetokenizer(serving.tokenizer) if serving.tokenizer else None
+        self.stopper = StopMatcher(stop)
+        self.prompt_tokens = len(sub.prompt)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.arrival = sub.arrival
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Submit and yield pieces until the last one (which has a ``finish_reason``). An
+        :class:`ApiError` if the engine could not run it. Aborts the request if the consumer
+        stops early or the client disconnects."""
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+
+        def sink(delta: Delta) -> None:
+            aloop.call_soon_threadsafe(queue.put_nowait, delta)
+
+        self.sub.sink = sink
+        handle = self.serving.loop.submit(self.sub)
+        getter: asyncio.Task | None = None
+        try:
+            while self.finish_reason is None:
+                getter = getter or asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                if not done:
+                    if self.http_request is not None and await self.http_request.is_disconnected():
+                        return  # finally aborts
+                    continue
+                delta, getter = getter.result(), None
+                piece = self._piece(delta)
+                if piece.finish_reason == "stop" and isinstance(piece.matched, str):
+                    self.serving.loop.abort(handle)  # a stop string: end it in the engine
+                yield piece
+        finally:
+            if getter is not None:
+                getter.cancel()
+            if self.finish_reason is None:
+                self.serving.loop.abort(handle)
+                self.finish_reason = "abort"
+
+    def _piece(self, d: Delta) -> Piece:
+        if d.error is not None:
+            self.finish_reason = "abort"
+            status = 503 if not self.serving.loop.alive else 400
+            raise ApiError(status, d.error, code="engine_error" if status == 503 else None)
+        toks, lps = list(d.tokens), list(d.logprobs)
+        self.output_ids += toks
+        self.completion_tokens += len(toks)
+        reason, matched = d.finish_reason, None
+        text_ids = toks
+        if reason == "stop" and self.output_ids and self.output_ids[-1] in self.sub.stop_token_ids:
+            matched = self.output_ids[-1]
+            text_ids = toks[:-1] if toks else []
+        if reason is not None:
+            self.cached_tokens = d.cached_tokens
+        if self.detok is None:
+            self.finish_reason = reason
+            return Piece("", toks, lps, reason, matched)
+        text = self.detok.push(text_ids)
+        if reason is not None:
+            text += self.detok.finish()
+        ready, stopped = self.stopper.push(text)
+        if stopped:
+            reason, matched = "stop", self.stopper.matched
+        elif reason is not None:
+            ready += self.stopper.flush()
+        self.finish_reason = reason
+        return Piece(ready, toks, lps, reason, matched)
+
+    async def collect(self) -> Piece:
+        """Run to the end; one piece with all the text, ids and log-probabilities."""
+        out = Piece("")
+        async for piece in self.pieces():
+            out.text += piece.text
+            out.token_ids += piece.token_ids
+            out.logprobs += piece.logprobs
+            out.finish_reason, out.matched = piece.finish_reason, piece.matched
+        if out.finish_reason is None:  # the client went away
+            out.finish_reason = "abort"
+        return out

@@ -1,0 +1,196 @@
+"""``GET /metrics``: Prometheus metrics (``prometheus-client``), named ``unimem:*`` as SGLang
+names its ``sglang:*``.
+
+Gauges and totals come from the engine thread's snapshot at scrape time
+(:meth:`~unimem.serve.engine_loop.EngineLoop.snapshot`): running and queued requests, tokens
+in use per kind (FULL / SWA pages as tokens, STATE as slots), arena occupancy and bytes,
+compactions, retractions, prefix-cache hit rate, speculative accept length, prompt and
+generation tokens (totals and throughput over the last seconds). Histograms are observed by
+the engine thread as tokens come out: time to first token (from the HTTP request's arrival),
+inter-token latency (per token: the gap between two deliveries over the tokens delivered),
+end-to-end request latency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["ServerMetrics", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _SnapshotCollector:
+    def __init__(self, snapshot: Callable[[], dict], labels: dict[str, str]) -> None:
+        self.snapshot = snapshot
+        self.label_names = list(labels)
+        self.label_values = list(labels.values())
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=self.label_names)
+        g.add_metric(self.label_values, value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=self.label_names)
+        c.add_metric(self.label_values, value)
+        return c
+
+    def collect(self):
+        s = self.snapshot()
+        g, c = self._gauge, self._counter
+        yield g("unimem:num_running_reqs", "Requests running.", s["running_requests"])
+        yield g("unimem:num_queue_reqs", "Requests waiting for admission.", s["queued_requests"])
+        tokens = GaugeMetricFamily(
+            "unimem:tokens_in_use",
+            "Memory in use per kind: FULL and SWA pages (as tokens), STATE slots.",
+            labels=[*self.label_names, "kind"],
+        )
+        for kind, n in s["tokens_in_use"].items():
+            tokens.add_metric([*self.label_values, kind], n)
+        yield tokens
+        cap = s["capacity_bytes"]
+        yield g("unimem:memory_used_bytes", "Bytes of KV pages and state in use.", s["used_bytes"])
+        yield g("unimem:memory_capacity_bytes", "Bytes of the arena / static pools.", cap)
+        yield g(
+            "unimem:arena_occupancy",
+            "Used over capacity bytes.",
+            s["used_bytes"] / cap if cap else 0.0,
+        )
+        yield c("unimem:compactions", "Arena compactions.", s["compactions"])
+        yield c("unimem:retractions", "Running requests retracted for memory.", s["retractions"])
+        prompt = s["prompt_tokens_total"]
+        yield c("unimem:prompt_tokens", "Prompt tokens admitted.", prompt)
+        yield c(
+            "unimem:generation_tokens", "Output tokens generated.", s["generation_tokens_total"]
+        )
+        yield c(
+            "unimem:cached_tokens",
+            "Prompt tokens served from the prefix cache.",
+            s["cached_tokens_total"],
+        )
+        yield g(
+            "unimem:cache_hit_rate",
+            "Cached over prompt tokens of finished requests.",
+            s["cached_tokens_total"] / prompt if prompt else 0.0,
+        )
+        steps = s["spec_verify_steps_total"]
+        yield g(
+            "unimem:spec_accept_length",
+            "Tokens committed per verify step (DSPARK).",
+            s["spec_verified_tokens_total"] / steps if steps else 0.0,
+        )
+        yield g(
+            "unimem:prompt_throughput", "Prompt tokens per second (recent).", s["prompt_throughput"]
+        )
+        yield g(
+            "unimem:gen_throughput",
+            "Generated tokens per second (recent).",
+            s["generation_throughput"],
+        )
+
+
+class ServerMetrics:
+    """A private registry (several servers may live in one process, in tests) with the
+    histograms the engine thread observes (module docstring) and the snapshot gauges.
+    ``labels``: constant labels on every metric (``model_name``)."""
+
+    def __init__(self, snapshot: Callable[[], dict], labels: dict[str, str]) -> None:
+        self.registry = CollectorRegistry()
+        names = list(labels)
+        self._values = list(labels.values())
+        r = self.registry
+        self._ttft = Histogram(
+            "unimem:time_to_first_token_seconds",
+            "Time from a request's arrival to its first output token.",
+            names,
+            registry=r,
+            buckets=TTFT_BUCKETS,
+        )
+        self._itl = Histogram(
+            "unimem:inter_token_latency_seconds",
+            "Time between output tokens, per token.",
+            names,
+            registry=r,
+            buckets=ITL_BUCKETS,
+        )
+        self._e2e = Histogram(
+            "unimem:e2e_request_latency_seconds",
+            "Time from a request's arrival to its end.",
+            names,
+            registry=r,
+            buckets=E2E_BUCKETS,
+        )
+        self._finished = Counter(
+            "unimem:requests_finished",
+            "Finished requests by reason.",
+            [*names, "finish_reason"],
+            registry=r,
+        )
+        r.register(_SnapshotCollector(snapshot, labels))
+
+    # called by the engine thread (prometheus-client metrics are thread-safe)
+    def ttft(self, seconds: float) -> None:
+        self._ttft.labels(*self._values).observe(seconds)
+
+    def itl(self, seconds: float, n: int) -> None:
+        h = self._itl.labels(*self._values)
+        for _ in range(n):
+            h.observe(seconds)
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self._e2e.labels(*self._values).observe(seconds)
+        self._finished.labels(*self._values, reason).inc()
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,306 @@
+"""The OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``.
+
+Responses follow OpenAI's shapes: ``usage`` (``prompt_tokens``, ``completion_tokens``,
+``total_tokens``, ``prompt_tokens_details.cached_tokens``); with ``stream: true`` server-sent
+events of ``text_completion`` / ``chat.completion.chunk`` objects ending in ``data: [DONE]``,
+the usage in a last chunk with no choices when ``stream_options.include_usage`` is set (and in
+every chunk with ``continuous_usage_stats``, as vLLM does). Each choice also carries SGLang's
+``matched_stop`` (the stop token id or string that ended it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from unimem.serve.generation import Generation, GenParams, Piece, Serving
+from unimem.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    parse_body,
+    refuse_unsupported,
+)
+
+__all__ = ["openai_router", "read_json", "sse"]
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def read_json(request: Request):
+    """The decoded body; 400 with OpenAI's message if it is not JSON."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(
+            400,
+            "We could not parse the JSON body of your request. (HINT: This "
+            "likely means you aren't using your HTTP library correctly.)",
+            code="invalid_json",
+        ) from None
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying ``obj`` as JSON (or the literal ``[DONE]``)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def _params(body, max_tokens: int | None, max_field: str) -> GenParams:
+    stop = body.stop
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    p = GenParams(
+        max_new_tokens=max_tokens,
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        n=body.n,
+        seed=body.seed,
+        max_tokens_field=max_field,
+    )
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(p, name, value)
+    return p
+
+
+def _usage(gen: Generation) -> dict:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+    }
+
+
+async def _first(it: AsyncIterator[Piece]) -> Piece:
+    """The first piece, so that an early error is answered with its status, not a stream."""
+    return await it.__anext__()
+
+
+class _Route:
+    """What a completion and a chat completion share: checks, running, streaming."""
+
+    def __init__(self, serving: Serving, kind: str) -> None:
+        self.serving = serving
+        self.kind = kind  # "completion" or "chat"
+
+    def logprobs(self, piece: Piece, top: int, offset: int) -> dict | None:
+        s = self.serving
+        toks = [s.token_text(t) for t in piece.token_ids]
+        if self.kind == "chat":
+            return {
+                "content": [
+                    {
+                        "token": t,
+                        "logprob": lp,
+                        "bytes": list(t.encode()),
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}]
+                        if top
+                        else [],
+                    }
+                    for t, lp in zip(toks, piece.logprobs, strict=True)
+                ]
+            }
+        offsets, pos = [], offset
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": toks,
+            "token_logprobs": list(piece.logprobs),
+            "top_logprobs": [{t: lp} for t, lp in zip(toks, piece.logprobs, strict=True)]
+            if top
+            else None,
+            "text_offset": offsets,
+        }
+
+    def choice(self, piece: Piece, want_lp: bool, top: int, offset: int, stream: bool) -> dict:
+        c: dict = {"index": 0}
+        if self.kind == "chat":
+            if stream:
+                c["delta"] = {"content": piece.text} if piece.text else {}
+            else:
+                c["message"] = {"role": "assistant", "content": piece.text}
+        else:
+            c["text"] = piece.text
+        c["logprobs"] = self.logprobs(piece, top, offset) if want_lp else None
+        c["finish_reason"] = piece.finish_reason
+        c["matched_stop"] = piece.matched
+        return c
+
+    async def run(
+        self,
+        request: Request,
+        body,
+        prompt: list[int],
+        prompt_field: str,
+        params: GenParams,
+        want_lp: bool,
+        top: int,
+    ):
+        s = self.serving
+        sub = s.prepare(prompt, params, prompt_field)
+        gen = Generation(s, sub, params.stop, request)
+        rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        head = {"id": rid, "object": obj, "created": created, "model": s.options.served_model_name}
+        if not body.stream:
+            out = await gen.collect()
+            if out.finish_reason == "abort":  # the client is gone; nobody reads this
+                raise ApiError(499, "client disconnected", code="client_closed_request")
+            choice = self.choice(out, want_lp, top, 0, stream=False)
+            return JSONResponse({**head, "choices": [choice], "usage": _usage(gen)})
+        it = gen.pieces()
+        first = await _first(it)
+        opts = body.stream_options
+        usage_last = bool(opts and opts.include_usage)
+        usage_each = bool(opts and opts.continuous_usage_stats)
+        head["object"] = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return StreamingResponse(
+            self._events(it, first, head, want_lp, top, usage_last, usage_each, gen),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    async def _events(self, it, first, head, want_lp, top, usage_last, usage_each, gen):
+        offset = 0
+        try:
+            if self.kind == "chat":
+                role = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                yield sse({**head, "choices": [role], **self._usage_field(gen, usage_last)})
+            piece: Piece | None = first
+            while piece is not None:
+                if piece.text or piece.finish_reason is not None or (want_lp and piece.token_ids):
+                    chunk = {**head, "choices": [self.choice(piece, want_lp, top, offset, True)]}
+                    if usage_each:
+                        chunk["usage"] = _usage(gen)
+                    elif usage_last:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+                offset += len(piece.text)
+                piece = await anext(it, None)
+            if usage_last:
+                yield sse({**head, "choices": [], "usage": _usage(gen)})
+        except ApiError as e:
+            yield sse(error_body(e))
+        finally:
+            await it.aclose()
+        yield sse("[DONE]")
+
+    @staticmethod
+    def _usage_field(gen: Generation, usage_last: bool) -> dict:
+        return {"usage": None} if usage_last else {}
+
+
+def openai_router(serving: Serving) -> APIRouter:
+    """The OpenAI routes over ``serving``."""
+    router = APIRouter()
+    completions = _Route(serving, "completion")
+    chats = _Route(serving, "chat")
+
+    @router.post("/v1/completions")
+    async def create_completion(request: Request):
+        body = parse_body(CompletionRequest, await read_json(request))
+        serving.check_model(body.model)
+        refuse_unsupported(body)
+        prompt = _completion_prompt(serving, body.prompt)
+        lp = body.logprobs
+        if lp is not None and lp not in (0, 1):
+            raise ApiError(
+                400,
+                f"logprobs: only 0 or 1 are supported, got {lp}",
+                param="logprobs",
+                code="unsupported_value",
+            )
+        params = _params(body, body.max_tokens, "max_tokens")
+        params.top_logprobs = lp or 0
+        return await completions.run(
+            request, body, prompt, "prompt", params, lp is not None, lp or 0
+        )
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request):
+        body = parse_body(ChatCompletionRequest, await read_json(request))
+        serving.check_model(body.model)
+        refuse_unsupported(body)
+        serving.require_tokenizer()
+        prompt = _chat_prompt(serving, body)
+        top = body.top_logprobs or 0
+        if top and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise ApiError(
+                400,
+                "give max_tokens or max_completion_tokens, not both",
+                param="max_completion_tokens",
+            )
+        if body.max_completion_tokens is not None:
+            params = _params(body, body.max_completion_tokens, "max_completion_tokens")
+        else:
+            params = _params(body, body.max_tokens, "max_tokens")
+        params.top_logprobs = top
+        return await chats.run(request, body, prompt, "messages", params, body.logprobs, top)
+
+    @router.get("/v1/models")
+    async def list_models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": serving.options.served_model_name,
+                    "object": "model",
+                    "created": int(serving.started),
+                    "owned_by": "unimem",
+                    "root": serving.engine.args.model_path,
+                    "max_model_len": serving.context_length,
+                }
+            ],
+        }
+
+    return router
+
+
+def _completion_prompt(serving: Serving, prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        if len(prompt) != 1:
+            raise ApiError(
+                400,
+                "prompt: batches are not supported; send one prompt per request",
+                param="prompt",
+                code="unsupported_value",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        serving.require_tokenizer()
+        return serving.tokenizer.encode(prompt)
+    return list(prompt)
+
+
+def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
+    tok = serving.tokenizer
+    if not body.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(400, "the model's tokenizer has no chat template", param="messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template may refuse a conversation (raise_exception)
+        raise ApiError(400, f"messages: the chat template failed: {e}", param="messages") from None
+    return tok.encode(text, add_special_tokens=False)

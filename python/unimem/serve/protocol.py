@@ -1,0 +1,211 @@
+"""Request bodies of the OpenAI routes and SGLang's ``/generate`` (pydantic), and the
+OpenAI error body.
+
+Unknown fields are refused (``extra="forbid"``: OpenAI answers "Unrecognized request argument
+supplied"), so a parameter a client relies on is never silently ignored. Fields OpenAI has
+and unimem does not implement are declared and refused with a 400 naming them when set to a
+non-default value (:func:`refuse_unsupported`). SGLang's extensions to the OpenAI bodies
+(``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``) are accepted, as SGLang and vLLM do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = [
+    "ApiError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "GenerateRequest",
+    "StreamOptions",
+    "error_body",
+    "parse_body",
+    "refuse_unsupported",
+]
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI error body: ``status`` (400, 401, 404, 503, ...),
+    ``message``, the offending ``param`` and a machine-readable ``code``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _error_type(status)
+
+
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status >= 500:
+        return "server_error" if status != 503 else "service_unavailable_error"
+    return "invalid_request_error"
+
+
+def error_body(err: ApiError) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``: OpenAI's error shape."""
+    return {
+        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+    }
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _SamplingFields(_Body):
+    """What the OpenAI routes share: sampling, stopping, streaming, and the OpenAI fields
+    unimem refuses when set (:func:`refuse_unsupported`)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string or a list of token ids (a list of one
+    of them is accepted too; batches are refused). ``logprobs``: 0 or 1 (the chosen token's
+    log-probability; with 1 its top-1 alternative as well, under greedy decoding)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template.
+    ``max_completion_tokens`` is ``max_tokens``' newer name. ``logprobs`` with
+    ``top_logprobs`` 0 or 1."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+class GenerateRequest(_Body):
+    """SGLang's ``POST /generate``: ``text`` (a string or a list of them) or ``input_ids``
+    (a list of ids or a list of such lists), ``sampling_params`` (SGLang's names),
+    ``stream``, ``return_logprob``, ``rid`` (ignored beyond being echoed)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    rid: str | None = None
+
+
+UNSUPPORTED_FIELDS = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": {},
+    "echo": False,
+    "suffix": "",
+    "best_of": 1,
+    "tools": [],
+    "tool_choice": "none",
+    "parallel_tool_calls": None,
+}
+"""OpenAI fields unimem does not implement, and the neutral value each may still take."""
+
+
+def refuse_unsupported(body: BaseModel) -> None:
+    """400 naming the first field set to something unimem does not implement."""
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        value = getattr(body, name, None)
+        if value is not None and value != neutral:
+            raise ApiError(
+                400,
+                f"{name} is not supported by this server",
+                param=name,
+                code="unsupported_parameter",
+            )
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise ApiError(
+            400,
+            "response_format: only {'type': 'text'} is supported",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+
+
+def parse_body(model: type[BaseModel], data: Any) -> BaseModel:
+    """Validate a decoded JSON body; an :class:`ApiError` 400 naming the first bad field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise ApiError(
+                400,
+                f"Unrecognized request argument supplied: {loc}",
+                param=loc,
+                code="unrecognized_argument",
+            ) from None
+        raise ApiError(
+            400, f"{loc}: {first['msg']}", param=loc or None, code="invalid_value"
+        ) from None

@@ -1,0 +1,130 @@
+"""Start-up and shutdown of ``python -m unimem.launch_server``.
+
+Order: parse the flags (one-line errors, exit 2), bind the listening socket (a port in use is
+a one-line error before the model loads), build the engine exactly as :class:`unimem.Engine`
+does (checkpoint, pools sized as SGLang sizes them, ``EngineCore``), log one capacity line
+like SGLang's, start the engine thread, serve with uvicorn until SIGINT / SIGTERM, then abort
+what is running and stop the engine thread. Ctrl-C at any point exits without a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from dataclasses import asdict
+
+from unimem.engine.args import EngineArgs
+from unimem.memory.spec import LayerKind
+from unimem.serve.args import CliError, ServerOptions, parse_args
+
+__all__ = ["capacity_line", "main"]
+
+log = logging.getLogger("unimem.serve")
+
+PROG = "unimem.launch_server"
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def capacity_line(engine) -> str:
+    """SGLang's start-up summary: ``max_total_num_tokens=…, max_running_requests=…,
+    context_len=…`` and the memory (the unified arena's bytes, or the static pools' units and
+    bytes)."""
+    pool = engine.pool
+    gib = pool.stats.capacity_bytes / 2**30
+    if engine.args.enable_unified_memory:
+        memory = f"unified arena {gib:.3f} GiB"
+    else:
+        caps = getattr(pool, "capacity", {})
+        unit = {LayerKind.FULL: "pages", LayerKind.SWA: "pages", LayerKind.STATE: "slots"}
+        parts = ", ".join(f"{k.name} {n} {unit[k]}" for k, n in caps.items())
+        memory = f"static pools {gib:.3f} GiB ({parts})"
+    return (
+        f"max_total_num_tokens={engine.max_total_num_tokens}, "
+        f"max_running_requests={engine.max_running_requests}, "
+        f"context_len={engine.context_length}, page_size={pool.page_size}, {memory}, "
+        f"attention_backend={engine.backend_name}, cuda_graphs={engine.cuda_graphs}"
+    )
+
+
+def _build_engine(args: EngineArgs):
+    from unimem.engine.api import Engine
+
+    return Engine(**asdict(args))
+
+
+def serve(engine, options: ServerOptions, sock: socket.socket) -> None:
+    """Run the HTTP server over ``engine`` on ``sock`` until a signal stops it."""
+    import uvicorn
+
+    from unimem.serve.app import build_app
+    from unimem.serve.engine_loop import EngineLoop
+    from unimem.serve.generation import Serving
+    from unimem.serve.metrics import ServerMetrics
+
+    loop: EngineLoop | None = None
+    metrics = ServerMetrics(lambda: loop.snapshot(), {"model_name": options.served_model_name})
+    loop = EngineLoop(engine.core, observe=metrics)
+    serving = Serving(engine, loop, options)
+    app = build_app(serving, metrics)
+    loop.start()
+    config = uvicorn.Config(
+        app,
+        log_level=options.log_level,
+        access_log=options.log_level == "debug",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s on http://%s:%d", options.served_model_name, host, port)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        loop.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The launcher; returns the exit status (2 for any command-line error)."""
+    try:
+        engine_args, options = parse_args(argv)
+    except CliError as e:
+        return _fail(str(e))
+    logging.basicConfig(
+        level=options.log_level.upper(),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
+    try:
+        sock = _bind(options.host, options.port)
+    except OSError as e:
+        return _fail(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}")
+    try:
+        try:
+            engine = _build_engine(engine_args)
+        except (ValueError, OSError) as e:
+            sock.close()
+            return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.info(capacity_line(engine))
+        serve(engine, options, sock)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,458 @@
+"""The real server (``python -m unimem.launch_server``) in a subprocess on a loopback port, over
+a tiny Qwen3-Next checkpoint built here, driven by the official ``openai`` client and plain
+HTTP: outputs equal ``unimem.Engine``'s greedy outputs, streamed or not; 32 concurrent streams;
+a client dropping mid-stream gives its memory back; bad inputs get their status while a good
+request runs on; ``/metrics`` parses. One server for the module, stopped by its pid."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import tiny_qwen3_next
+import tiny_tokenizer
+from prometheus_client.parser import text_string_to_metric_families
+
+import unimem
+
+API_KEY = "test-key"
+MODEL = "tiny"
+ENGINE_ARGS = dict(
+    device="cpu", dtype="float32", page_size=4, max_total_tokens=2048, max_running_requests=32
+)
+START_TIMEOUT_S = 120
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, path, proc: subprocess.Popen, port: int, log_path) -> None:
+        self.path = path
+        self.proc = proc
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0)
+
+    def info(self) -> dict:
+        r = self.http.get("/get_server_info")
+        assert r.status_code == 200
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3_next")
+    hf = tiny_qwen3_next.build(path)
+    tiny_tokenizer.save(path, hf.config.vocab_size)
+    port = _free_port()
+    log_path = path / "server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "unimem.launch_server",
+        "--model-path",
+        str(path),
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL,
+        "--api-key",
+        API_KEY,
+        "--dtype",
+        "float32",
+        "--page-size",
+        "4",
+        "--max-total-tokens",
+        "2048",
+        "--max-running-requests",
+        "32",
+        "--log-level",
+        "warning",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    srv = Server(path, proc, port, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert proc.poll() is None, f"server exited: {log_path.read_text()}"
+        try:
+            if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+    yield srv
+    srv.http.close()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail("the server did not stop on SIGTERM")
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    eng = unimem.Engine(model_path=str(server.path), **ENGINE_ARGS)
+    yield eng
+    eng.shutdown()
+
+
+def _chat_ids(engine, messages) -> list[int]:
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _idle(server) -> dict:
+    """Poll until no request runs; the server info then."""
+    deadline = time.monotonic() + 30
+    while True:
+        info = server.info()
+        if info["running_requests"] == 0 and info["queued_requests"] == 0:
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
+
+
+# ---------------------------------------------------------------------- equal to the engine
+
+
+def test_completion_equals_engine(server, engine):
+    prompt = "w5 w6 w7 w8 w9"
+    want = engine.generate(prompt=prompt, sampling_params=GREEDY, return_logprob=True)
+    got = server.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0
+    )
+    choice = got.choices[0]
+    assert choice.text == want["text"]
+    assert choice.finish_reason == want["meta_info"]["finish_reason"]["type"]
+    assert got.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+    assert got.usage.completion_tokens == want["meta_info"]["completion_tokens"]
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+    lps = [lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]]
+    assert choice.logprobs.token_logprobs == pytest.approx(lps, abs=1e-5)
+
+
+def test_completion_stream_equals_engine(server, engine):
+    prompt = "w10 w11 w12"
+    want = engine.generate(prompt=prompt, sampling_params=GREEDY)
+    stream = server.client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want["text"]
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == want["meta_info"]["finish_reason"]["type"]
+    assert all(f is None for f in finals[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == want["meta_info"]["completion_tokens"]
+
+
+def test_chat_equals_engine(server, engine):
+    messages = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w7 w8"}]
+    want = engine.generate(input_ids=_chat_ids(engine, messages), sampling_params=GREEDY)
+    got = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0
+    )
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want["text"]
+    assert got.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want["text"]
+    assert chunks[-1].choices[0].finish_reason == want["meta_info"]["finish_reason"]["type"]
+
+
+def test_generate_native_equals_engine(server, engine):
+    ids = [[5, 6, 7, 8, 9, 10], [40, 41]]
+    want = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+    r = server.http.post(
+        "/generate",
+        json={"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True},
+    )
+    assert r.status_code == 200
+    for got, exp in zip(r.json(), want, strict=True):
+        assert got["output_ids"] == exp["output_ids"]
+        assert got["text"] == exp["text"]
+        assert got["meta_info"]["finish_reason"] == exp["meta_info"]["finish_reason"]
+        lps = [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]
+        exp_lps = [lp for lp, _, _ in exp["meta_info"]["output_token_logprobs"]]
+        assert lps == pytest.approx(exp_lps, abs=1e-5)
+    # streamed: cumulative events, the last one the whole output, then [DONE]
+    with server.http.stream(
+        "POST", "/generate", json={"input_ids": ids[0], "sampling_params": GREEDY, "stream": True}
+    ) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["output_ids"] == want[0]["output_ids"] and last["text"] == want[0]["text"]
+
+
+def test_32_concurrent_streams(server, engine):
+    prompts = [" ".join(f"w{4 + (7 * i + j) % 400}" for j in range(3 + i % 9)) for i in range(32)]
+    params = {"max_new_tokens": 10, "temperature": 0.0}
+    want = [o["text"] for o in engine.generate(prompt=prompts, sampling_params=params)]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        async with client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(run_all()) == want
+    assert _idle(server)["used_bytes"] == IDLE["used_bytes"]
+
+
+# ---------------------------------------------------------------------- memory comes back
+
+IDLE: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def idle_values(server):
+    info = _idle(server)
+    IDLE.update(used_bytes=info["used_bytes"], live_units=info["live_units"])
+
+
+def test_client_drop_mid_stream_releases_memory(server):
+    before = server.info()["requests_finished"].get("abort", 0)
+    body = {
+        "model": MODEL,
+        "prompt": "w5 w6 w7",
+        "max_tokens": 240,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    client = httpx.Client(base_url=server.url, headers=AUTH, timeout=30)
+    with client, client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        busy = server.info()
+        assert busy["running_requests"] == 1 and busy["used_bytes"] > IDLE["used_bytes"]
+    # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        info = server.info()
+        if info["used_bytes"] == IDLE["used_bytes"] and info["running_requests"] == 0:
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+    assert info["live_units"] == IDLE["live_units"]
+    assert info["requests_finished"].get("abort", 0) == before + 1  # aborted, not run to the end
+
+
+def test_stop_string_cuts_text_and_ends_request(server, engine):
+    prompt = "w5 w6 w7 w8 w9"
+    full = engine.generate(prompt=prompt, sampling_params={**GREEDY, "ignore_eos": True})
+    words = full["text"].split()
+    stop = words[3]
+    cut = full["text"][: full["text"].index(stop)]
+    got = server.client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert got.choices[0].text == cut
+    assert got.choices[0].finish_reason == "stop"
+    stream = server.client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert _idle(server)["used_bytes"] == IDLE["used_bytes"]
+
+
+def test_seeded_sampling_is_reproducible(server):
+    kw = dict(model=MODEL, prompt="w5 w6", max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
+    a = server.client.completions.create(**kw).choices[0].text
+    b = server.client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def _bad_requests(server, engine):
+    """(what, method, path, body or raw bytes, headers, expected status)."""
+    long_prompt = " ".join(["w9"] * (engine.context_length + 4))
+    ok = {"model": MODEL, "prompt": "w5 w6"}
+    return [
+        ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": ', AUTH, 400),
+        ("not an object", "/v1/completions", b"[1, 2]", AUTH, 400),
+        ("unknown model", "/v1/completions", {**ok, "model": "gpt-9"}, AUTH, 404),
+        ("prompt past context", "/v1/completions", {**ok, "prompt": long_prompt}, AUTH, 400),
+        ("max_tokens 0", "/v1/completions", {**ok, "max_tokens": 0}, AUTH, 400),
+        (
+            "max_tokens -3",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": -3},
+            AUTH,
+            400,
+        ),
+        ("max_tokens past context", "/v1/completions", {**ok, "max_tokens": 10_000}, AUTH, 400),
+        ("temperature -1", "/v1/completions", {**ok, "temperature": -1}, AUTH, 400),
+        ("top_p 2", "/v1/completions", {**ok, "top_p": 2.0}, AUTH, 400),
+        ("top_k -5", "/v1/completions", {**ok, "top_k": -5}, AUTH, 400),
+        (
+            "min_p 1.5",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "min_p": 1.5},
+            AUTH,
+            400,
+        ),
+        ("n 2", "/v1/completions", {**ok, "n": 2}, AUTH, 400),
+        ("unknown field", "/v1/completions", {**ok, "frobnicate": 1}, AUTH, 400),
+        ("token outside vocab", "/generate", {"input_ids": [5, 10**6]}, AUTH, 400),
+        (
+            "bad sampling key",
+            "/generate",
+            {"text": "w5", "sampling_params": {"bogus": 1}},
+            AUTH,
+            400,
+        ),
+        ("missing api key", "/v1/completions", ok, {}, 401),
+        ("wrong api key", "/v1/completions", ok, {"Authorization": "Bearer nope"}, 401),
+        ("unknown route", "/v1/nothing", ok, AUTH, 404),
+    ]
+
+
+def test_bad_inputs_get_their_status_while_a_good_request_runs(server, engine):
+    prompt = "w30 w31 w32"
+    params = {"max_new_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+    want = engine.generate(prompt=prompt, sampling_params=params)["text"]
+    result = {}
+
+    def good():
+        stream = server.client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=60,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        result["text"] = "".join(c.choices[0].text for c in stream)
+
+    t = threading.Thread(target=good)
+    t.start()
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        for what, path, body, headers, status in _bad_requests(server, engine):
+            if isinstance(body, bytes):
+                r = c.post(
+                    path, content=body, headers={**headers, "Content-Type": "application/json"}
+                )
+            else:
+                r = c.post(path, json=body, headers=headers)
+            assert r.status_code == status, (what, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, what
+            assert err["message"], what
+    t.join(60)
+    assert result["text"] == want
+    assert server.http.get("/health").status_code == 200
+
+
+def test_openai_client_raises_typed_errors(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="nope", prompt="w5", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="w5", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    anon = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anon.completions.create(model=MODEL, prompt="w5", max_tokens=2)
+
+
+# ---------------------------------------------------------------------- the other routes
+
+
+def test_models_info_health_flush(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+    assert server.http.get("/health_generate").status_code == 200
+    info = server.http.get("/get_model_info").json()
+    assert info["model_path"] == str(server.path) and info["is_generation"] is True
+    si = server.info()
+    assert si["max_running_requests"] == 32 and si["server_args"]["page_size"] == 4
+    assert "api_key" not in si["server_args"]
+    assert server.http.post("/flush_cache").status_code == 200
+
+
+def test_metrics_parse(server):
+    r = httpx.get(server.url + "/metrics")  # no key needed
+    assert r.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in (
+        "unimem:num_running_reqs",
+        "unimem:num_queue_reqs",
+        "unimem:tokens_in_use",
+        "unimem:arena_occupancy",
+        "unimem:compactions",
+        "unimem:retractions",
+        "unimem:cache_hit_rate",
+        "unimem:spec_accept_length",
+        "unimem:prompt_throughput",
+        "unimem:gen_throughput",
+        "unimem:time_to_first_token_seconds",
+        "unimem:inter_token_latency_seconds",
+        "unimem:generation_tokens",
+        "unimem:prompt_tokens",
+    ):
+        assert name in families, name
+    kinds = {s.labels["kind"] for s in families["unimem:tokens_in_use"].samples}
+    assert kinds == {"full", "state"}  # Qwen3-Next: full attention + Gated DeltaNet
+    gen = [s.value for s in families["unimem:generation_tokens"].samples]
+    assert gen and gen[0] > 0
+    ttft = families["unimem:time_to_first_token_seconds"].samples
+    assert any(s.name.endswith("_count") and s.value > 0 for s in ttft)
