@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -205,6 +205,7 @@ class MemoryPool(ABC):
         )
         self._rows = HostIdPool(1, max_requests)
         self.stats = MemoryStats()
+        self._usage_observers: list[Callable[[], None]] = []
         self.swa_window = spec.max_window
         self._has_state = spec.has(LayerKind.STATE)
         self._has_swa = spec.has(LayerKind.SWA)
@@ -692,6 +693,18 @@ class MemoryPool(ABC):
         used = self.used_bytes()
         self.stats.used_bytes = used
         self.stats.peak_bytes = max(self.stats.peak_bytes, used)
+        for observer in self._usage_observers:
+            observer()
+
+    def add_usage_observer(self, observer: Callable[[], None]) -> None:
+        """Call ``observer()`` after every operation that changes what the pool holds
+        (host bookkeeping only, right after ``stats`` is updated): recorders that want
+        every intermediate level, not only the level between calls."""
+        self._usage_observers.append(observer)
+
+    def remove_usage_observer(self, observer: Callable[[], None]) -> None:
+        """Stop calling ``observer`` (added by :meth:`add_usage_observer`)."""
+        self._usage_observers.remove(observer)
 
     @property
     def free_rows(self) -> int:

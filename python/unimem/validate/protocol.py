@@ -318,10 +318,10 @@ class SeriesRecorder:
     after every engine step and :meth:`close` at the end.
 
     Host counts only. A step allocates (admission, growth) before it accounts the previous
-    step (retirement, release), so its fullest moment lies inside it: the recorder wraps the
-    pool's usage update — host arithmetic the pool runs after every operation that changes
-    what it holds — to keep, per step, the per-kind counts at the moment the total was
-    largest. :meth:`close` removes the wrapper."""
+    step (retirement, release), so its fullest moment lies inside it: the recorder observes
+    the pool's usage (``pool.add_usage_observer``: host arithmetic after every operation
+    that changes what it holds) to keep, per step, the per-kind counts at the moment the
+    total was largest. :meth:`close` stops observing."""
 
     def __init__(self, pool: MemoryPool) -> None:
         self.pool = pool
@@ -337,15 +337,12 @@ class SeriesRecorder:
         self._compactions = pool.stats.compactions
         self._retractions = 0
         self._steps = 0
-        inner = pool._update_usage
+        pool.add_usage_observer(self._observe)
 
-        def update_usage() -> None:
-            inner()
-            now = self._sample()
-            if self._bytes(now) > self._bytes(self._fullest):
-                self._fullest = now
-
-        pool._update_usage = update_usage  # type: ignore[method-assign]
+    def _observe(self) -> None:
+        now = self._sample()
+        if self._bytes(now) > self._bytes(self._fullest):
+            self._fullest = now
 
     def _sample(self) -> tuple[int, ...]:
         return tuple(self.pool.live_units(LayerKind(k)) for k in self._kinds)
@@ -372,9 +369,9 @@ class SeriesRecorder:
         self._compactions, self._retractions = compactions, retractions
 
     def close(self, engine: EngineCore) -> StepSeries:
-        """Unwrap the pool; compactions or retractions after the last step (the final drain)
-        are marked on the last step. Returns the series."""
-        vars(self.pool).pop("_update_usage", None)
+        """Stop observing the pool; compactions or retractions after the last step (the
+        final drain) are marked on the last step. Returns the series."""
+        self.pool.remove_usage_observer(self._observe)
         self._marks(engine.scheduler.retractions)
         return self.series
 
