@@ -1,0 +1,141 @@
+"""The launcher's command line: SGLang's spellings map onto EngineArgs; every error is one
+line and exit status 2, an unsupported SGLang flag is refused by name."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from unimem.serve.args import CliError, parse_args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sglang_flags_map_onto_engine_args():
+    engine, server = parse_args(
+        [
+            "--model-path",
+            "/m",
+            "--device",
+            "cpu",
+            "--dtype",
+            "half",
+            "--page-size",
+            "32",
+            "--enable-unified-memory",
+            "--max-total-tokens",
+            "4096",
+            "--max-running-requests",
+            "8",
+            "--chunked-prefill-size",
+            "256",
+            "--speculative-algorithm",
+            "dspark",
+            "--speculative-num-draft-tokens",
+            "4",
+            "--attention-backend",
+            "torch",
+            "--context-length",
+            "1024",
+            "--random-seed",
+            "3",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8080",
+            "--served-model-name",
+            "m",
+            "--api-key",
+            "k",
+            "--log-level",
+            "warning",
+            "--enable-metrics",
+        ]
+    )
+    assert engine.model_path == "/m" and engine.dtype == "float16" and engine.page_size == 32
+    assert engine.enable_unified_memory and engine.max_total_tokens == 4096
+    assert engine.max_running_requests == 8 and engine.chunked_prefill_size == 256
+    assert engine.speculative_algorithm == "DSPARK" and engine.gamma == 3
+    assert engine.attention_backend == "torch" and engine.context_length == 1024
+    assert engine.random_seed == 3
+    assert (server.host, server.port, server.served_model_name) == ("0.0.0.0", 8080, "m")
+    assert server.api_key == "k" and server.log_level == "warning"
+
+
+def test_defaults_follow_sglang():
+    engine, server = parse_args(["--model", "/m", "--device", "cpu"])
+    assert engine.model_path == "/m" and not engine.enable_unified_memory
+    assert (server.host, server.port, server.served_model_name) == ("127.0.0.1", 30000, "/m")
+    assert server.api_key is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tp-size", "2"], "--tp-size is an SGLang flag"),
+        (["--tp=2"], "--tp is an SGLang flag"),
+        (["--quantization", "fp8"], "--quantization is an SGLang flag"),
+        (["--trust-remote-code"], "--trust-remote-code is an SGLang flag"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["--page-size", "0"], "--page-size must be a positive int"),
+        (["--max-running-requests", "-1"], "--max-running-requests must be a positive int"),
+        (["--mem-fraction-static", "nan", "--device", "cuda"], "--mem-fraction-static"),
+        (["--attention-backend", "flashinfer"], "invalid choice: 'flashinfer'"),
+        (["--speculative-algorithm", "EAGLE"], "invalid choice: 'EAGLE'"),
+        (["--speculative-num-draft-tokens", "4"], "needs --speculative-algorithm DSPARK"),
+        (["--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs applies to device cuda only"),
+        (["--port", "70000"], "--port must be in [1, 65535]"),
+        (["--page-size", "many"], "invalid int value"),
+    ],
+)
+def test_bad_command_lines_name_the_problem(argv, message):
+    with pytest.raises(CliError) as e:
+        parse_args(["--model-path", "/m", "--device", "cpu", *argv])
+    assert message in str(e.value)
+
+
+def test_cli_errors_are_one_line_and_exit_2(tmp_path):
+    for argv in (["--tp-size", "2"], ["--page-size", "0"]):
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "unimem.launch_server",
+                "--model-path",
+                str(tmp_path),
+                "--device",
+                "cpu",
+                *argv,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith("unimem.launch_server: error: ")
+    # not a checkpoint: found at start-up, one line, before anything is served
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "unimem.launch_server",
+            "--model-path",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--port",
+            str(_free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
