@@ -10,7 +10,9 @@ into tokens on the device, one row per lane, from per-row parameter tensors:
    always kept. Filters keep every token whose scaled logit is at least the cut-off value of
    the last kept rank, so tokens tied at the cut-off are kept together;
 3. a token is drawn by the Gumbel-max trick: ``argmax(filtered + g)`` with ``g =
-   -log(-log(u))`` and ``u`` from a counter-based hash of ``(seed, position, vocab index)``.
+   -log(-log(u))`` and ``u`` from a counter-based hash of ``(seed, position, vocab index)``
+   (:func:`unimem_kernel.sampling.gumbel_argmax`: one fused Triton kernel on CUDA — noise,
+   mask and argmax without materialising the noise — and its torch reference elsewhere).
 
 The noise depends only on the request's seed, the position of the token it samples (its index
 in prompt + output) and the vocabulary index — never on a generator's state, the batch, its
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+import unimem_kernel.sampling as kernel
+
 __all__ = [
     "SamplingOptions",
     "default_seed",
@@ -41,8 +45,6 @@ __all__ = [
 ]
 
 GREEDY_TEMPERATURE = 0.0
-
-_M32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -109,44 +111,15 @@ def default_seed(random_seed: int, rid: int) -> int:
 # ------------------------------------------------------------------- counter-based noise
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` without int64 overflow
-    (``c`` split into 16-bit halves)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (a bijection of 32-bit values) on int64 tensors holding ``[0, 2**32)``."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A 32-bit key per row from its int64 ``seeds`` and ``positions`` (int64 ``[N]``)."""
-    seeds = seeds.long()
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    h = _mix32(lo ^ 0x5BD1E995)
-    h = _mix32(h ^ hi)
-    return _mix32(h ^ (positions.long() & _M32))
-
-
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """``u [N, vocab]`` float32 in ``(0, 1)``: a pure function of ``(seeds[n],
-    positions[n], v)`` — 23 bits of a counter-based hash, centred in their bucket, so every
-    value and ``1 - value`` is exact in float32 and ``-log(-log(u))`` stays finite."""
-    key = _row_keys(seeds, positions)[:, None]
-    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
-    x = _mix32(_mix32((key + _mul32(v, 0x9E3779B9)) & _M32) ^ key)
-    return ((x >> 9) * 2 + 1).float() * (1.0 / (1 << 24))
+    positions[n], v)`` (:func:`unimem_kernel.sampling.hash_uniform` of the row keys)."""
+    return kernel.hash_uniform(kernel.row_keys(seeds, positions), vocab)
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Standard Gumbel noise ``-log(-log(u))`` of :func:`hash_uniform`, ``[N, vocab]``."""
-    return -torch.log(-torch.log(hash_uniform(seeds, positions, vocab)))
+    return kernel.gumbel_noise(kernel.row_keys(seeds, positions), vocab)
 
 
 # ------------------------------------------------------------------- filters and sampling
@@ -193,7 +166,6 @@ def sample(
     t = torch.where(live, temperature.float(), 1.0)
     scaled = logits.float() / t[:, None]
     cut = keep_threshold(scaled, top_k, top_p.float(), min_p.float())
-    noise = gumbel_noise(seeds, positions, logits.shape[-1])
-    scores = torch.where(scaled >= cut[:, None], scaled + noise, -math.inf)
-    drawn = torch.argmax(scores, dim=-1)
+    keys = kernel.row_keys(seeds, positions)
+    drawn = kernel.gumbel_argmax(scaled, cut.contiguous(), keys, torch.empty_like(greedy))
     return torch.where(live, drawn, greedy)

@@ -1,0 +1,158 @@
+"""Gumbel-max draw over filtered logits with counter-based noise.
+
+``gumbel_argmax(scaled, cut, keys, out)``: for every row ``n`` of ``scaled [N, V]`` (float32),
+``out[n] = argmax_v(scaled[n, v] + g(keys[n], v))`` over the ``v`` with
+``scaled[n, v] >= cut[n]`` (the others score ``-inf``), where ``g = -log(-log(u))`` and ``u``
+is :func:`hash_uniform` — a pure function of the row's 32-bit key and the vocabulary index.
+Ties go to the lowest index. ``keys [N]`` int64 in ``[0, 2**32)`` (:func:`row_keys` of a seed
+and a position); ``out [N]`` int64, caller-owned. Fixed grid (one program per row), no host
+reads: capturable.
+
+The hash is lowbias32 (a bijection of 32-bit values) applied twice to a Weyl sequence of the
+vocabulary index offset by the key; the uniform takes its top 23 bits, centred in their
+bucket, so ``u`` and ``1 - u`` are exact in float32 and the noise is finite. The torch
+reference computes the same bits with int64 arithmetic that never overflows (32-bit products
+split into 16-bit halves); the Triton kernel uses uint64 products masked to 32 bits. The
+float noise may differ from the reference's in the last ulp (``log`` implementations).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from unimem_kernel._dispatch import use_triton
+
+__all__ = [
+    "gumbel_argmax",
+    "gumbel_argmax_reference",
+    "gumbel_argmax_triton",
+    "gumbel_noise",
+    "hash_uniform",
+    "row_keys",
+]
+
+_M32 = 0xFFFFFFFF
+_C1, _C2, _WEYL, _SALT = 0x7FEB352D, 0x846CA68B, 0x9E3779B9, 0x5BD1E995
+
+
+# ------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _mix32_u64(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(scaled_ptr, stride_n, cut_ptr, keys_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    n = tl.program_id(0)
+    row = scaled_ptr + n.to(tl.int64) * stride_n
+    cut = tl.load(cut_ptr + n)
+    key = tl.load(keys_ptr + n).to(tl.uint64)
+    best = tl.full((), -float("inf"), tl.float32)
+    best_idx = tl.full((), 0, tl.int64)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < V
+        s = tl.load(row + offs, mask=mask, other=-float("inf"))
+        v = offs.to(tl.uint64)
+        x = (key + ((v * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
+        x = _mix32_u64(_mix32_u64(x) ^ key)
+        u = ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+        g = -tl.log(-tl.log(u))
+        score = tl.where(mask & (s >= cut), s + g, -float("inf"))
+        blk_max = tl.max(score, axis=0)
+        blk_idx = tl.argmax(score, axis=0).to(tl.int64) + start
+        better = blk_max > best
+        best_idx = tl.where(better, blk_idx, best_idx)
+        best = tl.where(better, blk_max, best)
+    tl.store(out_ptr + n, best_idx)
+
+
+def gumbel_argmax_triton(
+    scaled: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """The Triton kernel (module docstring); returns ``out``."""
+    n, vocab = scaled.shape
+    if n == 0:
+        return out
+    block = 1024 if vocab >= 1024 else max(16, 1 << (vocab - 1).bit_length())
+    _gumbel_argmax_kernel[(n,)](scaled, scaled.stride(0), cut, keys, out, vocab, BLOCK=block)
+    return out
+
+
+# ------------------------------------------------------------------- torch reference
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _C2)
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A 32-bit key (int64 in ``[0, 2**32)``) per row from int64 ``seeds`` and
+    ``positions`` ``[N]``."""
+    seeds = seeds.long()
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    h = _mix32(lo ^ _SALT)
+    h = _mix32(h ^ hi)
+    return _mix32(h ^ (positions.long() & _M32))
+
+
+def hash_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``u [N, vocab]`` float32 in ``(0, 1)``, a pure function of ``(keys[n], v)``."""
+    key = keys.long()[:, None]
+    v = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]
+    x = _mix32(_mix32((key + _mul32(v, _WEYL)) & _M32) ^ key)
+    return ((x >> 9) * 2 + 1).float() * (1.0 / (1 << 24))
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise ``-log(-log(u))`` of :func:`hash_uniform`, ``[N, vocab]``."""
+    return -torch.log(-torch.log(hash_uniform(keys, vocab)))
+
+
+def gumbel_argmax_reference(
+    scaled: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """The torch reference (module docstring); returns ``out``."""
+    noise = gumbel_noise(keys, scaled.shape[-1])
+    scores = torch.where(scaled >= cut[:, None], scaled + noise, -math.inf)
+    out.copy_(torch.argmax(scores, dim=-1))
+    return out
+
+
+def gumbel_argmax(
+    scaled: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Triton on CUDA, the reference elsewhere (``unimem_kernel._dispatch``)."""
+    if scaled.dim() != 2 or scaled.stride(-1) != 1:
+        raise ValueError(f"scaled must be [N, V] with contiguous rows, got {tuple(scaled.shape)}")
+    n = scaled.shape[0]
+    for name, t in (("cut", cut), ("keys", keys), ("out", out)):
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+    if scaled.dtype != torch.float32 or cut.dtype != torch.float32:
+        raise ValueError("scaled and cut must be float32")
+    if keys.dtype != torch.int64 or out.dtype != torch.int64:
+        raise ValueError("keys and out must be int64")
+    if use_triton(scaled):
+        return gumbel_argmax_triton(scaled, cut, keys, out)
+    return gumbel_argmax_reference(scaled, cut, keys, out)
