@@ -1,0 +1,166 @@
+"""The drafter's training-time forward: dense, differentiable, no paged memory.
+
+At inference (:class:`~unimem.speculative.drafter.DsparkDrafter`) one block forward per
+request and step reads context K/V from draft lanes. For distillation the same function is
+computed for many anchors of many sequences at once, from the target's captured hidden
+states, with the drafter's own modules and math (``_qkv``, ``mlp``, the norms, the shared LM
+head, :meth:`~unimem.speculative.drafter.DsparkDrafter.markov_bias`):
+
+* context K/V of draft layer ``j`` at every position ``p`` of a sequence: the fused hidden
+  states of the ``target_layers`` at ``p`` through layer ``j``'s K/V projection, RoPE at ``p``
+  (= ``context_kv``);
+* the block of anchor ``n``: rows ``[embed(tokens[n]), mask x (gamma - 1)]`` at positions
+  ``n .. n + gamma - 1``; in each layer a row at ``n + i`` attends the context at positions
+  ``< n`` and the block rows ``<= i`` (for an SWA-hosted layer only keys within its window),
+  softmax scale ``head_dim_k ** -0.5`` (as the draft runner's), one softmax over both;
+* base logits ``[B, A, gamma, vocab]`` (= ``block_logits``), and for the loss the Markov bias
+  of the teacher-forced previous token ``tokens[n + i]``.
+
+Gradients flow only into the drafter's parameters (the caller turns ``requires_grad`` on);
+the target's hidden states, embedding and LM head are constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from unimem.models.nn_ops import rms_norm
+from unimem.speculative.drafter import DsparkDrafter
+
+__all__ = ["block_logits_dense", "context_kv_dense", "distill_loss"]
+
+
+def context_kv_dense(
+    drafter: DsparkDrafter, hidden: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per draft layer ``(k [B, S, Hkv, Dk], v [B, S, Hkv, Dv])`` at positions ``0 .. S-1``
+    from ``hidden[i] [B, S, d_model]``, the residual stream after ``target_layers[i]``."""
+    c = drafter.config
+    if len(hidden) != len(c.target_layers):
+        raise ValueError(f"need {len(c.target_layers)} hidden states, got {len(hidden)}")
+    b, s, _ = hidden[0].shape
+    feats = torch.cat([h.to(c.dtype) for h in hidden], dim=-1).reshape(b * s, -1)
+    ctx = rms_norm(F.linear(feats, drafter.fc), drafter.ctx_norm, c.rms_eps)
+    positions = torch.arange(s, device=ctx.device).repeat(b)
+    rope = drafter._rope_tables(positions)
+    out = []
+    for j in range(c.num_layers):
+        _, k, v = drafter._qkv(j, ctx, rope)
+        out.append((k.reshape(b, s, *k.shape[1:]), v.reshape(b, s, *v.shape[1:])))
+    return out
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    anchors: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Block attention of every anchor: ``q [B, A, G, Hq, Dk]``, block ``k``/``v``
+    ``[B, A, G, Hkv, D]``, context ``[B, S, Hkv, D]``. Returns ``[B, A, G, Hq, Dv]``."""
+    b, a, g, hq, dk = q.shape
+    hkv, s = k.shape[3], ctx_k.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = dk**-0.5
+    qq = q.to(acc).reshape(b, a, g, hkv, hq // hkv, dk)
+    s_ctx = torch.einsum("baikgd,bskd->baikgs", qq, ctx_k.to(acc)) * scale
+    s_blk = torch.einsum("baikgd,bajkd->baikgj", qq, k.to(acc)) * scale
+    dev = q.device
+    rows = torch.arange(g, device=dev)
+    q_pos = anchors[:, None] + rows[None, :]  # [A, G]
+    k_pos = torch.arange(s, device=dev)
+    m_ctx = k_pos[None, None, :] < anchors[:, None, None]  # [A, 1, S]
+    m_blk = rows[None, :] <= rows[:, None]  # [G, G]: key j visible to row i iff j <= i
+    if window is not None:
+        m_ctx = m_ctx & (q_pos[:, :, None] - k_pos[None, None, :] < window)
+        m_blk = m_blk & (rows[:, None] - rows[None, :] < window)
+    m_ctx = m_ctx.expand(a, g, s)[None, :, :, None, None, :]
+    s_ctx = s_ctx.masked_fill(~m_ctx, float("-inf"))
+    s_blk = s_blk.masked_fill(~m_blk[None, None, :, None, None, :], float("-inf"))
+    probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
+    o = torch.einsum("baikgs,bskd->baikgd", probs[..., :s], ctx_v.to(acc))
+    o = o + torch.einsum("baikgj,bajkd->baikgd", probs[..., s:], v.to(acc))
+    return o.reshape(b, a, g, hq, -1).to(q.dtype)
+
+
+def block_logits_dense(
+    drafter: DsparkDrafter,
+    tokens: torch.Tensor,
+    hidden: Sequence[torch.Tensor],
+    anchors: torch.Tensor,
+    gamma: int,
+) -> torch.Tensor:
+    """Base logits ``[B, A, gamma, vocab]`` of the block forward from every anchor position
+    ``anchors [A]`` (each ``>= 1``) of every sequence ``tokens [B, S]``, with the context
+    of positions ``< anchor`` from ``hidden[i] [B, S, d_model]`` — what
+    :meth:`DsparkDrafter.block_logits` computes for anchor ``tokens[b, n]`` at committed
+    length ``n`` when the draft lanes hold the context K/V of positions ``< n``."""
+    c = drafter.config
+    b, a = tokens.shape[0], anchors.shape[0]
+    anchors = anchors.to(tokens.device).long()
+    ctx = context_kv_dense(drafter, hidden)
+    first = drafter.embed[tokens[:, anchors]].to(c.dtype)[:, :, None]  # [B, A, 1, d]
+    mask = drafter.mask_embed.expand(b, a, gamma - 1, c.d_model)
+    x = torch.cat([first, mask], dim=2).reshape(b * a * gamma, c.d_model)
+    positions = (anchors[:, None] + torch.arange(gamma, device=anchors.device)).reshape(-1)
+    rope = drafter._rope_tables(positions.repeat(b))
+    for j, layer in enumerate(drafter.layers):
+        q, k, v = drafter._qkv(j, x, rope)
+        shape = (b, a, gamma)
+        o = _attend(
+            q.reshape(*shape, *q.shape[1:]),
+            k.reshape(*shape, *k.shape[1:]),
+            v.reshape(*shape, *v.shape[1:]),
+            *ctx[j],
+            anchors,
+            c.layer_window(j),
+        )
+        x = x + F.linear(o.reshape(x.shape[0], -1), layer.o_proj)
+        x = x + layer.mlp(x, c.rms_eps)
+    h = rms_norm(x, drafter.final_norm, c.rms_eps)
+    logits = F.linear(h, drafter.lm_head.to(c.dtype))
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    return logits.reshape(b, a, gamma, c.vocab_size)
+
+
+def distill_loss(
+    drafter: DsparkDrafter,
+    tokens: torch.Tensor,
+    hidden: Sequence[torch.Tensor],
+    anchors: torch.Tensor,
+    gamma: int,
+    first_anchor: torch.Tensor,
+    lengths: torch.Tensor,
+) -> tuple[torch.Tensor, int]:
+    """Mean cross-entropy of the block of each anchor ``n`` against ``tokens[n + 1 ..
+    n + gamma]``, the logits being the base logits plus the Markov bias of the teacher-forced
+    previous token ``tokens[n + i]``. Per sequence ``b`` only anchors ``>= first_anchor[b]``
+    and targets at positions ``< lengths[b]`` count. Returns ``(loss, number of targets)``
+    (a zero loss if none counts)."""
+    base = block_logits_dense(drafter, tokens, hidden, anchors, gamma)
+    b, s = tokens.shape
+    anchors = anchors.to(tokens.device).long()
+    steps = torch.arange(gamma, device=tokens.device)
+    prev_pos = anchors[:, None] + steps[None, :]  # [A, G]
+    tgt_pos = prev_pos + 1
+    idx = lambda pos: pos.clamp(max=s - 1).reshape(-1)  # noqa: E731
+    prev = tokens[:, idx(prev_pos)].reshape(b, *prev_pos.shape)
+    target = tokens[:, idx(tgt_pos)].reshape(b, *tgt_pos.shape)
+    logits = base + drafter.markov_bias(prev).to(base.dtype)
+    valid = (tgt_pos[None] < lengths[:, None, None].to(tokens.device)) & (
+        anchors[None, :, None] >= first_anchor[:, None, None].to(tokens.device)
+    )
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+    ).reshape(valid.shape)
+    n = int(valid.sum())
+    if n == 0:
+        return ce.sum() * 0.0, 0
+    return (ce * valid).sum() / n, n
