@@ -121,3 +121,30 @@ def test_bad_arguments_fail_before_anything_runs(checkpoint):
             engine.generate(input_ids=ids, sampling_params=params)
         assert engine.core.scheduler.idle  # nothing was queued
     engine.shutdown()
+
+
+def test_dspark_with_a_drafter_checkpoint(checkpoint, tmp_path):
+    from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+
+    _, path, prompts, expected = checkpoint
+    plain = _engine(path, max_total_tokens=1024)
+    model = plain.model
+    drafter = DsparkDrafter(
+        draft_config_for(model.config), model.embed_weight, model.lm_head_weight, seed=3
+    )
+    drafter.save_pretrained(tmp_path / "drafter")
+    plain.shutdown()
+    engine = _engine(
+        path,
+        max_total_tokens=1024,
+        speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=4,
+        speculative_draft_model_path=str(tmp_path / "drafter"),
+    )
+    params = {"max_new_tokens": OUT, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [toks for toks, _ in expected]
+    assert engine.core.chain.drafter.config.gamma is None  # an untrained drafter's record
+    engine.shutdown()
+    with pytest.raises(ValueError, match="speculative_draft_model_path needs"):
+        _engine(path, speculative_draft_model_path=str(tmp_path / "drafter"))

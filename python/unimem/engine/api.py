@@ -37,6 +37,7 @@ from unimem.engine.sampling import SamplingOptions
 from unimem.models.config import memory_spec
 from unimem.models.loader import load_checkpoint
 from unimem.speculative.chain import DsparkChain
+from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.drafter import DsparkDrafter
 
 __all__ = ["Engine", "SamplingParams"]
@@ -138,12 +139,15 @@ class Engine:
         chain = None
         lanes = ()
         if args.speculative_algorithm == "DSPARK":
-            drafter = DsparkDrafter(
-                draft_config_for(config),
-                self.model.embed_weight,
-                self.model.lm_head_weight,
-                seed=args.random_seed + 17,
-            )
+            if args.speculative_draft_model_path is not None:
+                drafter = load_drafter(args.speculative_draft_model_path, self.model)
+            else:
+                drafter = DsparkDrafter(
+                    draft_config_for(config),
+                    self.model.embed_weight,
+                    self.model.lm_head_weight,
+                    seed=args.random_seed + 17,
+                )
             chain = DsparkChain(drafter, args.gamma)
             lanes = drafter.config.lanes()
         spec = memory_spec(config, args.page_size, lanes)

@@ -29,7 +29,6 @@ UNSUPPORTED_SGLANG_ARGS = frozenset(
         "kv_cache_dtype",
         "lora_paths",
         "enable_lora",
-        "speculative_draft_model_path",
         "speculative_num_steps",
         "speculative_eagle_topk",
         "enable_torch_compile",
@@ -66,6 +65,10 @@ class EngineArgs:
     the GPU's memory minus the weights; on the CPU, ``DEFAULT_CPU_MAX_TOTAL_TOKENS``.
     ``speculative_num_draft_tokens``: tokens each verify step checks (the anchor plus
     ``gamma`` drafted tokens), as in SGLang's chain speculation.
+    ``speculative_draft_model_path``: a DSPARK drafter checkpoint directory
+    (:mod:`unimem.speculative.checkpoint`, e.g. from ``python -m
+    unimem.speculative.distill``); without it, a seeded untrained drafter (outputs stay
+    exact; acceptance is low).
     """
 
     model_path: str
@@ -84,6 +87,7 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_draft_model_path: str | None = None
     random_seed: int = 0
     skip_tokenizer_init: bool = False
 
@@ -146,6 +150,8 @@ class EngineArgs:
                 )
         elif self.speculative_num_draft_tokens is not None:
             raise ValueError("speculative_num_draft_tokens needs speculative_algorithm DSPARK")
+        elif self.speculative_draft_model_path is not None:
+            raise ValueError("speculative_draft_model_path needs speculative_algorithm DSPARK")
         if self.cuda_graph_max_bs is not None and self.device != "cuda":
             raise ValueError("cuda_graph_max_bs applies to device cuda only")
 
