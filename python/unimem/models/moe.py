@@ -4,7 +4,8 @@
 gate/up projection, the architecture's activation and the down projection, and sums the
 pairs back per token with their routing weights. The pairs are sorted by expert on the device
 (``argsort`` + a scatter-add count + ``cumsum``: fixed shapes, no host read, so the step stays
-capturable in a CUDA graph) and each projection is one ``torch._grouped_mm`` over the
+capturable in a CUDA graph; the pairs are summed back per token in a fixed order, so results
+are deterministic) and each projection is one ``torch._grouped_mm`` over the
 experts' row groups — never a Python loop over experts. :func:`expert_mlp_reference` is the
 per-expert loop with identical semantics, the oracle in tests (it reads which experts were
 chosen on the host).
@@ -98,8 +99,10 @@ def expert_mlp(
     if b_down is not None:
         y = y + b_down[expert_of_pair]
     y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
-    out = torch.zeros_like(x)
-    return out.index_add_(0, token_of_pair, y.to(x.dtype))
+    # back to (token, slot) order and a sum over the k slots: deterministic (index_add_ on
+    # CUDA accumulates with atomics in a varying order, so bf16 results changed run to run)
+    unsorted = torch.empty_like(y).index_copy_(0, order, y)
+    return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
 def expert_mlp_reference(
