@@ -1,0 +1,208 @@
+"""Build a random HuggingFace checkpoint of a real hybrid architecture for GPU runs.
+
+    python benchmark/make_checkpoint.py --arch qwen3_next|gpt_oss --out DIR [--size small|bench]
+
+The config is transformers' own (``Qwen3NextConfig`` / ``GptOssConfig``) and the weights are
+transformers' own initialisation (``AutoModelForCausalLM.from_config`` in bfloat16, created
+directly on the GPU when there is one, so a multi-billion-parameter model initialises in
+seconds); ``save_pretrained`` writes ``config.json`` and safetensors shards. No tokenizer:
+``python -m unimem validate/bench --model-path DIR`` draws random token prompts.
+
+Sizes:
+  qwen3_next bench: hidden 2048, 24 layers (full_attention_interval 4: 18 Gated DeltaNet +
+    6 gated full attention), 16 query / 2 KV heads of dim 256 (partial rotary 0.25), GDN 16
+    key / 32 value heads of dim 128, conv 4, MoE 64 experts top-8 of width 512 with a shared
+    expert of width 512 on every layer, vocab 32000, 32768 positions.
+  gpt_oss bench: hidden 2048, 12 layers alternating sliding (window 128) / full attention
+    with sinks, 32 query / 8 KV heads of dim 64, 32 experts top-4 of width 1024 (clamped
+    SwiGLU, biases), vocab 32000, YaRN RoPE as gpt-oss (theta 150000, factor 32 from 4096).
+  small: the same architectures at ~50-100 M parameters (smoke tests).
+Prints the total parameter count and the parameters active per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+SIZES = {
+    ("qwen3_next", "bench"): dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        num_hidden_layers=24,
+        full_attention_interval=4,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        intermediate_size=5632,  # unused: every layer is MoE (mlp_only_layers empty)
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    ("qwen3_next", "small"): dict(
+        vocab_size=32000,
+        hidden_size=512,
+        num_hidden_layers=8,
+        full_attention_interval=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        intermediate_size=1024,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    ("gpt_oss", "bench"): dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        intermediate_size=1024,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=GPT_OSS_YARN,
+        tie_word_embeddings=False,
+    ),
+    ("gpt_oss", "small"): dict(
+        vocab_size=32000,
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=8,
+        num_experts_per_tok=4,
+        intermediate_size=512,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=GPT_OSS_YARN,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def make_config(arch: str, size: str):
+    """The transformers config of ``arch`` at ``size`` (module docstring)."""
+    kwargs = dict(SIZES[(arch, size)])
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        rotary = kwargs.pop("partial_rotary_factor")
+        cfg = Qwen3NextConfig(**kwargs)
+        # transformers 5 keeps the partial rotary factor inside rope_parameters
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        rope["partial_rotary_factor"] = rotary
+        cfg.rope_parameters = rope
+        cfg.partial_rotary_factor = rotary
+    elif arch == "gpt_oss":
+        from transformers import GptOssConfig
+
+        n = kwargs["num_hidden_layers"]
+        kwargs["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(n)]
+        cfg = GptOssConfig(**kwargs)
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    names = {"qwen3_next": "Qwen3NextForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+    cfg.architectures = [names[arch]]
+    cfg.eos_token_id = None
+    cfg.bos_token_id = None
+    cfg.pad_token_id = None
+    return cfg
+
+
+def count_params(model: torch.nn.Module, cfg, arch: str) -> tuple[int, int]:
+    """(total, active per token): active counts ``top_k / num_experts`` of the routed
+    experts' weights."""
+    total = sum(p.numel() for p in model.parameters())
+    if arch == "qwen3_next":
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+    else:
+        e, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return total, total - routed + routed * k // e
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", required=True, choices=["qwen3_next", "gpt_oss"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--size", default="bench", choices=["small", "bench"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    cfg = make_config(args.arch, args.size)
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    total, active = count_params(model, cfg, args.arch)
+    t1 = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    t2 = time.perf_counter()
+    info = {
+        "arch": args.arch,
+        "size": args.size,
+        "architecture": cfg.architectures[0],
+        "params": total,
+        "active_params": active,
+        "device": args.device,
+        "init_s": round(t1 - t0, 2),
+        "save_s": round(t2 - t1, 2),
+    }
+    (out / "make_checkpoint.json").write_text(json.dumps(info, indent=1))
+    print(
+        f"{args.arch} ({args.size}): {total / 1e9:.3f} B parameters, {active / 1e9:.3f} B active "
+        f"per token; init {t1 - t0:.1f} s on {args.device}, saved to {out} in {t2 - t1:.1f} s"
+    )
+    del model
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
