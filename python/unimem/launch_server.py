@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 
-from unimem.serve.server import main
-
 if __name__ == "__main__":
+    try:
+        from unimem.serve.server import main
+    except KeyboardInterrupt:  # Ctrl-C while the imports load
+        print("unimem.launch_server: interrupted", file=sys.stderr)
+        sys.exit(130)
     sys.exit(main())

@@ -103,11 +103,12 @@ def server(tmp_path_factory):
     srv.http.close()
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        rc = proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
         pytest.fail("the server did not stop on SIGTERM")
+    assert rc == 0, log_path.read_text()  # a graceful stop
 
 
 @pytest.fixture(scope="module")

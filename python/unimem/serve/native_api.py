@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import asdict
 
 from fastapi import APIRouter, Request
@@ -154,7 +155,7 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
             raise ApiError(400, "stream takes one prompt", param="stream")
         subs = [serving.prepare(ids, p, field) for ids, p in zip(batch, params, strict=True)]
         gens = [Generation(serving, s, p.stop, request) for s, p in zip(subs, params, strict=True)]
-        rid = body.rid or f"gen-{id(gens[0]):x}"
+        rid = body.rid or uuid.uuid4().hex
         if not body.stream:
             outs = await asyncio.gather(*(g.collect() for g in gens))
             res = [

@@ -9,9 +9,12 @@ what is running and stop the engine thread. Ctrl-C at any point exits without a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import socket
 import sys
+import threading
 from dataclasses import asdict
 
 from unimem.engine.args import EngineArgs
@@ -71,6 +74,28 @@ def _build_engine(args: EngineArgs):
     return Engine(**asdict(args))
 
 
+def _uvicorn_server(config):
+    """A ``uvicorn.Server`` that stops gracefully on SIGINT / SIGTERM and then returns (uvicorn
+    re-raises the signal after its shutdown, which would kill the process with it)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
 def serve(engine, options: ServerOptions, sock: socket.socket) -> None:
     """Run the HTTP server over ``engine`` on ``sock`` until a signal stops it."""
     import uvicorn
@@ -92,7 +117,7 @@ def serve(engine, options: ServerOptions, sock: socket.socket) -> None:
         access_log=options.log_level == "debug",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = uvicorn.Server(config)
+    server = _uvicorn_server(config)
     host, port = sock.getsockname()[:2]
     log.info("serving %s on http://%s:%d", options.served_model_name, host, port)
     try:
@@ -102,7 +127,16 @@ def serve(engine, options: ServerOptions, sock: socket.socket) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The launcher; returns the exit status (2 for any command-line error)."""
+    """The launcher; returns the exit status: 0 after a signal stopped the server, 2 for any
+    command-line or start-up error, 130 when interrupted before serving."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         engine_args, options = parse_args(argv)
     except CliError as e:
@@ -117,14 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         return _fail(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}")
     try:
-        try:
-            engine = _build_engine(engine_args)
-        except (ValueError, OSError) as e:
-            sock.close()
-            return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        log.info(capacity_line(engine))
-        serve(engine, options, sock)
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        engine = _build_engine(engine_args)
+    except (ValueError, OSError) as e:
+        sock.close()
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    log.info(capacity_line(engine))
+    serve(engine, options, sock)
     return 0
