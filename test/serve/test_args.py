@@ -6,10 +6,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
-from unimem.serve.args import CliError, parse_args
+from unimem.engine.args import EngineArgs
+from unimem.serve.args import CliError, build_parser, parse_args
 
 
 def _free_port() -> int:
@@ -67,6 +69,12 @@ def test_sglang_flags_map_onto_engine_args():
     assert engine.random_seed == 3
     assert (server.host, server.port, server.served_model_name) == ("0.0.0.0", 8080, "m")
     assert server.api_key == "k" and server.log_level == "warning"
+
+
+def test_every_engine_argument_has_its_sglang_flag():
+    flags = {opt for a in build_parser()._actions for opt in a.option_strings}
+    for f in fields(EngineArgs):
+        assert "--" + f.name.replace("_", "-") in flags, f.name
 
 
 def test_defaults_follow_sglang():

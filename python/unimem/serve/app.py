@@ -19,13 +19,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from unimem.serve.args import ServerOptions
+from unimem.serve.engine_loop import EngineLoop
 from unimem.serve.generation import Serving
 from unimem.serve.metrics import ServerMetrics
 from unimem.serve.native_api import native_router
 from unimem.serve.openai_api import openai_router
 from unimem.serve.protocol import ApiError, error_body
 
-__all__ = ["build_app"]
+__all__ = ["build_app", "make_app"]
 
 log = logging.getLogger("unimem.serve")
 
@@ -51,12 +53,22 @@ class _ApiKeyMiddleware:
         await response(scope, receive, send)
 
 
+def make_app(engine, options: ServerOptions) -> FastAPI:
+    """The application over a built :class:`unimem.Engine`: its engine thread starts with
+    the application and stops (aborting every running request) when it shuts down."""
+    loop: EngineLoop | None = None
+    metrics = ServerMetrics(lambda: loop.snapshot(), {"model_name": options.served_model_name})
+    loop = EngineLoop(engine.core, observe=metrics)
+    return build_app(Serving(engine, loop, options), metrics)
+
+
 def build_app(serving: Serving, metrics: ServerMetrics) -> FastAPI:
-    """The application over a started :class:`Serving`; its shutdown stops the engine
-    thread (every running request is aborted)."""
+    """The application over ``serving`` (module docstring); its start-up starts the engine
+    thread, its shutdown stops it."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        serving.loop.start()
         yield
         serving.loop.stop()
 

@@ -166,6 +166,7 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
     r.add_argument("--cuda-graph-max-bs", type=int)
     r.add_argument("--speculative-algorithm", type=str.upper, choices=("DSPARK",))
     r.add_argument("--speculative-num-draft-tokens", type=int)
+    r.add_argument("--speculative-draft-model-path", help="a DSPARK drafter checkpoint")
     s = p.add_argument_group("server")
     s.add_argument("--host", default=DEFAULT_HOST)
     s.add_argument("--port", type=int, default=DEFAULT_PORT)

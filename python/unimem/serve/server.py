@@ -100,17 +100,9 @@ def serve(engine, options: ServerOptions, sock: socket.socket) -> None:
     """Run the HTTP server over ``engine`` on ``sock`` until a signal stops it."""
     import uvicorn
 
-    from unimem.serve.app import build_app
-    from unimem.serve.engine_loop import EngineLoop
-    from unimem.serve.generation import Serving
-    from unimem.serve.metrics import ServerMetrics
+    from unimem.serve.app import make_app
 
-    loop: EngineLoop | None = None
-    metrics = ServerMetrics(lambda: loop.snapshot(), {"model_name": options.served_model_name})
-    loop = EngineLoop(engine.core, observe=metrics)
-    serving = Serving(engine, loop, options)
-    app = build_app(serving, metrics)
-    loop.start()
+    app = make_app(engine, options)
     config = uvicorn.Config(
         app,
         log_level=options.log_level,
@@ -120,10 +112,7 @@ def serve(engine, options: ServerOptions, sock: socket.socket) -> None:
     server = _uvicorn_server(config)
     host, port = sock.getsockname()[:2]
     log.info("serving %s on http://%s:%d", options.served_model_name, host, port)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        loop.stop()
+    server.run(sockets=[sock])  # the app's shutdown stops the engine thread
 
 
 def main(argv: list[str] | None = None) -> int:
