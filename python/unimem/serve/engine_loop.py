@@ -3,8 +3,10 @@
 :class:`EngineLoop` owns an :class:`~unimem.engine.core.EngineCore` (built by
 :class:`unimem.Engine`) and runs it in a dedicated thread. Between two steps the thread drains
 its inbox (new requests, aborts, calls such as a cache flush), steps the core once, and hands
-every request's new output tokens to that request's ``sink`` (a callable; the HTTP side passes
-one that moves the :class:`Delta` into an asyncio queue with ``loop.call_soon_threadsafe``).
+every request's new output tokens to that request's ``sink`` (a callable). A submission that
+names an asyncio ``event_loop`` has its sink run there: all of a step's deltas for one event
+loop go over in one ``loop.call_soon_threadsafe`` (one wake-up per step, not one per
+request); without one, the sink runs on the engine thread.
 It sleeps on a condition variable only when the core is idle and the inbox empty. Nothing
 the HTTP side does waits on a step, and nothing in a step waits on HTTP.
 
@@ -16,6 +18,7 @@ without touching the core.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -59,7 +62,8 @@ class Submission:
     """What the HTTP side asks for: ``prompt`` ids, ``max_new_tokens``, ``stop_token_ids``
     (EOS included unless ignored), ``sampling`` (None: greedy), and where its deltas go.
     ``arrival``: ``time.monotonic()`` when the HTTP request came in (time to first token is
-    measured from it)."""
+    measured from it). ``event_loop``: run ``sink`` on this asyncio loop (module
+    docstring)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -67,6 +71,7 @@ class Submission:
     sampling: SamplingOptions | None
     sink: Callable[[Delta], None]
     arrival: float = field(default_factory=time.monotonic)
+    event_loop: asyncio.AbstractEventLoop | None = None
 
 
 class Handle:
@@ -101,6 +106,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
         self._active: list[Handle] = []
+        self._outbox: list[tuple[Handle, Delta]] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.error: str | None = None
@@ -153,7 +159,7 @@ class EngineLoop:
             if self._stopping or self.error is not None:
                 reason = self.error or "the server is shutting down"
                 if kind == "submit":
-                    _deliver(item, Delta(finish_reason="abort", error=reason))
+                    _send([(item, Delta(finish_reason="abort", error=reason))])
                 elif kind == "call":
                     item[1].set_exception(RuntimeError(reason))
                 return
@@ -188,8 +194,8 @@ class EngineLoop:
             with self._cond:
                 self.error = f"engine failure: {type(e).__name__}: {e}"
                 pending, self._inbox = self._inbox, []
-            for h in self._active + [i for k, i in pending if k == "submit"]:
-                _deliver(h, Delta(finish_reason="abort", error=self.error))
+            failed = self._active + [i for k, i in pending if k == "submit"]
+            _send([(h, Delta(finish_reason="abort", error=self.error)) for h in failed])
             for k, item in pending:
                 if k == "call":
                     item[1].set_exception(RuntimeError(self.error))
@@ -219,7 +225,7 @@ class EngineLoop:
                 s.prompt, s.max_new_tokens, stop_token_ids=s.stop_token_ids, sampling=s.sampling
             )
         except ValueError as e:  # checked on the HTTP side already; a race is still answered
-            _deliver(h, Delta(finish_reason="abort", error=str(e)))
+            self._outbox.append((h, Delta(finish_reason="abort", error=str(e))))
             return
         self._counters.prompt_tokens += len(s.prompt)
         self._active.append(h)
@@ -244,10 +250,12 @@ class EngineLoop:
                 reason = r.finish_reason if done else None
                 if done:
                     self._finished(h, reason, now)
-                _deliver(h, Delta(toks, lps, reason, r.cached_tokens if done else 0))
+                self._outbox.append((h, Delta(toks, lps, reason, r.cached_tokens if done else 0)))
             if not done:
                 still.append(h)
         self._active = still
+        outbox, self._outbox = self._outbox, []
+        _send(outbox)
 
     def _observe_tokens(self, h: Handle, n: int, now: float) -> None:
         if n == 0:
@@ -311,8 +319,24 @@ class EngineLoop:
         }
 
 
-def _deliver(h: Handle, delta: Delta) -> None:
-    try:
-        h.sub.sink(delta)
-    except Exception:  # the HTTP side is gone (its event loop closed): nothing to tell
-        log.debug("dropped a delta for a closed request", exc_info=True)
+def _send(items: list[tuple[Handle, Delta]]) -> None:
+    """Hand each delta to its request's sink: directly, or batched per event loop."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[Handle, Delta]]] = {}
+    for h, delta in items:
+        if h.sub.event_loop is None:
+            _run_sinks([(h, delta)])
+        else:
+            batches.setdefault(h.sub.event_loop, []).append((h, delta))
+    for aloop, batch in batches.items():
+        try:
+            aloop.call_soon_threadsafe(_run_sinks, batch)
+        except RuntimeError:  # the event loop closed (shutdown): nobody is listening
+            log.debug("dropped %d deltas for a closed event loop", len(batch))
+
+
+def _run_sinks(batch: list[tuple[Handle, Delta]]) -> None:
+    for h, delta in batch:
+        try:
+            h.sub.sink(delta)
+        except Exception:
+            log.exception("a request's sink failed")

@@ -244,12 +244,8 @@ class Generation:
         :class:`ApiError` if the engine could not run it. Aborts the request if the consumer
         stops early or the client disconnects."""
         queue: asyncio.Queue[Delta] = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
-
-        def sink(delta: Delta) -> None:
-            aloop.call_soon_threadsafe(queue.put_nowait, delta)
-
-        self.sub.sink = sink
+        self.sub.sink = queue.put_nowait  # runs on this event loop (EngineLoop batches)
+        self.sub.event_loop = asyncio.get_running_loop()
         handle = self.serving.loop.submit(self.sub)
         getter: asyncio.Task | None = None
         try:

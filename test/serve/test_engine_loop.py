@@ -1,0 +1,92 @@
+"""The engine thread on its own (no HTTP): deltas add up to ``unimem.Engine``'s outputs, an
+abort ends a running request with its memory back, a request the core refuses is answered
+with an error, and stopping the loop aborts what runs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import tiny_qwen3_next
+import tiny_tokenizer
+
+import unimem
+from unimem.serve.engine_loop import Delta, EngineLoop, Submission
+
+TIMEOUT_S = 60
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.deltas: list[Delta] = []
+        self.first = threading.Event()
+        self.done = threading.Event()
+
+    def __call__(self, delta: Delta) -> None:  # runs on the engine thread
+        self.deltas.append(delta)
+        self.first.set()
+        if delta.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for d in self.deltas for t in d.tokens]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3_next_loop")
+    hf = tiny_qwen3_next.build(path)
+    tiny_tokenizer.save(path, hf.config.vocab_size)
+    eng = unimem.Engine(
+        model_path=str(path),
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        max_total_tokens=1024,
+        max_running_requests=8,
+    )
+    yield eng
+    eng.shutdown()
+
+
+def _submit(loop: EngineLoop, prompt, n: int) -> tuple[object, Collector]:
+    sink = Collector()
+    return loop.submit(Submission(prompt, n, frozenset(), None, sink)), sink
+
+
+def test_deltas_add_up_to_engine_outputs_and_abort_returns_memory(engine):
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44, 45], [9]]
+    params = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    want = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    loop = EngineLoop(engine.core)
+    loop.start()
+    try:
+        runs = [_submit(loop, p, 10) for p in prompts]
+        for _, sink in runs:
+            assert sink.done.wait(TIMEOUT_S)
+        assert [sink.tokens for _, sink in runs] == want
+        assert all(sink.deltas[-1].finish_reason == "length" for _, sink in runs)
+        # a long request, aborted once it produced something
+        handle, sink = _submit(loop, [5, 6], 200)
+        assert sink.first.wait(TIMEOUT_S)
+        loop.abort(handle)
+        assert sink.done.wait(TIMEOUT_S)
+        assert sink.deltas[-1].finish_reason == "abort" and len(sink.tokens) < 200
+        assert loop.call(lambda core: core.pool.used_bytes()).result(TIMEOUT_S) == 0
+        assert loop.snapshot()["used_bytes"] == 0
+        assert loop.snapshot()["requests_finished"] == {"length": 3, "abort": 1}
+        # the core refuses it (HTTP checks skipped): an error, nothing queued
+        bad, sink = _submit(loop, [5, 10**6], 4)
+        assert sink.done.wait(TIMEOUT_S)
+        assert sink.deltas[-1].error and "outside the vocabulary" in sink.deltas[-1].error
+        # stopping aborts what runs
+        handle, sink = _submit(loop, [7, 8], 200)
+        assert sink.first.wait(TIMEOUT_S)
+    finally:
+        loop.stop()
+    assert sink.done.is_set() and sink.deltas[-1].finish_reason == "abort"
+    assert engine.pool.used_bytes() == 0
+    late = Collector()
+    loop.submit(Submission([5], 2, frozenset(), None, late))
+    assert late.deltas[-1].error  # refused after stop
