@@ -199,6 +199,7 @@ def parse_body(model: type[BaseModel], data: Any) -> BaseModel:
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
+        param = str(first["loc"][0]) if first["loc"] else None
         if first["type"] == "extra_forbidden":
             raise ApiError(
                 400,
@@ -206,6 +207,4 @@ def parse_body(model: type[BaseModel], data: Any) -> BaseModel:
                 param=loc,
                 code="unrecognized_argument",
             ) from None
-        raise ApiError(
-            400, f"{loc}: {first['msg']}", param=loc or None, code="invalid_value"
-        ) from None
+        raise ApiError(400, f"{loc}: {first['msg']}", param=param, code="invalid_value") from None
