@@ -14,6 +14,7 @@ from unimem_kernel.sampling import (
     gumbel_argmax_triton,
     hash_uniform,
     row_keys,
+    stream_keys,
 )
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,3 +70,20 @@ def test_bad_shapes_and_dtypes_are_refused():
         gumbel_argmax(scaled.double(), cut, keys, out)
     with pytest.raises(ValueError, match="int64"):
         gumbel_argmax(scaled, cut, keys.int(), out)
+
+
+def test_stream_keys_are_deterministic_distinct_and_uniform():
+    keys = row_keys(torch.arange(2000) * 7919 - 3, torch.arange(2000) % 37)
+    assert torch.equal(stream_keys(keys, 0), keys)  # stream 0: the token-sampling keys
+    a, b = stream_keys(keys, 1), stream_keys(keys, 2)
+    assert torch.equal(a, stream_keys(keys, 1))
+    assert ((a >= 0) & (a < 2**32)).all() and ((b >= 0) & (b < 2**32)).all()
+    assert (a != keys).all() and (a != b).all()
+    # the first uniform of each stream: uniform, and unrelated to the other streams'
+    u0, u1, u2 = (hash_uniform(k, 1)[:, 0].double() for k in (keys, a, b))
+    for u in (u1, u2):
+        assert abs(float(u.mean()) - 0.5) < 0.03
+        assert abs(float(torch.corrcoef(torch.stack([u, u0]))[0, 1])) < 0.08
+    assert abs(float(torch.corrcoef(torch.stack([u1, u2]))[0, 1])) < 0.08
+    with pytest.raises(ValueError, match="stream"):
+        stream_keys(keys, -1)

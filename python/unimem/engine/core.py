@@ -1,6 +1,7 @@
-"""The reference engine: submit requests, step the scheduler, run the model, sample greedily
-— one token per step, or, with a :class:`~unimem.speculative.chain.DsparkChain`, a verified chain of
-up to ``gamma + 1`` tokens per step.
+"""The reference engine: submit requests, step the scheduler, run the model, pick tokens
+(greedy or sampled) — one token per step, or, with a
+:class:`~unimem.speculative.chain.DsparkChain`, a verified chain of up to ``gamma + 1`` tokens
+per step (greedy accept, or exact speculative sampling for temperature > 0).
 
 The step loop never waits for the step it just launched (DESIGN §1.4): sampled tokens and
 accepted lengths stay on the device, where the next step reads them, and reach the host
@@ -27,7 +28,7 @@ from unimem.speculative.chain import DsparkChain
 
 
 class EngineCore:
-    """Continuous-batching greedy generation over one memory pool.
+    """Continuous-batching generation over one memory pool.
 
     ``submit`` validates a request against the model and the pool and raises ``ValueError``
     naming the problem; a rejected request never enters the queue, so it cannot disturb the
@@ -134,15 +135,10 @@ class EngineCore:
             )
 
     def check_sampling(self, sampling: SamplingOptions) -> None:
-        """``ValueError`` if ``sampling`` cannot run here: not a :class:`SamplingOptions`, or
-        temperature > 0 with a chain (DSPARK verifies greedily)."""
+        """``ValueError`` if ``sampling`` is not a :class:`SamplingOptions`. Every option runs
+        with or without a chain (with one, temperature > 0 is exact speculative sampling)."""
         if not isinstance(sampling, SamplingOptions):
             raise ValueError(f"sampling must be a SamplingOptions or None, got {sampling!r}")
-        if self.chain is not None and not sampling.greedy:
-            raise ValueError(
-                f"request rejected: temperature > 0 with DSPARK speculative decoding is not "
-                f"supported yet (temperature {sampling.temperature}); use temperature 0"
-            )
 
     def submit(
         self,
@@ -155,7 +151,7 @@ class EngineCore:
         ending early at any of ``stop_token_ids`` (kept as its last output token), picked by
         ``sampling`` (None: greedy; a seedless one gets a seed from the engine's
         ``random_seed`` and the request id). ``ValueError`` naming the problem
-        (:meth:`check_request`; temperature > 0 with a chain), before anything is queued."""
+        (:meth:`check_request`, :meth:`check_sampling`), before anything is queued."""
         self.check_request(prompt, max_new_tokens)
         sampling = GREEDY if sampling is None else sampling
         self.check_sampling(sampling)

@@ -9,6 +9,9 @@ lanes of the target's own pages, reached through the pool's per-lane views.
   positions ``kv_len .. kv_len + gamma - 1`` (verify-style metadata of ``gamma`` tokens), its
   K/V written into the draft lanes at those positions; tokens picked left to right, with the
   acceptance control applied to each column as it is chosen.
+- :meth:`DraftRunner.propose_sampled`: the same block, with the lanes of sampled requests
+  drawing each column from their filtered distribution ``q`` (returned with the tokens, for
+  speculative sampling's accept and residual).
 - :meth:`DraftRunner.write_context`: context K/V projected from the target's captured hidden
   states, stored at a step's write slots — every token of a prefill, or only the committed
   rows of a verify (the other rows are redirected to the sink slot 0, which stores zeros:
@@ -26,12 +29,17 @@ import torch
 
 from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
+from unimem.engine.sampling import filtered_probs
+from unimem.engine.step_io import SamplingRows
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
+from unimem.speculative import spec_sampling
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.drafter import draft_config_for
 
 __all__ = ["DraftRunner", "draft_config_for"]
+
+DRAFT = spec_sampling.STREAM_DRAFT
 
 
 class DraftRunner:
@@ -84,6 +92,55 @@ class DraftRunner:
         committed lengths ``seq_lens`` and anchors ``anchors`` (the token at ``seq_lens``);
         ``rids`` key the acceptance control. Writes the block's K/V into the draft lanes at
         positions ``seq_lens .. seq_lens + gamma - 1``; reads nothing on the host."""
+        base = self._block_logits(rows, seq_lens, anchors)
+        control = self.chain.control
+        replace = None
+        if control is not None:
+            start = seq_lens.long()
+
+            def replace(i: int, tokens: torch.Tensor) -> torch.Tensor:
+                # column i proposes the token at position seq_len + i + 1
+                return control.apply(tokens, rids, start + (i + 1))
+
+        return self.drafter.pick(base, anchors, replace)
+
+    def propose_sampled(
+        self,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        anchors: torch.Tensor,
+        rids: torch.Tensor,
+        params: SamplingRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`propose` for a batch with sampled lanes: ``(tokens [bs, gamma] int64,
+        q [bs, gamma, vocab] float32)``. A lane with temperature > 0 draws column ``i`` from
+        ``q_i`` — the column's logits (Markov bias included) under the lane's temperature and
+        top-k / top-p / min-p (:func:`unimem.engine.sampling.filtered_probs`) — with the
+        draft stream's noise at the token's position; a greedy lane picks exactly as
+        :meth:`propose` (its ``q`` is the one-hot of its token). A draft the acceptance
+        control replaces gets the point mass on the reference as its ``q``."""
+        base = self._block_logits(rows, seq_lens, anchors)
+        control = self.chain.control
+        start = seq_lens.long()
+        live = params.temperature > 0
+        t, k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
+
+        def choose(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            pos = start + (i + 1)  # column i proposes the token at position seq_len + i + 1
+            q = filtered_probs(logits, t, k, top_p, min_p)
+            drawn = spec_sampling.draw(q, spec_sampling.stream_keys(params.seeds, pos, DRAFT))
+            tok = torch.where(live, drawn, torch.argmax(logits, dim=-1))
+            if control is not None:
+                ref, take = control.decide(rids, pos)
+                tok, q = spec_sampling.replace_proposal(tok, q, take, ref)
+            return tok, q
+
+        return self.drafter.sample_pick(base, anchors, choose)
+
+    def _block_logits(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, anchors: torch.Tensor
+    ) -> torch.Tensor:
+        """The block forward's base logits ``[bs, gamma, vocab]`` (block K/V stored)."""
         pool = self.pool
         meta = self.builder.verify(
             pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p, gamma=self.gamma - 1
@@ -104,16 +161,7 @@ class DraftRunner:
                 scale=q.shape[-1] ** -0.5,
             )
 
-        replace = None
-        control = self.chain.control
-        if control is not None:
-            base = seq_lens.long()
-
-            def replace(i: int, tokens: torch.Tensor) -> torch.Tensor:
-                # column i proposes the token at position seq_len + i + 1
-                return control.apply(tokens, rids, base + (i + 1))
-
-        return self.drafter.propose(anchors, meta.positions, attend, replace)
+        return self.drafter.block_logits(anchors, meta.positions, attend)
 
     def write_context(
         self,

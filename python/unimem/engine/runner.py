@@ -16,16 +16,19 @@ Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
   samples (:func:`unimem.engine.sampling.sample` with its row's parameters, or plain argmax
   when no lane of the batch samples) and advances the row;
 - *verify* (with a :class:`~unimem.speculative.chain.DsparkChain`, DESIGN §6): write window, draft,
-  target verify, greedy accept, commit of GDN states and draft context K/V — all on the
-  device, the row advanced by ``accepted + 1`` and its next anchor set to the bonus token.
+  target verify, accept (greedy, or speculative sampling for lanes with temperature > 0:
+  :mod:`unimem.speculative.spec_sampling`), commit of GDN states and draft context K/V — all
+  on the device, the row advanced by ``accepted + 1`` and its next anchor set to the last
+  committed token.
 
 Every step writes ``StepOutputs`` (tokens and counts per lane) for the caller to copy to the
 host and read one step late. Decode and verify read only device buffers, so with
 ``cuda_graphs`` they are recorded per batch-size bucket (:class:`StepGraphs`) and replayed.
-Decode is recorded twice: a greedy variant (argmax only: a greedy batch pays nothing for
-sampling) and a sampling variant; the host picks one per batch from the requests' options,
-which it knows. A lane's sample depends only on its logits, its row's parameters and the
-position of the sampled token (see :mod:`unimem.engine.sampling`), never on its batch.
+Decode and verify are each recorded twice: a greedy variant (argmax and greedy accept
+only: a greedy batch pays nothing for sampling) and a sampling variant; the host picks one per
+batch from the requests' options, which it knows. A lane's sample depends only on its logits,
+its row's parameters and the position of the sampled token (see :mod:`unimem.engine.sampling`;
+in verify, :mod:`unimem.speculative.spec_sampling`), never on its batch.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
 from unimem.engine.cuda_graphs import StepGraphs, default_buckets
 from unimem.engine.draft_runner import DraftRunner
-from unimem.engine.sampling import sample
+from unimem.engine.sampling import filtered_probs, sample
 from unimem.engine.scheduler import Batch
 from unimem.engine.step_io import (
     DeviceRequestState,
@@ -52,6 +55,7 @@ from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
 from unimem.models.base import CausalLM
 from unimem.models.forward_context import ForwardContext, ForwardMode
+from unimem.speculative import spec_sampling
 from unimem.speculative.accept import commit_mask, greedy_accept
 from unimem.speculative.chain import DsparkChain
 from unimem_kernel import gdn as gdn_ops
@@ -145,8 +149,8 @@ class ModelRunner:
     (``out.logprobs``; one log-sum-exp over the vocabulary per logits row) under the model's
     raw distribution — before temperature and filters, as SGLang reports it.
 
-    Sampling (temperature > 0) runs in extend and decode steps; verify steps are greedy
-    (``EngineCore.submit`` refuses sampled requests with a chain).
+    Sampling (temperature > 0) runs in extend, decode and verify steps (speculative sampling:
+    :meth:`_verify_step`).
     """
 
     def __init__(
@@ -202,10 +206,9 @@ class ModelRunner:
                 raise ValueError(f"graph bucket {max(buckets)} exceeds max_bs {max_bs}")
             with torch.inference_mode():  # as launch() runs the eager steps
                 self.graphs = StepGraphs(self._uniform_step, self.lanes.pad, buckets, self.device)
-                if chain is None:
-                    self.sample_graphs = StepGraphs(
-                        self._sampling_decode_step, self.lanes.pad, buckets, self.device
-                    )
+                self.sample_graphs = StepGraphs(
+                    self._sampling_step, self.lanes.pad, buckets, self.device
+                )
 
     def _init_verify_scratch(self, width: int) -> None:
         """Per GDN layer, ``[max_bs, width, *S]`` scratch for the conv and SSM states after
@@ -251,12 +254,12 @@ class ModelRunner:
             [r.rid for r in batch.reqs],
             width,
         )
-        draw = self.chain is None and any(not r.sampling.greedy for r in batch.reqs)
+        draw = any(not r.sampling.greedy for r in batch.reqs)
         graphs = self.sample_graphs if draw else self.graphs
         if graphs is not None:
             graphs.replay(width)
         elif draw:
-            self._sampling_decode_step(width)
+            self._sampling_step(width)
         else:
             self._uniform_step(width)
         return bs
@@ -267,8 +270,11 @@ class ModelRunner:
         else:
             self._decode_step(width)
 
-    def _sampling_decode_step(self, width: int) -> None:
-        self._decode_step(width, draw=True)
+    def _sampling_step(self, width: int) -> None:
+        if self.chain is not None:
+            self._verify_step(width, draw=True)
+        else:
+            self._decode_step(width, draw=True)
 
     @staticmethod
     def _pick(
@@ -308,11 +314,10 @@ class ModelRunner:
         rows, prefix, ext = packed[:bs], packed[bs : 2 * bs], packed[2 * bs : 3 * bs]
         vslots, nxt, input_ids = packed[3 * bs : 4 * bs], packed[4 * bs : 5 * bs], packed[5 * bs :]
         params = None
-        if self.chain is None:  # verify runners are greedy: their rows stay greedy
-            floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
-            self.sampling.write(rows, floats, ints)
-            if any(not r.sampling.greedy for r in reqs):
-                params = DeviceSamplingState.lanes(floats, ints)
+        floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
+        self.sampling.write(rows, floats, ints)
+        if any(not r.sampling.greedy for r in reqs):
+            params = DeviceSamplingState.lanes(floats, ints)
         pool = self.pool
         meta = self.builder.extend(
             pool.req_to_token,
@@ -368,21 +373,23 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- verify
 
-    def _verify_step(self, width: int) -> None:
+    def _verify_step(self, width: int, draw: bool = False) -> None:
         """One chain step for every lane (each lane's anchor is its row's next token, its
         committed length its row's length, its pages cover ``length + gamma + 1`` tokens —
         the scheduler reserved them). Device inputs only (capturable):
 
         1. write window: the verify metadata gathers and translates the ``gamma + 1`` write
            slots per request (one launch);
-        2. draft: ``gamma`` tokens per request (block K/V into the draft lanes);
+        2. draft: ``gamma`` tokens per request (block K/V into the draft lanes); with
+           ``draw``, lanes with temperature > 0 sample them and keep their distributions;
         3. target verify of ``[anchor, d_1 .. d_gamma]``: K/V into the write window, GDN
            states after every position into scratch (slots untouched), hidden states of the
            drafter's target layers captured;
-        4. greedy accept;
+        4. accept: greedy, and with ``draw`` speculative sampling for the sampled lanes
+           (:meth:`_sampled_accept`); greedy lanes stay bit-identical to a greedy batch;
         5. commit: every GDN layer's conv and SSM state at row ``accepted`` into the request's
            slot (one launch translating virtual slots), the drafter's context K/V for the
-           committed rows only, and the row's length and anchor (the bonus token).
+           committed rows only, and the row's length and anchor (the last committed token).
 
         Nothing is freed (rejected rows are overwritten next step).
         """
@@ -397,7 +404,12 @@ class ModelRunner:
         meta = self.builder.verify(
             pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p, gamma=gamma
         )
-        draft = self.drafts.propose(rows, seq_lens, anchors, rids)
+        params = self.sampling.read(rows) if draw else None
+        q = None
+        if params is None:
+            draft = self.drafts.propose(rows, seq_lens, anchors, rids)
+        else:
+            draft, q = self.drafts.propose_sampled(rows, seq_lens, anchors, rids, params)
         input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
         ctx = PagedContext(
             self,
@@ -408,15 +420,53 @@ class ModelRunner:
             self.drafts.target_layers,
         )
         logits = self.model.forward(input_ids, ctx)
-        target = torch.argmax(logits, dim=-1).reshape(width, vw)
-        accepted, bonus = greedy_accept(draft, target)
+        tokens = torch.argmax(logits, dim=-1).reshape(width, vw)
+        accepted, bonus = greedy_accept(draft, tokens)
+        if params is not None:
+            accepted, tokens = self._sampled_accept(
+                logits, draft, q, tokens, accepted, seq_lens, params
+            )
+            bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
         if self._commit_plan is not None:
             commit_states_multi(self._commit_plan, accepted, vslots, pool.state_v2p)
         keep = commit_mask(accepted, vw).reshape(-1)
         self.drafts.write_context(ctx.hidden, meta, keep)
         self.state.write(rows, seq_lens + accepted + 1, bonus)
-        self.out.tokens[:width] = target
+        self.out.tokens[:width] = tokens
         self.out.counts[:width] = accepted + 1
         if self.logprobs:
-            lp = token_logprobs(logits, target.reshape(-1))
+            lp = token_logprobs(logits, tokens.reshape(-1))
             self.out.logprobs[:width] = lp.reshape(width, vw)
+
+    def _sampled_accept(
+        self,
+        logits: torch.Tensor,
+        draft: torch.Tensor,
+        q: torch.Tensor,
+        target: torch.Tensor,
+        greedy_accepted: torch.Tensor,
+        seq_lens: torch.Tensor,
+        params: SamplingRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative sampling (:func:`unimem.speculative.spec_sampling.chain_accept`) for
+        the lanes with temperature > 0: the target's filtered distributions ``p`` over the
+        ``gamma + 1`` rows (``[bs, gamma + 1, V]``, materialised), each row's token at
+        position ``seq_len + 1 + j``. Greedy lanes keep ``greedy_accepted`` and ``target``.
+        Returns ``(accepted [bs] int32, tokens [bs, gamma + 1])``."""
+        width, vw = target.shape
+
+        def rows(x: torch.Tensor) -> torch.Tensor:  # a lane's parameter for each of its rows
+            return x[:, None].expand(width, vw).reshape(-1)
+
+        p = filtered_probs(
+            logits,
+            rows(params.temperature),
+            rows(params.top_k),
+            rows(params.top_p),
+            rows(params.min_p),
+        ).reshape(width, vw, -1)
+        positions = seq_lens.long()[:, None] + 1 + self._arange[:vw][None, :]
+        s = spec_sampling.chain_accept(draft, q, p, params.seeds, positions)
+        live = params.temperature > 0
+        accepted = torch.where(live, s.accepted, greedy_accepted)
+        return accepted, torch.where(live[:, None], s.tokens, target)

@@ -37,6 +37,7 @@ import unimem_kernel.sampling as kernel
 __all__ = [
     "SamplingOptions",
     "default_seed",
+    "filtered_probs",
     "gumbel_noise",
     "hash_uniform",
     "keep_threshold",
@@ -146,6 +147,27 @@ def keep_threshold(
     keep |= ranks == 0
     last = keep.sum(dim=-1, keepdim=True) - 1  # kept ranks form a prefix
     return desc.gather(1, last)[:, 0]
+
+
+def filtered_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """``[N, V]`` float32: per row the distribution :func:`sample` draws from —
+    ``softmax(logits / temperature)`` restricted to the tokens :func:`keep_threshold` keeps and
+    renormalised (exact zeros elsewhere); a row with ``temperature == 0`` is the one-hot of
+    ``argmax(logits)`` (greedy as a distribution). Speculative sampling's ``p`` and ``q``.
+    Fixed shapes, no host reads."""
+    live = temperature > 0
+    t = torch.where(live, temperature.float(), 1.0)
+    scaled = logits.float() / t[:, None]
+    cut = keep_threshold(scaled, top_k, top_p.float(), min_p.float())
+    probs = torch.softmax(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
+    onehot = torch.zeros_like(probs).scatter_(1, torch.argmax(logits, dim=-1)[:, None], 1.0)
+    return torch.where(live[:, None], probs, onehot)
 
 
 def sample(

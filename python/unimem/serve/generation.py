@@ -114,8 +114,7 @@ class Serving:
 
     def sampling_options(self, p: GenParams) -> SamplingOptions | None:
         """The one place request parameters become engine sampling options (None: greedy).
-        400 naming the field if a value is invalid or cannot run here (temperature > 0 with
-        DSPARK)."""
+        400 naming the field if a value is invalid or cannot run here."""
         try:
             opts = SamplingOptions(p.temperature, p.top_p, p.top_k, p.min_p, p.seed)
         except ValueError as e:

@@ -98,6 +98,17 @@ class AcceptanceControl:
         """``tokens`` (drafted for ``positions`` of requests ``rids``, broadcast) with each
         replaced by the reference token where ``u(seed, rid, pos) < rate`` and the reference
         is known. Returns a new int64 tensor."""
+        ref, take = self.decide(rids, positions)
+        return torch.where(take, ref, tokens.long())
+
+    def decide(
+        self, rids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(reference tokens (int64, -1 where unknown), take (bool))`` at ``positions`` of
+        requests ``rids`` (broadcast): the token drafted there is replaced by the reference
+        where ``take``. A pure function of ``(seed, rid, pos)`` — independent of a request's
+        sampling seed, so speculative sampling treats a replaced draft as proposed by a point
+        mass (:func:`unimem.speculative.spec_sampling.replace_proposal`)."""
         ref = self.reference(rids, positions)
         take = (uniform_draws(self.seed, rids, positions) < self.rate) & (ref >= 0)
-        return torch.where(take, ref, tokens.long())
+        return ref, take

@@ -11,8 +11,10 @@ One draft forward proposes ``gamma`` tokens for a request whose committed length
   were injected from the target — and over the block itself. Block row ``i`` predicts the
   token at position ``n + i + 1``;
 * base logits: the draft's final norm, then the target's LM head (shared);
-* tokens are chosen left to right, greedily, each adding a low-rank Markov bias from the
-  previous token: ``logits_i = base_i + V @ U[prev]`` with ``prev`` the anchor for ``i = 0``.
+* tokens are chosen left to right, each adding a low-rank Markov bias from the previous
+  token: ``logits_i = base_i + V @ U[prev]`` with ``prev`` the anchor for ``i = 0`` —
+  greedily (:meth:`DsparkDrafter.pick`), or by a column policy that samples and reports the
+  distribution it drew from (:meth:`DsparkDrafter.sample_pick`, speculative sampling).
 
 Context injection. After the target has run a position (prefill, or a committed verify row),
 the residual streams of the chosen ``target_layers`` at that position are concatenated,
@@ -63,6 +65,12 @@ block's K/V in draft layer ``j``'s lane and attend causally (window: the layer's
 Replace = Callable[[int, torch.Tensor], torch.Tensor]
 """``replace(i, tokens [bs]) -> tokens [bs]``: called on each block column as it is chosen
 (acceptance control); the returned tokens are proposed and condition the next column."""
+
+
+Choose = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``choose(i, logits [bs, vocab]) -> (tokens [bs], probs [bs, vocab])``: the policy of
+block column ``i`` when sampling — its proposed tokens and the distribution ``q`` they were
+drawn from (see :mod:`unimem.speculative.spec_sampling`)."""
 
 
 def _is_int(x: object) -> bool:
@@ -423,6 +431,25 @@ class DsparkDrafter(nn.Module):
             cols.append(tok)
             prev = tok
         return torch.stack(cols, dim=1)
+
+    @torch.no_grad()
+    def sample_pick(
+        self, base: torch.Tensor, anchors: torch.Tensor, choose: Choose
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose the block's tokens left to right by a column policy (speculative
+        sampling): column ``i``'s logits are ``base[:, i] + markov_bias(prev)`` (as in
+        :meth:`pick`), ``choose(i, logits)`` returns the proposed tokens and the distribution
+        they were drawn from, and the tokens condition the next column. Returns ``(tokens
+        [bs, gamma] int64, probs [bs, gamma, vocab])``."""
+        prev = anchors.long()
+        cols, dists = [], []
+        for i in range(base.shape[1]):
+            logits = base[:, i] + self.markov_bias(prev).to(base.dtype)
+            tok, probs = choose(i, logits)
+            cols.append(tok)
+            dists.append(probs)
+            prev = tok
+        return torch.stack(cols, dim=1), torch.stack(dists, dim=1)
 
     def propose(
         self,

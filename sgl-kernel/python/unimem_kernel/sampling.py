@@ -33,6 +33,7 @@ __all__ = [
     "gumbel_noise",
     "hash_uniform",
     "row_keys",
+    "stream_keys",
 ]
 
 _M32 = 0xFFFFFFFF
@@ -106,6 +107,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _mix32_int(x: int) -> int:
+    """:func:`_mix32` of one Python int (a host constant: nothing is uploaded)."""
+    x ^= x >> 16
+    x = (x * _C1) & _M32
+    x ^= x >> 15
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """A 32-bit key (int64 in ``[0, 2**32)``) per row from int64 ``seeds`` and
     ``positions`` ``[N]``."""
@@ -114,6 +124,18 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     h = _mix32(lo ^ _SALT)
     h = _mix32(h ^ hi)
     return _mix32(h ^ (positions.long() & _M32))
+
+
+def stream_keys(keys: torch.Tensor, stream: int) -> torch.Tensor:
+    """The keys of random stream ``stream`` (an int in ``[0, 2**32)``) derived from
+    :func:`row_keys` ``keys [N]``: stream 0 is ``keys`` itself (the token-sampling stream);
+    every other stream re-hashes the key with the stream id, so draws of different streams at
+    the same ``(seed, position)`` are unrelated."""
+    if not 0 <= stream <= _M32:
+        raise ValueError(f"stream must be in [0, 2**32), got {stream}")
+    if stream == 0:
+        return keys.long()
+    return _mix32(keys.long() ^ _mix32_int(stream ^ _SALT))
 
 
 def hash_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:

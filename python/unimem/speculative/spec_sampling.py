@@ -1,0 +1,156 @@
+"""Chain speculative sampling (temperature > 0), exact (DESIGN §6; docs/spec_decoding.md).
+
+A verify step of a sampled request holds, for ``gamma`` drafted tokens ``x_1 .. x_gamma``:
+
+- ``q [bs, gamma, V]``: the distribution each ``x_j`` was drawn from (the drafter's logits with
+  the Markov bias, the request's temperature and the same top-k / top-p / min-p filtering as
+  the target; a point mass where the acceptance control replaced the draft);
+- ``p [bs, gamma + 1, V]``: the target's filtered distributions over the verify rows (row
+  ``j`` predicts the position of ``x_{j+1}``; row ``gamma`` the token after ``x_gamma``).
+
+:func:`chain_accept` accepts ``x_{j+1}`` with probability ``min(1, p_j(x_{j+1}) /
+q_j(x_{j+1}))`` left to right; at the first rejection (row ``j``) the step's last token is
+drawn from :func:`residual_distribution` ``norm(max(0, p_j - q_j))``; after a fully
+accepted chain, from ``p_gamma`` (the residual with ``q_gamma = 0``). The committed tokens
+are then distributed exactly as tokens sampled one by one from ``p`` (Leviathan et al. 2023,
+Chen et al. 2023). :func:`residual_distribution` is looked up at call time, so a test can
+replace it (and a wrong residual is caught by the distribution test).
+
+Randomness is counter-based, never a generator's state: every draw is a pure function of the
+request's seed, the absolute position of the token it concerns (its index in prompt + output)
+and a *stream* id — :data:`STREAM_DRAFT` (the drafter's Gumbel noise), :data:`STREAM_ACCEPT`
+(the accept uniforms), :data:`STREAM_RESIDUAL` (the Gumbel noise of the residual / bonus
+draw) — all distinct from the token-sampling stream 0 of non-speculative sampling
+(:func:`unimem_kernel.sampling.stream_keys`). A request's output therefore does not depend on
+its batch, its lane, the memory mode or retractions. Exactness holds because a position's
+accept and residual draws are used once in a run, and a draft redrawn at a position (after a
+rejection before it) reuses noise that never influenced a committed token.
+
+Everything is fixed-shape torch on device tensors with no host read (capturable); draws use
+:func:`unimem_kernel.sampling.gumbel_argmax` (the fused Triton kernel on CUDA) over
+``log(probs)``. The full-vocabulary ``p`` and ``q`` tensors are materialised (acceptable at
+today's sizes; a fused kernel could avoid them).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+import unimem_kernel.sampling as kernel
+
+__all__ = [
+    "STREAM_ACCEPT",
+    "STREAM_DRAFT",
+    "STREAM_RESIDUAL",
+    "ChainSample",
+    "chain_accept",
+    "draw",
+    "replace_proposal",
+    "residual_distribution",
+    "stream_keys",
+    "uniforms",
+]
+
+STREAM_DRAFT = 1
+"""Gumbel noise of the drafter's draw of the token at a position."""
+STREAM_ACCEPT = 2
+"""The uniform that decides whether the draft at a position is accepted."""
+STREAM_RESIDUAL = 3
+"""Gumbel noise of the target's draw at a position (residual after a rejection, or bonus)."""
+
+_FLOOR = torch.finfo(torch.float32).min  # a finite cut: log(0) = -inf entries are never drawn
+
+
+def stream_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """32-bit keys (int64) of ``stream`` for ``seeds [bs]`` (int64) at ``positions [bs]`` or
+    ``[bs, k]`` (each row's seed for all its positions); the shape of ``positions``."""
+    s = seeds.long()
+    if positions.dim() == 2:
+        s = s[:, None].expand_as(positions)
+    return kernel.stream_keys(kernel.row_keys(s, positions), stream)
+
+
+def uniforms(keys: torch.Tensor) -> torch.Tensor:
+    """A uniform in ``(0, 1)`` (float32) per key, any shape (a pure function of the key)."""
+    return kernel.hash_uniform(keys.reshape(-1), 1).reshape(keys.shape)
+
+
+def draw(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [N, V]`` (non-negative weights, need not be normalised),
+    int64 ``[N]``: the Gumbel-max draw over ``log(probs)`` with the noise of ``keys [N]``.
+    Tokens of weight 0 are never drawn."""
+    logp = torch.log(probs.float()).contiguous()
+    cut = torch.full((probs.shape[0],), _FLOOR, dtype=torch.float32, device=probs.device)
+    out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    return kernel.gumbel_argmax(logp, cut, keys.long().contiguous(), out)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` along the last dimension (any leading shape); where the
+    residual has no mass (``p <= q`` everywhere, so a rejection could only come from
+    rounding), ``p`` itself."""
+    r = torch.clamp(p - q, min=0.0)
+    mass = r.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, r / torch.where(mass > 0, mass, 1.0), p)
+
+
+def replace_proposal(
+    tokens: torch.Tensor, probs: torch.Tensor, take: torch.Tensor, ref: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft column after a deterministic replacement (the acceptance control): where
+    ``take [bs]``, the token is ``ref [bs]`` and its proposal distribution the point mass on
+    it (the replacement does not depend on the request's randomness, so acceptance then
+    keeps ``ref`` with probability ``p(ref)`` and the output stays exact). Returns
+    ``(tokens [bs], probs [bs, V])``."""
+    tok = torch.where(take, ref.long(), tokens.long())
+    point = torch.zeros_like(probs).scatter_(1, tok[:, None], 1.0)
+    return tok, torch.where(take[:, None], point, probs)
+
+
+class ChainSample(NamedTuple):
+    """``accepted [bs]`` int32 in ``0..gamma``: drafts accepted; ``tokens [bs, gamma + 1]``
+    int64: the step commits ``tokens[b, :accepted[b] + 1]`` (the accepted drafts, then the
+    residual or bonus draw); later columns are meaningless."""
+
+    accepted: torch.Tensor
+    tokens: torch.Tensor
+
+
+def chain_accept(
+    draft: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> ChainSample:
+    """Speculative sampling of one verify step (module docstring).
+
+    ``draft [bs, gamma]`` drafted tokens, ``q [bs, gamma, V]`` the distributions they were
+    drawn from, ``p [bs, gamma + 1, V]`` the target's filtered distributions, ``seeds [bs]``
+    int64, ``positions [bs, gamma + 1]``: the absolute position of the token each verify row
+    predicts (``kv_len + 1 + j``). Fixed shapes, no host read."""
+    bs, gamma = draft.shape
+    vocab = p.shape[-1]
+    if q.shape != (bs, gamma, vocab) or p.shape != (bs, gamma + 1, vocab):
+        raise ValueError(
+            f"need q [{bs}, {gamma}, V] and p [{bs}, {gamma + 1}, V] for draft [{bs}, {gamma}], "
+            f"got {tuple(q.shape)} and {tuple(p.shape)}"
+        )
+    if positions.shape != (bs, gamma + 1):
+        raise ValueError(f"positions must be [{bs}, {gamma + 1}], got {tuple(positions.shape)}")
+    d = draft.long()
+    px = p[:, :gamma].gather(2, d[:, :, None])[:, :, 0].float()
+    qx = q.gather(2, d[:, :, None])[:, :, 0].float()
+    u = uniforms(stream_keys(seeds, positions[:, :gamma], STREAM_ACCEPT))
+    ok = u * qx < px  # u < p / q without dividing (q(x) > 0 for a drawn x)
+    accepted = ok.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # row gamma: the bonus, from p
+    residual = residual_distribution(p, q_pad)
+    keys = stream_keys(seeds, positions, STREAM_RESIDUAL)
+    repl = draw(residual.reshape(-1, vocab), keys.reshape(-1)).reshape(bs, gamma + 1)
+    cols = torch.arange(gamma + 1, device=draft.device)[None, :]
+    d_pad = torch.cat([d, torch.zeros_like(d[:, :1])], dim=1)
+    tokens = torch.where(cols < accepted.long()[:, None], d_pad, repl)
+    return ChainSample(accepted, tokens)
