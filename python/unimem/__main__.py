@@ -150,6 +150,19 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         "seeded drafter",
     )
     v.add_argument(
+        "--temperature",
+        type=float,
+        default=d.temperature,
+        help="sample every request at this temperature (0: greedy; > 0 with --spec dspark: "
+        "speculative sampling, and speculative vs non-speculative is not compared)",
+    )
+    v.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help=f"with --temperature > 0: nucleus sampling mass (default {d.top_p})",
+    )
+    v.add_argument(
         "--prefix-cache",
         choices=["on", "off"],
         default="on" if d.prefix_cache else "off",
@@ -259,6 +272,7 @@ _NEEDS = (
     ),
     ("--dtype", "dtype", "--model-path", lambda a: a.model_path is not None),
     ("--cpu-threads", "cpu_threads", "--device cpu", lambda a: a.device == "cpu"),
+    ("--top-p", "top_p", "--temperature > 0", lambda a: a.temperature > 0),
 )
 
 
@@ -271,7 +285,14 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError(f"--cpu-threads must be an int >= 1, got {args.cpu_threads}")
     d = args._defaults
-    for attr in ("gamma", "accept_rate", "control_reference", "checkpoint_interval", "dtype"):
+    for attr in (
+        "gamma",
+        "accept_rate",
+        "control_reference",
+        "checkpoint_interval",
+        "dtype",
+        "top_p",
+    ):
         if getattr(args, attr) is None:
             setattr(args, attr, getattr(d, attr))
 
@@ -318,6 +339,8 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         prompts_file=args.prompts_file,
         oracle=args.oracle,
         speculative_draft_model_path=args.speculative_draft_model_path,
+        temperature=args.temperature,
+        top_p=args.top_p,
     )
 
 

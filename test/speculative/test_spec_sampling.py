@@ -12,13 +12,18 @@
   output at temperature > 0 is identical static vs unified with compaction forced, and for a
   request alone vs in a batch; greedy requests in a sampled batch still equal non-speculative
   greedy decoding, and top-k 1 sampling equals it too.
+- ``validate --temperature --top-p``: the protocol samples (static == unified compared token
+  for token) and reports speculative vs non-speculative as not applicable.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from unimem.__main__ import main
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.engine.core import EngineCore
 from unimem.engine.draft_runner import draft_config_for
@@ -33,6 +38,8 @@ from unimem.speculative.accept import greedy_accept
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
 from unimem.speculative.drafter import DsparkDrafter
+from unimem.validate.protocol import ValidateConfig
+from unimem.validate.report import format_table
 
 V = 8
 LANES = 12_000  # one seed per lane
@@ -341,3 +348,34 @@ def test_top_k_one_sampling_equals_greedy_decoding(tiny):
     chain = DsparkChain(drafter, 3)
     _, got = _run(model, _pool(cfg, drafter), [(p, 18, opts) for p in prompts], chain)
     assert [r.output for r in got] == [r.output for r in ref]
+
+
+# ------------------------------------------------------------------ validate / bench flags
+
+
+def test_validate_runs_the_protocol_with_sampling(tmp_path):
+    out = tmp_path / "report.json"
+    args = ["validate", "--requests", "3", "--input-len", "16", "--output-len", "10"]
+    args += ["--spec", "dspark", "--gamma", "3", "--max-running", "2"]
+    args += ["--temperature", "0.8", "--top-p", "0.9", "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["temperature"] == 0.8 and report["config"]["top_p"] == 0.9
+    for key in ("exact_match", "verify_counts_match", "accept_lengths_match"):
+        assert report[key] == 3
+    assert report["spec_matches_reference"] is None and report["spec_mismatches"] == []
+    assert report["spec_vs_reference"].startswith("not applicable")
+    assert "not applicable" in format_table(report)
+
+
+def test_sampling_flags_are_checked(capsys):
+    assert main(["validate", "--top-p", "0.5"]) == 2
+    assert "--top-p only applies with --temperature > 0" in capsys.readouterr().err
+    assert main(["validate", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert main(["validate", "--temperature", "1", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="top_p"):
+        ValidateConfig(temperature=1.0, top_p=1.5)
+    assert ValidateConfig().sampling() is None
+    assert ValidateConfig(temperature=0.5, top_p=0.7).sampling() == SamplingOptions(0.5, 0.7)

@@ -48,8 +48,10 @@ def format_table(report: dict) -> str:
         ref = report["reference"]
         lines.append(f"verify counts match: {report['verify_counts_match']}/{n} requests")
         lines.append(f"accept lengths match: {report['accept_lengths_match']}/{n} requests")
+        matched = report["spec_matches_reference"]
         lines.append(
-            f"speculative == non-speculative: {report['spec_matches_reference']}/{n} requests "
+            f"speculative == non-speculative: "
+            f"{'not applicable (sampling)' if matched is None else f'{matched}/{n} requests'} "
             f"(reference run: {ref['steps']} steps, {ref['throughput_tok_s']:.1f} tok/s)"
         )
         if "control_run" in report:
