@@ -102,8 +102,10 @@ def test_text_prompts_stop_tokens_and_finish_reasons(checkpoint):
 
 def test_bad_arguments_fail_before_anything_runs(checkpoint):
     _, path, prompts, _ = checkpoint
-    with pytest.raises(ValueError, match="tp_size"):
-        _engine(path, tp_size=2)
+    with pytest.raises(ValueError, match="dp_size"):
+        _engine(path, dp_size=2)
+    with pytest.raises(ValueError, match="tp_size must be a positive int"):
+        _engine(path, tp_size=0)
     with pytest.raises(ValueError, match="unknown argument 'not_a_flag'"):
         _engine(path, not_a_flag=1)
     engine = _engine(path, max_total_tokens=1024)

@@ -87,7 +87,8 @@ def test_defaults_follow_sglang():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--tp-size", "2"], "--tp-size is an SGLang flag"),
+        (["--dp-size", "2"], "--dp-size is an SGLang flag"),
+        (["--tp-size", "0"], "--tp-size must be a positive int"),
         (["--tp=2"], "--tp is an SGLang flag"),
         (["--quantization", "fp8"], "--quantization is an SGLang flag"),
         (["--trust-remote-code"], "--trust-remote-code is an SGLang flag"),
@@ -110,7 +111,7 @@ def test_bad_command_lines_name_the_problem(argv, message):
 
 
 def test_cli_errors_are_one_line_and_exit_2(tmp_path):
-    for argv in (["--tp-size", "2"], ["--page-size", "0"]):
+    for argv in (["--dp-size", "2"], ["--page-size", "0"]):
         r = subprocess.run(
             [
                 sys.executable,

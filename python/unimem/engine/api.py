@@ -13,9 +13,11 @@ Construction loads the checkpoint (:func:`unimem.models.loader.load_checkpoint`)
 memory as SGLang does (:mod:`unimem.engine.pools`), and builds the step loop
 (:class:`~unimem.engine.core.EngineCore`): static pools, or with ``enable_unified_memory`` one
 arena of the same bytes; FA4 and CUDA graphs on a GPU for a 16-bit model; DSPARK chain
-speculation with ``speculative_algorithm="DSPARK"``. Decoding is greedy unless a request asks
-for ``temperature`` > 0 (with ``top_p``, ``top_k``, ``min_p``, ``seed``: sampled on the device,
-see :mod:`unimem.engine.sampling`; not with DSPARK yet).
+speculation with ``speculative_algorithm="DSPARK"``; with ``tp_size`` N > 1, tensor
+parallelism over N processes (:mod:`unimem.engine.distributed`: this process is rank 0 and
+drives the others; each rank holds its shard of the model and its own arena). Decoding is
+greedy unless a request asks for ``temperature`` > 0 (with ``top_p``, ``top_k``, ``min_p``,
+``seed``: sampled on the device, see :mod:`unimem.engine.sampling`; not with DSPARK yet).
 
 ``generate`` validates every request before any runs (``ValueError`` naming the field:
 unknown or invalid sampling parameters, an empty prompt, a prompt past the context), then
@@ -30,12 +32,14 @@ import torch
 
 from unimem.engine.args import EngineArgs
 from unimem.engine.core import EngineCore
+from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
 from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.pools import plan_pools, tokens_for_budget
 from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
 from unimem.models.config import memory_spec
 from unimem.models.loader import load_checkpoint
+from unimem.models.tensor_parallel import SINGLE, full_config
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.drafter import DsparkDrafter
@@ -109,17 +113,53 @@ class Engine:
 
     def __init__(self, **kwargs) -> None:
         self.args = args = EngineArgs.from_kwargs(**kwargs)
-        device = torch.device(args.device)
+        self._ranks: RankProcesses | None = None
+        if args.tp_size == 1:
+            self._build(args, None)
+            return
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda requested but no CUDA device is available")
+        self._ranks = RankProcesses(args.tp_size, args.device, _engine_rank, kwargs)
+        try:
+            self._build(args, self._ranks.groups)
+        except BaseException:
+            self._ranks.join()
+            self._ranks = None
+            raise
+
+    @classmethod
+    def _on_rank(cls, args: EngineArgs, groups: TPGroups) -> Engine:
+        """The engine state of a rank other than 0 (built as rank 0 builds its own)."""
+        self = cls.__new__(cls)
+        self.args, self._ranks = args, None
+        self._build(args, groups)
+        return self
+
+    def _build(self, args: EngineArgs, groups: TPGroups | None) -> None:
+        """Load this rank's model shard, size and build its memory and its step loop. With
+        ``groups`` every rank calls this at once; failures are agreed on (every rank raises)
+        before any collective could wait for a rank that failed."""
+        device = torch.device(args.device) if groups is None else groups.device
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda requested but no CUDA device is available")
         torch.manual_seed(args.random_seed)
-        ckpt = load_checkpoint(
-            args.model_path,
-            dtype=args.dtype,
-            device=device,
-            max_context=args.context_length,
-            tokenizer_path=args.tokenizer_path,
-        )
+        tp = groups.tensor_parallel() if groups is not None else SINGLE
+        error, ckpt = None, None
+        try:
+            ckpt = load_checkpoint(
+                args.model_path,
+                dtype=args.dtype,
+                device=device,
+                max_context=args.context_length,
+                tokenizer_path=args.tokenizer_path,
+                tp=tp,
+            )
+        except (ValueError, OSError) as e:
+            error = e
+        if groups is not None:
+            groups.agree(error)
+        elif error is not None:
+            raise error
         self.checkpoint = ckpt
         self.model = ckpt.model
         self.tokenizer = None if args.skip_tokenizer_init else ckpt.tokenizer
@@ -132,6 +172,7 @@ class Engine:
         )
         if backend_name == "fa4" and not sixteen_bit:
             raise ValueError(f"attention_backend fa4 needs a bf16/fp16 model, got {config.dtype}")
+        # under tensor parallelism the NCCL all-reduces are recorded inside the step graphs
         cuda_graphs = (
             device.type == "cuda" and backend_name == "fa4" and not args.disable_cuda_graph
         )
@@ -139,13 +180,17 @@ class Engine:
         chain = None
         lanes = ()
         if args.speculative_algorithm == "DSPARK":
+            # the drafter is replicated on every rank: full tables, sized by the full model
+            embed, lm_head = vocab_tables(self.model)
             if args.speculative_draft_model_path is not None:
-                drafter = load_drafter(args.speculative_draft_model_path, self.model)
+                drafter = load_drafter(
+                    args.speculative_draft_model_path, self.model, shared=(embed, lm_head)
+                )
             else:
                 drafter = DsparkDrafter(
-                    draft_config_for(config),
-                    self.model.embed_weight,
-                    self.model.lm_head_weight,
+                    draft_config_for(full_config(config, tp)),
+                    embed,
+                    lm_head,
                     seed=args.random_seed + 17,
                 )
             chain = DsparkChain(drafter, args.gamma)
@@ -158,23 +203,22 @@ class Engine:
         max_total = args.max_total_tokens
         if max_total is None:
             max_total = self._gpu_tokens(spec, max_running, device)
+            if groups is not None:  # every rank's pools must have the same geometry
+                max_total = groups.min_int(max_total)
         plan = plan_pools(spec, max_total, max_running)
         self.max_total_num_tokens = max_total
         self.max_running_requests = max_running
         pool = plan.build(args.enable_unified_memory, config.max_context, device)
         self.pool = pool
         chunk = args.chunked_prefill_size or (8192 if device.type == "cuda" else 512)
-        self.core = EngineCore(
-            self.model,
-            pool,
-            _make_backend(backend_name),
-            max_running,
-            chunk,
-            chain=chain,
-            cuda_graphs=cuda_graphs,
-            logprobs=True,
-            random_seed=args.random_seed,
+        core_args = (self.model, pool, _make_backend(backend_name), max_running, chunk)
+        core_kwargs = dict(
+            chain=chain, cuda_graphs=cuda_graphs, logprobs=True, random_seed=args.random_seed
         )
+        if groups is not None and groups.rank == 0:
+            self.core = LeaderCore(*core_args, groups=groups, **core_kwargs)
+        else:
+            self.core = EngineCore(*core_args, **core_kwargs)
         self.backend_name = backend_name
         self.cuda_graphs = cuda_graphs
 
@@ -303,12 +347,17 @@ class Engine:
             "enable_unified_memory": self.args.enable_unified_memory,
             "attention_backend": self.backend_name,
             "cuda_graphs": self.cuda_graphs,
+            "tp_size": self.args.tp_size,
             "used_bytes": self.pool.used_bytes(),
             "capacity_bytes": stats.capacity_bytes,
         }
 
     def shutdown(self) -> None:
-        """Release the model and the memory."""
+        """Release the model and the memory (and end the other ranks' processes)."""
+        if self._ranks is not None:
+            self.core.stop()
+            self._ranks.join()
+            self._ranks = None
         self.core = None
         self.pool = None
         self.model = None
@@ -320,6 +369,13 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _engine_rank(groups: TPGroups, kwargs: dict) -> None:
+    """A spawned rank of a tensor-parallel ``Engine``: build its engine state, then follow
+    rank 0's steps until it shuts down."""
+    engine = Engine._on_rank(EngineArgs.from_kwargs(**kwargs), groups)
+    follow(engine.core, groups)
 
 
 def _make_backend(name: str):

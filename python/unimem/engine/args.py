@@ -21,7 +21,6 @@ DEFAULT_CPU_MAX_TOTAL_TOKENS = 16384
 
 UNSUPPORTED_SGLANG_ARGS = frozenset(
     {
-        "tp_size",
         "dp_size",
         "pp_size",
         "ep_size",
@@ -69,6 +68,8 @@ class EngineArgs:
     (:mod:`unimem.speculative.checkpoint`, e.g. from ``python -m
     unimem.speculative.distill``); without it, a seeded untrained drafter (outputs stay
     exact; acceptance is low).
+    ``tp_size``: tensor parallelism over that many processes (one GPU each on CUDA; gloo
+    on the CPU), see :mod:`unimem.engine.distributed`.
     """
 
     model_path: str
@@ -90,6 +91,7 @@ class EngineArgs:
     speculative_draft_model_path: str | None = None
     random_seed: int = 0
     skip_tokenizer_init: bool = False
+    tp_size: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -118,6 +120,7 @@ class EngineArgs:
             "speculative_num_draft_tokens",
         ):
             _positive_int(name, getattr(self, name))
+        _positive_int("tp_size", self.tp_size, allow_none=False)
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         frac = self.mem_fraction_static

@@ -29,6 +29,7 @@ from torch import nn
 
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext, WholeSequenceContext
+from unimem.models.tensor_parallel import SINGLE, Shard, TensorParallel
 
 
 class ModelOutput(NamedTuple):
@@ -46,9 +47,15 @@ class CausalLM(nn.Module, ABC):
     ``config``: the model's shape for the engine. ``embed_weight`` / ``lm_head_weight``
     (``[vocab, d_model]``) are shared with a DSPARK drafter, which embeds its anchor with the
     former and computes its base logits with the latter.
+
+    ``tp``: the model's tensor-parallel rank (:mod:`unimem.models.tensor_parallel`). On a
+    rank of a group of more than one, ``config`` is the rank's (its heads),
+    ``embed_weight`` / ``lm_head_weight`` are its vocabulary rows
+    (``tp.vocab_part(vocab)``), and logits are still full rows.
     """
 
     config: HybridConfig
+    tp: TensorParallel = SINGLE
 
     ignored_checkpoint_prefixes: tuple[str, ...] = ()
     """Checkpoint tensor-name prefixes the loader skips (e.g. multi-token-prediction heads)."""
@@ -61,11 +68,19 @@ class CausalLM(nn.Module, ABC):
         dtype: torch.dtype,
         device: torch.device | str,
         max_context: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> CausalLM:
         """The architecture for a ``transformers`` config, with uninitialised parameters of
-        ``dtype`` on ``device`` (``max_context`` overrides the config's context length).
-        ``ValueError`` naming the field for a configuration it does not implement."""
+        ``dtype`` on ``device`` (``max_context`` overrides the config's context length),
+        holding rank ``tp``'s shard. ``ValueError`` naming the field for a configuration it
+        does not implement (or a head count ``tp.size`` does not divide)."""
         raise TypeError(f"{cls.__name__} is not built from HuggingFace configs")
+
+    def checkpoint_shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
+        """The part of checkpoint tensor ``name`` (full ``shape``) this rank loads, None for
+        the whole tensor (replicated, or an unsharded model). The loader reads only that
+        part (``safe_open(...).get_slice``) and hands it to :meth:`load_weights`."""
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors ``(name, tensor)`` into the parameters (re-laying out

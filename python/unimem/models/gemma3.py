@@ -43,6 +43,18 @@ from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.nn_ops import apply_rope
+from unimem.models.tensor_parallel import (
+    SINGLE,
+    Shard,
+    TensorParallel,
+    heads,
+    local_config,
+    parallel_embedding,
+    parallel_logits,
+    row_parallel_linear,
+    shard,
+    vocab_shard,
+)
 
 __all__ = ["Gemma3ForCausalLM", "RopeSpec", "gemma_rms_norm", "text_config_of"]
 
@@ -156,11 +168,15 @@ class _Weight(nn.Module):
 
 class Gemma3Attention(nn.Module):
     """Self-attention of one layer: ``q_proj [Hq*D, d]``, ``k_proj``/``v_proj [Hkv*D, d]``,
-    ``o_proj [d, Hq*D]``, ``q_norm``/``k_norm [D]``. The window is applied by the context."""
+    ``o_proj [d, Hq*D]``, ``q_norm``/``k_norm [D]``. The window is applied by the context.
+    ``c`` is the rank's config (its heads); ``o_proj`` is row-parallel."""
 
-    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
+    def __init__(
+        self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.c = c
+        self.tp = tp
         d, hd, dt = c.d_model, c.head_dim_k, c.dtype
         self.q_proj = _Weight(c.n_q_heads * hd, d, dtype=dt, device=device)
         self.k_proj = _Weight(c.n_kv_heads * hd, d, dtype=dt, device=device)
@@ -185,15 +201,19 @@ class Gemma3Attention(nn.Module):
         q = apply_rope(gemma_rms_norm(q, self.q_norm.weight, eps), *rope)
         k = apply_rope(gemma_rms_norm(k, self.k_norm.weight, eps), *rope)
         o = ctx.attention(layer_idx, q.contiguous(), k.contiguous(), v.contiguous())
-        return F.linear(o.reshape(t, c.n_q_heads * c.head_dim_v), self.o_proj.weight)
+        o = o.reshape(t, c.n_q_heads * c.head_dim_v)
+        return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
 
 
 class Gemma3MLP(nn.Module):
     """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``; ``gate_proj``/``up_proj [I, d]``,
-    ``down_proj [d, I]``."""
+    ``down_proj [d, I]`` (``I``: the rank's slice; ``down_proj`` row-parallel)."""
 
-    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
+    def __init__(
+        self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
+        self.tp = tp
         d, i, dt = c.d_model, c.ffn_dim, c.dtype
         self.gate_proj = _Weight(i, d, dtype=dt, device=device)
         self.up_proj = _Weight(i, d, dtype=dt, device=device)
@@ -201,18 +221,21 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate = F.gelu(F.linear(h, self.gate_proj.weight), approximate="tanh")
-        return F.linear(gate * F.linear(h, self.up_proj.weight), self.down_proj.weight)
+        act = gate * F.linear(h, self.up_proj.weight)
+        return row_parallel_linear(act, self.down_proj.weight, None, self.tp)
 
 
 class Gemma3DecoderLayer(nn.Module):
     """Attention and MLP, each wrapped in a pre-norm and a post-norm (``1 + w`` RMSNorms)
     before its residual add."""
 
-    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
+    def __init__(
+        self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.eps = c.rms_eps
-        self.self_attn = Gemma3Attention(c, device)
-        self.mlp = Gemma3MLP(c, device)
+        self.self_attn = Gemma3Attention(c, device, tp)
+        self.mlp = Gemma3MLP(c, device, tp)
         for name in (
             "input_layernorm",
             "post_attention_layernorm",
@@ -240,10 +263,13 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3TextModel(nn.Module):
     """The decoder stack: ``embed_tokens``, ``layers``, final ``norm``."""
 
-    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
+    def __init__(
+        self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.embed_tokens = _Weight(c.vocab_size, c.d_model, dtype=c.dtype, device=device)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, device) for _ in c.layer_pattern)
+        rows = tp.vocab_part(c.vocab_size)[2]
+        self.embed_tokens = _Weight(rows, c.d_model, dtype=c.dtype, device=device)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, device, tp) for _ in c.layer_pattern)
         self.norm = _Weight(c.d_model, dtype=c.dtype, device=device)
 
 
@@ -273,13 +299,17 @@ class Gemma3ForCausalLM(CausalLM):
         rope: dict[str, RopeSpec],
         final_logit_softcapping: float | None = None,
         device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        c = config
+        self.full_config = config
+        c = local_config(config, tp)
         self.config = c
+        self.tp = tp
         self.final_logit_softcapping = final_logit_softcapping
-        self.model = Gemma3TextModel(c, device)
-        self.lm_head = _Weight(c.vocab_size, c.d_model, dtype=c.dtype, device=device)
+        self.model = Gemma3TextModel(c, device, tp)
+        rows = tp.vocab_part(c.vocab_size)[2]
+        self.lm_head = _Weight(rows, c.d_model, dtype=c.dtype, device=device)
         # sqrt(d) rounded straight to the model dtype, as HF's embedding scale
         self.embed_scale = torch.tensor(math.sqrt(c.d_model), dtype=c.dtype).item()
         self.rope = dict(rope)
@@ -297,6 +327,7 @@ class Gemma3ForCausalLM(CausalLM):
         dtype: torch.dtype,
         device: torch.device | str,
         max_context: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> Gemma3ForCausalLM:
         """From a ``Gemma3TextConfig`` (or a multimodal ``Gemma3Config``: its ``text_config``),
         parameters uninitialised. ``ValueError`` naming the field for what this
@@ -360,7 +391,7 @@ class Gemma3ForCausalLM(CausalLM):
             max_context=max_context or text.max_position_embeddings,
             attn_scale=float(text.query_pre_attn_scalar) ** -0.5,
         )
-        return cls(config, rope, None if cap is None else float(cap), device)
+        return cls(config, rope, None if cap is None else float(cap), device, tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy ``(name, tensor)`` pairs into the parameters of the same name (cast to the
@@ -387,6 +418,39 @@ class Gemma3ForCausalLM(CausalLM):
             filled.add(target)
         return filled
 
+    def checkpoint_shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
+        """This rank's part of checkpoint tensor ``name`` (multimodal names mapped as
+        :meth:`load_weights` maps them): vocabulary rows of the embedding and LM head, q/k/v
+        rows and ``o_proj`` columns by head, MLP gate/up rows and down columns; None (whole)
+        for norms and the unsharded model."""
+        if self.tp.size == 1:
+            return None
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        tp, c = self.tp, self.full_config
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return vocab_shard(tp, c.vocab_size)
+        leaf = name.rsplit(".", 2)
+        proj = ".".join(leaf[-2:])
+        q = heads(tp, c.n_q_heads, c.head_dim_k, "num_attention_heads")
+        kv = heads(tp, c.n_kv_heads, c.head_dim_k, "num_key_value_heads")
+        rules = {
+            "q_proj.weight": shard(0, q),
+            "k_proj.weight": shard(0, kv),
+            "v_proj.weight": shard(0, kv),
+            "o_proj.weight": shard(1, heads(tp, c.n_q_heads, c.head_dim_v, "num_attention_heads")),
+        }
+        if proj in rules and ".self_attn." in name:
+            return rules[proj]
+        if ".mlp." in name:
+            if proj in ("gate_proj.weight", "up_proj.weight"):
+                return shard(0, heads(tp, shape[0], 1, "intermediate_size"))
+            if proj == "down_proj.weight":
+                return shard(1, heads(tp, shape[1], 1, "intermediate_size"))
+        return None
+
     # ------------------------------------------------------------------ forward
 
     def _rope(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,12 +466,18 @@ class Gemma3ForCausalLM(CausalLM):
         ``ctx.logits_indices``."""
         c = self.config
         ropes = {kind: self._rope(ctx.positions, kind) for kind in set(c.layer_pattern)}
-        x = F.embedding(input_ids, self.model.embed_tokens.weight) * self.embed_scale
+        if self.tp.size == 1:
+            x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        else:
+            x = parallel_embedding(input_ids, self.model.embed_tokens.weight, self.tp, c.vocab_size)
+        x = x * self.embed_scale
         for i, layer in enumerate(self.model.layers):
             x = layer(i, x, ropes[c.layer_pattern[i]], ctx)
             ctx.capture_hidden(i, x)
         hidden = gemma_rms_norm(x[ctx.logits_indices], self.model.norm.weight, c.rms_eps)
-        logits = F.linear(hidden, self.lm_head.weight).to(logits_dtype(c.dtype))
+        logits = parallel_logits(
+            hidden, self.lm_head.weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
+        )
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -43,6 +43,18 @@ from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.moe import expert_mlp
 from unimem.models.nn_ops import apply_rope, rms_norm
+from unimem.models.tensor_parallel import (
+    SINGLE,
+    Shard,
+    TensorParallel,
+    heads,
+    local_config,
+    parallel_embedding,
+    parallel_logits,
+    row_parallel_linear,
+    shard,
+    vocab_shard,
+)
 
 __all__ = ["GptOssForCausalLM", "dequantize_mxfp4", "rope_inv_freq", "rope_parameters"]
 
@@ -200,11 +212,15 @@ class _Linear(nn.Module):
 
 class GptOssAttention(nn.Module):
     """One attention layer (FULL or SWA: the window is applied by the context). ``sinks
-    [Hq]`` is float32."""
+    [Hq]`` is float32. ``c`` is the rank's config (its heads and their sinks); ``o_proj`` is
+    row-parallel, its bias added once after the all-reduce."""
 
-    def __init__(self, c: HybridConfig, bias: bool, device: torch.device | str) -> None:
+    def __init__(
+        self, c: HybridConfig, bias: bool, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.c = c
+        self.tp = tp
         d, dt = c.d_model, c.dtype
         self.q_proj = _Linear(d, c.n_q_heads * c.head_dim_k, bias, dt, device)
         self.k_proj = _Linear(d, c.n_kv_heads * c.head_dim_k, bias, dt, device)
@@ -226,7 +242,8 @@ class GptOssAttention(nn.Module):
         o = ctx.attention(
             layer_idx, q.contiguous(), k.contiguous(), v.contiguous(), sinks=self.sinks
         )
-        return self.o_proj(o.reshape(t, c.n_q_heads * c.head_dim_v))
+        o = o.reshape(t, c.n_q_heads * c.head_dim_v)
+        return row_parallel_linear(o, self.o_proj.weight, self.o_proj.bias, self.tp)
 
 
 class GptOssRouter(nn.Module):
@@ -255,6 +272,10 @@ class GptOssExperts(nn.Module):
     * ``gate_up_proj [E, 2I, d]``: rows ``[gate (I) | up (I)]``;
     * ``gate_up_proj_bias [E, 2I]``: ``[gate | up]``;
     * ``down_proj [E, d, I]``, ``down_proj_bias [E, d]``.
+
+    On a tensor-parallel rank ``I`` is its slice of the intermediate dim (``c`` is the rank's
+    config); the outputs are all-reduced and ``down_proj_bias`` is added by rank 0 only, so
+    it counts once.
     """
 
     def __init__(
@@ -264,8 +285,10 @@ class GptOssExperts(nn.Module):
         alpha: float,
         limit: float,
         device: torch.device | str,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
+        self.tp = tp
         e, d, i, dt = num_experts, c.d_model, c.ffn_dim, c.dtype
         self.alpha, self.limit = float(alpha), float(limit)
         self.gate_up_proj = _param(e, 2 * i, d, dtype=dt, device=device)
@@ -283,7 +306,7 @@ class GptOssExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        return expert_mlp(
+        y = expert_mlp(
             x,
             topk_ids,
             topk_weights,
@@ -291,8 +314,9 @@ class GptOssExperts(nn.Module):
             self.down_proj,
             act=self.act,
             b_gate_up=self.gate_up_proj_bias,
-            b_down=self.down_proj_bias,
+            b_down=self.down_proj_bias if self.tp.rank == 0 else None,
         )
+        return self.tp.all_reduce(y)
 
 
 class GptOssMLP(nn.Module):
@@ -306,10 +330,11 @@ class GptOssMLP(nn.Module):
         alpha: float,
         limit: float,
         device: torch.device | str,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.router = GptOssRouter(c, num_experts, top_k, device)
-        self.experts = GptOssExperts(c, num_experts, alpha, limit, device)
+        self.experts = GptOssExperts(c, num_experts, alpha, limit, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
@@ -320,12 +345,17 @@ class GptOssDecoderLayer(nn.Module):
     """``x + attn(norm(x))`` then ``+ moe(norm(x))``; norm weights float32."""
 
     def __init__(
-        self, c: HybridConfig, mlp: GptOssMLP, bias: bool, device: torch.device | str
+        self,
+        c: HybridConfig,
+        mlp: GptOssMLP,
+        bias: bool,
+        device: torch.device | str,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.c = c
         self.input_layernorm = _Weight(c.d_model, dtype=torch.float32, device=device)
-        self.self_attn = GptOssAttention(c, bias, device)
+        self.self_attn = GptOssAttention(c, bias, device, tp)
         self.post_attention_layernorm = _Weight(c.d_model, dtype=torch.float32, device=device)
         self.mlp = mlp
 
@@ -345,10 +375,14 @@ class GptOssModel(nn.Module):
     """The ``model.`` stack: ``embed_tokens``, ``layers``, final ``norm``."""
 
     def __init__(
-        self, layers: list[GptOssDecoderLayer], c: HybridConfig, device: torch.device | str
+        self,
+        layers: list[GptOssDecoderLayer],
+        c: HybridConfig,
+        device: torch.device | str,
+        vocab_rows: int,
     ) -> None:
         super().__init__()
-        self.embed_tokens = _Weight(c.vocab_size, c.d_model, dtype=c.dtype, device=device)
+        self.embed_tokens = _Weight(vocab_rows, c.d_model, dtype=c.dtype, device=device)
         self.layers = nn.ModuleList(layers)
         self.norm = _Weight(c.d_model, dtype=torch.float32, device=device)
 
@@ -358,7 +392,8 @@ class GptOssModel(nn.Module):
 
 class GptOssForCausalLM(CausalLM):
     """gpt-oss (module docstring). Build with :meth:`from_hf_config`, fill with
-    :meth:`load_weights`."""
+    :meth:`load_weights`. ``config`` is rank ``tp``'s (its heads and intermediate slice),
+    ``full_config`` the whole model's."""
 
     ignored_checkpoint_prefixes: tuple[str, ...] = ()
 
@@ -374,22 +409,27 @@ class GptOssForCausalLM(CausalLM):
         rope_params: dict[str, Any],
         max_position_embeddings: int,
         device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        c = config
+        self.full_config = config
+        c = local_config(config, tp)
         self.config = c
+        self.tp = tp
         self.num_experts = num_experts
         layers = [
             GptOssDecoderLayer(
                 c,
-                GptOssMLP(c, num_experts, top_k, swiglu_alpha, swiglu_limit, device),
+                GptOssMLP(c, num_experts, top_k, swiglu_alpha, swiglu_limit, device, tp),
                 attention_bias,
                 device,
+                tp,
             )
             for _ in c.layer_pattern
         ]
-        self.model = GptOssModel(layers, c, device)
-        self.lm_head = _Linear(c.d_model, c.vocab_size, False, c.dtype, device)
+        vocab_rows = tp.vocab_part(c.vocab_size)[2]
+        self.model = GptOssModel(layers, c, device, vocab_rows)
+        self.lm_head = _Linear(c.d_model, vocab_rows, False, c.dtype, device)
         inv_freq, self.rope_attention_factor = rope_inv_freq(
             rope_params, c.head_dim_k, max_position_embeddings
         )
@@ -410,13 +450,16 @@ class GptOssForCausalLM(CausalLM):
         """``input_ids [T]`` through every layer (``ctx`` does all K/V access); logits
         (float32, float64 for a float64 model) and final-normed hidden states ``[N, d]`` of the
         rows ``ctx.logits_indices``."""
+        c = self.config
         rope = self._rope(ctx.positions)
-        x = self.model.embed_tokens.weight[input_ids]
+        x = parallel_embedding(input_ids, self.model.embed_tokens.weight, self.tp, c.vocab_size)
         for i, layer in enumerate(self.model.layers):
             x = layer(i, x, rope, ctx)
             ctx.capture_hidden(i, x)
-        hidden = rms_norm(x[ctx.logits_indices], self.model.norm.weight, self.config.rms_eps)
-        logits = self.lm_head(hidden).to(logits_dtype(self.config.dtype))
+        hidden = rms_norm(x[ctx.logits_indices], self.model.norm.weight, c.rms_eps)
+        logits = parallel_logits(
+            hidden, self.lm_head.weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
+        )
         return ModelOutput(logits, hidden)
 
     @property
@@ -437,8 +480,10 @@ class GptOssForCausalLM(CausalLM):
         dtype: torch.dtype,
         device: torch.device | str,
         max_context: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> GptOssForCausalLM:
-        """The model for a transformers ``GptOssConfig`` (parameters uninitialised).
+        """The model for a transformers ``GptOssConfig`` (parameters uninitialised; rank
+        ``tp``'s shard).
         ``ValueError`` naming the field for what gpt-oss here does not support: a layer type
         other than sliding / full attention, a RoPE type other than default / yarn, a
         ``quantization_config`` other than MXFP4."""
@@ -503,6 +548,7 @@ class GptOssForCausalLM(CausalLM):
             rope_params=rope,
             max_position_embeddings=max_pos,
             device=device,
+            tp=tp,
         )
 
     # ------------------------------------------------------------------ weights
@@ -535,7 +581,8 @@ class GptOssForCausalLM(CausalLM):
                     target = name.removesuffix(suffix)
                     if target not in params or not target.endswith(("gate_up_proj", "down_proj")):
                         raise ValueError(f"unexpected tensor {name}")
-                    _check_shape(tensor, _mxfp4_shape(params[target], suffix), name)
+                    offset = self._mxfp4_offset if target.endswith("down_proj") else 0
+                    _check_shape(tensor, _mxfp4_shape(params[target], suffix, offset), name)
                     pending = self._pending_mxfp4.setdefault(target, {})
                     pending[suffix] = tensor
                     if len(pending) == 2:
@@ -578,14 +625,68 @@ class GptOssForCausalLM(CausalLM):
             w = dequantize_mxfp4(blocks, _scales[e].to(param.device), torch.float32)
             if name.endswith("gate_up_proj"):
                 w = self._deinterleave(w, 0)
+            else:  # a rank's slice of I may start inside a group of 32: drop the head
+                w = w[:, self._mxfp4_offset : self._mxfp4_offset + param.shape[2]]
             param.data[e].copy_(w)
 
+    # ------------------------------------------------------------------ tensor parallel
 
-def _mxfp4_shape(param: torch.Tensor, suffix: str) -> tuple[int, ...]:
+    @property
+    def _mxfp4_offset(self) -> int:
+        """Where this rank's intermediate slice starts inside its first MXFP4 group of 32
+        (the down projection's blocks are read from the group that holds it)."""
+        if self.tp.size == 1:
+            return 0
+        return self.tp.part(self.full_config.ffn_dim, "intermediate_size")[0] % 32
+
+    def checkpoint_shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
+        """This rank's part of checkpoint tensor ``name``: vocabulary rows of the embedding
+        and LM head; q/k/v rows (and biases) and sinks by head, ``o_proj`` columns; every
+        expert's slice of the intermediate dim (interleaved gate/up columns ``[2a, 2b)``,
+        ``down_proj`` rows ``[a, b)``, MXFP4 down blocks from the group holding ``a``);
+        None (whole) for norms, the router, ``o_proj.bias``, ``down_proj_bias`` and the
+        unsharded model."""
+        if self.tp.size == 1:
+            return None
+        tp, c = self.tp, self.full_config
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return vocab_shard(tp, c.vocab_size)
+        if ".self_attn." in name:
+            leaf = name.rsplit(".self_attn.", 1)[1]
+            q = heads(tp, c.n_q_heads, c.head_dim_k, "num_attention_heads")
+            rows = {
+                "q_proj": q,
+                "k_proj": heads(tp, c.n_kv_heads, c.head_dim_k, "num_key_value_heads"),
+                "v_proj": heads(tp, c.n_kv_heads, c.head_dim_v, "num_key_value_heads"),
+                "sinks": heads(tp, c.n_q_heads, 1, "num_attention_heads"),
+            }
+            proj = leaf.split(".", 1)[0]
+            if proj in rows:
+                return shard(0, rows[proj])
+            if leaf == "o_proj.weight":
+                return shard(1, heads(tp, c.n_q_heads, c.head_dim_v, "num_attention_heads"))
+            return None
+        if ".mlp.experts." in name:
+            leaf = name.rsplit(".mlp.experts.", 1)[1]
+            a, b = tp.part(c.ffn_dim, "intermediate_size")
+            if leaf == "gate_up_proj":  # [E, d, 2I], gate/up interleaved
+                return shard(2, (2 * a, 2 * b))
+            if leaf in ("gate_up_proj_bias", "gate_up_proj_blocks", "gate_up_proj_scales"):
+                return shard(1, (2 * a, 2 * b))
+            if leaf == "down_proj":  # [E, I, d]
+                return shard(1, (a, b))
+            if leaf in ("down_proj_blocks", "down_proj_scales"):  # [E, d, I / 32, ...]
+                return shard(2, (a // 32, -(-b // 32)))
+        return None
+
+
+def _mxfp4_shape(param: torch.Tensor, suffix: str, offset: int = 0) -> tuple[int, ...]:
     """Shape of the ``_blocks`` / ``_scales`` half of the MXFP4 pair that fills ``param [E,
-    rows, K]`` (groups of 32 along ``K``)."""
+    rows, K]`` (groups of 32 along ``K``; ``offset``: where ``K`` starts in its first
+    group)."""
     e, rows, k = param.shape
-    return (e, rows, k // 32, 16) if suffix == "_blocks" else (e, rows, k // 32)
+    groups = -(-(offset + k) // 32)
+    return (e, rows, groups, 16) if suffix == "_blocks" else (e, rows, groups)
 
 
 def _check_shape(tensor: torch.Tensor, expected: tuple[int, ...], name: str) -> None:

@@ -7,7 +7,9 @@ tokenizer files. Everything is read from the directory: loading never touches th
 :func:`load_model` reads the config through ``transformers.AutoConfig``, picks the class for
 ``config.architectures[0]`` from :mod:`unimem.models.registry`, builds it with uninitialised
 parameters of the target dtype on the target device, and streams every shard's tensors
-(``safetensors.safe_open`` straight onto the device) through the model's ``load_weights``.
+(``safetensors.safe_open`` straight onto the device) through the model's ``load_weights``
+— for a tensor-parallel rank only the slice of each tensor it holds
+(``CausalLM.checkpoint_shard``, read through ``get_slice``).
 Then every parameter must have been filled — ``lm_head.weight`` is tied to the input
 embedding when the config says ``tie_word_embeddings`` and the checkpoint has none.
 
@@ -28,6 +30,7 @@ import torch
 
 from unimem.models.base import CausalLM
 from unimem.models.registry import model_class
+from unimem.models.tensor_parallel import SINGLE, TensorParallel
 
 __all__ = [
     "CheckpointError",
@@ -95,18 +98,30 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
 
 
 def iter_checkpoint(
-    files: Sequence[Path], device: torch.device, skip_prefixes: Sequence[str] = ()
+    files: Sequence[Path],
+    device: torch.device,
+    skip_prefixes: Sequence[str] = (),
+    model: CausalLM | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of every tensor of the shards, read onto ``device``, except names
-    starting with one of ``skip_prefixes``."""
+    starting with one of ``skip_prefixes``. With a tensor-parallel ``model``, only the part
+    its :meth:`~unimem.models.base.CausalLM.checkpoint_shard` names is read."""
     from safetensors import safe_open
 
     dev = "cpu" if device.type == "cpu" else str(device)
+    sharded = model is not None and model.tp.size > 1
     for file in files:
         with safe_open(str(file), framework="pt", device=dev) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if not name.startswith(tuple(skip_prefixes)):
-                    yield name, f.get_tensor(name)
+                if name.startswith(tuple(skip_prefixes)):
+                    continue
+                if sharded:
+                    sliced = f.get_slice(name)
+                    part = model.checkpoint_shard(name, tuple(sliced.get_shape()))
+                    if part is not None:
+                        yield name, part.read(sliced)
+                        continue
+                yield name, f.get_tensor(name)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, hf_config, device: torch.device) -> torch.dtype:
@@ -178,8 +193,10 @@ def load_model(
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
     max_context: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
-    """The model of checkpoint directory ``path`` (module docstring)."""
+    """The model of checkpoint directory ``path`` (module docstring); with ``tp``, rank
+    ``tp.rank``'s shard of it, read from the shards' slices."""
     root = Path(path)
     hf_config = load_hf_config(root)
     archs = getattr(hf_config, "architectures", None) or []
@@ -188,10 +205,14 @@ def load_model(
     cls = model_class(archs[0])
     dev = torch.device(device)
     model = cls.from_hf_config(
-        hf_config, dtype=resolve_dtype(dtype, hf_config, dev), device=dev, max_context=max_context
+        hf_config,
+        dtype=resolve_dtype(dtype, hf_config, dev),
+        device=dev,
+        max_context=max_context,
+        tp=tp,
     )
     files = checkpoint_files(root)
-    weights = iter_checkpoint(files, dev, cls.ignored_checkpoint_prefixes)
+    weights = iter_checkpoint(files, dev, cls.ignored_checkpoint_prefixes, model)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     load_weights_into(model, weights, tie, str(root))
     return model.eval()
@@ -232,11 +253,12 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     max_context: int | None = None,
     tokenizer_path: str | os.PathLike | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> Checkpoint:
-    """Model, config, tokenizer (from ``tokenizer_path`` or ``path``) and EOS ids of a
-    checkpoint directory."""
+    """Model (rank ``tp.rank``'s shard), config, tokenizer (from ``tokenizer_path`` or
+    ``path``) and EOS ids of a checkpoint directory."""
     root = Path(path)
-    model = load_model(root, dtype=dtype, device=device, max_context=max_context)
+    model = load_model(root, dtype=dtype, device=device, max_context=max_context, tp=tp)
     hf_config = load_hf_config(root)
     tokenizer = load_tokenizer(tokenizer_path or root)
     return Checkpoint(root, model, hf_config, tokenizer, eos_token_ids(root, hf_config, tokenizer))

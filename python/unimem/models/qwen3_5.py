@@ -36,6 +36,15 @@ from unimem.models.qwen_common import (
     hybrid_config,
     rope_settings,
 )
+from unimem.models.tensor_parallel import (
+    SINGLE,
+    Shard,
+    TensorParallel,
+    gdn_qkv_ranges,
+    heads,
+    local_config,
+    shard,
+)
 
 __all__ = ["Qwen3_5ForCausalLM"]
 
@@ -44,8 +53,10 @@ class Qwen3_5Gdn(GdnMixer):
     """GDN mixer with Qwen3.5's separate projections ``in_proj_qkv [conv_dim, d]``,
     ``in_proj_z [H * Dv, d]``, ``in_proj_b`` and ``in_proj_a [H, d]``."""
 
-    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
-        super().__init__(c, device)
+    def __init__(
+        self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__(c, device, tp)
         h, dv, d = c.gdn_heads, c.gdn_head_dim_v, c.d_model
         kw = {"dtype": c.dtype, "device": device}
         self.in_proj_qkv = Weight(c.gdn_conv_dim, d, **kw)
@@ -77,11 +88,12 @@ class Qwen3_5ForCausalLM(QwenHybridForCausalLM):
         dtype: torch.dtype,
         device: torch.device | str,
         max_context: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> Qwen3_5ForCausalLM:
         """Uninitialised model of ``hf_config``: a ``Qwen3_5TextConfig``, or a multimodal
         ``Qwen3_5Config`` whose ``text_config`` is used (``tie_word_embeddings`` is read from
-        the outer config, as the loader does). ValueError naming the field for anything
-        unsupported."""
+        the outer config, as the loader does), rank ``tp``'s shard. ValueError naming the
+        field for anything unsupported."""
         tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         model_type = getattr(hf_config, "model_type", "qwen3_5_text")
         if model_type == "qwen3_5":
@@ -90,13 +102,28 @@ class Qwen3_5ForCausalLM(QwenHybridForCausalLM):
         if model_type != "qwen3_5_text":
             raise ValueError(f"model_type {model_type!r}: expected 'qwen3_5_text' or 'qwen3_5'")
         check_common(hf_config)
-        c = hybrid_config(
+        full = hybrid_config(
             hf_config, ffn_dim=hf_config.intermediate_size, dtype=dtype, max_context=max_context
         )
+        c = local_config(full, tp)
         _, factor = rope_settings(hf_config)
         layers = []
         for kind in c.layer_pattern:
-            mixer = Qwen3_5Gdn(c, device) if kind == "gdn" else GatedAttention(c, device)
-            mlp = DenseMlp(c.d_model, hf_config.intermediate_size, dtype, device)
+            if kind == "gdn":
+                mixer: torch.nn.Module = Qwen3_5Gdn(c, device, tp)
+            else:
+                mixer = GatedAttention(c, device, tp)
+            mlp = DenseMlp(c.d_model, hf_config.intermediate_size, dtype, device, tp)
             layers.append(DecoderLayer(c, kind, mixer, mlp, device))
-        return cls(c, layers, int(c.head_dim_k * factor), tie, device)
+        return cls(c, layers, int(c.head_dim_k * factor), tie, device, tp, full)
+
+    def _gdn_projection_shard(self, leaf: str) -> Shard | None:
+        c, tp = self.full_config, self.tp
+        h, dv = c.gdn_heads, c.gdn_head_dim_v
+        if leaf == "in_proj_qkv.weight":  # [q (key heads) | k | v (value heads)]
+            return shard(0, *gdn_qkv_ranges(tp, c))
+        if leaf == "in_proj_z.weight":
+            return shard(0, heads(tp, h, dv, "linear_num_value_heads"))
+        if leaf in ("in_proj_b.weight", "in_proj_a.weight"):
+            return shard(0, heads(tp, h, 1, "linear_num_value_heads"))
+        return None

@@ -31,6 +31,7 @@ from unimem.models.qwen_common import (
     hybrid_config,
     rope_settings,
 )
+from unimem.models.tensor_parallel import SINGLE, Shard, TensorParallel, local_config, shard
 
 __all__ = ["Qwen3NextForCausalLM", "qkvz_rows_to_contiguous", "ba_rows_to_contiguous"]
 
@@ -58,10 +59,13 @@ def ba_rows_to_contiguous(w: torch.Tensor, hk: int, h: int) -> torch.Tensor:
 class Qwen3NextGdn(GdnMixer):
     """GDN mixer with fused input projections, stored re-laid out (see
     :func:`qkvz_rows_to_contiguous`): ``in_proj_qkvz.weight`` rows ``[q | k | v | z]`` and
-    ``in_proj_ba.weight`` rows ``[b | a]``."""
+    ``in_proj_ba.weight`` rows ``[b | a]``. The checkpoint groups rows per key head, so a
+    tensor-parallel rank's key heads with their value heads are one contiguous row range."""
 
-    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
-        super().__init__(c, device)
+    def __init__(
+        self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__(c, device, tp)
         h, dv = c.gdn_heads, c.gdn_head_dim_v
         self.split_qkvz = [c.gdn_conv_dim, h * dv]
         self.in_proj_qkvz = Weight(sum(self.split_qkvz), c.d_model, dtype=c.dtype, device=device)
@@ -97,8 +101,18 @@ class Qwen3NextForCausalLM(QwenHybridForCausalLM):
 
     ignored_checkpoint_prefixes = ("mtp.",)
 
-    def __init__(self, config, layers, rotary_dim, tie_word_embeddings, device, num_experts):
-        super().__init__(config, layers, rotary_dim, tie_word_embeddings, device)
+    def __init__(
+        self,
+        config,
+        layers,
+        rotary_dim,
+        tie_word_embeddings,
+        device,
+        num_experts,
+        tp: TensorParallel = SINGLE,
+        full_config: HybridConfig | None = None,
+    ):
+        super().__init__(config, layers, rotary_dim, tie_word_embeddings, device, tp, full_config)
         self.num_experts = num_experts
         self._expert_pieces: dict[str, set[tuple[int, str]]] = {}
 
@@ -110,9 +124,10 @@ class Qwen3NextForCausalLM(QwenHybridForCausalLM):
         dtype: torch.dtype,
         device: torch.device | str,
         max_context: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> Qwen3NextForCausalLM:
-        """Uninitialised model of ``hf_config`` (a ``Qwen3NextConfig``); ValueError naming
-        the field for anything unsupported."""
+        """Uninitialised model of ``hf_config`` (a ``Qwen3NextConfig``), rank ``tp``'s shard;
+        ValueError naming the field for anything unsupported."""
         model_type = getattr(hf_config, "model_type", "qwen3_next")
         if model_type != "qwen3_next":
             raise ValueError(f"model_type {model_type!r}: expected 'qwen3_next'")
@@ -124,11 +139,15 @@ class Qwen3NextForCausalLM(QwenHybridForCausalLM):
         n = hf_config.num_hidden_layers
         moe = [_is_moe_layer(hf_config, i) for i in range(n)]
         ffn = hf_config.moe_intermediate_size if any(moe) else hf_config.intermediate_size
-        c = hybrid_config(hf_config, ffn_dim=ffn, dtype=dtype, max_context=max_context)
+        full = hybrid_config(hf_config, ffn_dim=ffn, dtype=dtype, max_context=max_context)
+        c = local_config(full, tp)
         _, factor = rope_settings(hf_config)
         layers = []
         for i, kind in enumerate(c.layer_pattern):
-            mixer = Qwen3NextGdn(c, device) if kind == "gdn" else GatedAttention(c, device)
+            if kind == "gdn":
+                mixer: nn.Module = Qwen3NextGdn(c, device, tp)
+            else:
+                mixer = GatedAttention(c, device, tp)
             if moe[i]:
                 mlp: nn.Module = SparseMoe(
                     c.d_model,
@@ -139,9 +158,10 @@ class Qwen3NextForCausalLM(QwenHybridForCausalLM):
                     bool(hf_config.norm_topk_prob),
                     dtype,
                     device,
+                    tp,
                 )
             else:
-                mlp = DenseMlp(c.d_model, hf_config.intermediate_size, dtype, device)
+                mlp = DenseMlp(c.d_model, hf_config.intermediate_size, dtype, device, tp)
             layers.append(DecoderLayer(c, kind, mixer, mlp, device))
         return cls(
             c,
@@ -150,7 +170,20 @@ class Qwen3NextForCausalLM(QwenHybridForCausalLM):
             bool(getattr(hf_config, "tie_word_embeddings", False)),
             device,
             hf_config.num_experts,
+            tp,
+            full,
         )
+
+    def _gdn_projection_shard(self, leaf: str) -> Shard | None:
+        c, tp = self.full_config, self.tp
+        hk, r = c.gdn_key_heads, c.gdn_heads // c.gdn_key_heads
+        a, b = tp.part(hk, "linear_num_key_heads")
+        if leaf == "in_proj_qkvz.weight":  # per key head: q, k (dk each), v, z (r * dv each)
+            group = 2 * c.gdn_head_dim_k + 2 * r * c.gdn_head_dim_v
+            return shard(0, (a * group, b * group))
+        if leaf == "in_proj_ba.weight":  # per key head: b, a (r each)
+            return shard(0, (a * 2 * r, b * 2 * r))
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """As :meth:`QwenHybridForCausalLM.load_weights`, plus the Qwen3-Next layouts:

@@ -43,6 +43,18 @@ from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.moe import expert_mlp
 from unimem.models.nn_ops import apply_rope
+from unimem.models.tensor_parallel import (
+    SINGLE,
+    Shard,
+    TensorParallel,
+    gdn_qkv_ranges,
+    heads,
+    parallel_embedding,
+    parallel_logits,
+    row_parallel_linear,
+    shard,
+    vocab_shard,
+)
 
 LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "full"}
 """HF ``config.layer_types`` entry -> ``HybridConfig.layer_pattern`` entry."""
@@ -134,11 +146,15 @@ class PartialRotary(nn.Module):
 class GatedAttention(nn.Module):
     """Full attention with an output gate (module docstring). Parameters as the checkpoint's
     ``self_attn``: ``q_proj [Hq * 2 * Dh, d]`` (per head ``[query | gate]``), ``k_proj``,
-    ``v_proj [Hkv * Dh, d]``, ``o_proj [d, Hq * Dh]``, ``q_norm``, ``k_norm [Dh]``."""
+    ``v_proj [Hkv * Dh, d]``, ``o_proj [d, Hq * Dh]``, ``q_norm``, ``k_norm [Dh]``. ``c`` is
+    the rank's config (its heads); ``o_proj`` is row-parallel."""
 
-    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
+    def __init__(
+        self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.c = c
+        self.tp = tp
         hq, hkv, dh, d = c.n_q_heads, c.n_kv_heads, c.head_dim_k, c.d_model
         kw = {"dtype": c.dtype, "device": device}
         self.q_proj = Weight(hq * 2 * dh, d, **kw)
@@ -168,7 +184,7 @@ class GatedAttention(nn.Module):
         k = rotary.apply(k, *cos_sin).contiguous()
         o = ctx.attention(layer_idx, q, k, v.contiguous())
         o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
-        return F.linear(o, self.o_proj.weight)
+        return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
 
 
 class GdnMixer(nn.Module):
@@ -178,12 +194,16 @@ class GdnMixer(nn.Module):
     Parameters as the checkpoint's ``linear_attn``: ``conv1d.weight [conv_dim, K]`` (the
     checkpoint stores ``[conv_dim, 1, K]``; the middle dim is dropped at load), ``A_log``
     and ``dt_bias [H]`` (kept in ``config.state_dtype``), ``norm.weight [Dv]``,
-    ``out_proj.weight [d, H * Dv]``.
+    ``out_proj.weight [d, H * Dv]``. ``c`` is the rank's config (its key and value heads);
+    ``out_proj`` is row-parallel.
     """
 
-    def __init__(self, c: HybridConfig, device: torch.device | str) -> None:
+    def __init__(
+        self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.c = c
+        self.tp = tp
         h, dv = c.gdn_heads, c.gdn_head_dim_v
         kw = {"dtype": c.dtype, "device": device}
         self.conv1d = Weight(c.gdn_conv_dim, c.conv_kernel, **kw)
@@ -208,7 +228,7 @@ class GdnMixer(nn.Module):
         o = ctx.gdn(layer_idx, mixed_qkv, g, beta, conv_weight=self.conv1d.weight)
         z = z.reshape(t, c.gdn_heads, c.gdn_head_dim_v)
         o = gated_rms_norm(o, self.norm.weight, z, c.rms_eps)
-        return F.linear(o.reshape(t, -1), self.out_proj.weight)
+        return row_parallel_linear(o.reshape(t, -1), self.out_proj.weight, None, self.tp)
 
 
 # ---------------------------------------------------------------------- MLPs
@@ -220,18 +240,34 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class DenseMlp(nn.Module):
-    """SwiGLU ``down_proj(silu(gate_proj(x)) * up_proj(x))`` of width ``ffn``."""
+    """SwiGLU ``down_proj(silu(gate_proj(x)) * up_proj(x))`` of width ``ffn``; on a
+    tensor-parallel rank its ``ffn / tp.size`` columns (gate/up column-parallel, down
+    row-parallel)."""
 
-    def __init__(self, d: int, ffn: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        d: int,
+        ffn: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
+        self.tp = tp
+        start, stop = tp.part(ffn, "intermediate_size")
+        ffn = stop - start
         self.gate_proj = Weight(ffn, d, **kw)
         self.up_proj = Weight(ffn, d, **kw)
         self.down_proj = Weight(d, ffn, **kw)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def partial(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the output (the output itself for size 1)."""
         act = silu_mul(F.linear(h, self.gate_proj.weight), F.linear(h, self.up_proj.weight))
         return F.linear(act, self.down_proj.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(h))
 
 
 class StackedExperts(nn.Module):
@@ -251,7 +287,9 @@ class SparseMoe(nn.Module):
 
     Router ``gate.weight [E, d]``: logits in the model dtype, softmax in float32 (float64 for
     float64 models), top-``k``, renormalised to sum 1 when ``norm_topk``. Output
-    ``experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)``.
+    ``experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)``. On a tensor-parallel
+    rank every expert (and the shared one) holds its slice of the intermediate dim; the
+    router is replicated and the two partial sums are all-reduced together.
     """
 
     def __init__(
@@ -264,14 +302,17 @@ class SparseMoe(nn.Module):
         norm_topk: bool,
         dtype: torch.dtype,
         device: torch.device | str,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
+        self.tp = tp
         self.top_k = top_k
         self.norm_topk = norm_topk
         self.gate = Weight(num_experts, d, **kw)
-        self.experts = StackedExperts(num_experts, d, moe_ffn, **kw)
-        self.shared_expert = DenseMlp(d, shared_ffn, **kw)
+        tp.part(moe_ffn, "moe_intermediate_size")
+        self.experts = StackedExperts(num_experts, d, moe_ffn // tp.size, **kw)
+        self.shared_expert = DenseMlp(d, shared_ffn, **kw, tp=tp)
         self.shared_expert_gate = Weight(1, d, **kw)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -283,7 +324,7 @@ class SparseMoe(nn.Module):
         ex = self.experts
         routed = expert_mlp(h, ids, weights, ex.gate_up_proj, ex.down_proj, act=silu_mul)
         shared_gate = torch.sigmoid(F.linear(h, self.shared_expert_gate.weight))
-        return routed + shared_gate * self.shared_expert(h)
+        return self.tp.all_reduce(routed + shared_gate * self.shared_expert.partial(h))
 
 
 # ---------------------------------------------------------------------- the stack
@@ -421,16 +462,21 @@ class QwenHybridForCausalLM(CausalLM):
         rotary_dim: int,
         tie_word_embeddings: bool,
         device: torch.device | str,
+        tp: TensorParallel = SINGLE,
+        full_config: HybridConfig | None = None,
     ) -> None:
         super().__init__()
         c = config
         self.config = c
+        self.tp = tp
+        self.full_config = full_config or config
         kw = {"dtype": c.dtype, "device": device}
+        vocab_rows = tp.vocab_part(c.vocab_size)[2]
         self.model = nn.Module()
-        self.model.embed_tokens = Weight(c.vocab_size, c.d_model, **kw)
+        self.model.embed_tokens = Weight(vocab_rows, c.d_model, **kw)
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = Weight(c.d_model, **kw)
-        self.lm_head = Weight(c.vocab_size, c.d_model, **kw)
+        self.lm_head = Weight(vocab_rows, c.d_model, **kw)
         self.tie_word_embeddings = tie_word_embeddings
         if tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -443,12 +489,14 @@ class QwenHybridForCausalLM(CausalLM):
         """See :meth:`CausalLM.forward_with_hidden`."""
         c = self.config
         cos_sin = self.rotary.cos_sin(ctx.positions)
-        x = self.model.embed_tokens.weight[input_ids]
+        x = parallel_embedding(input_ids, self.model.embed_tokens.weight, self.tp, c.vocab_size)
         for i, layer in enumerate(self.model.layers):
             x = layer(i, x, self.rotary, cos_sin, ctx)
             ctx.capture_hidden(i, x)
         hidden = zero_centered_rms_norm(x[ctx.logits_indices], self.model.norm.weight, c.rms_eps)
-        logits = F.linear(hidden, self.lm_head.weight).to(logits_dtype(c.dtype))
+        logits = parallel_logits(
+            hidden, self.lm_head.weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
+        )
         return ModelOutput(logits, hidden)
 
     @property
@@ -460,6 +508,50 @@ class QwenHybridForCausalLM(CausalLM):
         return self.lm_head.weight
 
     # ------------------------------------------------------------------ weights
+
+    def checkpoint_shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
+        """This rank's part of checkpoint tensor ``name`` (module docstring of
+        :mod:`unimem.models.tensor_parallel`): vocabulary rows of the embedding and LM head,
+        attention by heads, the GDN by key heads with their value heads, MLPs and every
+        expert by intermediate columns; None (whole) for norms, routers and the unsharded
+        model."""
+        if self.tp.size == 1:
+            return None
+        tp, c = self.tp, self.full_config
+        pname = self._param_name(name)
+        if pname in ("model.embed_tokens.weight", "lm_head.weight"):
+            return vocab_shard(tp, c.vocab_size)
+        if ".self_attn." in pname:
+            dh = c.head_dim_k
+            rules = {
+                "q_proj.weight": shard(0, heads(tp, c.n_q_heads, 2 * dh, "num_attention_heads")),
+                "k_proj.weight": shard(0, heads(tp, c.n_kv_heads, dh, "num_key_value_heads")),
+                "v_proj.weight": shard(0, heads(tp, c.n_kv_heads, dh, "num_key_value_heads")),
+                "o_proj.weight": shard(1, heads(tp, c.n_q_heads, dh, "num_attention_heads")),
+            }
+            return rules.get(pname.rsplit(".self_attn.", 1)[1])
+        if ".linear_attn." in pname:
+            return self._gdn_shard(pname.rsplit(".linear_attn.", 1)[1])
+        if ".mlp." in pname:
+            return _mlp_shard(tp, pname, shape)
+        return None
+
+    def _gdn_shard(self, leaf: str) -> Shard | None:
+        """This rank's part of GDN tensor ``linear_attn.<leaf>`` (the family's projections
+        in :meth:`_gdn_projection_shard`)."""
+        tp, c = self.tp, self.full_config
+        h, dv = c.gdn_heads, c.gdn_head_dim_v
+        if leaf == "conv1d.weight":
+            return shard(0, *gdn_qkv_ranges(tp, c))
+        if leaf in ("A_log", "dt_bias"):
+            return shard(0, heads(tp, h, 1, "linear_num_value_heads"))
+        if leaf == "out_proj.weight":
+            return shard(1, heads(tp, h, dv, "linear_num_value_heads"))
+        return self._gdn_projection_shard(leaf)
+
+    def _gdn_projection_shard(self, leaf: str) -> Shard | None:
+        """This rank's part of the family's GDN input projection ``leaf``; None otherwise."""
+        return None
 
     def _param_name(self, name: str) -> str:
         for src, dst in self.checkpoint_prefix_map:
@@ -502,6 +594,23 @@ class QwenHybridForCausalLM(CausalLM):
         if self.tie_word_embeddings and "model.embed_tokens.weight" in filled:
             filled.add("lm_head.weight")
         return filled
+
+
+def _mlp_shard(tp: TensorParallel, pname: str, shape: tuple[int, ...]) -> Shard | None:
+    """Dense MLPs, shared and routed experts: gate/up rows and down columns of the rank's
+    slice of the intermediate dim (stacked experts ``gate_up_proj [E, 2I, d]``: both
+    halves; ``down_proj [E, d, I]``); the router and the shared-expert gate whole."""
+    if pname.endswith(("gate_proj.weight", "up_proj.weight")):
+        return shard(0, heads(tp, shape[0], 1, "intermediate_size"))
+    if pname.endswith("down_proj.weight"):
+        return shard(1, heads(tp, shape[1], 1, "intermediate_size"))
+    if pname.endswith("experts.gate_up_proj"):
+        i = shape[1] // 2
+        gate = heads(tp, i, 1, "moe_intermediate_size")
+        return shard(1, gate, (gate[0] + i, gate[1] + i))
+    if pname.endswith("experts.down_proj"):
+        return shard(2, heads(tp, shape[2], 1, "moe_intermediate_size"))
+    return None
 
 
 EXPERT_TENSOR = re.compile(

@@ -40,14 +40,29 @@ from unimem.models.base import CausalLM, ModelOutput
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.nn_ops import apply_rope, frozen_param, rms_norm
+from unimem.models.tensor_parallel import (
+    SINGLE,
+    Shard,
+    TensorParallel,
+    gdn_qkv_ranges,
+    heads,
+    local_config,
+    parallel_embedding,
+    parallel_logits,
+    row_parallel_linear,
+    shard,
+    vocab_shard,
+)
 
 
 class AttentionMixer(nn.Module):
-    """FULL or SWA attention of one layer (the window is applied by the context)."""
+    """FULL or SWA attention of one layer (the window is applied by the context); ``c`` is
+    the rank's config (its heads), ``o_proj`` row-parallel."""
 
-    def __init__(self, c: HybridConfig) -> None:
+    def __init__(self, c: HybridConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.c = c
+        self.tp = tp
         self.q_dim = c.n_q_heads * c.head_dim_k
         self.k_dim = c.n_kv_heads * c.head_dim_k
         self.v_dim = c.n_kv_heads * c.head_dim_v
@@ -68,15 +83,19 @@ class AttentionMixer(nn.Module):
         k = apply_rope(k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope)
         v = v.reshape(t, c.n_kv_heads, c.head_dim_v).contiguous()
         o = ctx.attention(layer_idx, q, k, v)
-        return F.linear(o.reshape(t, c.n_q_heads * c.head_dim_v), self.o_proj)
+        return row_parallel_linear(
+            o.reshape(t, c.n_q_heads * c.head_dim_v), self.o_proj, None, self.tp
+        )
 
 
 class GdnMixer(nn.Module):
-    """Gated DeltaNet mixer of one layer (Qwen3-Next style, one head count for q, k, v)."""
+    """Gated DeltaNet mixer of one layer (Qwen3-Next style, one head count for q, k, v);
+    ``c`` is the rank's config (its heads), ``out_proj`` row-parallel."""
 
-    def __init__(self, c: HybridConfig) -> None:
+    def __init__(self, c: HybridConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.c = c
+        self.tp = tp
         h, dv = c.gdn_heads, c.gdn_head_dim_v
         self.split = [c.gdn_conv_dim, h * dv, h, h]  # mixed_qkv | z | b | a
         self.in_proj = frozen_param(sum(self.split), c.d_model)
@@ -96,34 +115,36 @@ class GdnMixer(nn.Module):
         z = z.reshape(t, c.gdn_heads, c.gdn_head_dim_v)
         acc = torch.float64 if o.dtype == torch.float64 else torch.float32
         gated = rms_norm(o, self.norm, c.rms_eps).to(acc) * F.silu(z.to(acc))
-        return F.linear(gated.to(h.dtype).reshape(t, -1), self.out_proj)
+        return row_parallel_linear(gated.to(h.dtype).reshape(t, -1), self.out_proj, None, self.tp)
 
 
 class Mlp(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with a fused gate/up projection."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with a fused gate/up projection (the rank's
+    ``c.ffn_dim`` columns; ``down`` row-parallel)."""
 
-    def __init__(self, c: HybridConfig) -> None:
+    def __init__(self, c: HybridConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.ffn_dim = c.ffn_dim
         self.gate_up = frozen_param(2 * c.ffn_dim, c.d_model)
         self.down = frozen_param(c.d_model, c.ffn_dim)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(h, self.gate_up).split(self.ffn_dim, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        return row_parallel_linear(F.silu(gate) * up, self.down, None, self.tp)
 
 
 class HybridLayer(nn.Module):
     """One pre-norm block: mixer (attention or GDN) then SwiGLU MLP, each with a residual."""
 
-    def __init__(self, c: HybridConfig, kind: str) -> None:
+    def __init__(self, c: HybridConfig, kind: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.c = c
         self.kind = kind
         self.mixer_norm = frozen_param(c.d_model)
         self.mlp_norm = frozen_param(c.d_model)
-        self.mixer = GdnMixer(c) if kind == "gdn" else AttentionMixer(c)
-        self.mlp = Mlp(c)
+        self.mixer = GdnMixer(c, tp) if kind == "gdn" else AttentionMixer(c, tp)
+        self.mlp = Mlp(c, tp)
 
     def forward(
         self,
@@ -144,19 +165,30 @@ class HybridModel(CausalLM):
     """A hybrid FULL/SWA/GDN language model with deterministic weights from ``seed``.
 
     Inference only (no gradients). All run-time math is deterministic.
+
+    ``tp``: this rank's shard of the model (:mod:`unimem.models.tensor_parallel`): every
+    weight is drawn at its full shape, exactly as unsharded, and sliced; ``self.config`` is
+    the rank's config (its heads), ``config`` the full one.
     """
 
     def __init__(
-        self, config: HybridConfig, seed: int = 0, device: torch.device | str = "cpu"
+        self,
+        config: HybridConfig,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        c = config
+        self.full_config = config
+        c = local_config(config, tp)
         self.config = c
+        self.tp = tp
         self.seed = seed
-        self.embed = frozen_param(c.vocab_size, c.d_model)
-        self.layers = nn.ModuleList(HybridLayer(c, kind) for kind in c.layer_pattern)
+        vocab_rows = tp.vocab_part(c.vocab_size)[2]
+        self.embed = frozen_param(vocab_rows, c.d_model)
+        self.layers = nn.ModuleList(HybridLayer(c, kind, tp) for kind in c.layer_pattern)
         self.final_norm = frozen_param(c.d_model)
-        self.lm_head = frozen_param(c.vocab_size, c.d_model)
+        self.lm_head = frozen_param(vocab_rows, c.d_model)
         self._init_weights(seed)
         self.to(device=device)
         self.rope_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
@@ -166,27 +198,67 @@ class HybridModel(CausalLM):
 
     # ------------------------------------------------------------------ weights
 
+    def _shard(self, name: str) -> tuple[Shard, int] | None:
+        """``(shard, full length along its dim)`` of parameter ``name`` on this rank; None
+        for a replicated one (norms)."""
+        tp, c = self.tp, self.full_config
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("embed", "lm_head"):
+            return vocab_shard(tp, c.vocab_size), c.vocab_size
+        hq, hkv, dk, dv = c.n_q_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v
+        if leaf == "qkv_proj":
+            q = heads(tp, hq, dk, "n_q_heads")
+            k = heads(tp, hkv, dk, "n_kv_heads", hq * dk)
+            v = heads(tp, hkv, dv, "n_kv_heads", (hq + hkv) * dk)
+            return shard(0, q, k, v), (hq + hkv) * dk + hkv * dv
+        if leaf == "o_proj":
+            return shard(1, heads(tp, hq, dv, "n_q_heads")), hq * dv
+        h, gdv, conv = c.gdn_heads, c.gdn_head_dim_v, c.gdn_conv_dim
+        if leaf == "in_proj":  # [q | k | v | z | b | a]
+            z = heads(tp, h, gdv, "gdn_heads", conv)
+            b = heads(tp, h, 1, "gdn_heads", conv + h * gdv)
+            a = heads(tp, h, 1, "gdn_heads", conv + h * gdv + h)
+            return shard(0, *gdn_qkv_ranges(tp, c), z, b, a), conv + h * gdv + 2 * h
+        if leaf == "conv_weight":
+            return shard(0, *gdn_qkv_ranges(tp, c)), conv
+        if leaf in ("A_log", "dt_bias"):
+            return shard(0, heads(tp, h, 1, "gdn_heads")), h
+        if leaf == "out_proj":
+            return shard(1, heads(tp, h, gdv, "gdn_heads")), h * gdv
+        f = c.ffn_dim
+        if leaf == "gate_up":
+            return shard(0, heads(tp, f, 1, "ffn_dim"), heads(tp, f, 1, "ffn_dim", f)), 2 * f
+        if leaf == "down":
+            return shard(1, heads(tp, f, 1, "ffn_dim")), f
+        return None
+
     def _init_weights(self, seed: int) -> None:
         c = self.config
         out_scale = 1.0 / math.sqrt(2 * c.num_layers)  # residual-branch outputs
         for name, p in self.named_parameters():
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             leaf = name.rsplit(".", 1)[-1]
+            rule = self._shard(name) if self.tp.size > 1 else None
+            shape = list(p.shape)
+            if rule is not None:
+                shape[rule[0].dim] = rule[1]
             if leaf in ("mixer_norm", "mlp_norm", "final_norm", "norm"):
-                w = torch.ones(p.shape)
+                w = torch.ones(shape)
             elif leaf == "embed":
-                w = torch.randn(p.shape, generator=gen)
+                w = torch.randn(shape, generator=gen)
             elif leaf == "conv_weight":
-                w = torch.randn(p.shape, generator=gen) / math.sqrt(c.conv_kernel)
+                w = torch.randn(shape, generator=gen) / math.sqrt(c.conv_kernel)
             elif leaf == "A_log":  # decay rate A in [1, 16]
-                w = (1 + 15 * torch.rand(p.shape, generator=gen)).log()
+                w = (1 + 15 * torch.rand(shape, generator=gen)).log()
             elif leaf == "dt_bias":  # softplus(dt_bias) = dt, log-uniform in [1e-3, 1e-1]
-                dt = torch.exp(math.log(1e-3) + math.log(100) * torch.rand(p.shape, generator=gen))
+                dt = torch.exp(math.log(1e-3) + math.log(100) * torch.rand(shape, generator=gen))
                 w = dt + torch.log(-torch.expm1(-dt))
             else:  # a [out, in] projection
-                w = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+                w = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
                 if leaf in ("o_proj", "out_proj", "down"):
                     w = w * out_scale
+            if rule is not None:
+                w = rule[0].take(w)
             dtype = c.state_dtype if leaf in ("A_log", "dt_bias") else c.dtype
             p.data = w.to(dtype)
 
@@ -203,14 +275,13 @@ class HybridModel(CausalLM):
         states of the rows ``ctx.logits_indices``, in that order."""
         c = self.config
         rope = self._rope(ctx.positions)
-        x = self.embed[input_ids]
+        x = parallel_embedding(input_ids, self.embed, self.tp, c.vocab_size)
         for i, layer in enumerate(self.layers):
             x = layer(i, x, rope, ctx)
             ctx.capture_hidden(i, x)
         hidden = rms_norm(x[ctx.logits_indices], self.final_norm, c.rms_eps)
-        logits = F.linear(hidden, self.lm_head)
-        if logits.dtype != torch.float64:
-            logits = logits.float()
+        out_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
+        logits = parallel_logits(hidden, self.lm_head, self.tp, c.vocab_size, out_dtype)
         return ModelOutput(logits, hidden)
 
     @property

@@ -36,7 +36,6 @@ SGLANG_ONLY_FLAGS = frozenset(
     | {
         "--tp",
         "--dp",
-        "--tensor-parallel-size",
         "--data-parallel-size",
         "--pipeline-parallel-size",
         "--nnodes",
@@ -161,6 +160,14 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         help="default: fa4 on CUDA for 16-bit weights, else torch",
+    )
+    r.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        dest="tp_size",
+        type=int,
+        default=1,
+        help="tensor parallelism over this many GPUs (one process each)",
     )
     r.add_argument("--disable-cuda-graph", action="store_true")
     r.add_argument("--cuda-graph-max-bs", type=int)

@@ -148,18 +148,21 @@ def load_drafter(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> DsparkDrafter:
     """The drafter saved in directory ``path``, sharing ``target_model``'s embedding and LM
     head, on ``device`` (default: the target's; another device gets copies of the shared
     tensors) in ``dtype`` (default: the checkpoint's; weights are cast). ``ValueError``
-    naming the field or tensor if it does not fit the target (module docstring)."""
+    naming the field or tensor if it does not fit the target (module docstring).
+    ``shared``: the ``(embedding, LM head)`` to share instead of the target's own (a
+    tensor-parallel target holds only its vocabulary rows: the full tables are passed)."""
     config = read_config(path, dtype)
     check_fits(config, target_model)
     weights = Path(path) / WEIGHTS_NAME
     if not weights.is_file():
         raise ValueError(f"drafter checkpoint {path}: no {WEIGHTS_NAME} there")
     dev = target_model.device if device is None else torch.device(device)
-    embed, lm_head = target_model.embed_weight, target_model.lm_head_weight
+    embed, lm_head = shared or (target_model.embed_weight, target_model.lm_head_weight)
     if embed.device != dev:
         embed, lm_head = embed.to(dev), lm_head.to(dev)
     drafter = DsparkDrafter(config, embed, lm_head)
