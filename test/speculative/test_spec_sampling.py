@@ -379,3 +379,73 @@ def test_sampling_flags_are_checked(capsys):
         ValidateConfig(temperature=1.0, top_p=1.5)
     assert ValidateConfig().sampling() is None
     assert ValidateConfig(temperature=0.5, top_p=0.7).sampling() == SamplingOptions(0.5, 0.7)
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sampled_verify_graph_is_sync_free_and_equals_eager():
+    """Mixed greedy and sampled DSPARK requests through CUDA-graph verify steps (the sampling
+    variant, Triton draws) under sync-debug "error": the same tokens as eager verify steps,
+    and the greedy requests equal a greedy-only run. Four equal requests in lockstep and one
+    bucket (4): the kernel shapes are the same in every run."""
+    try:
+        from unimem.attention.fa4_backend import FA4Backend
+
+        FA4Backend()
+    except ImportError as e:
+        pytest.skip(f"FA4 not installed: {e}")
+    from unimem.models.config import HybridConfig
+
+    cfg = HybridConfig(
+        vocab_size=4096,
+        d_model=512,
+        n_q_heads=4,
+        n_kv_heads=2,
+        head_dim_k=128,
+        head_dim_v=128,
+        ffn_dim=1024,
+        layer_pattern=("gdn", "swa", "gdn", "full"),
+        window=64,
+        gdn_heads=4,
+        gdn_head_dim_k=64,
+        gdn_head_dim_v=64,
+        conv_kernel=4,
+        dtype=torch.bfloat16,
+        max_context=4096,
+    )
+    dev = torch.device("cuda")
+    model = HybridModel(cfg, seed=1, device=dev)
+    drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)
+    prompts = _prompts(cfg, 4, 100, seed=5)
+    refs = {i: p + p for i, p in enumerate(prompts)}  # arbitrary: makes some drafts acceptable
+    opts = [
+        SamplingOptions(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, seed=i) if i % 2 else None
+        for i in range(4)
+    ]
+
+    def run(graphs: bool, which, sync_debug: bool):
+        chain = DsparkChain(drafter, 3, AcceptanceControl(0.5, 0, refs, dev))
+        spec = memory_spec(cfg, 16, drafter.config.lanes())
+        pool = UnifiedMemory(spec, 64 << 20, 4, cfg.max_context, dev)
+        buckets = (4,) if graphs else None
+        eng = EngineCore(
+            model, pool, FA4Backend(), 4, 512, chain, cuda_graphs=graphs, graph_buckets=buckets
+        )
+        reqs = [eng.submit(p, 60, sampling=s) for p, s in zip(prompts, which, strict=True)]
+        torch.cuda.synchronize()
+        if sync_debug:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            eng.run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return [r.output for r in reqs]
+
+    graphed = run(True, opts, sync_debug=True)
+    assert graphed == run(False, opts, sync_debug=False)
+    greedy = run(True, [None] * 4, sync_debug=False)
+    assert [graphed[i] for i in (0, 2)] == [greedy[i] for i in (0, 2)]
+    assert all(graphed[i] != greedy[i] for i in (1, 3))
