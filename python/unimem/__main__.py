@@ -163,6 +163,13 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         help=f"with --temperature > 0: nucleus sampling mass (default {d.top_p})",
     )
     v.add_argument(
+        "--tp-size",
+        type=int,
+        default=d.tp_size,
+        help="tensor parallelism: run every rank of the protocol in its own process (one GPU "
+        "each on cuda, gloo on cpu) on its shard of the model; rank 0 reports",
+    )
+    v.add_argument(
         "--prefix-cache",
         choices=["on", "off"],
         default="on" if d.prefix_cache else "off",
@@ -341,6 +348,7 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         speculative_draft_model_path=args.speculative_draft_model_path,
         temperature=args.temperature,
         top_p=args.top_p,
+        tp_size=args.tp_size,
     )
 
 

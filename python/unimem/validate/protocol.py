@@ -65,6 +65,7 @@ import torch
 
 from unimem.cache import PrefixCache
 from unimem.engine.core import EngineCore
+from unimem.engine.distributed import TPGroups, run_ranks, state_check_for, vocab_tables
 from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.layout import PageLayout, SlotLayout
@@ -77,6 +78,7 @@ from unimem.models.config import HybridConfig, memory_spec
 from unimem.models.loader import load_checkpoint, load_hf_config, resolve_dtype
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
+from unimem.models.tensor_parallel import SINGLE, full_config
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.control import AcceptanceControl
@@ -115,9 +117,10 @@ class ValidateConfig:
     speculative_draft_model_path: str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("requests", "input_len", "output_len", "page_size", "max_running"):
+        for name in ("requests", "input_len", "output_len", "page_size", "max_running", "tp_size"):
             _check_count(name, getattr(self, name))
         _check_count("chunk_size", self.chunk_size)
         if self.arena_mb is not None and not (
@@ -507,9 +510,13 @@ def run_one(
     marks: list[float] = []
     recorder = SeriesRecorder(pool)
 
+    agreement = state_check_for(model)  # tensor parallel, UNIMEM_TP_CHECK_STATE=1
+
     def on_step(e: EngineCore) -> None:
         marks.append(time.perf_counter())
         recorder.step(e)
+        if agreement is not None:
+            agreement(e)
         if bar:
             bar.update(sum(len(r.output) for r in _all(e)))
 
@@ -579,11 +586,20 @@ def compare_outputs(expected: dict[int, list[int]], got: dict[int, list[int]]) -
     return diffs
 
 
-def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | None = None) -> dict:
+def validate(
+    cfg: ValidateConfig,
+    progress: bool = False,
+    max_margins: int | None = None,
+    tp: TPGroups | None = None,
+) -> dict:
     """Run the protocol (module docstring) and return the report. ``max_margins``: compute
     the oracle's logit margin for at most this many speculative mismatches (the dense oracle
-    is slow on long sequences; None: all)."""
-    device = torch.device(cfg.device)
+    is slow on long sequences; None: all). ``tp_size`` > 1: every rank (spawned here) runs
+    the whole protocol on its shard of the model — the same inputs, so the same schedule —
+    and rank 0's report is returned; ``tp`` is the rank's groups when called on a rank."""
+    if cfg.tp_size > 1 and tp is None:
+        return run_ranks(cfg.tp_size, _validate_rank, cfg, progress, max_margins, device=cfg.device)
+    device = torch.device(cfg.device) if tp is None else tp.device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda given but no CUDA device is available")
     if cfg.attention_backend == "fa4" and cfg.model_dtype not in (torch.bfloat16, torch.float16):
@@ -591,7 +607,7 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
             f"the fa4 backend needs a bf16/fp16 model; this one is {cfg.model_dtype}: use "
             "--backend torch, a 16-bit preset (small) or --dtype bfloat16"
         )
-    model, prompts = build_model_and_prompts(cfg, device)
+    model, prompts = build_model_and_prompts(cfg, device, tp)
     if cfg.spec == "dspark":
         report = _validate_dspark(cfg, model, prompts, progress, max_margins)
         report["gpu"] = gpu_name(device)
@@ -616,17 +632,24 @@ def validate(cfg: ValidateConfig, progress: bool = False, max_margins: int | Non
     return report
 
 
+def _validate_rank(groups: TPGroups, cfg, progress, max_margins) -> dict:
+    """One rank of a tensor-parallel :func:`validate` (progress shown by rank 0 only)."""
+    return validate(cfg, progress and groups.rank == 0, max_margins, tp=groups)
+
+
 def build_model_and_prompts(
-    cfg: ValidateConfig, device: torch.device
+    cfg: ValidateConfig, device: torch.device, tp: TPGroups | None = None
 ) -> tuple[CausalLM, list[list[int]]]:
-    """The model (the seeded preset, or the checkpoint of ``model_path``) and the prompts:
-    ``--prompts`` lines encoded by the checkpoint's tokenizer, else random token ids from
-    the seed (below the tokenizer's size when there is one)."""
+    """The model (the seeded preset, or the checkpoint of ``model_path``; with ``tp``, this
+    rank's shard) and the prompts: ``--prompts`` lines encoded by the checkpoint's
+    tokenizer, else random token ids from the seed (below the tokenizer's size when there is
+    one)."""
+    shard = tp.tensor_parallel() if tp is not None else SINGLE
     if cfg.model_path is None:
         model_cfg = preset(cfg.preset)
-        model = HybridModel(model_cfg, seed=cfg.seed, device=device)
+        model = HybridModel(model_cfg, seed=cfg.seed, device=device, tp=shard)
         return model, make_prompts(cfg, model_cfg.vocab_size)
-    ckpt = load_checkpoint(cfg.model_path, dtype=cfg.dtype, device=device)
+    ckpt = load_checkpoint(cfg.model_path, dtype=cfg.dtype, device=device, tp=shard)
     model = ckpt.model
     vocab = model.config.vocab_size
     if ckpt.tokenizer is not None:
@@ -890,14 +913,12 @@ def _validate_dspark(
         model, static_pool(ref_cfg, model_cfg, device), ref_cfg, prompts, "reference", progress
     )
     references = {rid: prompts[rid] + out for rid, out in res_ref.outputs.items()}
+    shared = vocab_tables(model)  # full tables: the drafter is replicated on every rank
     if cfg.speculative_draft_model_path is not None:
-        drafter = load_drafter(cfg.speculative_draft_model_path, model)
+        drafter = load_drafter(cfg.speculative_draft_model_path, model, shared=shared)
     else:
         drafter = DsparkDrafter(
-            draft_config_for(model_cfg),
-            model.embed_weight,
-            model.lm_head_weight,
-            seed=cfg.seed + 17,
+            draft_config_for(full_config(model_cfg, model.tp)), *shared, seed=cfg.seed + 17
         )
     lanes = drafter.config.lanes()
     res_ctl = None
