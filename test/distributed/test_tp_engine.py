@@ -1,0 +1,109 @@
+"""``unimem.Engine(tp_size=2)`` and ``validate`` with ``tp_size=2`` on the CPU (gloo, two
+processes): rank 0 drives, the other rank follows the broadcast submissions and aborts; with
+``UNIMEM_TP_CHECK_STATE=1`` the ranks' allocator states are compared after every step.
+
+One engine (DSPARK chain speculation over a unified arena that compacts) serves every
+engine check, so the module spawns once for it and once for ``validate``."""
+
+from __future__ import annotations
+
+import pytest
+import tiny_qwen3_next
+import tiny_tokenizer
+import tp_checks
+
+import unimem
+from unimem.engine.distributed import CHECK_ENV
+from unimem.validate.protocol import ValidateConfig, validate
+
+OUT = tp_checks.OUT
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """The allocator-state check on, for this process and the ranks it spawns."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CHECK_ENV, "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def engines(checked, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next")
+    hf = tiny_qwen3_next.build(path)
+    tiny_tokenizer.save(path, hf.config.vocab_size)
+    base = dict(model_path=str(path), device="cpu", dtype="float64", page_size=4)
+    ref = unimem.Engine(**base, max_total_tokens=1024, max_running_requests=6)
+    tp = unimem.Engine(
+        **base,
+        tp_size=2,
+        enable_unified_memory=True,
+        max_total_tokens=64,
+        max_running_requests=3,
+        speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=4,
+    )
+    procs = list(tp._ranks.procs)
+    yield ref, tp
+    tp.shutdown()
+    assert [p.exitcode for p in procs] == [0]
+    ref.shutdown()
+
+
+def test_generate_equals_the_unsharded_engine(engines):
+    ref, tp = engines
+    prompts = tp_checks.prompts(500)
+    params = {"max_new_tokens": OUT, "ignore_eos": True}
+    want = ref.generate(input_ids=prompts, sampling_params=params)
+    got = tp.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert tp.pool.stats.compactions > 0
+    assert tp.get_server_info()["tp_size"] == 2
+
+
+def test_text_prompt_and_stop_token(engines):
+    ref, tp = engines
+    text = " ".join(f"w{t}" for t in tp_checks.prompts(500)[2])
+    want = ref.generate(prompt=text, sampling_params={"max_new_tokens": OUT, "ignore_eos": True})
+    stop = want["output_ids"][3]
+    params = {"max_new_tokens": OUT, "stop_token_ids": [stop], "ignore_eos": True}
+    got = tp.generate(prompt=text, sampling_params=params)
+    first = want["output_ids"].index(stop)
+    assert got["output_ids"] == want["output_ids"][: first + 1]
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_abort_reaches_every_rank(engines):
+    _, tp = engines
+    core = tp.core
+    prompts = tp_checks.prompts(500, seed=1)
+    reqs = [core.submit(p, OUT) for p in prompts[:4]]
+    core.step()
+    core.step()
+    assert core.abort(reqs[1]) and core.abort(reqs[3])  # one running, one still waiting
+    core.run()
+    assert [r.finish_reason for r in reqs] == ["length", "abort", "length", "abort"]
+    assert tp.pool.used_bytes() == 0
+
+
+def test_validate_tp2_static_equals_unified_with_compaction(checked):
+    cfg = ValidateConfig(
+        tp_size=2,
+        requests=8,
+        input_len=40,
+        output_len=16,
+        arena_mb=0.4,
+        max_running=4,
+        page_size=4,
+    )
+    report = validate(cfg)
+    assert report["config"]["tp_size"] == 2
+    assert report["exact_match"] == 8
+    assert report["unified"]["compactions"] > 0
+
+
+def test_tp_size_must_be_positive():
+    with pytest.raises(ValueError, match=r"tp_size \(--tp-size\) must be an int >= 1"):
+        ValidateConfig(tp_size=0)
+    with pytest.raises(ValueError, match="tp_size must be a positive int"):
+        unimem.Engine(model_path="/nowhere", tp_size=0)
