@@ -31,7 +31,6 @@ heads; ``vocab_size`` and ``d_model`` stay global.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -279,12 +278,3 @@ def parallel_logits(
     if tp.size == 1:
         return logits
     return tp.gather_last(logits)[:, :vocab]
-
-
-def shards_of(tp: TensorParallel, rules: Sequence[tuple[str, Shard | None]], name: str):
-    """The :class:`Shard` of the first rule whose suffix ends ``name`` (None: replicated, or
-    no rule matches)."""
-    for suffix, rule in rules:
-        if name.endswith(suffix):
-            return rule
-    return None
