@@ -150,6 +150,22 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         "seeded drafter",
     )
     v.add_argument(
+        "--verify-lengths",
+        choices=["fixed", "adaptive"],
+        default=None,
+        help="with --spec dspark: verify gamma + 1 tokens per request (fixed), or choose each "
+        "request's length on the device from the drafter's confidence head under "
+        f"--speculative-verify-budget (adaptive; default {d.verify_lengths})",
+    )
+    v.add_argument(
+        "--speculative-verify-budget",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="with --verify-lengths adaptive: tokens verified per step over the batch "
+        "(default: batch size x (gamma + 1), no cut)",
+    )
+    v.add_argument(
         "--temperature",
         type=float,
         default=d.temperature,
@@ -280,6 +296,13 @@ _NEEDS = (
     ("--dtype", "dtype", "--model-path", lambda a: a.model_path is not None),
     ("--cpu-threads", "cpu_threads", "--device cpu", lambda a: a.device == "cpu"),
     ("--top-p", "top_p", "--temperature > 0", lambda a: a.temperature > 0),
+    ("--verify-lengths", "verify_lengths", "--spec dspark", lambda a: a.spec != "none"),
+    (
+        "--speculative-verify-budget",
+        "speculative_verify_budget",
+        "--verify-lengths adaptive",
+        lambda a: a.verify_lengths == "adaptive",
+    ),
 )
 
 
@@ -299,6 +322,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         "checkpoint_interval",
         "dtype",
         "top_p",
+        "verify_lengths",
     ):
         if getattr(args, attr) is None:
             setattr(args, attr, getattr(d, attr))
@@ -349,6 +373,8 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         temperature=args.temperature,
         top_p=args.top_p,
         tp_size=args.tp_size,
+        verify_lengths=args.verify_lengths,
+        verify_budget=args.speculative_verify_budget,
     )
 
 

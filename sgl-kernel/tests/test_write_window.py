@@ -181,3 +181,63 @@ def test_write_window_argument_errors():
         gather_write_window(r2t, rpi, seq_lens, 2, 16, fv, None, full, None, pos.int())
     with pytest.raises(ValueError, match="at least 4"):
         gather_write_window(r2t, rpi, seq_lens, 2, 16, fv, None, full[:3], None, pos)
+
+
+# ------------------------------------------------------------------ packed (ragged) verify
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("identity", [False, True], ids=["v2p", "identity"])
+@pytest.mark.parametrize("swa", [True, False], ids=["swa", "noswa"])
+def test_ragged_write_window_matches_reference_and_contract(device, page_size, identity, swa):
+    """Packed rows of uneven lengths (0 included) over a fixed row count: the Triton kernel
+    equals the reference and a naive oracle; rows past the packed total write slot 0 and
+    position 0; entries past the row count keep their garbage."""
+    from unimem_kernel.write_window import (
+        gather_ragged_write_window,
+        gather_ragged_write_window_reference,
+    )
+
+    bs = 5
+    r2t, rpi, seq_lens, fv, sv = make_case(
+        page_size + 2 * identity + swa, bs=bs, page_size=page_size, ctx_pages=3,
+        identity=identity, swa=swa, device=device,
+    )  # fmt: skip
+    lens = [3, 0, 1, 4, 2]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    rows = sum(lens) + 4  # four padding rows
+    size = rows + 3
+
+    def outs():
+        full = torch.full((size,), GARBAGE, dtype=torch.int32, device=device)
+        swa_out = torch.full((size,), GARBAGE, dtype=torch.int32, device=device) if swa else None
+        pos = torch.full((size,), GARBAGE, dtype=torch.int64, device=device)
+        return full, swa_out, pos
+
+    out, ref = outs(), outs()
+    views = lambda o: [None if t is None else t[:rows] for t in o]  # noqa: E731
+    cu_d = cu.to(device)
+    gather_ragged_write_window(r2t, rpi, seq_lens, cu_d, page_size, fv, sv, *views(out))
+    gather_ragged_write_window_reference(r2t, rpi, seq_lens, cu_d, page_size, fv, sv, *views(ref))
+    for a, b in zip(out, ref, strict=True):
+        if a is not None:
+            assert torch.equal(a.cpu(), b.cpu())
+    r2t_l, rpi_l, sl = r2t.cpu().tolist(), rpi.cpu().tolist(), seq_lens.cpu().tolist()
+    fv_l = None if fv is None else fv.cpu().tolist()
+    sv_l = None if sv is None else sv.cpu().tolist()
+    full, swa_out, pos = (None if t is None else t.cpu().tolist() for t in out)
+    i = 0
+    for b, n in enumerate(lens):
+        for j in range(n):
+            p = sl[b] + j
+            assert pos[i] == p
+            assert full[i] == naive_slot(r2t_l, rpi_l[b], p, page_size, fv_l), (b, j)
+            if swa:
+                assert swa_out[i] == naive_slot(r2t_l, rpi_l[b], p, page_size, sv_l), (b, j)
+            i += 1
+    for k in range(i, rows):  # padding rows: the sink, position 0
+        assert full[k] == 0 and pos[k] == 0 and (not swa or swa_out[k] == 0)
+    for t in out:
+        if t is not None:
+            assert (t[rows:] == GARBAGE).all()

@@ -158,21 +158,21 @@ def test_draft_context_through_lanes_equals_dense_recomputation(tiny):
 
     steps = []  # (rid, committed length) of each lane of each verify step
     logits = []  # block_logits of each verify step, [bs, gamma, vocab]
-    block_logits = drafter.block_logits
+    block_forward = drafter.block_forward
 
-    def recording_block_logits(anchors, positions, attend):
-        out = block_logits(anchors, positions, attend)
+    def recording_block_forward(anchors, positions, attend):
+        out = block_forward(anchors, positions, attend)
         # the eager runner's lanes are the batch (no padding); lengths are the block starts
         rids = eng.runner.lanes.rids(anchors.shape[0]).tolist()
         steps.append(list(zip(rids, positions[::gamma].tolist(), strict=True)))
-        logits.append(out.clone())
+        logits.append(out[0].clone())
         return out
 
-    drafter.block_logits = recording_block_logits
+    drafter.block_forward = recording_block_forward
     try:
         eng.run()
     finally:
-        del drafter.block_logits
+        del drafter.block_forward
     assert pool.stats.compactions > 0 and eng.scheduler.retractions > 0
     outputs = {r.rid: r.output for r in eng.scheduler.finished}
     assert outputs == {rid: out[:20] for rid, out in ref.items()}

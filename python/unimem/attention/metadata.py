@@ -17,11 +17,14 @@ Which call for which step:
 - ``decode``: one new token per request (``q_len = 1``);
 - ``verify``: ``gamma + 1`` new tokens per request (a DSPARK chain verify, causal);
 - ``extend``: ragged prefill / extend / variable-length verify, ``extend_lens[b]`` new tokens
-  after ``prefix_lens[b]`` cached ones.
+  after ``prefix_lens[b]`` cached ones;
+- ``verify_ragged``: a packed ("compact") verify whose per-request lengths are device data
+  (decided inside the step), padded to a fixed number of rows: capture safe.
 
-``decode`` and ``verify`` allocate nothing and never read device memory on the host (capture
-safe). ``extend`` reads nothing on the host either, but allocates small temporaries for the
-ragged write window (a device gather): it is the eager path, not meant for graph capture.
+``decode``, ``verify`` and ``verify_ragged`` allocate nothing and never read device memory on
+the host (capture safe). ``extend`` reads nothing on the host either, but allocates small
+temporaries for the ragged write window (a device gather): it is the eager path, not meant
+for graph capture.
 
 Token conventions shared with the backends: each request's queries are its last ``q_len``
 tokens; query ``i`` of request ``b`` sits at position ``cache_seqlens[b] - q_len_b + i``. For
@@ -44,7 +47,7 @@ import torch
 
 from unimem_kernel.id_ops import translate_tokens
 from unimem_kernel.metadata import build_decode_metadata, build_extend_metadata
-from unimem_kernel.write_window import gather_write_window
+from unimem_kernel.write_window import gather_ragged_write_window, gather_write_window
 
 __all__ = ["AttentionMetadata", "MetadataBuffers", "MetadataBuilder"]
 
@@ -283,6 +286,61 @@ class MetadataBuilder:
                 swa_slots,
                 positions,
             )
+        return self._result(bs, num_tokens, max_seqlen_q, max_seqlen_k, swa_table, swa_slots)
+
+    def verify_ragged(
+        self,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        verify_lens: torch.Tensor,
+        full_v2p: torch.Tensor | None,
+        swa_v2p: torch.Tensor | None = None,
+        *,
+        num_tokens: int,
+        max_seqlen_q: int,
+        max_seqlen_k: int | None = None,
+    ) -> AttentionMetadata:
+        """Packed verify: request ``b`` verifies ``verify_lens[b]`` tokens (a device tensor)
+        at ``seq_lens[b] ..``, packed back to back (``cu_seqlens_q``, computed on the device)
+        in ``num_tokens`` fixed rows. Capture safe: the extend metadata kernel (lengths,
+        prefix sums, page tables from the live ``v2p``) and one ragged write-window gather.
+
+        Host ints: ``num_tokens >= sum(verify_lens)`` (rows past the sum are padding: write
+        slot 0, the sink, and position 0; no request's queries), ``max_seqlen_q >=
+        max(verify_lens)``; preconditions not checked on the device."""
+        bs = self._check_batch(req_pool_indices, num_tokens)
+        if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+            raise ValueError(f"max_seqlen_q must be an int >= 0, got {max_seqlen_q!r}")
+        buf = self.buffers
+        swa_table = buf.swa_page_table[:bs] if self.swa and swa_v2p is not None else None
+        build_extend_metadata(
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            verify_lens,
+            self.page_size,
+            full_v2p,
+            swa_v2p if swa_table is not None else None,
+            buf.cu_seqlens_q[: bs + 1],
+            buf.cache_seqlens[:bs],
+            buf.cu_seqlens_k[: bs + 1],
+            buf.page_table[:bs],
+            swa_table,
+        )
+        swa_slots = buf.swa_write_slots[:num_tokens] if swa_table is not None else None
+        gather_ragged_write_window(
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            buf.cu_seqlens_q[: bs + 1],
+            self.page_size,
+            full_v2p,
+            swa_v2p if swa_slots is not None else None,
+            buf.full_write_slots[:num_tokens],
+            swa_slots,
+            buf.positions[:num_tokens],
+        )
         return self._result(bs, num_tokens, max_seqlen_q, max_seqlen_k, swa_table, swa_slots)
 
     # ----------------------------------------------------------------------------- internals

@@ -218,7 +218,8 @@ class EngineCore:
             lps = None
             if logprobs is not None:
                 lps = [row[:c] for row, c in zip(logprobs, counts, strict=True)]
-            self.scheduler.complete_verify(batch, committed, lps)
+            lens = staged.verify_lens.tolist() if staged.verify_lens is not None else None
+            self.scheduler.complete_verify(batch, committed, lps, lens)
         else:
             lps = None if logprobs is None else [row[0] for row in logprobs]
             self.scheduler.complete(batch, [row[0] for row in tokens], lps)

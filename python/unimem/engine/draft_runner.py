@@ -12,6 +12,9 @@ lanes of the target's own pages, reached through the pool's per-lane views.
 - :meth:`DraftRunner.propose_sampled`: the same block, with the lanes of sampled requests
   drawing each column from their filtered distribution ``q`` (returned with the tokens, for
   speculative sampling's accept and residual).
+- with ``survival=True`` both also return the confidence head's survival of every drafted
+  token (``[bs, gamma]``, :meth:`~unimem.speculative.drafter.DsparkDrafter.survival`), from
+  which an adaptive verify step chooses its lengths;
 - :meth:`DraftRunner.write_context`: context K/V projected from the target's captured hidden
   states, stored at a step's write slots — every token of a prefill, or only the committed
   rows of a verify (the other rows are redirected to the sink slot 0, which stores zeros:
@@ -87,12 +90,15 @@ class DraftRunner:
         seq_lens: torch.Tensor,
         anchors: torch.Tensor,
         rids: torch.Tensor,
-    ) -> torch.Tensor:
+        *,
+        survival: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens ``[bs, gamma]`` (int64) for requests at request-table ``rows`` with
         committed lengths ``seq_lens`` and anchors ``anchors`` (the token at ``seq_lens``);
         ``rids`` key the acceptance control. Writes the block's K/V into the draft lanes at
-        positions ``seq_lens .. seq_lens + gamma - 1``; reads nothing on the host."""
-        base = self._block_logits(rows, seq_lens, anchors)
+        positions ``seq_lens .. seq_lens + gamma - 1``; reads nothing on the host. With
+        ``survival``: ``(tokens, survival [bs, gamma] float32)``."""
+        base, hidden = self._block_forward(rows, seq_lens, anchors)
         control = self.chain.control
         replace = None
         if control is not None:
@@ -102,7 +108,10 @@ class DraftRunner:
                 # column i proposes the token at position seq_len + i + 1
                 return control.apply(tokens, rids, start + (i + 1))
 
-        return self.drafter.pick(base, anchors, replace)
+        tokens = self.drafter.pick(base, anchors, replace)
+        if survival:
+            return tokens, self.drafter.survival(hidden, anchors, tokens)
+        return tokens
 
     def propose_sampled(
         self,
@@ -111,15 +120,18 @@ class DraftRunner:
         anchors: torch.Tensor,
         rids: torch.Tensor,
         params: SamplingRows,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        *,
+        survival: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """:meth:`propose` for a batch with sampled lanes: ``(tokens [bs, gamma] int64,
         q [bs, gamma, vocab] float32)``. A lane with temperature > 0 draws column ``i`` from
         ``q_i`` — the column's logits (Markov bias included) under the lane's temperature and
         top-k / top-p / min-p (:func:`unimem.engine.sampling.filtered_probs`) — with the
         draft stream's noise at the token's position; a greedy lane picks exactly as
         :meth:`propose` (its ``q`` is the one-hot of its token). A draft the acceptance
-        control replaces gets the point mass on the reference as its ``q``."""
-        base = self._block_logits(rows, seq_lens, anchors)
+        control replaces gets the point mass on the reference as its ``q``. With ``survival``:
+        ``(tokens, q, survival [bs, gamma] float32)``."""
+        base, hidden = self._block_forward(rows, seq_lens, anchors)
         control = self.chain.control
         start = seq_lens.long()
         live = params.temperature > 0
@@ -135,12 +147,16 @@ class DraftRunner:
                 tok, q = spec_sampling.replace_proposal(tok, q, take, ref)
             return tok, q
 
-        return self.drafter.sample_pick(base, anchors, choose)
+        tokens, q = self.drafter.sample_pick(base, anchors, choose)
+        if survival:
+            return tokens, q, self.drafter.survival(hidden, anchors, tokens)
+        return tokens, q
 
-    def _block_logits(
+    def _block_forward(
         self, rows: torch.Tensor, seq_lens: torch.Tensor, anchors: torch.Tensor
-    ) -> torch.Tensor:
-        """The block forward's base logits ``[bs, gamma, vocab]`` (block K/V stored)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block forward's base logits ``[bs, gamma, vocab]`` and final hidden states
+        ``[bs, gamma, d_model]`` (block K/V stored)."""
         pool = self.pool
         meta = self.builder.verify(
             pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p, gamma=self.gamma - 1
@@ -161,7 +177,7 @@ class DraftRunner:
                 scale=q.shape[-1] ** -0.5,
             )
 
-        return self.drafter.block_logits(anchors, meta.positions, attend)
+        return self.drafter.block_forward(anchors, meta.positions, attend)
 
     def write_context(
         self,

@@ -49,7 +49,8 @@ class Request:
 
     With chain speculative decoding, ``verify_steps`` counts its verify steps and
     ``verified_tokens`` the tokens they committed (``accepted + 1`` each, counted before
-    truncation at ``max_new_tokens``): their ratio is the request's accept length.
+    truncation at ``max_new_tokens``): their ratio is the request's accept length;
+    ``verified_rows`` the rows those steps verified (``gamma + 1`` each with fixed lengths).
 
     ``cached_tokens``: tokens admissions skipped on prefix-cache hits (summed over
     readmissions after retraction).
@@ -78,6 +79,7 @@ class Request:
     forward_steps: int = 0
     verify_steps: int = 0
     verified_tokens: int = 0
+    verified_rows: int = 0
     cached_tokens: int = 0
     inflight: list[InFlight] = field(default_factory=list)
     epoch: int = 0

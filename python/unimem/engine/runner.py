@@ -19,7 +19,10 @@ Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
   target verify, accept (greedy, or speculative sampling for lanes with temperature > 0:
   :mod:`unimem.speculative.spec_sampling`), commit of GDN states and draft context K/V — all
   on the device, the row advanced by ``accepted + 1`` and its next anchor set to the last
-  committed token.
+  committed token. With an adaptive chain (:attr:`DsparkChain.adaptive`) the verify is
+  *ragged*: each lane's length ``1 .. gamma + 1`` is chosen on the device from the drafter's
+  confidence head under the step's row budget, and the lanes' windows are packed back to back
+  in a fixed number of rows per batch bucket (:meth:`ModelRunner._ragged_verify_step`).
 
 Every step writes ``StepOutputs`` (tokens and counts per lane) for the caller to copy to the
 host and read one step late. Decode and verify read only device buffers, so with
@@ -58,6 +61,12 @@ from unimem.models.forward_context import ForwardContext, ForwardMode
 from unimem.speculative import spec_sampling
 from unimem.speculative.accept import commit_mask, greedy_accept
 from unimem.speculative.chain import DsparkChain
+from unimem.speculative.verify_lengths import (
+    PackedRows,
+    allocate_lengths,
+    packed_layout,
+    packed_rows,
+)
 from unimem_kernel import gdn as gdn_ops
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
@@ -73,7 +82,14 @@ class PagedContext(ForwardContext):
     """A ``ForwardContext`` over a pool: attention through paged K/V views and the step's
     metadata, GDN through the requests' state slots — updated in place (extend, decode) or,
     in verify, left alone while the state after every position goes to the runner's scratch.
-    ``capture``: target layers whose hidden states are kept in :attr:`hidden`."""
+    ``capture``: target layers whose hidden states are kept in :attr:`hidden`.
+
+    ``packed`` (a ragged verify): the step's rows are packed lanes of uneven lengths. Attention
+    runs on the packed rows (the metadata's ``cu_seqlens_q``) and zeroes the padding rows'
+    outputs (a varlen kernel leaves them unwritten); GDN scatters the packed rows into the
+    uniform ``[bs, gamma + 1]`` layout (rows past a lane's length are zeros: no decay, no
+    update), runs the fixed-width verify form with per-position states into the scratch, and
+    gathers its output back to the packed rows."""
 
     def __init__(
         self,
@@ -83,19 +99,21 @@ class PagedContext(ForwardContext):
         state_slots: torch.Tensor | None,
         logits_indices: torch.Tensor,
         capture: tuple[int, ...] = (),
+        packed: PackedRows | None = None,
     ) -> None:
         super().__init__(mode, meta.positions, meta.cu_seqlens_q, logits_indices)
         self.runner = runner
         self.meta = meta
         self.state_slots = state_slots
         self.capture = capture
+        self.packed = packed
         self.hidden: dict[int, torch.Tensor] = {}
 
     def attention(self, layer_idx, q, k, v, *, sinks=None):
         r = self.runner
         kind = r.layer_kinds[layer_idx]
         k_cache, v_cache = r.pool.kv_cache(kind, r.spec.lane_of_layer(layer_idx))
-        return r.backend.forward(
+        out = r.backend.forward(
             q,
             k,
             v,
@@ -107,8 +125,25 @@ class PagedContext(ForwardContext):
             scale=r.model.config.attention_scale,
             sinks=sinks,
         )
+        if self.packed is not None:  # padding rows: finite zeros, whatever the kernel left
+            out = torch.where(self.packed.valid[:, None, None], out, 0)
+        return out
 
     def gdn(self, layer_idx, mixed_qkv, g, beta, *, conv_weight):
+        if self.packed is None:
+            return self._gdn(layer_idx, mixed_qkv, g, beta, conv_weight)
+        idx = self.packed.uniform_index
+        n = self.state_slots.shape[0] * self.runner.width
+
+        def uniform(x: torch.Tensor) -> torch.Tensor:  # packed rows -> [bs * (gamma + 1)]
+            buf = x.new_zeros(n + 1, *x.shape[1:])
+            buf[idx] = x  # padding rows land on the dump row n
+            return buf[:n]
+
+        o = self._gdn(layer_idx, uniform(mixed_qkv), uniform(g), uniform(beta), conv_weight)
+        return torch.cat([o, o.new_zeros(1, *o.shape[1:])])[idx]
+
+    def _gdn(self, layer_idx, mixed_qkv, g, beta, conv_weight):
         r = self.runner
         conv, ssm = r.pool.state_cache(r.spec.lane_of_layer(layer_idx))
         scratch = {}
@@ -151,6 +186,13 @@ class ModelRunner:
 
     Sampling (temperature > 0) runs in extend, decode and verify steps (speculative sampling:
     :meth:`_verify_step`).
+
+    Adaptive verify lengths (``chain.adaptive``): :meth:`_ragged_verify_step`. Two test hooks
+    feed it lengths instead of the confidence allocation: :attr:`verify_lens_override` (a
+    ``[max_bs]`` int32 device tensor, read by the step on the device like any other state)
+    and :attr:`planned_lengths` (host ints for the next eager step, which then builds its
+    metadata by the eager ``extend`` builder with exactly ``sum(lengths)`` rows — the
+    host-planned oracle the device-planned, fixed-row step is compared with).
     """
 
     def __init__(
@@ -190,6 +232,8 @@ class ModelRunner:
         self.lanes = StepLanes(max_bs, self.device)
         self.out = StepOutputs.allocate(max_bs, self.width, self.device)
         self._arange = torch.arange(max_tokens, device=self.device)
+        self.verify_lens_override: torch.Tensor | None = None
+        self.planned_lengths: list[int] | None = None
         self.drafts: DraftRunner | None = None
         self.verify_scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._commit_plan: StateCommitPlan | None = None
@@ -391,8 +435,12 @@ class ModelRunner:
            slot (one launch translating virtual slots), the drafter's context K/V for the
            committed rows only, and the row's length and anchor (the last committed token).
 
-        Nothing is freed (rejected rows are overwritten next step).
+        Nothing is freed (rejected rows are overwritten next step). With an adaptive chain
+        the step is :meth:`_ragged_verify_step`; the fixed step below is unchanged by it.
         """
+        if self.chain.adaptive:
+            self._ragged_verify_step(width, draw)
+            return
         gamma, vw = self.chain.gamma, self.chain.verify_width
         rows, vslots, rids = (
             self.lanes.rows(width),
@@ -438,6 +486,114 @@ class ModelRunner:
             lp = token_logprobs(logits, tokens.reshape(-1))
             self.out.logprobs[:width] = lp.reshape(width, vw)
 
+    def _ragged_verify_step(self, width: int, draw: bool = False) -> None:
+        """The verify step with per-lane lengths ``L_b`` in ``1 .. gamma + 1``, packed
+        (``docs/spec_decoding.md``, "Adaptive verify lengths"). Device inputs only
+        (capturable); every shape depends on ``width`` alone:
+
+        1. draft ``gamma`` tokens per lane as the fixed step, with the confidence head's
+           survival of each;
+        2. lengths: :func:`allocate_lengths` of the survivals under :func:`packed_rows`
+           ``(width, gamma + 1, budget)`` rows (padded lanes: 1 row); the packed layout
+           (``cu_seqlens_q`` etc.) on the device;
+        3. metadata: :meth:`MetadataBuilder.verify_ragged` from the live FULL/SWA tables (the
+           extend metadata kernel and a ragged write window; padding rows write the sink);
+        4. target forward of the packed rows (attention varlen, GDN per-position states into
+           the uniform scratch, :class:`PagedContext`);
+        5. accept on the uniform ``[width, gamma + 1]`` view of the logits, at most ``L_b -
+           1`` drafts (greedy; with ``draw`` speculative sampling on the truncated chains);
+        6. commit as the fixed step (GDN states at row ``accepted`` of the uniform scratch;
+           drafter context for the committed packed rows), and ``out.verify_lens``.
+        """
+        vw = self.chain.verify_width
+        rows, vslots, rids = (
+            self.lanes.rows(width),
+            self.lanes.vslots(width),
+            self.lanes.rids(width),
+        )
+        seq_lens, anchors = self.state.read(rows)
+        pool = self.pool
+        params = self.sampling.read(rows) if draw else None
+        q = None
+        if params is None:
+            draft, surv = self.drafts.propose(rows, seq_lens, anchors, rids, survival=True)
+        else:
+            draft, q, surv = self.drafts.propose_sampled(
+                rows, seq_lens, anchors, rids, params, survival=True
+            )
+        planned, self.planned_lengths = self.planned_lengths, None
+        live = rows > 0
+        if planned is not None:  # the host-planned oracle (eager only: width == bs)
+            planned = list(planned[:width])
+            n_rows = sum(planned)
+            lengths = upload_int32(list(planned), self.device)
+            meta = self.builder.extend(
+                pool.req_to_token,
+                rows,
+                seq_lens,
+                lengths,
+                pool.full_v2p,
+                pool.swa_v2p,
+                num_tokens=n_rows,
+                max_seqlen_q=max(planned),
+            )
+        else:
+            n_rows = packed_rows(width, vw, self.chain.verify_budget)
+            if self.verify_lens_override is not None:
+                lengths = torch.where(live, self.verify_lens_override[:width], 1)
+                lengths = lengths.to(torch.int32)
+            else:
+                lengths = allocate_lengths(surv, live, n_rows)
+            meta = self.builder.verify_ragged(
+                pool.req_to_token,
+                rows,
+                seq_lens,
+                lengths,
+                pool.full_v2p,
+                pool.swa_v2p,
+                num_tokens=n_rows,
+                max_seqlen_q=vw,
+            )
+        packed = packed_layout(lengths, n_rows, vw)
+        uniform_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
+        input_ids = torch.cat([uniform_ids, uniform_ids.new_zeros(1)])[packed.uniform_index]
+        ctx = PagedContext(
+            self,
+            ForwardMode.VERIFY,
+            meta,
+            self._state_slots(vslots),
+            self._arange[:n_rows],
+            self.drafts.target_layers,
+            packed,
+        )
+        logits = self.model.forward(input_ids, ctx)
+        # the packed row of (lane b, column j): cu[b] + min(j, L_b - 1) (columns past a lane's
+        # length repeat its last row; the accept never reads them)
+        cols = torch.minimum(self._arange[:vw][None, :], lengths.long()[:, None] - 1)
+        src = (packed.cu_seqlens[:-1].long()[:, None] + cols).reshape(-1)
+        tokens = torch.argmax(logits, dim=-1)[src].reshape(width, vw)
+        limit = lengths - 1
+        accepted, bonus = greedy_accept(draft, tokens, limit)
+        uniform_logits = None
+        if params is not None or self.logprobs:
+            uniform_logits = logits[src]
+        if params is not None:
+            accepted, tokens = self._sampled_accept(
+                uniform_logits, draft, q, tokens, accepted, seq_lens, params, limit
+            )
+            bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
+        if self._commit_plan is not None:
+            commit_states_multi(self._commit_plan, accepted, vslots, pool.state_v2p)
+        keep = packed.valid & (packed.offset <= accepted.long()[packed.lane])
+        self.drafts.write_context(ctx.hidden, meta, keep)
+        self.state.write(rows, seq_lens + accepted + 1, bonus)
+        self.out.tokens[:width] = tokens
+        self.out.counts[:width] = accepted + 1
+        self.out.verify_lens[:width] = lengths
+        if self.logprobs:
+            lp = token_logprobs(uniform_logits, tokens.reshape(-1))
+            self.out.logprobs[:width] = lp.reshape(width, vw)
+
     def _sampled_accept(
         self,
         logits: torch.Tensor,
@@ -447,11 +603,13 @@ class ModelRunner:
         greedy_accepted: torch.Tensor,
         seq_lens: torch.Tensor,
         params: SamplingRows,
+        limit: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Speculative sampling (:func:`unimem.speculative.spec_sampling.chain_accept`) for
         the lanes with temperature > 0: the target's filtered distributions ``p`` over the
         ``gamma + 1`` rows (``[bs, gamma + 1, V]``, materialised), each row's token at
         position ``seq_len + 1 + j``. Greedy lanes keep ``greedy_accepted`` and ``target``.
+        ``limit [bs]``: a ragged verify's chain lengths (:func:`spec_sampling.chain_accept`).
         Returns ``(accepted [bs] int32, tokens [bs, gamma + 1])``."""
         width, vw = target.shape
 
@@ -466,7 +624,7 @@ class ModelRunner:
             rows(params.min_p),
         ).reshape(width, vw, -1)
         positions = seq_lens.long()[:, None] + 1 + self._arange[:vw][None, :]
-        s = spec_sampling.chain_accept(draft, q, p, params.seeds, positions)
+        s = spec_sampling.chain_accept(draft, q, p, params.seeds, positions, limit)
         live = params.temperature > 0
         accepted = torch.where(live, s.accepted, greedy_accepted)
         return accepted, torch.where(live[:, None], s.tokens, target)

@@ -122,6 +122,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.retractions = 0
+        self.verify_batches = 0
+        self.verified_rows = 0
         self.cache_flushes = 0
         self._admission_paused = False
 
@@ -238,13 +240,17 @@ class Scheduler:
         batch: Batch,
         committed: list[list[int]],
         logprobs: list[list[float]] | None = None,
+        verify_lens: list[int] | None = None,
     ) -> None:
         """Account a verify step: ``committed[i]`` are the ``accepted + 1`` tokens request
-        ``i`` committed (accepted drafts, then the bonus), ``logprobs[i]`` theirs if given.
-        Its length advances by that many (the anchor and the accepted drafts are now in
-        memory; the bonus is the next anchor); output beyond ``max_new_tokens`` or a stop
-        token is dropped. Then as :meth:`complete`."""
+        ``i`` committed (accepted drafts, then the bonus), ``logprobs[i]`` theirs if given,
+        ``verify_lens[i]`` the rows it verified (default ``gamma + 1``). Its length advances
+        by the committed tokens (the anchor and the accepted drafts are now in memory; the
+        bonus is the next anchor); output beyond ``max_new_tokens`` or a stop token is
+        dropped. Then as :meth:`complete`. ``verify_batches`` / ``verified_rows`` count the
+        steps with a live lane and their live lanes' rows."""
         live = []
+        rows = 0
         for i, (req, toks) in enumerate(zip(batch.reqs, committed, strict=True)):
             if not self._current(req, batch.epochs[i]):
                 continue
@@ -253,8 +259,14 @@ class Scheduler:
             req.forward_steps += 1
             req.verify_steps += 1
             req.verified_tokens += len(toks)
+            n = verify_lens[i] if verify_lens is not None else self.gamma + 1
+            req.verified_rows += n
+            rows += n
             req.append_output(toks, None if logprobs is None else logprobs[i])
             live.append((req, step.snapshot))
+        if live:
+            self.verify_batches += 1
+            self.verified_rows += rows
         self._end_step(live)
 
     @staticmethod

@@ -18,7 +18,8 @@ its results one step late (DESIGN §1.4, §3.5). Four small owners make that exp
   size) point at row 0, slot -1, rid -1: they read the sink, skip every state slot and write
   nothing anyone reads.
 - :class:`StepOutputs`: ``tokens [max_bs, width]`` int64 and ``counts [max_bs]`` int32 that a
-  step writes (lane ``b`` committed ``tokens[b, :counts[b]]``).
+  step writes (lane ``b`` committed ``tokens[b, :counts[b]]``), and ``verify_lens [max_bs]``
+  int32, the rows each lane verified (written by ragged verify steps; ``width`` otherwise).
 - :class:`ResultRing`: pinned host copies of a step's outputs, taken by non-blocking copies
   and an event; the host reads them after it has launched the next step.
 
@@ -180,11 +181,13 @@ class StepLanes:
 class StepOutputs:
     """Device results of the last step: lane ``b`` committed ``tokens[b, :counts[b]]``;
     ``logprobs[b, j]`` is the log-probability the target gave ``tokens[b, j]`` (written only
-    by a runner built with ``logprobs=True``)."""
+    by a runner built with ``logprobs=True``); ``verify_lens[b]`` the rows lane ``b``
+    verified (a ragged verify step writes it; it stays ``width`` otherwise)."""
 
     tokens: torch.Tensor  # [max_bs, width] int64
     counts: torch.Tensor  # [max_bs] int32
     logprobs: torch.Tensor  # [max_bs, width] float32
+    verify_lens: torch.Tensor | None = None  # [max_bs] int32
 
     @classmethod
     def allocate(cls, max_bs: int, width: int, device: torch.device) -> StepOutputs:
@@ -192,18 +195,21 @@ class StepOutputs:
             torch.zeros(max_bs, width, dtype=torch.int64, device=device),
             torch.zeros(max_bs, dtype=torch.int32, device=device),
             torch.zeros(max_bs, width, dtype=torch.float32, device=device),
+            torch.full((max_bs,), width, dtype=torch.int32, device=device),
         )
 
 
 @dataclass
 class StagedResult:
     """Host copies of one step's outputs for ``bs`` lanes, valid once ``event`` completed
-    (None: already valid, a CPU run). ``logprobs`` is None unless the ring copies them."""
+    (None: already valid, a CPU run). ``logprobs`` is None unless the ring copies them;
+    ``verify_lens`` (the rows each lane verified) once :meth:`read` returned."""
 
     tokens: torch.Tensor
     counts: torch.Tensor
     logprobs: torch.Tensor | None
     event: torch.cuda.Event | None
+    verify_lens: torch.Tensor | None = None
 
     def read(self) -> tuple[list[list[int]], list[int], list[list[float]] | None]:
         """``(tokens per lane, counts, logprobs per lane or None)`` — waits for the step if
@@ -240,6 +246,7 @@ class ResultRing:
                 torch.zeros(max_bs, dtype=torch.int32, pin_memory=pin),
                 torch.zeros(max_bs, width, dtype=torch.float32, pin_memory=pin),
                 torch.cuda.Event() if pin else None,
+                torch.zeros(max_bs, dtype=torch.int32, pin_memory=pin),
             )
             for _ in range(depth)
         ]
@@ -248,15 +255,19 @@ class ResultRing:
     def stage(self, out: StepOutputs, bs: int) -> StagedResult:
         """Copy lanes ``:bs`` of ``out`` to the next host set (stream-ordered after the
         step) and record an event behind the copies."""
-        tokens, counts, logprobs, event = self._sets[self._next]
+        tokens, counts, logprobs, event, lens = self._sets[self._next]
         self._next = (self._next + 1) % len(self._sets)
         width = out.tokens.shape[1]
         tokens[:bs, :width].copy_(out.tokens[:bs], non_blocking=True)
         counts[:bs].copy_(out.counts[:bs], non_blocking=True)
+        staged_lens = None
+        if out.verify_lens is not None:
+            lens[:bs].copy_(out.verify_lens[:bs], non_blocking=True)
+            staged_lens = lens[:bs]
         staged_logprobs = None
         if self.logprobs:
             logprobs[:bs, :width].copy_(out.logprobs[:bs], non_blocking=True)
             staged_logprobs = logprobs[:bs, :width]
         if event is not None:
             event.record()
-        return StagedResult(tokens[:bs, :width], counts[:bs], staged_logprobs, event)
+        return StagedResult(tokens[:bs, :width], counts[:bs], staged_logprobs, event, staged_lens)

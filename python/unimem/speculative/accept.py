@@ -30,9 +30,16 @@ class AcceptResult(NamedTuple):
     bonus: torch.Tensor
 
 
-def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> AcceptResult:
+def greedy_accept(
+    draft: torch.Tensor, target_argmax: torch.Tensor, limit: torch.Tensor | None = None
+) -> AcceptResult:
     """Longest matching prefix of ``draft [bs, gamma]`` against ``target_argmax [bs, gamma+1]``
-    plus the bonus token. Any integer dtypes; ``gamma >= 0``."""
+    plus the bonus token. Any integer dtypes; ``gamma >= 0``.
+
+    ``limit [bs]`` (optional, a ragged verify of ``limit + 1`` rows per request): at most
+    ``limit[b]`` drafts are accepted — drafts past it were not verified, and the bonus is then
+    ``target_argmax[b, limit[b]]``; columns of ``target_argmax`` past ``limit`` are never
+    read into the result."""
     if draft.dim() != 2 or target_argmax.dim() != 2:
         raise ValueError(
             f"need draft [bs, gamma] and target_argmax [bs, gamma + 1], got "
@@ -45,6 +52,9 @@ def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> AcceptRes
             f"{tuple(target_argmax.shape)}"
         )
     match = draft.long() == target_argmax[:, :gamma].long()
+    if limit is not None:
+        cols = torch.arange(gamma, device=draft.device)
+        match = match & (cols[None, :] < limit.long()[:, None])
     # cumprod keeps 1 while every earlier draft matched: its sum is the prefix length.
     accepted = match.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
     bonus = target_argmax.long().gather(1, accepted.long()[:, None])[:, 0]

@@ -14,6 +14,14 @@ computed by :mod:`unimem.speculative.train_forward` (the inference function, den
 drafter's own weights train (AdamW); the target, its embedding and LM head stay frozen. The
 drafter's parameters require grad only inside :func:`distill`'s loop.
 
+Confidence head (a drafter with ``DraftConfig.confidence``, the default shape's): trained in
+the same steps by binary cross-entropy — the target of block row ``i`` is whether the
+drafter's teacher-forced greedy pick there equals the target's token, i.e. whether draft
+``i`` survives given that every earlier one did. The head reads the block's hidden state
+detached and its gradients are clipped on their own, so it does not change how the drafter
+itself trains. :func:`confidence_calibration` measures it on held-out continuations (mean
+BCE and expected calibration error).
+
 A drafter for a 16-bit target trains in float32 (master weights) and is saved in the
 target's dtype. Measurement: :func:`offline_accept_length` replays the engine's greedy chain
 schedule (anchor at the prompt's end, advance by accepted + 1) on held-out continuations;
@@ -41,12 +49,14 @@ from unimem.models.base import CausalLM
 from unimem.models.forward_context import DenseCache, DenseContext, ForwardMode
 from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
-from unimem.speculative.train_forward import block_logits_dense, distill_loss
+from unimem.speculative.train_forward import block_logits_dense, distill_losses
 
 __all__ = [
     "DistillConfig",
     "DistillResult",
+    "Calibration",
     "Rollouts",
+    "confidence_calibration",
     "distill",
     "greedy_rollouts",
     "offline_accept_length",
@@ -61,7 +71,13 @@ class DistillConfig:
     ``anchors_per_step`` anchors sampled per step from the generated region (None: all).
     The defaults take ~4.5 min on one CPU core for ``tiny`` (few prompts, many steps
     overfit: 64 prompts reach a loss of 0.04 and generalise worse than 512);
-    ``eval_prompts`` held-out random prompts for the before/after accept length (0: none)."""
+    ``eval_prompts`` held-out random prompts for the before/after accept length (0: none);
+    ``head_steps``: steps that train only the confidence head after the drafter's own
+    (the head must be calibrated to the *final* drafter, whose acceptance grew while it
+    trained; the body's forward only, no backward through it), on continuations the drafter
+    did not train on — ``head_prompts`` random prompts of their own, or with given prompts
+    the last eighth of them, held out of the drafter's data — so that it learns out-of-sample
+    survival, not the drafter's (higher) acceptance on its own training data."""
 
     steps: int = 300
     prompts: int = 512
@@ -75,6 +91,8 @@ class DistillConfig:
     eval_prompts: int = 8
     log_every: int = 25
     draft_layers: int = 2
+    head_steps: int = 100
+    head_prompts: int = 64
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts", "prompt_len", "gen_len", "gamma", "batch"):
@@ -88,6 +106,14 @@ class DistillConfig:
         if self.anchors_per_step is not None and self.anchors_per_step < 1:
             raise ValueError(
                 f"DistillConfig.anchors_per_step must be None or >= 1, got {self.anchors_per_step}"
+            )
+        if not isinstance(self.head_prompts, int) or self.head_prompts < 1:
+            raise ValueError(
+                f"DistillConfig.head_prompts must be an int >= 1, got {self.head_prompts!r}"
+            )
+        if not isinstance(self.head_steps, int) or self.head_steps < 0:
+            raise ValueError(
+                f"DistillConfig.head_steps must be an int >= 0, got {self.head_steps!r}"
             )
         if self.eval_prompts < 0:
             raise ValueError(f"DistillConfig.eval_prompts must be >= 0, got {self.eval_prompts}")
@@ -119,12 +145,29 @@ class Rollouts:
         )
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """The confidence head on held-out data: ``bce`` its mean binary cross-entropy, ``ece``
+    the expected calibration error over 10 equal-width probability bins, ``base_rate`` the
+    fraction of drafts that survive, ``mean_survival`` the head's mean estimate, ``n`` the
+    entries (block rows of every anchor)."""
+
+    bce: float
+    ece: float
+    base_rate: float
+    mean_survival: float
+    n: int
+
+
 @dataclass
 class DistillResult:
     drafter: DsparkDrafter
     losses: list[float] = field(default_factory=list)
+    bce_losses: list[float] = field(default_factory=list)
     accept_before: float | None = None
     accept_after: float | None = None
+    calibration_before: Calibration | None = None
+    calibration_after: Calibration | None = None
     seconds: float = 0.0
 
 
@@ -222,6 +265,29 @@ def offline_accept_length(drafter: DsparkDrafter, data: Rollouts, gamma: int) ->
     return tokens / steps if steps else 0.0
 
 
+@torch.no_grad()
+def confidence_calibration(drafter: DsparkDrafter, data: Rollouts, gamma: int) -> Calibration:
+    """The confidence head of ``drafter`` on ``data``: every anchor from each prompt's end,
+    every block row whose target exists (module docstring). ``ValueError`` without a head."""
+    if not drafter.config.confidence:
+        raise ValueError("confidence_calibration: the drafter has no confidence head")
+    first = int(data.prompt_lens.min())
+    anchors = torch.arange(first, int(data.lengths.max()) - 1, device=data.tokens.device)
+    out = distill_losses(
+        drafter, data.tokens, data.hidden, anchors, gamma, data.prompt_lens, data.lengths
+    )
+    valid = out.valid
+    s = out.survival[valid].double()
+    y = out.accepted[valid].double()
+    bins = torch.clamp((s * 10).long(), max=9)
+    ece = 0.0
+    for k in range(10):
+        m = bins == k
+        if m.any():
+            ece += float(m.sum()) / len(s) * abs(float(s[m].mean() - y[m].mean()))
+    return Calibration(float(out.bce), ece, float(y.mean()), float(s.mean()), out.n)
+
+
 def _set_trainable(drafter: DsparkDrafter, on: bool) -> None:
     for p in drafter.parameters():
         p.requires_grad_(on)
@@ -260,9 +326,20 @@ def distill(
     student = copy_drafter(drafter, dtype=train_dtype)
     layers = student.config.target_layers
     vocab = c.vocab_size
+    head = student.config.confidence and cfg.head_steps > 0
+    head_p = None
     if prompts is None:
         prompts = random_prompts(cfg.prompts, cfg.prompt_len, vocab, cfg.seed + 1000)
+        if head:
+            head_p = random_prompts(cfg.head_prompts, cfg.prompt_len, vocab, cfg.seed + 4000)
+    elif head:  # given prompts: the last eighth calibrates the head
+        cut = max(1, len(prompts) // 8) if len(prompts) > 1 else 0
+        if cut:
+            prompts, head_p = prompts[:-cut], prompts[-cut:]
+        else:
+            head_p = prompts
     data = greedy_rollouts(target, prompts, cfg.gen_len, layers)
+    head_data = greedy_rollouts(target, head_p, cfg.gen_len, layers) if head else None
     held = None
     if cfg.eval_prompts:
         eval_p = random_prompts(cfg.eval_prompts, cfg.prompt_len, vocab, cfg.seed + 2000)
@@ -271,6 +348,9 @@ def distill(
     if held is not None:
         result.accept_before = offline_accept_length(student, held, cfg.gamma)
         _log(log, f"held-out accept length before: {result.accept_before:.3f}")
+        if student.config.confidence:
+            result.calibration_before = confidence_calibration(student, held, cfg.gamma)
+            _log(log, f"held-out confidence before: {_calib(result.calibration_before)}")
     dev = target.device
     g = torch.Generator().manual_seed(cfg.seed + 3000)
     first = int(data.prompt_lens.min())
@@ -279,6 +359,9 @@ def distill(
     _set_trainable(student, True)
     try:
         opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
+        named = list(student.named_parameters())
+        head_params = [p for n, p in named if n.startswith("conf_")]
+        body = [p for n, p in named if not n.startswith("conf_")]
         warm = max(1, cfg.steps // 20)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt,
@@ -295,7 +378,7 @@ def distill(
             if cfg.anchors_per_step is not None and cfg.anchors_per_step < len(all_anchors):
                 pick = torch.randperm(len(all_anchors), generator=g)[: cfg.anchors_per_step]
                 anchors = all_anchors[pick.sort().values]
-            loss, _ = distill_loss(
+            out = distill_losses(
                 student,
                 batch.tokens,
                 batch.hidden,
@@ -305,21 +388,78 @@ def distill(
                 batch.lengths,
             )
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+            (out.ce + out.bce).backward()
+            # the head clipped on its own: the drafter trains as it would without it
+            torch.nn.utils.clip_grad_norm_(body, 1.0)
+            if head_params:
+                torch.nn.utils.clip_grad_norm_(head_params, 1.0)
             opt.step()
             sched.step()
-            result.losses.append(float(loss.detach()))
+            result.losses.append(float(out.ce.detach()))
+            if student.config.confidence:
+                result.bce_losses.append(float(out.bce.detach()))
             if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-                _log(log, f"step {step:5d}  loss {result.losses[-1]:.4f}")
+                bce = ""
+                if student.config.confidence:
+                    bce = f"  confidence bce {result.bce_losses[-1]:.4f}"
+                _log(log, f"step {step:5d}  loss {result.losses[-1]:.4f}{bce}")
+        if head_data is not None:
+            _train_head(student, head_data, cfg, g, result, log)
     finally:
         _set_trainable(student, False)
     if held is not None:
         result.accept_after = offline_accept_length(student, held, cfg.gamma)
         _log(log, f"held-out accept length after:  {result.accept_after:.3f}")
+        if student.config.confidence:
+            result.calibration_after = confidence_calibration(student, held, cfg.gamma)
+            _log(log, f"held-out confidence after:  {_calib(result.calibration_after)}")
     result.drafter = copy_drafter(student, dtype=c.dtype, gamma=cfg.gamma)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _train_head(
+    student: DsparkDrafter,
+    data: Rollouts,
+    cfg: DistillConfig,
+    g: torch.Generator,
+    result: DistillResult,
+    log: Callable[[str], None] | None,
+) -> None:
+    """``cfg.head_steps`` Adam steps of the confidence head alone on the final drafter's
+    survival targets over ``data`` (held out of the drafter's training; batches drawn as in
+    the main loop; the body frozen)."""
+    all_anchors = torch.arange(int(data.prompt_lens.min()), int(data.lengths.max()) - 1)
+    head = [p for n, p in student.named_parameters() if n.startswith("conf_")]
+    for n, p in student.named_parameters():
+        p.requires_grad_(n.startswith("conf_"))
+    opt = torch.optim.Adam(head, lr=cfg.lr)
+    dev = data.tokens.device
+    for step in range(cfg.head_steps):
+        idx = torch.randperm(len(data), generator=g)[: cfg.batch]
+        batch = data.select(idx.to(dev))
+        anchors = all_anchors
+        if cfg.anchors_per_step is not None and cfg.anchors_per_step < len(all_anchors):
+            pick = torch.randperm(len(all_anchors), generator=g)[: cfg.anchors_per_step]
+            anchors = all_anchors[pick.sort().values]
+        out = distill_losses(
+            student, batch.tokens, batch.hidden, anchors.to(dev), cfg.gamma,
+            batch.prompt_lens, batch.lengths,
+        )  # fmt: skip
+        opt.zero_grad(set_to_none=True)
+        out.bce.backward()
+        torch.nn.utils.clip_grad_norm_(head, 1.0)
+        opt.step()
+        result.bce_losses.append(float(out.bce.detach()))
+        if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.head_steps - 1):
+            _log(log, f"head step {step:4d}  confidence bce {result.bce_losses[-1]:.4f}")
+
+
+def _calib(c: Calibration) -> str:
+    return (
+        f"bce {c.bce:.4f}, ece {c.ece:.4f}, mean survival {c.mean_survival:.3f} vs "
+        f"base rate {c.base_rate:.3f} ({c.n} drafts)"
+    )
 
 
 def _log(log: Callable[[str], None] | None, msg: str) -> None:
@@ -361,6 +501,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors-per-step", type=int, default=d.anchors_per_step)
     p.add_argument("--draft-layers", type=int, default=d.draft_layers)
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
+    p.add_argument(
+        "--head-steps",
+        type=int,
+        default=d.head_steps,
+        help="steps training only the confidence head after the drafter's (0: none)",
+    )
+    p.add_argument(
+        "--head-prompts",
+        type=int,
+        default=d.head_prompts,
+        help="random prompts held out of the drafter's training to calibrate the head",
+    )
     p.add_argument("--log-every", type=int, default=d.log_every, help="0: no progress lines")
     p.add_argument(
         "--seed",
@@ -424,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
             eval_prompts=args.eval_prompts,
             draft_layers=args.draft_layers,
             log_every=args.log_every,
+            head_steps=args.head_steps,
+            head_prompts=args.head_prompts,
         )
         init = load_drafter(args.init, target) if args.init else None
     except ValueError as e:

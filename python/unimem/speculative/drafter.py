@@ -87,7 +87,8 @@ class DraftConfig:
     model order not required) whose residual streams make the context. ``vocab_size`` and
     ``d_model`` must be the target's (embedding and LM head are shared). ``gamma``: the block
     size the drafter was trained for (None: untrained; recorded, not enforced — any block
-    size runs).
+    size runs). ``confidence``: the drafter has a confidence head (:meth:`DsparkDrafter.survival`;
+    False for checkpoints written before it existed: their verify lengths stay fixed).
     """
 
     vocab_size: int
@@ -105,6 +106,7 @@ class DraftConfig:
     rms_eps: float = 1e-6
     dtype: torch.dtype = torch.float64
     gamma: int | None = None
+    confidence: bool = False
 
     def __post_init__(self) -> None:
         for name in ("layer_hosts", "target_layers"):
@@ -160,6 +162,8 @@ class DraftConfig:
             raise ValueError(f"DraftConfig.dtype must be a floating torch.dtype, got {self.dtype}")
         if self.gamma is not None and (not _is_int(self.gamma) or self.gamma < 1):
             raise ValueError(f"DraftConfig.gamma must be None or an int >= 1, got {self.gamma!r}")
+        if not isinstance(self.confidence, bool):
+            raise ValueError(f"DraftConfig.confidence must be a bool, got {self.confidence!r}")
 
     @property
     def num_layers(self) -> int:
@@ -216,7 +220,7 @@ def draft_config_for(
 ) -> DraftConfig:
     """A drafter for ``config``: ``num_layers`` layers alternating FULL and SWA hosts (only
     the kinds the target has), SWA window half the target's, the target's head shapes and
-    dtype, context from three target layers (low, middle, last)."""
+    dtype, context from three target layers (low, middle, last), with a confidence head."""
     has = set(config.layer_pattern)
     kinds = [k for k in ("full", "swa") if k in has]
     if not kinds:
@@ -239,6 +243,7 @@ def draft_config_for(
         rope_theta=config.rope_theta,
         rms_eps=config.rms_eps,
         dtype=config.dtype,
+        confidence=True,
     )
 
 
@@ -298,6 +303,9 @@ class DsparkDrafter(nn.Module):
         self.final_norm = frozen_param(c.d_model)
         self.markov_u = frozen_param(c.vocab_size, c.markov_rank)
         self.markov_v = frozen_param(c.vocab_size, c.markov_rank)
+        if c.confidence:  # survival head over [draft hidden ; embedding of the previous token]
+            self.conf_w = frozen_param(2 * c.d_model)
+            self.conf_b = frozen_param(1)
         self._init_weights(seed)
         self.to(device=embed.device)
         self.rope_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
@@ -333,6 +341,10 @@ class DsparkDrafter(nn.Module):
                 w = torch.randn(p.shape, generator=gen)
             elif leaf == "markov_v":  # bias(prev) = V @ U[prev] of standard deviation ~1
                 w = torch.randn(p.shape, generator=gen) / math.sqrt(c.markov_rank)
+            elif leaf == "conf_w":  # a survival logit of standard deviation ~1
+                w = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[0])
+            elif leaf == "conf_b":
+                w = torch.zeros(p.shape)
             else:  # an [out, in] projection
                 w = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
                 if leaf in ("o_proj", "down"):
@@ -391,6 +403,14 @@ class DsparkDrafter(nn.Module):
         ``b``'s block sits at ``positions[b * gamma :]``, starting at its committed length).
         ``attend`` stores each layer's block K/V and attends (context + block, causal).
         """
+        return self.block_forward(anchors, positions, attend)[0]
+
+    @torch.no_grad()
+    def block_forward(
+        self, anchors: torch.Tensor, positions: torch.Tensor, attend: DraftAttention
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`block_logits` and the block's final hidden states ``[bs, gamma, d_model]``
+        (after the final norm: what the LM head and the confidence head read)."""
         c = self.config
         bs = anchors.shape[0]
         gamma = positions.shape[0] // bs
@@ -407,7 +427,32 @@ class DsparkDrafter(nn.Module):
         logits = F.linear(h, self.lm_head.to(c.dtype))
         if logits.dtype != torch.float64:
             logits = logits.float()
-        return logits.reshape(bs, gamma, c.vocab_size)
+        return logits.reshape(bs, gamma, c.vocab_size), h.reshape(bs, gamma, c.d_model)
+
+    def survival_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Confidence head, before the sigmoid: ``w . [hidden ; embed(prev)] + b`` per drafted
+        position (``hidden [..., d_model]`` the block's final hidden state of the row that
+        drafts the token, ``prev [...]`` the token before it: the anchor, then the previous
+        proposal). Not under ``no_grad`` (distillation trains it). ``ValueError`` without a
+        head (``DraftConfig.confidence`` False)."""
+        if not self.config.confidence:
+            raise ValueError("this drafter has no confidence head (DraftConfig.confidence)")
+        c = self.config
+        d = c.d_model
+        emb = self.embed[prev.long()].to(c.dtype)
+        w = self.conf_w
+        return hidden.to(c.dtype) @ w[:d] + emb @ w[d:] + self.conf_b[0]
+
+    @torch.no_grad()
+    def survival(
+        self, hidden: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """``[bs, gamma]`` float32: the estimated probability that drafted token ``i`` is
+        accepted given that every earlier one was — ``sigmoid`` of :meth:`survival_logits`
+        with ``hidden [bs, gamma, d_model]`` (:meth:`block_forward`) and the previous tokens
+        ``[anchor, tokens[:, :-1]]`` (``tokens [bs, gamma]`` the proposals)."""
+        prev = torch.cat([anchors.long()[:, None], tokens.long()[:, :-1]], dim=1)
+        return torch.sigmoid(self.survival_logits(hidden, prev)).float()
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """``[..., vocab]``: ``V @ U[prev]`` for each previous token ``prev [...]`` (also

@@ -124,13 +124,19 @@ def chain_accept(
     p: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    limit: torch.Tensor | None = None,
 ) -> ChainSample:
     """Speculative sampling of one verify step (module docstring).
 
     ``draft [bs, gamma]`` drafted tokens, ``q [bs, gamma, V]`` the distributions they were
     drawn from, ``p [bs, gamma + 1, V]`` the target's filtered distributions, ``seeds [bs]``
     int64, ``positions [bs, gamma + 1]``: the absolute position of the token each verify row
-    predicts (``kv_len + 1 + j``). Fixed shapes, no host read."""
+    predicts (``kv_len + 1 + j``). Fixed shapes, no host read.
+
+    ``limit [bs]`` (optional; a ragged verify of ``limit + 1`` rows): the chain of request
+    ``b`` is its first ``limit[b]`` drafts — drafts past it are never accepted and row
+    ``limit[b]`` is the bonus draw from ``p`` (its ``q`` counts as 0), exactly the chain
+    accept of ``gamma = limit[b]``; rows of ``p`` past ``limit`` are never used."""
     bs, gamma = draft.shape
     vocab = p.shape[-1]
     if q.shape != (bs, gamma, vocab) or p.shape != (bs, gamma + 1, vocab):
@@ -145,8 +151,12 @@ def chain_accept(
     qx = q.gather(2, d[:, :, None])[:, :, 0].float()
     u = uniforms(stream_keys(seeds, positions[:, :gamma], STREAM_ACCEPT))
     ok = u * qx < px  # u < p / q without dividing (q(x) > 0 for a drawn x)
-    accepted = ok.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # row gamma: the bonus, from p
+    if limit is not None:  # rows past the chain: never accepted; row limit is the bonus
+        in_chain = torch.arange(gamma + 1, device=draft.device)[None, :] < limit.long()[:, None]
+        ok = ok & in_chain[:, :gamma]
+        q_pad = q_pad * in_chain[:, :, None].to(q_pad.dtype)
+    accepted = ok.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
     residual = residual_distribution(p, q_pad)
     keys = stream_keys(seeds, positions, STREAM_RESIDUAL)
     repl = draw(residual.reshape(-1, vocab), keys.reshape(-1)).reshape(bs, gamma + 1)

@@ -14,7 +14,13 @@ head, :meth:`~unimem.speculative.drafter.DsparkDrafter.markov_bias`):
   ``< n`` and the block rows ``<= i`` (for an SWA-hosted layer only keys within its window),
   softmax scale ``head_dim_k ** -0.5`` (as the draft runner's), one softmax over both;
 * base logits ``[B, A, gamma, vocab]`` (= ``block_logits``), and for the loss the Markov bias
-  of the teacher-forced previous token ``tokens[n + i]``.
+  of the teacher-forced previous token ``tokens[n + i]``;
+* the confidence head (a drafter with ``DraftConfig.confidence``): the survival logit of
+  block row ``i`` from its final hidden state (detached: the head is a probe and does not
+  shape the drafter) and the embedding of ``tokens[n + i]``, trained by binary cross-entropy
+  against whether the drafter's teacher-forced greedy pick at row ``i`` equals the target's
+  token ``tokens[n + i + 1]`` — teacher forcing *is* the condition "every earlier draft
+  matched", so the head estimates the conditional survival that verify lengths use.
 
 Gradients flow only into the drafter's parameters (the caller turns ``requires_grad`` on);
 the target's hidden states, embedding and LM head are constants.
@@ -23,6 +29,7 @@ the target's hidden states, embedding and LM head are constants.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +37,15 @@ import torch.nn.functional as F
 from unimem.models.nn_ops import rms_norm
 from unimem.speculative.drafter import DsparkDrafter
 
-__all__ = ["block_logits_dense", "context_kv_dense", "distill_loss"]
+__all__ = [
+    "DistillLoss",
+    "block_forward_dense",
+    "block_logits_dense",
+    "confidence_targets",
+    "context_kv_dense",
+    "distill_loss",
+    "distill_losses",
+]
 
 
 def context_kv_dense(
@@ -101,6 +116,18 @@ def block_logits_dense(
     of positions ``< anchor`` from ``hidden[i] [B, S, d_model]`` — what
     :meth:`DsparkDrafter.block_logits` computes for anchor ``tokens[b, n]`` at committed
     length ``n`` when the draft lanes hold the context K/V of positions ``< n``."""
+    return block_forward_dense(drafter, tokens, hidden, anchors, gamma)[0]
+
+
+def block_forward_dense(
+    drafter: DsparkDrafter,
+    tokens: torch.Tensor,
+    hidden: Sequence[torch.Tensor],
+    anchors: torch.Tensor,
+    gamma: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_logits_dense` and the block's final hidden states ``[B, A, gamma,
+    d_model]`` (= :meth:`DsparkDrafter.block_forward`)."""
     c = drafter.config
     b, a = tokens.shape[0], anchors.shape[0]
     anchors = anchors.to(tokens.device).long()
@@ -127,7 +154,27 @@ def block_logits_dense(
     logits = F.linear(h, drafter.lm_head.to(c.dtype))
     if logits.dtype != torch.float64:
         logits = logits.float()
-    return logits.reshape(b, a, gamma, c.vocab_size)
+    return logits.reshape(b, a, gamma, c.vocab_size), h.reshape(b, a, gamma, c.d_model)
+
+
+class DistillLoss(NamedTuple):
+    """``ce``: mean cross-entropy of the drafts; ``bce``: mean binary cross-entropy of the
+    confidence head (zero without one); ``n``: targets counted; ``survival [B, A, gamma]`` the
+    head's probabilities and ``accepted [B, A, gamma]`` its 0/1 targets (None without a
+    head), ``valid [B, A, gamma]`` which entries count."""
+
+    ce: torch.Tensor
+    bce: torch.Tensor
+    n: int
+    survival: torch.Tensor | None
+    accepted: torch.Tensor | None
+    valid: torch.Tensor
+
+
+def confidence_targets(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """1.0 where the greedy pick of ``logits [..., vocab]`` (base + the teacher-forced Markov
+    bias) equals ``target [...]``, else 0.0 (the confidence head's BCE targets)."""
+    return (logits.argmax(dim=-1) == target).to(logits.dtype)
 
 
 def distill_loss(
@@ -143,8 +190,24 @@ def distill_loss(
     n + gamma]``, the logits being the base logits plus the Markov bias of the teacher-forced
     previous token ``tokens[n + i]``. Per sequence ``b`` only anchors ``>= first_anchor[b]``
     and targets at positions ``< lengths[b]`` count. Returns ``(loss, number of targets)``
-    (a zero loss if none counts)."""
-    base = block_logits_dense(drafter, tokens, hidden, anchors, gamma)
+    (a zero loss if none counts); :func:`distill_losses` also gives the confidence head's."""
+    out = distill_losses(drafter, tokens, hidden, anchors, gamma, first_anchor, lengths)
+    return out.ce, out.n
+
+
+def distill_losses(
+    drafter: DsparkDrafter,
+    tokens: torch.Tensor,
+    hidden: Sequence[torch.Tensor],
+    anchors: torch.Tensor,
+    gamma: int,
+    first_anchor: torch.Tensor,
+    lengths: torch.Tensor,
+) -> DistillLoss:
+    """:func:`distill_loss` and, for a drafter with a confidence head, its binary
+    cross-entropy against :func:`confidence_targets` over the same entries (module
+    docstring)."""
+    base, h = block_forward_dense(drafter, tokens, hidden, anchors, gamma)
     b, s = tokens.shape
     anchors = anchors.to(tokens.device).long()
     steps = torch.arange(gamma, device=tokens.device)
@@ -161,6 +224,15 @@ def distill_loss(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
     ).reshape(valid.shape)
     n = int(valid.sum())
+    survival = accepted = None
+    bce = ce.sum() * 0.0
+    if drafter.config.confidence:
+        z = drafter.survival_logits(h.detach(), prev)
+        accepted = confidence_targets(logits.detach(), target).to(z.dtype)
+        survival = torch.sigmoid(z.detach())
+        if n:
+            terms = F.binary_cross_entropy_with_logits(z, accepted, reduction="none")
+            bce = (terms * valid).sum() / n
     if n == 0:
-        return ce.sum() * 0.0, 0
-    return (ce * valid).sum() / n, n
+        return DistillLoss(ce.sum() * 0.0, bce, 0, survival, accepted, valid)
+    return DistillLoss((ce * valid).sum() / n, bce, n, survival, accepted, valid)

@@ -79,7 +79,7 @@ from unimem.models.loader import load_checkpoint, load_hf_config, resolve_dtype
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.models.tensor_parallel import SINGLE, full_config
-from unimem.speculative.chain import DsparkChain
+from unimem.speculative.chain import VERIFY_LENGTHS, DsparkChain
 from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.control import AcceptanceControl
 from unimem.speculative.drafter import DsparkDrafter
@@ -118,6 +118,8 @@ class ValidateConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     tp_size: int = 1
+    verify_lengths: str = "fixed"
+    verify_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("requests", "input_len", "output_len", "page_size", "max_running", "tp_size"):
@@ -187,6 +189,16 @@ class ValidateConfig:
             raise ValueError(f"top_p (--top-p) must be in (0, 1], got {self.top_p!r}")
         if self.temperature > 0 and self.oracle != "none":
             raise ValueError("--oracle compares greedy outputs: it needs --temperature 0")
+        if self.verify_lengths not in VERIFY_LENGTHS:
+            raise ValueError(
+                f"verify lengths (--verify-lengths) must be one of {VERIFY_LENGTHS}, "
+                f"got {self.verify_lengths!r}"
+            )
+        b = self.verify_budget
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(
+                f"verify budget (--speculative-verify-budget) must be an int >= 1, got {b!r}"
+            )
         draft = self.speculative_draft_model_path  # used with spec dspark only
         if draft is not None and not os.path.isfile(os.path.join(draft, "config.json")):
             raise ValueError(f"--speculative-draft-model-path {draft}: no config.json there")
@@ -271,6 +283,9 @@ class RunResult:
     forward_steps: dict[int, int] = field(default_factory=dict)
     verify_steps: dict[int, int] = field(default_factory=dict)
     verified_tokens: dict[int, int] = field(default_factory=dict)
+    verified_rows: dict[int, int] = field(default_factory=dict)
+    verify_batches: int = 0
+    """Verify steps of the engine (batches), for the rows verified per step."""
     prefix_cache: dict | None = None
     slowest_steps: dict[int, float] = field(default_factory=dict)
     """The host wall time (ms) of the five slowest engine steps, by step index: stalls
@@ -297,8 +312,15 @@ class RunResult:
             out["compactions"] = self.compactions
             out["retractions"] = self.retractions
         if self.verify_steps:
-            out["verify_steps"] = sum(self.verify_steps.values())
+            steps = sum(self.verify_steps.values())
+            rows = sum(self.verified_rows.values())
+            out["verify_steps"] = steps
             out["accept_length"] = self.accept_length
+            out["mean_verify_length"] = rows / steps
+            out["verify_batches"] = self.verify_batches
+            out["tokens_verified_per_step"] = (
+                rows / self.verify_batches if self.verify_batches else 0.0
+            )
         if self.prefix_cache is not None:
             out["prefix_cache"] = self.prefix_cache
         out["slowest_steps_ms"] = self.slowest_steps
@@ -544,6 +566,8 @@ def run_one(
         forward_steps={r.rid: r.forward_steps for r in done},
         verify_steps={r.rid: r.verify_steps for r in done} if chain else {},
         verified_tokens={r.rid: r.verified_tokens for r in done} if chain else {},
+        verified_rows={r.rid: r.verified_rows for r in done} if chain else {},
+        verify_batches=engine.scheduler.verify_batches,
         prefix_cache=cache_stats(cache, done, engine.scheduler.cache_flushes)
         if cache is not None
         else None,
@@ -936,7 +960,11 @@ def _validate_dspark(
     def chain_for() -> DsparkChain:
         # a fresh acceptance control per run: each run replays the same coin flips
         return DsparkChain(
-            drafter, cfg.gamma, AcceptanceControl(cfg.accept_rate, cfg.seed, references, device)
+            drafter,
+            cfg.gamma,
+            AcceptanceControl(cfg.accept_rate, cfg.seed, references, device),
+            verify_lengths=cfg.verify_lengths,
+            verify_budget=cfg.verify_budget,
         )
 
     _warm_up(model, cfg, prompts, chain_for())
@@ -953,6 +981,7 @@ def _validate_dspark(
         "requests": len(prompts),
         "exact_match": len(prompts) - len(diffs),
         "mismatches": diffs,
+        "verify_lengths": "adaptive" if chain_for().adaptive else "fixed",
         "verify_counts_match": sum(
             res_s.verify_steps[r] == res_u.verify_steps.get(r) for r in rids
         ),

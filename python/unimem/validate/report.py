@@ -25,6 +25,16 @@ def format_table(report: dict) -> str:
         rows += [
             ("verify steps", s["verify_steps"], u["verify_steps"]),
             ("accept length", f"{s['accept_length']:.3f}", f"{u['accept_length']:.3f}"),
+            (
+                "mean verify length",
+                f"{s['mean_verify_length']:.3f}",
+                f"{u['mean_verify_length']:.3f}",
+            ),
+            (
+                "verified tokens/step",
+                f"{s['tokens_verified_per_step']:.2f}",
+                f"{u['tokens_verified_per_step']:.2f}",
+            ),
         ]
     if "prefix_cache" in s:
         cs, cu = s["prefix_cache"], u["prefix_cache"]

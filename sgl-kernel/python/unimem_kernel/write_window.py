@@ -22,6 +22,14 @@ step's CUDA graph and re-reads ``req_to_token`` and ``v2p`` on every replay. Slo
 in int64 and stored in the output's dtype (int32 or int64). Triton does not specialise on
 ``bs * width``, ``width`` or table sizes; ``page_size``, identity and SWA on/off are
 ``constexpr`` (warm each variant eagerly before capture).
+
+``gather_ragged_write_window`` is the same gather for a *packed* ragged verify: request ``b``
+writes ``L_b`` tokens at ``seq_lens[b] .. seq_lens[b] + L_b - 1``, packed back to back at
+entries ``cu_seqlens_q[b] ..`` of fixed-size outputs of ``num_rows`` entries (``num_rows >=
+sum L_b``). The lengths are device data (``cu_seqlens_q``, written by the step's metadata
+kernel); entries past ``cu_seqlens_q[bs]`` are padding rows: slot 0 (the sink) and position
+0. Each entry finds its request by scanning the ``bs + 1`` prefix sums (``bs`` is small; no
+host read, fixed grid of ``ceil(num_rows / BLOCK)`` programs).
 """
 
 from __future__ import annotations
@@ -87,6 +95,56 @@ def _write_window_kernel(
     req = tl.load(rpi_ptr + b, mask=m, other=-1).to(tl.int64)
     pos = tl.load(seq_lens_ptr + b, mask=m, other=0).to(tl.int64) + j
     ok = m & (req >= 0) & (req < r2t_rows) & (pos >= 0) & (pos < r2t_width)
+    src = r2t_ptr + req * r2t_stride_r + pos * r2t_stride_c
+    vtok = tl.load(src, mask=ok, other=-1).to(tl.int64)
+    full = _translate_slot(vtok, full_v2p_ptr, full_v2p_numel, PAGE_SIZE, FULL_IDENTITY)
+    tl.store(out_full_ptr + i, full.to(out_full_ptr.dtype.element_ty), mask=m)
+    if HAS_SWA:
+        swa = _translate_slot(vtok, swa_v2p_ptr, swa_v2p_numel, PAGE_SIZE, False)
+        tl.store(out_swa_ptr + i, swa.to(out_swa_ptr.dtype.element_ty), mask=m)
+    tl.store(out_pos_ptr + i, pos.to(out_pos_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit(
+    do_not_specialize=["r2t_rows", "r2t_width", "n", "bs", "full_v2p_numel", "swa_v2p_numel"]
+)
+def _ragged_window_kernel(
+    r2t_ptr,
+    r2t_rows,
+    r2t_width,
+    r2t_stride_r,
+    r2t_stride_c,
+    rpi_ptr,
+    seq_lens_ptr,
+    cu_ptr,
+    n,
+    bs,
+    full_v2p_ptr,
+    full_v2p_numel,
+    swa_v2p_ptr,
+    swa_v2p_numel,
+    out_full_ptr,
+    out_swa_ptr,
+    out_pos_ptr,
+    PAGE_SIZE: tl.constexpr,
+    FULL_IDENTITY: tl.constexpr,
+    HAS_SWA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    # request of entry i: the number of prefix-sum ends cu[k + 1] <= i (bs for padding rows)
+    b = tl.zeros([BLOCK], dtype=tl.int32)
+    for k in range(0, bs):
+        end = tl.load(cu_ptr + k + 1)
+        b += (end <= i).to(tl.int32)
+    live = m & (b < bs)
+    bb = tl.where(live, b, 0)
+    start = tl.load(cu_ptr + bb, mask=live, other=0).to(tl.int64)
+    req = tl.load(rpi_ptr + bb, mask=live, other=-1).to(tl.int64)
+    pos = tl.load(seq_lens_ptr + bb, mask=live, other=0).to(tl.int64) + (i - start)
+    pos = tl.where(live, pos, 0)
+    ok = live & (req >= 0) & (req < r2t_rows) & (pos >= 0) & (pos < r2t_width)
     src = r2t_ptr + req * r2t_stride_r + pos * r2t_stride_c
     vtok = tl.load(src, mask=ok, other=-1).to(tl.int64)
     full = _translate_slot(vtok, full_v2p_ptr, full_v2p_numel, PAGE_SIZE, FULL_IDENTITY)
@@ -179,6 +237,77 @@ def gather_write_window_triton(
     )
 
 
+def gather_ragged_write_window_triton(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    page_size: int,
+    full_v2p: torch.Tensor | None,
+    swa_v2p: torch.Tensor | None,
+    out_full: torch.Tensor,
+    out_swa: torch.Tensor | None,
+    out_positions: torch.Tensor,
+) -> None:
+    """Triton launcher of ``gather_ragged_write_window`` (one launch; ``num_rows`` =
+    ``out_full.numel()``; none when 0)."""
+    bs, n = _check_ragged_args(
+        req_to_token, req_pool_indices, seq_lens, cu_seqlens_q, swa_v2p, out_full, out_swa,
+        out_positions,
+    )  # fmt: skip
+    if n == 0:
+        return
+    block = min(next_pow2(n), _MAX_BLOCK)
+    has_swa = swa_v2p is not None
+    _ragged_window_kernel[(triton.cdiv(n, block),)](
+        req_to_token,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        req_to_token.stride(1),
+        req_pool_indices,
+        seq_lens,
+        cu_seqlens_q,
+        n,
+        bs,
+        full_v2p if full_v2p is not None else out_full,
+        full_v2p.numel() if full_v2p is not None else 0,
+        swa_v2p if has_swa else out_full,
+        swa_v2p.numel() if has_swa else 0,
+        out_full,
+        out_swa if has_swa else out_full,
+        out_positions,
+        PAGE_SIZE=int(page_size),
+        FULL_IDENTITY=full_v2p is None,
+        HAS_SWA=has_swa,
+        BLOCK=block,
+        num_warps=max(1, min(block // 32, 4)),
+    )
+
+
+def _check_ragged_args(
+    req_to_token, req_pool_indices, seq_lens, cu_seqlens_q, swa_v2p, out_full, out_swa,
+    out_positions,
+) -> tuple[int, int]:  # fmt: skip
+    """Checks of the ragged gather (host metadata only); returns ``(bs, num_rows)``."""
+    bs = req_pool_indices.numel()
+    n = out_full.numel()
+    _check_args(req_to_token, req_pool_indices, seq_lens, 0, swa_v2p, out_full, out_swa,
+                out_positions)  # fmt: skip
+    for t, name, need in (
+        (cu_seqlens_q, "cu_seqlens_q", bs + 1),
+        (out_positions, "out_positions", n),
+        (out_swa, "out_swa", n),
+    ):
+        if t is None:
+            continue
+        if t.dim() != 1 or t.numel() < need or t.stride(0) != 1:
+            raise ValueError(f"{name} must be 1-D, unit-stride, with at least {need} entries")
+    if out_full.dim() != 1 or (n > 1 and out_full.stride(0) != 1):
+        raise ValueError("out_full must be 1-D and unit-stride")
+    return bs, n
+
+
 # ---------------------------------------------------------------------------------------------
 # torch reference (the oracle; also the CPU implementation)
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +392,56 @@ def gather_write_window_reference(
     )  # fmt: skip
 
 
+def gather_ragged_write_window_reference(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    page_size: int,
+    full_v2p: torch.Tensor | None,
+    swa_v2p: torch.Tensor | None,
+    out_full: torch.Tensor,
+    out_swa: torch.Tensor | None,
+    out_positions: torch.Tensor,
+) -> None:
+    """Gather and translate the write slots of a packed ragged verify, in place.
+
+    With ``bs = req_pool_indices.numel()`` and ``n = out_full.numel()`` (the packed rows),
+    entry ``i`` belongs to request ``b`` with ``cu_seqlens_q[b] <= i < cu_seqlens_q[b + 1]``:
+    ``pos = seq_lens[b] + i - cu_seqlens_q[b]``, ``vtok = req_to_token[req_pool_indices[b],
+    pos]``, ``out_full[i]`` / ``out_swa[i]`` its physical slots and ``out_positions[i] = pos``
+    (sink rules as ``gather_write_window``). Entries ``i >= cu_seqlens_q[bs]`` (padding) get
+    slot 0 and position 0. ``cu_seqlens_q [bs + 1]`` int32 non-decreasing from 0 (a device
+    tensor: never read on the host here); other inputs as ``gather_write_window``; outputs
+    flat, caller-owned: ``out_full`` (and ``out_swa``, ``out_positions``) of ``n`` entries."""
+    bs, n = _check_ragged_args(
+        req_to_token, req_pool_indices, seq_lens, cu_seqlens_q, swa_v2p, out_full, out_swa,
+        out_positions,
+    )  # fmt: skip
+    if n == 0:
+        return
+    dev = out_full.device
+    i = torch.arange(n, device=dev)
+    cu = cu_seqlens_q[: bs + 1].long()
+    b = (cu[None, 1:] <= i[:, None]).sum(dim=1) if bs > 0 else torch.zeros_like(i)
+    live = b < bs
+    bb = b.clamp(max=max(bs - 1, 0))
+    rows, ctx = req_to_token.shape
+    if bs == 0 or rows == 0 or ctx == 0:
+        vtok = torch.full((n,), -1, dtype=torch.long, device=dev)
+        pos = torch.zeros(n, dtype=torch.long, device=dev)
+    else:
+        req = req_pool_indices.long()[bb]
+        pos = torch.where(live, seq_lens.long()[bb] + i - cu[bb], 0)
+        ok = live & (req >= 0) & (req < rows) & (pos >= 0) & (pos < ctx)
+        vtok = req_to_token[req.clamp(0, rows - 1), pos.clamp(0, ctx - 1)].long()
+        vtok = torch.where(ok, vtok, -1)
+    out_full.copy_(_translate_slot_reference(vtok, full_v2p, page_size))
+    if out_swa is not None:
+        out_swa.copy_(_translate_slot_reference(vtok, swa_v2p, page_size))
+    out_positions.copy_(pos)
+
+
 # ---------------------------------------------------------------------------------------------
 # public entry point: Triton on CUDA tensors, the reference otherwise
 # ---------------------------------------------------------------------------------------------
@@ -284,5 +463,26 @@ def gather_write_window(
     impl = gather_write_window_triton if use_triton(out_full) else gather_write_window_reference
     impl(
         req_to_token, req_pool_indices, seq_lens, width, page_size, full_v2p, swa_v2p,
+        out_full, out_swa, out_positions,
+    )  # fmt: skip
+
+
+def gather_ragged_write_window(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    page_size: int,
+    full_v2p: torch.Tensor | None,
+    swa_v2p: torch.Tensor | None,
+    out_full: torch.Tensor,
+    out_swa: torch.Tensor | None,
+    out_positions: torch.Tensor,
+) -> None:
+    """One launch; see ``gather_ragged_write_window_reference`` for the contract."""
+    triton_ok = use_triton(out_full)
+    impl = gather_ragged_write_window_triton if triton_ok else gather_ragged_write_window_reference
+    impl(
+        req_to_token, req_pool_indices, seq_lens, cu_seqlens_q, page_size, full_v2p, swa_v2p,
         out_full, out_swa, out_positions,
     )  # fmt: skip
