@@ -28,6 +28,7 @@ import pytest
 import torch
 from test_spec_sampling import ANCHOR, LANES, OUT, START, _chains, _filtered, _pvalues, _seeds
 
+from unimem.attention.metadata import MetadataBuilder
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.engine.core import EngineCore
 from unimem.engine.draft_runner import draft_config_for
@@ -114,6 +115,32 @@ def test_packed_rows_and_layout():
     assert p.lane[:6].tolist() == [0, 0, 0, 1, 2, 2]
     assert p.offset.tolist() == [0, 1, 2, 0, 0, 1, 0, 0]
     assert p.uniform_index.tolist() == [0, 1, 2, 4, 8, 9, 12, 12]
+
+
+def test_verify_ragged_metadata_equals_extend_plus_padding_rows():
+    """``MetadataBuilder.verify_ragged`` (device lengths, fixed rows) == ``extend`` (host
+    planned, exact rows) on the live rows; padding rows write the sink at position 0."""
+    g = torch.Generator().manual_seed(3)
+    ps, rows_, ctx = 4, 6, 40
+    r2t = (1 + torch.randperm(rows_ * ctx, generator=g)).reshape(rows_, ctx).to(torch.int32)
+    v2p = torch.randint(-1, 500, (rows_ * ctx // ps + 2,), generator=g, dtype=torch.int32)
+    swa = torch.where(torch.rand(v2p.shape, generator=g) < 0.3, -1, v2p).to(torch.int32)
+    rpi = torch.tensor([2, 5, 1], dtype=torch.int32)
+    seq = torch.tensor([7, 0, 20], dtype=torch.int32)
+    lens = torch.tensor([3, 1, 4], dtype=torch.int32)
+    kw = dict(max_bs=4, max_pages_per_req=ctx // ps, max_tokens=16, page_size=ps, swa=True)
+    a = MetadataBuilder(device="cpu", **kw).verify_ragged(
+        r2t, rpi, seq, lens, v2p, swa, num_tokens=12, max_seqlen_q=5
+    )
+    b = MetadataBuilder(device="cpu", **kw).extend(
+        r2t, rpi, seq, lens, v2p, swa, num_tokens=8, max_seqlen_q=4
+    )
+    for name in ("cu_seqlens_q", "cache_seqlens", "cu_seqlens_k", "page_table", "swa_page_table"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("full_write_slots", "swa_write_slots", "positions"):
+        got, want = getattr(a, name), getattr(b, name)
+        assert torch.equal(got[:8], want), name
+        assert (got[8:] == 0).all(), name
 
 
 # ------------------------------------------------------------------ accept with a limit
