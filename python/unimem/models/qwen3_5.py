@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from unimem.models.config import HybridConfig
 from unimem.models.qwen_common import (
@@ -75,10 +76,15 @@ class Qwen3_5Gdn(GdnMixer):
 
 class Qwen3_5ForCausalLM(QwenHybridForCausalLM):
     """Qwen3.5 (text) on unimem's model interface (module docstring). Build with
-    :meth:`from_hf_config`, fill with :meth:`load_weights`."""
+    :meth:`from_hf_config`, fill with :meth:`load_weights`.
+
+    A variant with other MLPs (Qwen3.5-MoE) subclasses it: :attr:`model_types` and
+    :meth:`_mlp` / :meth:`_ffn_dim` are what differ."""
 
     ignored_checkpoint_prefixes = ("mtp.", "model.visual.")
     checkpoint_prefix_map = (("model.language_model.", "model."),)
+    model_types: tuple[str, str] = ("qwen3_5_text", "qwen3_5")
+    """``(text model_type, multimodal model_type)`` of the configs this class accepts."""
 
     @classmethod
     def from_hf_config(
@@ -90,32 +96,45 @@ class Qwen3_5ForCausalLM(QwenHybridForCausalLM):
         max_context: int | None = None,
         tp: TensorParallel = SINGLE,
     ) -> Qwen3_5ForCausalLM:
-        """Uninitialised model of ``hf_config``: a ``Qwen3_5TextConfig``, or a multimodal
-        ``Qwen3_5Config`` whose ``text_config`` is used (``tie_word_embeddings`` is read from
-        the outer config, as the loader does), rank ``tp``'s shard. ValueError naming the
-        field for anything unsupported."""
+        """Uninitialised model of ``hf_config``: the text config (``model_types[0]``), or a
+        multimodal one (``model_types[1]``) whose ``text_config`` is used
+        (``tie_word_embeddings`` is read from the outer config, as the loader does), rank
+        ``tp``'s shard. ValueError naming the field for anything unsupported."""
+        text_type, outer_type = cls.model_types
         tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-        model_type = getattr(hf_config, "model_type", "qwen3_5_text")
-        if model_type == "qwen3_5":
+        model_type = getattr(hf_config, "model_type", text_type)
+        if model_type == outer_type:
             hf_config = hf_config.text_config
-            model_type = getattr(hf_config, "model_type", "qwen3_5_text")
-        if model_type != "qwen3_5_text":
-            raise ValueError(f"model_type {model_type!r}: expected 'qwen3_5_text' or 'qwen3_5'")
+            model_type = getattr(hf_config, "model_type", text_type)
+        if model_type != text_type:
+            raise ValueError(f"model_type {model_type!r}: expected {text_type!r} or {outer_type!r}")
         check_common(hf_config)
         full = hybrid_config(
-            hf_config, ffn_dim=hf_config.intermediate_size, dtype=dtype, max_context=max_context
+            hf_config, ffn_dim=cls._ffn_dim(hf_config), dtype=dtype, max_context=max_context
         )
         c = local_config(full, tp)
         _, factor = rope_settings(hf_config)
         layers = []
         for kind in c.layer_pattern:
             if kind == "gdn":
-                mixer: torch.nn.Module = Qwen3_5Gdn(c, device, tp)
+                mixer: nn.Module = Qwen3_5Gdn(c, device, tp)
             else:
                 mixer = GatedAttention(c, device, tp)
-            mlp = DenseMlp(c.d_model, hf_config.intermediate_size, dtype, device, tp)
+            mlp = cls._mlp(hf_config, c, device, tp)
             layers.append(DecoderLayer(c, kind, mixer, mlp, device))
         return cls(c, layers, int(c.head_dim_k * factor), tie, device, tp, full)
+
+    @classmethod
+    def _ffn_dim(cls, text_config) -> int:
+        """``HybridConfig.ffn_dim`` of the text config: the dense MLP's width."""
+        return text_config.intermediate_size
+
+    @classmethod
+    def _mlp(
+        cls, text_config, c: HybridConfig, device: torch.device | str, tp: TensorParallel
+    ) -> nn.Module:
+        """One layer's MLP (rank ``tp``'s shard): a dense SwiGLU."""
+        return DenseMlp(c.d_model, text_config.intermediate_size, c.dtype, device, tp)
 
     def _gdn_projection_shard(self, leaf: str) -> Shard | None:
         c, tp = self.full_config, self.tp

@@ -19,7 +19,6 @@ from torch import nn
 from unimem.models.config import HybridConfig
 from unimem.models.loader import copy_param
 from unimem.models.qwen_common import (
-    EXPERT_TENSOR,
     DecoderLayer,
     DenseMlp,
     GatedAttention,
@@ -114,7 +113,6 @@ class Qwen3NextForCausalLM(QwenHybridForCausalLM):
     ):
         super().__init__(config, layers, rotary_dim, tie_word_embeddings, device, tp, full_config)
         self.num_experts = num_experts
-        self._expert_pieces: dict[str, set[tuple[int, str]]] = {}
 
     @classmethod
     def from_hf_config(
@@ -214,21 +212,4 @@ class Qwen3NextForCausalLM(QwenHybridForCausalLM):
             relaid = ba_rows_to_contiguous(tensor, c.gdn_key_heads, c.gdn_heads)
             copy_param(param, relaid, ckpt_name)
             return {pname}
-        m = EXPERT_TENSOR.match(pname)
-        if m is None:
-            return None
-        base, e, proj = m.group(1), int(m.group(2)), m.group(3)
-        target = f"{base}.down_proj" if proj == "down" else f"{base}.gate_up_proj"
-        param = params.get(target)
-        if param is None or e >= param.shape[0]:
-            raise ValueError(f"unexpected tensor {ckpt_name}")
-        if proj == "down":
-            dest = param[e]
-        else:
-            ffn = param.shape[1] // 2
-            dest = param[e, :ffn] if proj == "gate" else param[e, ffn:]
-        copy_param(dest, tensor, ckpt_name)
-        pieces = self._expert_pieces.setdefault(target, set())
-        pieces.add((e, proj))
-        need = param.shape[0] * (1 if proj == "down" else 2)
-        return {target} if len(pieces) == need else set()
+        return super()._load_special(pname, tensor, ckpt_name, params)

@@ -481,6 +481,7 @@ class QwenHybridForCausalLM(CausalLM):
         if tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = PartialRotary(c.head_dim_k, rotary_dim, c.rope_theta, c.dtype).to(device)
+        self._expert_pieces: dict[str, set[tuple[int, str]]] = {}
 
     # ------------------------------------------------------------------ forward
 
@@ -563,15 +564,48 @@ class QwenHybridForCausalLM(CausalLM):
         self, pname: str, tensor: torch.Tensor, ckpt_name: str, params: dict[str, nn.Parameter]
     ) -> set[str] | None:
         """Load a tensor whose layout differs from its parameter's. Returns the parameter
-        names it completed (possibly none yet), or None when ``pname`` is not special."""
-        return None
+        names it completed (possibly none yet), or None when ``pname`` is not special.
+        Here: the hub's per-expert tensors (:meth:`_load_expert_piece`); a family adds its
+        own layouts and falls back to this."""
+        return self._load_expert_piece(pname, tensor, ckpt_name, params)
+
+    def _load_expert_piece(
+        self, pname: str, tensor: torch.Tensor, ckpt_name: str, params: dict[str, nn.Parameter]
+    ) -> set[str] | None:
+        """A per-expert checkpoint tensor ``mlp.experts.E.{gate,up,down}_proj.weight`` (what
+        ``save_pretrained`` writes, :data:`EXPERT_TENSOR`) copied into its slice of the
+        stacked ``mlp.experts.gate_up_proj [E, 2I, d]`` (gate rows then up rows) or
+        ``mlp.experts.down_proj [E, d, I]``. A stacked parameter counts as filled once every
+        expert's piece arrived (across calls); returns it then, else the empty set. None
+        when ``pname`` is not a per-expert tensor; ValueError for an expert the layer lacks
+        (or a layer without experts)."""
+        m = EXPERT_TENSOR.match(pname)
+        if m is None:
+            return None
+        base, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        target = f"{base}.down_proj" if proj == "down" else f"{base}.gate_up_proj"
+        param = params.get(target)
+        if param is None or e >= param.shape[0]:
+            raise ValueError(f"unexpected tensor {ckpt_name}")
+        if proj == "down":
+            dest = param[e]
+        else:
+            ffn = param.shape[1] // 2
+            dest = param[e, :ffn] if proj == "gate" else param[e, ffn:]
+        copy_param(dest, tensor, ckpt_name)
+        pieces = self._expert_pieces.setdefault(target, set())
+        pieces.add((e, proj))
+        need = param.shape[0] * (1 if proj == "down" else 2)
+        return {target} if len(pieces) == need else set()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the parameters of the same name (after
         :attr:`checkpoint_prefix_map`), cast to each parameter's dtype and device; names
         under :attr:`ignored_checkpoint_prefixes` are skipped. ``...conv1d.weight`` drops
-        its ``[conv_dim, 1, K]`` middle dim; family-specific layouts go through
-        :meth:`_load_special`. ``ValueError`` naming the tensor for an unknown name or a
+        its ``[conv_dim, 1, K]`` middle dim; routed experts load from per-expert tensors
+        (:meth:`_load_expert_piece`) or from the stacked ones directly (HuggingFace's
+        in-memory ``state_dict``, the Qwen3.5-MoE hub format); family-specific layouts go
+        through :meth:`_load_special`. ``ValueError`` naming the tensor for an unknown name or a
         wrong shape. Returns the parameter names filled (``lm_head.weight`` with the
         embedding when tied)."""
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -16,6 +16,9 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3_5ForCausalLM": ("unimem.models.qwen3_5", "Qwen3_5ForCausalLM"),
     # multimodal checkpoint, text weights under model.language_model.* (vision is skipped)
     "Qwen3_5ForConditionalGeneration": ("unimem.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("unimem.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    # multimodal checkpoint, text weights under model.language_model.* (vision is skipped)
+    "Qwen3_5MoeForConditionalGeneration": ("unimem.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "GptOssForCausalLM": ("unimem.models.gpt_oss", "GptOssForCausalLM"),
     "Gemma3ForCausalLM": ("unimem.models.gemma3", "Gemma3ForCausalLM"),
     # multimodal checkpoint, text weights under language_model.* (the vision tower is skipped)
