@@ -13,11 +13,16 @@ Construction loads the checkpoint (:func:`unimem.models.loader.load_checkpoint`)
 memory as SGLang does (:mod:`unimem.engine.pools`), and builds the step loop
 (:class:`~unimem.engine.core.EngineCore`): static pools, or with ``enable_unified_memory`` one
 arena of the same bytes; FA4 and CUDA graphs on a GPU for a 16-bit model; DSPARK chain
-speculation with ``speculative_algorithm="DSPARK"``; with ``tp_size`` N > 1, tensor
+speculation with ``speculative_algorithm="DSPARK"`` (per-request verify lengths with
+``speculative_verify_lengths="adaptive"``); the prefix cache unless ``disable_radix_cache``
+(:class:`~unimem.cache.PrefixCache` over the pool: a request resumes at the longest cached
+prefix of its prompt, ``meta_info.cached_tokens`` says how many tokens it skipped;
+:meth:`Engine.flush_cache` empties it); with ``tp_size`` N > 1, tensor
 parallelism over N processes (:mod:`unimem.engine.distributed`: this process is rank 0 and
 drives the others; each rank holds its shard of the model and its own arena). Decoding is
 greedy unless a request asks for ``temperature`` > 0 (with ``top_p``, ``top_k``, ``min_p``,
-``seed``: sampled on the device, see :mod:`unimem.engine.sampling`; not with DSPARK yet).
+``seed``: sampled on the device, see :mod:`unimem.engine.sampling`; with DSPARK, exact
+speculative sampling).
 
 ``generate`` validates every request before any runs (``ValueError`` naming the field:
 unknown or invalid sampling parameters, an empty prompt, a prompt past the context), then
@@ -30,13 +35,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from unimem.cache import PrefixCache
 from unimem.engine.args import EngineArgs
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
 from unimem.engine.draft_runner import draft_config_for
-from unimem.engine.pools import plan_pools, tokens_for_budget
+from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
 from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
+from unimem.memory.spec import LayerKind
 from unimem.models.config import memory_spec
 from unimem.models.loader import load_checkpoint
 from unimem.models.tensor_parallel import SINGLE, full_config
@@ -44,7 +51,7 @@ from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.drafter import DsparkDrafter
 
-__all__ = ["Engine", "SamplingParams"]
+__all__ = ["Engine", "SamplingParams", "cache_stats"]
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens``."""
@@ -193,27 +200,49 @@ class Engine:
                     lm_head,
                     seed=args.random_seed + 17,
                 )
-            chain = DsparkChain(drafter, args.gamma)
+            if args.speculative_verify_lengths == "adaptive" and not drafter.config.confidence:
+                raise ValueError(
+                    "speculative_verify_lengths adaptive needs a drafter with a confidence "
+                    f"head; the checkpoint {args.speculative_draft_model_path} has none "
+                    "(retrain it with python -m unimem.speculative.distill, or use fixed)"
+                )
+            chain = DsparkChain(
+                drafter,
+                args.gamma,
+                verify_lengths=args.speculative_verify_lengths,
+                verify_budget=args.speculative_verify_budget,
+            )
             lanes = drafter.config.lanes()
         spec = memory_spec(config, args.page_size, lanes)
 
         max_running = args.max_running_requests or (256 if device.type == "cuda" else 16)
         if args.cuda_graph_max_bs is not None:
             max_running = min(max_running, args.cuda_graph_max_bs)
+        ckpt_slots = checkpoint_slots(spec, max_running, not args.disable_radix_cache)
         max_total = args.max_total_tokens
         if max_total is None:
-            max_total = self._gpu_tokens(spec, max_running, device)
+            max_total = self._gpu_tokens(spec, max_running, ckpt_slots, device)
             if groups is not None:  # every rank's pools must have the same geometry
                 max_total = groups.min_int(max_total)
-        plan = plan_pools(spec, max_total, max_running)
+        plan = plan_pools(spec, max_total, max_running, ckpt_slots)
         self.max_total_num_tokens = max_total
         self.max_running_requests = max_running
         pool = plan.build(args.enable_unified_memory, config.max_context, device)
         self.pool = pool
+        self.cache = None
+        if not args.disable_radix_cache:
+            # anchors every page without STATE layers (nothing to copy); with them, every
+            # checkpoint_interval_pages (each one copies a state slot): docs/prefix_cache.md
+            interval = args.checkpoint_interval_pages if spec.has(LayerKind.STATE) else 1
+            self.cache = PrefixCache(pool, interval)
         chunk = args.chunked_prefill_size or (8192 if device.type == "cuda" else 512)
         core_args = (self.model, pool, _make_backend(backend_name), max_running, chunk)
         core_kwargs = dict(
-            chain=chain, cuda_graphs=cuda_graphs, logprobs=True, random_seed=args.random_seed
+            chain=chain,
+            cache=self.cache,
+            cuda_graphs=cuda_graphs,
+            logprobs=True,
+            random_seed=args.random_seed,
         )
         if groups is not None and groups.rank == 0:
             self.core = LeaderCore(*core_args, groups=groups, **core_kwargs)
@@ -222,14 +251,14 @@ class Engine:
         self.backend_name = backend_name
         self.cuda_graphs = cuda_graphs
 
-    def _gpu_tokens(self, spec, max_running: int, device: torch.device) -> int:
+    def _gpu_tokens(self, spec, max_running: int, ckpt_slots: int, device: torch.device) -> int:
         from unimem.engine.args import DEFAULT_CPU_MAX_TOTAL_TOKENS
 
         if device.type != "cuda":
             return DEFAULT_CPU_MAX_TOTAL_TOKENS
         frac = self.args.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
         free, _ = torch.cuda.mem_get_info(device)
-        return tokens_for_budget(spec, int(free * frac), max_running)
+        return tokens_for_budget(spec, int(free * frac), max_running, ckpt_slots)
 
     # ------------------------------------------------------------------ generation
 
@@ -335,9 +364,27 @@ class Engine:
             text = self.tokenizer.decode(req.output, skip_special_tokens=True)
         return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
+    def flush_cache(self) -> bool:
+        """Drop everything the prefix cache holds (SGLang's ``flush_cache``): its pages,
+        windows and checkpoints go back to the pool. Only while no request is queued or
+        running (False then, and nothing changes); True when flushed (or there is no cache).
+        ``ValueError`` with ``tp_size`` > 1 (the other ranks' caches would not follow)."""
+        if not self.core.scheduler.idle:
+            return False
+        if self.cache is not None:
+            if self._ranks is not None:
+                raise ValueError("flush_cache is not supported with tp_size > 1")
+            self.cache.flush()
+        return True
+
+    def cache_stats(self) -> dict | None:
+        """:func:`cache_stats` of this engine's step loop."""
+        return cache_stats(self.core)
+
     def get_server_info(self) -> dict:
         """Capacity and memory use: ``max_total_num_tokens``, ``max_running_requests``,
-        ``context_length``, the memory mode, and the pool's used / capacity bytes."""
+        ``context_length``, the memory mode, the pool's used / capacity bytes (what the
+        prefix cache holds included) and the cache's statistics (``prefix_cache``)."""
         stats = self.pool.stats
         return {
             "model_path": self.args.model_path,
@@ -350,6 +397,8 @@ class Engine:
             "tp_size": self.args.tp_size,
             "used_bytes": self.pool.used_bytes(),
             "capacity_bytes": stats.capacity_bytes,
+            "disable_radix_cache": self.args.disable_radix_cache,
+            "prefix_cache": self.cache_stats(),
         }
 
     def shutdown(self) -> None:
@@ -359,6 +408,7 @@ class Engine:
             self._ranks.join()
             self._ranks = None
         self.core = None
+        self.cache = None
         self.pool = None
         self.model = None
         if torch.cuda.is_available():
@@ -369,6 +419,22 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def cache_stats(core: EngineCore) -> dict | None:
+    """The prefix cache of ``core``: its counters and gauges (:class:`~unimem.cache.CacheStats`:
+    lookups, hit tokens, hit rate, cached pages, checkpoints, evictions, ...), the tokens its
+    pages hold (``cached_tokens``), its checkpoint interval in pages and the scheduler's
+    flushes under memory pressure; None when the cache is off."""
+    cache = core.cache
+    if cache is None:
+        return None
+    return {
+        **cache.stats.as_dict(),
+        "cached_tokens": cache.stats.cached_pages * cache.page_size,
+        "checkpoint_interval_pages": cache.checkpoint_interval,
+        "pressure_flushes": core.scheduler.cache_flushes,
+    }
 
 
 def _engine_rank(groups: TPGroups, kwargs: dict) -> None:

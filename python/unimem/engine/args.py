@@ -16,6 +16,11 @@ SWA_FULL_TOKENS_RATIO = 0.8
 """SWA pool tokens per FULL pool token in the static split: SGLang's default
 ``--swa-full-tokens-ratio`` (server_args.py)."""
 
+DEFAULT_MAMBA_TRACK_INTERVAL = 512
+"""Tokens between the recurrent-state checkpoints of cached prefixes (models with STATE
+layers) when ``mamba_track_interval`` is not given: a step that may end on one copies a
+state slot, and every checkpoint the cache keeps holds one (``docs/prefix_cache.md``)."""
+
 DEFAULT_CPU_MAX_TOTAL_TOKENS = 16384
 """FULL-pool tokens on the CPU when ``max_total_tokens`` is not given (no memory probe)."""
 
@@ -32,7 +37,6 @@ UNSUPPORTED_SGLANG_ARGS = frozenset(
         "speculative_eagle_topk",
         "enable_torch_compile",
         "enable_mixed_chunk",
-        "disable_radix_cache",
         "schedule_policy",
         "trust_remote_code",
         "load_format",
@@ -42,6 +46,8 @@ UNSUPPORTED_SGLANG_ARGS = frozenset(
 """SGLang arguments unimem does not implement: passing one is an error naming it."""
 
 SPECULATIVE_ALGORITHMS = ("DSPARK",)
+VERIFY_LENGTHS = ("fixed", "adaptive")
+"""``speculative_verify_lengths`` values (:class:`~unimem.speculative.chain.DsparkChain`)."""
 ATTENTION_BACKENDS = ("fa4", "torch")
 DEVICES = ("cpu", "cuda")
 
@@ -70,6 +76,16 @@ class EngineArgs:
     exact; acceptance is low).
     ``tp_size``: tensor parallelism over that many processes (one GPU each on CUDA; gloo
     on the CPU), see :mod:`unimem.engine.distributed`.
+    ``disable_radix_cache``: turn the prefix cache off (SGLang's meaning; on by default:
+    :mod:`unimem.cache.prefix_cache`). ``mamba_track_interval``: tokens between the
+    recurrent-state checkpoints of cached prefixes of a model with STATE layers (SGLang's
+    name: a multiple of ``page_size``; None: ``DEFAULT_MAMBA_TRACK_INTERVAL`` rounded down to
+    whole pages, at least one page); a model without STATE layers resumes at any page.
+    ``speculative_verify_lengths`` (unimem only, DSPARK): "fixed" verifies
+    ``speculative_num_draft_tokens`` tokens per request and step; "adaptive" chooses each
+    request's length from the drafter's confidence head under ``speculative_verify_budget``
+    tokens per step over the batch (None: no cut), see
+    :mod:`unimem.speculative.verify_lengths`.
     """
 
     model_path: str
@@ -92,6 +108,10 @@ class EngineArgs:
     random_seed: int = 0
     skip_tokenizer_init: bool = False
     tp_size: int = 1
+    disable_radix_cache: bool = False
+    mamba_track_interval: int | None = None
+    speculative_verify_lengths: str = "fixed"
+    speculative_verify_budget: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -118,6 +138,8 @@ class EngineArgs:
             "chunked_prefill_size",
             "cuda_graph_max_bs",
             "speculative_num_draft_tokens",
+            "mamba_track_interval",
+            "speculative_verify_budget",
         ):
             _positive_int(name, getattr(self, name))
         _positive_int("tp_size", self.tp_size, allow_none=False)
@@ -155,8 +177,50 @@ class EngineArgs:
             raise ValueError("speculative_num_draft_tokens needs speculative_algorithm DSPARK")
         elif self.speculative_draft_model_path is not None:
             raise ValueError("speculative_draft_model_path needs speculative_algorithm DSPARK")
+        self._check_verify_lengths()
+        self._check_radix_cache()
         if self.cuda_graph_max_bs is not None and self.device != "cuda":
             raise ValueError("cuda_graph_max_bs applies to device cuda only")
+
+    def _check_verify_lengths(self) -> None:
+        if self.speculative_verify_lengths not in VERIFY_LENGTHS:
+            raise ValueError(
+                f"speculative_verify_lengths must be one of {VERIFY_LENGTHS}, "
+                f"got {self.speculative_verify_lengths!r}"
+            )
+        if self.speculative_verify_lengths != "fixed" and self.speculative_algorithm is None:
+            raise ValueError(
+                "speculative_verify_lengths adaptive needs speculative_algorithm DSPARK"
+            )
+        if (
+            self.speculative_verify_budget is not None
+            and self.speculative_verify_lengths != "adaptive"
+        ):
+            raise ValueError("speculative_verify_budget needs speculative_verify_lengths adaptive")
+
+    def _check_radix_cache(self) -> None:
+        if not isinstance(self.disable_radix_cache, bool):
+            raise ValueError(
+                f"disable_radix_cache must be a bool, got {self.disable_radix_cache!r}"
+            )
+        interval = self.mamba_track_interval
+        if interval is None:
+            return
+        if self.disable_radix_cache:
+            raise ValueError("mamba_track_interval needs the radix cache (not disable_radix_cache)")
+        if interval % self.page_size:
+            raise ValueError(
+                f"mamba_track_interval must be a multiple of page_size {self.page_size}, "
+                f"got {interval}"
+            )
+
+    @property
+    def checkpoint_interval_pages(self) -> int:
+        """Pages between the state checkpoints of cached prefixes (models with STATE
+        layers): ``mamba_track_interval`` or ``DEFAULT_MAMBA_TRACK_INTERVAL`` tokens, in whole
+        pages, at least one."""
+        tokens = self.mamba_track_interval or DEFAULT_MAMBA_TRACK_INTERVAL
+        return max(1, tokens // self.page_size)
 
     @property
     def gamma(self) -> int:
