@@ -16,7 +16,7 @@ import tp_checks
 
 from unimem.engine.distributed import run_ranks
 
-ARCHS = ["qwen3_next", "qwen3_5", "gpt_oss", "gemma3"]
+ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gpt_oss", "gemma3"]
 
 
 def _cases(paths: dict[str, str]) -> list[tuple[str, str, bool]]:

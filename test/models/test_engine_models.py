@@ -14,7 +14,7 @@ import torch
 
 import unimem
 
-ARCHS = ["gemma3", "gpt_oss", "qwen3_next", "qwen3_5"]
+ARCHS = ["gemma3", "gpt_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 OUT = 10
 LOGPROB_TOL = 1e-4
 

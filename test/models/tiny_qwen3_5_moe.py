@@ -45,12 +45,28 @@ def config(**overrides):
     return Qwen3_5MoeTextConfig(**{**DEFAULTS, **overrides})
 
 
+def honour_saved_tokenizer_class() -> None:
+    """Let ``AutoTokenizer`` load the tokenizer class a ``qwen3_5_moe_text`` checkpoint
+    directory declares. transformers 5.24 lists that model type among those whose hub
+    ``tokenizer_class`` is wrong and forces its Qwen BPE tokenizer (``Qwen3_5Tokenizer``)
+    instead, which cannot read the word-level test tokenizer (:mod:`tiny_tokenizer`) saved
+    beside the tiny checkpoint; ``qwen3_5_text`` (the dense tiny model's type) is not on the
+    list. Process-wide, affects only this model type; idempotent."""
+    from transformers.models.auto import tokenization_auto
+
+    forced = getattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", None)
+    if forced is not None:
+        forced.discard("qwen3_5_moe_text")
+
+
 def build(path, **overrides):
     """Build (seed 0), perturb, save to ``path`` (per-expert tensors, as ``save_pretrained``
     writes them) and return the float32 HF model (``Qwen3_5MoeForCausalLM``) in eval mode
-    with eager attention and the per-expert (eager) MoE path."""
+    with eager attention and the per-expert (eager) MoE path. Also
+    :func:`honour_saved_tokenizer_class`, so a test tokenizer saved into ``path`` loads."""
     from transformers import AutoModelForCausalLM
 
+    honour_saved_tokenizer_class()
     cfg = config(**overrides)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
