@@ -1,7 +1,7 @@
 """The application in-process (FastAPI's test client, the engine thread running) over a
 DSPARK engine on a unified arena: greedy outputs equal ``unimem.Engine``'s, temperature > 0
 samples (speculative sampling; a seed repeats its text), the accept length reaches
-``/metrics``, memory returns to idle."""
+``/metrics``, memory returns to idle once the prefix cache is flushed."""
 
 from __future__ import annotations
 
@@ -78,8 +78,10 @@ def test_dspark_samples_at_temperature_above_zero(served, extra):
 
 def test_accept_length_in_metrics_and_memory_back_to_idle(served):
     client, _ = served
+    assert client.post("/flush_cache").status_code == 200
     info = client.get("/get_server_info").json()
     assert info["running_requests"] == 0 and info["used_bytes"] == 0
+    assert info["prefix_cache"]["cached_pages"] == 0
     assert info["enable_unified_memory"] is True
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     accept = families["unimem:spec_accept_length"].samples[0].value

@@ -82,6 +82,33 @@ def test_defaults_follow_sglang():
     assert engine.model_path == "/m" and not engine.enable_unified_memory
     assert (server.host, server.port, server.served_model_name) == ("127.0.0.1", 30000, "/m")
     assert server.api_key is None
+    assert not engine.disable_radix_cache and engine.mamba_track_interval is None
+    assert engine.speculative_verify_lengths == "fixed"
+
+
+def test_prefix_cache_and_verify_length_flags():
+    engine, _ = parse_args(
+        [
+            "--model-path",
+            "/m",
+            "--device",
+            "cpu",
+            "--disable-radix-cache",
+            "--speculative-algorithm",
+            "DSPARK",
+            "--speculative-verify-lengths",
+            "adaptive",
+            "--speculative-verify-budget",
+            "16",
+        ]
+    )
+    assert engine.disable_radix_cache
+    assert engine.speculative_verify_lengths == "adaptive"
+    assert engine.speculative_verify_budget == 16
+    engine, _ = parse_args(
+        ["--model-path", "/m", "--device", "cpu", "--mamba-track-interval", "64"]
+    )
+    assert not engine.disable_radix_cache and engine.checkpoint_interval_pages == 64 // 16
 
 
 @pytest.mark.parametrize(
@@ -102,6 +129,20 @@ def test_defaults_follow_sglang():
         (["--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs applies to device cuda only"),
         (["--port", "70000"], "--port must be in [1, 65535]"),
         (["--page-size", "many"], "invalid int value"),
+        (
+            ["--speculative-verify-lengths", "adaptive"],
+            "--speculative-verify-lengths adaptive needs --speculative-algorithm DSPARK",
+        ),
+        (["--speculative-verify-lengths", "short"], "invalid choice: 'short'"),
+        (
+            ["--speculative-algorithm", "DSPARK", "--speculative-verify-budget", "8"],
+            "--speculative-verify-budget needs --speculative-verify-lengths adaptive",
+        ),
+        (["--mamba-track-interval", "20"], "--mamba-track-interval must be a multiple of"),
+        (
+            ["--disable-radix-cache", "--mamba-track-interval", "32"],
+            "--mamba-track-interval needs the radix cache",
+        ),
     ],
 )
 def test_bad_command_lines_name_the_problem(argv, message):

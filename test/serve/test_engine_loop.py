@@ -1,6 +1,7 @@
 """The engine thread on its own (no HTTP): deltas add up to ``unimem.Engine``'s outputs, an
-abort ends a running request with its memory back, a request the core refuses is answered
-with an error, and stopping the loop aborts what runs."""
+abort ends a running request with its memory back (once the prefix cache, on by default, is
+flushed), a request the core refuses is answered with an error, and stopping the loop aborts
+what runs."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def test_deltas_add_up_to_engine_outputs_and_abort_returns_memory(engine):
         loop.abort(handle)
         assert sink.done.wait(TIMEOUT_S)
         assert sink.deltas[-1].finish_reason == "abort" and len(sink.tokens) < 200
+        assert loop.call(lambda core: engine.flush_cache()).result(TIMEOUT_S)
         assert loop.call(lambda core: core.pool.used_bytes()).result(TIMEOUT_S) == 0
         assert loop.snapshot()["used_bytes"] == 0
         assert loop.snapshot()["requests_finished"] == {"length": 3, "abort": 1}
@@ -86,6 +88,7 @@ def test_deltas_add_up_to_engine_outputs_and_abort_returns_memory(engine):
     finally:
         loop.stop()
     assert sink.done.is_set() and sink.deltas[-1].finish_reason == "abort"
+    assert engine.flush_cache()  # the thread has stopped: the engine is ours
     assert engine.pool.used_bytes() == 0
     late = Collector()
     loop.submit(Submission([5], 2, frozenset(), None, late))

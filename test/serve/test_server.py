@@ -1,8 +1,11 @@
 """The real server (``python -m unimem.launch_server``) in a subprocess on a loopback port, over
 a tiny Qwen3-Next checkpoint built here, driven by the official ``openai`` client and plain
-HTTP: outputs equal ``unimem.Engine``'s greedy outputs, streamed or not; 32 concurrent streams;
-a client dropping mid-stream gives its memory back; bad inputs get their status while a good
-request runs on; ``/metrics`` parses. One server for the module, stopped by its pid."""
+HTTP: outputs equal the greedy outputs of ``unimem.Engine`` with the prefix cache off (the
+server runs with it on, the default, with a checkpoint every two pages), streamed or not; a
+repeated prompt is served from the cache with the same output; 32 concurrent streams; a client
+dropping mid-stream gives its memory back (what the cache holds is flushed first: a flush is
+refused while a request runs); bad inputs get their status while a good request runs on;
+``/metrics`` parses. One server for the module, stopped by its pid."""
 
 from __future__ import annotations
 
@@ -28,8 +31,16 @@ import unimem
 API_KEY = "test-key"
 MODEL = "tiny"
 ENGINE_ARGS = dict(
-    device="cpu", dtype="float32", page_size=4, max_total_tokens=2048, max_running_requests=32
+    device="cpu",
+    dtype="float32",
+    page_size=4,
+    max_total_tokens=2048,
+    max_running_requests=32,
+    disable_radix_cache=True,  # the reference: the server's cache must not change outputs
 )
+TRACK = 8
+"""The server's --mamba-track-interval: a state checkpoint every two pages, so that the tiny
+model's short prompts reach one (the default, 512 tokens, is past its context)."""
 START_TIMEOUT_S = 120
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -82,6 +93,8 @@ def server(tmp_path_factory):
         "2048",
         "--max-running-requests",
         "32",
+        "--mamba-track-interval",
+        str(TRACK),
         "--log-level",
         "warning",
     ]
@@ -125,14 +138,20 @@ def _chat_ids(engine, messages) -> list[int]:
 
 
 def _idle(server) -> dict:
-    """Poll until no request runs; the server info then."""
+    """Poll until no request runs, then flush the prefix cache (what it holds is in use until
+    then); the server info after the flush."""
     deadline = time.monotonic() + 30
     while True:
         info = server.info()
         if info["running_requests"] == 0 and info["queued_requests"] == 0:
-            return info
+            break
         assert time.monotonic() < deadline, info
         time.sleep(0.05)
+    r = server.http.post("/flush_cache")
+    assert r.status_code == 200, r.text
+    info = server.info()
+    assert info["prefix_cache"]["cached_pages"] == 0 and info["prefix_cache"]["checkpoints"] == 0
+    return info
 
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
@@ -241,6 +260,40 @@ def test_32_concurrent_streams(server, engine):
     assert _idle(server)["used_bytes"] == IDLE["used_bytes"]
 
 
+# ---------------------------------------------------------------------- the prefix cache
+
+
+def test_repeated_prompt_is_served_from_the_cache(server, engine):
+    hits_before = _idle(server)["prefix_cache"]["hit_tokens"]  # an empty cache
+    prompt = " ".join(f"w{n}" for n in range(100, 122))  # 22 words: anchors at 8 and 16
+    want = engine.generate(prompt=prompt, sampling_params=GREEDY)  # the cache off
+    assert want["meta_info"]["cached_tokens"] == 0
+    got = []
+    for _ in range(2):
+        r = server.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0
+        )
+        got.append(r)
+    assert [r.choices[0].text for r in got] == [want["text"]] * 2
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in got]
+    prompt_tokens = want["meta_info"]["prompt_tokens"]
+    assert cached[0] == 0
+    # the longest anchor (a multiple of the interval) short of the prompt's last token
+    assert cached[1] == (prompt_tokens - 1) // TRACK * TRACK > 0
+    native = server.http.post("/generate", json={"text": prompt, "sampling_params": GREEDY})
+    assert native.json()["meta_info"]["cached_tokens"] == cached[1]
+    assert native.json()["output_ids"] == want["output_ids"]
+    stats = server.info()["prefix_cache"]
+    assert stats["hit_tokens"] - hits_before == 2 * cached[1] and stats["checkpoints"] > 0
+    assert stats["checkpoint_interval_pages"] == TRACK // ENGINE_ARGS["page_size"]
+    families = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+    }
+    assert families["unimem:cache_hit_rate"].samples[0].value > 0
+    assert families["unimem:prefix_cache_tokens"].samples[0].value > 0
+    assert _idle(server)["used_bytes"] == IDLE["used_bytes"]
+
+
 # ---------------------------------------------------------------------- memory comes back
 
 IDLE: dict = {}
@@ -270,14 +323,11 @@ def test_client_drop_mid_stream_releases_memory(server):
             pass
         busy = server.info()
         assert busy["running_requests"] == 1 and busy["used_bytes"] > IDLE["used_bytes"]
+        r = server.http.post("/flush_cache")  # refused while a request runs (as in SGLang)
+        assert r.status_code == 400 and "running" in r.text
     # leaving the block closes the connection mid-stream
-    deadline = time.monotonic() + 30
-    while True:
-        info = server.info()
-        if info["used_bytes"] == IDLE["used_bytes"] and info["running_requests"] == 0:
-            break
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
+    info = _idle(server)
+    assert info["used_bytes"] == IDLE["used_bytes"]
     assert info["live_units"] == IDLE["live_units"]
     assert info["requests_finished"].get("abort", 0) == before + 1  # aborted, not run to the end
 
@@ -427,6 +477,8 @@ def test_models_info_health_flush(server):
     si = server.info()
     assert si["max_running_requests"] == 32 and si["server_args"]["page_size"] == 4
     assert "api_key" not in si["server_args"]
+    assert si["server_args"]["disable_radix_cache"] is False
+    assert si["server_args"]["mamba_track_interval"] == TRACK
     assert server.http.post("/flush_cache").status_code == 200
 
 

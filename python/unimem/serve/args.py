@@ -14,7 +14,12 @@ import argparse
 import sys
 from dataclasses import dataclass, fields
 
-from unimem.engine.args import ATTENTION_BACKENDS, UNSUPPORTED_SGLANG_ARGS, EngineArgs
+from unimem.engine.args import (
+    ATTENTION_BACKENDS,
+    UNSUPPORTED_SGLANG_ARGS,
+    VERIFY_LENGTHS,
+    EngineArgs,
+)
 
 __all__ = ["CliError", "ServerOptions", "build_parser", "parse_args", "SGLANG_ONLY_FLAGS"]
 
@@ -155,6 +160,17 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
     mem.add_argument("--max-total-tokens", type=int, help="FULL-attention pool tokens")
     mem.add_argument("--max-running-requests", type=int)
     mem.add_argument("--chunked-prefill-size", type=int)
+    mem.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="turn the prefix cache off (default: on)",
+    )
+    mem.add_argument(
+        "--mamba-track-interval",
+        type=int,
+        help="tokens between cached recurrent-state checkpoints (models with STATE layers; "
+        "a multiple of --page-size; default 512 rounded down to whole pages)",
+    )
     r = p.add_argument_group("runtime")
     r.add_argument(
         "--attention-backend",
@@ -174,6 +190,19 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
     r.add_argument("--speculative-algorithm", type=str.upper, choices=("DSPARK",))
     r.add_argument("--speculative-num-draft-tokens", type=int)
     r.add_argument("--speculative-draft-model-path", help="a DSPARK drafter checkpoint")
+    r.add_argument(
+        "--speculative-verify-lengths",
+        choices=VERIFY_LENGTHS,
+        default="fixed",
+        help="unimem only, DSPARK: verify every drafted token (fixed) or choose each "
+        "request's length from the drafter's confidence head (adaptive)",
+    )
+    r.add_argument(
+        "--speculative-verify-budget",
+        type=int,
+        help="unimem only, with --speculative-verify-lengths adaptive: tokens verified per "
+        "step over the batch (default: no cut)",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host", default=DEFAULT_HOST)
     s.add_argument("--port", type=int, default=DEFAULT_PORT)

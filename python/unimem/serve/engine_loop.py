@@ -12,8 +12,8 @@ the HTTP side does waits on a step, and nothing in a step waits on HTTP.
 
 After every step (and every inbox drain) the thread publishes a snapshot of the engine's
 state (:meth:`EngineLoop.snapshot`: running and queued requests, memory in use per kind,
-compactions, retractions, token counters), which ``/get_server_info`` and ``/metrics`` read
-without touching the core.
+compactions, retractions, token counters, the prefix cache's statistics), which
+``/get_server_info`` and ``/metrics`` read without touching the core.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from unimem.engine.api import cache_stats
 from unimem.engine.core import EngineCore
 from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
@@ -315,6 +316,7 @@ class EngineLoop:
             "requests_finished": dict(c.requests_finished),
             "prompt_throughput": (c.prompt_tokens - hist[0][1]) / span if span > 0 else 0.0,
             "generation_throughput": (c.generation_tokens - hist[0][2]) / span if span > 0 else 0.0,
+            "prefix_cache": cache_stats(self.core),
             "engine_error": self.error,
         }
 

@@ -4,7 +4,8 @@ names its ``sglang:*``.
 Gauges and totals come from the engine thread's snapshot at scrape time
 (:meth:`~unimem.serve.engine_loop.EngineLoop.snapshot`): running and queued requests, tokens
 in use per kind (FULL / SWA pages as tokens, STATE as slots), arena occupancy and bytes,
-compactions, retractions, prefix-cache hit rate, speculative accept length, prompt and
+compactions, retractions, prefix-cache hit rate (and, with the cache on, the tokens and
+checkpoints it holds and its evictions), speculative accept length, prompt and
 generation tokens (totals and throughput over the last seconds). Histograms are observed by
 the engine thread as tokens come out: time to first token (from the HTTP request's arrival),
 inter-token latency (per token: the gap between two deliveries over the tokens delivered),
@@ -123,6 +124,23 @@ class _SnapshotCollector:
             "Cached over prompt tokens of finished requests.",
             s["cached_tokens_total"] / prompt if prompt else 0.0,
         )
+        cache = s.get("prefix_cache")
+        if cache is not None:
+            yield g(
+                "unimem:prefix_cache_tokens",
+                "Tokens whose pages the prefix cache holds.",
+                cache["cached_tokens"],
+            )
+            yield g(
+                "unimem:prefix_cache_checkpoints",
+                "Recurrent-state checkpoints the prefix cache holds.",
+                cache["checkpoints"],
+            )
+            yield c(
+                "unimem:prefix_cache_evictions",
+                "Prefix-cache entries evicted for memory.",
+                cache["evictions"],
+            )
         steps = s["spec_verify_steps_total"]
         yield g(
             "unimem:spec_accept_length",

@@ -11,7 +11,10 @@ event carries the text and ids so far (SGLang's cumulative stream) and the last 
 ``data: [DONE]``.
 
 ``/get_server_info`` includes the engine thread's snapshot (``used_bytes``, ``live_units``
-per kind, running / queued requests, ...), so a client can watch memory return to idle.
+per kind, running / queued requests, the prefix cache's statistics under ``prefix_cache``,
+...), so a client can watch memory return to idle: what the prefix cache holds counts as
+used until ``/flush_cache``, which empties the cache when no request is queued or running
+(400 otherwise, as SGLang answers).
 """
 
 from __future__ import annotations
@@ -242,14 +245,13 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
 
     @router.post("/flush_cache")
     async def flush_cache():
-        def flush(core) -> bool:
-            if not core.scheduler.idle:
-                return False
-            if core.cache is not None:
-                core.cache.flush()
-            return True
-
-        done = await asyncio.wrap_future(serving.loop.call(flush))
+        # on the engine thread, between two steps
+        try:
+            done = await asyncio.wrap_future(
+                serving.loop.call(lambda core: serving.engine.flush_cache())
+            )
+        except ValueError as e:  # not supported here (tensor parallelism)
+            return PlainTextResponse(f"Cache not flushed: {e}.", status_code=400)
         if not done:
             return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
         return PlainTextResponse("Cache flushed.")
