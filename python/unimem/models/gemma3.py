@@ -42,7 +42,7 @@ from unimem.models.base import CausalLM, ModelOutput, logits_dtype
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
-from unimem.models.nn_ops import apply_rope
+from unimem.models.nn_ops import apply_rope, frozen_param
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -69,11 +69,6 @@ _TEXT_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
 )
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    """An uninitialised inference-only parameter (filled by :meth:`load_weights`)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,7 +158,7 @@ class _Weight(nn.Module):
 
     def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.weight = _param(*shape, dtype=dtype, device=device)
+        self.weight = frozen_param(*shape, dtype=dtype, device=device)
 
 
 class Gemma3Attention(nn.Module):

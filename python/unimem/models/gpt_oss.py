@@ -42,7 +42,7 @@ from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.moe import expert_mlp
-from unimem.models.nn_ops import apply_rope, rms_norm
+from unimem.models.nn_ops import apply_rope, frozen_param, rms_norm
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -184,16 +184,12 @@ def dequantize_mxfp4(
 # ---------------------------------------------------------------------- modules
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
 class _Weight(nn.Module):
     """Holds one ``weight`` (embedding table or norm), so names match HF's modules."""
 
     def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.weight = _param(*shape, dtype=dtype, device=device)
+        self.weight = frozen_param(*shape, dtype=dtype, device=device)
 
 
 class _Linear(nn.Module):
@@ -203,8 +199,8 @@ class _Linear(nn.Module):
         self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__()
-        self.weight = _param(n_out, n_in, dtype=dtype, device=device)
-        self.bias = _param(n_out, dtype=dtype, device=device) if bias else None
+        self.weight = frozen_param(n_out, n_in, dtype=dtype, device=device)
+        self.bias = frozen_param(n_out, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -226,7 +222,7 @@ class GptOssAttention(nn.Module):
         self.k_proj = _Linear(d, c.n_kv_heads * c.head_dim_k, bias, dt, device)
         self.v_proj = _Linear(d, c.n_kv_heads * c.head_dim_v, bias, dt, device)
         self.o_proj = _Linear(c.n_q_heads * c.head_dim_v, d, bias, dt, device)
-        self.sinks = _param(c.n_q_heads, dtype=torch.float32, device=device)
+        self.sinks = frozen_param(c.n_q_heads, dtype=torch.float32, device=device)
 
     def forward(
         self,
@@ -255,8 +251,8 @@ class GptOssRouter(nn.Module):
     ) -> None:
         super().__init__()
         self.top_k = top_k
-        self.weight = _param(num_experts, c.d_model, dtype=c.dtype, device=device)
-        self.bias = _param(num_experts, dtype=c.dtype, device=device)
+        self.weight = frozen_param(num_experts, c.d_model, dtype=c.dtype, device=device)
+        self.bias = frozen_param(num_experts, dtype=c.dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
@@ -291,10 +287,10 @@ class GptOssExperts(nn.Module):
         self.tp = tp
         e, d, i, dt = num_experts, c.d_model, c.ffn_dim, c.dtype
         self.alpha, self.limit = float(alpha), float(limit)
-        self.gate_up_proj = _param(e, 2 * i, d, dtype=dt, device=device)
-        self.gate_up_proj_bias = _param(e, 2 * i, dtype=dt, device=device)
-        self.down_proj = _param(e, d, i, dtype=dt, device=device)
-        self.down_proj_bias = _param(e, d, dtype=dt, device=device)
+        self.gate_up_proj = frozen_param(e, 2 * i, d, dtype=dt, device=device)
+        self.gate_up_proj_bias = frozen_param(e, 2 * i, dtype=dt, device=device)
+        self.down_proj = frozen_param(e, d, i, dtype=dt, device=device)
+        self.down_proj_bias = frozen_param(e, d, dtype=dt, device=device)
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with

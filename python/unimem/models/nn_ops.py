@@ -25,6 +25,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-def frozen_param(*shape: int) -> nn.Parameter:
-    """An uninitialised inference-only parameter (weights are filled from a seed later)."""
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+def frozen_param(
+    *shape: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> nn.Parameter:
+    """An uninitialised inference-only parameter (filled later: from a seed, or by a
+    checkpoint loader)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)

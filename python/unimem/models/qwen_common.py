@@ -42,7 +42,7 @@ from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.moe import expert_mlp
-from unimem.models.nn_ops import apply_rope
+from unimem.models.nn_ops import apply_rope, frozen_param
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -63,18 +63,13 @@ LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "full"}
 # ---------------------------------------------------------------------- parameters
 
 
-def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    """An uninitialised inference-only parameter (the loader fills it)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
 class Weight(nn.Module):
     """Holds one parameter named ``weight`` so that module paths end in ``.weight`` as the
     checkpoint names them (``...q_proj.weight``, ``...input_layernorm.weight``)."""
 
     def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.weight = empty_param(*shape, dtype=dtype, device=device)
+        self.weight = frozen_param(*shape, dtype=dtype, device=device)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -207,8 +202,8 @@ class GdnMixer(nn.Module):
         h, dv = c.gdn_heads, c.gdn_head_dim_v
         kw = {"dtype": c.dtype, "device": device}
         self.conv1d = Weight(c.gdn_conv_dim, c.conv_kernel, **kw)
-        self.A_log = empty_param(h, dtype=c.state_dtype, device=device)
-        self.dt_bias = empty_param(h, dtype=c.state_dtype, device=device)
+        self.A_log = frozen_param(h, dtype=c.state_dtype, device=device)
+        self.dt_bias = frozen_param(h, dtype=c.state_dtype, device=device)
         self.norm = Weight(dv, **kw)
         self.out_proj = Weight(c.d_model, h * dv, **kw)
 
@@ -278,8 +273,8 @@ class StackedExperts(nn.Module):
         self, e: int, d: int, ffn: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__()
-        self.gate_up_proj = empty_param(e, 2 * ffn, d, dtype=dtype, device=device)
-        self.down_proj = empty_param(e, d, ffn, dtype=dtype, device=device)
+        self.gate_up_proj = frozen_param(e, 2 * ffn, d, dtype=dtype, device=device)
+        self.down_proj = frozen_param(e, d, ffn, dtype=dtype, device=device)
 
 
 class SparseMoe(nn.Module):
