@@ -14,6 +14,7 @@ from unimem.memory.spec import LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
 from unimem.models.config import HybridConfig, memory_spec
+from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
@@ -25,33 +26,10 @@ MB = 1 << 20
 
 
 def _fa4():
-    try:
-        from unimem.attention.fa4_backend import FA4Backend
+    pytest.importorskip("flash_attn.cute", reason="FA4 not installed")
+    from unimem.attention.fa4_backend import FA4Backend
 
-        return FA4Backend()
-    except ImportError as e:
-        pytest.skip(f"FA4 not installed: {e}")
-
-
-def _config() -> HybridConfig:
-    # bf16, every layer kind, head dims FA4 pages well (128), small enough to build quickly
-    return HybridConfig(
-        vocab_size=4096,
-        d_model=512,
-        n_q_heads=4,
-        n_kv_heads=2,
-        head_dim_k=128,
-        head_dim_v=128,
-        ffn_dim=1024,
-        layer_pattern=("gdn", "swa", "gdn", "full"),
-        window=64,
-        gdn_heads=4,
-        gdn_head_dim_k=64,
-        gdn_head_dim_v=64,
-        conv_kernel=4,
-        dtype=torch.bfloat16,
-        max_context=4096,
-    )
+    return FA4Backend()
 
 
 def _prompts(cfg: HybridConfig, n: int, length: int) -> list[list[int]]:
@@ -81,7 +59,7 @@ def test_step_loop_is_sync_free_and_static_equals_unified(speculative):
     steps at several batch buckets, SWA retirement, releases, and in the unified run
     allocator-driven compaction — under torch.cuda.set_sync_debug_mode("error"): any
     synchronising CUDA call raises. Static and unified memory give identical tokens."""
-    cfg = _config()
+    cfg = preset("gpu_test")
     dev = torch.device("cuda")
     model = HybridModel(cfg, seed=1, device=dev)
     prompts = _prompts(cfg, 12, 150)
@@ -118,7 +96,7 @@ def test_graph_replay_equals_eager_steps():
     """The same requests through recorded decode steps and through eager steps: token-
     identical outputs. Four equal requests decode in lockstep, so every step has four lanes
     and the one captured bucket (4) needs no padding: kernel shapes are the same both ways."""
-    cfg = _config()
+    cfg = preset("gpu_test")
     dev = torch.device("cuda")
     model = HybridModel(cfg, seed=2, device=dev)
     prompts = _prompts(cfg, 4, 100)

@@ -386,31 +386,12 @@ def test_gpu_sampled_cuda_graph_decode_is_sync_free_and_equals_eager():
     without a host sync; the same tokens as eager steps; greedy requests equal a greedy-only
     run (their lanes take the argmax in the sampling variant too). Four equal requests in
     lockstep and one bucket (4): the kernel shapes are the same in every run."""
-    try:
-        from unimem.attention.fa4_backend import FA4Backend
+    pytest.importorskip("flash_attn.cute", reason="FA4 not installed")
+    from unimem.attention.fa4_backend import FA4Backend
+    from unimem.models.presets import preset
 
-        FA4Backend()
-    except ImportError as e:
-        pytest.skip(f"FA4 not installed: {e}")
-    from unimem.models.config import HybridConfig
-
-    cfg = HybridConfig(
-        vocab_size=4096,
-        d_model=512,
-        n_q_heads=4,
-        n_kv_heads=2,
-        head_dim_k=128,
-        head_dim_v=128,
-        ffn_dim=1024,
-        layer_pattern=("gdn", "swa", "gdn", "full"),
-        window=64,
-        gdn_heads=4,
-        gdn_head_dim_k=64,
-        gdn_head_dim_v=64,
-        conv_kernel=4,
-        dtype=torch.bfloat16,
-        max_context=4096,
-    )
+    FA4Backend()
+    cfg = preset("gpu_test")
     dev = torch.device("cuda")
     model = HybridModel(cfg, seed=1, device=dev)
     prompts = _prompts(cfg, 4, 100, seed=5)

@@ -26,6 +26,7 @@ from unimem.memory.spec import LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
 from unimem.models.config import HybridConfig, memory_spec
+from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
@@ -35,33 +36,10 @@ pytestmark = pytest.mark.gpu
 
 
 def _fa4():
-    try:
-        from unimem.attention.fa4_backend import FA4Backend
+    pytest.importorskip("flash_attn.cute", reason="FA4 not installed")
+    from unimem.attention.fa4_backend import FA4Backend
 
-        return FA4Backend()
-    except ImportError as e:
-        pytest.skip(f"FA4 not installed: {e}")
-
-
-def _config() -> HybridConfig:
-    # the engine GPU tests' model: bf16, every layer kind, FA4-friendly head dims
-    return HybridConfig(
-        vocab_size=4096,
-        d_model=512,
-        n_q_heads=4,
-        n_kv_heads=2,
-        head_dim_k=128,
-        head_dim_v=128,
-        ffn_dim=1024,
-        layer_pattern=("gdn", "swa", "gdn", "full"),
-        window=64,
-        gdn_heads=4,
-        gdn_head_dim_k=64,
-        gdn_head_dim_v=64,
-        conv_kernel=4,
-        dtype=torch.bfloat16,
-        max_context=4096,
-    )
+    return FA4Backend()
 
 
 def _prompts(cfg: HybridConfig, n: int, length: int) -> list[list[int]]:
@@ -73,7 +51,7 @@ def test_ragged_graph_replay_equals_eager_with_lengths_changing_every_step():
     """Four equal requests in lockstep (every step has four lanes: the captured bucket 4
     needs no padding lanes, so both ways run the same kernel shapes); before every step the
     test rewrites the lanes' lengths on the device (a fresh random 1..gamma+1 each step)."""
-    cfg = _config()
+    cfg = preset("gpu_test")
     dev = torch.device("cuda")
     model = HybridModel(cfg, seed=2, device=dev)
     drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)
@@ -125,7 +103,7 @@ def test_adaptive_step_loop_is_sync_free_and_static_equals_unified():
     ``set_sync_debug_mode("error")``; an arena 10 % above the static peak forces compaction
     without retraction, so both runs have the same batches: token-identical outputs and
     verified rows."""
-    cfg = _config()
+    cfg = preset("gpu_test")
     dev = torch.device("cuda")
     model = HybridModel(cfg, seed=1, device=dev)
     drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)

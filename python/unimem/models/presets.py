@@ -1,5 +1,6 @@
 """Named synthetic configurations of the seeded hybrid model (:mod:`unimem.models.synthetic`):
-``tiny`` for CPU tests in float64, ``small`` for one GPU in bf16."""
+``tiny`` for CPU tests in float64, ``small`` for one GPU in bf16, ``gpu_test`` for the GPU
+tests (bf16, small and quick to build)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,29 @@ def _small() -> HybridConfig:
     )
 
 
-_PRESETS = {"tiny": _tiny, "small": _small}
+def _gpu_test() -> HybridConfig:
+    # The GPU tests' model: bf16, every layer kind, head dims FA4 pages well (128), small
+    # enough to build and capture quickly.
+    return HybridConfig(
+        vocab_size=4096,
+        d_model=512,
+        n_q_heads=4,
+        n_kv_heads=2,
+        head_dim_k=128,
+        head_dim_v=128,
+        ffn_dim=1024,
+        layer_pattern=("gdn", "swa", "gdn", "full"),
+        window=64,
+        gdn_heads=4,
+        gdn_head_dim_k=64,
+        gdn_head_dim_v=64,
+        conv_kernel=4,
+        dtype=torch.bfloat16,
+        max_context=4096,
+    )
+
+
+_PRESETS = {"tiny": _tiny, "small": _small, "gpu_test": _gpu_test}
 
 
 def preset_names() -> tuple[str, ...]:
@@ -67,7 +90,8 @@ def preset_names() -> tuple[str, ...]:
 
 
 def preset(name: str) -> HybridConfig:
-    """The named configuration: ``tiny`` (CPU, float64, 6 layers) or ``small`` (one H200,
+    """The named configuration: ``tiny`` (CPU, float64, 6 layers), ``gpu_test`` (bf16, 4 layers:
+    the GPU tests) or ``small`` (one H200,
     bf16, 16 layers). Raises ``ValueError`` listing the valid names for an unknown one."""
     try:
         return _PRESETS[name]()
