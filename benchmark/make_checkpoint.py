@@ -5,8 +5,10 @@
 The config is transformers' own (``Qwen3NextConfig`` / ``GptOssConfig``) and the weights are
 transformers' own initialisation (``AutoModelForCausalLM.from_config`` in bfloat16, created
 directly on the GPU when there is one, so a multi-billion-parameter model initialises in
-seconds); ``save_pretrained`` writes ``config.json`` and safetensors shards. No tokenizer:
-``python -m unimem validate/bench --model-path DIR`` draws random token prompts.
+seconds); ``save_pretrained`` writes ``config.json`` and safetensors shards, and a word-level
+tokenizer of the model's vocabulary is saved beside them (``unimem.models.word_tokenizer``: the
+server and ``benchmark/bench_serving.py`` need one; ``python -m unimem validate/bench
+--model-path DIR`` draws random token prompts either way).
 
 Sizes:
   qwen3_next bench: hidden 2048, 24 layers (full_attention_interval 4: 18 Gated DeltaNet +
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
+    from unimem.models.word_tokenizer import save_word_tokenizer
+
     t0 = time.perf_counter()
     cfg = make_config(args.arch, args.size)
     torch.manual_seed(args.seed)
@@ -184,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
+    save_word_tokenizer(out, cfg.vocab_size)
     t2 = time.perf_counter()
     info = {
         "arch": args.arch,
