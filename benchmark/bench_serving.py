@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MODES = ("static", "unified")
@@ -80,7 +81,14 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="bench_serving.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", required=True)
+    p.add_argument("--model-path", help="the checkpoint directory to serve (required to run)")
+    p.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="do not run: draw --plot from an earlier run's --json output",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", type=_positive_ints, default=[1, 4, 16, 64])
@@ -100,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--speculative-algorithm", choices=("DSPARK",), default=None)
     p.add_argument("--speculative-num-draft-tokens", type=_positive_int, default=None)
+    p.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="a drafter checkpoint directory (python -m unimem.speculative.distill)",
+    )
     p.add_argument("--max-total-tokens", type=_positive_int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--max-running-requests", type=_positive_int, default=None)
@@ -120,6 +133,14 @@ def _check_args(a: argparse.Namespace) -> None:
         raise BenchError(f"--mem-fraction-static must be in (0, 1), got {frac}")
     if a.speculative_num_draft_tokens is not None and a.speculative_algorithm is None:
         raise BenchError("--speculative-num-draft-tokens needs --speculative-algorithm DSPARK")
+    draft = a.speculative_draft_model_path
+    if draft is not None:
+        if a.speculative_algorithm is None:
+            raise BenchError("--speculative-draft-model-path needs --speculative-algorithm DSPARK")
+        if not (Path(draft) / "config.json").is_file():
+            raise BenchError(f"{draft}: no config.json (not a drafter checkpoint directory)")
+    if a.model_path is None:
+        raise BenchError("--model-path is required")
     if not (Path(a.model_path) / "config.json").is_file():
         raise BenchError(f"{a.model_path}: no config.json (not a checkpoint directory)")
     for path in (a.json, a.plot):  # checked before the run, not after it
@@ -205,6 +226,7 @@ def server_command(a: argparse.Namespace, mode: str, port: int) -> list[str]:
     for flag in (
         "speculative_algorithm",
         "speculative_num_draft_tokens",
+        "speculative_draft_model_path",
         "max_total_tokens",
         "mem_fraction_static",
         "max_running_requests",
@@ -306,11 +328,45 @@ def parse_results(path: Path) -> list[dict]:
     return rows
 
 
+def warm_up(a: argparse.Namespace, url: str, model: str, prompts: Path) -> None:
+    """Untimed requests before the measured levels: one alone, then a burst as wide as the
+    largest concurrency, each of the benchmark's prompt and output lengths, so that kernels
+    compiled on first use (prefill shapes, Triton autotuning) are not charged to the first
+    level's latency."""
+    texts = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
+
+    def one(i: int) -> None:
+        body = {
+            "model": model,
+            "prompt": texts[i % len(texts)],
+            "max_tokens": a.output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        req = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=START_TIMEOUT_S) as r:
+            if r.status != 200:
+                raise BenchError(f"warm-up request answered {r.status}")
+
+    try:
+        one(0)
+        width = max(a.concurrency)
+        with ThreadPoolExecutor(width) as pool:
+            list(pool.map(one, range(width)))
+    except OSError as e:
+        raise BenchError(f"warm-up request failed: {e}") from None
+
+
 def run_mode(a: argparse.Namespace, mode: str, work: Path, prompts: Path) -> dict:
     port = _free_port()
     server = Server(server_command(a, mode, port), port, work / f"server_{mode}.log")
     try:
         model = json.loads(_get(server.url + "/v1/models")[1])["data"][0]["id"]
+        warm_up(a, server.url, model, prompts)
         out = work / f"guidellm_{mode}.json"
         scn = work / f"scenario_{mode}.json"
         scn.write_text(json.dumps(scenario(a, server.url, model, prompts, out)))
@@ -377,41 +433,99 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> None:
+def title(args: dict, gpu: str | None) -> str:
+    """The figure's title: model, sizes, speculation, memory budget, machine."""
+    spec = args.get("speculative_algorithm") or "no speculation"
+    if args.get("speculative_algorithm"):
+        drafter = args.get("speculative_draft_model_path")
+        spec += f" (drafter {Path(drafter).name})" if drafter else " (seeded drafter)"
+    budget = (
+        f"--max-total-tokens {args['max_total_tokens']}"
+        if args.get("max_total_tokens")
+        else "default memory"
+    )
+    return (
+        f"unimem serving, static pools vs unified arena: {Path(args['model_path']).name}, "
+        f"{args['prompt_tokens']} + {args['output_tokens']} tokens, {spec}, {budget}, "
+        f"at most {args.get('max_running_requests') or 'default'} running | {gpu or 'CPU'}"
+    )
+
+
+def plot(results: dict, path: Path, args: dict, gpu: str | None) -> None:
+    """Three panels against concurrency: output throughput, TTFT p50/p99, ITL p50/p99."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import (
+        FixedLocator,
+        LogLocator,
+        NullFormatter,
+        NullLocator,
+        ScalarFormatter,
+    )
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     colors = {"static": "tab:blue", "unified": "tab:orange"}
+    conc = []
     for mode, res in results.items():
         conc = [r["concurrency"] for r in res["levels"]]
         c = colors[mode]
-        ax1.plot(conc, [r["output_tok_s"] for r in res["levels"]], "o-", color=c, label=mode)
-        ax2.plot(
-            conc, [r["ttft_p50_ms"] for r in res["levels"]], "o-", color=c, label=f"{mode} TTFT p50"
-        )
-        ax2.plot(
-            conc, [r["itl_p50_ms"] for r in res["levels"]], "s--", color=c, label=f"{mode} ITL p50"
-        )
-    ax1.set(
-        xscale="log",
-        xlabel="concurrent requests",
-        ylabel="output tokens / s",
-        title="Output throughput",
-    )
-    ax2.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms", title="Latency")
-    for ax in (ax1, ax2):
+        axes[0].plot(conc, [r["output_tok_s"] for r in res["levels"]], "o-", color=c, label=mode)
+        for ax, key in ((axes[1], "ttft"), (axes[2], "itl")):
+            for pct, style in (("p50", "o-"), ("p99", "s:")):
+                ys = [r[f"{key}_{pct}_ms"] for r in res["levels"]]
+                ax.plot(conc, ys, style, color=c, label=f"{mode} {pct}")
+    axes[0].set(ylabel="output tokens / s", title="Output throughput")
+    axes[0].set_ylim(bottom=0)
+    axes[1].set(ylabel="time to first token (ms)", title="TTFT", yscale="log")
+    axes[2].set(ylabel="inter-token latency (ms)", title="ITL", yscale="log")
+    for ax in axes[1:]:  # plain numbers at 1, 2, 5 x 10^k on the log latency axes
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator(conc))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xlabel("concurrent requests")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
+    fig.suptitle(title(args, gpu), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def gpu_name(device: str | None) -> str | None:
+    """The GPU the server ran on (this process sees the same devices), or None on CPU."""
+    if device == "cpu":
+        return None
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+def replot(src: Path, dst: Path) -> int:
+    """Draw a figure from an earlier run's ``--json`` output."""
+    d = json.loads(src.read_text())
+    plot(d["results"], dst, d["args"], d.get("gpu"))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         a = build_parser().parse_args(argv)
+        if a.replot is not None:
+            if a.plot is None:
+                raise BenchError("--replot needs --plot PATH.png")
+            if not a.replot.is_file():
+                raise BenchError(f"--replot {a.replot}: no such file")
+            _check_writable(a.plot)
+            return replot(a.replot, a.plot)
         _check_args(a)
         results = {}
         with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
@@ -429,10 +543,12 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_serving.py: interrupted", file=sys.stderr)
         return 130
     print(report(results))
+    gpu = gpu_name(a.device)
+    args = _jsonable(vars(a))
     if a.json is not None:
-        a.json.write_text(json.dumps({"args": _jsonable(vars(a)), "results": results}, indent=1))
+        a.json.write_text(json.dumps({"args": args, "gpu": gpu, "results": results}, indent=1))
     if a.plot is not None:
-        plot(results, a.plot)
+        plot(results, a.plot, args, gpu)
     return 0
 
 

@@ -1,0 +1,77 @@
+"""benchmark/bench_serving.py without a server: its command-line errors (one line, exit 2)
+and the figure drawn from a run's JSON (--replot)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmark" / "bench_serving.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _level(c: int, tok_s: float) -> dict:
+    return {
+        "concurrency": c,
+        "output_tok_s": tok_s,
+        "ttft_p50_ms": 10.0 * c,
+        "ttft_p99_ms": 20.0 * c,
+        "itl_p50_ms": 3.0 + c / 16,
+        "itl_p99_ms": 4.0 + c / 8,
+        "requests_ok": 4 * c,
+        "requests_failed": 0,
+    }
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "--model-path is required"),
+        (("--model-path", "/nonexistent"), "no config.json"),
+        (("--replot", "/nonexistent.json", "--plot", "/tmp/x.png"), "no such file"),
+        (("--replot", "/nonexistent.json"), "--replot needs --plot"),
+        (("--model-path", "x", "--concurrency", "0"), "concurrency"),
+    ],
+)
+def test_errors_are_one_line_and_exit_2(args, message):
+    r = _run(*args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_replot_draws_the_figure_from_a_runs_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    levels = (1, 8, 32)
+    run = {
+        "args": {
+            "model_path": "ckpt",
+            "prompt_tokens": 256,
+            "output_tokens": 128,
+            "speculative_algorithm": "DSPARK",
+            "speculative_draft_model_path": None,
+            "max_total_tokens": 12288,
+            "max_running_requests": 64,
+        },
+        "gpu": "Some GPU",
+        "results": {
+            mode: {"levels": [_level(c, f * 100 * c) for c in levels], "server": {}}
+            for mode, f in (("static", 1.0), ("unified", 1.2))
+        },
+    }
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(run))
+    png = tmp_path / "fig.png"
+    r = _run("--replot", str(src), "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
