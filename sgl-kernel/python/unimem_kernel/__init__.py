@@ -5,6 +5,20 @@ kernel and a torch reference of identical semantics (see ``_dispatch``). Nothing
 about pools, requests or models.
 """
 
+from unimem_kernel.batch_invariant import (
+    MatmulConfig,
+    bi_grouped_linear,
+    bi_grouped_linear_reference,
+    bi_linear,
+    bi_linear_reference,
+    bi_log_softmax,
+    bi_log_softmax_reference,
+    bi_matmul,
+    bi_matmul_reference,
+    bi_rms_norm,
+    bi_rms_norm_reference,
+    matmul_config,
+)
 from unimem_kernel.id_ops import (
     bind_units,
     bind_units_reference,
@@ -37,6 +51,18 @@ from unimem_kernel.unit_ops import (
 from unimem_kernel.write_window import gather_write_window, gather_write_window_reference
 
 __all__ = [
+    "MatmulConfig",
+    "bi_grouped_linear",
+    "bi_grouped_linear_reference",
+    "bi_linear",
+    "bi_linear_reference",
+    "bi_log_softmax",
+    "bi_log_softmax_reference",
+    "bi_matmul",
+    "bi_matmul_reference",
+    "bi_rms_norm",
+    "bi_rms_norm_reference",
+    "matmul_config",
     "StateCommitPlan",
     "commit_states",
     "commit_states_multi",

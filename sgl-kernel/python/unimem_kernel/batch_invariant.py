@@ -1,0 +1,632 @@
+"""Batch-invariant GEMM, grouped GEMM, RMS norm and log-softmax (deterministic inference).
+
+A row's result from these ops is bitwise independent of how many other rows share the call,
+of where the row sits in the batch, and (grouped GEMM) of how the other rows are spread over
+the experts. cuBLAS picks another algorithm, tile or split-K per ``M``, so a request's bf16
+logits drift with the batch it is served in; these kernels do not.
+
+How invariance is obtained:
+
+- **GEMMs** (:func:`bi_matmul`, :func:`bi_linear`, :func:`bi_grouped_linear`): one fixed tile
+  configuration per ``(dtype, K, N)`` (:func:`matmul_config`, never looking at ``M`` and never
+  autotuned), no split-K, fp32 accumulation over ``K`` in ``BLOCK_K`` chunks always in
+  ascending order, bias added in fp32 after the reduction. So each output element's reduction
+  order is a function of ``K`` and the tile configuration only. The row count is not a
+  specialised launch argument (``do_not_specialize``), so ``M == 1`` compiles to the same code
+  as any other ``M``. The kernels assume (as every batch-invariant GEMM does) that the
+  tensor-core MMA computes each output element from its own row and column alone, in an order
+  that does not depend on the element's position inside the tile.
+- **Row ops** (:func:`bi_rms_norm`, :func:`bi_log_softmax`): one program per row, a fixed
+  ``BLOCK`` over the last dim (a function of that dim only) walked in fixed chunk order.
+
+Every public op dispatches through :func:`unimem_kernel._dispatch.use_triton` (Triton on CUDA,
+or when forced; else the ``*_reference`` torch function of identical semantics). The
+references compute in fp32 with torch's own kernels: they agree with the Triton kernels to
+rounding, not bitwise, and they are not batch-invariant themselves on CUDA. For float64
+inputs every op is its exact torch counterpart in float64 (the CPU oracle).
+
+Outputs are freshly allocated and owned by the caller (:func:`bi_grouped_linear` can write
+into a caller-owned ``out``). No op reads device memory on the host, so all of them can be
+captured in CUDA graphs (the launch grids depend on shapes only).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from unimem_kernel._dispatch import next_pow2, use_triton
+
+__all__ = [
+    "MatmulConfig",
+    "bi_grouped_linear",
+    "bi_grouped_linear_reference",
+    "bi_linear",
+    "bi_linear_reference",
+    "bi_log_softmax",
+    "bi_log_softmax_reference",
+    "bi_matmul",
+    "bi_matmul_reference",
+    "bi_rms_norm",
+    "bi_rms_norm_reference",
+    "matmul_config",
+]
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)
+
+
+class MatmulConfig(NamedTuple):
+    """A GEMM tile configuration (Triton launch constants)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int  # row tiles per L2 swizzle group (launch order only, never numerics)
+
+
+def matmul_config(dtype: torch.dtype, k: int, n: int) -> MatmulConfig:
+    """The one tile configuration of a GEMM with inputs of ``dtype`` and reduction size ``k``
+    into ``n`` columns. A pure function of its arguments: ``M`` is never an input, so every
+    row count runs the same compiled kernel with the same reduction order.
+
+    fp16/bf16: 128 x 128 output tiles, ``BLOCK_K`` 64, 8 warps, 3 stages (96 KiB of shared
+    memory for the pipelined A and B tiles, comfortably inside an H200 SM's 228 KiB); the
+    standard Hopper tensor-core tile, efficient for the prefill/verify row counts. For small
+    ``n`` (under 4096 columns) the tile is 64 columns wide, so a decode step (one row tile)
+    still spreads over at least 32 programs. fp32 (exact, ``ieee`` products, no TF32): 64 x 64
+    tiles, ``BLOCK_K`` 32, 4 warps, 3 stages (48 KiB). ``k`` is accepted so that a future
+    table may depend on it; today it does not.
+    """
+    del k
+    if dtype == torch.float32:
+        return MatmulConfig(64, 64, 32, 4, 3, 8)
+    if dtype in (torch.float16, torch.bfloat16):
+        return MatmulConfig(128, 128 if n >= 4096 else 64, 64, 8, 3, 8)
+    raise ValueError(f"no Triton GEMM tiles for dtype {dtype}")
+
+
+# The tile configuration the launchers use; tests swap it for smaller tiles so that the
+# interpreter exercises several row, column and K tiles at tiny sizes.
+_matmul_config = matmul_config
+
+
+# ------------------------------------------------------------------- validation
+
+
+def _check_float(name: str, t: torch.Tensor, allowed=_FLOAT_DTYPES) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"{name} must be one of {names}, got {t.dtype}")
+
+
+def _check_device(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def _resolve_out_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is None:
+        return a.dtype
+    if a.dtype == torch.float64:
+        if out_dtype != torch.float64:
+            raise ValueError(f"out_dtype must be float64 for float64 inputs, got {out_dtype}")
+        return out_dtype
+    if out_dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    return out_dtype
+
+
+def _check_matmul(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> torch.dtype:
+    if a.dim() != 2:
+        raise ValueError(f"a must be 2-D [M, K], got shape {tuple(a.shape)}")
+    if b.dim() != 2:
+        raise ValueError(f"b must be 2-D [K, N], got shape {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a [M, K] {tuple(a.shape)} and b [K, N] {tuple(b.shape)}: K differs")
+    _check_float("a", a)
+    if b.dtype != a.dtype:
+        raise ValueError(f"b must have a's dtype {a.dtype}, got {b.dtype}")
+    _check_device("b", b, a, "a")
+    if bias is not None:
+        if bias.shape != (b.shape[1],):
+            raise ValueError(f"bias must have shape ({b.shape[1]},), got {tuple(bias.shape)}")
+        _check_float("bias", bias)
+        _check_device("bias", bias, a, "a")
+    return _resolve_out_dtype(a, out_dtype)
+
+
+# ------------------------------------------------------------------- GEMM: Triton
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _mma_chunk(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr, acc):
+    # UPCAST (the interpreter only, whose dot cannot multiply bf16): fp16/bf16 operands are
+    # widened to fp32 first, exact, and so is each product; on the GPU the tensor cores take
+    # the 16-bit operands directly with fp32 accumulation.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _bi_matmul_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # 1-D launch, swizzled into groups of GROUP_M row tiles for L2 reuse of B: this only
+    # changes which program computes a tile, never how a tile is computed.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    a_rows = a_ptr + rm[:, None] * stride_am
+    b_cols = b_ptr + rn[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Ascending K chunks; the K tail is zero-padded (adding exact zeros changes nothing).
+    for k0 in range(0, K, BLOCK_K):
+        kk = (k0 + rk).to(tl.int64)
+        mask_k = kk < K
+        a = tl.load(
+            a_rows + kk[None, :] * stride_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        b = tl.load(
+            b_cols + kk[:, None] * stride_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )
+        acc = _mma_chunk(a, b, IEEE, UPCAST, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + rm[:, None] * stride_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def bi_matmul_triton(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The Triton kernel of :func:`bi_matmul` (arguments already validated); any strides."""
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    cfg = _matmul_config(a.dtype, k, n)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _bi_matmul_kernel[grid](
+        a, b, bias if bias is not None else c, c, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32, UPCAST=_interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return c
+
+
+# ------------------------------------------------------------------- GEMM: reference
+
+
+def bi_matmul_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The torch reference of :func:`bi_matmul`: ``a @ b`` in fp32 (float64 for float64),
+    plus ``bias`` in that precision, cast to ``out_dtype`` (default ``a``'s dtype)."""
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    c = a.to(acc) @ b.to(acc)
+    if bias is not None:
+        c = c + bias.to(acc)
+    return c.to(out_dtype or a.dtype)
+
+
+def bi_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``a @ b (+ bias)``, batch-invariant: row ``i`` of the result is bitwise the same for
+    any number of rows ``M`` and any position of the row in ``a``.
+
+    ``a [M, K]`` and ``b [K, N]`` of one dtype (fp16, bf16, fp32; float64 runs the torch
+    reference), any strides (``b`` is typically ``weight.t()``); ``bias [N]`` (any float dtype,
+    added in fp32 after the reduction) or ``None``. Returns a new contiguous ``[M, N]`` tensor
+    of ``out_dtype`` (default ``a``'s dtype), owned by the caller; ``M == 0`` gives an empty
+    one. Products accumulate in fp32 (fp32 inputs: exact ``ieee`` products, no TF32), over
+    ``K`` in fixed ascending chunks with the tiles of :func:`matmul_config`.
+    """
+    out_dtype = _check_matmul(a, b, bias, out_dtype)
+    if a.dtype == torch.float64 or not use_triton(a):
+        return bi_matmul_reference(a, b, bias, out_dtype)
+    return bi_matmul_triton(a, b, bias, out_dtype)
+
+
+def bi_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The torch reference of :func:`bi_linear`."""
+    k = x.shape[-1]
+    y = bi_matmul_reference(x.reshape(-1, k), weight.t(), bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def bi_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, batch-invariant: ``x [..., K]``, ``weight [N, K]`` (of
+    ``x``'s dtype), ``bias [N]`` or ``None``; returns a new ``[..., N]`` tensor of ``x``'s
+    dtype. It is :func:`bi_matmul` of ``x.reshape(-1, K)`` and ``weight.t()`` (a transposed
+    view, no copy), reshaped back."""
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim [..., K]")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight must be [N, K = {x.shape[-1]}] for x {tuple(x.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
+    k = x.shape[-1]
+    y = bi_matmul(x.reshape(-1, k), weight.t(), bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ------------------------------------------------------------------- grouped GEMM: Triton
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bi_grouped_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    offs_ptr,
+    out_ptr,
+    T,
+    N,
+    K,
+    E,
+    stride_xt,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_ot,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Segments: expert e < E owns rows [offs[e-1], offs[e]); segment E (the tail) owns rows
+    # [offs[E-1], T), which are written as zeros. Each segment is cut into row tiles starting
+    # at the segment's first row; program (p, n) takes the p-th row tile of all segments in
+    # order (found on the device from offs: no host reads) and exits if there is none.
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    seg = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + seg, mask=seg < E, other=0).to(tl.int32)
+    ends = tl.where(seg < E, ends, T)
+    starts = tl.load(offs_ptr + seg - 1, mask=(seg >= 1) & (seg <= E), other=0).to(tl.int32)
+    counts = tl.maximum(ends - starts, 0)
+    tiles = tl.where(seg <= E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, axis=0)  # inclusive
+    e = tl.sum((cum <= p).to(tl.int32), axis=0)
+    if e > E:
+        return
+    sel = seg == e
+    row0 = tl.sum(tl.where(sel, starts, 0), axis=0)
+    row_end = tl.sum(tl.where(sel, ends, 0), axis=0)
+    tile = p - tl.sum(tl.where(sel, cum - tiles, 0), axis=0)
+    is_tail = e == E
+
+    rm = (row0 + tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < row_end
+    mask_n = rn < N
+    we = tl.minimum(e, E - 1).to(tl.int64)
+    x_rows = x_ptr + rm[:, None] * stride_xt
+    w_cols = w_ptr + we * stride_we + rn[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = tl.where(is_tail, 0, K)  # the tail's rows stay zero
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = (k0 + rk).to(tl.int64)
+        mask_k = kk < K
+        a = tl.load(
+            x_rows + kk[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        b = tl.load(
+            w_cols + kk[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )
+        acc = _mma_chunk(a, b, IEEE, UPCAST, acc)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + we * stride_be + rn, mask=mask_n, other=0.0).to(tl.float32)
+        acc += tl.where(is_tail, 0.0, bias)[None, :]
+    o = out_ptr + rm[:, None] * stride_ot + rn[None, :]
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def bi_grouped_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton kernel of :func:`bi_grouped_linear` (arguments already validated)."""
+    t, k = x.shape
+    e, n, _ = weight.shape
+    if out is None:
+        out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    cfg = _matmul_config(x.dtype, k, n)
+    # Row tiles over all segments: at most cdiv(T, BLOCK_M) full tiles plus one partial tile
+    # per segment (E experts and the tail). Host-known bound: capturable.
+    row_tiles = triton.cdiv(t, cfg.block_m) + e + 1
+    grid = (row_tiles, triton.cdiv(n, cfg.block_n))
+    _bi_grouped_kernel[grid](
+        x, weight, bias if bias is not None else out, offs, out, t, n, k, e,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
+        bias.stride(0) if bias is not None else 0, out.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, UPCAST=_interpreting(),
+        BLOCK_E=next_pow2(e + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------- grouped GEMM: reference
+
+
+def bi_grouped_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch reference of :func:`bi_grouped_linear`: per expert, ``x @ weight[e].T`` in
+    fp32 (float64 for float64) for all rows, kept on the rows the expert owns (no host reads
+    of ``offs``; costs ``E`` full GEMMs: meant for tests)."""
+    t, k = x.shape
+    num_e, n, _ = weight.shape
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = torch.arange(t, device=x.device, dtype=offs.dtype)
+    owner = torch.searchsorted(offs, rows, right=True)  # E for rows past offs[-1]
+    y = torch.zeros(t, n, dtype=acc, device=x.device)
+    xa = x.to(acc)
+    for e in range(num_e):
+        ye = xa @ weight[e].to(acc).t()
+        if bias is not None:
+            ye = ye + bias[e].to(acc)
+        y = torch.where((owner == e)[:, None], ye, y)
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y)
+
+
+def bi_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped ``x @ weight[e].T`` over rows sorted by expert, batch-invariant.
+
+    ``x [T, K]`` (fp16, bf16, fp32; float64 runs the reference), rows grouped by expert;
+    ``weight [E, N, K]`` of ``x``'s dtype, any strides; ``offs [E]`` int32 on ``x``'s device,
+    the cumulative END row of each expert (``torch._grouped_mm``'s convention: expert ``e``
+    owns rows ``offs[e-1] .. offs[e]``, expert 0 from row 0). The kernel assumes ``offs`` is
+    non-decreasing with ``offs[-1] <= T``; it never reads ``offs`` on the host (capturable).
+    Rows at or past ``offs[-1]`` belong to no expert and are written as zeros. ``bias
+    [E, N]`` (any float dtype, added in fp32 after the reduction) or ``None``. Returns ``out``
+    (``[T, N]`` of ``x``'s dtype, caller-owned, contiguous rows) or a new tensor.
+
+    A row's result depends only on the row and its expert's weight (and ``K``, ``N``): not on
+    ``T``, on how many rows the other experts own, or on the row's position in its segment.
+    ``bi_grouped_linear(xs, w, offs)`` replaces ``torch._grouped_mm(xs, w.transpose(-2, -1),
+    offs=offs)``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
+    if weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"weight must be [E, N, K = {x.shape[1]}], got shape {tuple(weight.shape)}"
+        )
+    num_e, n, _ = weight.shape
+    if num_e == 0:
+        raise ValueError("weight must hold at least one expert")
+    _check_float("x", x)
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    _check_device("weight", weight, x, "x")
+    if offs.shape != (num_e,) or offs.dtype != torch.int32:
+        raise ValueError(
+            f"offs must be int32 of shape ({num_e},), got {offs.dtype} {tuple(offs.shape)}"
+        )
+    _check_device("offs", offs, x, "x")
+    if bias is not None:
+        if bias.shape != (num_e, n):
+            raise ValueError(f"bias must have shape ({num_e}, {n}), got {tuple(bias.shape)}")
+        _check_float("bias", bias)
+        _check_device("bias", bias, x, "x")
+    if out is not None:
+        if out.shape != (x.shape[0], n) or out.dtype != x.dtype:
+            raise ValueError(
+                f"out must be {x.dtype} of shape ({x.shape[0]}, {n}), "
+                f"got {out.dtype} {tuple(out.shape)}"
+            )
+        if n and out.stride(1) != 1:
+            raise ValueError("out must have contiguous rows (stride 1 along N)")
+        _check_device("out", out, x, "x")
+    if x.dtype == torch.float64 or not use_triton(x):
+        return bi_grouped_linear_reference(x, weight, offs, bias, out)
+    return bi_grouped_linear_triton(x, weight, offs, bias, out)
+
+
+# ------------------------------------------------------------------- row ops
+
+
+def _row_block(d: int) -> int:
+    """The fixed chunk over a row's ``d`` elements (a function of ``d`` only)."""
+    return min(next_pow2(d), 4096)
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least one dim")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[1] > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+@triton.jit
+def _bi_rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    cols = tl.arange(0, BLOCK)
+    sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        m = start + cols < D
+        xv = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        sq += xv * xv
+    rstd = tl.math.rsqrt(tl.sum(sq, axis=0) / D + eps)
+    for start in range(0, D, BLOCK):
+        m = start + cols < D
+        xv = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + start + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_row + start + cols, ((xv * rstd) * wv).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def bi_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch reference of :func:`bi_rms_norm` (``unimem.models.nn_ops.rms_norm``)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xa = x.to(acc)
+    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(acc)).to(x.dtype)
+
+
+def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, batch-invariant.
+
+    ``x [..., D]`` (fp16, bf16, fp32; float64 runs the reference), ``weight [D]`` (any float
+    dtype) on ``x``'s device, ``eps`` a float. Math in fp32 (``x`` and ``weight`` upcast,
+    weight multiplied in fp32, then cast back), as ``unimem.models.nn_ops.rms_norm``. Returns a
+    new tensor of ``x``'s shape and dtype, owned by the caller. One program per row; the
+    sum of squares walks ``D`` in fixed chunks of :func:`_row_block` ``(D)`` elements.
+    """
+    x2 = _rows(x, "x")
+    _check_float("x", x)
+    d = x2.shape[1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
+    _check_float("weight", weight)
+    _check_device("weight", weight, x, "x")
+    if x.dtype == torch.float64 or not use_triton(x):
+        return bi_rms_norm_reference(x, weight, eps)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] and d:
+        _bi_rms_norm_kernel[(x2.shape[0],)](
+            x2, weight, y, d, x2.stride(0), y.stride(0), float(eps), BLOCK=_row_block(d)
+        )
+    return y.reshape(x.shape)
+
+
+@triton.jit(do_not_specialize=["V"])
+def _bi_log_softmax_kernel(x_ptr, y_ptr, V, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    cols = tl.arange(0, BLOCK)
+    mx = tl.full((BLOCK,), -float("inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        xv = tl.load(x_row + start + cols, mask=start + cols < V, other=-float("inf"))
+        mx = tl.maximum(mx, xv.to(tl.float32))
+    row_max = tl.max(mx, axis=0)
+    # A row of -inf: keep the shift finite so the result is -inf (or nan from a nan), as torch.
+    shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    se = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        xv = tl.load(x_row + start + cols, mask=start + cols < V, other=-float("inf"))
+        se += tl.exp(xv.to(tl.float32) - shift)
+    lse = shift + tl.log(tl.sum(se, axis=0))
+    for start in range(0, V, BLOCK):
+        m = start + cols < V
+        xv = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_row + start + cols, xv - lse, mask=m)
+
+
+def bi_log_softmax_reference(x: torch.Tensor) -> torch.Tensor:
+    """The torch reference of :func:`bi_log_softmax`."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.log_softmax(x.to(acc), dim=-1)
+
+
+def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(x, dim=-1)`` computed in fp32, batch-invariant.
+
+    ``x [..., V]`` (fp16, bf16, fp32; float64 runs the reference). Returns a new float32
+    tensor of ``x``'s shape (float64 for float64 inputs), owned by the caller: ``x - max -
+    log(sum(exp(x - max)))`` per row, one program per row, the max and the sum of exponentials
+    each walked over ``V`` in fixed chunks of :func:`_row_block` ``(V)`` elements.
+    """
+    x2 = _rows(x, "x")
+    _check_float("x", x)
+    if x.dtype == torch.float64 or not use_triton(x):
+        return bi_log_softmax_reference(x)
+    y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    v = x2.shape[1]
+    if x2.shape[0] and v:
+        _bi_log_softmax_kernel[(x2.shape[0],)](
+            x2, y, v, x2.stride(0), y.stride(0), BLOCK=_row_block(v)
+        )
+    return y.reshape(x.shape)
