@@ -57,6 +57,7 @@ from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
 from unimem.models.base import CausalLM
+from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardContext, ForwardMode
 from unimem.speculative import spec_sampling
 from unimem.speculative.accept import commit_mask, greedy_accept
@@ -164,6 +165,7 @@ class PagedContext(ForwardContext):
             self.meta.cu_seqlens_q,
             max_seqlen=self.meta.max_seqlen_q,
             num_k_heads=r.model.config.gdn_key_heads,
+            batch_invariant=gdn_batch_invariant(ssm),
             **scratch,
         )
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unimem.models.base import CausalLM, ModelOutput, logits_dtype
+from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
@@ -76,8 +77,7 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     with the normalisation and the product both in float32 (float64 for float64 inputs), one
     cast back to ``x``'s dtype at the end."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xa = x.to(acc)
-    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    y = rms_normalize(x.to(acc), eps)
     return (y * (1.0 + weight.to(acc))).to(x.dtype)
 
 

@@ -22,6 +22,9 @@ from collections.abc import Callable
 
 import torch
 
+from unimem.models import batch_invariant
+from unimem_kernel import bi_grouped_linear
+
 GatedAct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 __all__ = ["GatedAct", "expert_mlp", "expert_mlp_reference", "grouped_mm_supported"]
@@ -91,18 +94,38 @@ def expert_mlp(
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # end row of each expert's group
     xs = x[token_of_pair]
-    h = torch._grouped_mm(xs, w_gate_up.transpose(-2, -1), offs=offs)
+    invariant = batch_invariant.covers(x)
+    grouped = _grouped_invariant if invariant else _grouped_vendor
+    h = grouped(xs, w_gate_up, offs)
     if b_gate_up is not None:
         h = h + b_gate_up[expert_of_pair]
     gate, up = h.chunk(2, dim=-1)
-    y = torch._grouped_mm(act(gate, up).contiguous(), w_down.transpose(-2, -1), offs=offs)
+    y = grouped(act(gate, up).contiguous(), w_down, offs)
     if b_down is not None:
         y = y + b_down[expert_of_pair]
     y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
     # back to (token, slot) order and a sum over the k slots: deterministic (index_add_ on
     # CUDA accumulates with atomics in a varying order, so bf16 results changed run to run)
-    unsorted = torch.empty_like(y).index_copy_(0, order, y)
-    return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
+    unsorted = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
+    if not invariant:
+        return unsorted.sum(dim=1).to(x.dtype)
+    # batch-invariant: slot 0 + slot 1 + ... in float32, the same order for any token count
+    # (torch's reduction may split differently when there are few tokens)
+    acc = unsorted[:, 0].float()
+    for j in range(1, k):
+        acc = acc + unsorted[:, j].float()
+    return acc.to(x.dtype)
+
+
+def _grouped_vendor(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``xs`` rows times their expert's ``w [E, N, K]``: one ``torch._grouped_mm``."""
+    return torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)
+
+
+def _grouped_invariant(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """As :func:`_grouped_vendor` with each row's result independent of the other rows
+    (:func:`unimem_kernel.bi_grouped_linear`)."""
+    return bi_grouped_linear(xs, w, offs)
 
 
 def expert_mlp_reference(

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unimem.models.batch_invariant import rms_normalize
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, in float32 (float64 for
     float64 inputs); returns ``x``'s dtype."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xa = x.to(acc)
-    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    y = rms_normalize(x.to(acc), eps)
     return (y * weight.to(acc)).to(x.dtype)
 
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unimem.models.base import CausalLM, ModelOutput, logits_dtype
+from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
@@ -83,8 +84,7 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, in float32 (float64
     for float64 inputs), cast back to ``x``'s dtype once at the end."""
     acc = _acc(x.dtype)
-    xa = x.to(acc)
-    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    y = rms_normalize(x.to(acc), eps)
     return (y * (1.0 + weight.to(acc))).to(x.dtype)
 
 
@@ -96,8 +96,7 @@ def gated_rms_norm(
     before the weight multiplies it and the gate applies in float32 (float64 for float64),
     as HuggingFace's ``RMSNormGated``; returns ``x``'s dtype."""
     acc = _acc(x.dtype)
-    xa = x.to(acc)
-    normed = (xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = rms_normalize(x.to(acc), eps).to(x.dtype)
     y = (weight * normed).to(acc) * F.silu(gate.to(acc))
     return y.to(x.dtype)
 

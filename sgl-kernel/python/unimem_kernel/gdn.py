@@ -870,6 +870,7 @@ def gdn_forward_triton(
     max_seqlen: int | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Triton launcher of ``gdn_forward``: two launches (conv; SiLU + L2 norm + delta rule).
 
@@ -879,8 +880,17 @@ def gdn_forward_triton(
     conv output, never expanded. ``conv_out [T, conv_dim]`` (``mixed_qkv``'s dtype) holds the
     conv output between the two kernels and ``out [T, H, Dv]`` receives the result; with both
     given, decode and verify allocate nothing and read nothing on the host (the CUDA-graph
-    path). Returns ``out``.
+    path). ``batch_invariant``: the delta rule runs the decode/verify tile configuration
+    (``_rule_config`` with ``fixed_rows``) for extend too, so that a token's output and state
+    are bitwise the same whichever step kind computes it (its reductions over ``Dk`` follow
+    the tile layout); it refuses an explicit ``block_v`` / ``num_warps``. Returns ``out``.
     """
+    if batch_invariant:
+        if block_v is not None or num_warps is not None:
+            raise ValueError("gdn_forward: batch_invariant fixes block_v and num_warps")
+        if ssm_state.dim() == 4:
+            _, h4, dk4, dv4 = ssm_state.shape
+            _, block_v, num_warps = _rule_config(h4, dk4, dv4, None, None, fixed_rows=True)
     if ssm_state.dim() != 4 or mixed_qkv.dim() != 2:
         raise ValueError(
             f"need ssm_state [N, H, Dk, Dv] and mixed_qkv [T, conv_dim], got "
@@ -1041,19 +1051,22 @@ def gdn_forward(
     out: torch.Tensor | None = None,
     conv_out: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The GDN mixer core, drop-in for ``gdn_reference.gdn_forward``: Triton on CUDA tensors
     (``gdn_forward_triton``; ``out``/``conv_out`` make decode and verify allocation-free; a
     device ``cu_seqlens`` with ``max_seqlen`` spares extend a host-to-device copy), the
     reference otherwise (``conv_out`` and ``max_seqlen`` unused there; its extend runs the
     chunked form at the default chunk size). ``num_k_heads``: the key heads ``Hk`` (default
-    ``H``), as ``gdn_reference.gdn_forward``."""
+    ``H``), as ``gdn_reference.gdn_forward``. ``batch_invariant``: one tile configuration
+    for every step kind (``gdn_forward_triton``; the reference ignores it: its extend is the
+    chunked form, exact to rounding in the float64 CPU runs it serves)."""
     if use_triton(ssm_state):
         return gdn_forward_triton(
             mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
             conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
             has_initial_state=has_initial_state, num_k_heads=num_k_heads, out=out,
-            conv_out=conv_out, max_seqlen=max_seqlen,
+            conv_out=conv_out, max_seqlen=max_seqlen, batch_invariant=batch_invariant,
         )  # fmt: skip
     result = gdn_reference.gdn_forward(
         mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
