@@ -132,6 +132,22 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         f"continuation with this probability (seeded; 0 = the raw drafter; default "
         f"{d.accept_rate})",
     )
+    det = v.add_mutually_exclusive_group()
+    det.add_argument(
+        "--enable-deterministic-inference",
+        dest="deterministic",
+        action="store_const",
+        const="on",
+        help="batch-invariant kernels: a request's tokens do not depend on its batch, the "
+        "bucket or the step kind (SGLang's flag; on by default for validate --device cuda)",
+    )
+    det.add_argument(
+        "--disable-deterministic-inference",
+        dest="deterministic",
+        action="store_const",
+        const="off",
+        help="the vendor kernels (validate --device cuda turns batch invariance on otherwise)",
+    )
     v.add_argument(
         "--control-reference",
         choices=["decode", "speculative"],
@@ -315,6 +331,16 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError(f"--cpu-threads must be an int >= 1, got {args.cpu_threads}")
     d = args._defaults
+    if args.deterministic is None:  # validate: auto (on with CUDA); bench: off
+        args.deterministic = "auto" if args.command == "validate" else "off"
+    if (
+        args.control_reference is None
+        and args.spec != "none"
+        and (args.deterministic == "on" or (args.deterministic == "auto" and args.device == "cuda"))
+    ):
+        # batch-invariant kernels: decode and verify agree, so the control can follow the
+        # non-speculative output again
+        args.control_reference = "decode"
     for attr in (
         "gamma",
         "accept_rate",
@@ -375,6 +401,7 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         tp_size=args.tp_size,
         verify_lengths=args.verify_lengths,
         verify_budget=args.speculative_verify_budget,
+        deterministic=args.deterministic,
     )
 
 

@@ -111,6 +111,15 @@ def test_prefix_cache_and_verify_length_flags():
     assert not engine.disable_radix_cache and engine.checkpoint_interval_pages == 64 // 16
 
 
+def test_deterministic_inference_flag():
+    engine, _ = parse_args(
+        ["--model-path", "/m", "--device", "cuda", "--enable-deterministic-inference"]
+    )
+    assert engine.enable_deterministic_inference
+    engine, _ = parse_args(["--model-path", "/m", "--device", "cuda"])
+    assert not engine.enable_deterministic_inference
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -139,6 +148,10 @@ def test_prefix_cache_and_verify_length_flags():
             "--speculative-verify-budget needs --speculative-verify-lengths adaptive",
         ),
         (["--mamba-track-interval", "20"], "--mamba-track-interval must be a multiple of"),
+        (
+            ["--enable-deterministic-inference"],
+            "--enable-deterministic-inference applies to device cuda only",
+        ),
         (
             ["--disable-radix-cache", "--mamba-track-interval", "32"],
             "--mamba-track-interval needs the radix cache",

@@ -117,3 +117,40 @@ def test_ctrl_c_stops_with_one_line(capsys, monkeypatch):
     assert main(["validate", "--requests", "2"]) == 130
     err = capsys.readouterr().err
     assert err == "interrupted\n"
+
+
+def test_deterministic_inference_needs_cuda(capsys):
+    _one_line_error(
+        capsys, ["validate", "--enable-deterministic-inference"], "deterministic", "cuda"
+    )
+    _one_line_error(
+        capsys,
+        ["bench", "--device", "cpu", "--enable-deterministic-inference"],
+        "deterministic",
+    )
+
+
+def test_deterministic_inference_flags_resolve(monkeypatch):
+    """validate: auto (on with CUDA); bench: off unless asked; either flag wins; with the
+    mode on, the acceptance control follows the non-speculative output."""
+    seen = {}
+
+    def capture(cfg, progress=False):
+        seen["cfg"] = cfg
+        raise ValueError("stop")
+
+    monkeypatch.setattr("unimem.__main__.validate", capture)
+    monkeypatch.setattr("unimem.__main__.bench", capture)
+    main(["validate"])
+    assert seen["cfg"].deterministic == "auto" and not seen["cfg"].use_deterministic
+    main(["bench", "--device", "cpu"])
+    assert seen["cfg"].deterministic == "off"
+    assert seen["cfg"].control_reference == "speculative"
+    main(["bench", "--enable-deterministic-inference"])
+    assert seen["cfg"].use_deterministic and seen["cfg"].control_reference == "decode"
+    main(["validate", "--device", "cuda", "--disable-deterministic-inference"])
+    assert seen["cfg"].deterministic == "off" and not seen["cfg"].use_deterministic
+    main(["validate", "--device", "cuda"])
+    assert seen["cfg"].use_deterministic
+    with pytest.raises(SystemExit):  # mutually exclusive
+        main(["validate", "--enable-deterministic-inference", "--disable-deterministic-inference"])

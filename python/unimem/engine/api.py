@@ -44,6 +44,7 @@ from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
 from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.spec import LayerKind
+from unimem.models import batch_invariant
 from unimem.models.config import memory_spec
 from unimem.models.loader import load_checkpoint
 from unimem.models.tensor_parallel import SINGLE, full_config
@@ -149,6 +150,10 @@ class Engine:
         device = torch.device(args.device) if groups is None else groups.device
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda requested but no CUDA device is available")
+        self._owns_invariance = False
+        if args.enable_deterministic_inference and not batch_invariant.enabled():
+            batch_invariant.enable()  # process-wide: this engine's steps and every graph
+            self._owns_invariance = True
         torch.manual_seed(args.random_seed)
         tp = groups.tensor_parallel() if groups is not None else SINGLE
         error, ckpt = None, None
@@ -411,6 +416,9 @@ class Engine:
         self.cache = None
         self.pool = None
         self.model = None
+        if getattr(self, "_owns_invariance", False):
+            batch_invariant.disable()
+            self._owns_invariance = False
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

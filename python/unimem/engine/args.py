@@ -86,6 +86,9 @@ class EngineArgs:
     request's length from the drafter's confidence head under ``speculative_verify_budget``
     tokens per step over the batch (None: no cut), see
     :mod:`unimem.speculative.verify_lengths`.
+    ``enable_deterministic_inference`` (SGLang's name, CUDA only): batch-invariant kernels
+    process-wide while the engine lives (:mod:`unimem.models.batch_invariant`), so that a
+    request's tokens do not depend on the other requests, the batch bucket or the step kind.
     """
 
     model_path: str
@@ -112,6 +115,7 @@ class EngineArgs:
     mamba_track_interval: int | None = None
     speculative_verify_lengths: str = "fixed"
     speculative_verify_budget: int | None = None
+    enable_deterministic_inference: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -181,6 +185,11 @@ class EngineArgs:
         self._check_radix_cache()
         if self.cuda_graph_max_bs is not None and self.device != "cuda":
             raise ValueError("cuda_graph_max_bs applies to device cuda only")
+        if self.enable_deterministic_inference and self.device != "cuda":
+            raise ValueError(
+                "enable_deterministic_inference applies to device cuda only (the CPU runs "
+                "torch's own kernels)"
+            )
 
     def _check_verify_lengths(self) -> None:
         if self.speculative_verify_lengths not in VERIFY_LENGTHS:

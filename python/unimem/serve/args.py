@@ -90,7 +90,6 @@ SGLANG_ONLY_FLAGS = frozenset(
         "--file-storage-path",
         "--allow-auto-truncate",
         "--api-key-file",
-        "--enable-deterministic-inference",
         "--disaggregation-mode",
         "--tokenizer-mode",
         "--skip-server-warmup",
@@ -186,6 +185,12 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         help="tensor parallelism over this many GPUs (one process each)",
     )
     r.add_argument("--disable-cuda-graph", action="store_true")
+    r.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant kernels (CUDA): a request's output does not depend on the "
+        "other requests in its batch",
+    )
     r.add_argument("--cuda-graph-max-bs", type=int)
     r.add_argument("--speculative-algorithm", type=str.upper, choices=("DSPARK",))
     r.add_argument("--speculative-num-draft-tokens", type=int)

@@ -56,6 +56,7 @@ requests and the steps of its compactions and retractions, from host counters on
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -73,6 +74,7 @@ from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import DraftLane, LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
+from unimem.models import batch_invariant
 from unimem.models.base import CausalLM
 from unimem.models.config import HybridConfig, memory_spec
 from unimem.models.loader import load_checkpoint, load_hf_config, resolve_dtype
@@ -120,8 +122,18 @@ class ValidateConfig:
     tp_size: int = 1
     verify_lengths: str = "fixed"
     verify_budget: int | None = None
+    deterministic: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.deterministic not in DETERMINISTIC_MODES:
+            raise ValueError(
+                f"deterministic must be one of {DETERMINISTIC_MODES}, got {self.deterministic!r}"
+            )
+        if self.deterministic == "on" and self.device != "cuda":
+            raise ValueError(
+                "--enable-deterministic-inference applies to --device cuda (CPU runs use "
+                "torch's own kernels; float64 runs are exact already)"
+            )
         for name in ("requests", "input_len", "output_len", "page_size", "max_running", "tp_size"):
             _check_count(name, getattr(self, name))
         _check_count("chunk_size", self.chunk_size)
@@ -242,6 +254,14 @@ class ValidateConfig:
         return resolve_dtype(self.dtype, hf_config, torch.device(self.device))
 
     @property
+    def use_deterministic(self) -> bool:
+        """Batch-invariant kernels (:mod:`unimem.models.batch_invariant`): "auto" turns them
+        on with CUDA."""
+        if self.deterministic == "auto":
+            return self.device == "cuda"
+        return self.deterministic == "on"
+
+    @property
     def use_cuda_graphs(self) -> bool:
         if self.cuda_graphs == "auto":
             return self.device == "cuda" and self.attention_backend == "fa4"
@@ -258,6 +278,7 @@ def _check_count(name: str, value: object) -> None:
 
 
 SPEC_MODES = ("none", "dspark")
+DETERMINISTIC_MODES = ("auto", "on", "off")
 NOT_APPLICABLE = (
     "not applicable at temperature > 0: speculative sampling draws from the same "
     "distribution as non-speculative sampling, not the same tokens"
@@ -623,6 +644,18 @@ def validate(
     and rank 0's report is returned; ``tp`` is the rank's groups when called on a rank."""
     if cfg.tp_size > 1 and tp is None:
         return run_ranks(cfg.tp_size, _validate_rank, cfg, progress, max_margins, device=cfg.device)
+    invariant = (
+        batch_invariant.use_batch_invariant() if cfg.use_deterministic else contextlib.nullcontext()
+    )
+    with invariant:
+        report = _validate(cfg, progress, max_margins, tp)
+    report["deterministic_inference"] = cfg.use_deterministic
+    return report
+
+
+def _validate(
+    cfg: ValidateConfig, progress: bool, max_margins: int | None, tp: TPGroups | None
+) -> dict:
     device = torch.device(cfg.device) if tp is None else tp.device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda given but no CUDA device is available")
@@ -999,10 +1032,36 @@ def _validate_dspark(
     }
     if res_ctl is not None:
         report["control_run"] = res_ctl.summary(with_arena_stats=False)
+    if cfg.accept_rate > 0 and not sampled and cfg.verify_lengths == "fixed":
+        report["control_expected_accept_length"] = control_expected_accept_length(
+            cfg.accept_rate, cfg.gamma, max(cfg.output_len - 1, 1)
+        )
     _add_oracle(report, cfg, model, prompts, {"static": res_s.outputs, "unified": res_u.outputs})
     if cfg.prefix_cache:
         _compare_cache_off(report, cfg, model, prompts, progress, res_s, res_u, chain_for, lanes)
     return report
+
+
+def control_expected_accept_length(rate: float, gamma: int, tokens: int | None = None) -> float:
+    """Tokens committed per verify step when the acceptance control replaces each drafted
+    token by the reference's with probability ``rate`` and nothing else is accepted: a step
+    commits ``k`` tokens (``k - 1`` drafts and the bonus) with probability
+    ``rate ** (k - 1) * (1 - rate)`` for ``k <= gamma`` and ``rate ** gamma`` for
+    ``gamma + 1``, so ``sum_{i=0..gamma} rate ** i`` per step for unbounded outputs
+    (``tokens`` None). With ``tokens`` (what the verify steps of one request must commit: its
+    output length minus the token its prefill gives) the last step commits only what is left:
+    ``tokens / E[steps]``, ``E[steps]`` by the recursion over the tokens still to commit. A
+    drafter's own correct guesses add to it. Speculative outputs must follow the reference for
+    this to hold, which on the GPU takes batch-invariant kernels."""
+    probs = [rate ** (k - 1) * (1 - rate) for k in range(1, gamma + 1)] + [rate**gamma]
+    if tokens is None:
+        return float(sum(rate**i for i in range(gamma + 1)))
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    steps = [0.0] * (tokens + 1)  # steps[n]: expected steps to commit n more tokens
+    for n in range(1, tokens + 1):
+        steps[n] = 1 + sum(pk * steps[max(n - k, 0)] for k, pk in enumerate(probs, start=1))
+    return tokens / steps[tokens]
 
 
 def near_tie_margin(dtype: torch.dtype) -> float:

@@ -47,7 +47,18 @@ def format_table(report: dict) -> str:
     w = [max(len(str(r[i])) for r in rows) for i in range(3)]
     lines = [f"{str(a):<{w[0]}}  {str(b):>{w[1]}}  {str(c):>{w[2]}}" for a, b, c in rows]
     n = report["requests"]
+    if report.get("deterministic_inference"):
+        lines.append(
+            "deterministic inference: on (batch-invariant GEMMs, norms, experts and GDN tiles; "
+            "the default with --device cuda, --disable-deterministic-inference turns it off)"
+        )
     lines.append(f"exact match: {report['exact_match']}/{n} requests")
+    if "control_expected_accept_length" in report:
+        lines.append(
+            "acceptance control: expected accept length "
+            f"{report['control_expected_accept_length']:.3f} (measured: static "
+            f"{s['accept_length']:.3f}, unified {u['accept_length']:.3f})"
+        )
     if "cache_off_matches" in report:
         off = report["cache_off"]
         lines.append(
