@@ -7,8 +7,9 @@
 #   ragged verify (graph replay == eager with lengths changing every step, the adaptive loop
 #   under sync-debug) and the engine (CUDA-graph steps, sampled steps);
 # distill: a drafter for the `small` preset distilled on the GPU (/tmp/drafter_small);
-# drafted: bench with that drafter (no acceptance control), fixed gamma vs adaptive lengths;
-#   the fixed run also draws the bench figure (--plot);
+# drafted: bench with that drafter (no acceptance control), fixed gamma vs adaptive lengths
+#   under a budget of VERIFY_BUDGET rows per step (default 96); the fixed run also draws the
+#   bench figure (--plot);
 # ckpt: the `small` Qwen3-Next-architecture checkpoint and a drafter distilled for it;
 # serving (or serving-spare, serving-binding: one of its two runs): benchmark/bench_serving.py on that checkpoint with DSPARK greedy, once with
 #   memory to spare and once at a budget that binds (--max-total-tokens below what the
@@ -43,13 +44,16 @@ for part in $parts; do
         || run python3 -m unimem.speculative.distill --preset small --device cuda \
           --out /tmp/drafter_small --prompts 1024 --steps 400 --batch 16 --log-every 50 ;;
     drafted)
+      # fixed gamma; adaptive lengths under a budget that cuts (96 rows per step for 48
+      # requests: 2 on average instead of gamma + 1 = 8)
       for vl in fixed adaptive; do
-        plot=()
-        [ "$vl" = fixed ] && plot=(--plot "$out/bench_h200.png")
+        extra=()
+        [ "$vl" = fixed ] && extra=(--plot "$out/bench_h200.png")
+        [ "$vl" = adaptive ] && extra=(--speculative-verify-budget "${VERIFY_BUDGET:-96}")
         run python3 -m unimem bench --device cuda --spec dspark --accept-rate 0 \
           --speculative-draft-model-path /tmp/drafter_small --verify-lengths "$vl" \
           --requests 48 --input-len 512 --output-len 512 --repeats 1 \
-          --json "$out/bench_drafted_${vl}_h200.json" "${plot[@]}"
+          --json "$out/bench_drafted_${vl}_h200.json" "${extra[@]}"
       done ;;
     ckpt)
       [ -f "$ck/config.json" ] \
