@@ -399,6 +399,7 @@ class Engine:
             "enable_unified_memory": self.args.enable_unified_memory,
             "attention_backend": self.backend_name,
             "cuda_graphs": self.cuda_graphs,
+            "enable_deterministic_inference": self.args.enable_deterministic_inference,
             "tp_size": self.args.tp_size,
             "used_bytes": self.pool.used_bytes(),
             "capacity_bytes": stats.capacity_bytes,
