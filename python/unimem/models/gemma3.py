@@ -43,7 +43,7 @@ from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
-from unimem.models.nn_ops import apply_rope, frozen_param
+from unimem.models.nn_ops import frozen_param
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -56,6 +56,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
+from unimem_kernel import add_rms_norm, gelu_tanh_mul, rope_qk
 
 __all__ = ["Gemma3ForCausalLM", "RopeSpec", "gemma_rms_norm", "text_config_of"]
 
@@ -193,9 +194,12 @@ class Gemma3Attention(nn.Module):
         q = F.linear(h, self.q_proj.weight).view(t, c.n_q_heads, c.head_dim_k)
         k = F.linear(h, self.k_proj.weight).view(t, c.n_kv_heads, c.head_dim_k)
         v = F.linear(h, self.v_proj.weight).view(t, c.n_kv_heads, c.head_dim_v)
-        q = apply_rope(gemma_rms_norm(q, self.q_norm.weight, eps), *rope)
-        k = apply_rope(gemma_rms_norm(k, self.k_norm.weight, eps), *rope)
-        o = ctx.attention(layer_idx, q.contiguous(), k.contiguous(), v.contiguous())
+        q, k = rope_qk(  # apply_rope on both in one pass (contiguous results)
+            gemma_rms_norm(q, self.q_norm.weight, eps),
+            gemma_rms_norm(k, self.k_norm.weight, eps),
+            *rope,
+        )
+        o = ctx.attention(layer_idx, q, k, v.contiguous())
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
         return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
 
@@ -215,14 +219,19 @@ class Gemma3MLP(nn.Module):
         self.down_proj = _Weight(d, i, dtype=dt, device=device)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate = F.gelu(F.linear(h, self.gate_proj.weight), approximate="tanh")
-        act = gate * F.linear(h, self.up_proj.weight)
+        # gelu_tanh(gate) * up in one pass
+        act = gelu_tanh_mul(F.linear(h, self.gate_proj.weight), F.linear(h, self.up_proj.weight))
         return row_parallel_linear(act, self.down_proj.weight, None, self.tp)
 
 
 class Gemma3DecoderLayer(nn.Module):
     """Attention and MLP, each wrapped in a pre-norm and a post-norm (``1 + w`` RMSNorms)
-    before its residual add."""
+    before its residual add.
+
+    Each residual add is fused with the pre-norm after it (:func:`unimem_kernel.add_rms_norm`):
+    the layer takes the stream ``x`` and its ``input_layernorm`` ``h`` (the previous layer's
+    fused add, or the model's) and returns the new stream with the next layer's
+    ``input_layernorm`` of it (``next_norm``; None for the last layer: ``(x, None)``)."""
 
     def __init__(
         self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
@@ -243,16 +252,19 @@ class Gemma3DecoderLayer(nn.Module):
         self,
         layer_idx: int,
         x: torch.Tensor,
+        h: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         ctx: ForwardContext,
-    ) -> torch.Tensor:
+        next_norm: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         eps = self.eps
-        h = self.self_attn(
-            layer_idx, gemma_rms_norm(x, self.input_layernorm.weight, eps), rope, ctx
-        )
-        x = x + gemma_rms_norm(h, self.post_attention_layernorm.weight, eps)
-        h = self.mlp(gemma_rms_norm(x, self.pre_feedforward_layernorm.weight, eps))
-        return x + gemma_rms_norm(h, self.post_feedforward_layernorm.weight, eps)
+        h = self.self_attn(layer_idx, h, rope, ctx)
+        h = gemma_rms_norm(h, self.post_attention_layernorm.weight, eps)
+        x, h = add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, eps, zero_centered=True)
+        h = gemma_rms_norm(self.mlp(h), self.post_feedforward_layernorm.weight, eps)
+        if next_norm is None:
+            return x + h, None
+        return add_rms_norm(x, h, next_norm, eps, zero_centered=True)
 
 
 class Gemma3TextModel(nn.Module):
@@ -466,8 +478,12 @@ class Gemma3ForCausalLM(CausalLM):
         else:
             x = parallel_embedding(input_ids, self.model.embed_tokens.weight, self.tp, c.vocab_size)
         x = x * self.embed_scale
-        for i, layer in enumerate(self.model.layers):
-            x = layer(i, x, ropes[c.layer_pattern[i]], ctx)
+        layers = self.model.layers
+        n = len(layers)
+        h = gemma_rms_norm(x, layers[0].input_layernorm.weight, c.rms_eps) if n else None
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm.weight if i + 1 < n else None
+            x, h = layer(i, x, h, ropes[c.layer_pattern[i]], ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = gemma_rms_norm(x[ctx.logits_indices], self.model.norm.weight, c.rms_eps)
         logits = parallel_logits(

@@ -42,7 +42,7 @@ from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.moe import expert_mlp
-from unimem.models.nn_ops import apply_rope, frozen_param, rms_norm
+from unimem.models.nn_ops import frozen_param, rms_norm
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -55,6 +55,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
+from unimem_kernel import add_rms_norm, rope_qk
 
 __all__ = ["GptOssForCausalLM", "dequantize_mxfp4", "rope_inv_freq", "rope_parameters"]
 
@@ -232,12 +233,13 @@ class GptOssAttention(nn.Module):
         ctx: ForwardContext,
     ) -> torch.Tensor:
         c, t = self.c, h.shape[0]
-        q = apply_rope(self.q_proj(h).reshape(t, c.n_q_heads, c.head_dim_k), *rope)
-        k = apply_rope(self.k_proj(h).reshape(t, c.n_kv_heads, c.head_dim_k), *rope)
-        v = self.v_proj(h).reshape(t, c.n_kv_heads, c.head_dim_v)
-        o = ctx.attention(
-            layer_idx, q.contiguous(), k.contiguous(), v.contiguous(), sinks=self.sinks
+        q, k = rope_qk(  # apply_rope on both in one pass (contiguous results)
+            self.q_proj(h).reshape(t, c.n_q_heads, c.head_dim_k),
+            self.k_proj(h).reshape(t, c.n_kv_heads, c.head_dim_k),
+            *rope,
         )
+        v = self.v_proj(h).reshape(t, c.n_kv_heads, c.head_dim_v)
+        o = ctx.attention(layer_idx, q, k, v.contiguous(), sinks=self.sinks)
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
         return row_parallel_linear(o, self.o_proj.weight, self.o_proj.bias, self.tp)
 
@@ -359,12 +361,21 @@ class GptOssDecoderLayer(nn.Module):
         self,
         layer_idx: int,
         x: torch.Tensor,
+        h: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         ctx: ForwardContext,
-    ) -> torch.Tensor:
+        next_norm: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``h``: ``x``'s ``input_layernorm`` (the previous layer's fused add, or the
+        model's). Returns the new stream and, with ``next_norm``, its RMS norm (each residual
+        add fused with the norm after it: :func:`unimem_kernel.add_rms_norm`)."""
         eps = self.c.rms_eps
-        x = x + self.self_attn(layer_idx, rms_norm(x, self.input_layernorm.weight, eps), rope, ctx)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, eps))
+        a = self.self_attn(layer_idx, h, rope, ctx)
+        x, h = add_rms_norm(x, a, self.post_attention_layernorm.weight, eps)
+        y = self.mlp(h)
+        if next_norm is None:
+            return x + y, None
+        return add_rms_norm(x, y, next_norm, eps)
 
 
 class GptOssModel(nn.Module):
@@ -449,8 +460,12 @@ class GptOssForCausalLM(CausalLM):
         c = self.config
         rope = self._rope(ctx.positions)
         x = parallel_embedding(input_ids, self.model.embed_tokens.weight, self.tp, c.vocab_size)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(i, x, rope, ctx)
+        layers = self.model.layers
+        n = len(layers)
+        h = rms_norm(x, layers[0].input_layernorm.weight, c.rms_eps) if n else None
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm.weight if i + 1 < n else None
+            x, h = layer(i, x, h, rope, ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = rms_norm(x[ctx.logits_indices], self.model.norm.weight, c.rms_eps)
         logits = parallel_logits(

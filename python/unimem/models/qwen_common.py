@@ -56,6 +56,9 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
+from unimem_kernel import add_rms_norm, gdn_gates, rope_qk
+from unimem_kernel import gated_rms_norm as fused_gated_rms_norm
+from unimem_kernel import silu_mul as fused_silu_mul
 
 LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "full"}
 """HF ``config.layer_types`` entry -> ``HybridConfig.layer_pattern`` entry."""
@@ -174,8 +177,7 @@ class GatedAttention(nn.Module):
         k = F.linear(h, self.k_proj.weight).view(t, hkv, dh)
         k = zero_centered_rms_norm(k, self.k_norm.weight, c.rms_eps)
         v = F.linear(h, self.v_proj.weight).view(t, hkv, dh)
-        q = rotary.apply(q, *cos_sin).contiguous()
-        k = rotary.apply(k, *cos_sin).contiguous()
+        q, k = rope_qk(q, k, *cos_sin)  # rotary.apply on both, one pass, contiguous
         o = ctx.attention(layer_idx, q, k, v.contiguous())
         o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
         return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
@@ -217,11 +219,13 @@ class GdnMixer(nn.Module):
         c, t = self.c, h.shape[0]
         sdt = c.state_dtype
         mixed_qkv, z, b, a = self.project(h)
-        g = -self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))
-        beta = torch.sigmoid(b.to(sdt))
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias, sdt)
         o = ctx.gdn(layer_idx, mixed_qkv, g, beta, conv_weight=self.conv1d.weight)
         z = z.reshape(t, c.gdn_heads, c.gdn_head_dim_v)
-        o = gated_rms_norm(o, self.norm.weight, z, c.rms_eps)
+        if z.dtype == o.dtype:  # gated_rms_norm in one fused pass
+            o = fused_gated_rms_norm(o, self.norm.weight, z, c.rms_eps, round_before_weight=True)
+        else:
+            o = gated_rms_norm(o, self.norm.weight, z, c.rms_eps)
         return row_parallel_linear(o.reshape(t, -1), self.out_proj.weight, None, self.tp)
 
 
@@ -229,8 +233,11 @@ class GdnMixer(nn.Module):
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation ``silu(gate) * up``."""
-    return F.silu(gate) * up
+    """SwiGLU activation ``silu(gate) * up`` (one fused pass: :func:`unimem_kernel.silu_mul`;
+    torch broadcasting for operands of other shapes or dtypes)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        return F.silu(gate) * up
+    return fused_silu_mul(gate, up)
 
 
 class DenseMlp(nn.Module):
@@ -326,7 +333,12 @@ class SparseMoe(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One pre-norm block: ``linear_attn`` (GDN) or ``self_attn`` (gated attention), then
-    ``mlp``, each around a zero-centred RMSNorm and a residual add."""
+    ``mlp``, each around a zero-centred RMSNorm and a residual add.
+
+    Each residual add is fused with the norm after it (:func:`unimem_kernel.add_rms_norm`):
+    the layer takes the stream ``x`` and its normed input ``h`` (the previous layer's fused
+    add, or the model's first norm) and returns the new stream with the next layer's
+    ``input_layernorm`` of it (``next_norm``; None for the last layer: ``(x, None)``)."""
 
     def __init__(
         self,
@@ -351,18 +363,22 @@ class DecoderLayer(nn.Module):
         self,
         layer_idx: int,
         x: torch.Tensor,
+        h: torch.Tensor,
         rotary: PartialRotary,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         ctx: ForwardContext,
-    ) -> torch.Tensor:
+        next_norm: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         eps = self.c.rms_eps
-        h = zero_centered_rms_norm(x, self.input_layernorm.weight, eps)
         if self.kind == "gdn":
-            x = x + self.linear_attn(layer_idx, h, ctx)
+            mixed = self.linear_attn(layer_idx, h, ctx)
         else:
-            x = x + self.self_attn(layer_idx, h, rotary, cos_sin, ctx)
-        h = zero_centered_rms_norm(x, self.post_attention_layernorm.weight, eps)
-        return x + self.mlp(h)
+            mixed = self.self_attn(layer_idx, h, rotary, cos_sin, ctx)
+        x, h = add_rms_norm(x, mixed, self.post_attention_layernorm.weight, eps, zero_centered=True)
+        y = self.mlp(h)
+        if next_norm is None:
+            return x + y, None
+        return add_rms_norm(x, y, next_norm, eps, zero_centered=True)
 
 
 def rope_settings(hf_config) -> tuple[float, float]:
@@ -485,8 +501,12 @@ class QwenHybridForCausalLM(CausalLM):
         c = self.config
         cos_sin = self.rotary.cos_sin(ctx.positions)
         x = parallel_embedding(input_ids, self.model.embed_tokens.weight, self.tp, c.vocab_size)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(i, x, self.rotary, cos_sin, ctx)
+        layers = self.model.layers
+        n = len(layers)
+        h = zero_centered_rms_norm(x, layers[0].input_layernorm.weight, c.rms_eps) if n else None
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm.weight if i + 1 < n else None
+            x, h = layer(i, x, h, self.rotary, cos_sin, ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = zero_centered_rms_norm(x[ctx.logits_indices], self.model.norm.weight, c.rms_eps)
         logits = parallel_logits(

@@ -39,7 +39,7 @@ from torch import nn
 from unimem.models.base import CausalLM, ModelOutput
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
-from unimem.models.nn_ops import apply_rope, frozen_param, rms_norm
+from unimem.models.nn_ops import frozen_param, rms_norm
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -53,6 +53,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
+from unimem_kernel import add_rms_norm, gated_rms_norm, gdn_gates, rope_qk, silu_mul
 
 
 class AttentionMixer(nn.Module):
@@ -79,8 +80,9 @@ class AttentionMixer(nn.Module):
         c, t = self.c, h.shape[0]
         qkv = F.linear(h, self.qkv_proj)
         q, k, v = qkv.split([self.q_dim, self.k_dim, self.v_dim], dim=-1)
-        q = apply_rope(q.reshape(t, c.n_q_heads, c.head_dim_k), *rope)
-        k = apply_rope(k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope)
+        q, k = rope_qk(
+            q.reshape(t, c.n_q_heads, c.head_dim_k), k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope
+        )
         v = v.reshape(t, c.n_kv_heads, c.head_dim_v).contiguous()
         o = ctx.attention(layer_idx, q, k, v)
         return row_parallel_linear(
@@ -109,13 +111,16 @@ class GdnMixer(nn.Module):
         c, t = self.c, h.shape[0]
         sdt = c.state_dtype
         mixed_qkv, z, b, a = F.linear(h, self.in_proj).split(self.split, dim=-1)
-        g = -self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))
-        beta = torch.sigmoid(b.to(sdt))
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias, sdt)
         o = ctx.gdn(layer_idx, mixed_qkv.contiguous(), g, beta, conv_weight=self.conv_weight)
         z = z.reshape(t, c.gdn_heads, c.gdn_head_dim_v)
-        acc = torch.float64 if o.dtype == torch.float64 else torch.float32
-        gated = rms_norm(o, self.norm, c.rms_eps).to(acc) * F.silu(z.to(acc))
-        return row_parallel_linear(gated.to(h.dtype).reshape(t, -1), self.out_proj, None, self.tp)
+        if o.dtype == h.dtype == z.dtype:  # one fused pass (rms_norm(o, w) * silu(z))
+            gated = gated_rms_norm(o, self.norm, z, c.rms_eps)
+        else:
+            acc = torch.float64 if o.dtype == torch.float64 else torch.float32
+            gated = rms_norm(o, self.norm, c.rms_eps).to(acc) * F.silu(z.to(acc))
+            gated = gated.to(h.dtype).reshape(t, -1)
+        return row_parallel_linear(gated, self.out_proj, None, self.tp)
 
 
 class Mlp(nn.Module):
@@ -130,12 +135,18 @@ class Mlp(nn.Module):
         self.down = frozen_param(c.d_model, c.ffn_dim)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, self.gate_up).split(self.ffn_dim, dim=-1)
-        return row_parallel_linear(F.silu(gate) * up, self.down, None, self.tp)
+        # silu(gate) * up over the fused [gate | up] projection, one pass
+        return row_parallel_linear(silu_mul(F.linear(h, self.gate_up)), self.down, None, self.tp)
 
 
 class HybridLayer(nn.Module):
-    """One pre-norm block: mixer (attention or GDN) then SwiGLU MLP, each with a residual."""
+    """One pre-norm block: mixer (attention or GDN) then SwiGLU MLP, each with a residual.
+
+    Each residual add is fused with the RMS norm that follows it (:func:`add_rms_norm`): the
+    layer takes the residual stream ``x`` with its mixer input ``h = rmsnorm(x, mixer_norm)``
+    already computed (by the previous layer's last add, or the model for layer 0) and returns
+    the new stream with the next layer's normed input (``next_norm``; None for the last layer,
+    whose output goes to the final norm of the logits rows only)."""
 
     def __init__(self, c: HybridConfig, kind: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -150,15 +161,21 @@ class HybridLayer(nn.Module):
         self,
         layer_idx: int,
         x: torch.Tensor,
+        h: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         ctx: ForwardContext,
-    ) -> torch.Tensor:
-        h = rms_norm(x, self.mixer_norm, self.c.rms_eps)
+        next_norm: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        eps = self.c.rms_eps
         if self.kind == "gdn":
-            x = x + self.mixer(layer_idx, h, ctx)
+            mixed = self.mixer(layer_idx, h, ctx)
         else:
-            x = x + self.mixer(layer_idx, h, rope, ctx)
-        return x + self.mlp(rms_norm(x, self.mlp_norm, self.c.rms_eps))
+            mixed = self.mixer(layer_idx, h, rope, ctx)
+        x, h = add_rms_norm(x, mixed, self.mlp_norm, eps)
+        y = self.mlp(h)
+        if next_norm is None:
+            return x + y, None
+        return add_rms_norm(x, y, next_norm, eps)
 
 
 class HybridModel(CausalLM):
@@ -276,8 +293,11 @@ class HybridModel(CausalLM):
         c = self.config
         rope = self._rope(ctx.positions)
         x = parallel_embedding(input_ids, self.embed, self.tp, c.vocab_size)
+        n = len(self.layers)
+        h = rms_norm(x, self.layers[0].mixer_norm, c.rms_eps) if n else None
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, rope, ctx)
+            next_norm = self.layers[i + 1].mixer_norm if i + 1 < n else None
+            x, h = layer(i, x, h, rope, ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = rms_norm(x[ctx.logits_indices], self.final_norm, c.rms_eps)
         out_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
