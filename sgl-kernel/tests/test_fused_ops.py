@@ -455,3 +455,18 @@ def test_real_sizes_on_gpu(triton_backend):
     assert torch.equal(
         fu.gated_rms_norm(o[7:8], wn, z[7:8], EPS)[0], fu.gated_rms_norm(o, wn, z, EPS)[7]
     )
+
+
+def test_the_switch_runs_the_references(monkeypatch):
+    """UNIMEM_FUSED_OPS=off: the unfused torch code even where the kernels would run."""
+    from unimem_kernel import fused
+
+    t = torch.zeros(2, 4)
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("UNIMEM_FUSED_OPS", "off")
+    assert not fused.use_triton(t)
+    monkeypatch.setenv("UNIMEM_FUSED_OPS", "on")
+    assert fused.use_triton(t)
+    monkeypatch.setenv("UNIMEM_FUSED_OPS", "maybe")
+    with pytest.raises(ValueError, match="UNIMEM_FUSED_OPS"):
+        fused.use_triton(t)

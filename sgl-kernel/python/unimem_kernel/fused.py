@@ -21,16 +21,34 @@ chunk over the row (:func:`_row_block`, a function of the row length only, the s
 as :func:`unimem_kernel.bi_rms_norm`): a row's result never depends on how many rows share the
 call, so they are safe in batch-invariant (deterministic) mode. The others are elementwise.
 Outputs are freshly allocated; launch grids depend on shapes only (CUDA-graph capturable).
+
+``UNIMEM_FUSED_OPS=off`` runs every op's reference (the unfused torch code) even on CUDA: the
+switch for comparing fused against unfused steps, and a way around a kernel that fails on a
+new GPU or Triton version.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import next_pow2
+from unimem_kernel._dispatch import use_triton as _use_triton
+
+_SWITCH = "UNIMEM_FUSED_OPS"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """The package's dispatch rule, unless ``UNIMEM_FUSED_OPS=off`` (module docstring)."""
+    choice = os.environ.get(_SWITCH, "on")
+    if choice not in ("on", "off"):
+        raise ValueError(f"{_SWITCH} must be on or off, got {choice!r}")
+    return choice == "on" and _use_triton(t)
+
 
 __all__ = [
     "add_rms_norm",
