@@ -100,14 +100,22 @@ class Request:
     def append_output(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
         """Append sampled ``tokens`` (with their ``logprobs``), up to ``max_new_tokens`` and
         up to and including the first stop token; nothing once finished."""
-        for j, tok in enumerate(tokens):
-            if self.finished:
-                return
-            self.output.append(tok)
-            if logprobs is not None:
-                self.output_logprobs.append(logprobs[j])
-            if tok in self.stop_token_ids:
-                self.stopped = True
+        if self.aborted or self.stopped:
+            return
+        room = self.max_new_tokens - len(self.output)
+        if room <= 0:
+            return
+        take = tokens[:room]
+        stops = self.stop_token_ids
+        if stops and not stops.isdisjoint(take):
+            for j, tok in enumerate(take):
+                if tok in stops:
+                    take = take[: j + 1]
+                    self.stopped = True
+                    break
+        self.output.extend(take)
+        if logprobs is not None:
+            self.output_logprobs.extend(logprobs[: len(take)])
 
     @property
     def finish_reason(self) -> str | None:
@@ -136,13 +144,23 @@ class Request:
     @property
     def planned_kv_max(self) -> int:
         """Upper bound of the tokens in memory once the in-flight steps are done."""
-        return self.kv_len + sum(f.kv_max for f in self.inflight)
+        inflight = self.inflight
+        if not inflight:
+            return self.kv_len
+        if len(inflight) == 1:
+            return self.kv_len + inflight[0].kv_max
+        return self.kv_len + sum(f.kv_max for f in inflight)
 
     @property
     def planned_outputs(self) -> int:
         """Output tokens once the in-flight steps are done (exact unless a verify step is in
         flight: then a lower bound)."""
-        return len(self.output) + sum(f.outputs_min for f in self.inflight)
+        inflight = self.inflight
+        if not inflight:
+            return len(self.output)
+        if len(inflight) == 1:
+            return len(self.output) + inflight[0].outputs_min
+        return len(self.output) + sum(f.outputs_min for f in inflight)
 
     @property
     def planned_tokens(self) -> int:
@@ -157,7 +175,10 @@ class Request:
     @property
     def verifying(self) -> bool:
         """Whether a verify step is in flight (the request is past its extends)."""
-        return any(f.mode == "verify" for f in self.inflight)
+        inflight = self.inflight
+        if len(inflight) == 1:
+            return inflight[0].mode == "verify"
+        return any(f.mode == "verify" for f in inflight)
 
     @property
     def planned_finished(self) -> bool:

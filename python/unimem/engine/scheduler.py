@@ -126,6 +126,8 @@ class Scheduler:
         self.verified_rows = 0
         self.cache_flushes = 0
         self._admission_paused = False
+        # InFlight records are immutable: a verify step of n tokens always makes the same one.
+        self._verify_inflight: dict[int, InFlight] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -188,6 +190,14 @@ class Scheduler:
         anchor point is copied now, in stream order before any later step can advance it
         (see :meth:`_insert`)."""
         batch.epochs = [r.epoch for r in batch.reqs]
+        if batch.mode == "verify" and not self._snapshots:
+            made = self._verify_inflight
+            for r, n in zip(batch.reqs, batch.lens, strict=True):
+                step = made.get(n)
+                if step is None:
+                    step = made[n] = InFlight("verify", n, 1, n, 1)
+                r.inflight.append(step)
+            return
         for r, n, samples in zip(batch.reqs, batch.lens, batch.samples, strict=True):
             if batch.mode == "verify":
                 step = InFlight("verify", n, 1, n, 1)
@@ -251,15 +261,19 @@ class Scheduler:
         steps with a live lane and their live lanes' rows."""
         live = []
         rows = 0
+        running = RequestStatus.RUNNING
+        width = self.gamma + 1
+        epochs = batch.epochs
         for i, (req, toks) in enumerate(zip(batch.reqs, committed, strict=True)):
-            if not self._current(req, batch.epochs[i]):
+            if req.status is not running or req.epoch != epochs[i]:  # not _current
                 continue
             step = req.inflight.pop(0)
-            req.kv_len += len(toks)
+            k = len(toks)
+            req.kv_len += k
             req.forward_steps += 1
             req.verify_steps += 1
-            req.verified_tokens += len(toks)
-            n = verify_lens[i] if verify_lens is not None else self.gamma + 1
+            req.verified_tokens += k
+            n = verify_lens[i] if verify_lens is not None else width
             req.verified_rows += n
             rows += n
             req.append_output(toks, None if logprobs is None else logprobs[i])
@@ -277,13 +291,18 @@ class Scheduler:
     def _end_step(self, stepped: list[tuple[Request, int]]) -> None:
         """After accounting a step: ``stepped`` pairs each request whose result was taken
         with the step's state snapshot (-1: none)."""
-        reqs = [r for r, _ in stepped]
-        done = [r for r in reqs if r.finished]
+        done = []
+        going = []
+        for r, _ in stepped:
+            if r.finished:
+                done.append(r)
+            else:
+                going.append((r.mem, r.kv_len))
         if self.cache is not None:
             self._insert(stepped)
         else:
             assert all(snap < 0 for _, snap in stepped)
-        self.pool.retire_swa([(r.mem, r.kv_len) for r in reqs if not r.finished])
+        self.pool.retire_swa(going)
         if done:
             # A step launched after the finishing one may still be in flight: the release
             # runs after it in stream order, and its results are dropped.
@@ -319,10 +338,21 @@ class Scheduler:
     def _plan(self) -> Batch | None:
         """The next batch from the requests' planned positions (module docstring), or None
         when every running request is finished for sure."""
-        active = [r for r in self.running if not r.planned_finished]
+        active, prefill = [], []
+        for r in self.running:
+            inflight = r.inflight
+            if len(inflight) == 1 and inflight[0].mode == "verify":
+                # the steady state, inline: not finished for sure, and past its extends
+                if len(r.output) + inflight[0].outputs_min < r.max_new_tokens:
+                    active.append(r)
+                continue
+            if r.planned_finished:
+                continue
+            active.append(r)
+            if self._needs_extend(r):
+                prefill.append(r)
         if not active:
             return None
-        prefill = [r for r in active if self._needs_extend(r)]
         return self._extend_batch(prefill) if prefill else self._decode_batch(active)
 
     def _needs_extend(self, r: Request) -> bool:

@@ -138,6 +138,7 @@ class StepLanes:
 
     PAD = (0, -1, -1)
     """``(row, vslot, rid)`` of a padded lane."""
+    _PAD_COLUMN = np.array(PAD, dtype=np.int32)[:, None]
 
     def __init__(self, max_bs: int, device: torch.device) -> None:
         self.max_bs = max_bs
@@ -163,9 +164,8 @@ class StepLanes:
         if not bs <= width <= self.max_bs:
             raise ValueError(f"{bs} lanes padded to {width} (max_bs {self.max_bs})")
         host = np.empty((3, width), dtype=np.int32)
-        for i, (lane, pad) in enumerate(zip((rows, vslots, rids), self.PAD, strict=True)):
-            host[i, :bs] = lane
-            host[i, bs:] = pad
+        host[:, :bs] = (rows, vslots, rids)
+        host[:, bs:] = self._PAD_COLUMN
         src = torch.from_numpy(host)
         if self.device.type == "cuda":
             src = src.pin_memory()

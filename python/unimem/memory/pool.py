@@ -51,6 +51,7 @@ host work linear in the batch (no device read, no per-token loop):
 from __future__ import annotations
 
 import numbers
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ from unimem.memory.host_ids import HostIdPool
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
+
+_PAIR_TYPES = {tuple, list}
+_ROW = operator.attrgetter("row")
 
 POISON_BYTE = 0xFF
 """Byte that makes every float format NaN; free units hold it in poison mode."""
@@ -194,6 +198,9 @@ class MemoryPool(ABC):
             raise ValueError(f"max_context must be >= 1, got {max_context}")
         self.spec = spec
         self.layout = MemoryLayout.build(spec)
+        # Bytes of one unit of each kind the model has (host accounting reads them often).
+        self._kind_bytes = tuple((k, self.layout.unit_bytes(k)) for k in spec.kinds)
+        self._unit_bytes = {k: 0 for k in LayerKind} | dict(self._kind_bytes)
         self.page_size = spec.page_size
         self.device = torch.device(device)
         self.max_context = max_context
@@ -204,6 +211,7 @@ class MemoryPool(ABC):
             (max_requests + 1, width), dtype=torch.int32, device=self.device
         )
         self._rows = HostIdPool(1, max_requests)
+        self._page_offsets: torch.Tensor | None = None  # arange(page_size), made once
         self.stats = MemoryStats()
         self._usage_observers: list[Callable[[], None]] = []
         self.swa_window = spec.max_window
@@ -249,6 +257,9 @@ class MemoryPool(ABC):
 
     def _check_batch(self, name: str, batch: object, what: str) -> list[tuple[RequestMemory, int]]:
         """``batch`` as ``(live handle, int)`` pairs, each request at most once."""
+        fast = self._valid_batch(batch)
+        if fast is not None:
+            return fast
         out: list[tuple[RequestMemory, int]] = []
         rows: set[int] = set()
         for i, item in enumerate(as_list(name, batch)):
@@ -260,6 +271,27 @@ class MemoryPool(ABC):
             rows.add(req.row)
             out.append((req, as_int(f"{name}[{i}] {what}", item[1])))
         return out
+
+    def _valid_batch(self, batch: object) -> list[tuple[RequestMemory, int]] | None:
+        """``batch`` as a list if it is a list or tuple of ``(live handle, int)`` pairs
+        (tuples or lists) with distinct rows — what the scheduler passes — checked by passes
+        over the whole batch; else None: :meth:`_check_batch` then checks it item by item and
+        names what is wrong."""
+        if type(batch) is not list and type(batch) is not tuple:
+            return None
+        if not batch:
+            return []
+        if not set(map(type, batch)) <= _PAIR_TYPES or set(map(len, batch)) != {2}:
+            return None
+        reqs, values = zip(*batch, strict=True)
+        if set(map(type, values)) != {int} or set(map(type, reqs)) != {RequestMemory}:
+            return None
+        rows = list(map(_ROW, reqs))
+        if set(map(type, rows)) != {int} or len(set(rows)) != len(rows):
+            return None
+        if not all(map(operator.is_, map(self._live.get, rows), reqs)):
+            return None
+        return batch if type(batch) is list else list(batch)
 
     def _check_requests(self, name: str, reqs: object) -> list[RequestMemory]:
         """``reqs`` as live handles, each at most once."""
@@ -378,10 +410,15 @@ class MemoryPool(ABC):
     def grow(self, batch: Sequence[tuple[RequestMemory, int]]) -> bool:
         """Give every request pages for its target token count (``1..max_context``); all or
         nothing. A target the request already covers needs nothing."""
+        items = self._check_batch("batch", batch, "tokens")
+        targets = [tokens for _, tokens in items]
+        if targets and (min(targets) < 1 or max(targets) > self.max_context):
+            for i, tokens in enumerate(targets):
+                self._check_tokens(f"batch[{i}] tokens", tokens)
+        p = self.page_size
         todo = []
-        for i, (req, tokens) in enumerate(self._check_batch("batch", batch, "tokens")):
-            self._check_tokens(f"batch[{i}] tokens", tokens)
-            n = pages_for(tokens, self.page_size) - len(req.pages)
+        for req, tokens in items:
+            n = -(-tokens // p) - len(req.pages)
             if n > 0:
                 todo.append((req, n))
         if not todo:
@@ -412,8 +449,9 @@ class MemoryPool(ABC):
         cache keeps stays bound. Returns the number of columns the requests let go.
         """
         items = self._check_batch("batch", batch, "pos")
+        p = self.page_size
         for i, (req, pos) in enumerate(items):
-            cap = len(req.pages) * self.page_size
+            cap = len(req.pages) * p
             if not 0 <= pos <= cap:
                 raise ValueError(
                     f"batch[{i}] pos must be in [0, {cap}] (the tokens its pages hold), got {pos}"
@@ -421,10 +459,13 @@ class MemoryPool(ABC):
         if not self._has_swa:
             return 0
         drop: list[int] = []
+        behind = 1 - self.swa_window  # swa_stop, inline
         for req, pos in items:
-            stop = self.swa_stop(pos, len(req.pages))
-            drop += req.pages[req.swa_start : stop]
-            req.swa_start = max(req.swa_start, stop)
+            stop = (pos + behind) // p
+            if stop > req.swa_start:
+                stop = min(stop, len(req.pages))
+                drop += req.pages[req.swa_start : stop]
+                req.swa_start = max(req.swa_start, stop)
         if drop:
             freed = self._drop_refs([], drop)
             self.stats.retired_swa_pages += freed.swa
@@ -637,15 +678,11 @@ class MemoryPool(ABC):
             full_free.append(p)
         if full_free or swa_free or slots:
             self._free_units(full_free, swa_free, list(slots))
-        lay = self.layout
-        nbytes = sum(
-            n * lay.unit_bytes(k)
-            for k, n in (
-                (LayerKind.FULL, len(full_free)),
-                (LayerKind.SWA, len(swa_free)),
-                (LayerKind.STATE, len(slots)),
-            )
-            if n
+        ub = self._unit_bytes
+        nbytes = (
+            len(full_free) * ub[LayerKind.FULL]
+            + len(swa_free) * ub[LayerKind.SWA]
+            + len(slots) * ub[LayerKind.STATE]
         )
         return FreedUnits(len(full_free), len(swa_free), len(slots), nbytes)
 
@@ -660,10 +697,11 @@ class MemoryPool(ABC):
 
     def _write_page_rows(self, pages: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
         p = self.page_size
-        offs = torch.arange(p, device=self.device, dtype=torch.int32)
-        tok_cols = (cols[:, None] * p + offs[None, :]).long()
-        tok_rows = rows[:, None].expand_as(tok_cols).long()
-        self.req_to_token[tok_rows, tok_cols] = pages[:, None] * p + offs[None, :]
+        offs = self._page_offsets
+        if offs is None:
+            offs = self._page_offsets = torch.arange(p, device=self.device, dtype=torch.int32)
+        flat = rows.long() * self.req_to_token.shape[1] + cols * p
+        self.req_to_token.view(-1)[flat[:, None] + offs] = pages[:, None] * p + offs
 
     # --- views -----------------------------------------------------------------------------------
 
@@ -687,7 +725,7 @@ class MemoryPool(ABC):
 
     def used_bytes(self) -> int:
         """Bytes of units currently holding data (host counts)."""
-        return sum(self.live_units(k) * self.layout.unit_bytes(k) for k in self.spec.kinds)
+        return sum(self.live_units(k) * ub for k, ub in self._kind_bytes)
 
     def _update_usage(self) -> None:
         used = self.used_bytes()

@@ -183,9 +183,10 @@ class StaticMemory(MemoryPool):
                 self._zero(LayerKind.SWA, self._swa.bind(pdev))
         if slots:
             self._zero(LayerKind.STATE, upload_int32(slots, self.device))
-        it = iter(pages)
+        at = 0
         for req, n in todo:
-            req.pages.extend(next(it) for _ in range(n))
+            req.pages += pages[at : at + n]
+            at += n
         return slots
 
     def _zero(self, kind: LayerKind, ids: torch.Tensor, byte: int = 0) -> None:

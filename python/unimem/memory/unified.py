@@ -235,9 +235,10 @@ class UnifiedMemory(MemoryPool):
                 self._bind(LayerKind.SWA, vdev)
         if n_slots:
             self._bind(LayerKind.STATE, packed[3 * n_pages :])
-        it = iter(vids)
+        at = 0
         for req, n in todo:
-            req.pages.extend(next(it) for _ in range(n))
+            req.pages += vids[at : at + n]
+            at += n
         return slots
 
     def _bind(self, kind, vids, rows=None, cols=None) -> None:
