@@ -69,7 +69,16 @@ from unimem.speculative.verify_lengths import (
     packed_rows,
 )
 from unimem_kernel import gdn as gdn_ops
+from unimem_kernel import gdn_reference
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
+
+GDN_REPLAY_COMMIT = True
+"""Default of :class:`ModelRunner`'s ``gdn_replay_commit``: a verify stores per GDN layer and
+position only the prepared k, v, g, beta (``prep_scratch``), not the SSM state, and the
+commit re-runs the recurrence over each lane's accepted tokens from its slot
+(:func:`unimem_kernel.gdn.gated_delta_rule_replay_commit`; the committed state is bitwise the
+one the state scratch would hold). False: the state after every position goes to scratch and
+the commit copies the accepted one (:func:`~unimem_kernel.state_commit.commit_states_multi`)."""
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -150,8 +159,9 @@ class PagedContext(ForwardContext):
         scratch = {}
         if self.mode is ForwardMode.VERIFY:
             bs = self.state_slots.shape[0]
-            conv_scratch, ssm_scratch = r.verify_scratch[layer_idx]
-            scratch = {"conv_scratch": conv_scratch[:bs], "ssm_scratch": ssm_scratch[:bs]}
+            conv_scratch, per_token = r.verify_scratch[layer_idx]
+            key = "prep_scratch" if r.gdn_replay_commit else "ssm_scratch"
+            scratch = {"conv_scratch": conv_scratch[:bs], key: per_token[:bs]}
         return gdn_ops.gdn_forward(
             self.mode.value,
             mixed_qkv,
@@ -182,6 +192,9 @@ class ModelRunner:
     decode step (or, with a chain, the verify step) for every bucket of ``graph_buckets``
     (default :func:`default_buckets`) at construction; needs a CUDA pool and a backend that
     can be captured (FA4), and a GDN path that skips padded lanes (the Triton kernels).
+    ``gdn_replay_commit`` (default :data:`GDN_REPLAY_COMMIT`): how a verify's GDN states
+    are committed, replayed from the prepared inputs (True) or copied from per-position state
+    scratch (False); the committed states are the same bitwise, the scratch ~60x smaller.
     ``logprobs``: every step also writes the log-probability of each output token
     (``out.logprobs``; one log-sum-exp over the vocabulary per logits row) under the model's
     raw distribution — before temperature and filters, as SGLang reports it.
@@ -209,9 +222,13 @@ class ModelRunner:
         cuda_graphs: bool = False,
         graph_buckets: Sequence[int] | None = None,
         logprobs: bool = False,
+        gdn_replay_commit: bool | None = None,
     ) -> None:
         self.model = model
         self.logprobs = logprobs
+        if gdn_replay_commit is None:
+            gdn_replay_commit = GDN_REPLAY_COMMIT
+        self.gdn_replay_commit = gdn_replay_commit
         self.pool = pool
         self.backend = backend
         self.spec = pool.spec
@@ -257,23 +274,54 @@ class ModelRunner:
                 )
 
     def _init_verify_scratch(self, width: int) -> None:
-        """Per GDN layer, ``[max_bs, width, *S]`` scratch for the conv and SSM states after
-        every verified position (the states' dtypes), and one commit plan moving scratch
-        entries into the pool's state views."""
+        """Per GDN layer, ``[max_bs, width, *S]`` scratch for the conv state after every
+        verified position and, per position, either the SSM state (``[max_bs, width, H, Dk,
+        Dv]``, the state's dtype) or with ``gdn_replay_commit`` the prepared k, v, g, beta
+        (``[max_bs, width, Hk * Dk + H * Dv + 2 * H]``, float32: ~60x smaller at 128 x 128
+        heads); and one commit plan moving scratch entries (conv and SSM, or conv only) into
+        the pool's state views."""
         scratches, dests = [], []
+        hk = self.model.config.gdn_key_heads
         for i, kind in enumerate(self.layer_kinds):
             if kind is not LayerKind.STATE:
                 continue
             conv, ssm = self.pool.state_cache(self.spec.lane_of_layer(i))
-            pair = tuple(
-                torch.zeros(self.max_bs, width, *v.shape[1:], dtype=v.dtype, device=self.device)
-                for v in (conv, ssm)
-            )
-            self.verify_scratch[i] = pair
-            scratches += pair
-            dests += [conv, ssm]
+
+            def zeros(*shape, dtype):
+                return torch.zeros(self.max_bs, width, *shape, dtype=dtype, device=self.device)
+
+            conv_scratch = zeros(*conv.shape[1:], dtype=conv.dtype)
+            if self.gdn_replay_commit:
+                per_token = zeros(
+                    gdn_reference.prep_dim(*ssm.shape[1:], hk),
+                    dtype=gdn_reference.prep_dtype(ssm.dtype),
+                )
+                pairs = [(conv_scratch, conv)]
+            else:
+                per_token = zeros(*ssm.shape[1:], dtype=ssm.dtype)
+                pairs = [(conv_scratch, conv), (per_token, ssm)]
+            self.verify_scratch[i] = (conv_scratch, per_token)
+            scratches += [s for s, _ in pairs]
+            dests += [d for _, d in pairs]
         if scratches:
             self._commit_plan = StateCommitPlan(scratches, dests)
+
+    def _commit_gdn(
+        self, accepted: torch.Tensor, vslots: torch.Tensor, slots: torch.Tensor | None
+    ) -> None:
+        """Every GDN layer's conv and SSM state after position ``accepted`` into the lanes'
+        slots: one copy launch (the conv scratch, and the SSM scratch without
+        ``gdn_replay_commit``) and, with it, one replay launch per layer from the prepared
+        inputs (``slots``: the verify's physical slots, -1 for padded lanes)."""
+        if self._commit_plan is not None:
+            commit_states_multi(self._commit_plan, accepted, vslots, self.pool.state_v2p)
+        if not self.gdn_replay_commit:
+            return
+        width = accepted.shape[0]
+        hk = self.model.config.gdn_key_heads
+        for i, (_, prep) in self.verify_scratch.items():
+            _, ssm = self.pool.state_cache(self.spec.lane_of_layer(i))
+            gdn_ops.gated_delta_rule_replay_commit(prep[:width], accepted, ssm, slots, hk)
 
     # ----------------------------------------------------------------------------- launch
 
@@ -477,8 +525,7 @@ class ModelRunner:
                 logits, draft, q, tokens, accepted, seq_lens, params
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
-        if self._commit_plan is not None:
-            commit_states_multi(self._commit_plan, accepted, vslots, pool.state_v2p)
+        self._commit_gdn(accepted, vslots, ctx.state_slots)
         keep = commit_mask(accepted, vw).reshape(-1)
         self.drafts.write_context(ctx.hidden, meta, keep)
         self.state.write(rows, seq_lens + accepted + 1, bonus)
@@ -584,8 +631,7 @@ class ModelRunner:
                 uniform_logits, draft, q, tokens, accepted, seq_lens, params, limit
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
-        if self._commit_plan is not None:
-            commit_states_multi(self._commit_plan, accepted, vslots, pool.state_v2p)
+        self._commit_gdn(accepted, vslots, ctx.state_slots)
         keep = packed.valid & (packed.offset <= accepted.long()[packed.lane])
         self.drafts.write_context(ctx.hidden, meta, keep)
         self.state.write(rows, seq_lens + accepted + 1, bonus)

@@ -34,7 +34,13 @@ Modes, as in the engine:
 * ``verify``: ``T`` tokens per request (request-major rows); the state after every token goes
   to caller-owned scratch (``conv [bs, T, conv_dim, K-1]``, ``ssm [bs, T, H, Dk, Dv]``, in the
   states' dtypes, entry ``t`` = after token ``t``); the slots are only read. Committing is
-  ``state_commit.commit_states`` (DESIGN §5).
+  ``state_commit.commit_states`` (DESIGN §5). Or, with ``prep_scratch [bs, T, Hk*Dk + H*Dv +
+  2*H]`` (float32; float64 for float64 states) in place of the SSM scratch, only the prepared
+  k, v, g, beta of every token are stored (~64x fewer bytes at 128 x 128 heads), and
+  ``gated_delta_rule_replay_commit`` re-runs tokens ``0 .. accepted`` from the slot and writes
+  the state there: the same ``_rule_kernel`` in its replay mode, in the verify's tile
+  configuration, each token through the same ``_delta_step``, so the committed state is
+  bitwise the state scratch's entry.
 
 Padded lanes (``slots[b] < 0``, as in a fixed-size CUDA-graph batch) are skipped by the Triton
 path: their slots and scratch entries are neither read nor written and their output rows are
@@ -51,7 +57,9 @@ Kernels (one each, every mode through constexpr switches):
   ``h // GROUP``, ``GROUP = H // Hk``); the state tile ``[Dk, BLOCK_V]`` stays
   in registers (float32, or float64 for float64 states) across a token loop that prefetches the
   next token's q/k/v/g/beta. Each program owns its slice of the slot, so the in-place read at
-  the start and write at the end never race with another program.
+  the start and write at the end never race with another program. ``STORE_PREP`` (verify)
+  stores each token's prepared inputs (k by one program per key head, g and beta by V block
+  0); ``REPLAY`` (commit) runs lane ``b``'s tokens ``0 .. accepted[b]`` without q or output.
 
 Expected cost of the recurrent form in extend (an estimate; ``benchmark/bench_gdn.py`` measures
 it against fla's chunked kernel plus the gather/scatter copies that kernel needs): each program
@@ -249,16 +257,33 @@ def _load_token(
     DK: tl.constexpr,
     DV: tl.constexpr,
     ACC: tl.constexpr,
+    LOAD_Q: tl.constexpr,
 ):
-    """q, k, v, g, beta of one token (zeros where ``ok`` is False), in ``ACC``."""
+    """q, k, v, g, beta of one token (zeros where ``ok`` is False), in ``ACC``; without
+    ``LOAD_Q`` q is not read (it is ``k``: the replay commit has no output)."""
     kmask = offs_k < tl.where(ok, DK, 0)
     vmask = offs_v < tl.where(ok, DV, 0)
-    q = tl.load(q_row + offs_k * q_sd, mask=kmask, other=0.0).to(ACC)
     k = tl.load(k_row + offs_k * k_sd, mask=kmask, other=0.0).to(ACC)
+    if LOAD_Q:  # noqa: SIM108 (a constexpr branch: no load at all without LOAD_Q)
+        q = tl.load(q_row + offs_k * q_sd, mask=kmask, other=0.0).to(ACC)
+    else:
+        q = k
     v = tl.load(v_row + offs_v * v_sd, mask=vmask, other=0.0).to(ACC)
     g = tl.load(g_row, mask=ok, other=0.0).to(ACC)
     beta = tl.load(b_row, mask=ok, other=0.0).to(ACC)
     return q, k, v, g, beta
+
+
+@triton.jit
+def _delta_step(state, k, v, g, beta):
+    """One token of the gated delta rule on a ``[BK, BV]`` state tile (``k [BK]``, ``v [BV]``,
+    scalars ``g``, ``beta``): decay, prediction, rank-1 update. The verify and the replay
+    commit both run exactly this, in the same tile configuration, so their states agree
+    bitwise."""
+    state = state * tl.exp(g)
+    pred = tl.sum(state * k[:, None], axis=0)
+    u = beta * (v - pred)
+    return state + k[:, None] * u[None, :]
 
 
 @triton.jit(do_not_specialize=["seq_len"])
@@ -274,6 +299,8 @@ def _rule_kernel(
     cu_ptr,  # [bs+1] (VARLEN)
     init_ptr,  # [bs] uint8 (HAS_INIT)
     scratch_ptr,  # [bs, T, H, Dk, Dv] (STORE_STATES)
+    prep_ptr,  # [bs, T, prep_dim] prepared k | v | g | beta (STORE_PREP)
+    acc_ptr,  # [bs] accepted index per lane (REPLAY)
     seq_len,
     scale,
     eps,
@@ -308,6 +335,12 @@ def _rule_kernel(
     c_sh,
     c_sk,
     c_sv,
+    p_sb,
+    p_st,
+    p_sc,
+    p_v0,  # channel of v[0] in a prep row (k of key head hk at hk * DK)
+    p_g0,  # channel of g[0]
+    p_b0,  # channel of beta[0]
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
@@ -319,6 +352,8 @@ def _rule_kernel(
     WRITE_FINAL: tl.constexpr,
     PREP: tl.constexpr,  # SiLU on q, k, v and L2 norm of q, k (the mixer's prologue)
     GROUP: tl.constexpr,  # H // Hk: value head h reads q, k of key head h // GROUP
+    STORE_PREP: tl.constexpr,  # verify: store the prepared k, v, g, beta of every token
+    REPLAY: tl.constexpr,  # commit: tokens 0..accepted of each lane, no output, no q
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)  # value head
@@ -332,6 +367,11 @@ def _rule_kernel(
         start = 0
         length = seq_len.to(tl.int64)
         b_off = b.to(tl.int64)
+    if REPLAY:
+        # the lane keeps the state after token ``accepted`` (skipped outside [0, T))
+        accepted = tl.load(acc_ptr + b).to(tl.int64)
+        live = live & (accepted >= 0) & (accepted < length)
+        length = tl.where(live, accepted + 1, 0)
     has = live
     if HAS_INIT:
         has = has & (tl.load(init_ptr + b) != 0)
@@ -356,11 +396,20 @@ def _rule_kernel(
     o_row = o_ptr + b_off * o_sb + start * o_st + h64 * o_sh
     c_base = scratch_ptr + b.to(tl.int64) * c_sb + h64 * c_sh
     c_offs = offs_k[:, None] * c_sk + offs_v[None, :] * c_sv
+    # prepared inputs (STORE_PREP): key head hk's k by one program of its group, g and beta by
+    # the first V block; every program its V slice (scalar predicates as integer bounds)
+    p_base = prep_ptr + b.to(tl.int64) * p_sb
+    first_vb = tl.program_id(2) == 0
+    p_kmask = offs_k < tl.where(live & first_vb & (h % GROUP == 0), DK, 0)
+    p_vmask = offs_v < tl.where(live, DV, 0)
+    p_koffs = (hk64 * DK + offs_k) * p_sc
+    p_voffs = (p_v0 + h64 * DV + offs_v) * p_sc
+    p_gb = live & first_vb
 
     # software prefetch: token t + 1 is loaded while token t is computed
     nq, nk, nv, ng, nb = _load_token(
         q_row, k_row, v_row, g_row, b_row, offs_k, offs_v, q_sd, k_sd, v_sd,
-        live & (length > 0), DK, DV, ACC,
+        live & (length > 0), DK, DV, ACC, not REPLAY,
     )  # fmt: skip
     for t in range(0, length):
         q, k, v, g, beta = nq, nk, nv, ng, nb
@@ -368,7 +417,7 @@ def _rule_kernel(
         nq, nk, nv, ng, nb = _load_token(
             q_row + nxt * q_st, k_row + nxt * k_st, v_row + nxt * v_st, g_row + nxt * g_st,
             b_row + nxt * b_st, offs_k, offs_v, q_sd, k_sd, v_sd,
-            live & (nxt < length), DK, DV, ACC,
+            live & (nxt < length), DK, DV, ACC, not REPLAY,
         )  # fmt: skip
         if PREP:
             q = q / (1.0 + tl.exp(-q))
@@ -376,13 +425,19 @@ def _rule_kernel(
             v = v / (1.0 + tl.exp(-v))
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
-        q = q * scale
-        state = state * tl.exp(g)
-        pred = tl.sum(state * k[:, None], axis=0)
-        u = beta * (v - pred)
-        state = state + k[:, None] * u[None, :]
-        o = tl.sum(state * q[:, None], axis=0)
-        tl.store(o_row + t * o_st + offs_v * o_sd, o.to(o_ptr.dtype.element_ty), mask=vmask)
+        if STORE_PREP:
+            p_tok = p_base + t * p_st
+            pty = prep_ptr.dtype.element_ty
+            tl.store(p_tok + p_koffs, k.to(pty), mask=p_kmask)
+            tl.store(p_tok + p_voffs, v.to(pty), mask=p_vmask)
+            tl.store(p_tok + (p_g0 + h64) * p_sc, g.to(pty), mask=p_gb)
+            tl.store(p_tok + (p_b0 + h64) * p_sc, beta.to(pty), mask=p_gb)
+        if not REPLAY:
+            q = q * scale
+        state = _delta_step(state, k, v, g, beta)
+        if not REPLAY:
+            o = tl.sum(state * q[:, None], axis=0)
+            tl.store(o_row + t * o_st + offs_v * o_sd, o.to(o_ptr.dtype.element_ty), mask=vmask)
         if STORE_STATES:
             tl.store(
                 c_base + t * c_st + c_offs,
@@ -683,7 +738,12 @@ def _launch_rule(
     scale: float | None,
     block_v: int | None,
     num_warps: int | None,
+    prep_scratch: torch.Tensor | None = None,
+    accepted: torch.Tensor | None = None,
 ) -> None:
+    """One ``_rule_kernel`` launch. ``prep_scratch [bs, T, prep_dim]`` (verify): the prepared
+    k, v, g, beta of every token are stored there. ``accepted [bs]`` (the replay commit):
+    each lane runs tokens ``0 .. accepted`` and writes its final state (``write_final``)."""
     bs = slots.shape[0]
     _, h, dk, dv = ssm_state.shape
     if bs == 0 or h == 0 or dv == 0:
@@ -691,17 +751,23 @@ def _launch_rule(
     bk, bv, warps = _rule_config(h, dk, dv, block_v, num_warps, fixed_rows=cu is None)
     q, k, v = qkv
     g, beta = gb
-    group = gdn_reference.check_heads(h, q.shape[-2])
+    group = gdn_reference.check_heads(h, k.shape[-2])
+    p_offs = (0, 0, 0)
+    if prep_scratch is not None:
+        p_offs = gdn_reference.prep_offsets(h, dk, dv, h // group)
     _rule_kernel[(bs, h, triton.cdiv(dv, bv))](
         q, k, v, g, beta, out, ssm_state, slots,
         slots if cu is None else cu,
         slots if init is None else init,
         ssm_state if scratch is None else scratch,
+        ssm_state if prep_scratch is None else prep_scratch,
+        slots if accepted is None else accepted,
         seq_len,
         dk**-0.5 if scale is None else scale,
         L2NORM_EPS,
         *qkv_strides[0], *qkv_strides[1], *qkv_strides[2], *gb_strides[0], *gb_strides[1],
         *out_strides, *ssm_state.stride(), *_strides(scratch, 5),
+        *_strides(prep_scratch, 3), *p_offs,
         DK=dk,
         DV=dv,
         BK=bk,
@@ -713,6 +779,8 @@ def _launch_rule(
         WRITE_FINAL=write_final,
         PREP=prep,
         GROUP=group,
+        STORE_PREP=prep_scratch is not None,
+        REPLAY=accepted is not None,
         num_warps=warps,
     )  # fmt: skip
 
@@ -871,6 +939,7 @@ def gdn_forward_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
     batch_invariant: bool = False,
+    prep_scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher of ``gdn_forward``: two launches (conv; SiLU + L2 norm + delta rule).
 
@@ -883,7 +952,10 @@ def gdn_forward_triton(
     path). ``batch_invariant``: the delta rule runs the decode/verify tile configuration
     (``_rule_config`` with ``fixed_rows``) for extend too, so that a token's output and state
     are bitwise the same whichever step kind computes it (its reductions over ``Dk`` follow
-    the tile layout); it refuses an explicit ``block_v`` / ``num_warps``. Returns ``out``.
+    the tile layout); it refuses an explicit ``block_v`` / ``num_warps``. Verify with
+    ``prep_scratch`` instead of ``ssm_scratch``: the prepared k, v, g, beta of every token are
+    stored (``gdn_reference.split_prep``), no state; commit with
+    ``gated_delta_rule_replay_commit`` (same ``block_v`` / ``num_warps``). Returns ``out``.
     """
     if batch_invariant:
         if block_v is not None or num_warps is not None:
@@ -925,13 +997,21 @@ def gdn_forward_triton(
             raise ValueError(f"gdn_forward: decode needs T == bs, got {n}, {bs}")
         tv = max_len = 1
     elif mode == "verify":
-        if conv_scratch is None or ssm_scratch is None:
-            raise ValueError("gdn_forward: verify needs conv_scratch and ssm_scratch")
-        tv = ssm_scratch.shape[1] if ssm_scratch.dim() == 5 else -1
+        if conv_scratch is None or (ssm_scratch is None) == (prep_scratch is None):
+            raise ValueError(
+                "gdn_forward: verify needs conv_scratch and one of ssm_scratch, prep_scratch"
+            )
+        if prep_scratch is None:
+            tv = ssm_scratch.shape[1] if ssm_scratch.dim() == 5 else -1
+        else:
+            tv = prep_scratch.shape[1] if prep_scratch.dim() == 3 else -1
         if n != bs * tv:
             raise ValueError(f"gdn_forward: verify needs T == bs * Tv = {bs} * {tv}, got {n}")
         _check_shape("conv_scratch", conv_scratch, (bs, tv, *conv_state.shape[1:]))
-        _check_shape("ssm_scratch", ssm_scratch, (bs, tv, *ssm_state.shape[1:]))
+        if prep_scratch is None:
+            _check_shape("ssm_scratch", ssm_scratch, (bs, tv, *ssm_state.shape[1:]))
+        else:
+            _check_prep(prep_scratch, ssm_state, nk, (bs, tv))
         _check_device(ssm_state.device, conv_scratch=conv_scratch, ssm_scratch=ssm_scratch)
         max_len = tv
         write_final = False
@@ -961,8 +1041,64 @@ def gdn_forward_triton(
         ssm_state, slots, seq_len=tv, cu=cu, init=init,
         scratch=ssm_scratch if mode == "verify" else None, write_final=write_final, prep=True,
         scale=None, block_v=block_v, num_warps=num_warps,
+        prep_scratch=prep_scratch if mode == "verify" else None,
     )  # fmt: skip
     return o
+
+
+def _check_prep(
+    prep_scratch: torch.Tensor, ssm_state: torch.Tensor, nk: int, lead: tuple[int, int]
+) -> None:
+    """``prep_scratch [bs, T, prep_dim]`` in the rule's arithmetic dtype, on the states'
+    device."""
+    _, h, dk, dv = ssm_state.shape
+    _check_shape("prep_scratch", prep_scratch, (*lead, gdn_reference.prep_dim(h, dk, dv, nk)))
+    _check_device(ssm_state.device, prep_scratch=prep_scratch)
+    want = gdn_reference.prep_dtype(ssm_state.dtype)
+    if prep_scratch.dtype != want:
+        raise ValueError(f"prep_scratch must be {want}, got {prep_scratch.dtype}")
+
+
+def gated_delta_rule_replay_commit_triton(
+    prep_scratch: torch.Tensor,
+    accepted: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int | None = None,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Triton launcher of ``gated_delta_rule_replay_commit`` (one launch, no allocation, no
+    host read; fixed grid ``(bs, H, cdiv(Dv, BV))``): ``_rule_kernel`` in its replay mode,
+    reading ``prep_scratch [bs, T, prep_dim]`` as a verify with ``prep_scratch`` wrote it and
+    running tokens ``0 .. accepted[b]`` of each live lane from its slot, whose state it then
+    overwrites. Lanes with ``slots[b] < 0`` or ``accepted[b]`` outside ``[0, T)`` are
+    skipped. The tile configuration is the verify's (``_rule_config`` with ``fixed_rows``;
+    pass the verify's ``block_v`` / ``num_warps`` if it had any) and every token runs the
+    verify's ``_delta_step``: the state equals the verify's state after token
+    ``accepted[b]`` bitwise."""
+    if ssm_state.dim() != 4:
+        raise ValueError(f"ssm_state must be [N, H, Dk, Dv], got {tuple(ssm_state.shape)}")
+    _, h, dk, dv = ssm_state.shape
+    nk = h if num_k_heads is None else num_k_heads
+    gdn_reference.check_heads(h, nk)
+    bs = _check_slots(slots, ssm_state.device)
+    if prep_scratch.dim() != 3:
+        raise ValueError(f"prep_scratch must be [bs, T, prep_dim], got {prep_scratch.shape}")
+    tv = prep_scratch.shape[1]
+    _check_prep(prep_scratch, ssm_state, nk, (bs, tv))
+    _check_device(ssm_state.device, accepted=accepted)
+    _check_shape("accepted", accepted, (bs,))
+    if accepted.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"accepted must be int32/int64, got {accepted.dtype}")
+    k, v, g, beta = gdn_reference.split_prep(prep_scratch, h, dk, dv, nk)
+    _launch_rule(
+        (k, k, v), tuple(_bthd(x, True) for x in (k, k, v)), (g, beta),
+        tuple(_bthd(x, True) for x in (g, beta)), v, _bthd(v, True), ssm_state, slots,
+        seq_len=tv, cu=None, init=None, scratch=None, write_final=True, prep=False,
+        scale=None, block_v=block_v, num_warps=num_warps, accepted=accepted,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1052,6 +1188,7 @@ def gdn_forward(
     conv_out: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     batch_invariant: bool = False,
+    prep_scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The GDN mixer core, drop-in for ``gdn_reference.gdn_forward``: Triton on CUDA tensors
     (``gdn_forward_triton``; ``out``/``conv_out`` make decode and verify allocation-free; a
@@ -1067,10 +1204,30 @@ def gdn_forward(
             conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
             has_initial_state=has_initial_state, num_k_heads=num_k_heads, out=out,
             conv_out=conv_out, max_seqlen=max_seqlen, batch_invariant=batch_invariant,
+            prep_scratch=prep_scratch,
         )  # fmt: skip
     result = gdn_reference.gdn_forward(
         mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
         conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
         has_initial_state=has_initial_state, num_k_heads=num_k_heads,
+        prep_scratch=prep_scratch,
     )  # fmt: skip
     return _into(out, result)
+
+
+def gated_delta_rule_replay_commit(
+    prep_scratch: torch.Tensor,
+    accepted: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int | None = None,
+) -> None:
+    """Commit of a verify run with ``prep_scratch``: Triton on CUDA (see
+    ``gated_delta_rule_replay_commit_triton``), else the reference. Bitwise the state the
+    same verify would have stored in ``ssm_scratch[b, accepted[b]]`` (and
+    ``state_commit.commit_states`` copied), each path against itself."""
+    args = (prep_scratch, accepted, ssm_state, slots, num_k_heads)
+    if use_triton(ssm_state):
+        gated_delta_rule_replay_commit_triton(*args)
+    else:
+        gdn_reference.gated_delta_rule_replay_commit(*args)

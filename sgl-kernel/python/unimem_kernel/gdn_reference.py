@@ -46,6 +46,14 @@ Three modes, as in the engine:
   scratch (``[bs, T, ...]``, entry ``t`` = state after token ``t``) and the slot is NOT
   touched. Committing ``n`` accepted tokens means copying scratch entry ``n - 1`` into the
   slot (DESIGN §5).
+
+  Or, with ``prep_scratch [bs, T, prep_dim]`` in place of the SSM scratch: only what the
+  recurrence consumes goes to scratch, per token the prepared ``k`` (after conv, SiLU and L2
+  norm, per key head), ``v`` (after SiLU), ``g`` and ``beta`` (channels ``[k: Hk*Dk | v: H*Dv
+  | g: H | beta: H]``, :func:`split_prep`, in :func:`prep_dtype`), and the commit
+  (:func:`gated_delta_rule_replay_commit`) re-runs the recurrence over the accepted tokens
+  from the slot's state, which the verify left untouched. Same committed state, bitwise, for
+  ``H * Dk * Dv / (Hk * Dk + H * Dv + 2 * H)`` times fewer scratch bytes (~64x at 128 x 128).
 """
 
 from __future__ import annotations
@@ -396,6 +404,84 @@ def gated_delta_rule_verify(
     return o
 
 
+# ---------------------------------------------------------------------- replay commit
+
+
+def prep_dtype(ssm_dtype: torch.dtype) -> torch.dtype:
+    """dtype of a verify's prepared-input scratch: the delta rule's arithmetic dtype (float64
+    for float64 states, else float32), so that stored values are exactly those consumed."""
+    return torch.float64 if ssm_dtype == torch.float64 else torch.float32
+
+
+def prep_dim(
+    num_heads: int, head_dim_k: int, head_dim_v: int, num_k_heads: int | None = None
+) -> int:
+    """Channels of a prepared-input row: ``Hk * Dk + H * Dv + 2 * H`` (k, v, g, beta)."""
+    hk = num_heads if num_k_heads is None else num_k_heads
+    return hk * head_dim_k + num_heads * head_dim_v + 2 * num_heads
+
+
+def prep_offsets(
+    num_heads: int, head_dim_k: int, head_dim_v: int, num_k_heads: int | None = None
+) -> tuple[int, int, int]:
+    """Channels where ``v``, ``g`` and ``beta`` start in a prepared-input row (``k`` at 0)."""
+    hk = num_heads if num_k_heads is None else num_k_heads
+    v0 = hk * head_dim_k
+    g0 = v0 + num_heads * head_dim_v
+    return v0, g0, g0 + num_heads
+
+
+def split_prep(
+    prep: torch.Tensor,
+    num_heads: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    num_k_heads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views ``k [..., Hk, Dk]``, ``v [..., H, Dv]``, ``g [..., H]``, ``beta [..., H]`` of a
+    prepared-input scratch ``prep [..., prep_dim]``."""
+    nk = num_heads if num_k_heads is None else num_k_heads
+    want = prep_dim(num_heads, head_dim_k, head_dim_v, nk)
+    if prep.shape[-1] != want:
+        raise ValueError(f"prep_scratch must have {want} channels, got {prep.shape[-1]}")
+    v0, g0, b0 = prep_offsets(num_heads, head_dim_k, head_dim_v, nk)
+    k = prep[..., :v0].unflatten(-1, (nk, head_dim_k))
+    v = prep[..., v0:g0].unflatten(-1, (num_heads, head_dim_v))
+    return k, v, prep[..., g0:b0], prep[..., b0:]
+
+
+def gated_delta_rule_replay_commit(
+    prep_scratch: torch.Tensor,
+    accepted: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int | None = None,
+) -> None:
+    """Commit after a verify that stored prepared inputs (``gdn_forward(..., prep_scratch=)``):
+    for every lane ``b`` with ``slots[b] >= 0`` and ``0 <= accepted[b] < T``, the delta rule
+    runs tokens ``0 .. accepted[b]`` of ``prep_scratch[b]`` from ``ssm_state[slots[b]]`` and
+    the state after the last one is written back there, in place. Other lanes are skipped
+    (their slots untouched). The result is bitwise the verify's state-scratch entry
+    ``accepted[b]``: the same recurrence (:func:`gated_delta_rule_recurrent`) over the same
+    lanes (here all ``bs`` lanes run the first ``max(accepted) + 1`` tokens and each keeps
+    its entry ``accepted[b]``)."""
+    bs, t_len = prep_scratch.shape[:2]
+    h, dk, dv = ssm_state.shape[1:]
+    if accepted.shape != (bs,) or slots.shape != (bs,):
+        raise ValueError(f"need accepted and slots [{bs}], got {accepted.shape}, {slots.shape}")
+    k, v, g, beta = split_prep(prep_scratch, h, dk, dv, num_k_heads)
+    idx, acc = slots.long(), accepted.long()
+    lanes = ((idx >= 0) & (acc >= 0) & (acc < t_len)).nonzero().flatten()
+    if not lanes.numel():
+        return
+    n = int(acc[lanes].max()) + 1
+    states = ssm_state.new_empty(bs, n, h, dk, dv)
+    first = [x[:, :n] for x in (k, v, g, beta)]
+    init = ssm_state[idx.clamp(min=0)]
+    gated_delta_rule_recurrent(first[0], *first, init, states_out=states)  # q := k: unused
+    ssm_state.index_copy_(0, idx[lanes], states[lanes, acc[lanes]])
+
+
 # ---------------------------------------------------------------------- the mixer core
 
 
@@ -457,6 +543,7 @@ def gdn_forward(
     has_initial_state: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     num_k_heads: int | None = None,
+    prep_scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The GDN mixer core for one layer and one batch: conv -> SiLU -> split -> L2-norm q, k
     -> gated delta rule. Returns ``o [T, H, Dv]`` in ``mixed_qkv``'s dtype.
@@ -475,7 +562,10 @@ def gdn_forward(
     * ``"verify"``: ``T == bs * Tv`` request-major (request ``i`` owns rows
       ``i*Tv:(i+1)*Tv``), ``Tv`` taken from the scratch shapes ``conv_scratch [bs, Tv,
       conv_dim, K-1]`` and ``ssm_scratch [bs, Tv, H, Dk, Dv]``, which receive the states after
-      every token. Slots not touched. ``cu_seqlens`` is not read.
+      every token. Slots not touched. ``cu_seqlens`` is not read. With ``prep_scratch [bs,
+      Tv, prep_dim]`` (:func:`prep_dim`, :func:`prep_dtype`) instead of ``ssm_scratch``, the
+      prepared k, v, g, beta of every token go there (:func:`split_prep`) and no SSM state
+      is stored: commit with :func:`gated_delta_rule_replay_commit`.
     """
     num_heads, dk, dv = ssm_state.shape[1:]
     nk = check_conv_dim(mixed_qkv.shape[-1], num_heads, dk, dv, num_k_heads)
@@ -492,9 +582,11 @@ def gdn_forward(
             raise ValueError(f"gdn_forward: decode needs T == bs, got {mixed_qkv.shape[0]}, {bs}")
         y = causal_conv1d_decode(mixed_qkv, conv_weight, conv_state, slots)
     elif mode == "verify":
-        if conv_scratch is None or ssm_scratch is None:
-            raise ValueError("gdn_forward: verify needs conv_scratch and ssm_scratch")
-        tv = ssm_scratch.shape[1]
+        if conv_scratch is None or (ssm_scratch is None) == (prep_scratch is None):
+            raise ValueError(
+                "gdn_forward: verify needs conv_scratch and one of ssm_scratch, prep_scratch"
+            )
+        tv = (ssm_scratch if prep_scratch is None else prep_scratch).shape[1]
         if mixed_qkv.shape[0] != bs * tv or conv_scratch.shape[:2] != (bs, tv):
             raise ValueError(
                 f"gdn_forward: verify needs T == bs * Tv = {bs} * {tv} rows and scratch "
@@ -516,15 +608,24 @@ def gdn_forward(
     elif mode == "decode":
         o = gated_delta_rule_decode(q, k, v, g, beta, ssm_state, slots)
     else:
-        tv = ssm_scratch.shape[1]
-        o = gated_delta_rule_verify(
+        qkvgb = (
             q.reshape(bs, tv, nk, dk),
             k.reshape(bs, tv, nk, dk),
             v.reshape(bs, tv, num_heads, dv),
             g.reshape(bs, tv, num_heads),
             beta.reshape(bs, tv, num_heads),
-            ssm_state,
-            slots,
-            ssm_scratch,
-        ).reshape(bs * tv, num_heads, dv)
+        )
+        if prep_scratch is None:
+            o = gated_delta_rule_verify(*qkvgb, ssm_state, slots, ssm_scratch)
+        else:
+            if prep_scratch.shape[:2] != (bs, tv) or prep_scratch.dtype != prep_dtype(sdt):
+                raise ValueError(
+                    f"gdn_forward: prep_scratch must be [{bs}, {tv}, prep_dim] "
+                    f"{prep_dtype(sdt)}, got {tuple(prep_scratch.shape)} {prep_scratch.dtype}"
+                )
+            dsts = split_prep(prep_scratch, num_heads, dk, dv, nk)
+            for dst, src in zip(dsts, qkvgb[1:], strict=True):
+                dst.copy_(src)
+            o, _ = gated_delta_rule_recurrent(*qkvgb, ssm_state[slots.long()])
+        o = o.reshape(bs * tv, num_heads, dv)
     return o.to(mixed_qkv.dtype)
