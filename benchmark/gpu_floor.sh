@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU runs of "the verify step at the hardware floor", in one device call after the FA4
+# bundle is installed. Run from the repository root:
+#   PARTS="tests kernels profile bench" bash benchmark/gpu_floor.sh
+# tests: the gpu tests of the fused model ops, the GDN replay commit (bitwise equal to the
+#   per-position-state commit) and the engine (sync-debug loop, graph replay == eager);
+# kernels: benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces) and
+#   benchmark/bench_gdn_commit.py (verify + commit, per-position states vs replay);
+# profile: benchmark/profile_step.py (where a verify step's time goes; the host's share);
+#   the same with UNIMEM_FUSED_OPS=off for the fused-vs-unfused comparison;
+# bench: `python -m unimem bench` (docs/results/bench_h200.json).
+# Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python:$PWD/benchmark${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
+parts=${PARTS:-tests kernels profile bench}
+step_timeout=${STEP_TIMEOUT:-400}
+log="$out/gpu_floor.log"
+status=0
+say() { echo "=== $(date -u +%H:%M:%S) $*" | tee -a "$log"; }
+run() { timeout "$step_timeout" "$@" 2>&1 | tee -a "$log"; }
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, \
+torch.cuda.get_device_name())" 2>&1 | tee -a "$log"
+for part in $parts; do
+  say "$part"
+  case "$part" in
+    tests)
+      run python3 -m pytest -q -p no:cacheprovider --durations=10 -m gpu \
+        sgl-kernel/tests/test_fused_ops.py sgl-kernel/tests/test_gdn_replay_commit.py \
+        sgl-kernel/tests/test_gdn_kernels.py test/engine/test_gpu_engine.py \
+        test/speculative/test_ragged_verify_gpu.py ;;
+    kernels)
+      run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json"
+      run python3 benchmark/bench_gdn_commit.py --json "$out/bench_gdn_commit_h200.json" ;;
+    profile)
+      run python3 benchmark/profile_step.py --json "$out/profile_step_h200.json"
+      UNIMEM_FUSED_OPS=off run python3 benchmark/profile_step.py \
+        --json "$out/profile_step_unfused_h200.json" ;;
+    bench)
+      run python3 -m unimem bench --json "$out/bench_h200.json" ;;
+    *) echo "unknown part $part"; false ;;
+  esac || status=1
+done
+exit $status
