@@ -58,6 +58,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from unimem.engine.request import InFlight, Request, RequestStatus
@@ -259,12 +260,15 @@ class Scheduler:
         bonus is the next anchor); output beyond ``max_new_tokens`` or a stop token is
         dropped. Then as :meth:`complete`. ``verify_batches`` / ``verified_rows`` count the
         steps with a live lane and their live lanes' rows."""
+        if len(committed) != len(batch.reqs):
+            raise ValueError(f"{len(committed)} results for a batch of {len(batch.reqs)}")
         live = []
         rows = 0
         running = RequestStatus.RUNNING
-        width = self.gamma + 1
+        lens = repeat(self.gamma + 1) if verify_lens is None else verify_lens
+        lps = repeat(None) if logprobs is None else logprobs
         epochs = batch.epochs
-        for i, (req, toks) in enumerate(zip(batch.reqs, committed, strict=True)):
+        for i, (req, toks, n, lp) in enumerate(zip(batch.reqs, committed, lens, lps, strict=False)):
             if req.status is not running or req.epoch != epochs[i]:  # not _current
                 continue
             step = req.inflight.pop(0)
@@ -273,10 +277,9 @@ class Scheduler:
             req.forward_steps += 1
             req.verify_steps += 1
             req.verified_tokens += k
-            n = verify_lens[i] if verify_lens is not None else width
             req.verified_rows += n
             rows += n
-            req.append_output(toks, None if logprobs is None else logprobs[i])
+            req.append_output(toks, lp)
             live.append((req, step.snapshot))
         if live:
             self.verify_batches += 1

@@ -450,22 +450,24 @@ class MemoryPool(ABC):
         """
         items = self._check_batch("batch", batch, "pos")
         p = self.page_size
+        # swa_stop, inline (a window reaching past every position retires nothing)
+        behind = 1 - self.swa_window if self._has_swa else -self.max_context - 1
+        todo = []
         for i, (req, pos) in enumerate(items):
-            cap = len(req.pages) * p
-            if not 0 <= pos <= cap:
+            n = len(req.pages)
+            if not 0 <= pos <= n * p:
                 raise ValueError(
-                    f"batch[{i}] pos must be in [0, {cap}] (the tokens its pages hold), got {pos}"
+                    f"batch[{i}] pos must be in [0, {n * p}] (the tokens its pages hold), got {pos}"
                 )
+            stop = (pos + behind) // p
+            if stop > req.swa_start:
+                todo.append((req, min(stop, n)))
         if not self._has_swa:
             return 0
         drop: list[int] = []
-        behind = 1 - self.swa_window  # swa_stop, inline
-        for req, pos in items:
-            stop = (pos + behind) // p
-            if stop > req.swa_start:
-                stop = min(stop, len(req.pages))
-                drop += req.pages[req.swa_start : stop]
-                req.swa_start = max(req.swa_start, stop)
+        for req, stop in todo:
+            drop += req.pages[req.swa_start : stop]
+            req.swa_start = stop
         if drop:
             freed = self._drop_refs([], drop)
             self.stats.retired_swa_pages += freed.swa
