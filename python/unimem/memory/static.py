@@ -190,7 +190,7 @@ class StaticMemory(MemoryPool):
         return slots
 
     def _zero(self, kind: LayerKind, ids: torch.Tensor, byte: int = 0) -> None:
-        uk.fill_units(self.pools[kind], 0, self.layout.unit_bytes(kind), ids, byte)
+        uk.fill_units(self.pools[kind], 0, self._unit_bytes[kind], ids, byte)
 
     def _free_units(self, full: list[int], swa: list[int], slots: list[int]) -> None:
         packed = upload_int32(np.array(full + swa + slots, dtype=np.int32), self.device)

@@ -251,7 +251,7 @@ class UnifiedMemory(MemoryPool):
             page_size=self.page_size,
         )
         self.band(kind).free = space.free
-        ub = self.layout.unit_bytes(kind)
+        ub = self._unit_bytes[kind]
         uk.fill_units(self.arena, self.base[kind], ub, popped, 0)
 
     def _unbind(self, kind: LayerKind, n: int, **where) -> None:
@@ -259,7 +259,7 @@ class UnifiedMemory(MemoryPool):
         pushed = space.unbind(n, page_size=self.page_size, **where)
         self.band(kind).free = space.free
         if self.poison:
-            ub = self.layout.unit_bytes(kind)
+            ub = self._unit_bytes[kind]
             uk.fill_units(self.arena, self.base[kind], ub, pushed, POISON_BYTE)
 
     def _free_units(self, full: list[int], swa: list[int], slots: list[int]) -> None:
@@ -296,7 +296,7 @@ class UnifiedMemory(MemoryPool):
             up = act.side is Side.UP
             lo, hi = (band.hi - act.k, band.hi) if up else (band.lo, band.lo + act.k)
             src, dst = space.compact(lo, hi)
-            ub = self.layout.unit_bytes(kind)
+            ub = self._unit_bytes[kind]
             uk.copy_units(self.arena, self.base[kind], ub, src, dst)
             if self.poison:
                 uk.fill_units(self.arena, self.base[kind], ub, src, POISON_BYTE)
