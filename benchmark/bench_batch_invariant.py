@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
+from cuda_timing import median_ms
 
 from unimem_kernel import bi_grouped_linear, bi_linear, matmul_config
 
@@ -47,19 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def time_ms(fn: Callable[[], object], args: argparse.Namespace) -> float:
     """Median over samples of the mean time per call (CUDA events)."""
-    for _ in range(args.warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(args.repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / args.iters)
-    return statistics.median(samples)
+    return median_ms(fn, warmup=args.warmup, iters=args.iters, repeats=args.repeats)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -15,19 +15,14 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python:$PWD/benchmark${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
 parts=${PARTS:-tests kernels pressure ckpt bench}
 step_timeout=${STEP_TIMEOUT:-400}
 log="$out/gpu_deterministic.log"
 status=0
-say() { echo "=== $(date -u +%H:%M:%S) $*" | tee -a "$log"; }
-run() { timeout "$step_timeout" "$@" 2>&1 | tee -a "$log"; }
+. benchmark/gpu_env.sh
 ck=/tmp/ckpt_qwen3_next_small
 pressure=(--device cuda --spec dspark --requests 24 --input-len 300 --output-len 200 --seed 5)
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__, \
-torch.cuda.get_device_name())" 2>&1 | tee -a "$log"
+gpu_banner
 for part in $parts; do
   say "$part"
   case "$part" in
