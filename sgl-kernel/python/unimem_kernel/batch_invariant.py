@@ -163,6 +163,30 @@ def _mma_chunk(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr, acc):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _k_loop(
+    a_rows, b_cols, stride_ak, stride_bk, mask_m, mask_n, k_end, K,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # The one reduction of both GEMM kernels: ascending K chunks of BLOCK_K up to ``k_end``
+    # (K, or 0 for rows that stay zero), the K tail zero-padded (adding exact zeros changes
+    # nothing). Shared so that a row gets the same arithmetic in the plain and grouped GEMMs.
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = (k0 + rk).to(tl.int64)
+        mask_k = kk < K
+        a = tl.load(
+            a_rows + kk[None, :] * stride_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        b = tl.load(
+            b_cols + kk[:, None] * stride_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )
+        acc = _mma_chunk(a, b, IEEE, UPCAST, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _bi_matmul_kernel(
     a_ptr,
@@ -198,23 +222,14 @@ def _bi_matmul_kernel(
 
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
     a_rows = a_ptr + rm[:, None] * stride_am
     b_cols = b_ptr + rn[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Ascending K chunks; the K tail is zero-padded (adding exact zeros changes nothing).
-    for k0 in range(0, K, BLOCK_K):
-        kk = (k0 + rk).to(tl.int64)
-        mask_k = kk < K
-        a = tl.load(
-            a_rows + kk[None, :] * stride_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0
-        )
-        b = tl.load(
-            b_cols + kk[:, None] * stride_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0
-        )
-        acc = _mma_chunk(a, b, IEEE, UPCAST, acc)
+    acc = _k_loop(
+        a_rows, b_cols, stride_ak, stride_bk, mask_m, mask_n, K, K,
+        IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     c = c_ptr + rm[:, None] * stride_cm + rn[None, :]
@@ -366,24 +381,16 @@ def _bi_grouped_kernel(
 
     rm = (row0 + tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
     mask_m = rm < row_end
     mask_n = rn < N
     we = tl.minimum(e, E - 1).to(tl.int64)
     x_rows = x_ptr + rm[:, None] * stride_xt
     w_cols = w_ptr + we * stride_we + rn[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_end = tl.where(is_tail, 0, K)  # the tail's rows stay zero
-    for k0 in range(0, k_end, BLOCK_K):
-        kk = (k0 + rk).to(tl.int64)
-        mask_k = kk < K
-        a = tl.load(
-            x_rows + kk[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0
-        )
-        b = tl.load(
-            w_cols + kk[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0.0
-        )
-        acc = _mma_chunk(a, b, IEEE, UPCAST, acc)
+    acc = _k_loop(
+        x_rows, w_cols, stride_xk, stride_wk, mask_m, mask_n, k_end, K,
+        IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(bias_ptr + we * stride_be + rn, mask=mask_n, other=0.0).to(tl.float32)
         acc += tl.where(is_tail, 0.0, bias)[None, :]
