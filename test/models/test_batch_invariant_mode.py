@@ -107,3 +107,10 @@ def test_gpu_lm_head_rows_do_not_depend_on_the_batch():
         alone = F.linear(hidden[5:6], model.lm_head)
         for n in (6, 7, 48, 64):
             assert torch.equal(F.linear(hidden[:n], model.lm_head)[5:6], alone)
+
+
+def test_refused_with_the_fused_ops_switched_off(monkeypatch):
+    monkeypatch.setenv("UNIMEM_FUSED_OPS", "off")
+    with pytest.raises(ValueError, match="UNIMEM_FUSED_OPS"):
+        batch_invariant.enable(("CPU",))
+    assert not batch_invariant.enabled()
