@@ -1,0 +1,673 @@
+"""Ahead-of-time compile check of the Triton kernels for an H200 (sm_90), without a GPU.
+
+The kernels of ``unimem_kernel.fused``, ``unimem_kernel.batch_invariant`` and
+``unimem_kernel.gdn`` have run in the Triton interpreter only on machines without CUDA, and
+the interpreter accepts code the compiler rejects. This script compiles every launch variant
+the engine uses, at the ``small`` preset's sizes (bf16 activations, fp32 GDN states), with
+``triton.compile`` on an ``ASTSource`` for ``GPUTarget("cuda", 90, 32)``: through TTIR, TTGIR,
+LLVM IR and PTX, and to a cubin when ``ptxas`` is available (Triton bundles it; else the
+check stops at PTX and says so).
+
+How a variant's signature is obtained: the public launcher runs on CPU tensors of the real
+shapes and strides (``UNIMEM_KERNEL_BACKEND=triton``) with the kernel replaced by a recorder,
+so the arguments, constexprs and launch options are exactly those the launcher passes. They
+are turned into a signature with the JIT's specialisation rules (:func:`specialize`): a tensor
+is ``*<dtype>`` (``tt.divisibility 16`` when its address is 16-byte aligned), an int is
+``i32`` / ``i64`` (``tt.divisibility 16`` when a multiple of 16, and the constant 1 when it
+equals 1, unless the parameter is ``do_not_specialize``), a float ``fp32``, a bool ``u1``.
+
+Must run with ``TRITON_INTERPRET`` unset (under the interpreter ``@triton.jit`` yields
+functions that cannot be compiled); ``sgl-kernel/tests/test_compile_sm90.py`` runs it in a
+subprocess. ``--only SUBSTR`` filters the variants, ``-j N`` compiles in N processes (default:
+the CPU count), ``--json PATH`` writes the rows, ``--list`` prints the signatures. Each run
+compiles from scratch (a fresh Triton cache). Each launch's signature is also compared with
+the one Triton's own JIT computes for it (internal API; skipped where it differs). The table
+gives per variant the compile time and, from the cubin, registers, stack bytes per thread
+(register spills: nonzero means ptxas spilled), shared memory and warps. Exit status: 0 all
+compiled (and the signatures agree), 1 some failed, 77 this Triton cannot compile for CUDA here
+(one line on stderr says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+_ROOT = Path(__file__).resolve().parents[1]
+for _p in (_ROOT / "python", _ROOT / "sgl-kernel" / "python"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+CANNOT_COMPILE = 77  # exit status: this Triton cannot compile for CUDA without a driver
+ARCH, WARP_SIZE = 90, 32
+
+# the ``small`` preset (unimem.models.presets)
+D_MODEL, FFN, VOCAB = 2048, 5632, 32000
+Q_HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
+GDN_H, GDN_DK, GDN_DV, CONV_K = 16, 128, 128, 4
+EPS = 1e-6
+
+_TORCH_TYPES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    "float64": "fp64",
+    "int8": "i8",
+    "int16": "i16",
+    "int32": "i32",
+    "int64": "i64",
+    "uint8": "u8",
+    "bool": "i1",
+}
+
+
+@dataclass
+class Variant:
+    """One compile unit: a kernel with the signature, constexprs, attributes and options of
+    one recorded launch."""
+
+    name: str
+    module: str
+    kernel: str
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    attrs: dict[tuple[int, ...], list]
+    options: dict[str, object] = field(default_factory=dict)
+    jit_mismatch: str | None = None  # variants(crosscheck=True): vs Triton's own JIT
+
+
+# ------------------------------------------------------------------- specialisation
+
+
+def _int_type(v: int) -> str:
+    return "i32" if -(2**31) <= v < 2**31 else ("i64" if -(2**63) <= v < 2**63 else "u64")
+
+
+def specialize(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """``(signature, constexprs, attrs, options)`` of a launch ``fn[grid](*args, **kwargs)``,
+    as Triton's JIT specialises it (module docstring)."""
+    import torch
+
+    names = list(fn.arg_names)
+    bound = dict(zip(names, args, strict=False))
+    options = {}
+    for k, v in kwargs.items():
+        if k in names:
+            bound[k] = v
+        else:
+            options[k] = v
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        if p.name not in bound:
+            raise TypeError(f"{fn.__name__}: no value for {p.name}")
+        v = bound[p.name]
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = v
+            continue
+        specialize_it = not p.do_not_specialize
+        aligned = specialize_it and not p.do_not_specialize_on_alignment
+        if v is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = None
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = "*" + _TORCH_TYPES[str(v.dtype).removeprefix("torch.")]
+            if aligned and v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            signature[p.name] = "u1"
+        elif isinstance(v, int):
+            if specialize_it and v == 1:
+                signature[p.name] = "constexpr"
+                constexprs[p.name] = 1
+                continue
+            signature[p.name] = _int_type(v)
+            if aligned and v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            signature[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}.{p.name}: cannot specialise {type(v).__name__}")
+    return signature, constexprs, attrs, options
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` records the launch."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((args, kwargs))
+
+        return launch
+
+
+@contextlib.contextmanager
+def _recording(module, *kernels: str) -> Iterator[dict[str, _Recorder]]:
+    recs = {k: _Recorder(getattr(module, k)) for k in kernels}
+    with contextlib.ExitStack() as stack:
+        for k, r in recs.items():
+            stack.enter_context(mock.patch.object(module, k, r))
+        yield recs
+
+
+# ------------------------------------------------------------------- the launches
+
+
+def _slot_view(num_slots: int, shape: tuple[int, ...], dtype, pad: int = 64):
+    """``[num_slots, *shape]`` as an ``as_strided`` view with a slot stride past the slot's
+    elements (the pool's arena views)."""
+    import torch
+
+    per = 1
+    for s in shape:
+        per *= s
+    stride_slot = per + pad
+    buf = torch.zeros(num_slots * stride_slot, dtype=dtype)
+    inner, acc = [], 1
+    for s in reversed(shape):
+        inner.append(acc)
+        acc *= s
+    return buf.as_strided((num_slots, *shape), (stride_slot, *reversed(inner)))
+
+
+def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
+    import torch
+
+    from unimem_kernel import fused as fu
+
+    bf, f32 = torch.bfloat16, torch.float32
+    t = 8
+
+    def add_rms_norm(zero_centered: bool):
+        x = torch.randn(t, D_MODEL, dtype=bf)
+        fu.add_rms_norm(x, torch.randn_like(x), torch.randn(D_MODEL, dtype=bf), EPS,
+                        zero_centered=zero_centered)  # fmt: skip
+
+    def add_rms_norm_chunked():  # D > 4096: the two-pass path (SINGLE False)
+        x = torch.randn(t, 5120, dtype=bf)
+        fu.add_rms_norm(x, torch.randn_like(x), torch.randn(5120, dtype=bf), EPS)
+
+    def gated(op, split: bool):
+        if split:  # qwen_common / gemma3: gate and up from two projections
+            op(torch.randn(t, FFN, dtype=bf), torch.randn(t, FFN, dtype=bf))
+        else:  # synthetic.Mlp: the fused [gate | up] projection
+            op(torch.randn(t, 2 * FFN, dtype=bf))
+
+    in_proj = 2 * GDN_H * GDN_DK + GDN_H * GDN_DV + GDN_H * GDN_DV + 2 * GDN_H
+
+    def gdn_gates():  # synthetic.GdnMixer: column slices of in_proj, bf16 params, fp32 state
+        proj = torch.randn(t, in_proj, dtype=bf)
+        b = proj[:, in_proj - 2 * GDN_H : in_proj - GDN_H]
+        a = proj[:, in_proj - GDN_H :]
+        fu.gdn_gates(a, b, torch.randn(GDN_H, dtype=bf), torch.randn(GDN_H, dtype=bf), f32)
+
+    def gated_rms_norm(round_before_weight: bool):
+        proj = torch.randn(t, in_proj, dtype=bf)
+        z0 = 3 * GDN_H * GDN_DK
+        z = proj[:, z0 : z0 + GDN_H * GDN_DV].reshape(t, GDN_H, GDN_DV)
+        o = torch.randn(t, GDN_H, GDN_DV, dtype=bf)
+        fu.gated_rms_norm(o, torch.randn(GDN_DV, dtype=bf), z, EPS,
+                          round_before_weight=round_before_weight)  # fmt: skip
+
+    def rope(rot_dtype, rotary: int, head_dim: int = HEAD_DIM):
+        qd, kd = Q_HEADS * head_dim, KV_HEADS * head_dim
+        qkv = torch.randn(t, qd + 2 * kd, dtype=bf)
+        q = qkv[:, :qd].reshape(t, Q_HEADS, head_dim)
+        k = qkv[:, qd : qd + kd].reshape(t, KV_HEADS, head_dim)
+        cos = torch.randn(t, rotary // 2, dtype=rot_dtype)
+        fu.rope_qk(q, k, cos, torch.randn_like(cos))
+
+    return [
+        ("add_rms_norm", lambda: add_rms_norm(False)),
+        ("add_rms_norm zero_centered", lambda: add_rms_norm(True)),
+        ("add_rms_norm D=5120 (chunked)", add_rms_norm_chunked),
+        ("silu_mul [gate|up]", lambda: gated(fu.silu_mul, False)),
+        ("silu_mul gate, up", lambda: gated(fu.silu_mul, True)),
+        ("gelu_tanh_mul gate, up", lambda: gated(fu.gelu_tanh_mul, True)),
+        ("gdn_gates fp32 state", gdn_gates),
+        ("gated_rms_norm", lambda: gated_rms_norm(False)),
+        ("gated_rms_norm round_before_weight", lambda: gated_rms_norm(True)),
+        ("rope_qk fp32 full", lambda: rope(f32, HEAD_DIM)),
+        ("rope_qk bf16 full", lambda: rope(bf, HEAD_DIM)),
+        ("rope_qk fp32 partial 64/256", lambda: rope(f32, 64, 256)),
+    ]
+
+
+def _bi_launches() -> list[tuple[str, Callable[[], None]]]:
+    import torch
+
+    from unimem_kernel import batch_invariant as bi
+
+    bf, f32 = torch.bfloat16, torch.float32
+    t = 8
+
+    def linear(k: int, n: int, dtype=bf, bias: bool = False):  # F.linear -> mm(x, W.t())
+        w = torch.randn(n, k, dtype=dtype)
+        b = torch.randn(n, dtype=dtype) if bias else None
+        bi.bi_matmul(torch.randn(t, k, dtype=dtype), w.t(), b)
+
+    def grouped(dtype=bf, bias: bool = False):
+        e, n, k = 8, 2 * 768, D_MODEL
+        offs = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.int32)
+        b = torch.randn(e, n, dtype=dtype) if bias else None
+        bi.bi_grouped_linear(torch.randn(t, k, dtype=dtype), torch.randn(e, n, k, dtype=dtype),
+                             offs, b)  # fmt: skip
+
+    gdn_in = 2 * GDN_H * GDN_DK + 2 * GDN_H * GDN_DV + 2 * GDN_H
+    return [
+        ("bi_matmul qkv 2048->3072", lambda: linear(D_MODEL, 3072)),
+        ("bi_matmul gdn in_proj 2048->8224", lambda: linear(D_MODEL, gdn_in)),
+        ("bi_matmul gate_up 2048->11264", lambda: linear(D_MODEL, 2 * FFN)),
+        ("bi_matmul down 5632->2048", lambda: linear(FFN, D_MODEL)),
+        ("bi_matmul lm_head 2048->32000", lambda: linear(D_MODEL, VOCAB)),
+        ("bi_matmul bias (gpt-oss)", lambda: linear(D_MODEL, 2880, bias=True)),
+        ("bi_matmul fp32", lambda: linear(D_MODEL, D_MODEL, dtype=f32)),
+        ("bi_grouped_linear", grouped),
+        ("bi_grouped_linear bias", lambda: grouped(bias=True)),
+        ("bi_grouped_linear fp32", lambda: grouped(dtype=f32)),
+        ("bi_rms_norm fp32", lambda: bi.bi_rms_norm(torch.randn(t, D_MODEL, dtype=f32),
+                                                    torch.ones(D_MODEL, dtype=f32), EPS)),
+        ("bi_rms_norm bf16 head", lambda: bi.bi_rms_norm(
+            torch.randn(t, Q_HEADS, HEAD_DIM, dtype=bf), torch.ones(HEAD_DIM, dtype=bf), EPS)),
+        ("bi_log_softmax bf16", lambda: bi.bi_log_softmax(torch.randn(t, VOCAB, dtype=bf))),
+        ("bi_log_softmax fp32", lambda: bi.bi_log_softmax(torch.randn(t, VOCAB, dtype=f32))),
+    ]  # fmt: skip
+
+
+def _gdn_launches() -> list[tuple[str, Callable[[], None]]]:
+    import torch
+
+    from unimem_kernel import gdn, gdn_reference
+
+    bf, f32 = torch.bfloat16, torch.float32
+    bs, width, slots_n = 4, 8, 8  # lanes, verify width (gamma 7 + 1), state slots
+
+    def mixer(mode: str, *, batch_invariant: bool = False, prep: bool = False, hk: int = GDN_H,
+              h: int = GDN_H, long: bool = False):  # fmt: skip
+        conv_dim = gdn_reference.mixed_qkv_dim(h, GDN_DK, GDN_DV, hk)
+        conv = _slot_view(slots_n, (conv_dim, CONV_K - 1), bf)
+        ssm = _slot_view(slots_n, (h, GDN_DK, GDN_DV), f32)
+        slots = torch.arange(bs, dtype=torch.int32)
+        n = {"extend": 3 * width, "decode": bs, "verify": bs * width}[mode]
+        if long:  # a prefill: several conv token blocks of 64
+            n = 512
+        mixed = torch.randn(n, conv_dim, dtype=bf)
+        g, beta = torch.randn(n, h, dtype=f32), torch.rand(n, h, dtype=f32)
+        kw = dict(
+            num_k_heads=hk,
+            batch_invariant=batch_invariant,
+            out=torch.empty(n, h, GDN_DV, dtype=bf),
+            conv_out=torch.empty_like(mixed),
+        )
+        cu = None
+        if mode == "extend":
+            cu = torch.tensor([0, 5, 5, 17, n], dtype=torch.int32)
+            kw["max_seqlen"] = n - 17
+        if mode == "verify":
+            kw["conv_scratch"] = torch.zeros(bs, width, conv_dim, CONV_K - 1, dtype=bf)
+            if prep:
+                pd = gdn_reference.prep_dim(h, GDN_DK, GDN_DV, hk)
+                kw["prep_scratch"] = torch.zeros(bs, width, pd, dtype=f32)
+            else:
+                kw["ssm_scratch"] = torch.zeros(bs, width, h, GDN_DK, GDN_DV, dtype=f32)
+        w = torch.randn(conv_dim, CONV_K, dtype=bf)
+        gdn.gdn_forward_triton(mode, mixed, w, g, beta, conv, ssm, slots, cu, **kw)
+
+    def replay(*, hk: int = GDN_H, h: int = GDN_H):
+        ssm = _slot_view(slots_n, (h, GDN_DK, GDN_DV), f32)
+        pd = gdn_reference.prep_dim(h, GDN_DK, GDN_DV, hk)
+        prep = torch.zeros(bs + 2, width, pd, dtype=f32)[:bs]  # runner: prep[:width]
+        accepted = torch.tensor([0, 3, 7, -1], dtype=torch.int64)
+        slots = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
+        gdn.gated_delta_rule_replay_commit_triton(prep, accepted, ssm, slots, hk)
+
+    def rule(mode: str):  # the standalone delta-rule launchers (no SiLU / L2 prologue)
+        ssm = _slot_view(slots_n, (GDN_H, GDN_DK, GDN_DV), f32)
+        slots = torch.arange(bs, dtype=torch.int32)
+        lead = {"decode": (bs,), "verify": (bs, width), "extend": (3 * width,)}[mode]
+        q = torch.randn(*lead, GDN_H, GDN_DK, dtype=bf)
+        k, v = torch.randn_like(q), torch.randn(*lead, GDN_H, GDN_DV, dtype=bf)
+        g, beta = torch.randn(*lead, GDN_H, dtype=f32), torch.rand(*lead, GDN_H, dtype=f32)
+        if mode == "decode":
+            gdn.gated_delta_rule_decode_triton(q, k, v, g, beta, ssm, slots)
+        elif mode == "verify":
+            scratch = torch.zeros(bs, width, GDN_H, GDN_DK, GDN_DV, dtype=f32)
+            gdn.gated_delta_rule_verify_triton(q, k, v, g, beta, ssm, slots, scratch)
+        else:
+            init = torch.tensor([True, False, True, True])
+            cu = torch.tensor([0, 5, 5, 17, 3 * width], dtype=torch.int32)
+            gdn.gated_delta_rule_extend_triton(q, k, v, g, beta, ssm, slots, cu, init)
+
+    def conv_extend_init():  # causal_conv1d_extend with has_initial_state
+        conv_dim = gdn_reference.mixed_qkv_dim(GDN_H, GDN_DK, GDN_DV, GDN_H)
+        conv = _slot_view(slots_n, (conv_dim, CONV_K - 1), bf)
+        x = torch.randn(3 * width, conv_dim, dtype=bf)
+        cu = torch.tensor([0, 5, 5, 17, 3 * width], dtype=torch.int32)
+        init = torch.tensor([True, False, True, True])
+        gdn.causal_conv1d_extend_triton(x, torch.randn(conv_dim, CONV_K, dtype=bf), conv,
+                                        torch.arange(bs, dtype=torch.int32), cu, init)  # fmt: skip
+
+    return [
+        ("gdn_forward extend", lambda: mixer("extend")),
+        ("gdn_forward extend 495-token prompt", lambda: mixer("extend", long=True)),
+        ("gdn_forward extend batch_invariant", lambda: mixer("extend", batch_invariant=True)),
+        ("gdn_forward decode", lambda: mixer("decode")),
+        ("gdn_forward decode batch_invariant", lambda: mixer("decode", batch_invariant=True)),
+        ("gdn_forward verify STORE_STATES", lambda: mixer("verify")),
+        ("gdn_forward verify STORE_PREP", lambda: mixer("verify", prep=True)),
+        ("gdn_forward verify STORE_PREP Hk=8 H=16",
+         lambda: mixer("verify", prep=True, hk=8)),
+        ("gdn replay commit", replay),
+        ("gdn replay commit Hk=8 H=16", lambda: replay(hk=8)),
+        ("gated_delta_rule decode", lambda: rule("decode")),
+        ("gated_delta_rule verify", lambda: rule("verify")),
+        ("gated_delta_rule extend HAS_INIT", lambda: rule("extend")),
+        ("causal_conv1d_extend HAS_INIT", conv_extend_init),
+    ]  # fmt: skip
+
+
+_KERNELS = {
+    "unimem_kernel.fused": (
+        "_add_rms_norm_kernel",
+        "_gated_act_kernel",
+        "_gdn_gates_kernel",
+        "_gated_rms_norm_kernel",
+        "_rope_qk_kernel",
+    ),
+    "unimem_kernel.batch_invariant": (
+        "_bi_matmul_kernel",
+        "_bi_grouped_kernel",
+        "_bi_rms_norm_kernel",
+        "_bi_log_softmax_kernel",
+    ),
+    "unimem_kernel.gdn": ("_conv_kernel", "_rule_kernel"),
+}
+
+_LAUNCHES = {
+    "unimem_kernel.fused": _fused_launches,
+    "unimem_kernel.batch_invariant": _bi_launches,
+    "unimem_kernel.gdn": _gdn_launches,
+}
+
+
+def _jit_specialization(fn, args: tuple, kwargs: dict):
+    """``(signature, constexprs by name, attrs)`` as Triton's own JIT computes them for this
+    launch (internal API: None where this Triton version lays it out differently)."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.runtime.jit import create_function_from_signature
+
+        backend = CUDABackend(GPUTarget("cuda", ARCH, WARP_SIZE))
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, spec, options = binder(*args, **kwargs)
+        _, sig, consts, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    except Exception:
+        return None
+    consts = {fn.arg_names[k[0]]: v for k, v in consts.items()}
+    return sig, consts, {k: v for k, v in attrs.items() if v}
+
+
+def variants(crosscheck: bool = False) -> list[Variant]:
+    """Every recorded launch as a compile unit; identical specialisations (the same kernel,
+    signature, constexprs, attributes and options) once, under the first launch's name.
+    ``crosscheck``: also compare each launch's specialisation with Triton's own JIT's
+    (``jit_mismatch`` says how they differ; ``"n/a"`` when this Triton's internals differ)."""
+    import importlib
+
+    import torch
+
+    os.environ["UNIMEM_KERNEL_BACKEND"] = "triton"
+    os.environ.setdefault("UNIMEM_FUSED_OPS", "on")
+    torch.manual_seed(0)
+    out, seen = [], set()
+    for modname, kernels in _KERNELS.items():
+        module = importlib.import_module(modname)
+        for label, run in _LAUNCHES[modname]():
+            with _recording(module, *kernels) as recs:
+                run()
+            for kname, rec in recs.items():
+                for args, kwargs in rec.calls:
+                    sig, consts, attrs, options = specialize(rec.fn, args, kwargs)
+                    mismatch = None
+                    if crosscheck:
+                        jit = _jit_specialization(rec.fn, args, kwargs)
+                        if jit is None:
+                            mismatch = "n/a"
+                        elif jit != (sig, consts, attrs):
+                            mismatch = f"JIT {jit} != ours {(sig, consts, attrs)}"
+                    key = (modname, kname, repr(sorted(sig.items())),
+                           repr(sorted((k, repr(v)) for k, v in consts.items())),
+                           repr(sorted(attrs)), repr(sorted(options.items())))  # fmt: skip
+                    if key in seen:
+                        if mismatch and mismatch != "n/a":  # keep a mismatch visible
+                            found = next(v for v in out if v.kernel == kname)
+                            found.jit_mismatch = found.jit_mismatch or mismatch
+                        continue
+                    seen.add(key)
+                    short = kname.strip("_").removesuffix("_kernel")
+                    name = label if label.startswith(short) else f"{label}: {short}"
+                    out.append(Variant(name, modname, kname, sig, consts, attrs, options,
+                                       mismatch))  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------- compiling
+
+
+def cannot_compile_reason() -> str | None:
+    """Why this process cannot compile Triton kernels for CUDA ahead of time, or None."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: @triton.jit functions are interpreted, not compiled"
+    try:
+        import triton
+        from triton.backends import backends
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        return f"triton has no AOT compile API here ({e})"
+    if "nvidia" not in backends:
+        return f"triton {triton.__version__} has no NVIDIA backend"
+    return None
+
+
+def probe(stage: str) -> str | None:
+    """Compile a trivial kernel for sm_90: None when it works, else why not (the
+    environment, not our kernels, is then the problem)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe_kernel(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+    v = Variant("probe", __name__, "", {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                {"BLOCK": 128}, {})  # fmt: skip
+    row = _compile(v, _probe_kernel, stage)
+    return None if row["ok"] else f"a trivial kernel does not compile: {row['error']}"
+
+
+def ptxas_path() -> str | None:
+    """The ``ptxas`` Triton would use for sm_90 (``TRITON_PTXAS_PATH`` or the bundled one)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        path = get_ptxas(ARCH).path
+    except Exception:
+        return None
+    return path if path and os.path.exists(path) else None
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack (register spills land there) and local-array bytes per thread, from
+    ``cuobjdump -res-usage``."""
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        ptxas = ptxas_path()
+        cand = Path(ptxas).with_name("cuobjdump") if ptxas else None
+        tool = str(cand) if cand and cand.exists() else None
+    if tool is None:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+    usage = {}
+    for key, tag in (("regs", "REG:"), ("stack", "STACK:"), ("local", "LOCAL:")):
+        for line in res.stdout.splitlines():
+            if tag in line:
+                usage[key] = int(line.split(tag)[1].split()[0])
+                break
+    return usage
+
+
+def compile_variant(v: Variant, stage: str) -> dict:
+    """Compile ``v`` for sm_90 up to ``stage`` (``ptx`` or ``cubin``); a result row."""
+    import importlib
+
+    return _compile(v, getattr(importlib.import_module(v.module), v.kernel), stage)
+
+
+def _compile(v: Variant, fn, stage: str) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    row = {"name": v.name, "kernel": v.kernel, "ok": False, "stage": stage, "seconds": 0.0,
+           "jit_mismatch": v.jit_mismatch}  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        src = ASTSource(fn=fn, signature=v.signature, constexprs=v.constexprs, attrs=v.attrs)
+        target = GPUTarget("cuda", ARCH, WARP_SIZE)
+        if stage == "cubin":
+            k = triton.compile(src, target=target, options=v.options)
+            row["shared"] = k.metadata.shared
+            row.update(_resource_usage(k.asm["cubin"]))
+        else:
+            with mock.patch(
+                "triton.backends.nvidia.compiler.CUDABackend.make_cubin",
+                lambda self, src, metadata, opt, cap: b"",
+            ):
+                k = triton.compile(src, target=target, options=v.options)
+            row["shared"] = k.metadata.shared
+        row["num_warps"] = k.metadata.num_warps
+        row["num_stages"] = k.metadata.num_stages
+        row["ok"] = True
+    except Exception as e:  # a compile error: the row carries it
+        msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+        row["error"] = msg[-4000:]
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def _worker(args):
+    v, stage = args
+    return compile_variant(v, stage)
+
+
+def run(vs: list[Variant], only: str | None, jobs: int, stage: str) -> list[dict]:
+    if only:
+        vs = [v for v in vs if only.lower() in f"{v.name} {v.kernel}".lower()]
+    if jobs > 1 and len(vs) > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            rows = list(pool.map(_worker, [(v, stage) for v in vs]))
+    else:
+        rows = [compile_variant(v, stage) for v in vs]
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'variant':<52} {'kernel':<24} {'ok':<4} {'s':>6} {'regs':>5} {'stack':>6} "
+             f"{'smem':>7} {'warps':>5}"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"{r['name'][:52]:<52} {r['kernel'][:24]:<24} {'yes' if r['ok'] else 'NO':<4} "
+            f"{r['seconds']:>6.2f} {r.get('regs', ''):>5} {r.get('stack', ''):>6} "
+            f"{r.get('shared', ''):>7} {r.get('num_warps', ''):>5}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", help="compile only variants whose name or kernel contains this")
+    ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--stage",
+        choices=("ptx", "cubin"),
+        default=None,
+        help="last stage (default: cubin when ptxas is available, else ptx)",
+    )
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--list", action="store_true", help="print the variants' signatures only")
+    ap.add_argument(
+        "--no-crosscheck",
+        action="store_true",
+        help="skip comparing the signatures with Triton's own JIT specialisation",
+    )
+    ap.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="use Triton's cache (default: a fresh one, so that every run compiles)",
+    )
+    a = ap.parse_args(argv)
+    if not a.keep_cache:
+        cache = tempfile.mkdtemp(prefix="compile_check_")
+        os.environ["TRITON_CACHE_DIR"] = cache  # read by Triton on use; workers inherit it
+    reason = cannot_compile_reason()
+    stage = a.stage or ("cubin" if reason is None and ptxas_path() else "ptx")
+    reason = reason or probe(stage)
+    if reason:
+        print(f"compile_check: {reason}", file=sys.stderr)
+        return CANNOT_COMPILE
+    vs = variants(crosscheck=not a.no_crosscheck)
+    if a.list:
+        for v in vs:
+            print(f"{v.name} [{v.kernel}] {v.signature} constexprs={v.constexprs} "
+                  f"attrs={sorted(k[0] for k in v.attrs)} options={v.options}")  # fmt: skip
+        return 0
+    import triton
+
+    t0 = time.perf_counter()
+    rows = run(vs, a.only, a.jobs, stage)
+    wall = time.perf_counter() - t0
+    print(f"triton {triton.__version__}, target cuda sm_{ARCH}, up to {stage}"
+          f"{'' if stage == 'cubin' else ' (ptxas not run)'}, {len(rows)} variants, "
+          f"{wall:.1f} s wall, {a.jobs} jobs")  # fmt: skip
+    print(_table(rows))
+    failed = [r for r in rows if not r["ok"]]
+    for r in failed:
+        print(f"\n--- {r['name']} ({r['kernel']}) FAILED:\n{r['error']}")
+    mismatched = [r for r in rows if r["jit_mismatch"] not in (None, "n/a")]
+    for r in mismatched:
+        print(f"\n--- {r['name']}: signature differs from Triton's JIT: {r['jit_mismatch']}")
+    if any(r["jit_mismatch"] == "n/a" for r in rows):
+        print("(signatures not cross-checked: this Triton's JIT internals differ)")
+    if not a.keep_cache:
+        shutil.rmtree(cache, ignore_errors=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"triton": triton.__version__, "stage": stage,
+                                            "wall_s": wall, "rows": rows}, indent=1))  # fmt: skip
+    return 1 if failed or mismatched else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
