@@ -36,6 +36,7 @@ in verify, :mod:`unimem.speculative.spec_sampling`), never on its batch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -162,6 +163,7 @@ class PagedContext(ForwardContext):
             conv_scratch, per_token = r.verify_scratch[layer_idx]
             key = "prep_scratch" if r.gdn_replay_commit else "ssm_scratch"
             scratch = {"conv_scratch": conv_scratch[:bs], key: per_token[:bs]}
+        bi = gdn_batch_invariant(ssm)
         return gdn_ops.gdn_forward(
             self.mode.value,
             mixed_qkv,
@@ -175,7 +177,12 @@ class PagedContext(ForwardContext):
             self.meta.cu_seqlens_q,
             max_seqlen=self.meta.max_seqlen_q,
             num_k_heads=r.model.config.gdn_key_heads,
-            batch_invariant=gdn_batch_invariant(ssm),
+            batch_invariant=bi,
+            # opt-in chunked (WY) prefill kernel: extend only, never batch-invariant (it rounds
+            # differently from the recurrent decode/verify form); off until measured on a GPU
+            chunked_prefill=self.mode is ForwardMode.EXTEND
+            and not bi
+            and os.environ.get("UNIMEM_GDN_CHUNKED_PREFILL", "off") == "on",
             **scratch,
         )
 

@@ -33,6 +33,11 @@ from unimem_kernel.fused import (
     silu_mul,
     silu_mul_reference,
 )
+from unimem_kernel.gdn_chunked import (
+    gated_delta_rule_extend_chunked,
+    gated_delta_rule_extend_chunked_reference,
+    gated_delta_rule_extend_chunked_triton,
+)
 from unimem_kernel.id_ops import (
     bind_units,
     bind_units_reference,
@@ -83,6 +88,9 @@ __all__ = [
     "gated_rms_norm_reference",
     "gdn_gates",
     "gdn_gates_reference",
+    "gated_delta_rule_extend_chunked",
+    "gated_delta_rule_extend_chunked_reference",
+    "gated_delta_rule_extend_chunked_triton",
     "gelu_tanh_mul",
     "gelu_tanh_mul_reference",
     "rope_qk",

@@ -940,6 +940,7 @@ def gdn_forward_triton(
     num_warps: int | None = None,
     batch_invariant: bool = False,
     prep_scratch: torch.Tensor | None = None,
+    chunked_prefill: bool = False,
 ) -> torch.Tensor:
     """Triton launcher of ``gdn_forward``: two launches (conv; SiLU + L2 norm + delta rule).
 
@@ -956,7 +957,11 @@ def gdn_forward_triton(
     ``prep_scratch`` instead of ``ssm_scratch``: the prepared k, v, g, beta of every token are
     stored (``gdn_reference.split_prep``), no state; commit with
     ``gated_delta_rule_replay_commit`` (same ``block_v`` / ``num_warps``). Returns ``out``.
+    ``chunked_prefill`` (extend only; refused with ``batch_invariant``): the delta rule runs
+    the chunked (WY) kernel of ``gdn_chunked`` instead of the recurrent one (other rounding).
     """
+    if chunked_prefill and batch_invariant:
+        raise ValueError("gdn_forward: chunked_prefill is not batch-invariant")
     if batch_invariant:
         if block_v is not None or num_warps is not None:
             raise ValueError("gdn_forward: batch_invariant fixes block_v and num_warps")
@@ -1031,6 +1036,13 @@ def gdn_forward_triton(
     q = y[:, :kd].unflatten(1, (nk, dk))
     k = y[:, kd : 2 * kd].unflatten(1, (nk, dk))
     v = y[:, 2 * kd :].unflatten(1, (h, dv))
+
+    if mode == "extend" and chunked_prefill:
+        from unimem_kernel.gdn_chunked import gated_delta_rule_extend_chunked_triton
+
+        return gated_delta_rule_extend_chunked_triton(
+            q, k, v, g, beta, ssm_state, slots, cu, init, None, nk, out=o, prep=True
+        )  # fmt: skip
 
     def rows(t: torch.Tensor) -> tuple[int, ...]:
         s = tuple(t.stride())
@@ -1189,6 +1201,7 @@ def gdn_forward(
     max_seqlen: int | None = None,
     batch_invariant: bool = False,
     prep_scratch: torch.Tensor | None = None,
+    chunked_prefill: bool = False,
 ) -> torch.Tensor:
     """The GDN mixer core, drop-in for ``gdn_reference.gdn_forward``: Triton on CUDA tensors
     (``gdn_forward_triton``; ``out``/``conv_out`` make decode and verify allocation-free; a
@@ -1197,14 +1210,16 @@ def gdn_forward(
     chunked form at the default chunk size). ``num_k_heads``: the key heads ``Hk`` (default
     ``H``), as ``gdn_reference.gdn_forward``. ``batch_invariant``: one tile configuration
     for every step kind (``gdn_forward_triton``; the reference ignores it: its extend is the
-    chunked form, exact to rounding in the float64 CPU runs it serves)."""
+    chunked form, exact to rounding in the float64 CPU runs it serves). ``chunked_prefill``:
+    the Triton extend runs the chunked kernel (``gdn_forward_triton``; the reference's extend
+    is chunked anyway)."""
     if use_triton(ssm_state):
         return gdn_forward_triton(
             mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
             conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
             has_initial_state=has_initial_state, num_k_heads=num_k_heads, out=out,
             conv_out=conv_out, max_seqlen=max_seqlen, batch_invariant=batch_invariant,
-            prep_scratch=prep_scratch,
+            prep_scratch=prep_scratch, chunked_prefill=chunked_prefill,
         )  # fmt: skip
     result = gdn_reference.gdn_forward(
         mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
