@@ -383,6 +383,37 @@ def _gdn_launches() -> list[tuple[str, Callable[[], None]]]:
     ]  # fmt: skip
 
 
+def _gdn_chunked_launches() -> list[tuple[str, Callable[[], None]]]:
+    import torch
+
+    from unimem_kernel import gdn_chunked
+
+    bf, f32 = torch.bfloat16, torch.float32
+    slots_n = 8
+
+    def chunked(*, hk: int = GDN_H, h: int = GDN_H, chunk: int = 16, precision: str = "ieee"):
+        # the mixer's call after its conv (prep on), a ragged batch with a padded lane
+        n = 100
+        ssm = _slot_view(slots_n, (h, GDN_DK, GDN_DV), f32)
+        q, k = (torch.randn(n, hk, GDN_DK, dtype=bf) for _ in range(2))
+        v = torch.randn(n, h, GDN_DV, dtype=bf)
+        g, beta = torch.randn(n, h, dtype=f32), torch.rand(n, h, dtype=f32)
+        slots = torch.tensor([0, 1, -1, 3], dtype=torch.int32)
+        cu = torch.tensor([0, 5, 5, 37, n], dtype=torch.int32)
+        init = torch.tensor([True, False, True, True])
+        gdn_chunked.gated_delta_rule_extend_chunked_triton(
+            q, k, v, g, beta, ssm, slots, cu, init, num_k_heads=hk, chunk_size=chunk,
+            prep=True, dot_precision=precision,
+        )  # fmt: skip
+
+    return [
+        ("gdn chunked extend C=16", chunked),
+        ("gdn chunked extend C=32", lambda: chunked(chunk=32)),
+        ("gdn chunked extend Hk=8 H=16", lambda: chunked(hk=8)),
+        ("gdn chunked extend tf32", lambda: chunked(precision="tf32")),
+    ]
+
+
 _KERNELS = {
     "unimem_kernel.fused": (
         "_add_rms_norm_kernel",
@@ -398,12 +429,14 @@ _KERNELS = {
         "_bi_log_softmax_kernel",
     ),
     "unimem_kernel.gdn": ("_conv_kernel", "_rule_kernel"),
+    "unimem_kernel.gdn_chunked": ("_chunked_rule_kernel",),
 }
 
 _LAUNCHES = {
     "unimem_kernel.fused": _fused_launches,
     "unimem_kernel.batch_invariant": _bi_launches,
     "unimem_kernel.gdn": _gdn_launches,
+    "unimem_kernel.gdn_chunked": _gdn_chunked_launches,
 }
 
 
