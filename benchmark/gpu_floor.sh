@@ -3,9 +3,10 @@
 # bundle is installed. Run from the repository root:
 #   PARTS="tests kernels profile bench" bash benchmark/gpu_floor.sh
 # tests: the gpu tests of the fused model ops, the GDN replay commit (bitwise equal to the
-#   per-position-state commit) and the engine (sync-debug loop, graph replay == eager);
-# kernels: benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces) and
-#   benchmark/bench_gdn_commit.py (verify + commit, per-position states vs replay);
+#   per-position-state commit), the chunked GDN prefill and the engine (sync-debug loop, graph replay == eager);
+# kernels: benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces),
+#   benchmark/bench_gdn_commit.py (verify + commit, per-position states vs replay) and
+#   benchmark/bench_gdn_prefill.py (recurrent vs chunked GDN prefill at 4k / 32k tokens);
 # profile: benchmark/profile_step.py (where a verify step's time goes; the host's share);
 #   the same with UNIMEM_FUSED_OPS=off for the fused-vs-unfused comparison;
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).
@@ -25,11 +26,13 @@ for part in $parts; do
     tests)
       run python3 -m pytest -q -p no:cacheprovider --durations=10 -m gpu \
         sgl-kernel/tests/test_fused_ops.py sgl-kernel/tests/test_gdn_replay_commit.py \
+        sgl-kernel/tests/test_gdn_chunked.py \
         sgl-kernel/tests/test_gdn_kernels.py test/engine/test_gpu_engine.py \
         test/speculative/test_ragged_verify_gpu.py ;;
     kernels)
       run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json"
-      run python3 benchmark/bench_gdn_commit.py --json "$out/bench_gdn_commit_h200.json" ;;
+      run python3 benchmark/bench_gdn_commit.py --json "$out/bench_gdn_commit_h200.json"
+      run python3 benchmark/bench_gdn_prefill.py --json "$out/bench_gdn_prefill_h200.json" ;;
     profile)
       run python3 benchmark/profile_step.py --json "$out/profile_step_h200.json"
       UNIMEM_FUSED_OPS=off run python3 benchmark/profile_step.py \
