@@ -450,18 +450,16 @@ class MemoryPool(ABC):
         """
         items = self._check_batch("batch", batch, "pos")
         p = self.page_size
-        # swa_stop, inline (a window reaching past every position retires nothing)
-        behind = 1 - self.swa_window if self._has_swa else -self.max_context - 1
-        todo = []
+        todo = []  # only the requests that let something go
         for i, (req, pos) in enumerate(items):
             n = len(req.pages)
             if not 0 <= pos <= n * p:
                 raise ValueError(
                     f"batch[{i}] pos must be in [0, {n * p}] (the tokens its pages hold), got {pos}"
                 )
-            stop = (pos + behind) // p
+            stop = self.swa_stop(pos, n)
             if stop > req.swa_start:
-                todo.append((req, min(stop, n)))
+                todo.append((req, stop))
         if not self._has_swa:
             return 0
         drop: list[int] = []
