@@ -6,7 +6,9 @@
 #   per-position-state commit), the chunked GDN prefill and the engine (sync-debug loop, graph replay == eager);
 # kernels: benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces),
 #   benchmark/bench_gdn_commit.py (verify + commit, per-position states vs replay) and
-#   benchmark/bench_gdn_prefill.py (recurrent vs chunked GDN prefill at 4k / 32k tokens);
+#   benchmark/bench_gdn_prefill.py (recurrent vs chunked GDN prefill at 4k / 32k tokens),
+#   benchmark/bench_gdn.py (conv and delta rule per step kind; the conv tile went from 4096 to
+#   2048 elements without a GPU measurement: it removed register spills);
 # profile: benchmark/profile_step.py (where a verify step's time goes; the host's share);
 #   the same with UNIMEM_FUSED_OPS=off for the fused-vs-unfused comparison;
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).
@@ -32,7 +34,8 @@ for part in $parts; do
     kernels)
       run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json"
       run python3 benchmark/bench_gdn_commit.py --json "$out/bench_gdn_commit_h200.json"
-      run python3 benchmark/bench_gdn_prefill.py --json "$out/bench_gdn_prefill_h200.json" ;;
+      run python3 benchmark/bench_gdn_prefill.py --json "$out/bench_gdn_prefill_h200.json"
+      run python3 benchmark/bench_gdn.py --json "$out/bench_gdn_h200.json" ;;
     profile)
       run python3 benchmark/profile_step.py --json "$out/profile_step_h200.json"
       UNIMEM_FUSED_OPS=off run python3 benchmark/profile_step.py \
