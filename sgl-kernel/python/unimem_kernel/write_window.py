@@ -211,17 +211,27 @@ def gather_write_window_triton(
     if n == 0:
         return
     block = min(next_pow2(n), _MAX_BLOCK)
-    has_swa = swa_v2p is not None
     _write_window_kernel[(triton.cdiv(n, block),)](
-        req_to_token,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        req_to_token.stride(1),
+        *_table_args(req_to_token),
         req_pool_indices,
         seq_lens,
         n,
         int(width),
+        *_output_args(full_v2p, swa_v2p, out_full, out_swa, out_positions),
+        **_launch_meta(page_size, full_v2p, swa_v2p, block),
+    )
+
+
+def _table_args(req_to_token: torch.Tensor) -> tuple:
+    """The request table as both window kernels take it: pointer, shape, strides."""
+    return (req_to_token, *req_to_token.shape, *req_to_token.stride())
+
+
+def _output_args(full_v2p, swa_v2p, out_full, out_swa, out_positions) -> tuple:
+    """The v2p tables (with their sizes) and the outputs, as both window kernels take them;
+    an absent table or output is replaced by ``out_full`` (never read or written then)."""
+    has_swa = swa_v2p is not None
+    return (
         full_v2p if full_v2p is not None else out_full,
         full_v2p.numel() if full_v2p is not None else 0,
         swa_v2p if has_swa else out_full,
@@ -229,9 +239,15 @@ def gather_write_window_triton(
         out_full,
         out_swa if has_swa else out_full,
         out_positions,
+    )
+
+
+def _launch_meta(page_size: int, full_v2p, swa_v2p, block: int) -> dict:
+    """The constexprs and warps of both window kernels."""
+    return dict(
         PAGE_SIZE=int(page_size),
         FULL_IDENTITY=full_v2p is None,
-        HAS_SWA=has_swa,
+        HAS_SWA=swa_v2p is not None,
         BLOCK=block,
         num_warps=max(1, min(block // 32, 4)),
     )
@@ -258,30 +274,15 @@ def gather_ragged_write_window_triton(
     if n == 0:
         return
     block = min(next_pow2(n), _MAX_BLOCK)
-    has_swa = swa_v2p is not None
     _ragged_window_kernel[(triton.cdiv(n, block),)](
-        req_to_token,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        req_to_token.stride(1),
+        *_table_args(req_to_token),
         req_pool_indices,
         seq_lens,
         cu_seqlens_q,
         n,
         bs,
-        full_v2p if full_v2p is not None else out_full,
-        full_v2p.numel() if full_v2p is not None else 0,
-        swa_v2p if has_swa else out_full,
-        swa_v2p.numel() if has_swa else 0,
-        out_full,
-        out_swa if has_swa else out_full,
-        out_positions,
-        PAGE_SIZE=int(page_size),
-        FULL_IDENTITY=full_v2p is None,
-        HAS_SWA=has_swa,
-        BLOCK=block,
-        num_warps=max(1, min(block // 32, 4)),
+        *_output_args(full_v2p, swa_v2p, out_full, out_swa, out_positions),
+        **_launch_meta(page_size, full_v2p, swa_v2p, block),
     )
 
 
