@@ -102,7 +102,7 @@ def build(kind: str, args) -> EngineCore:
     swa = n * (pages_for(cfg.window, args.page_size) + pages_for(4 * (args.gamma + 1), 64) + 2)
     pool = StaticMemory(spec, full, swa, n, n, cfg.max_context)
     if kind == "unified":
-        nbytes = pool.stats.capacity_bytes
+        nbytes = args.arena_gib << 30 if args.arena_gib else pool.stats.capacity_bytes
         del pool
         pool = UnifiedMemory(spec, nbytes, n, cfg.max_context)
     model = SimpleNamespace(config=cfg, device=torch.device("cpu"))
@@ -208,6 +208,12 @@ def main() -> None:
         "--no-profile", dest="profile", action="store_false", help="timing only, no cProfile"
     )
     ap.add_argument("--memory", default="static,unified", help="comma-separated kinds")
+    ap.add_argument(
+        "--arena-gib",
+        type=int,
+        default=0,
+        help="unified arena size (default: the static pools' capacity)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     _no_device_bytes()

@@ -9,7 +9,8 @@
 # kernels: benchmark/bench_batch_invariant.py (ours vs cuBLAS / torch._grouped_mm);
 # pressure: `validate --device cuda` (deterministic by default) on the small preset with an
 #   arena that forces compaction and retraction, page 16 and page 64;
-# ckpt: the same on the small Qwen3-Next-architecture checkpoint (ARENA_CKPT MiB, default 60);
+# ckpt: the same on the small Qwen3-Next-architecture checkpoint (ARENA_CKPT MiB, default 24:
+#   40 % of its static peak of 59 MB; 60 gave no pressure);
 # bench: `python -m unimem bench` without and with --enable-deterministic-inference.
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
 set -uo pipefail
@@ -42,7 +43,7 @@ for part in $parts; do
       [ -f "$ck/config.json" ] \
         || run python3 benchmark/make_checkpoint.py --arch qwen3_next --size small --out "$ck"
       run python3 -m unimem validate "${pressure[@]}" --model-path "$ck" --page-size 64 \
-        --arena-mb "${ARENA_CKPT:-60}" --json "$out/validate_pressure_qwen3_next_h200.json" ;;
+        --arena-mb "${ARENA_CKPT:-24}" --json "$out/validate_pressure_qwen3_next_h200.json" ;;
     bench)
       # the same acceptance control both ways (a speculative reference run), so that only
       # the kernels differ

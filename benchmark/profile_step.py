@@ -23,12 +23,18 @@ parts 2-3 advance the device state past what the host read, so they come last.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
 import json
+import pstats
 import re
 import time
+import warnings
 from collections import defaultdict
 
 import torch
+import triton
 
 from unimem.attention.fa4_backend import FA4Backend
 from unimem.engine.core import EngineCore
@@ -94,6 +100,7 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
 
     StagedResult.read = timed_read
     tokens0 = sum(len(r.output) for r in eng.scheduler.running)
+    compiled0 = jit_cache_keys()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         eng.step()
@@ -103,6 +110,8 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
     StagedResult.read = read
     tokens = sum(len(r.output) for r in eng.scheduler.running) - tokens0
     host = wall - waited[0] / args.steps
+    compiles = new_compiles(compiled0, jit_cache_keys())
+    host_top = profile_host(eng, args.steps, args.host_top) if args.host_top else []
 
     # 2. GPU time of one verify step (graph replays back to back)
     runner = eng.runner
@@ -131,8 +140,8 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
             us = evt.self_cuda_time_total
         if us > 0:
             per_cat[category(evt.key)] += us / 1000 / n_prof
-            per_kernel[evt.key[:90]] += us / 1000 / n_prof
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
+            per_kernel[evt.key[:160]] += us / 1000 / n_prof
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top_kernels]
     del eng, pool
     return {
         "memory": kind,
@@ -145,7 +154,59 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
         "gpu_ms_per_verify_step": gpu_ms,
         "kernel_ms_per_step": dict(per_cat),
         "top_kernels_ms": dict(top),
+        "host_top_functions": host_top,
+        "steady_state_compiles": compiles,
     }
+
+
+def jit_cache_keys() -> dict[str, set]:
+    """Every Triton kernel's compiled-variant keys, by kernel name (found through the garbage
+    collector: JIT functions are module globals)."""
+    keys: dict[str, set] = defaultdict(set)
+    with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        jits = [o for o in gc.get_objects() if isinstance(o, triton.runtime.jit.JITFunction)]
+    for obj in jits:
+        for cache in getattr(obj, "device_caches", {}).values():
+            keys[obj.__name__] |= set(map(str, cache[0]))
+    return keys
+
+
+def new_compiles(before: dict[str, set], after: dict[str, set]) -> dict[str, list[str]]:
+    """Kernel variants compiled between two :func:`jit_cache_keys` snapshots (a steady-state
+    step must compile nothing: each compile costs the host tens of ms)."""
+    return {
+        name: sorted(k[:300] for k in keys - before.get(name, set()))
+        for name, keys in after.items()
+        if keys - before.get(name, set())
+    }
+
+
+def profile_host(eng: EngineCore, steps: int, top: int) -> list[dict]:
+    """``steps`` more engine steps under cProfile: the ``top`` functions by own time, in
+    microseconds per step (a profiler slows Python down, so these are shares, not the host
+    time itself; the time outside the wait above is measured without it)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    eng.drain()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, fn), (_, calls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = "/".join(file.split("/")[-2:])
+        rows.append(
+            {
+                "function": f"{where}:{line}({fn})",
+                "own_us_per_step": own / steps * 1e6,
+                "cum_us_per_step": cum / steps * 1e6,
+                "calls_per_step": calls / steps,
+            }
+        )
+    rows.sort(key=lambda r: -r["own_us_per_step"])
+    return rows[:top]
 
 
 def main() -> None:
@@ -157,6 +218,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--memory", default="static,unified", help="comma-separated kinds")
+    ap.add_argument("--top-kernels", type=int, default=15)
+    ap.add_argument(
+        "--host-top",
+        type=int,
+        default=0,
+        help="also run --steps steps under cProfile and report this many functions",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -192,6 +260,13 @@ def main() -> None:
         print("  top kernels (ms/step):")
         for name, ms in r["top_kernels_ms"].items():
             print(f"    {ms:7.3f}  {name}")
+        for name, keys in r["steady_state_compiles"].items():
+            print(f"  COMPILED in the steady state: {name} x{len(keys)}: {keys[0]}")
+        if r["host_top_functions"]:
+            print("  host under cProfile (us/step own, cumulative, calls/step):")
+            for f in r["host_top_functions"]:
+                print(f"    {f['own_us_per_step']:8.1f} {f['cum_us_per_step']:8.1f} "
+                      f"{f['calls_per_step']:7.1f}  {f['function']}")  # fmt: skip
     if len(results) == 2:
         a, b = results
         print(

@@ -161,7 +161,10 @@ def test_silu_mul_matches_reference(triton_backend, device, dtype):
     got = fu.silu_mul(gu)
     ref = fu.silu_mul_reference(gu)
     assert got.shape == (6, 45) and got.is_contiguous()
-    assert_ulp(got, ref, 2 if dtype == F32 else 1, floor=1e-12)
+    # f32: the GPU's exp is ex2.approx of x·log2(e) (the product rounds, so the relative
+    # error grows with |x|: ~|x| ulps at worst); gates reach |x| ~ 10 here. The H200 measured
+    # 3 of 270 elements beyond 2 ulps (9.5e-7).
+    assert_ulp(got, ref, 16 if dtype == F32 else 1, floor=1e-12)
     # the two-operand form (separate gate and up projections)
     gate, up = (
         rand(g, 4, 33, dtype=dtype, device=device),

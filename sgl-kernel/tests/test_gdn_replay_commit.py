@@ -2,10 +2,12 @@
 ``gated_delta_rule_replay_commit``) against today's (``ssm_scratch`` + ``commit_states``):
 
 - the verify outputs and conv scratch are bitwise equal, and the committed SSM state is
-  bitwise the state scratch's entry ``accepted`` for every accepted count ``1 .. T``, per
-  lane, for the Triton kernels (interpreter on CPU; the ``small`` sizes on a GPU) and for the
-  torch references; grouped key heads, a ragged lane (zero rows past its length, as the
-  runner's packed layout leaves them) and arena slot views included;
+  the state scratch's entry ``accepted`` for every accepted count ``1 .. T``, per lane —
+  bitwise for the torch references and the Triton kernels under the interpreter; on a GPU
+  (the ``small`` sizes) to a few ulps, because the verify and the replay are compiled
+  separately and the compiler may contract their multiply-adds differently; grouped key
+  heads, a ragged lane (zero rows past its length, as the runner's packed layout leaves
+  them) and arena slot views included;
 - padded lanes (slot < 0) and lanes with ``accepted`` outside ``[0, T)`` touch nothing: their
   slots keep their bytes and the padded lanes' prepared-input rows are never written;
 - the Triton prepared inputs and committed states match the references (to rounding);
@@ -97,6 +99,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def assert_rounding(a: torch.Tensor, b: torch.Tensor, what: str, ulps: int = 8) -> None:
+    """``a`` equals ``b`` to ``ulps`` units in the last place of their dtype at ``b``'s
+    largest magnitude (the GPU case of the replay commit: two separately compiled kernels
+    running the same ``_delta_step`` may contract its multiply-adds differently; the H200
+    measured at most 2 ulps)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    bound = ulps * torch.finfo(b.dtype).eps * float(b.abs().max())
+    diff = float((a.double() - b.double()).abs().max())
+    assert diff <= bound, f"{what}: max diff {diff} > {bound}"
+
+
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.shape == b.shape and a.dtype == b.dtype, what
     assert torch.equal(bits(a), bits(b)), f"{what}: max diff {(a - b).abs().nan_to_num().max()}"
@@ -145,7 +158,11 @@ def check_commits(layer, slots, old, new, accepted_list, triton_path):
         else:
             sc.commit_states_reference(old["ssm_scratch"], accepted, slots, None, want)
             gr.gated_delta_rule_replay_commit(new["prep_scratch"], accepted, got, slots, layer.hk)
-        assert_bitwise(got, want, f"committed state, accepted {accepted.tolist()}")
+        what = f"committed state, accepted {accepted.tolist()}"
+        if triton_path and got.is_cuda:
+            assert_rounding(got, want, what)
+        else:
+            assert_bitwise(got, want, what)
 
 
 HEADS = [(2, 2), (4, 2), (4, 1)]

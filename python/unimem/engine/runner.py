@@ -77,9 +77,10 @@ GDN_REPLAY_COMMIT = True
 """Default of :class:`ModelRunner`'s ``gdn_replay_commit``: a verify stores per GDN layer and
 position only the prepared k, v, g, beta (``prep_scratch``), not the SSM state, and the
 commit re-runs the recurrence over each lane's accepted tokens from its slot
-(:func:`unimem_kernel.gdn.gated_delta_rule_replay_commit`; the committed state is bitwise the
-one the state scratch would hold). False: the state after every position goes to scratch and
-the commit copies the accepted one (:func:`~unimem_kernel.state_commit.commit_states_multi`)."""
+(:func:`unimem_kernel.gdn.gated_delta_rule_replay_commit`; the committed state is the one the
+state scratch would hold, to a few ulps on a GPU where the two kernels compile apart). False:
+the state after every position goes to scratch and the commit copies the accepted one
+(:func:`~unimem_kernel.state_commit.commit_states_multi`)."""
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -201,7 +202,7 @@ class ModelRunner:
     can be captured (FA4), and a GDN path that skips padded lanes (the Triton kernels).
     ``gdn_replay_commit`` (default :data:`GDN_REPLAY_COMMIT`): how a verify's GDN states
     are committed, replayed from the prepared inputs (True) or copied from per-position state
-    scratch (False); the committed states are the same bitwise, the scratch ~60x smaller.
+    scratch (False); the committed states agree to a few ulps, the scratch is ~60x smaller.
     ``logprobs``: every step also writes the log-probability of each output token
     (``out.logprobs``; one log-sum-exp over the vocabulary per logits row) under the model's
     raw distribution — before temperature and filters, as SGLang reports it.

@@ -39,8 +39,10 @@ Modes, as in the engine:
   k, v, g, beta of every token are stored (~64x fewer bytes at 128 x 128 heads), and
   ``gated_delta_rule_replay_commit`` re-runs tokens ``0 .. accepted`` from the slot and writes
   the state there: the same ``_rule_kernel`` in its replay mode, in the verify's tile
-  configuration, each token through the same ``_delta_step``, so the committed state is
-  bitwise the state scratch's entry.
+  configuration, each token through the same ``_delta_step``, so the committed state is the
+  state scratch's entry: bitwise under the interpreter, to a few ulps once compiled (the two
+  kernels are compiled separately and the compiler may contract their multiply-adds
+  differently; the H200 measured at most 2 ulps of the state dtype).
 
 Padded lanes (``slots[b] < 0``, as in a fixed-size CUDA-graph batch) are skipped by the Triton
 path: their slots and scratch entries are neither read nor written and their output rows are
@@ -281,8 +283,8 @@ def _load_token(
 def _delta_step(state, k, v, g, beta):
     """One token of the gated delta rule on a ``[BK, BV]`` state tile (``k [BK]``, ``v [BV]``,
     scalars ``g``, ``beta``): decay, prediction, rank-1 update. The verify and the replay
-    commit both run exactly this, in the same tile configuration, so their states agree
-    bitwise."""
+    commit both run exactly this, in the same tile configuration, so their states agree (to
+    the multiply-add contraction each compiled kernel gets: module docstring)."""
     state = state * tl.exp(g)
     pred = tl.sum(state * k[:, None], axis=0)
     u = beta * (v - pred)
@@ -1092,7 +1094,8 @@ def gated_delta_rule_replay_commit_triton(
     skipped. The tile configuration is the verify's (``_rule_config`` with ``fixed_rows``;
     pass the verify's ``block_v`` / ``num_warps`` if it had any) and every token runs the
     verify's ``_delta_step``: the state equals the verify's state after token
-    ``accepted[b]`` bitwise."""
+    ``accepted[b]`` (bitwise under the interpreter, to a few ulps compiled: module
+    docstring)."""
     if ssm_state.dim() != 4:
         raise ValueError(f"ssm_state must be [N, H, Dk, Dv], got {tuple(ssm_state.shape)}")
     _, h, dk, dv = ssm_state.shape

@@ -26,7 +26,11 @@ Kernel conventions:
 
 - Host counts (``phys_top``, ``n``, region bounds) are runtime arguments that Triton does not
   specialise on (``do_not_specialize``), so a new count never triggers a compile; that matters
-  inside CUDA-graph capture, where a first compile breaks the capture. ``page_size`` is a
+  inside CUDA-graph capture, where a first compile breaks the capture. Id-list pointers are
+  not specialised on their 16-byte alignment either (``do_not_specialize_on_alignment``):
+  callers pass slices of one packed upload, whose alignment changes with the counts, and an
+  unaligned variant compiled mid-run cost the H200's engine loop ~65 ms per new combination
+  (gathers of int32 ids gain nothing from it). ``page_size`` is a
   ``constexpr``: one variant per page size, warmed eagerly by the caller.
 - Triton's ``//`` and ``%`` truncate toward zero, so ids are checked for ``>= 0`` explicitly
   before any division or gather; a masked lane never touches memory.
@@ -63,7 +67,12 @@ def _check_table(name: str, t: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["phys_start", "n", "virt_start"])
+@triton.jit(
+    do_not_specialize=["phys_start", "n", "virt_start"],
+    do_not_specialize_on_alignment=[
+        "phys_free_ptr", "vids_ptr", "virt_free_ptr", "rows_ptr", "cols_ptr"
+    ],
+)  # fmt: skip
 def _bind_units_kernel(
     v2p_ptr,
     p2v_ptr,
@@ -218,7 +227,12 @@ def bind_units_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["phys_top", "n", "virt_top"])
+@triton.jit(
+    do_not_specialize=["phys_top", "n", "virt_top"],
+    do_not_specialize_on_alignment=[
+        "phys_free_ptr", "vids_ptr", "rows_ptr", "cols_ptr", "virt_free_ptr"
+    ],
+)  # fmt: skip
 def _unbind_units_kernel(
     v2p_ptr,
     p2v_ptr,
@@ -366,7 +380,7 @@ def unbind_units_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["numel"])
+@triton.jit(do_not_specialize=["numel"], do_not_specialize_on_alignment=["vtok_ptr", "out_ptr"])
 def _translate_tokens_kernel(
     vtok_ptr, v2p_ptr, out_ptr, numel, num_pages, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -419,7 +433,10 @@ def translate_tokens_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["phys_top", "region_lo", "region_hi"])
+@triton.jit(
+    do_not_specialize=["phys_top", "region_lo", "region_hi"],
+    do_not_specialize_on_alignment=["src_out_ptr", "dst_out_ptr"],
+)
 def _compact_band_kernel(
     v2p_ptr,
     p2v_ptr,

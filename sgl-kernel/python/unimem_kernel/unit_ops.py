@@ -83,7 +83,7 @@ def _num_warps(block: int, vec: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["src_ptr", "dst_ptr"])  # id lists: see id_ops
 def _copy_units_kernel(
     words_ptr,
     base_words,
@@ -166,7 +166,7 @@ def copy_units_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["word_value"])
+@triton.jit(do_not_specialize=["word_value"], do_not_specialize_on_alignment=["ids_ptr"])
 def _fill_units_kernel(
     words_ptr,
     base_words,
