@@ -19,6 +19,7 @@ from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
 from unimem.speculative.drafter import DsparkDrafter
+from unimem_kernel import id_ops, unit_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +31,20 @@ def _fa4():
     from unimem.attention.fa4_backend import FA4Backend
 
     return FA4Backend()
+
+
+MEMORY_KERNELS = (
+    id_ops._bind_units_kernel,
+    id_ops._unbind_units_kernel,
+    id_ops._compact_band_kernel,
+    unit_ops._fill_units_kernel,
+    unit_ops._copy_units_kernel,
+)
+
+
+def _memory_variants() -> dict[str, int]:
+    """Compiled variants of the pools' Triton kernels (Triton's per-device kernel caches)."""
+    return {k.__name__: sum(len(c[0]) for c in k.device_caches.values()) for k in MEMORY_KERNELS}
 
 
 def _prompts(cfg: HybridConfig, n: int, length: int) -> list[list[int]]:
@@ -58,7 +73,8 @@ def test_step_loop_is_sync_free_and_static_equals_unified(speculative):
     """More than 200 engine steps — admissions, chunked prefill, CUDA-graph decode or verify
     steps at several batch buckets, SWA retirement, releases, and in the unified run
     allocator-driven compaction — under torch.cuda.set_sync_debug_mode("error"): any
-    synchronising CUDA call raises. Static and unified memory give identical tokens."""
+    synchronising CUDA call raises. Static and unified memory give identical tokens. The
+    pools' kernels compile at the pools' construction, never mid-run."""
     cfg = preset("gpu_test")
     dev = torch.device("cuda")
     model = HybridModel(cfg, seed=1, device=dev)
@@ -75,13 +91,17 @@ def test_step_loop_is_sync_free_and_static_equals_unified(speculative):
     spec = memory_spec(cfg, 16, lanes)
     pages = max_running * -(-(150 + output_len + 2 * (gamma + 1)) // 16)
     static = StaticMemory(spec, pages, pages, max_running, max_running, cfg.max_context, dev)
+    warm = _memory_variants()
     out_s, eng_s = _run(model, static, prompts, output_len, chain, max_running, True)
+    assert _memory_variants() == warm
     # An arena 10 % above the static run's peak: the bands must move (compaction) but
     # nothing is retracted, so both runs have the same batches and hence the same kernels.
     sinks = sum(static.layout.unit_bytes(k) for k in static.kinds if k is not LayerKind.STATE)
     arena = int(1.1 * static.stats.peak_bytes) + sinks
     unified = UnifiedMemory(spec, arena, max_running, cfg.max_context, dev)
+    warm = _memory_variants()
     out_u, eng_u = _run(model, unified, prompts, output_len, chain, max_running, True)
+    assert _memory_variants() == warm
     assert eng_s.steps >= 200 and eng_u.steps >= 200
     assert unified.stats.compactions > 0 and eng_u.scheduler.retractions == 0
     assert out_s == out_u

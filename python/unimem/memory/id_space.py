@@ -125,3 +125,29 @@ class IdSpace:
         )
         self.free -= k
         return src, dst
+
+
+def warm_up_id_kernels(
+    device: torch.device, page_sizes: tuple[int, ...], req_dtype: torch.dtype
+) -> None:
+    """Compile every variant of the id ops (:meth:`IdSpace.bind` / :meth:`IdSpace.unbind`
+    with and without the request table, :meth:`IdSpace.compact`) for ``page_sizes`` before
+    the first step, on a throwaway space and request table of ``req_dtype``. Without it the
+    first SWA retirement or compaction compiles mid-run (~65 ms of host time on the H200,
+    found in the steady state of ``benchmark/profile_step.py``). The kernels do not
+    specialise on counts, strides or id-list alignment (``unimem_kernel.id_ops``), so these
+    variants are the ones the pools launch. No-op off CUDA (the references run there)."""
+    if device.type != "cuda":
+        return
+    space = IdSpace("warm-up", 4, 4, device)
+    space.push_range(0, 4)
+    req = torch.full((2, 2 * max(page_sizes)), -1, dtype=req_dtype, device=device)
+    vid = torch.ones(1, dtype=torch.int32, device=device)
+    at = torch.zeros(1, dtype=torch.int32, device=device)  # row 0, page column 0
+    table = {"req_to_token": req, "unit_rows": at, "unit_cols": at}
+    for page_size in page_sizes:
+        space.bind(vid, page_size=page_size)
+        space.unbind(1, vids=vid, page_size=page_size)
+        space.bind(vid, page_size=page_size, **table)
+        space.unbind(1, page_size=page_size, **table)
+    space.compact(2, 4)

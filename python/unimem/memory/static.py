@@ -15,7 +15,7 @@ import torch
 
 import unimem_kernel as uk
 from unimem.memory.host_ids import HostIdPool
-from unimem.memory.id_space import IdSpace
+from unimem.memory.id_space import IdSpace, warm_up_id_kernels
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, as_int, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
@@ -75,6 +75,7 @@ class StaticMemory(MemoryPool):
         if spec.has(LayerKind.SWA):
             self._swa = IdSpace("swa", num_full_pages + 1, num_swa_pages + 1, self.device)
             self._swa.push_range(1, num_swa_pages + 1)
+        self._warm_up_kernels()
         self.full_v2p = None
         self.state_v2p = None
         self.swa_v2p = self._swa.v2p if self._swa is not None else None
@@ -188,6 +189,19 @@ class StaticMemory(MemoryPool):
             req.pages += pages[at : at + n]
             at += n
         return slots
+
+    def _warm_up_kernels(self) -> None:
+        """Compile the id and byte ops' variants these pools launch now, not at their first
+        use mid-run (:func:`~unimem.memory.id_space.warm_up_id_kernels`; the SWA space binds
+        without a request table, at page size 1; the byte op on a padded id, which touches
+        nothing)."""
+        if self.device.type != "cuda":
+            return
+        if self._swa is not None:
+            warm_up_id_kernels(self.device, (1,), self.req_to_token.dtype)
+        pad = torch.full((1,), -1, dtype=torch.int32, device=self.device)
+        for k in self.kinds:
+            self._zero(k, pad)
 
     def _zero(self, kind: LayerKind, ids: torch.Tensor, byte: int = 0) -> None:
         uk.fill_units(self.pools[kind], 0, self._unit_bytes[kind], ids, byte)

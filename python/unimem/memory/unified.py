@@ -26,7 +26,7 @@ import torch
 import unimem_kernel as uk
 from unimem.memory.band_plan import Action, BandLayout, BandState, Compact, Extend, Reanchor, Side
 from unimem.memory.host_ids import HostIdPool
-from unimem.memory.id_space import IdSpace
+from unimem.memory.id_space import IdSpace, warm_up_id_kernels
 from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, as_int, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
@@ -138,6 +138,7 @@ class UnifiedMemory(MemoryPool):
         for k in kinds:
             num_virt = num_virtual_slots if k is LayerKind.STATE else num_virtual_pages
             self.spaces[k] = IdSpace(k.value, num_virt, num_phys[k], self.device)
+        self._warm_up_kernels()
         self.bands = _empty_layout(*geometry, arena_end)
         self._empty_bands = self.bands.copy()
         self._vpages = HostIdPool(1, num_virtual_pages - 1)
@@ -240,6 +241,18 @@ class UnifiedMemory(MemoryPool):
             req.pages += vids[at : at + n]
             at += n
         return slots
+
+    def _warm_up_kernels(self) -> None:
+        """Compile the id and byte ops' variants this arena launches now, not at their first
+        use mid-run (:func:`~unimem.memory.id_space.warm_up_id_kernels`; the byte ops on
+        padded ids, which touch nothing)."""
+        if self.device.type != "cuda":
+            return
+        warm_up_id_kernels(self.device, (self.page_size,), self.req_to_token.dtype)
+        pad = torch.full((1,), -1, dtype=torch.int32, device=self.device)
+        for k in self.kinds:
+            uk.fill_units(self.arena, self.base[k], self._unit_bytes[k], pad, 0)
+            uk.copy_units(self.arena, self.base[k], self._unit_bytes[k], pad, pad)
 
     def _bind(self, kind, vids, rows=None, cols=None) -> None:
         space = self.spaces[kind]

@@ -24,9 +24,10 @@ directly), the torch reference it must equal, and the public entry point.
 
 Kernel conventions:
 
-- Host counts (``phys_top``, ``n``, region bounds) are runtime arguments that Triton does not
-  specialise on (``do_not_specialize``), so a new count never triggers a compile; that matters
-  inside CUDA-graph capture, where a first compile breaks the capture. Id-list pointers are
+- Host counts (``phys_top``, ``n``, region bounds) and the request table's strides and
+  width are runtime arguments that Triton does not specialise on (``do_not_specialize``), so
+  a new count never triggers a compile; that matters inside CUDA-graph capture, where a
+  first compile breaks the capture. Id-list pointers are
   not specialised on their 16-byte alignment either (``do_not_specialize_on_alignment``):
   callers pass slices of one packed upload, whose alignment changes with the counts, and an
   unaligned variant compiled mid-run cost the H200's engine loop ~65 ms per new combination
@@ -68,7 +69,9 @@ def _check_table(name: str, t: torch.Tensor) -> None:
 
 
 @triton.jit(
-    do_not_specialize=["phys_start", "n", "virt_start"],
+    do_not_specialize=[
+        "phys_start", "n", "virt_start", "req_stride_row", "req_stride_tok", "req_width"
+    ],
     do_not_specialize_on_alignment=[
         "phys_free_ptr", "vids_ptr", "virt_free_ptr", "rows_ptr", "cols_ptr"
     ],
@@ -228,7 +231,7 @@ def bind_units_reference(
 
 
 @triton.jit(
-    do_not_specialize=["phys_top", "n", "virt_top"],
+    do_not_specialize=["phys_top", "n", "virt_top", "req_stride_row", "req_stride_tok"],
     do_not_specialize_on_alignment=[
         "phys_free_ptr", "vids_ptr", "rows_ptr", "cols_ptr", "virt_free_ptr"
     ],
