@@ -8,8 +8,10 @@ projection), GDN 16 heads x 128 (``gdn_gates``, ``gated_rms_norm`` in both flavo
 dtype of the gates is fp32 and the rotation dtype of RoPE fp32, as in the models.
 
 Each row: ``ms`` per call of the fused op (Triton) and of its ``*_reference`` (the exact torch
-code the models ran before), CUDA events around ``--iters`` back-to-back calls after
-``--warmup`` calls, the median of ``--repeats`` samples; the ratio fused / torch; the largest
+code the models ran before): ``--iters`` calls recorded in one CUDA graph (as the engine's
+steps run them; ``--eager`` times back-to-back Python calls instead, which for kernels of a few
+µs measures the launch cost), CUDA events around a replay, the median of ``--repeats``
+samples; the ratio fused / torch; the largest
 elementwise difference of the outputs. ``--json PATH`` writes the rows. Needs CUDA (exits 2
 with one line without it).
 """
@@ -23,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 import triton
-from cuda_timing import median_ms
+from cuda_timing import graph_median_ms, median_ms
 
 from unimem_kernel import fused as fu
 
@@ -41,13 +43,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=50, help="calls per sample")
     ap.add_argument("--repeats", type=int, default=9, help="samples; the median is kept")
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="time eager back-to-back calls (launch cost included) instead of graph replays",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return ap.parse_args(argv)
 
 
 def time_ms(fn: Callable[[], object], args: argparse.Namespace) -> float:
-    """Median over samples of the mean time per call (CUDA events)."""
-    return median_ms(fn, warmup=args.warmup, iters=args.iters, repeats=args.repeats)
+    """Median over samples of the mean time per call (CUDA events), of ``iters`` calls
+    recorded in a CUDA graph as the step runs them (``--eager``: called from Python)."""
+    timer = median_ms if args.eager else graph_median_ms
+    return timer(fn, warmup=args.warmup, iters=args.iters, repeats=args.repeats)
 
 
 def _flat(out) -> list[torch.Tensor]:
