@@ -83,7 +83,7 @@ from unimem.models.synthetic import HybridModel
 from unimem.models.tensor_parallel import SINGLE, full_config
 from unimem.speculative.chain import VERIFY_LENGTHS, DsparkChain
 from unimem.speculative.checkpoint import load_drafter
-from unimem.speculative.control import AcceptanceControl
+from unimem.speculative.control import AcceptanceControl, uniform_draws
 from unimem.speculative.drafter import DsparkDrafter
 from unimem.validate.report import ProgressBar
 
@@ -1034,7 +1034,10 @@ def _validate_dspark(
         report["control_run"] = res_ctl.summary(with_arena_stats=False)
     if cfg.accept_rate > 0 and not sampled and cfg.verify_lengths == "fixed":
         report["control_expected_accept_length"] = control_expected_accept_length(
-            cfg.accept_rate, cfg.gamma, max(cfg.output_len - 1, 1)
+            cfg.accept_rate, cfg.gamma
+        )
+        report["control_draws_accept_length"] = control_draws_accept_length(
+            cfg.seed, cfg.accept_rate, cfg.gamma, references, prompts, cfg.output_len
         )
     _add_oracle(report, cfg, model, prompts, {"static": res_s.outputs, "unified": res_u.outputs})
     if cfg.prefix_cache:
@@ -1042,26 +1045,57 @@ def _validate_dspark(
     return report
 
 
-def control_expected_accept_length(rate: float, gamma: int, tokens: int | None = None) -> float:
-    """Tokens committed per verify step when the acceptance control replaces each drafted
-    token by the reference's with probability ``rate`` and nothing else is accepted: a step
-    commits ``k`` tokens (``k - 1`` drafts and the bonus) with probability
-    ``rate ** (k - 1) * (1 - rate)`` for ``k <= gamma`` and ``rate ** gamma`` for
-    ``gamma + 1``, so ``sum_{i=0..gamma} rate ** i`` per step for unbounded outputs
-    (``tokens`` None). With ``tokens`` (what the verify steps of one request must commit: its
-    output length minus the token its prefill gives) the last step commits only what is left:
-    ``tokens / E[steps]``, ``E[steps]`` by the recursion over the tokens still to commit. A
-    drafter's own correct guesses add to it. Speculative outputs must follow the reference for
-    this to hold, which on the GPU takes batch-invariant kernels."""
-    probs = [rate ** (k - 1) * (1 - rate) for k in range(1, gamma + 1)] + [rate**gamma]
-    if tokens is None:
-        return float(sum(rate**i for i in range(gamma + 1)))
-    if tokens < 1:
-        raise ValueError(f"tokens must be >= 1, got {tokens}")
-    steps = [0.0] * (tokens + 1)  # steps[n]: expected steps to commit n more tokens
-    for n in range(1, tokens + 1):
-        steps[n] = 1 + sum(pk * steps[max(n - k, 0)] for k, pk in enumerate(probs, start=1))
-    return tokens / steps[tokens]
+def control_expected_accept_length(rate: float, gamma: int) -> float:
+    """The accept length validate measures (``Request.verified_tokens`` per verify step:
+    ``accepted + 1`` per step, counted before truncation at the output length) when the
+    acceptance control replaces each drafted token by the reference's with probability
+    ``rate`` and nothing else is accepted: a step accepts ``j < gamma`` drafts with
+    probability ``rate ** j * (1 - rate)`` and all ``gamma`` with ``rate ** gamma``, so
+    ``sum_{i=0..gamma} rate ** i`` tokens per step.
+
+    Finite outputs do not change it: validate's references run ``gamma`` tokens past the
+    output, so a request's last step draws like any other (its surplus is counted, not
+    committed), and by Wald's identity the expected count over a request's steps is the
+    expected number of steps times this mean. A drafter's own correct guesses add to it.
+    Speculative outputs must follow the reference for this to hold, which on the GPU takes
+    batch-invariant kernels."""
+    return float(sum(rate**i for i in range(gamma + 1)))
+
+
+def control_draws_accept_length(
+    seed: int,
+    rate: float,
+    gamma: int,
+    references: dict[int, list[int]],
+    prompts: list[list[int]],
+    output_len: int,
+) -> float:
+    """The accept length the acceptance control's own draws give for this run (its hash of
+    ``(seed, rid, position)``, replayed on the host): each request from the token its
+    prefill gives to ``output_len`` tokens (or its reference's end), every verify step
+    accepting drafts while the draw says "reference" and the reference is known, ``gamma``
+    at most, plus the bonus token. A run whose speculative outputs follow the reference
+    measures this plus its drafter's own correct guesses; the difference from
+    :func:`control_expected_accept_length` is the sample of draws."""
+    steps = counted = 0
+    for rid, ref in references.items():
+        start = len(prompts[rid])
+        out_len = min(output_len, len(ref) - start)
+        positions = torch.arange(len(ref) + gamma + 1)
+        take = (uniform_draws(seed, torch.full_like(positions, rid), positions) < rate) & (
+            positions < len(ref)
+        )
+        take = take.tolist()
+        done, at = 1, start + 1  # the prefill's token is committed
+        while done < out_len:
+            accepted = 0
+            while accepted < gamma and take[at + accepted]:
+                accepted += 1
+            steps += 1
+            counted += accepted + 1
+            done += accepted + 1
+            at += accepted + 1
+    return counted / steps if steps else 0.0
 
 
 def near_tie_margin(dtype: torch.dtype) -> float:

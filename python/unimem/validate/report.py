@@ -54,9 +54,11 @@ def format_table(report: dict) -> str:
         )
     lines.append(f"exact match: {report['exact_match']}/{n} requests")
     if "control_expected_accept_length" in report:
+        draws = report.get("control_draws_accept_length")
+        of_draws = f", its draws for this seed {draws:.3f}" if draws is not None else ""
         lines.append(
             "acceptance control: expected accept length "
-            f"{report['control_expected_accept_length']:.3f} (measured: static "
+            f"{report['control_expected_accept_length']:.3f}{of_draws} (measured: static "
             f"{s['accept_length']:.3f}, unified {u['accept_length']:.3f})"
         )
     if "cache_off_matches" in report:
