@@ -102,11 +102,10 @@ class DraftRunner:
         control = self.chain.control
         replace = None
         if control is not None:
-            start = seq_lens.long()
+            ref, take = self._control_decisions(seq_lens, rids, base.shape[1])
 
             def replace(i: int, tokens: torch.Tensor) -> torch.Tensor:
-                # column i proposes the token at position seq_len + i + 1
-                return control.apply(tokens, rids, start + (i + 1))
+                return torch.where(take[:, i], ref[:, i], tokens.long())
 
         tokens = self.drafter.pick(base, anchors, replace)
         if survival:
@@ -135,6 +134,8 @@ class DraftRunner:
         control = self.chain.control
         start = seq_lens.long()
         live = params.temperature > 0
+        if control is not None:
+            ref, take = self._control_decisions(seq_lens, rids, base.shape[1])
         t, k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
 
         def choose(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,14 +144,22 @@ class DraftRunner:
             drawn = spec_sampling.draw(q, spec_sampling.stream_keys(params.seeds, pos, DRAFT))
             tok = torch.where(live, drawn, torch.argmax(logits, dim=-1))
             if control is not None:
-                ref, take = control.decide(rids, pos)
-                tok, q = spec_sampling.replace_proposal(tok, q, take, ref)
+                tok, q = spec_sampling.replace_proposal(tok, q, take[:, i], ref[:, i])
             return tok, q
 
         tokens, q = self.drafter.sample_pick(base, anchors, choose)
         if survival:
             return tokens, q, self.drafter.survival(hidden, anchors, tokens)
         return tokens, q
+
+    def _control_decisions(
+        self, seq_lens: torch.Tensor, rids: torch.Tensor, gamma: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The acceptance control's ``(reference tokens, take)`` ``[bs, gamma]`` for the
+        block's columns, in one gather: column ``i`` proposes the token at position
+        ``seq_len + i + 1``."""
+        cols = torch.arange(1, gamma + 1, device=seq_lens.device)
+        return self.chain.control.decide(rids[:, None], seq_lens.long()[:, None] + cols)
 
     def _block_forward(
         self, rows: torch.Tensor, seq_lens: torch.Tensor, anchors: torch.Tensor

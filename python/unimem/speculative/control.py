@@ -80,17 +80,25 @@ class AcceptanceControl:
         self.table = table.to(device)
         """``[rids, width]`` int32: reference token at each position, -1 where unknown (the
         last column is always -1, so clamped out-of-range positions read "unknown")."""
+        r = torch.arange(table.shape[0])[:, None]
+        p = torch.arange(width)[None, :]
+        self.take_table = ((uniform_draws(self.seed, r, p) < self.rate) & (table >= 0)).to(device)
+        """``[rids, width]`` bool: the decision at each position, drawn once here (a gather per
+        step instead of the hash's ~20 integer kernels per drafted column in the graph)."""
 
-    def reference(self, rids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Reference tokens (int64, -1 where unknown) at ``positions`` of requests ``rids``
-        (broadcast)."""
+    def _index(self, rids: torch.Tensor, positions: torch.Tensor):
+        """Table indices of ``(rids, positions)`` (broadcast): out-of-range pairs go to row 0's
+        last column, which is always unknown."""
         rows, width = self.table.shape
         r = rids.long()
         p = positions.long()
         ok = (r >= 0) & (r < rows) & (p >= 0) & (p < width)
-        idx_r = torch.where(ok, r, 0)
-        idx_p = torch.where(ok, p, width - 1)
-        return torch.where(ok, self.table[idx_r, idx_p].long(), -1)
+        return torch.where(ok, r, 0), torch.where(ok, p, width - 1)
+
+    def reference(self, rids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Reference tokens (int64, -1 where unknown) at ``positions`` of requests ``rids``
+        (broadcast)."""
+        return self.table[self._index(rids, positions)].long()
 
     def apply(
         self, tokens: torch.Tensor, rids: torch.Tensor, positions: torch.Tensor
@@ -109,6 +117,5 @@ class AcceptanceControl:
         where ``take``. A pure function of ``(seed, rid, pos)`` — independent of a request's
         sampling seed, so speculative sampling treats a replaced draft as proposed by a point
         mass (:func:`unimem.speculative.spec_sampling.replace_proposal`)."""
-        ref = self.reference(rids, positions)
-        take = (uniform_draws(self.seed, rids, positions) < self.rate) & (ref >= 0)
-        return ref, take
+        idx = self._index(rids, positions)
+        return self.table[idx].long(), self.take_table[idx]

@@ -153,11 +153,15 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _mma_chunk(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr, acc):
-    # UPCAST (the interpreter only, whose dot cannot multiply bf16): fp16/bf16 operands are
-    # widened to fp32 first, exact, and so is each product; on the GPU the tensor cores take
-    # the 16-bit operands directly with fp32 accumulation.
+    # UPCAST (the interpreter only): the operands are widened to fp32 (exact; its dot cannot
+    # multiply bf16) and the chunk is multiplied and summed over K explicitly, in ascending K
+    # for every output: the interpreter's dot is numpy's matmul, whose BLAS may round a row
+    # differently by its place in the tile (OpenBLAS 0.3.31 does), which would hide what the
+    # CPU tests check — that this kernel's reduction does not depend on M. On the GPU the
+    # tensor cores take the 16-bit operands directly with fp32 accumulation.
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+        return acc + tl.sum(prod, axis=1)
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
