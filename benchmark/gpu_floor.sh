@@ -7,8 +7,7 @@
 # kernels: benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces),
 #   benchmark/bench_gdn_commit.py (verify + commit, per-position states vs replay) and
 #   benchmark/bench_gdn_prefill.py (recurrent vs chunked GDN prefill at 4k / 32k tokens),
-#   benchmark/bench_gdn.py (conv and delta rule per step kind; the conv tile went from 4096 to
-#   2048 elements without a GPU measurement: it removed register spills);
+#   benchmark/bench_gdn.py (conv and delta rule per step kind);
 # profile: benchmark/profile_step.py (where a verify step's time goes; the host's share);
 #   the same with UNIMEM_FUSED_OPS=off for the fused-vs-unfused comparison;
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).

@@ -93,10 +93,12 @@ L2NORM_EPS = 1e-6
 """Epsilon of the q/k L2 normalisation: ``x / sqrt(sum(x^2) + eps)`` (as the reference)."""
 
 _CONV_MAX_BLOCK_T = 64  # tokens per conv program in long (extend) segments
-_CONV_TILE = 2048  # elements of a conv program's [BLOCK_T, BLOCK_D] tile
-# (4096 spilled 150-450 bytes of registers per thread in extend and verify when compiled for
-# sm_90; 2048 spills nothing: benchmark/compile_check.py --only conv. Per-element arithmetic,
-# so the tile changes no result.)
+_CONV_TILE = 4096  # elements of a conv program's [BLOCK_T, BLOCK_D] tile
+# (Compiled for sm_90, 4096 spills 150-450 bytes of registers per thread in extend and verify
+# and 2048 spills nothing (benchmark/compile_check.py --only conv), yet on the H200 2048 made
+# the prefill conv 14-16 % slower (8 x 512: 135 -> 157 us, 8 x 2048: 461 -> 524 us) and left
+# decode and verify unchanged: benchmark/bench_gdn.py, docs/benchmarks.md. Per-element
+# arithmetic, so the tile changes no result.)
 _MAX_GRID_YZ = 65535  # CUDA limit of grid axes 1 and 2
 
 _TL_ACC = {torch.float64: tl.float64}
