@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from cuda_timing import median_ms
 
 PRESETS = {"small": (16, 16), "qwen3-next": (32, 16)}  # (H, Hk)
 DK = DV = 128
@@ -40,22 +40,6 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return ap.parse_args(argv)
-
-
-def median_ms(fn, iters: int, repeats: int) -> float:
-    fn()  # compile, warm
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,7 +86,7 @@ def bench_case(args, preset, bs, length, report) -> None:
     def rec():
         gdn.gated_delta_rule_extend_triton(q, k, v, g, beta, ssm, slots, cu, init, out=o)
 
-    ms = median_ms(rec, it, rep)
+    ms = median_ms(rec, warmup=1, iters=it, repeats=rep)
     ssm.copy_(saved)
     rec()
     o_rec = o.clone()
@@ -117,7 +101,7 @@ def bench_case(args, preset, bs, length, report) -> None:
                         block_v=bv, dot_precision=prec,
                     )  # fmt: skip
 
-                ms = median_ms(chk, it, rep)
+                ms = median_ms(chk, warmup=1, iters=it, repeats=rep)
                 ssm.copy_(saved)
                 chk()
                 name = f"chunked C{c} {prec}" + ("" if bv is None else f" bv{bv}")
@@ -138,7 +122,7 @@ def bench_case(args, preset, bs, length, report) -> None:
                 num_k_heads=hk, out=o, conv_out=y, max_seqlen=length, chunked_prefill=chunked,
             )  # fmt: skip
 
-        ms = median_ms(mix, it, rep)
+        ms = median_ms(mix, warmup=1, iters=it, repeats=rep)
         ssm.copy_(saved)
         conv.zero_()
         mix()

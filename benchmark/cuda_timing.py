@@ -9,22 +9,32 @@ from collections.abc import Callable
 import torch
 
 
-def median_ms(fn: Callable[[], object], *, warmup: int, iters: int, repeats: int) -> float:
-    """Median over ``repeats`` samples of the mean milliseconds per call of ``fn`` (after
-    ``warmup`` untimed calls); each sample waits for its own end event only."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def _median_sample_ms(run: Callable[[], object], calls: int, repeats: int) -> float:
+    """Median over ``repeats`` samples of ``run()``'s milliseconds (CUDA events) divided by
+    the ``calls`` it makes; each sample waits for its own end event only."""
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(iters):
-            fn()
+        run()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
+        samples.append(start.elapsed_time(end) / calls)
     return statistics.median(samples)
+
+
+def median_ms(fn: Callable[[], object], *, warmup: int, iters: int, repeats: int) -> float:
+    """Median over ``repeats`` samples of the mean milliseconds per call of ``fn`` (after
+    ``warmup`` untimed calls), ``iters`` back-to-back calls per sample."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+
+    def calls() -> None:
+        for _ in range(iters):
+            fn()
+
+    return _median_sample_ms(calls, iters, repeats)
 
 
 def graph_median_ms(fn: Callable[[], object], *, warmup: int, iters: int, repeats: int) -> float:
@@ -45,13 +55,4 @@ def graph_median_ms(fn: Callable[[], object], *, warmup: int, iters: int, repeat
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    del graph
-    return statistics.median(samples)
+    return _median_sample_ms(graph.replay, iters, repeats)
