@@ -8,7 +8,8 @@
 #   benchmark/bench_gdn_commit.py (verify + commit, per-position states vs replay) and
 #   benchmark/bench_gdn_prefill.py (recurrent vs chunked GDN prefill at 4k / 32k tokens),
 #   benchmark/bench_gdn.py (conv and delta rule per step kind);
-# profile: benchmark/profile_step.py (where a verify step's time goes; the host's share);
+# profile: benchmark/profile_step.py (where a verify step's time goes; the host's share, its
+#   top functions and the torch ops of an eager step by launch site);
 #   the same with UNIMEM_FUSED_OPS=off for the fused-vs-unfused comparison;
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
@@ -36,7 +37,8 @@ for part in $parts; do
       run python3 benchmark/bench_gdn_prefill.py --json "$out/bench_gdn_prefill_h200.json"
       run python3 benchmark/bench_gdn.py --json "$out/bench_gdn_h200.json" ;;
     profile)
-      run python3 benchmark/profile_step.py --json "$out/profile_step_h200.json"
+      run python3 benchmark/profile_step.py --host-top 15 --attribute 40 --top-kernels 25 \
+        --json "$out/profile_step_h200.json"
       UNIMEM_FUSED_OPS=off run python3 benchmark/profile_step.py \
         --json "$out/profile_step_unfused_h200.json" ;;
     bench)

@@ -13,6 +13,10 @@ steady state (every request verifying):
    do (GEMMs: every projection, MLP and the LM heads; attention: FA4; GDN: our Triton conv +
    delta rule; metadata: our fused builder + write window; state commit; the rest: norms,
    RoPE, argmax, accept, elementwise).
+4. **attribution** (``--attribute N``): one verify step run eagerly under ``torch.profiler``
+   with Python stacks; the ``N`` torch ops with the most GPU time, each with the unimem
+   source lines that launched it (graph replays carry no launch sites; an eager step runs
+   the same kernels). Triton kernels are launched outside torch ops and are not listed.
 
 Prints a table per memory kind (and the top kernels) and writes JSON (``--json``). Replays in
 parts 2-3 advance the device state past what the host read, so they come last.
@@ -142,6 +146,7 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
             per_cat[category(evt.key)] += us / 1000 / n_prof
             per_kernel[evt.key[:160]] += us / 1000 / n_prof
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top_kernels]
+    launch_sites = attribute_ops(runner, width, args.attribute) if args.attribute else []
     del eng, pool
     return {
         "memory": kind,
@@ -156,7 +161,42 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
         "top_kernels_ms": dict(top),
         "host_top_functions": host_top,
         "steady_state_compiles": compiles,
+        "torch_ops_by_launch_site": launch_sites,
     }
+
+
+def attribute_ops(runner, width: int, top: int) -> list[dict]:
+    """One eager verify step of ``width`` lanes (the lanes staged by the last launch) under
+    ``torch.profiler`` with Python stacks: the ``top`` (torch op, launch site) pairs by GPU
+    time, in ms per step. The op is the outermost aten op under the Python caller (``aten::to``
+    rather than the ``aten::copy_`` that launched the kernel); the launch site is the three
+    innermost ``unimem`` frames above it. Runs after every other measurement: it advances
+    the device state."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    runner._uniform_step(width)  # the eager path's own first-use work, outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+        runner._uniform_step(width)
+        torch.cuda.synchronize()
+    ms: dict[tuple[str, str], float] = defaultdict(float)
+    calls: dict[tuple[str, str], int] = defaultdict(int)
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CPU or not evt.kernels:
+            continue
+        gpu_us = sum(k.duration for k in evt.kernels)
+        op, site, node = evt.name, [], evt.cpu_parent
+        while node is not None and len(site) < 3:
+            if node.name.startswith("aten::") and not site:
+                op = node.name
+            elif "unimem/" in node.name:
+                site.append(node.name.split("unimem/", 1)[-1])
+            node = node.cpu_parent
+        key = (op, " < ".join(site))
+        ms[key] += gpu_us / 1000
+        calls[key] += 1
+    rows = [{"op": k[0], "site": k[1], "ms": v, "calls": calls[k]} for k, v in ms.items()]
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
 
 
 def jit_cache_keys() -> dict[str, set]:
@@ -225,6 +265,12 @@ def main() -> None:
         default=0,
         help="also run --steps steps under cProfile and report this many functions",
     )
+    ap.add_argument(
+        "--attribute",
+        type=int,
+        default=0,
+        help="also profile one eager verify step and list this many torch ops by launch site",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -267,6 +313,10 @@ def main() -> None:
             for f in r["host_top_functions"]:
                 print(f"    {f['own_us_per_step']:8.1f} {f['cum_us_per_step']:8.1f} "
                       f"{f['calls_per_step']:7.1f}  {f['function']}")  # fmt: skip
+        if r["torch_ops_by_launch_site"]:
+            print("  torch ops of one eager verify step by launch site (ms, calls):")
+            for o in r["torch_ops_by_launch_site"]:
+                print(f"    {o['ms']:7.3f} {o['calls']:5d}  {o['op']:<28} {o['site']}")
     if len(results) == 2:
         a, b = results
         print(
