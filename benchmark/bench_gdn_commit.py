@@ -46,6 +46,12 @@ def parse_args(argv=None):
     ap.add_argument("--replays", type=int, default=10, help="graph replays per sample")
     ap.add_argument("--repeats", type=int, default=7, help="samples; the median is kept")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tiles",
+        default="",
+        help="also time the new form's verify + commit with these delta-rule tiles: "
+        "comma-separated BVxWARPS (e.g. 16x1,32x2,64x4); the default tile is the first row",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return ap.parse_args(argv)
 
@@ -83,12 +89,12 @@ class Layer:
         self.ssm_scratch = torch.zeros(bs, t, H, DK, DV, device=dev)
         self.prep_scratch = torch.zeros(bs, t, gr.prep_dim(H, DK, DV, hk), device=dev)
 
-    def verify(self, slots, new: bool, hk: int) -> None:
+    def verify(self, slots, new: bool, hk: int, tile=(None, None)) -> None:
         scratch = {"prep_scratch": self.prep_scratch} if new else {"ssm_scratch": self.ssm_scratch}
         gdn.gdn_forward_triton(
             "verify", self.x, self.w, self.g, self.beta, self.conv, self.ssm, slots,
             conv_scratch=self.conv_scratch, num_k_heads=hk, out=self.o, conv_out=self.y,
-            **scratch,
+            block_v=tile[0], num_warps=tile[1], **scratch,
         )  # fmt: skip
 
 
@@ -143,17 +149,18 @@ def main(argv=None) -> int:
         for ly, a in zip(layers, saved, strict=True):
             ly.arena.copy_(a)
 
-    def verify(new):
-        return lambda: [ly.verify(slots, new, hk) for ly in layers]
+    def verify(new, tile=(None, None)):
+        return lambda: [ly.verify(slots, new, hk, tile) for ly in layers]
 
-    def commit(new, accepted):
+    def commit(new, accepted, tile=(None, None)):
         def run():
             if new:
                 commit_states_multi(new_plan, accepted, slots, None)
                 for ly in layers:
                     gdn.gated_delta_rule_replay_commit_triton(
-                        ly.prep_scratch, accepted, ly.ssm, slots, hk
-                    )
+                        ly.prep_scratch, accepted, ly.ssm, slots, hk,
+                        block_v=tile[0], num_warps=tile[1],
+                    )  # fmt: skip
             else:
                 commit_states_multi(old_plan, accepted, slots, None)
 
@@ -217,6 +224,20 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{name:>8} {impl:>4} {phase:>7} {times[phase]:9.1f} "
                       f"{moved[phase] / 1e6:9.1f} {str(bitwise[name]):>8}")  # fmt: skip
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
+    if tiles:
+        print(f"new form by delta-rule tile (accepted: random); {'tile':>8} verify commit total")
+    for tile in tiles:
+        accepted = accepted_sets["random"]
+        v, c = verify(True, tile), commit(True, accepted, tile)
+        times = {"verify": graph_us(v, args), "commit": graph_us(c, args)}
+        times["total"] = graph_us(lambda v=v, c=c: (v(), c()), args)
+        restore()
+        print(f"  {tile[0]:>4}x{tile[1]:<3} {times['verify']:9.1f} {times['commit']:9.1f} "
+              f"{times['total']:9.1f}")  # fmt: skip
+        for phase in ("verify", "commit", "total"):
+            rows.append({"accepted": "random", "impl": f"new bv{tile[0]} w{tile[1]}",
+                         "phase": phase, "us": times[phase]})  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=2)

@@ -11,6 +11,9 @@
 # profile: benchmark/profile_step.py (where a verify step's time goes; the host's share, its
 #   top functions and the torch ops of an eager step by launch site);
 #   the same with UNIMEM_FUSED_OPS=off for the fused-vs-unfused comparison;
+# attribute: profile_step.py on static pools only, with the torch ops of an eager step by
+#   launch site and the top kernels (the data for choosing what to fuse next);
+# sweep: bench_gdn_commit.py with a delta-rule tile sweep of the replay form (TILES);
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
 set -uo pipefail
@@ -41,6 +44,13 @@ for part in $parts; do
         --json "$out/profile_step_h200.json"
       UNIMEM_FUSED_OPS=off run python3 benchmark/profile_step.py \
         --json "$out/profile_step_unfused_h200.json" ;;
+    attribute)
+      run python3 benchmark/profile_step.py --memory static --attribute 80 --top-kernels 40 \
+        --json "$out/profile_attribute_h200.json" ;;
+    sweep)
+      run python3 benchmark/bench_gdn_commit.py \
+        --tiles "${TILES:-64x4,16x1,16x2,32x1,32x2,32x4,64x2,64x8,128x4,128x8}" \
+        --json "$out/bench_gdn_commit_sweep_h200.json" ;;
     bench)
       run python3 -m unimem bench --json "$out/bench_h200.json" ;;
     *) echo "unknown part $part"; false ;;
