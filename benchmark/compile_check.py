@@ -70,7 +70,7 @@ _TORCH_TYPES = {
     "int32": "i32",
     "int64": "i64",
     "uint8": "u8",
-    "bool": "i1",
+    "bool": "u1",  # as Triton's JIT types a torch.bool pointer
 }
 
 
@@ -247,6 +247,52 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
         ("rope_qk fp32 full", lambda: rope(f32, HEAD_DIM)),
         ("rope_qk bf16 full", lambda: rope(bf, HEAD_DIM)),
         ("rope_qk fp32 partial 64/256", lambda: rope(f32, 64, 256)),
+    ]
+
+
+def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The KV store of every attention layer (target and draft)."""
+    import torch
+
+    from unimem_kernel import kv_store
+
+    bf, t, page = torch.bfloat16, 8, 64
+
+    def store(slot_dtype):  # column slices of a fused qkv projection into arena views
+        qd, kd = Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        qkv = torch.randn(t, qd + 2 * kd, dtype=bf)
+        k = qkv[:, qd : qd + kd].reshape(t, KV_HEADS, HEAD_DIM)
+        v = qkv[:, qd + kd :].reshape(t, KV_HEADS, HEAD_DIM)
+        kc = _slot_view(6, (page, KV_HEADS, HEAD_DIM), bf)
+        vc = _slot_view(6, (page, KV_HEADS, HEAD_DIM), bf)
+        kv_store.store_kv_paged(k, v, kc, vc, torch.arange(t, dtype=slot_dtype) + page)
+
+    return [
+        ("store_kv_paged int32 slots", lambda: store(torch.int32)),
+        ("store_kv_paged int64 slots", lambda: store(torch.int64)),
+    ]
+
+
+def _markov_pick_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The drafter's fused left-to-right pick (``small`` preset sizes)."""
+    import torch
+
+    from unimem_kernel import draft_pick
+
+    bf = torch.bfloat16
+
+    def pick(control: bool):
+        bs, g, vocab, rank = 4, 7, 32000, 16
+        base = torch.randn(bs, g, vocab)
+        u, w = torch.randn(vocab, rank, dtype=bf), torch.randn(vocab, rank, dtype=bf)
+        anchors = torch.randint(0, vocab, (bs,))
+        ref = torch.randint(0, vocab, (bs, g)) if control else None
+        take = torch.rand(bs, g) < 0.5 if control else None
+        draft_pick.markov_pick(base, anchors, u, w, ref, take)
+
+    return [
+        ("markov_pick", lambda: pick(False)),
+        ("markov_pick with control", lambda: pick(True)),
     ]
 
 
@@ -429,6 +475,8 @@ _KERNELS = {
         "_bi_log_softmax_kernel",
     ),
     "unimem_kernel.gdn": ("_conv_kernel", "_rule_kernel"),
+    "unimem_kernel.kv_store": ("_store_kv_kernel",),
+    "unimem_kernel.draft_pick": ("_markov_pick_kernel",),
     "unimem_kernel.gdn_chunked": ("_chunked_rule_kernel",),
 }
 
@@ -436,6 +484,8 @@ _LAUNCHES = {
     "unimem_kernel.fused": _fused_launches,
     "unimem_kernel.batch_invariant": _bi_launches,
     "unimem_kernel.gdn": _gdn_launches,
+    "unimem_kernel.kv_store": _kv_store_launches,
+    "unimem_kernel.draft_pick": _markov_pick_launches,
     "unimem_kernel.gdn_chunked": _gdn_chunked_launches,
 }
 

@@ -2,8 +2,9 @@
 # The GPU runs of "the verify step at the hardware floor", in one device call after the FA4
 # bundle is installed. Run from the repository root:
 #   PARTS="tests kernels profile bench" bash benchmark/gpu_floor.sh
-# tests: the gpu tests of the fused model ops, the GDN replay commit (bitwise equal to the
-#   per-position-state commit), the chunked GDN prefill and the engine (sync-debug loop, graph replay == eager);
+# tests: the gpu tests of the fused model ops, the KV store, the drafter's pick, the GDN replay
+#   commit (equal to the per-position-state commit), the chunked GDN prefill, GDN batch
+#   invariance and the engine (sync-debug loop, graph replay == eager);
 # kernels: benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces),
 #   benchmark/bench_gdn_commit.py (verify + commit, per-position states vs replay) and
 #   benchmark/bench_gdn_prefill.py (recurrent vs chunked GDN prefill at 4k / 32k tokens),
@@ -31,7 +32,8 @@ for part in $parts; do
     tests)
       run python3 -m pytest -q -p no:cacheprovider --durations=10 -m gpu \
         sgl-kernel/tests/test_fused_ops.py sgl-kernel/tests/test_gdn_replay_commit.py \
-        sgl-kernel/tests/test_gdn_chunked.py \
+        sgl-kernel/tests/test_gdn_chunked.py sgl-kernel/tests/test_kv_store.py \
+        sgl-kernel/tests/test_draft_pick.py sgl-kernel/tests/test_gdn_batch_invariant.py \
         sgl-kernel/tests/test_gdn_kernels.py test/engine/test_gpu_engine.py \
         test/speculative/test_ragged_verify_gpu.py ;;
     kernels)

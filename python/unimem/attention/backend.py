@@ -32,29 +32,9 @@ from abc import ABC, abstractmethod
 import torch
 
 from unimem.attention.metadata import AttentionMetadata
+from unimem_kernel.kv_store import store_kv_paged
 
 __all__ = ["AttentionBackend", "check_attention_args", "store_kv_paged"]
-
-
-def store_kv_paged(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
-    """Write ``k[t]``, ``v[t]`` into physical slot ``slots[t]`` of the (strided) paged caches.
-
-    Slots in the sink page (``< page_size``) receive zeros. One ``index_put_`` per cache with
-    device index tensors: no host read, writes through any view strides (capturable).
-    """
-    page_size = k_cache.shape[1]
-    s = slots.long()
-    page = torch.div(s, page_size, rounding_mode="floor")
-    off = s - page * page_size
-    live = (page > 0)[:, None, None]
-    k_cache[page, off] = torch.where(live, k.to(k_cache.dtype), 0)
-    v_cache[page, off] = torch.where(live, v.to(v_cache.dtype), 0)
 
 
 def check_attention_args(

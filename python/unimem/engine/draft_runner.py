@@ -99,15 +99,10 @@ class DraftRunner:
         positions ``seq_lens .. seq_lens + gamma - 1``; reads nothing on the host. With
         ``survival``: ``(tokens, survival [bs, gamma] float32)``."""
         base, hidden = self._block_forward(rows, seq_lens, anchors)
-        control = self.chain.control
-        replace = None
-        if control is not None:
+        ref = take = None
+        if self.chain.control is not None:
             ref, take = self._control_decisions(seq_lens, rids, base.shape[1])
-
-            def replace(i: int, tokens: torch.Tensor) -> torch.Tensor:
-                return torch.where(take[:, i], ref[:, i], tokens.long())
-
-        tokens = self.drafter.pick(base, anchors, replace)
+        tokens = self.drafter.pick(base, anchors, ref, take)
         if survival:
             return tokens, self.drafter.survival(hidden, anchors, tokens)
         return tokens

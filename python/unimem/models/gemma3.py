@@ -199,7 +199,7 @@ class Gemma3Attention(nn.Module):
             gemma_rms_norm(k, self.k_norm.weight, eps),
             *rope,
         )
-        o = ctx.attention(layer_idx, q, k, v.contiguous())
+        o = ctx.attention(layer_idx, q, k, v)
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
         return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
 

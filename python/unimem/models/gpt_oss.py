@@ -239,7 +239,7 @@ class GptOssAttention(nn.Module):
             *rope,
         )
         v = self.v_proj(h).reshape(t, c.n_kv_heads, c.head_dim_v)
-        o = ctx.attention(layer_idx, q, k, v.contiguous(), sinks=self.sinks)
+        o = ctx.attention(layer_idx, q, k, v, sinks=self.sinks)
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
         return row_parallel_linear(o, self.o_proj.weight, self.o_proj.bias, self.tp)
 

@@ -7,11 +7,18 @@ import torch
 from torch import nn
 
 from unimem.models.batch_invariant import rms_normalize
+from unimem_kernel import bi_rms_norm
+from unimem_kernel.fused import records_autograd
+from unimem_kernel.fused import use_triton as fused_ops_on
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, in float32 (float64 for
-    float64 inputs); returns ``x``'s dtype."""
+    float64 inputs); returns ``x``'s dtype. Where the fused ops run (CUDA, ``UNIMEM_FUSED_OPS``
+    on, no autograd) it is one row-local launch (:func:`unimem_kernel.bi_rms_norm`, the same
+    math, batch-invariant); elsewhere the torch code below."""
+    if x.dtype != torch.float64 and fused_ops_on(x) and not records_autograd(x, weight):
+        return bi_rms_norm(x, weight, eps)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = rms_normalize(x.to(acc), eps)
     return (y * weight.to(acc)).to(x.dtype)

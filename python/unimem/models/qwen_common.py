@@ -178,7 +178,7 @@ class GatedAttention(nn.Module):
         k = zero_centered_rms_norm(k, self.k_norm.weight, c.rms_eps)
         v = F.linear(h, self.v_proj.weight).view(t, hkv, dh)
         q, k = rope_qk(q, k, *cos_sin)  # rotary.apply on both, one pass, contiguous
-        o = ctx.attention(layer_idx, q, k, v.contiguous())
+        o = ctx.attention(layer_idx, q, k, v)
         o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
         return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
 

@@ -83,7 +83,7 @@ class AttentionMixer(nn.Module):
         q, k = rope_qk(
             q.reshape(t, c.n_q_heads, c.head_dim_k), k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope
         )
-        v = v.reshape(t, c.n_kv_heads, c.head_dim_v).contiguous()
+        v = v.reshape(t, c.n_kv_heads, c.head_dim_v)  # a strided view: stored, not read
         o = ctx.attention(layer_idx, q, k, v)
         return row_parallel_linear(
             o.reshape(t, c.n_q_heads * c.head_dim_v), self.o_proj, None, self.tp
@@ -112,7 +112,8 @@ class GdnMixer(nn.Module):
         sdt = c.state_dtype
         mixed_qkv, z, b, a = F.linear(h, self.in_proj).split(self.split, dim=-1)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias, sdt)
-        o = ctx.gdn(layer_idx, mixed_qkv.contiguous(), g, beta, conv_weight=self.conv_weight)
+        # a column view of the projection: the GDN kernels read rows through its stride
+        o = ctx.gdn(layer_idx, mixed_qkv, g, beta, conv_weight=self.conv_weight)
         z = z.reshape(t, c.gdn_heads, c.gdn_head_dim_v)
         if o.dtype == h.dtype == z.dtype:  # one fused pass (rms_norm(o, w) * silu(z))
             gated = gated_rms_norm(o, self.norm, z, c.rms_eps)

@@ -51,7 +51,8 @@ from torch import nn
 
 from unimem.memory.spec import AttentionLayerSpec, DraftLane, LayerKind
 from unimem.models.config import HybridConfig
-from unimem.models.nn_ops import apply_rope, frozen_param, rms_norm
+from unimem.models.nn_ops import frozen_param, rms_norm
+from unimem_kernel import add_rms_norm, markov_pick, rope_qk, silu_mul
 
 __all__ = ["DRAFT_HOSTS", "DraftAttention", "DraftConfig", "DsparkDrafter", "draft_config_for"]
 
@@ -61,11 +62,6 @@ DRAFT_HOSTS = ("full", "swa")
 DraftAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(j, q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]) -> o [T, Hq, Dv]``: store the
 block's K/V in draft layer ``j``'s lane and attend causally (window: the layer's)."""
-
-Replace = Callable[[int, torch.Tensor], torch.Tensor]
-"""``replace(i, tokens [bs]) -> tokens [bs]``: called on each block column as it is chosen
-(acceptance control); the returned tokens are proposed and condition the next column."""
-
 
 Choose = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """``choose(i, logits [bs, vocab]) -> (tokens [bs], probs [bs, vocab])``: the policy of
@@ -268,8 +264,13 @@ class DraftLayer(nn.Module):
         self.down = frozen_param(c.d_model, c.ffn_dim)
 
     def mlp(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        gate, up = F.linear(rms_norm(x, self.mlp_norm, eps), self.gate_up).split(self.ffn_dim, -1)
-        return F.linear(F.silu(gate) * up, self.down)
+        """The MLP branch of residual ``x`` (its pre-norm included)."""
+        return self.mlp_normed(rms_norm(x, self.mlp_norm, eps))
+
+    def mlp_normed(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP branch of an already normed input ``h``: SwiGLU over the fused gate/up
+        projection (one fused activation; its reference under autograd)."""
+        return F.linear(silu_mul(F.linear(h, self.gate_up)), self.down)
 
 
 class DsparkDrafter(nn.Module):
@@ -360,12 +361,32 @@ class DsparkDrafter(nn.Module):
     def _qkv(
         self, j: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``j``'s rotated q, k and v of residual ``x [T, d_model]``."""
+        h = rms_norm(x, self.layers[j].input_norm, self.config.rms_eps)
+        return self._qkv_normed(j, h, rope)
+
+    def _qkv_normed(
+        self, j: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_qkv` of an already normed input ``h`` (RoPE on q and k in one launch)."""
+        c, layer, t = self.config, self.layers[j], h.shape[0]
+        q, k, v = F.linear(h, layer.qkv_proj).split([layer.q_dim, layer.k_dim, layer.v_dim], -1)
+        q, k = rope_qk(
+            q.reshape(t, c.n_q_heads, c.head_dim_k), k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope
+        )
+        return q, k, v.reshape(t, c.n_kv_heads, c.head_dim_v)
+
+    def _kv(
+        self, j: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``j``'s rotated k and v of ``x [T, d_model]`` without q (the context path:
+        the K/V rows of the fused projection only)."""
         c, layer, t = self.config, self.layers[j], x.shape[0]
         h = rms_norm(x, layer.input_norm, c.rms_eps)
-        q, k, v = F.linear(h, layer.qkv_proj).split([layer.q_dim, layer.k_dim, layer.v_dim], -1)
-        q = apply_rope(q.reshape(t, c.n_q_heads, c.head_dim_k), *rope)
-        k = apply_rope(k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope)
-        return q, k, v.reshape(t, c.n_kv_heads, c.head_dim_v).contiguous()
+        k, v = F.linear(h, layer.qkv_proj[layer.q_dim :]).split([layer.k_dim, layer.v_dim], -1)
+        k = k.reshape(t, c.n_kv_heads, c.head_dim_k)
+        k, _ = rope_qk(k, k[:, :0], *rope)
+        return k, v.reshape(t, c.n_kv_heads, c.head_dim_v)
 
     # ------------------------------------------------------------------ context
 
@@ -385,11 +406,7 @@ class DsparkDrafter(nn.Module):
         feats = torch.cat([h.to(c.dtype) for h in hidden], dim=-1)
         ctx = rms_norm(F.linear(feats, self.fc), self.ctx_norm, c.rms_eps)
         rope = self._rope_tables(positions)
-        out = []
-        for j in range(c.num_layers):
-            _, k, v = self._qkv(j, ctx, rope)
-            out.append((k, v))
-        return out
+        return [self._kv(j, ctx, rope) for j in range(c.num_layers)]
 
     # ------------------------------------------------------------------ block
 
@@ -418,12 +435,15 @@ class DsparkDrafter(nn.Module):
         x[:, 0] = self.embed[anchors.long()].to(c.dtype)
         x = x.reshape(bs * gamma, c.d_model)
         rope = self._rope_tables(positions)
+        # each residual add is fused with the next pre-norm (the last with the final norm)
+        h = rms_norm(x, self.layers[0].input_norm, c.rms_eps)
         for j, layer in enumerate(self.layers):
-            q, k, v = self._qkv(j, x, rope)
+            q, k, v = self._qkv_normed(j, h, rope)
             o = attend(j, q, k, v)
-            x = x + F.linear(o.reshape(x.shape[0], -1), layer.o_proj)
-            x = x + layer.mlp(x, c.rms_eps)
-        h = rms_norm(x, self.final_norm, c.rms_eps)
+            attn = F.linear(o.reshape(x.shape[0], -1), layer.o_proj)
+            x, h = add_rms_norm(x, attn, layer.mlp_norm, c.rms_eps)
+            nxt = self.layers[j + 1].input_norm if j + 1 < len(self.layers) else self.final_norm
+            x, h = add_rms_norm(x, layer.mlp_normed(h), nxt, c.rms_eps)
         logits = F.linear(h, self.lm_head.to(c.dtype))
         if logits.dtype != torch.float64:
             logits = logits.float()
@@ -461,21 +481,19 @@ class DsparkDrafter(nn.Module):
 
     @torch.no_grad()
     def pick(
-        self, base: torch.Tensor, anchors: torch.Tensor, replace: Replace | None = None
+        self,
+        base: torch.Tensor,
+        anchors: torch.Tensor,
+        ref: torch.Tensor | None = None,
+        take: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Choose the block's tokens left to right: column ``i`` is
         ``argmax(base[:, i] + markov_bias(prev))`` with ``prev`` the anchor or column
-        ``i - 1`` (after ``replace``, if given). Returns ``[bs, gamma]`` int64."""
-        prev = anchors.long()
-        cols = []
-        for i in range(base.shape[1]):
-            logits = base[:, i] + self.markov_bias(prev).to(base.dtype)
-            tok = torch.argmax(logits, dim=-1)
-            if replace is not None:
-                tok = replace(i, tok)
-            cols.append(tok)
-            prev = tok
-        return torch.stack(cols, dim=1)
+        ``i - 1``; with an acceptance control's decisions (``ref``, ``take [bs, gamma]``),
+        column ``i`` becomes ``ref[:, i]`` where ``take[:, i]`` before it conditions the next.
+        One launch on a GPU (:func:`unimem_kernel.draft_pick`). Returns ``[bs, gamma]``
+        int64."""
+        return markov_pick(base, anchors, self.markov_u, self.markov_v, ref, take)
 
     @torch.no_grad()
     def sample_pick(
@@ -501,7 +519,6 @@ class DsparkDrafter(nn.Module):
         anchors: torch.Tensor,
         positions: torch.Tensor,
         attend: DraftAttention,
-        replace: Replace | None = None,
     ) -> torch.Tensor:
         """One draft step: :meth:`block_logits` then :meth:`pick`; ``[bs, gamma]`` int64."""
-        return self.pick(self.block_logits(anchors, positions, attend), anchors, replace)
+        return self.pick(self.block_logits(anchors, positions, attend), anchors)

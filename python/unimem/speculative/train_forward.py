@@ -63,7 +63,7 @@ def context_kv_dense(
     rope = drafter._rope_tables(positions)
     out = []
     for j in range(c.num_layers):
-        _, k, v = drafter._qkv(j, ctx, rope)
+        k, v = drafter._kv(j, ctx, rope)
         out.append((k.reshape(b, s, *k.shape[1:]), v.reshape(b, s, *v.shape[1:])))
     return out
 

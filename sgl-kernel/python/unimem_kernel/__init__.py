@@ -19,6 +19,7 @@ from unimem_kernel.batch_invariant import (
     bi_rms_norm_reference,
     matmul_config,
 )
+from unimem_kernel.draft_pick import markov_pick, markov_pick_reference
 from unimem_kernel.fused import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -48,6 +49,7 @@ from unimem_kernel.id_ops import (
     unbind_units,
     unbind_units_reference,
 )
+from unimem_kernel.kv_store import store_kv_paged, store_kv_paged_reference
 from unimem_kernel.metadata import (
     build_decode_metadata,
     build_decode_metadata_reference,
@@ -93,6 +95,8 @@ __all__ = [
     "gated_delta_rule_extend_chunked_triton",
     "gelu_tanh_mul",
     "gelu_tanh_mul_reference",
+    "markov_pick",
+    "markov_pick_reference",
     "rope_qk",
     "rope_qk_reference",
     "silu_mul",
@@ -116,6 +120,8 @@ __all__ = [
     "copy_units_reference",
     "fill_units",
     "fill_units_reference",
+    "store_kv_paged",
+    "store_kv_paged_reference",
     "translate_tokens",
     "translate_tokens_reference",
     "unbind_units",

@@ -21,6 +21,8 @@ chunk over the row (:func:`_row_block`, a function of the row length only, the s
 as :func:`unimem_kernel.bi_rms_norm`): a row's result never depends on how many rows share the
 call, so they are safe in batch-invariant (deterministic) mode. The others are elementwise.
 Outputs are freshly allocated; launch grids depend on shapes only (CUDA-graph capturable).
+The kernels have no backward: where autograd would record the op (an input requires grad,
+:func:`records_autograd`), the public op runs its reference.
 
 ``UNIMEM_FUSED_OPS=off`` runs every op's reference (the unfused torch code) even on CUDA: the
 switch for comparing fused against unfused steps, and a way around a kernel that fails on a
@@ -68,6 +70,13 @@ __all__ = [
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)
 _ELEMENTWISE_BLOCK = 1024  # elements of one row per program in silu_mul / gelu_tanh_mul
+
+
+def records_autograd(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record an op over ``tensors`` (grad mode on and one of them
+    requires grad). The kernels have no backward, so the public ops run their references
+    then: a module that also trains (the drafter under distillation) calls the same ops."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _row_block(d: int) -> int:
@@ -234,7 +243,12 @@ def add_rms_norm(
         raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
     _check_device("delta", delta, x, "x")
     _check_device("weight", weight, x, "x")
-    if x.dtype == torch.float64 or weight.dtype == torch.float64 or not use_triton(x):
+    if (
+        x.dtype == torch.float64
+        or weight.dtype == torch.float64
+        or not use_triton(x)
+        or records_autograd(x, delta, weight)
+    ):
         return add_rms_norm_reference(x, delta, weight, eps, zero_centered=zero_centered)
     x2, d2 = _unit_stride_rows(x), _unit_stride_rows(delta)
     rows = x2.shape[0]
@@ -320,7 +334,7 @@ def _gated_act(name: str, act: int, gate_up: torch.Tensor, up: torch.Tensor | No
         _check_device("up", up, gate_up, "gate_up")
         f = gate_up.shape[-1]
     reference = silu_mul_reference if act == 0 else gelu_tanh_mul_reference
-    if gate_up.dtype == torch.float64 or not use_triton(gate_up):
+    if gate_up.dtype == torch.float64 or not use_triton(gate_up) or records_autograd(gate_up, up):
         return reference(gate_up, up)
     gate, upv = _gate_and_up(gate_up, up)
     g2, u2 = _unit_stride_rows(gate), _unit_stride_rows(upv)
@@ -719,7 +733,12 @@ def rope_qk(
         )
     for name, x in (("k", k), ("cos", cos), ("sin", sin)):
         _check_device(name, x, q, "q")
-    if q.dtype == torch.float64 or cos.dtype == torch.float64 or not use_triton(q):
+    if (
+        q.dtype == torch.float64
+        or cos.dtype == torch.float64
+        or not use_triton(q)
+        or records_autograd(q, k, cos, sin)
+    ):
         return rope_qk_reference(q, k, cos, sin)
     q2, k2, c2, s2 = _unit_last(q), _unit_last(k), _unit_last(cos), _unit_last(sin)
     half = cos.shape[1]

@@ -543,25 +543,35 @@ def _conv_blocks(
 
 
 def _rule_config(
-    h: int, dk: int, dv: int, block_v: int | None, num_warps: int | None, fixed_rows: bool
+    h: int, dk: int, dv: int, block_v: int | None, num_warps: int | None, kind: str
 ) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)``: the whole key dim in one tile. Defaults, measured on an H200
-    at the ``small`` sizes (H 16, Dk = Dv = 128; ``bench_gdn.py --sweep``, docs/benchmarks.md):
+    """``(BK, BV, num_warps)``: the whole key dim in one tile. ``kind`` is the step kind
+    (``"decode"``, ``"verify"`` — also the replay commit, which must run the verify's tiles —
+    or ``"extend"``). Defaults, measured on an H200 at the ``small`` sizes (H 16, Dk = Dv =
+    128; ``bench_gdn.py --sweep``, ``bench_gdn_commit.py --tiles``, docs/benchmarks.md):
 
-    - decode / verify (``fixed_rows``: a few tokens per request, bound by moving the state):
-      wide V blocks, ``BV = 64`` in 4 warps — verify at bs 48 x 8 tokens 132 us (3.5 TB/s)
-      against 500 us with ``BV = 8`` in one warp, decode 26 us against 55 us;
+    - decode (one token per request, bound by moving the state): ``BV = 64`` in 4 warps,
+      26 us at bs 48 against 55 us with ``BV = 8`` in one warp;
+    - verify (gamma + 1 tokens, the state read once and kept in registers; its reductions
+      over ``Dk`` run once or twice per token): ``BV = 32`` in one warp, so every reduction
+      stays within a warp — verify + replay commit of 8 layers at 48 x 8 tokens 1006 us
+      against 1262 us with the decode tile;
     - extend (long sequences, few requests: bound by the token loop's latency): small V
       blocks in one warp, ``BV = 8`` (the reductions over ``Dk`` stay within a warp, as in
       fla's recurrent kernel), which keeps more programs in flight.
     """
+    if kind not in ("decode", "verify", "extend"):
+        raise ValueError(f"kind must be decode, verify or extend, got {kind!r}")
     bk = next_pow2(dk)
-    bv = min(next_pow2(dv), 64 if fixed_rows else 8) if block_v is None else block_v
+    default_bv = {"decode": 64, "verify": 32, "extend": 8}[kind]
+    bv = min(next_pow2(dv), default_bv) if block_v is None else block_v
     if bv <= 0 or bv & (bv - 1):
         raise ValueError(f"block_v must be a power of two, got {bv}")
     if num_warps is None:
-        if fixed_rows:
+        if kind == "decode":
             num_warps = max(1, min(4, bk * bv // 2048))
+        elif kind == "verify":
+            num_warps = 1
         else:
             num_warps = max(1, min(8, bk * bv // 1024))
     if h > _MAX_GRID_YZ or triton.cdiv(dv, bv) > _MAX_GRID_YZ:
@@ -755,7 +765,8 @@ def _launch_rule(
     _, h, dk, dv = ssm_state.shape
     if bs == 0 or h == 0 or dv == 0:
         return
-    bk, bv, warps = _rule_config(h, dk, dv, block_v, num_warps, fixed_rows=cu is None)
+    kind = "extend" if cu is not None else ("decode" if seq_len == 1 else "verify")
+    bk, bv, warps = _rule_config(h, dk, dv, block_v, num_warps, kind)
     q, k, v = qkv
     g, beta = gb
     group = gdn_reference.check_heads(h, k.shape[-2])
@@ -957,8 +968,8 @@ def gdn_forward_triton(
     conv output, never expanded. ``conv_out [T, conv_dim]`` (``mixed_qkv``'s dtype) holds the
     conv output between the two kernels and ``out [T, H, Dv]`` receives the result; with both
     given, decode and verify allocate nothing and read nothing on the host (the CUDA-graph
-    path). ``batch_invariant``: the delta rule runs the decode/verify tile configuration
-    (``_rule_config`` with ``fixed_rows``) for extend too, so that a token's output and state
+    path). ``batch_invariant``: the delta rule runs the verify tile configuration
+    (``_rule_config(kind="verify")``) for extend and decode too, so that a token's output and state
     are bitwise the same whichever step kind computes it (its reductions over ``Dk`` follow
     the tile layout); it refuses an explicit ``block_v`` / ``num_warps``. Verify with
     ``prep_scratch`` instead of ``ssm_scratch``: the prepared k, v, g, beta of every token are
@@ -974,7 +985,7 @@ def gdn_forward_triton(
             raise ValueError("gdn_forward: batch_invariant fixes block_v and num_warps")
         if ssm_state.dim() == 4:
             _, h4, dk4, dv4 = ssm_state.shape
-            _, block_v, num_warps = _rule_config(h4, dk4, dv4, None, None, fixed_rows=True)
+            _, block_v, num_warps = _rule_config(h4, dk4, dv4, None, None, "verify")
     if ssm_state.dim() != 4 or mixed_qkv.dim() != 2:
         raise ValueError(
             f"need ssm_state [N, H, Dk, Dv] and mixed_qkv [T, conv_dim], got "
@@ -1093,7 +1104,7 @@ def gated_delta_rule_replay_commit_triton(
     reading ``prep_scratch [bs, T, prep_dim]`` as a verify with ``prep_scratch`` wrote it and
     running tokens ``0 .. accepted[b]`` of each live lane from its slot, whose state it then
     overwrites. Lanes with ``slots[b] < 0`` or ``accepted[b]`` outside ``[0, T)`` are
-    skipped. The tile configuration is the verify's (``_rule_config`` with ``fixed_rows``;
+    skipped. The tile configuration is the verify's (``_rule_config(kind="verify")`` for T > 1;
     pass the verify's ``block_v`` / ``num_warps`` if it had any) and every token runs the
     verify's ``_delta_step``: the state equals the verify's state after token
     ``accepted[b]`` (bitwise under the interpreter, to a few ulps compiled: module

@@ -1,0 +1,153 @@
+"""Store a step's K and V rows into paged caches at physical write slots, in one launch.
+
+An attention layer's K/V for ``T`` tokens go to slots ``slots[t]`` (``page * page_size +
+offset``, physical, as the metadata builder's write window gives them) of strided paged views
+into the arena: ``k_cache [num_pages, page_size, Hkv, Dk]``, ``v_cache [num_pages, page_size,
+Hkv, Dv]`` whose page stride is the arena's envelope, not ``page_size * H * D``. Slots in page
+0 — the sink — receive zeros, so a padded lane or a rejected row that was redirected there
+leaves the sink all zeros; negative slots are treated as slot 0.
+
+The Triton kernel runs one program per token: it reads the token's slot, computes page and
+offset in int64 (arena strides exceed 2^31 elements), and writes the token's whole K row and V
+row (every head) through the views' strides, cast to the cache dtype (round to nearest even,
+as torch's ``.to``). It allocates nothing, reads nothing on the host and has a grid of ``T``
+programs, so it is recorded inside a step's CUDA graph. Several tokens may name the sink in
+one call (they all write zeros there); two tokens naming the same live slot is a caller bug
+(either row may win, as with torch's ``index_put_``).
+
+``store_kv_paged_reference`` is the torch code the attention backends ran before (two
+``index_put_`` through the views), with the same semantics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel.fused import _round  # RNE to bf16 (the interpreter's own cast truncates)
+
+__all__ = ["store_kv_paged", "store_kv_paged_reference"]
+
+
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # slices of the write window
+def _store_kv_kernel(
+    k_ptr,  # [T, H, DK], unit stride on the last dim
+    v_ptr,  # [T, H, DV]
+    kc_ptr,  # [pages, page_size, H, DK] strided view (unit last stride)
+    vc_ptr,  # [pages, page_size, H, DV]
+    slots_ptr,  # [T] physical slots (int32 or int64)
+    page_size,
+    k_st,
+    k_sh,
+    v_st,
+    v_sh,
+    kc_sp,
+    kc_so,
+    kc_sh,
+    vc_sp,
+    vc_so,
+    vc_sh,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BH: tl.constexpr,
+    BDK: tl.constexpr,
+    BDV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.maximum(tl.load(slots_ptr + t).to(tl.int64), 0)
+    page = slot // page_size  # slot >= 0: truncation is floor here
+    off = slot - page * page_size
+    offs_h = tl.arange(0, BH)[:, None]
+    offs_k = tl.arange(0, BDK)[None, :]
+    offs_v = tl.arange(0, BDV)[None, :]
+    mk = (offs_h < H) & (offs_k < DK)
+    mv = (offs_h < H) & (offs_v < DV)
+    # the sink page loads nothing (zeros); the scalar predicate as an integer bound
+    live_h = offs_h < tl.where(page > 0, H, 0)
+    k = tl.load(k_ptr + t * k_st + offs_h * k_sh + offs_k, mask=mk & live_h, other=0.0)
+    v = tl.load(v_ptr + t * v_st + offs_h * v_sh + offs_v, mask=mv & live_h, other=0.0)
+    kc = kc_ptr + page * kc_sp + off * kc_so + offs_h * kc_sh + offs_k
+    vc = vc_ptr + page * vc_sp + off * vc_so + offs_h * vc_sh + offs_v
+    tl.store(kc, _round(k.to(tl.float32), kc_ptr.dtype.element_ty), mask=mk)
+    tl.store(vc, _round(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=mv)
+
+
+def store_kv_paged_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """The torch reference of :func:`store_kv_paged`: one ``index_put_`` per cache with
+    device index tensors (no host read; writes through any view strides)."""
+    page_size = k_cache.shape[1]
+    s = slots.long().clamp_min(0)
+    page = torch.div(s, page_size, rounding_mode="floor")
+    off = s - page * page_size
+    live = (page > 0)[:, None, None]
+    k_cache[page, off] = torch.where(live, k.to(k_cache.dtype), 0)
+    v_cache[page, off] = torch.where(live, v.to(v_cache.dtype), 0)
+
+
+def _check(k, v, k_cache, v_cache, slots) -> None:
+    if k.dim() != 3 or v.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(
+            f"expected k [T, H, Dk], v [T, H, Dv], caches [pages, page_size, H, D]; got "
+            f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if slots.dim() != 1 or slots.shape[0] != k.shape[0] or v.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"slots [T] must match k/v's T: slots {tuple(slots.shape)}, k {k.shape[0]}, "
+            f"v {v.shape[0]}"
+        )
+    if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
+        raise ValueError(
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match caches "
+            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
+    if k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be int32 or int64, got {slots.dtype}")
+    for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slots", slots)):
+        if t.device != k.device:
+            raise ValueError(f"{name} is on {t.device}, k on {k.device}")
+
+
+def store_kv_paged(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Write ``k[t] [H, Dk]`` and ``v[t] [H, Dv]`` into physical slot ``slots[t]`` of the
+    (strided) paged caches; slots in the sink page (``< page_size``, or negative) receive
+    zeros. ``k``/``v`` may be any strided views (e.g. column slices of a fused projection);
+    their dtype is cast to the caches'. Triton on CUDA (one launch, grid ``[T]``), the
+    reference otherwise (module docstring)."""
+    _check(k, v, k_cache, v_cache, slots)
+    t = k.shape[0]
+    if t == 0:
+        return
+    if not use_triton(k_cache) or k_cache.dtype == torch.float64:
+        store_kv_paged_reference(k, v, k_cache, v_cache, slots)
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches' last dim must have unit stride")
+    h, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slots, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=h, DK=dk, DV=dv, BH=next_pow2(h), BDK=next_pow2(dk), BDV=next_pow2(dv),
+    )  # fmt: skip
