@@ -145,15 +145,20 @@ def run_both(layer, slots, x, g, beta, t_len, triton_path, batch_invariant=False
     return outs, old, new
 
 
-def check_commits(layer, slots, old, new, accepted_list, triton_path):
+def check_commits(layer, slots, old, new, accepted_list, triton_path, batch_invariant=False):
     """For every accepted set: today's commit and the replay commit, each into a copy of the
-    slot states, give the same bytes in every slot (skipped and unused slots unchanged)."""
+    slot states, give the same bytes in every slot (skipped and unused slots unchanged). The
+    replay runs the verify's tiles (the batch-invariant ones after a batch-invariant verify)."""
+    tiles = {}
+    if batch_invariant:
+        _, bv, nw = gdn._rule_config(layer.h, layer.dk, layer.dv, None, None, "batch_invariant")
+        tiles = {"block_v": bv, "num_warps": nw}
     for accepted in accepted_list:
         want, got = layer.ssm.clone(), layer.ssm.clone()
         if triton_path:
             sc.commit_states_triton(old["ssm_scratch"], accepted, slots, None, want)
             gdn.gated_delta_rule_replay_commit_triton(
-                new["prep_scratch"], accepted, got, slots, layer.hk
+                new["prep_scratch"], accepted, got, slots, layer.hk, **tiles
             )
         else:
             sc.commit_states_reference(old["ssm_scratch"], accepted, slots, None, want)
@@ -269,7 +274,10 @@ def test_public_entries_and_bad_inputs(monkeypatch):
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_replay_commit_small_preset_bitwise(hk, batch_invariant):
     """The ``small`` preset's GDN layer (16 heads of 128 x 128), 48 lanes x 8 tokens with
-    padded and ragged lanes: bitwise equal committed states for every accepted count."""
+    padded and ragged lanes: equal committed states for every accepted count. The verify
+    outputs of the two verify forms are bitwise equal in the batch-invariant tile; in the
+    default one-warp verify tile the two variants compile to different multiply-add
+    contractions and agree to 2 bf16 ulps (H200: at most 3e-5 on outputs of ~0.05)."""
     gen = torch.Generator().manual_seed(hk)
     bs, t_len = 48, 8
     layer = Layer(gen, 16, hk, 128, 128, num_slots=64, dtype=BF16, sdt=F32, device="cuda")
@@ -279,10 +287,15 @@ def test_replay_commit_small_preset_bitwise(hk, batch_invariant):
     lens = [t_len - (b % 3) for b in range(bs)]
     x, g, beta = layer.inputs(gen, bs, t_len, lens)
     (o_old, o_new), old, new = run_both(layer, slots, x, g, beta, t_len, True, batch_invariant)
-    assert_bitwise(o_new, o_old, "verify output")
+    if batch_invariant:
+        assert_bitwise(o_new, o_old, "verify output")
+    else:
+        assert_rounding(o_new, o_old, "verify output", ulps=2)
     assert_bitwise(new["conv_scratch"], old["conv_scratch"], "conv scratch")
     assert new["prep_scratch"][[5, 40]].isnan().all()
-    check_commits(layer, slots, old, new, accepted_sets(bs, t_len, lens, "cuda"), True)
+    check_commits(
+        layer, slots, old, new, accepted_sets(bs, t_len, lens, "cuda"), True, batch_invariant
+    )
 
 
 # ------------------------------------------------------------------ engine (DSPARK, Triton)

@@ -329,7 +329,9 @@ class ModelRunner:
         hk = self.model.config.gdn_key_heads
         for i, (_, prep) in self.verify_scratch.items():
             _, ssm = self.pool.state_cache(self.spec.lane_of_layer(i))
-            gdn_ops.gated_delta_rule_replay_commit(prep[:width], accepted, ssm, slots, hk)
+            gdn_ops.gated_delta_rule_replay_commit(
+                prep[:width], accepted, ssm, slots, hk, batch_invariant=gdn_batch_invariant(ssm)
+            )
 
     # ----------------------------------------------------------------------------- launch
 

@@ -558,17 +558,22 @@ def _rule_config(
       against 1262 us with the decode tile;
     - extend (long sequences, few requests: bound by the token loop's latency): small V
       blocks in one warp, ``BV = 8`` (the reductions over ``Dk`` stay within a warp, as in
-      fla's recurrent kernel), which keeps more programs in flight.
+      fla's recurrent kernel), which keeps more programs in flight;
+    - batch-invariant: the decode tile, ``BV = 64`` in 4 warps, for every kind. Compiled for
+      the H200, extend, decode, verify and replay give bitwise the same states in it
+      (``test_gdn_batch_invariant.py``); in the one-warp verify tile the replay variant's
+      state differed from the extend's by ulps (the compiler contracts the variants'
+      multiply-adds differently), so deterministic mode keeps this one.
     """
-    if kind not in ("decode", "verify", "extend"):
-        raise ValueError(f"kind must be decode, verify or extend, got {kind!r}")
+    if kind not in ("decode", "verify", "extend", "batch_invariant"):
+        raise ValueError(f"kind must be decode, verify, extend or batch_invariant, got {kind!r}")
     bk = next_pow2(dk)
-    default_bv = {"decode": 64, "verify": 32, "extend": 8}[kind]
+    default_bv = {"decode": 64, "verify": 32, "extend": 8, "batch_invariant": 64}[kind]
     bv = min(next_pow2(dv), default_bv) if block_v is None else block_v
     if bv <= 0 or bv & (bv - 1):
         raise ValueError(f"block_v must be a power of two, got {bv}")
     if num_warps is None:
-        if kind == "decode":
+        if kind in ("decode", "batch_invariant"):
             num_warps = max(1, min(4, bk * bv // 2048))
         elif kind == "verify":
             num_warps = 1
@@ -968,10 +973,11 @@ def gdn_forward_triton(
     conv output, never expanded. ``conv_out [T, conv_dim]`` (``mixed_qkv``'s dtype) holds the
     conv output between the two kernels and ``out [T, H, Dv]`` receives the result; with both
     given, decode and verify allocate nothing and read nothing on the host (the CUDA-graph
-    path). ``batch_invariant``: the delta rule runs the verify tile configuration
-    (``_rule_config(kind="verify")``) for extend and decode too, so that a token's output and state
-    are bitwise the same whichever step kind computes it (its reductions over ``Dk`` follow
-    the tile layout); it refuses an explicit ``block_v`` / ``num_warps``. Verify with
+    path). ``batch_invariant``: the delta rule runs one tile configuration
+    (``_rule_config(kind="batch_invariant")``) for extend, decode and verify, so that a
+    token's output and state are bitwise the same whichever step kind computes it (its
+    reductions over ``Dk`` follow the tile layout); it refuses an explicit ``block_v`` /
+    ``num_warps``. Verify with
     ``prep_scratch`` instead of ``ssm_scratch``: the prepared k, v, g, beta of every token are
     stored (``gdn_reference.split_prep``), no state; commit with
     ``gated_delta_rule_replay_commit`` (same ``block_v`` / ``num_warps``). Returns ``out``.
@@ -985,7 +991,7 @@ def gdn_forward_triton(
             raise ValueError("gdn_forward: batch_invariant fixes block_v and num_warps")
         if ssm_state.dim() == 4:
             _, h4, dk4, dv4 = ssm_state.shape
-            _, block_v, num_warps = _rule_config(h4, dk4, dv4, None, None, "verify")
+            _, block_v, num_warps = _rule_config(h4, dk4, dv4, None, None, "batch_invariant")
     if ssm_state.dim() != 4 or mixed_qkv.dim() != 2:
         raise ValueError(
             f"need ssm_state [N, H, Dk, Dv] and mixed_qkv [T, conv_dim], got "
@@ -1255,13 +1261,21 @@ def gated_delta_rule_replay_commit(
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
     num_k_heads: int | None = None,
+    *,
+    batch_invariant: bool = False,
 ) -> None:
     """Commit of a verify run with ``prep_scratch``: Triton on CUDA (see
     ``gated_delta_rule_replay_commit_triton``), else the reference. Bitwise the state the
     same verify would have stored in ``ssm_scratch[b, accepted[b]]`` (and
-    ``state_commit.commit_states`` copied), each path against itself."""
+    ``state_commit.commit_states`` copied), each path against itself. ``batch_invariant``:
+    the verify ran ``gdn_forward(batch_invariant=True)``, whose tiles the replay must use."""
     args = (prep_scratch, accepted, ssm_state, slots, num_k_heads)
     if use_triton(ssm_state):
-        gated_delta_rule_replay_commit_triton(*args)
+        tiles = {}
+        if batch_invariant:
+            _, h, dk, dv = ssm_state.shape
+            _, bv, nw = _rule_config(h, dk, dv, None, None, "batch_invariant")
+            tiles = {"block_v": bv, "num_warps": nw}
+        gated_delta_rule_replay_commit_triton(*args, **tiles)
     else:
         gdn_reference.gated_delta_rule_replay_commit(*args)

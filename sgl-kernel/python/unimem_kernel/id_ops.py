@@ -152,8 +152,10 @@ def bind_units_triton(
             raise ValueError("req_to_token must be 2-D")
         req, rows, cols = req_to_token, unit_rows, unit_cols
         stride_row, stride_tok, width = req.stride(0), req.stride(1), req.shape[1]
-    else:  # placeholders, never touched (HAS_REQ is a constexpr)
-        req, rows, cols, stride_row, stride_tok, width = vids, vids, vids, 0, 0, 0
+    else:  # placeholders, never touched (HAS_REQ is a constexpr); the table, not a slice of
+        # ids, stands in for req_to_token: its pointer is specialised on alignment, a slice's
+        # alignment varies with the counts (a mid-run compile, seen on the H200)
+        req, rows, cols, stride_row, stride_tok, width = v2p, vids, vids, 0, 0, 0
     block_p = next_pow2(page_size) if has_req else 1
     block_u = max(1, min(_BLOCK_UNITS, _TILE // block_p))
     _bind_units_kernel[(triton.cdiv(n, block_u),)](
@@ -309,7 +311,8 @@ def unbind_units_triton(
         vids_arg = rows  # placeholder, never touched
     else:
         _check_table("vids", vids)
-        req, rows, cols, stride_row, stride_tok = vids, vids, vids, 0, 0
+        # the table stands in for req_to_token (never touched): see bind_units_triton
+        req, rows, cols, stride_row, stride_tok = v2p, vids, vids, 0, 0
         vids_arg = vids
     has_virt = virt_free is not None
     if has_virt:
