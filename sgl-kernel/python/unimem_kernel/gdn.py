@@ -552,10 +552,14 @@ def _rule_config(
 
     - decode (one token per request, bound by moving the state): ``BV = 64`` in 4 warps,
       26 us at bs 48 against 55 us with ``BV = 8`` in one warp;
-    - verify (gamma + 1 tokens, the state read once and kept in registers; its reductions
-      over ``Dk`` run once or twice per token): ``BV = 32`` in one warp, so every reduction
-      stays within a warp — verify + replay commit of 8 layers at 48 x 8 tokens 1006 us
-      against 1262 us with the decode tile;
+    - verify (gamma + 1 tokens, the state read once and kept in registers): the decode tile.
+      ``BV = 32`` in one warp (every reduction within a warp) is faster — verify + replay
+      commit of 8 layers at 48 x 8 tokens 1006 us against 1262 us — but compiled for the
+      H200 its verify and replay variants round differently (ulps), so a token's output
+      then depends on whether its prefix was committed by a replay or computed inside the
+      verify window: on the bench, runs with different accept patterns diverged at the
+      first bf16 near-tie and the acceptance control's accept length fell from 4.17 to 1.59.
+      With ``BV = 64`` in 4 warps the two variants agree bitwise on the H200;
     - extend (long sequences, few requests: bound by the token loop's latency): small V
       blocks in one warp, ``BV = 8`` (the reductions over ``Dk`` stay within a warp, as in
       fla's recurrent kernel), which keeps more programs in flight;
@@ -568,15 +572,13 @@ def _rule_config(
     if kind not in ("decode", "verify", "extend", "batch_invariant"):
         raise ValueError(f"kind must be decode, verify, extend or batch_invariant, got {kind!r}")
     bk = next_pow2(dk)
-    default_bv = {"decode": 64, "verify": 32, "extend": 8, "batch_invariant": 64}[kind]
+    default_bv = {"decode": 64, "verify": 64, "extend": 8, "batch_invariant": 64}[kind]
     bv = min(next_pow2(dv), default_bv) if block_v is None else block_v
     if bv <= 0 or bv & (bv - 1):
         raise ValueError(f"block_v must be a power of two, got {bv}")
     if num_warps is None:
-        if kind in ("decode", "batch_invariant"):
+        if kind != "extend":
             num_warps = max(1, min(4, bk * bv // 2048))
-        elif kind == "verify":
-            num_warps = 1
         else:
             num_warps = max(1, min(8, bk * bv // 1024))
     if h > _MAX_GRID_YZ or triton.cdiv(dv, bv) > _MAX_GRID_YZ:
