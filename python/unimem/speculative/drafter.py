@@ -491,8 +491,8 @@ class DsparkDrafter(nn.Module):
         ``argmax(base[:, i] + markov_bias(prev))`` with ``prev`` the anchor or column
         ``i - 1``; with an acceptance control's decisions (``ref``, ``take [bs, gamma]``),
         column ``i`` becomes ``ref[:, i]`` where ``take[:, i]`` before it conditions the next.
-        One launch on a GPU (:func:`unimem_kernel.draft_pick`). Returns ``[bs, gamma]``
-        int64."""
+        On a GPU ``gamma + 1`` launches of one kernel (:func:`unimem_kernel.markov_pick`).
+        Returns ``[bs, gamma]`` int64."""
         return markov_pick(base, anchors, self.markov_u, self.markov_v, ref, take)
 
     @torch.no_grad()

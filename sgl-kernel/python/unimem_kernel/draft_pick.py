@@ -1,4 +1,5 @@
-"""The DSPARK drafter's left-to-right greedy pick with its low-rank Markov bias, in one launch.
+"""The DSPARK drafter's left-to-right greedy pick with its low-rank Markov bias, in ``G + 1``
+launches of one kernel.
 
 For a block of ``G`` drafted columns per request, column ``i``'s token is
 
