@@ -83,8 +83,8 @@ class FA4Backend(AttentionBackend):
     other than 1 make FA4 allocate partial buffers per call). ``pack_gqa``: None lets FA4
     decide (packs query heads of one KV head into one tile when ``Hq > Hkv``).
 
-    Store: the base class ``store_kv`` (one ``index_put_`` per cache through the strided view;
-    capturable). Attend: capturable once warmed up.
+    Store: the base class ``store_kv`` (``unimem_kernel.store_kv_paged``: one Triton launch
+    for K and V through the strided views; capturable). Attend: capturable once warmed up.
     """
 
     def __init__(self, *, num_splits: int = 1, pack_gqa: bool | None = None) -> None:
