@@ -86,16 +86,9 @@ class AttentionBackend(ABC):
         *,
         swa: bool,
     ) -> None:
-        """Write ``k [T, Hkv, Dk]``, ``v [T, Hkv, Dv]`` at ``meta.write_slots(swa)``."""
-        slots = meta.write_slots(swa)
-        if k.shape[0] != slots.shape[0] or v.shape[0] != slots.shape[0]:
-            raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens, slots {slots.shape[0]}")
-        if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
-            raise ValueError(
-                f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match caches "
-                f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
-            )
-        store_kv_paged(k, v, k_cache, v_cache, slots)
+        """Write ``k [T, Hkv, Dk]``, ``v [T, Hkv, Dv]`` at ``meta.write_slots(swa)`` (shapes
+        checked by :func:`~unimem_kernel.kv_store.store_kv_paged`)."""
+        store_kv_paged(k, v, k_cache, v_cache, meta.write_slots(swa))
 
     @abstractmethod
     def attend(

@@ -53,6 +53,7 @@ from unimem.memory.spec import AttentionLayerSpec, DraftLane, LayerKind
 from unimem.models.config import HybridConfig
 from unimem.models.nn_ops import frozen_param, rms_norm
 from unimem_kernel import add_rms_norm, markov_pick, rope_qk, silu_mul
+from unimem_kernel.draft_pick import markov_bias_reference
 
 __all__ = ["DRAFT_HOSTS", "DraftAttention", "DraftConfig", "DsparkDrafter", "draft_config_for"]
 
@@ -477,7 +478,7 @@ class DsparkDrafter(nn.Module):
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """``[..., vocab]``: ``V @ U[prev]`` for each previous token ``prev [...]`` (also
         the training forward's bias, so not under ``no_grad``)."""
-        return self.markov_u[prev.long()] @ self.markov_v.T
+        return markov_bias_reference(self.markov_u, self.markov_v, prev)
 
     @torch.no_grad()
     def pick(
