@@ -1,23 +1,28 @@
-"""GDN verify + commit of a DSPARK step, old vs new: per-position SSM states in scratch and a
-copy commit (``old``), against prepared inputs in scratch and a replay commit (``new``).
+"""GDN verify + commit of a DSPARK step, old vs new: per-position states in scratch and a
+copy commit (``old``), against the step's recorded inputs and a replay commit (``new``).
 
-- ``old``: ``gdn_forward_triton("verify", ssm_scratch=)`` writes the state after every
-  position (``[bs, T, H, Dk, Dv]`` fp32 per layer), then ``commit_states_multi`` copies entry
-  ``accepted`` of every layer's conv and SSM scratch into the slots (one launch);
-- ``new``: ``gdn_forward_triton("verify", prep_scratch=)`` writes the prepared k, v, g, beta
-  per position (``Hk * Dk + H * Dv + 2 * H`` fp32), ``commit_states_multi`` copies the conv
-  windows, and ``gated_delta_rule_replay_commit_triton`` (one launch per layer) re-runs the
-  recurrence over tokens ``0 .. accepted`` from the slot.
+- ``old``: ``gdn_forward_triton("verify", conv_scratch=, ssm_scratch=)`` writes the conv
+  window and the SSM state after every position (``[bs, T, H, Dk, Dv]`` fp32 per layer), then
+  ``commit_states_multi`` copies entry ``accepted`` of every layer's scratches into the slots
+  (one launch);
+- ``new``: ``gdn_forward_triton("verify", record=)`` keeps the conv input and output rows
+  (bf16) and the gates of every position, and ``gdn_replay_commit_triton`` (two launches per
+  layer) rebuilds the conv window and re-runs the recurrence over tokens ``0 .. accepted``
+  from the slot, in the verify's own kernel.
 
 Sizes: ``--layers`` GDN layers of the ``small`` preset (16 heads, Dk = Dv = 128, bf16 inputs
 and conv state, fp32 SSM state in arena slot views), ``--bs`` lanes x ``--tokens`` (gamma + 1)
 tokens, accepted counts uniform in ``1 .. T`` (``random``) and all ``T`` (``all``, the
 replay's worst case). Times in CUDA graphs (``--per-graph`` steps per graph; device time per
 step, median of ``--repeats``): ``verify`` (all layers' mixers), ``commit``, ``total``.
-``scratch MB``: the per-position scratch allocated (all layers); ``moved MB``: bytes the
-phase must read and write (verify: states read + scratch written; commit: what it reads and
-writes). ``bitwise``: whether the new commit's slot states equal the old's, byte for byte.
-``--json PATH`` writes the rows.
+``scratch MB``: the per-position scratch or record allocated (all layers); ``moved MB``: bytes
+the phase must read and write (verify: states read + scratch written; commit: what it reads
+and writes). ``conv bitwise``: whether the new commit's conv windows equal the old's byte for
+byte; ``state ulps``: the largest difference of the committed SSM states, in units of fp32
+eps at the states' largest magnitude (the old verify is another compiled kernel). ``--tiles``
+also times the new form and a decode step (one token per lane through every layer) per
+delta-rule tile: decode, verify and the replay share the step tile. ``--json PATH`` writes
+the rows.
 """
 
 from __future__ import annotations
@@ -87,14 +92,28 @@ class Layer:
         self.conv_scratch = torch.zeros(bs, t, self.conv_dim, KW - 1, dtype=torch.bfloat16,
                                         device=dev)  # fmt: skip
         self.ssm_scratch = torch.zeros(bs, t, H, DK, DV, device=dev)
-        self.prep_scratch = torch.zeros(bs, t, gr.prep_dim(H, DK, DV, hk), device=dev)
+        self.record = gr.VerifyRecord.empty(bs, t, self.conv_dim, H, torch.bfloat16,
+                                            torch.float32, dev)  # fmt: skip
+        self.o1 = torch.empty(bs, H, DV, dtype=torch.bfloat16, device=dev)
+        self.y1 = torch.empty(bs, self.conv_dim, dtype=torch.bfloat16, device=dev)
 
     def verify(self, slots, new: bool, hk: int, tile=(None, None)) -> None:
-        scratch = {"prep_scratch": self.prep_scratch} if new else {"ssm_scratch": self.ssm_scratch}
+        if new:
+            scratch = {"record": self.record}
+        else:
+            scratch = {"conv_scratch": self.conv_scratch, "ssm_scratch": self.ssm_scratch,
+                       "conv_out": self.y}  # fmt: skip
         gdn.gdn_forward_triton(
             "verify", self.x, self.w, self.g, self.beta, self.conv, self.ssm, slots,
-            conv_scratch=self.conv_scratch, num_k_heads=hk, out=self.o, conv_out=self.y,
-            block_v=tile[0], num_warps=tile[1], **scratch,
+            num_k_heads=hk, out=self.o, block_v=tile[0], num_warps=tile[1], **scratch,
+        )  # fmt: skip
+
+    def decode(self, slots, hk: int, tile=(None, None)) -> None:
+        bs = slots.shape[0]
+        gdn.gdn_forward_triton(
+            "decode", self.x[:bs], self.w, self.g[:bs], self.beta[:bs], self.conv, self.ssm,
+            slots, num_k_heads=hk, out=self.o1, conv_out=self.y1, block_v=tile[0],
+            num_warps=tile[1],
         )  # fmt: skip
 
 
@@ -138,7 +157,6 @@ def main(argv=None) -> int:
         [s for ly in layers for s in (ly.conv_scratch, ly.ssm_scratch)],
         [d for ly in layers for d in (ly.conv, ly.ssm)],
     )
-    new_plan = StateCommitPlan([ly.conv_scratch for ly in layers], [ly.conv for ly in layers])
     accepted_sets = {
         "random": torch.randint(0, t, (bs,), generator=gen, device=dev, dtype=torch.int32),
         "all": torch.full((bs,), t - 1, dtype=torch.int32, device=dev),
@@ -155,10 +173,9 @@ def main(argv=None) -> int:
     def commit(new, accepted, tile=(None, None)):
         def run():
             if new:
-                commit_states_multi(new_plan, accepted, slots, None)
                 for ly in layers:
-                    gdn.gated_delta_rule_replay_commit_triton(
-                        ly.prep_scratch, accepted, ly.ssm, slots, hk,
+                    gdn.gdn_replay_commit_triton(
+                        ly.record, accepted, ly.conv, ly.ssm, slots, hk,
                         block_v=tile[0], num_warps=tile[1],
                     )  # fmt: skip
             else:
@@ -166,20 +183,25 @@ def main(argv=None) -> int:
 
         return run
 
-    # bitwise check: both paths from the same slot states
-    bitwise = {}
+    # agreement: both paths from the same slot states
+    bitwise, ulps = {}, {}
     for name, accepted in accepted_sets.items():
         results = []
         for new in (False, True):
             restore()
             verify(new)()
             commit(new, accepted)()
-            results.append([ly.arena.clone() for ly in layers])
-        bitwise[name] = all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+            results.append([(ly.conv.clone(), ly.ssm.clone()) for ly in layers])
+        bitwise[name] = all(torch.equal(a[0], b[0]) for a, b in zip(*results, strict=True))
+        ulps[name] = max(
+            float((a[1] - b[1]).abs().max()) / (torch.finfo(torch.float32).eps *
+                                                 float(a[1].abs().max()))
+            for a, b in zip(*results, strict=True)
+        )  # fmt: skip
     restore()
 
     ssm_b, conv_b = H * DK * DV * 4, layers[0].conv_dim * (KW - 1) * 2
-    prep_b = gr.prep_dim(H, DK, DV, hk) * 4
+    prep_b = layers[0].record.nbytes // (bs * t)  # record bytes per token
     x_b = layers[0].conv_dim * 2 + H * 8  # verify inputs per token (mixed_qkv, g, beta)
     env = {
         "gpu": torch.cuda.get_device_name(dev),
@@ -189,7 +211,7 @@ def main(argv=None) -> int:
         "per_graph": args.per_graph, "repeats": args.repeats,
         "scratch_mb": {
             "old": nl * bs * t * (ssm_b + conv_b) / 1e6,
-            "new": nl * bs * t * (prep_b + conv_b) / 1e6,
+            "new": nl * bs * t * prep_b / 1e6,
         },
     }  # fmt: skip
     print(
@@ -198,7 +220,8 @@ def main(argv=None) -> int:
         f"old {env['scratch_mb']['old']:.0f} MB, new {env['scratch_mb']['new']:.1f} MB; "
         f"times in us per step (CUDA graphs of {args.per_graph} steps)"
     )
-    header = f"{'accepted':>8} {'impl':>4} {'phase':>7} {'us':>9} {'moved MB':>9} {'bitwise':>8}"
+    header = (f"{'accepted':>8} {'impl':>4} {'phase':>7} {'us':>9} {'moved MB':>9} "
+              f"{'conv bitwise':>12} {'state ulps':>10}")  # fmt: skip
     print(header)
     print("-" * len(header))
     rows = []
@@ -206,9 +229,9 @@ def main(argv=None) -> int:
         mean_kept = float(accepted.float().mean()) + 1  # tokens replayed per lane
         for new in (False, True):
             impl = "new" if new else "old"
-            per_tok = prep_b if new else ssm_b
+            per_tok = prep_b if new else ssm_b + conv_b
             moved = {
-                "verify": nl * bs * (ssm_b + conv_b + t * (x_b + per_tok + conv_b)),
+                "verify": nl * bs * (ssm_b + conv_b + t * (x_b + per_tok)),
                 "commit": nl * bs * (
                     2 * conv_b + (mean_kept * prep_b + 2 * ssm_b if new else 2 * ssm_b)
                 ),
@@ -220,29 +243,35 @@ def main(argv=None) -> int:
             restore()
             for phase in ("verify", "commit", "total"):
                 row = {"accepted": name, "impl": impl, "phase": phase, "us": times[phase],
-                       "moved_mb": moved[phase] / 1e6, "bitwise": bitwise[name]}  # fmt: skip
+                       "moved_mb": moved[phase] / 1e6, "conv_bitwise": bitwise[name],
+                       "state_ulps": ulps[name]}  # fmt: skip
                 rows.append(row)
                 print(f"{name:>8} {impl:>4} {phase:>7} {times[phase]:9.1f} "
-                      f"{moved[phase] / 1e6:9.1f} {str(bitwise[name]):>8}")  # fmt: skip
+                      f"{moved[phase] / 1e6:9.1f} {str(bitwise[name]):>12} "
+                      f"{ulps[name]:10.1f}")  # fmt: skip
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
     if tiles:
-        print(f"new form by delta-rule tile (accepted: random); {'tile':>8} verify commit total")
+        print("new form and decode by delta-rule tile (accepted: random)")
+        print(f"  {'tile':>8} {'verify':>9} {'commit':>9} {'total':>9} {'decode':>9}")
     for tile in tiles:
         accepted = accepted_sets["random"]
         v, c = verify(True, tile), commit(True, accepted, tile)
         times = {"verify": graph_us(v, args), "commit": graph_us(c, args)}
         times["total"] = graph_us(lambda v=v, c=c: (v(), c()), args)
+        times["decode"] = graph_us(
+            lambda tile=tile: [ly.decode(slots, hk, tile) for ly in layers], args
+        )
         restore()
         print(f"  {tile[0]:>4}x{tile[1]:<3} {times['verify']:9.1f} {times['commit']:9.1f} "
-              f"{times['total']:9.1f}")  # fmt: skip
-        for phase in ("verify", "commit", "total"):
+              f"{times['total']:9.1f} {times['decode']:9.1f}")  # fmt: skip
+        for phase in ("verify", "commit", "total", "decode"):
             rows.append({"accepted": "random", "impl": f"new bv{tile[0]} w{tile[1]}",
                          "phase": phase, "us": times[phase]})  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=2)
         print(f"wrote {args.json}")
-    return 0 if all(bitwise.values()) else 2
+    return 0 if all(bitwise.values()) and max(ulps.values()) <= 8 else 2
 
 
 if __name__ == "__main__":

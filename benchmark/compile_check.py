@@ -87,6 +87,7 @@ class Variant:
     attrs: dict[tuple[int, ...], list]
     options: dict[str, object] = field(default_factory=dict)
     jit_mismatch: str | None = None  # variants(crosscheck=True): vs Triton's own JIT
+    launches: list[str] = field(default_factory=list)  # every launch label compiled to it
 
 
 # ------------------------------------------------------------------- specialisation
@@ -345,8 +346,8 @@ def _gdn_launches() -> list[tuple[str, Callable[[], None]]]:
     bf, f32 = torch.bfloat16, torch.float32
     bs, width, slots_n = 4, 8, 8  # lanes, verify width (gamma 7 + 1), state slots
 
-    def mixer(mode: str, *, batch_invariant: bool = False, prep: bool = False, hk: int = GDN_H,
-              h: int = GDN_H, long: bool = False):  # fmt: skip
+    def mixer(mode: str, *, batch_invariant: bool = False, record: bool = False,
+              hk: int = GDN_H, h: int = GDN_H, long: bool = False):  # fmt: skip
         conv_dim = gdn_reference.mixed_qkv_dim(h, GDN_DK, GDN_DV, hk)
         conv = _slot_view(slots_n, (conv_dim, CONV_K - 1), bf)
         ssm = _slot_view(slots_n, (h, GDN_DK, GDN_DV), f32)
@@ -366,23 +367,29 @@ def _gdn_launches() -> list[tuple[str, Callable[[], None]]]:
         if mode == "extend":
             cu = torch.tensor([0, 5, 5, 17, n], dtype=torch.int32)
             kw["max_seqlen"] = n - 17
-        if mode == "verify":
+        if mode == "verify" and record:
+            del kw["conv_out"]  # the record's y
+            kw["record"] = gdn_reference.VerifyRecord.empty(bs + 2, width, conv_dim, h, bf,
+                                                            f32).lanes(bs)  # fmt: skip
+        elif mode == "verify":
             kw["conv_scratch"] = torch.zeros(bs, width, conv_dim, CONV_K - 1, dtype=bf)
-            if prep:
-                pd = gdn_reference.prep_dim(h, GDN_DK, GDN_DV, hk)
-                kw["prep_scratch"] = torch.zeros(bs, width, pd, dtype=f32)
-            else:
-                kw["ssm_scratch"] = torch.zeros(bs, width, h, GDN_DK, GDN_DV, dtype=f32)
+            kw["ssm_scratch"] = torch.zeros(bs, width, h, GDN_DK, GDN_DV, dtype=f32)
         w = torch.randn(conv_dim, CONV_K, dtype=bf)
         gdn.gdn_forward_triton(mode, mixed, w, g, beta, conv, ssm, slots, cu, **kw)
 
-    def replay(*, hk: int = GDN_H, h: int = GDN_H):
+    def replay(*, hk: int = GDN_H, h: int = GDN_H, batch_invariant: bool = False):
+        conv_dim = gdn_reference.mixed_qkv_dim(h, GDN_DK, GDN_DV, hk)
+        conv = _slot_view(slots_n, (conv_dim, CONV_K - 1), bf)
         ssm = _slot_view(slots_n, (h, GDN_DK, GDN_DV), f32)
-        pd = gdn_reference.prep_dim(h, GDN_DK, GDN_DV, hk)
-        prep = torch.zeros(bs + 2, width, pd, dtype=f32)[:bs]  # runner: prep[:width]
+        # the runner passes the first lanes of a record for max_bs lanes
+        record = gdn_reference.VerifyRecord.empty(bs + 2, width, conv_dim, h, bf, f32).lanes(bs)
         accepted = torch.tensor([0, 3, 7, -1], dtype=torch.int64)
         slots = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
-        gdn.gated_delta_rule_replay_commit_triton(prep, accepted, ssm, slots, hk)
+        tiles = {}
+        if batch_invariant:  # the tiles gdn.gdn_replay_commit picks after such a verify
+            _, bv, nw = gdn._rule_config(h, GDN_DK, GDN_DV, None, None, "batch_invariant")
+            tiles = {"block_v": bv, "num_warps": nw}
+        gdn.gdn_replay_commit_triton(record, accepted, conv, ssm, slots, hk, **tiles)
 
     def rule(mode: str):  # the standalone delta-rule launchers (no SiLU / L2 prologue)
         ssm = _slot_view(slots_n, (GDN_H, GDN_DK, GDN_DV), f32)
@@ -417,11 +424,14 @@ def _gdn_launches() -> list[tuple[str, Callable[[], None]]]:
         ("gdn_forward decode", lambda: mixer("decode")),
         ("gdn_forward decode batch_invariant", lambda: mixer("decode", batch_invariant=True)),
         ("gdn_forward verify STORE_STATES", lambda: mixer("verify")),
-        ("gdn_forward verify STORE_PREP", lambda: mixer("verify", prep=True)),
-        ("gdn_forward verify STORE_PREP Hk=8 H=16",
-         lambda: mixer("verify", prep=True, hk=8)),
+        ("gdn_forward verify record", lambda: mixer("verify", record=True)),
+        ("gdn_forward verify record Hk=8 H=16",
+         lambda: mixer("verify", record=True, hk=8)),
+        ("gdn_forward verify record batch_invariant",
+         lambda: mixer("verify", record=True, batch_invariant=True)),
         ("gdn replay commit", replay),
         ("gdn replay commit Hk=8 H=16", lambda: replay(hk=8)),
+        ("gdn replay commit batch_invariant", lambda: replay(batch_invariant=True)),
         ("gated_delta_rule decode", lambda: rule("decode")),
         ("gated_delta_rule verify", lambda: rule("verify")),
         ("gated_delta_rule extend HAS_INIT", lambda: rule("extend")),
@@ -474,7 +484,7 @@ _KERNELS = {
         "_bi_rms_norm_kernel",
         "_bi_log_softmax_kernel",
     ),
-    "unimem_kernel.gdn": ("_conv_kernel", "_rule_kernel"),
+    "unimem_kernel.gdn": ("_conv_kernel", "_conv_commit_kernel", "_rule_kernel"),
     "unimem_kernel.kv_store": ("_store_kv_kernel",),
     "unimem_kernel.draft_pick": ("_markov_pick_kernel",),
     "unimem_kernel.gdn_chunked": ("_chunked_rule_kernel",),
@@ -520,7 +530,8 @@ def variants(crosscheck: bool = False) -> list[Variant]:
     os.environ["UNIMEM_KERNEL_BACKEND"] = "triton"
     os.environ.setdefault("UNIMEM_FUSED_OPS", "on")
     torch.manual_seed(0)
-    out, seen = [], set()
+    out: list[Variant] = []
+    seen: dict[tuple, Variant] = {}
     for modname, kernels in _KERNELS.items():
         module = importlib.import_module(modname)
         for label, run in _LAUNCHES[modname]():
@@ -540,15 +551,17 @@ def variants(crosscheck: bool = False) -> list[Variant]:
                            repr(sorted((k, repr(v)) for k, v in consts.items())),
                            repr(sorted(attrs)), repr(sorted(options.items())))  # fmt: skip
                     if key in seen:
+                        found = seen[key]
                         if mismatch and mismatch != "n/a":  # keep a mismatch visible
-                            found = next(v for v in out if v.kernel == kname)
                             found.jit_mismatch = found.jit_mismatch or mismatch
+                        if label not in found.launches:
+                            found.launches.append(label)
                         continue
-                    seen.add(key)
                     short = kname.strip("_").removesuffix("_kernel")
                     name = label if label.startswith(short) else f"{label}: {short}"
-                    out.append(Variant(name, modname, kname, sig, consts, attrs, options,
-                                       mismatch))  # fmt: skip
+                    seen[key] = Variant(name, modname, kname, sig, consts, attrs, options,
+                                        mismatch, [label])  # fmt: skip
+                    out.append(seen[key])
     return out
 
 
@@ -635,7 +648,7 @@ def _compile(v: Variant, fn, stage: str) -> dict:
     from triton.compiler import ASTSource
 
     row = {"name": v.name, "kernel": v.kernel, "ok": False, "stage": stage, "seconds": 0.0,
-           "jit_mismatch": v.jit_mismatch}  # fmt: skip
+           "jit_mismatch": v.jit_mismatch, "launches": v.launches}  # fmt: skip
     t0 = time.perf_counter()
     try:
         src = ASTSource(fn=fn, signature=v.signature, constexprs=v.constexprs, attrs=v.attrs)

@@ -11,10 +11,11 @@
 #   benchmark/bench_gdn.py (conv and delta rule per step kind);
 # profile: benchmark/profile_step.py (where a verify step's time goes; the host's share, its
 #   top functions and the torch ops of an eager step by launch site);
-#   the same with UNIMEM_FUSED_OPS=off for the fused-vs-unfused comparison;
+#   with UNFUSED=1 also the same with UNIMEM_FUSED_OPS=off (the fused-vs-unfused comparison);
 # attribute: profile_step.py on static pools only, with the torch ops of an eager step by
 #   launch site and the top kernels (the data for choosing what to fuse next);
-# sweep: bench_gdn_commit.py with a delta-rule tile sweep of the replay form (TILES);
+# sweep: bench_gdn_commit.py with a delta-rule tile sweep of the replay form and of decode
+#   (TILES);
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
 set -uo pipefail
@@ -44,8 +45,10 @@ for part in $parts; do
     profile)
       run python3 benchmark/profile_step.py --host-top 15 --attribute 40 --top-kernels 25 \
         --json "$out/profile_step_h200.json"
-      UNIMEM_FUSED_OPS=off run python3 benchmark/profile_step.py \
-        --json "$out/profile_step_unfused_h200.json" ;;
+      if [ "${UNFUSED:-0}" = 1 ]; then
+        UNIMEM_FUSED_OPS=off run python3 benchmark/profile_step.py \
+          --json "$out/profile_step_unfused_h200.json"
+      fi ;;
     attribute)
       run python3 benchmark/profile_step.py --memory static --attribute 80 --top-kernels 40 \
         --json "$out/profile_attribute_h200.json" ;;

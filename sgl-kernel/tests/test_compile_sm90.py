@@ -85,7 +85,7 @@ def _failures(rows: list[dict], kernels: tuple[str, ...]) -> str:
             ),
             id="batch_invariant",
         ),  # fmt: skip
-        pytest.param(("_conv_kernel", "_rule_kernel"), id="gdn"),
+        pytest.param(("_conv_kernel", "_conv_commit_kernel", "_rule_kernel"), id="gdn"),
     ],
 )
 def test_kernels_compile_for_sm90(report, kernels):
@@ -95,12 +95,37 @@ def test_kernels_compile_for_sm90(report, kernels):
     assert not msg, f"sm_90 compile failures (triton {report['triton']}):\n\n{msg}"
 
 
+def _rule_variant_of(report, launch: str) -> str:
+    """The name of the ``_rule_kernel`` variant the launch labelled ``launch`` compiled to."""
+    rows = [r for r in report["rows"] if r["kernel"] == "_rule_kernel" and launch in r["launches"]]
+    assert len(rows) == 1, f"{launch}: {[r['name'] for r in rows]}"
+    return rows[0]["name"]
+
+
 def test_gdn_rule_modes_all_compiled(report):
-    # every constexpr mode of _rule_kernel the engine launches
-    names = {r["name"] for r in report["rows"] if r["kernel"] == "_rule_kernel"}
-    for mode in ("decode", "verify STORE_STATES", "verify STORE_PREP", "extend",
+    # every launch of _rule_kernel the engine makes
+    launches = {x for r in report["rows"] if r["kernel"] == "_rule_kernel" for x in r["launches"]}
+    for mode in ("decode", "verify STORE_STATES", "verify record", "extend",
                  "extend batch_invariant", "replay commit"):  # fmt: skip
-        assert any(mode in n for n in names), f"no _rule_kernel variant for {mode}: {names}"
+        assert any(mode in n for n in launches), f"no _rule_kernel launch for {mode}: {launches}"
+
+
+@pytest.mark.parametrize(
+    "group",
+    [
+        ("gdn_forward decode", "gdn_forward verify record", "gdn replay commit"),
+        ("gdn_forward verify record Hk=8 H=16", "gdn replay commit Hk=8 H=16"),
+        ("gdn_forward extend batch_invariant", "gdn_forward decode batch_invariant",
+         "gdn_forward verify record batch_invariant", "gdn replay commit batch_invariant"),
+    ],
+    ids=["step", "step-grouped-heads", "batch-invariant"],
+)  # fmt: skip
+def test_gdn_step_kinds_share_one_rule_binary(report, group):
+    """Decode, verify and the replay commit (and, batch-invariant, extend too) specialise to
+    one ``_rule_kernel`` signature, hence one binary: the bitwise agreement of their states
+    is by construction, not by the compiler's choices."""
+    names = {launch: _rule_variant_of(report, launch) for launch in group}
+    assert len(set(names.values())) == 1, names
 
 
 def test_signatures_match_triton_jit(report):

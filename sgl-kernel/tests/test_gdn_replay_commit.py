@@ -1,16 +1,21 @@
-"""The GDN verify commit without per-position states (``gdn_forward(..., prep_scratch=)`` +
-``gated_delta_rule_replay_commit``) against today's (``ssm_scratch`` + ``commit_states``):
+"""The GDN verify commit without per-position states (``gdn_forward(..., record=)`` +
+``gdn_replay_commit``) against the per-position one (``conv_scratch`` + ``ssm_scratch`` +
+``commit_states``):
 
-- the verify outputs and conv scratch are bitwise equal, and the committed SSM state is
-  the state scratch's entry ``accepted`` for every accepted count ``1 .. T``, per lane —
-  bitwise for the torch references and the Triton kernels under the interpreter; on a GPU
-  (the ``small`` sizes) to a few ulps, because the verify and the replay are compiled
-  separately and the compiler may contract their multiply-adds differently; grouped key
-  heads, a ragged lane (zero rows past its length, as the runner's packed layout leaves
-  them) and arena slot views included;
+- the verify outputs are bitwise equal, and the committed conv windows and SSM states are
+  the per-position scratches' entries ``accepted`` for every accepted count ``1 .. T``, per
+  lane — bitwise for the torch references and the Triton kernels under the interpreter; on a
+  GPU the per-position verify is a separately compiled kernel, so its states agree to a few
+  ulps; grouped key heads, a ragged lane (zero rows past its length, as the runner's packed
+  layout leaves them) and arena slot views included;
+- on a GPU, at the ``small`` sizes: decode, verify and the replay commit are one compiled
+  kernel, so a verify's outputs equal a token-by-token decode's bitwise and every committed
+  state equals the decode's state after that token bitwise (outputs do not depend on the
+  accept pattern; the acceptance control needs that);
 - padded lanes (slot < 0) and lanes with ``accepted`` outside ``[0, T)`` touch nothing: their
-  slots keep their bytes and the padded lanes' prepared-input rows are never written;
-- the Triton prepared inputs and committed states match the references (to rounding);
+  slots keep their bytes and the padded lanes' record rows are never written;
+- the Triton record and committed states match the references (to rounding); bad records
+  and arguments are refused with errors naming them;
 - an engine with DSPARK speculation through the Triton kernels commits the same states,
   bitwise, with either commit.
 """
@@ -35,6 +40,7 @@ DEVICES = [
 ]
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 KW = 4
+NAN = float("nan")
 
 
 class Layer:
@@ -80,17 +86,16 @@ class Layer:
             beta.reshape(rows, -1).to(to, self.sdt),
         )
 
-    def prep_scratch(self, bs, t_len):
-        dim = gr.prep_dim(self.h, self.dk, self.dv, self.hk)
-        return torch.full((bs, t_len, dim), float("nan"), dtype=gr.prep_dtype(self.sdt),
-                          device=self.device)  # fmt: skip
+    def record(self, bs, t_len):
+        return gr.VerifyRecord.empty(bs, t_len, self.conv_dim, self.h, self.dtype, self.sdt,
+                                     self.device, fill=NAN)  # fmt: skip
 
     def ssm_scratch(self, bs, t_len):
-        return torch.full((bs, t_len, self.h, self.dk, self.dv), float("nan"), dtype=self.sdt,
+        return torch.full((bs, t_len, self.h, self.dk, self.dv), NAN, dtype=self.sdt,
                           device=self.device)  # fmt: skip
 
     def conv_scratch(self, bs, t_len):
-        return torch.full((bs, t_len, self.conv_dim, KW - 1), float("nan"), dtype=self.dtype,
+        return torch.full((bs, t_len, self.conv_dim, KW - 1), NAN, dtype=self.dtype,
                           device=self.device)  # fmt: skip
 
 
@@ -101,9 +106,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def assert_rounding(a: torch.Tensor, b: torch.Tensor, what: str, ulps: int = 8) -> None:
     """``a`` equals ``b`` to ``ulps`` units in the last place of their dtype at ``b``'s
-    largest magnitude (the GPU case of the replay commit: two separately compiled kernels
-    running the same ``_delta_step`` may contract its multiply-adds differently; the H200
-    measured at most 2 ulps)."""
+    largest magnitude (the GPU case of per-position verify against replay: two separately
+    compiled kernels may contract their multiply-adds differently)."""
     assert a.shape == b.shape and a.dtype == b.dtype, what
     bound = ulps * torch.finfo(b.dtype).eps * float(b.abs().max())
     diff = float((a.double() - b.double()).abs().max())
@@ -127,47 +131,51 @@ def accepted_sets(bs, t_len, lens, device):
 
 
 def run_both(layer, slots, x, g, beta, t_len, triton_path, batch_invariant=False):
-    """Verify once with the state scratch and once with the prepared-input scratch (each from
-    the same slot states, which verify leaves alone). Returns both outputs and scratches."""
+    """Verify once with the per-position scratches and once with a record (each from the
+    same slot states, which verify leaves alone). Returns both outputs, the scratches and
+    the record."""
     bs = slots.shape[0]
-    conv = layer.conv_scratch
-    old = {"conv_scratch": conv(bs, t_len), "ssm_scratch": layer.ssm_scratch(bs, t_len)}
-    new = {"conv_scratch": conv(bs, t_len), "prep_scratch": layer.prep_scratch(bs, t_len)}
+    old = {"conv_scratch": layer.conv_scratch(bs, t_len),
+           "ssm_scratch": layer.ssm_scratch(bs, t_len)}  # fmt: skip
+    record = layer.record(bs, t_len)
     fwd = gdn.gdn_forward_triton if triton_path else gr.gdn_forward
     extra = {"batch_invariant": batch_invariant} if triton_path else {}
     before = (layer.conv.clone(), layer.ssm.clone())
     outs = []
-    for scratch in (old, new):
+    for scratch in (old, {"record": record}):
         outs.append(fwd("verify", x, layer.weight, g, beta, layer.conv, layer.ssm, slots,
                         num_k_heads=layer.hk, **scratch, **extra))  # fmt: skip
         assert_bitwise(layer.conv, before[0], "verify wrote a conv slot")
         assert_bitwise(layer.ssm, before[1], "verify wrote an SSM slot")
-    return outs, old, new
+    return outs, old, record
 
 
-def check_commits(layer, slots, old, new, accepted_list, triton_path, batch_invariant=False):
-    """For every accepted set: today's commit and the replay commit, each into a copy of the
-    slot states, give the same bytes in every slot (skipped and unused slots unchanged). The
-    replay runs the verify's tiles (the batch-invariant ones after a batch-invariant verify)."""
-    tiles = {}
-    if batch_invariant:
-        _, bv, nw = gdn._rule_config(layer.h, layer.dk, layer.dv, None, None, "batch_invariant")
-        tiles = {"block_v": bv, "num_warps": nw}
+def check_commits(layer, slots, old, record, accepted_list, triton_path, batch_invariant=False):
+    """For every accepted set: the per-position commit and the replay commit, each into a
+    copy of the slot states, give the same bytes in every slot (skipped and unused slots
+    unchanged). The replay runs the verify's tiles (the batch-invariant ones after a
+    batch-invariant verify)."""
     for accepted in accepted_list:
-        want, got = layer.ssm.clone(), layer.ssm.clone()
+        want = (layer.conv.clone(), layer.ssm.clone())
+        got = (layer.conv.clone(), layer.ssm.clone())
+        commit = sc.commit_states_triton if triton_path else sc.commit_states_reference
+        for scratch, dest in zip((old["conv_scratch"], old["ssm_scratch"]), want, strict=True):
+            commit(scratch, accepted, slots, None, dest)
         if triton_path:
-            sc.commit_states_triton(old["ssm_scratch"], accepted, slots, None, want)
-            gdn.gated_delta_rule_replay_commit_triton(
-                new["prep_scratch"], accepted, got, slots, layer.hk, **tiles
-            )
+            tiles = {}
+            if batch_invariant:
+                _, bv, nw = gdn._rule_config(layer.h, layer.dk, layer.dv, None, None,
+                                             "batch_invariant")  # fmt: skip
+                tiles = {"block_v": bv, "num_warps": nw}
+            gdn.gdn_replay_commit_triton(record, accepted, *got, slots, layer.hk, **tiles)
         else:
-            sc.commit_states_reference(old["ssm_scratch"], accepted, slots, None, want)
-            gr.gated_delta_rule_replay_commit(new["prep_scratch"], accepted, got, slots, layer.hk)
-        what = f"committed state, accepted {accepted.tolist()}"
-        if triton_path and got.is_cuda:
-            assert_rounding(got, want, what)
+            gr.gdn_replay_commit(record, accepted, *got, slots, layer.hk)
+        what = f"accepted {accepted.tolist()}"
+        assert_bitwise(got[0], want[0], f"committed conv window, {what}")
+        if triton_path and got[1].is_cuda:
+            assert_rounding(got[1], want[1], f"committed state, {what}")
         else:
-            assert_bitwise(got, want, what)
+            assert_bitwise(got[1], want[1], f"committed state, {what}")
 
 
 HEADS = [(2, 2), (4, 2), (4, 1)]
@@ -185,13 +193,23 @@ def test_replay_commit_equals_state_scratch_commit(device, dtypes, heads):
                   device=device)  # fmt: skip
     slots = torch.tensor([4, -1, 1, 2], dtype=torch.int32, device=device)  # lane 1 padded
     x, g, beta = layer.inputs(gen, 4, t_len, lens)
-    (o_old, o_new), old, new = run_both(layer, slots, x, g, beta, t_len, True)
-    assert_bitwise(o_new, o_old, "verify output")
-    assert_bitwise(new["conv_scratch"], old["conv_scratch"], "conv scratch")
-    # the padded lane's rows are never written
-    assert new["prep_scratch"][1].isnan().all()
-    assert new["prep_scratch"][[0, 2, 3]].isfinite().all()
-    check_commits(layer, slots, old, new, accepted_sets(4, t_len, lens, device), True)
+    (o_old, o_new), old, record = run_both(layer, slots, x, g, beta, t_len, True)
+    if device == "cuda":
+        assert_rounding(o_new, o_old, "verify output")
+    else:
+        assert_bitwise(o_new, o_old, "verify output")
+    # the record holds the step's inputs; the padded lane's rows are never written (its
+    # conv output rows, record.y, are zeros as every padded lane's output)
+    live = [0, 2, 3]
+    x3 = x.reshape(4, t_len, -1)
+    assert_bitwise(record.x[live], x3[live], "record.x")
+    assert_bitwise(record.g[live], g.reshape(4, t_len, -1)[live].to(record.g.dtype), "record.g")
+    for t in (record.x, record.g, record.beta):
+        assert t[1].isnan().all()
+    assert (record.y[1] == 0).all()
+    for t in (record.x, record.y, record.g, record.beta):
+        assert t[live].isfinite().all()
+    check_commits(layer, slots, old, record, accepted_sets(4, t_len, lens, device), True)
 
 
 @pytest.mark.parametrize("dtypes", [(F32, F32), (F64, F64)], ids=["f32", "f64"])
@@ -204,40 +222,46 @@ def test_reference_replay_commit_equals_state_scratch_commit(dtypes, heads):
                   device="cpu")  # fmt: skip
     slots = torch.tensor([3, 0, 4], dtype=torch.int32)  # the reference has no padded lanes
     x, g, beta = layer.inputs(gen, 3, t_len, lens)
-    (o_old, o_new), old, new = run_both(layer, slots, x, g, beta, t_len, False)
+    (o_old, o_new), old, record = run_both(layer, slots, x, g, beta, t_len, False)
     assert_bitwise(o_new, o_old, "verify output")
-    assert_bitwise(new["conv_scratch"], old["conv_scratch"], "conv scratch")
     accepted = accepted_sets(3, t_len, lens, "cpu")
-    check_commits(layer, slots, old, new, accepted, False)
+    check_commits(layer, slots, old, record, accepted, False)
     # a padded lane in the commit alone is skipped
     padded = torch.tensor([3, -1, 4], dtype=torch.int32)
-    want, got = layer.ssm.clone(), layer.ssm.clone()
-    sc.commit_states_reference(old["ssm_scratch"], accepted[0], padded, None, want)
-    gr.gated_delta_rule_replay_commit(new["prep_scratch"], accepted[0], got, padded, hk)
-    assert_bitwise(got, want, "padded lane")
+    want = (layer.conv.clone(), layer.ssm.clone())
+    got = (layer.conv.clone(), layer.ssm.clone())
+    for scratch, dest in zip((old["conv_scratch"], old["ssm_scratch"]), want, strict=True):
+        sc.commit_states_reference(scratch, accepted[0], padded, None, dest)
+    gr.gdn_replay_commit(record, accepted[0], *got, padded, hk)
+    assert_bitwise(got[0], want[0], "padded lane (conv)")
+    assert_bitwise(got[1], want[1], "padded lane (SSM)")
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_triton_prep_and_replay_match_reference(device):
+def test_triton_record_and_replay_match_reference(device):
     gen = torch.Generator().manual_seed(11)
     layer = Layer(gen, 4, 2, **SMALL, num_slots=4, dtype=F32, sdt=F32, device=device)
     t_len = 3
     slots = torch.tensor([2, 0], dtype=torch.int32, device=device)
     x, g, beta = layer.inputs(gen, 2, t_len)
-    preps, states = [], []
+    records, states = [], []
     for fwd, commit in (
-        (gdn.gdn_forward_triton, gdn.gated_delta_rule_replay_commit_triton),
-        (gr.gdn_forward, gr.gated_delta_rule_replay_commit),
+        (gdn.gdn_forward_triton, gdn.gdn_replay_commit_triton),
+        (gr.gdn_forward, gr.gdn_replay_commit),
     ):
-        prep, ssm = layer.prep_scratch(2, t_len), layer.ssm.clone()
-        fwd("verify", x, layer.weight, g, beta, layer.conv, ssm, slots, num_k_heads=2,
-            conv_scratch=layer.conv_scratch(2, t_len), prep_scratch=prep)  # fmt: skip
-        commit(prep, torch.tensor([2, 1], dtype=torch.int32, device=device), ssm, slots, 2)
-        preps.append(prep)
-        states.append(ssm)
-    torch.testing.assert_close(preps[0], preps[1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(states[0], states[1], rtol=1e-4, atol=1e-4)
-    assert_bitwise(states[0][[1, 3]], layer.ssm[[1, 3]], "unused slots")
+        record, conv, ssm = layer.record(2, t_len), layer.conv.clone(), layer.ssm.clone()
+        fwd("verify", x, layer.weight, g, beta, conv, ssm, slots, num_k_heads=2,
+            record=record)  # fmt: skip
+        commit(record, torch.tensor([2, 1], dtype=torch.int32, device=device), conv, ssm,
+               slots, 2)  # fmt: skip
+        records.append(record)
+        states.append((conv, ssm))
+    for name in ("x", "y", "g", "beta"):
+        a, b = getattr(records[0], name), getattr(records[1], name)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"record.{name}")
+    assert_bitwise(states[0][0], states[1][0], "conv windows")
+    torch.testing.assert_close(states[0][1], states[1][1], rtol=1e-4, atol=1e-4)
+    assert_bitwise(states[0][1][[1, 3]], layer.ssm[[1, 3]], "unused slots")
 
 
 def test_public_entries_and_bad_inputs(monkeypatch):
@@ -245,39 +269,49 @@ def test_public_entries_and_bad_inputs(monkeypatch):
     layer = Layer(gen, 2, 2, **SMALL, num_slots=3, dtype=F64, sdt=F64, device="cpu")
     slots = torch.tensor([1], dtype=torch.int32)
     x, g, beta = layer.inputs(gen, 1, 2)
-    prep = layer.prep_scratch(1, 2)
+    record = layer.record(1, 2)
     args = ("verify", x, layer.weight, g, beta, layer.conv, layer.ssm, slots)
     for fwd in (gdn.gdn_forward_triton, gr.gdn_forward):
-        with pytest.raises(ValueError, match="one of ssm_scratch, prep_scratch"):
-            fwd(*args, conv_scratch=layer.conv_scratch(1, 2), prep_scratch=prep,
+        with pytest.raises(ValueError, match="a record or the scratches, not both"):
+            fwd(*args, conv_scratch=layer.conv_scratch(1, 2), record=record,
                 ssm_scratch=layer.ssm_scratch(1, 2))  # fmt: skip
-        with pytest.raises(ValueError, match="prep_scratch"):
-            fwd(*args, conv_scratch=layer.conv_scratch(1, 2), prep_scratch=prep.float())
+        with pytest.raises(ValueError, match="needs a record, or conv_scratch and ssm_scratch"):
+            fwd(*args, conv_scratch=layer.conv_scratch(1, 2))
+        bad = gr.VerifyRecord(record.x, record.y, record.g.float(), record.beta)
+        with pytest.raises(ValueError, match=r"VerifyRecord\.g must be"):
+            fwd(*args, record=bad)
+        with pytest.raises(ValueError, match="T == bs \\* Tv"):
+            fwd(*args, record=layer.record(1, 3))
+    with pytest.raises(ValueError, match="a record is for verify"):
+        gdn.gdn_forward_triton("decode", x[:1], layer.weight, g[:1], beta[:1], *args[5:],
+                               record=record)  # fmt: skip
+    with pytest.raises(ValueError, match="conv output is record.y"):
+        gdn.gdn_forward_triton(*args, record=record, conv_out=torch.empty_like(x))
     acc = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="prep_scratch"):
-        gdn.gated_delta_rule_replay_commit_triton(prep[..., :-1], acc, layer.ssm, slots)
+    state = (layer.conv, layer.ssm)
     with pytest.raises(ValueError, match="accepted"):
-        gdn.gated_delta_rule_replay_commit_triton(prep, acc[:0], layer.ssm, slots)
+        gdn.gdn_replay_commit_triton(record, acc[:0], *state, slots)
+    with pytest.raises(ValueError, match=r"VerifyRecord\.x must be"):
+        gdn.gdn_replay_commit_triton(layer.record(2, 2), acc, *state, slots)
     # CPU tensors: the public entry runs the reference unless told otherwise
     called = []
-    real = gr.gated_delta_rule_replay_commit
-    monkeypatch.setattr(
-        gr, "gated_delta_rule_replay_commit", lambda *a: called.append(a) or real(*a)
-    )
-    gdn.gdn_forward(*args, conv_scratch=layer.conv_scratch(1, 2), prep_scratch=prep)
-    gdn.gated_delta_rule_replay_commit(prep, acc, layer.ssm, slots)
+    real = gr.gdn_replay_commit
+    monkeypatch.setattr(gr, "gdn_replay_commit", lambda *a: called.append(a) or real(*a))
+    gdn.gdn_forward(*args, record=record)
+    gdn.gdn_replay_commit(record, acc, *state, slots)
     assert len(called) == 1
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hk", [16, 8])
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_replay_commit_small_preset_bitwise(hk, batch_invariant):
+def test_small_preset_one_kernel_for_decode_verify_replay(hk, batch_invariant):
     """The ``small`` preset's GDN layer (16 heads of 128 x 128), 48 lanes x 8 tokens with
-    padded and ragged lanes: bitwise equal verify outputs, equal committed states for every
-    accepted count. (In a one-warp ``BV = 32`` tile the two verify variants compiled to
-    different multiply-add contractions on the H200 and their outputs differed by ulps: see
-    ``gdn._rule_config``.)"""
+    padded and ragged lanes. Decode, verify and the replay commit run one compiled
+    ``_rule_kernel``, so: the verify's outputs equal a token-by-token decode's bitwise, and
+    the replay's committed states (every accepted count) equal the decode's states after
+    that token bitwise; against the per-position verify (another compiled kernel) the
+    states agree to a few ulps and the conv windows bitwise."""
     gen = torch.Generator().manual_seed(hk)
     bs, t_len = 48, 8
     layer = Layer(gen, 16, hk, 128, 128, num_slots=64, dtype=BF16, sdt=F32, device="cuda")
@@ -286,13 +320,35 @@ def test_replay_commit_small_preset_bitwise(hk, batch_invariant):
     slots = torch.tensor(slots_l, dtype=torch.int32, device="cuda")
     lens = [t_len - (b % 3) for b in range(bs)]
     x, g, beta = layer.inputs(gen, bs, t_len, lens)
-    (o_old, o_new), old, new = run_both(layer, slots, x, g, beta, t_len, True, batch_invariant)
-    assert_bitwise(o_new, o_old, "verify output")
-    assert_bitwise(new["conv_scratch"], old["conv_scratch"], "conv scratch")
-    assert new["prep_scratch"][[5, 40]].isnan().all()
+    (o_old, o_new), old, record = run_both(layer, slots, x, g, beta, t_len, True, batch_invariant)
+    assert_rounding(o_new, o_old, "verify output")
     check_commits(
-        layer, slots, old, new, accepted_sets(bs, t_len, lens, "cuda"), True, batch_invariant
+        layer, slots, old, record, accepted_sets(bs, t_len, lens, "cuda"), True, batch_invariant
     )
+    # decode token by token from copies of the slots
+    conv, ssm = layer.conv.clone(), layer.ssm.clone()
+    x3, g3, b3 = (t.reshape(bs, t_len, -1) for t in (x, g, beta))
+    o3 = o_new.reshape(bs, t_len, *o_new.shape[1:])
+    live = [b for b in range(bs) if slots_l[b] >= 0]
+    after = []
+    for t in range(t_len):
+        o_t = gdn.gdn_forward_triton(
+            "decode", x3[:, t].contiguous(), layer.weight, g3[:, t].contiguous(),
+            b3[:, t].contiguous(), conv, ssm, slots, num_k_heads=hk,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
+        assert_bitwise(o_t[live], o3[live, t], f"decode output, token {t}")
+        after.append(ssm.clone())
+    for accepted in accepted_sets(bs, t_len, lens, "cuda")[:t_len]:
+        got = (layer.conv.clone(), layer.ssm.clone())
+        tiles = {}
+        if batch_invariant:
+            _, bv, nw = gdn._rule_config(16, 128, 128, None, None, "batch_invariant")
+            tiles = {"block_v": bv, "num_warps": nw}
+        gdn.gdn_replay_commit_triton(record, accepted, *got, slots, hk, **tiles)
+        for b in live:
+            a = int(accepted[b])
+            assert_bitwise(got[1][slots_l[b]], after[a][slots_l[b]], f"lane {b} accepted {a}")
 
 
 # ------------------------------------------------------------------ engine (DSPARK, Triton)
@@ -340,7 +396,7 @@ def _engine_states(monkeypatch, replay: bool):
     def recording(accepted, vslots, slots):
         commit(accepted, vslots, slots)
         counts.extend(accepted.tolist())
-        for i in eng.runner.verify_scratch:
+        for i in sorted({*eng.runner.verify_scratch, *eng.runner.verify_records}):
             snaps.append(pool.state_cache(pool.spec.lane_of_layer(i))[1].clone())
 
     eng.runner._commit_gdn = recording
@@ -353,10 +409,12 @@ def _engine_states(monkeypatch, replay: bool):
 def test_engine_dspark_replay_commit_bitwise(monkeypatch):
     out_new, snaps_new, runner = _engine_states(monkeypatch, True)
     out_old, snaps_old, runner_old = _engine_states(monkeypatch, False)
-    sizes, sizes_old = (
-        {i: p.numel() * p.element_size() for i, (_, p) in r.verify_scratch.items()}
-        for r in (runner, runner_old)
-    )
+    sizes = {i: rec.nbytes for i, rec in runner.verify_records.items()}
+    sizes_old = {
+        i: sum(t.numel() * t.element_size() for t in pair)
+        for i, pair in runner_old.verify_scratch.items()
+    }
+    assert not runner.verify_scratch and not runner_old.verify_records
     assert out_new == out_old
     assert len(snaps_new) == len(snaps_old) > 0
     for a, b in zip(snaps_new, snaps_old, strict=True):

@@ -74,13 +74,15 @@ from unimem_kernel import gdn_reference
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
 GDN_REPLAY_COMMIT = True
-"""Default of :class:`ModelRunner`'s ``gdn_replay_commit``: a verify stores per GDN layer and
-position only the prepared k, v, g, beta (``prep_scratch``), not the SSM state, and the
-commit re-runs the recurrence over each lane's accepted tokens from its slot
-(:func:`unimem_kernel.gdn.gated_delta_rule_replay_commit`; the committed state is the one the
-state scratch would hold, to a few ulps on a GPU where the two kernels compile apart). False:
-the state after every position goes to scratch and the commit copies the accepted one
-(:func:`~unimem_kernel.state_commit.commit_states_multi`)."""
+"""Default of :class:`ModelRunner`'s ``gdn_replay_commit``: a verify keeps per GDN layer only
+the step's inputs (a :class:`~unimem_kernel.gdn_reference.VerifyRecord`: conv input and
+output rows, gates), no state, and the commit rebuilds each lane's conv window and re-runs
+the recurrence over its accepted tokens from its slot (:func:`unimem_kernel.gdn.
+gdn_replay_commit`, the verify's own kernel: the committed state is bitwise the verify's
+state after the last accepted token). False: the states after every position go to scratch
+and the commit copies the accepted ones (:func:`~unimem_kernel.state_commit.
+commit_states_multi`; on a GPU that verify is a separately compiled kernel, so its states
+agree with the replay's to a few ulps)."""
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -161,9 +163,11 @@ class PagedContext(ForwardContext):
         scratch = {}
         if self.mode is ForwardMode.VERIFY:
             bs = self.state_slots.shape[0]
-            conv_scratch, per_token = r.verify_scratch[layer_idx]
-            key = "prep_scratch" if r.gdn_replay_commit else "ssm_scratch"
-            scratch = {"conv_scratch": conv_scratch[:bs], key: per_token[:bs]}
+            if r.gdn_replay_commit:
+                scratch = {"record": r.verify_records[layer_idx].lanes(bs)}
+            else:
+                conv_scratch, ssm_scratch = r.verify_scratch[layer_idx]
+                scratch = {"conv_scratch": conv_scratch[:bs], "ssm_scratch": ssm_scratch[:bs]}
         bi = gdn_batch_invariant(ssm)
         return gdn_ops.gdn_forward(
             self.mode.value,
@@ -201,8 +205,8 @@ class ModelRunner:
     (default :func:`default_buckets`) at construction; needs a CUDA pool and a backend that
     can be captured (FA4), and a GDN path that skips padded lanes (the Triton kernels).
     ``gdn_replay_commit`` (default :data:`GDN_REPLAY_COMMIT`): how a verify's GDN states
-    are committed, replayed from the prepared inputs (True) or copied from per-position state
-    scratch (False); the committed states agree to a few ulps, the scratch is ~60x smaller.
+    are committed, replayed from the step's recorded inputs (True) or copied from
+    per-position state scratch (False); the record is ~20x smaller than the scratch.
     ``logprobs``: every step also writes the log-probability of each output token
     (``out.logprobs``; one log-sum-exp over the vocabulary per logits row) under the model's
     raw distribution — before temperature and filters, as SGLang reports it.
@@ -263,6 +267,7 @@ class ModelRunner:
         self.planned_lengths: list[int] | None = None
         self.drafts: DraftRunner | None = None
         self.verify_scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.verify_records: dict[int, gdn_reference.VerifyRecord] = {}
         self._commit_plan: StateCommitPlan | None = None
         if chain is not None:
             self.drafts = DraftRunner(chain, pool, backend, max_bs)
@@ -282,35 +287,31 @@ class ModelRunner:
                 )
 
     def _init_verify_scratch(self, width: int) -> None:
-        """Per GDN layer, ``[max_bs, width, *S]`` scratch for the conv state after every
-        verified position and, per position, either the SSM state (``[max_bs, width, H, Dk,
-        Dv]``, the state's dtype) or with ``gdn_replay_commit`` the prepared k, v, g, beta
-        (``[max_bs, width, Hk * Dk + H * Dv + 2 * H]``, float32: ~60x smaller at 128 x 128
-        heads); and one commit plan moving scratch entries (conv and SSM, or conv only) into
-        the pool's state views."""
+        """Per GDN layer, for ``max_bs`` lanes of ``width`` positions: with
+        ``gdn_replay_commit`` a :class:`~unimem_kernel.gdn_reference.VerifyRecord` (conv
+        inputs and outputs in the conv state's dtype, gates in the rule's dtype); without it
+        the conv window and the SSM state after every position (the states' dtypes) and one
+        commit plan moving the kept entries into the pool's state views."""
         scratches, dests = [], []
-        hk = self.model.config.gdn_key_heads
         for i, kind in enumerate(self.layer_kinds):
             if kind is not LayerKind.STATE:
                 continue
             conv, ssm = self.pool.state_cache(self.spec.lane_of_layer(i))
+            if self.gdn_replay_commit:
+                self.verify_records[i] = gdn_reference.VerifyRecord.empty(
+                    self.max_bs, width, conv.shape[1], ssm.shape[1], conv.dtype, ssm.dtype,
+                    self.device,
+                )  # fmt: skip
+                continue
 
             def zeros(*shape, dtype):
                 return torch.zeros(self.max_bs, width, *shape, dtype=dtype, device=self.device)
 
             conv_scratch = zeros(*conv.shape[1:], dtype=conv.dtype)
-            if self.gdn_replay_commit:
-                per_token = zeros(
-                    gdn_reference.prep_dim(*ssm.shape[1:], hk),
-                    dtype=gdn_reference.prep_dtype(ssm.dtype),
-                )
-                pairs = [(conv_scratch, conv)]
-            else:
-                per_token = zeros(*ssm.shape[1:], dtype=ssm.dtype)
-                pairs = [(conv_scratch, conv), (per_token, ssm)]
-            self.verify_scratch[i] = (conv_scratch, per_token)
-            scratches += [s for s, _ in pairs]
-            dests += [d for _, d in pairs]
+            ssm_scratch = zeros(*ssm.shape[1:], dtype=ssm.dtype)
+            self.verify_scratch[i] = (conv_scratch, ssm_scratch)
+            scratches += [conv_scratch, ssm_scratch]
+            dests += [conv, ssm]
         if scratches:
             self._commit_plan = StateCommitPlan(scratches, dests)
 
@@ -318,20 +319,19 @@ class ModelRunner:
         self, accepted: torch.Tensor, vslots: torch.Tensor, slots: torch.Tensor | None
     ) -> None:
         """Every GDN layer's conv and SSM state after position ``accepted`` into the lanes'
-        slots: one copy launch (the conv scratch, and the SSM scratch without
-        ``gdn_replay_commit``) and, with it, one replay launch per layer from the prepared
-        inputs (``slots``: the verify's physical slots, -1 for padded lanes)."""
+        slots: with ``gdn_replay_commit`` two launches per layer from its record (``slots``:
+        the verify's physical slots, -1 for padded lanes), else one copy launch for every
+        layer (virtual slots ``vslots``, translated in the kernel)."""
         if self._commit_plan is not None:
             commit_states_multi(self._commit_plan, accepted, vslots, self.pool.state_v2p)
-        if not self.gdn_replay_commit:
-            return
         width = accepted.shape[0]
         hk = self.model.config.gdn_key_heads
-        for i, (_, prep) in self.verify_scratch.items():
-            _, ssm = self.pool.state_cache(self.spec.lane_of_layer(i))
-            gdn_ops.gated_delta_rule_replay_commit(
-                prep[:width], accepted, ssm, slots, hk, batch_invariant=gdn_batch_invariant(ssm)
-            )
+        for i, record in self.verify_records.items():
+            conv, ssm = self.pool.state_cache(self.spec.lane_of_layer(i))
+            gdn_ops.gdn_replay_commit(
+                record.lanes(width), accepted, conv, ssm, slots, hk,
+                batch_invariant=gdn_batch_invariant(ssm),
+            )  # fmt: skip
 
     # ----------------------------------------------------------------------------- launch
 

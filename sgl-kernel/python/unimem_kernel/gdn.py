@@ -34,34 +34,40 @@ Modes, as in the engine:
 * ``verify``: ``T`` tokens per request (request-major rows); the state after every token goes
   to caller-owned scratch (``conv [bs, T, conv_dim, K-1]``, ``ssm [bs, T, H, Dk, Dv]``, in the
   states' dtypes, entry ``t`` = after token ``t``); the slots are only read. Committing is
-  ``state_commit.commit_states`` (DESIGN §5). Or, with ``prep_scratch [bs, T, Hk*Dk + H*Dv +
-  2*H]`` (float32; float64 for float64 states) in place of the SSM scratch, only the prepared
-  k, v, g, beta of every token are stored (~64x fewer bytes at 128 x 128 heads), and
-  ``gated_delta_rule_replay_commit`` re-runs tokens ``0 .. accepted`` from the slot and writes
-  the state there: the same ``_rule_kernel`` in its replay mode, in the verify's tile
-  configuration, each token through the same ``_delta_step``, so the committed state is the
-  state scratch's entry: bitwise under the interpreter, to a few ulps once compiled (the two
-  kernels are compiled separately and the compiler may contract their multiply-adds
-  differently; the H200 measured at most 2 ulps of the state dtype).
+  ``state_commit.commit_states`` (DESIGN §5). Or, with a ``gdn_reference.VerifyRecord`` in
+  place of both scratches, only the step's inputs are kept — the conv input rows, the conv
+  output rows (the record's ``y`` *is* the conv output) and the gates, ~20x fewer bytes than
+  the states at the ``small`` sizes — and ``gdn_replay_commit`` rebuilds each lane's conv
+  window and re-runs the delta rule over tokens ``0 .. accepted`` from the slot: the very
+  ``_rule_kernel`` binary the verify ran (its step kind is a runtime flag, and the replay
+  passes the same kinds of arguments through ``_mixer_rule``), so the committed state is
+  bitwise the verify's state after that token.
 
 Padded lanes (``slots[b] < 0``, as in a fixed-size CUDA-graph batch) are skipped by the Triton
 path: their slots and scratch entries are neither read nor written and their output rows are
 zeros. (The torch reference has no padded lanes: on CPU pass live lanes only.)
 
-Kernels (one each, every mode through constexpr switches):
+Kernels (the rule's step kinds are runtime flags, the conv's constexpr switches):
 
 * ``_conv_kernel``: grid ``(bs, token blocks, channel blocks)``; a program computes a
   ``[BLOCK_T, BLOCK_D]`` tile of ``y`` from ``K`` shifted loads. Only token block 0 of a
   request touches its slot: it reads the initial state and, in extend/decode, writes the final
   ``K-1`` inputs back after a barrier (``BLOCK_T >= K-1`` whenever there are several token
-  blocks, so later blocks never need the state). Verify writes the window after every token.
+  blocks, so later blocks never need the state). Verify writes the window after every token
+  (``STORE_STATES``) or, with a record, the input rows (``STORE_X``, coalesced).
+* ``_conv_commit_kernel``: grid ``(bs, channel blocks)``; the replay commit's conv half.
 * ``_rule_kernel``: grid ``(bs, H, cdiv(Dv, BLOCK_V))`` over value heads (q/k read from key head
   ``h // GROUP``, ``GROUP = H // Hk``); the state tile ``[Dk, BLOCK_V]`` stays
   in registers (float32, or float64 for float64 states) across a token loop that prefetches the
   next token's q/k/v/g/beta. Each program owns its slice of the slot, so the in-place read at
-  the start and write at the end never race with another program. ``STORE_PREP`` (verify)
-  stores each token's prepared inputs (k by one program per key head, g and beta by V block
-  0); ``REPLAY`` (commit) runs lane ``b``'s tokens ``0 .. accepted[b]`` without q or output.
+  the start and write at the end never race with another program. Its ``flags``
+  (``RULE_*``) select ragged rows, initial-state flags, output and final-state stores, the
+  record's gates (stored by V block 0) and the replay (lane ``b``'s tokens ``0 ..
+  accepted[b]``, no output); constexprs are only the shapes, the tile, the dtype, the
+  per-position state stores of the old verify (``STORE_STATES``) and the mixer prologue
+  (``PREP``). The arguments that vary between step kinds without changing arithmetic (gate,
+  slot, flag pointers; batch strides) are not specialised on, so that one tile is one
+  binary.
 
 Expected cost of the recurrent form in extend (an estimate; ``benchmark/bench_gdn.py`` measures
 it against fla's chunked kernel plus the gather/scatter copies that kernel needs): each program
@@ -124,6 +130,7 @@ def _conv_kernel(
     init_ptr,  # [bs] uint8 has_initial_state (HAS_INIT)
     y_ptr,  # like x
     scratch_ptr,  # [bs, T, D, K-1] (STORE_STATES)
+    xr_ptr,  # [bs, T, D] the record's conv inputs (STORE_X)
     seq_len,  # tokens per request (not VARLEN)
     dim,
     x_sb,
@@ -141,12 +148,15 @@ def _conv_kernel(
     c_st,
     c_sd,
     c_sk,
+    r_sb,
+    r_st,
     KW: tl.constexpr,
     KP: tl.constexpr,  # next_pow2(KW - 1)
     ACC: tl.constexpr,
     VARLEN: tl.constexpr,
     HAS_INIT: tl.constexpr,
     STORE_STATES: tl.constexpr,
+    STORE_X: tl.constexpr,
     WRITE_FINAL: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -212,6 +222,15 @@ def _conv_kernel(
             )
             smask = t_live[:, None] & dmask[None, :]
             tl.store(c_ptrs, xin.to(scratch_ptr.dtype.element_ty), mask=smask)
+        if STORE_X and i == KW - 1:
+            # the last tap's input is token t itself: the record keeps the rows, coalesced
+            r_ptrs = (
+                xr_ptr
+                + b.to(tl.int64) * r_sb
+                + offs_t[:, None].to(tl.int64) * r_st
+                + offs_d[None, :]
+            )
+            tl.store(r_ptrs, xin.to(xr_ptr.dtype.element_ty), mask=t_live[:, None] & dmask[None, :])
     ymask = tmask[:, None] & dmask[None, :]
     tl.store(
         y_ptr + b_off * y_sb + rows[:, None] * y_st + offs_d[None, :] * y_sd,
@@ -249,6 +268,57 @@ def _conv_kernel(
 
 
 @triton.jit
+def _conv_commit_kernel(
+    xr_ptr,  # [bs, T, D] the record's conv inputs
+    state_ptr,  # [N, D, K-1] conv state (slot view)
+    slots_ptr,  # [bs] physical slots, < 0: skipped
+    acc_ptr,  # [bs] accepted index, outside [0, T): skipped
+    seq_len,
+    dim,
+    r_sb,
+    r_st,
+    s_sn,
+    s_sd,
+    s_sk,
+    KW: tl.constexpr,
+    KP: tl.constexpr,  # next_pow2(KW - 1)
+    BLOCK_D: tl.constexpr,
+):
+    """Lane ``b``'s conv window after token ``accepted[b]``, into its slot: column ``c`` is
+    input ``accepted - (K - 2) + c`` of the step (the record's row) when that is ``>= 0``,
+    else column ``accepted + 1 + c`` of the slot's window. A program owns channels
+    ``[BLOCK_D]`` of one lane: it reads them all before it writes them."""
+    b = tl.program_id(0)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    acc = tl.load(acc_ptr + b).to(tl.int64)
+    ok = (slot >= 0) & (acc >= 0) & (acc < seq_len)
+    slot = tl.where(ok, slot, 0)
+    acc = tl.where(ok, acc, 0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, KP)
+    dmask = offs_d < tl.where(ok, dim, 0)
+    cmask = cols < KW - 1
+    pos = acc - (KW - 2) + cols  # step position of each kept column
+    from_x = (pos >= 0) & cmask
+    from_s = (pos < 0) & cmask
+    st = state_ptr + slot * s_sn + offs_d[:, None] * s_sd
+    xv = tl.load(
+        xr_ptr + b.to(tl.int64) * r_sb + tl.where(from_x, pos, 0)[None, :] * r_st
+        + offs_d[:, None],
+        mask=dmask[:, None] & from_x[None, :],
+        other=0.0,
+    )  # fmt: skip
+    sv = tl.load(
+        st + tl.where(from_s, acc + 1 + cols, 0)[None, :] * s_sk,
+        mask=dmask[:, None] & from_s[None, :],
+        other=0.0,
+    )
+    win = tl.where(from_x[None, :], xv.to(state_ptr.dtype.element_ty), sv)
+    tl.debug_barrier()  # every read of the slot before any write
+    tl.store(st + cols[None, :] * s_sk, win, mask=dmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _load_token(
     q_row,
     k_row,
@@ -264,17 +334,12 @@ def _load_token(
     DK: tl.constexpr,
     DV: tl.constexpr,
     ACC: tl.constexpr,
-    LOAD_Q: tl.constexpr,
 ):
-    """q, k, v, g, beta of one token (zeros where ``ok`` is False), in ``ACC``; without
-    ``LOAD_Q`` q is not read (it is ``k``: the replay commit has no output)."""
+    """q, k, v, g, beta of one token (zeros where ``ok`` is False), in ``ACC``."""
     kmask = offs_k < tl.where(ok, DK, 0)
     vmask = offs_v < tl.where(ok, DV, 0)
     k = tl.load(k_row + offs_k * k_sd, mask=kmask, other=0.0).to(ACC)
-    if LOAD_Q:  # noqa: SIM108 (a constexpr branch: no load at all without LOAD_Q)
-        q = tl.load(q_row + offs_k * q_sd, mask=kmask, other=0.0).to(ACC)
-    else:
-        q = k
+    q = tl.load(q_row + offs_k * q_sd, mask=kmask, other=0.0).to(ACC)
     v = tl.load(v_row + offs_v * v_sd, mask=vmask, other=0.0).to(ACC)
     g = tl.load(g_row, mask=ok, other=0.0).to(ACC)
     beta = tl.load(b_row, mask=ok, other=0.0).to(ACC)
@@ -284,16 +349,39 @@ def _load_token(
 @triton.jit
 def _delta_step(state, k, v, g, beta):
     """One token of the gated delta rule on a ``[BK, BV]`` state tile (``k [BK]``, ``v [BV]``,
-    scalars ``g``, ``beta``): decay, prediction, rank-1 update. The verify and the replay
-    commit both run exactly this, in the same tile configuration, so their states agree (to
-    the multiply-add contraction each compiled kernel gets: module docstring)."""
+    scalars ``g``, ``beta``): decay, prediction, rank-1 update."""
     state = state * tl.exp(g)
     pred = tl.sum(state * k[:, None], axis=0)
     u = beta * (v - pred)
     return state + k[:, None] * u[None, :]
 
 
-@triton.jit(do_not_specialize=["seq_len"])
+# Runtime step flags of ``_rule_kernel`` (bits of ``flags``). They are runtime values, not
+# constexprs, so that extend, decode, verify and the replay commit of one tile configuration
+# run one compiled kernel: a token's state is then bitwise the same whichever step computes
+# it (the compiler cannot contract or reorder one step kind differently from another).
+RULE_VARLEN = 1  # rows ragged by cu_seqlens (else seq_len rows per lane, request-major)
+RULE_HAS_INIT = 2  # has_initial_state per lane (else every live lane reads its slot)
+RULE_STORE_OUT = 4  # store o
+RULE_WRITE_FINAL = 8  # write the final state back to the slot
+RULE_REPLAY = 16  # tokens 0 .. accepted[b] of each lane (the replay commit)
+RULE_SAVE_GATES = 32  # store g and beta of every token into the record (verify)
+# the same bits as the kernel sees them (a jitted function reads globals only as constexprs)
+_K_VARLEN = tl.constexpr(RULE_VARLEN)
+_K_HAS_INIT = tl.constexpr(RULE_HAS_INIT)
+_K_STORE_OUT = tl.constexpr(RULE_STORE_OUT)
+_K_WRITE_FINAL = tl.constexpr(RULE_WRITE_FINAL)
+_K_REPLAY = tl.constexpr(RULE_REPLAY)
+_K_SAVE_GATES = tl.constexpr(RULE_SAVE_GATES)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "g_ptr", "beta_ptr", "slots_ptr", "cu_ptr", "init_ptr", "scratch_ptr", "acc_ptr",
+        "rg_ptr", "rb_ptr", "flags", "seq_len", "q_sb", "k_sb", "v_sb", "g_sb", "g_st", "g_sh",
+        "b_sb", "b_st", "b_sh", "o_sb", "r_sb", "r_st",
+    ]
+)  # fmt: skip
 def _rule_kernel(
     q_ptr,  # [.., Hk, Dk]: token (b, t) at b * q_sb + (start_b + t) * q_st (+ hk * q_sh)
     k_ptr,  # [.., Hk, Dk]
@@ -303,11 +391,13 @@ def _rule_kernel(
     o_ptr,  # [.., H, Dv]
     state_ptr,  # [N, H, Dk, Dv] SSM state (slot view)
     slots_ptr,  # [bs]
-    cu_ptr,  # [bs+1] (VARLEN)
-    init_ptr,  # [bs] uint8 (HAS_INIT)
+    cu_ptr,  # [bs+1] (RULE_VARLEN)
+    init_ptr,  # [bs] uint8 (RULE_HAS_INIT)
     scratch_ptr,  # [bs, T, H, Dk, Dv] (STORE_STATES)
-    prep_ptr,  # [bs, T, prep_dim] prepared k | v | g | beta (STORE_PREP)
-    acc_ptr,  # [bs] accepted index per lane (REPLAY)
+    acc_ptr,  # [bs] accepted index per lane (RULE_REPLAY)
+    rg_ptr,  # [bs, T, H] record gates g (RULE_SAVE_GATES)
+    rb_ptr,  # [bs, T, H] record gates beta (RULE_SAVE_GATES)
+    flags,
     seq_len,
     scale,
     eps,
@@ -342,45 +432,41 @@ def _rule_kernel(
     c_sh,
     c_sk,
     c_sv,
-    p_sb,
-    p_st,
-    p_sc,
-    p_v0,  # channel of v[0] in a prep row (k of key head hk at hk * DK)
-    p_g0,  # channel of g[0]
-    p_b0,  # channel of beta[0]
+    r_sb,
+    r_st,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     ACC: tl.constexpr,
-    VARLEN: tl.constexpr,
-    HAS_INIT: tl.constexpr,
     STORE_STATES: tl.constexpr,
-    WRITE_FINAL: tl.constexpr,
     PREP: tl.constexpr,  # SiLU on q, k, v and L2 norm of q, k (the mixer's prologue)
     GROUP: tl.constexpr,  # H // Hk: value head h reads q, k of key head h // GROUP
-    STORE_PREP: tl.constexpr,  # verify: store the prepared k, v, g, beta of every token
-    REPLAY: tl.constexpr,  # commit: tokens 0..accepted of each lane, no output, no q
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)  # value head
+    varlen = (flags & _K_VARLEN) != 0
+    store_out = (flags & _K_STORE_OUT) != 0
+    write_final = (flags & _K_WRITE_FINAL) != 0
+    replay = (flags & _K_REPLAY) != 0
+    save_gates = (flags & _K_SAVE_GATES) != 0
     slot = tl.load(slots_ptr + b).to(tl.int64)
     live = slot >= 0
-    if VARLEN:
+    if varlen:
         start = tl.load(cu_ptr + b).to(tl.int64)
         length = tl.load(cu_ptr + b + 1).to(tl.int64) - start
-        b_off = 0
+        b_off = b.to(tl.int64) * 0
     else:
-        start = 0
+        start = b.to(tl.int64) * 0
         length = seq_len.to(tl.int64)
         b_off = b.to(tl.int64)
-    if REPLAY:
+    if replay:
         # the lane keeps the state after token ``accepted`` (skipped outside [0, T))
         accepted = tl.load(acc_ptr + b).to(tl.int64)
         live = live & (accepted >= 0) & (accepted < length)
         length = tl.where(live, accepted + 1, 0)
     has = live
-    if HAS_INIT:
+    if (flags & _K_HAS_INIT) != 0:
         has = has & (tl.load(init_ptr + b) != 0)
     slot = tl.where(live, slot, 0)
 
@@ -403,20 +489,14 @@ def _rule_kernel(
     o_row = o_ptr + b_off * o_sb + start * o_st + h64 * o_sh
     c_base = scratch_ptr + b.to(tl.int64) * c_sb + h64 * c_sh
     c_offs = offs_k[:, None] * c_sk + offs_v[None, :] * c_sv
-    # prepared inputs (STORE_PREP): key head hk's k by one program of its group, g and beta by
-    # the first V block; every program its V slice (scalar predicates as integer bounds)
-    p_base = prep_ptr + b.to(tl.int64) * p_sb
-    first_vb = tl.program_id(2) == 0
-    p_kmask = offs_k < tl.where(live & first_vb & (h % GROUP == 0), DK, 0)
-    p_vmask = offs_v < tl.where(live, DV, 0)
-    p_koffs = (hk64 * DK + offs_k) * p_sc
-    p_voffs = (p_v0 + h64 * DV + offs_v) * p_sc
-    p_gb = live & first_vb
+    # the record's gates (RULE_SAVE_GATES): by the first V block of each head
+    r_off = b.to(tl.int64) * r_sb + h64
+    r_ok = live & save_gates & (tl.program_id(2) == 0)
 
     # software prefetch: token t + 1 is loaded while token t is computed
     nq, nk, nv, ng, nb = _load_token(
         q_row, k_row, v_row, g_row, b_row, offs_k, offs_v, q_sd, k_sd, v_sd,
-        live & (length > 0), DK, DV, ACC, not REPLAY,
+        live & (length > 0), DK, DV, ACC,
     )  # fmt: skip
     for t in range(0, length):
         q, k, v, g, beta = nq, nk, nv, ng, nb
@@ -424,7 +504,7 @@ def _rule_kernel(
         nq, nk, nv, ng, nb = _load_token(
             q_row + nxt * q_st, k_row + nxt * k_st, v_row + nxt * v_st, g_row + nxt * g_st,
             b_row + nxt * b_st, offs_k, offs_v, q_sd, k_sd, v_sd,
-            live & (nxt < length), DK, DV, ACC, not REPLAY,
+            live & (nxt < length), DK, DV, ACC,
         )  # fmt: skip
         if PREP:
             q = q / (1.0 + tl.exp(-q))
@@ -432,18 +512,11 @@ def _rule_kernel(
             v = v / (1.0 + tl.exp(-v))
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
-        if STORE_PREP:
-            p_tok = p_base + t * p_st
-            pty = prep_ptr.dtype.element_ty
-            tl.store(p_tok + p_koffs, k.to(pty), mask=p_kmask)
-            tl.store(p_tok + p_voffs, v.to(pty), mask=p_vmask)
-            tl.store(p_tok + (p_g0 + h64) * p_sc, g.to(pty), mask=p_gb)
-            tl.store(p_tok + (p_b0 + h64) * p_sc, beta.to(pty), mask=p_gb)
-        if not REPLAY:
-            q = q * scale
+        tl.store(rg_ptr + r_off + t * r_st, g.to(rg_ptr.dtype.element_ty), mask=r_ok)
+        tl.store(rb_ptr + r_off + t * r_st, beta.to(rb_ptr.dtype.element_ty), mask=r_ok)
         state = _delta_step(state, k, v, g, beta)
-        if not REPLAY:
-            o = tl.sum(state * q[:, None], axis=0)
+        if store_out:
+            o = tl.sum(state * (q * scale)[:, None], axis=0)
             tl.store(o_row + t * o_st + offs_v * o_sd, o.to(o_ptr.dtype.element_ty), mask=vmask)
         if STORE_STATES:
             tl.store(
@@ -451,7 +524,7 @@ def _rule_kernel(
                 state.to(scratch_ptr.dtype.element_ty),
                 mask=m_live,
             )
-    if WRITE_FINAL:
+    if write_final:
         tl.debug_barrier()  # every thread's read of the slot before any write
         tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=m_live)
 
@@ -483,14 +556,16 @@ def _check_shape(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
 def _init_flags(
     has_initial_state: torch.Tensor | None, bs: int, device: torch.device
 ) -> torch.Tensor | None:
-    """``has_initial_state`` as a uint8 view (bool and integer tensors accepted; no copy for
-    bool/uint8)."""
+    """``has_initial_state`` as uint8 (bool and integer tensors accepted; a view for
+    bool/uint8, a comparison for other dtypes: the rule kernel takes one pointer dtype)."""
     if has_initial_state is None:
         return None
     _check_device(device, has_initial_state=has_initial_state)
     _check_shape("has_initial_state", has_initial_state, (bs,))
     if has_initial_state.dtype == torch.bool:
         return has_initial_state.view(torch.uint8)
+    if has_initial_state.dtype != torch.uint8:
+        return (has_initial_state != 0).view(torch.uint8)
     return has_initial_state
 
 
@@ -542,45 +617,51 @@ def _conv_blocks(
     return block_t, block_d, n_t
 
 
+_STEP_TILE = (32, 1)  # (BV, warps) of decode, verify and the replay commit
+_EXTEND_BV = 8
+_BATCH_INVARIANT_TILE = (64, 4)
+
+
 def _rule_config(
     h: int, dk: int, dv: int, block_v: int | None, num_warps: int | None, kind: str
 ) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)``: the whole key dim in one tile. ``kind`` is the step kind
-    (``"decode"``, ``"verify"`` — also the replay commit, which must run the verify's tiles —
-    or ``"extend"``). Defaults, measured on an H200 at the ``small`` sizes (H 16, Dk = Dv =
-    128; ``bench_gdn.py --sweep``, ``bench_gdn_commit.py --tiles``, docs/benchmarks.md):
+    """``(BK, BV, num_warps)``: the whole key dim in one tile. ``kind``: ``"step"`` (decode,
+    verify and the replay commit: one tile, hence one compiled kernel, so that a token's
+    state is bitwise the same whichever of them computes it — the acceptance control and a
+    greedy speculative run equal to the plain one depend on it), ``"extend"`` or
+    ``"batch_invariant"``. Defaults, measured on an H200 at the ``small`` sizes (H 16, Dk =
+    Dv = 128; ``bench_gdn.py --sweep``, ``bench_gdn_commit.py --tiles``, docs/benchmarks.md):
 
-    - decode (one token per request, bound by moving the state): ``BV = 64`` in 4 warps,
-      26 us at bs 48 against 55 us with ``BV = 8`` in one warp;
-    - verify (gamma + 1 tokens, the state read once and kept in registers): the decode tile.
-      ``BV = 32`` in one warp (every reduction within a warp) is faster — verify + replay
-      commit of 8 layers at 48 x 8 tokens 1006 us against 1262 us — but compiled for the
-      H200 its verify and replay variants round differently (ulps), so a token's output
-      then depends on whether its prefix was committed by a replay or computed inside the
-      verify window: on the bench, runs with different accept patterns diverged at the
-      first bf16 near-tie and the acceptance control's accept length fell from 4.17 to 1.59.
-      With ``BV = 64`` in 4 warps the two variants agree bitwise on the H200;
+    - step: ``BV = 32`` in one warp (every reduction over ``Dk`` within a warp): verify +
+      replay commit of 8 layers at 48 x 8 tokens 1006 us against 1262 us in the ``BV = 64``
+      4-warp tile. (When the verify and the replay were separately compiled variants, this
+      tile made them round differently; they are one kernel now: ``_rule_kernel``'s runtime
+      flags.)
     - extend (long sequences, few requests: bound by the token loop's latency): small V
-      blocks in one warp, ``BV = 8`` (the reductions over ``Dk`` stay within a warp, as in
-      fla's recurrent kernel), which keeps more programs in flight;
-    - batch-invariant: the decode tile, ``BV = 64`` in 4 warps, for every kind. Compiled for
-      the H200, extend, decode, verify and replay give bitwise the same states in it
-      (``test_gdn_batch_invariant.py``); in the one-warp verify tile the replay variant's
-      state differed from the extend's by ulps (the compiler contracts the variants'
-      multiply-adds differently), so deterministic mode keeps this one.
+      blocks in one warp, ``BV = 8`` (as in fla's recurrent kernel), which keeps more
+      programs in flight;
+    - batch-invariant: ``BV = 64`` in 4 warps for every kind, extend included, so that a
+      prefill's state equals a decode's bitwise (``test_gdn_batch_invariant.py``): one
+      compiled kernel for every step kind.
     """
-    if kind not in ("decode", "verify", "extend", "batch_invariant"):
-        raise ValueError(f"kind must be decode, verify, extend or batch_invariant, got {kind!r}")
+    if kind not in ("step", "extend", "batch_invariant"):
+        raise ValueError(f"kind must be step, extend or batch_invariant, got {kind!r}")
     bk = next_pow2(dk)
-    default_bv = {"decode": 64, "verify": 64, "extend": 8, "batch_invariant": 64}[kind]
+    default_bv, default_warps = {
+        "step": _STEP_TILE,
+        "extend": (_EXTEND_BV, None),
+        "batch_invariant": _BATCH_INVARIANT_TILE,
+    }[kind]
     bv = min(next_pow2(dv), default_bv) if block_v is None else block_v
     if bv <= 0 or bv & (bv - 1):
         raise ValueError(f"block_v must be a power of two, got {bv}")
     if num_warps is None:
-        if kind != "extend":
-            num_warps = max(1, min(4, bk * bv // 2048))
-        else:
+        if default_warps is not None and block_v is None:
+            num_warps = default_warps
+        elif kind == "extend":
             num_warps = max(1, min(8, bk * bv // 1024))
+        else:
+            num_warps = max(1, min(4, bk * bv // 2048))
     if h > _MAX_GRID_YZ or triton.cdiv(dv, bv) > _MAX_GRID_YZ:
         raise ValueError(f"delta rule grid too large: H={h}, Dv={dv}, block_v={bv}")
     return bk, bv, num_warps
@@ -612,7 +693,11 @@ def _launch_conv(
     write_final: bool,
     block_d: int | None = None,
     block_t: int | None = None,
+    record_x: torch.Tensor | None = None,
 ) -> None:
+    """One ``_conv_kernel`` launch. ``scratch [bs, T, D, K-1]``: the window after every token
+    (verify); ``record_x [bs, T, D]`` (row-contiguous): the input rows (verify with a
+    record)."""
     bs = slots.shape[0]
     dim, kw = weight.shape
     if bs == 0 or dim == 0:
@@ -625,15 +710,17 @@ def _launch_conv(
         slots if init is None else init,
         y,
         y if scratch is None else scratch,
+        y if record_x is None else record_x,
         seq_len, dim,
         *x_strides, *weight.stride(), *conv_state.stride(), *y_strides,
-        *_strides(scratch, 4),
+        *_strides(scratch, 4), *_strides(record_x, 3)[:2],
         KW=kw,
         KP=next_pow2(max(kw - 1, 1)),
         ACC=_acc(x.dtype),
         VARLEN=cu is not None,
         HAS_INIT=init is not None,
         STORE_STATES=scratch is not None,
+        STORE_X=record_x is not None,
         WRITE_FINAL=write_final,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
@@ -762,52 +849,62 @@ def _launch_rule(
     scale: float | None,
     block_v: int | None,
     num_warps: int | None,
-    prep_scratch: torch.Tensor | None = None,
+    record_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     accepted: torch.Tensor | None = None,
+    kind: str | None = None,
 ) -> None:
-    """One ``_rule_kernel`` launch. ``prep_scratch [bs, T, prep_dim]`` (verify): the prepared
-    k, v, g, beta of every token are stored there. ``accepted [bs]`` (the replay commit):
-    each lane runs tokens ``0 .. accepted`` and writes its final state (``write_final``)."""
+    """One ``_rule_kernel`` launch. ``record_gates`` (``g, beta [bs, T, H]``, a verify with a
+    record): every token's gates are stored there. ``accepted [bs]`` (the replay commit):
+    each lane runs tokens ``0 .. accepted`` without storing outputs and writes its final
+    state (``write_final``). ``kind``: the tile configuration's step kind (default: from the
+    call: extend with ``cu``, else step)."""
     bs = slots.shape[0]
     _, h, dk, dv = ssm_state.shape
     if bs == 0 or h == 0 or dv == 0:
         return
-    kind = "extend" if cu is not None else ("decode" if seq_len == 1 else "verify")
+    if kind is None:
+        kind = "extend" if cu is not None else "step"
     bk, bv, warps = _rule_config(h, dk, dv, block_v, num_warps, kind)
     q, k, v = qkv
     g, beta = gb
     group = gdn_reference.check_heads(h, k.shape[-2])
-    p_offs = (0, 0, 0)
-    if prep_scratch is not None:
-        p_offs = gdn_reference.prep_offsets(h, dk, dv, h // group)
+    flags = (
+        (RULE_VARLEN if cu is not None else 0)
+        | (RULE_HAS_INIT if init is not None else 0)
+        | (RULE_WRITE_FINAL if write_final else 0)
+        | (RULE_REPLAY if accepted is not None else RULE_STORE_OUT)
+        | (RULE_SAVE_GATES if record_gates is not None else 0)
+    )
+    rg, rb = (g, beta) if record_gates is None else record_gates
+    r_strides = (0, 0) if record_gates is None else tuple(rg.stride()[:2])
+    # index pointers in one dtype whatever the step kind (placeholders are reinterpreting
+    # views, never read), so that the kinds share one signature, hence one binary
+    cu32 = _as_int32(cu) if cu is not None else slots.view(torch.int32)
+    init8 = init if init is not None else slots.view(torch.uint8)
+    acc32 = _as_int32(accepted) if accepted is not None else slots.view(torch.int32)
     _rule_kernel[(bs, h, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, out, ssm_state, slots,
-        slots if cu is None else cu,
-        slots if init is None else init,
+        q, k, v, g, beta, out, ssm_state, slots, cu32, init8,
         ssm_state if scratch is None else scratch,
-        ssm_state if prep_scratch is None else prep_scratch,
-        slots if accepted is None else accepted,
-        seq_len,
+        acc32, rg, rb, flags, seq_len,
         dk**-0.5 if scale is None else scale,
         L2NORM_EPS,
         *qkv_strides[0], *qkv_strides[1], *qkv_strides[2], *gb_strides[0], *gb_strides[1],
-        *out_strides, *ssm_state.stride(), *_strides(scratch, 5),
-        *_strides(prep_scratch, 3), *p_offs,
+        *out_strides, *ssm_state.stride(), *_strides(scratch, 5), *r_strides,
         DK=dk,
         DV=dv,
         BK=bk,
         BV=bv,
         ACC=_acc(ssm_state.dtype),
-        VARLEN=cu is not None,
-        HAS_INIT=init is not None,
         STORE_STATES=scratch is not None,
-        WRITE_FINAL=write_final,
         PREP=prep,
         GROUP=group,
-        STORE_PREP=prep_scratch is not None,
-        REPLAY=accepted is not None,
         num_warps=warps,
     )  # fmt: skip
+
+
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as int32 (a copy only for other dtypes: the engine's index tensors are int32)."""
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
 def _check_rule(q, k, v, g, beta, ssm_state: torch.Tensor, lead: tuple[int, ...]) -> None:
@@ -964,7 +1061,7 @@ def gdn_forward_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
     batch_invariant: bool = False,
-    prep_scratch: torch.Tensor | None = None,
+    record: gdn_reference.VerifyRecord | None = None,
     chunked_prefill: bool = False,
 ) -> torch.Tensor:
     """Triton launcher of ``gdn_forward``: two launches (conv; SiLU + L2 norm + delta rule).
@@ -979,10 +1076,11 @@ def gdn_forward_triton(
     (``_rule_config(kind="batch_invariant")``) for extend, decode and verify, so that a
     token's output and state are bitwise the same whichever step kind computes it (its
     reductions over ``Dk`` follow the tile layout); it refuses an explicit ``block_v`` /
-    ``num_warps``. Verify with
-    ``prep_scratch`` instead of ``ssm_scratch``: the prepared k, v, g, beta of every token are
-    stored (``gdn_reference.split_prep``), no state; commit with
-    ``gated_delta_rule_replay_commit`` (same ``block_v`` / ``num_warps``). Returns ``out``.
+    ``num_warps``. Verify with a ``record`` (``gdn_reference.VerifyRecord``) instead of the
+    scratches: the conv stores the input rows into ``record.x``, its output is ``record.y``
+    (``conv_out`` must then be None) and the rule stores the gates into ``record.g`` /
+    ``record.beta``; no state is stored; commit with ``gdn_replay_commit`` (same
+    ``block_v`` / ``num_warps``, or the same ``batch_invariant``). Returns ``out``.
     ``chunked_prefill`` (extend only; refused with ``batch_invariant``): the delta rule runs
     the chunked (WY) kernel of ``gdn_chunked`` instead of the recurrent one (other rounding).
     """
@@ -1008,6 +1106,18 @@ def gdn_forward_triton(
     _check_device(ssm_state.device, conv_out=conv_out, conv_state=conv_state)
     _check_shape("g", g, (n, h))
     _check_shape("beta", beta, (n, h))
+    if record is not None:
+        if mode != "verify":
+            raise ValueError(f"gdn_forward: a record is for verify, not {mode}")
+        if conv_out is not None:
+            raise ValueError("gdn_forward: with a record the conv output is record.y")
+        tv_rec = gdn_reference.verify_width(bs, mixed_qkv, conv_scratch, ssm_scratch, record)
+        record.check(bs, tv_rec, conv_state, ssm_state, mixed_qkv.dtype)
+        conv_out = record.y.view(n, conv_dim)
+    # the gates in the rule's dtype in every step kind (the record's, so that the replay's
+    # kernel is the verify's); a no-op for the models, whose gates come in that dtype
+    rdt = gdn_reference.rule_dtype(ssm_state.dtype)
+    g, beta = g.to(rdt), beta.to(rdt)
     y = torch.empty_like(mixed_qkv) if conv_out is None else conv_out
     _check_shape("conv_out", y, mixed_qkv.shape)
     if y.dtype != mixed_qkv.dtype:
@@ -1028,22 +1138,11 @@ def gdn_forward_triton(
             raise ValueError(f"gdn_forward: decode needs T == bs, got {n}, {bs}")
         tv = max_len = 1
     elif mode == "verify":
-        if conv_scratch is None or (ssm_scratch is None) == (prep_scratch is None):
-            raise ValueError(
-                "gdn_forward: verify needs conv_scratch and one of ssm_scratch, prep_scratch"
-            )
-        if prep_scratch is None:
-            tv = ssm_scratch.shape[1] if ssm_scratch.dim() == 5 else -1
-        else:
-            tv = prep_scratch.shape[1] if prep_scratch.dim() == 3 else -1
-        if n != bs * tv:
-            raise ValueError(f"gdn_forward: verify needs T == bs * Tv = {bs} * {tv}, got {n}")
-        _check_shape("conv_scratch", conv_scratch, (bs, tv, *conv_state.shape[1:]))
-        if prep_scratch is None:
+        tv = gdn_reference.verify_width(bs, mixed_qkv, conv_scratch, ssm_scratch, record)
+        if record is None:
+            _check_shape("conv_scratch", conv_scratch, (bs, tv, *conv_state.shape[1:]))
             _check_shape("ssm_scratch", ssm_scratch, (bs, tv, *ssm_state.shape[1:]))
-        else:
-            _check_prep(prep_scratch, ssm_state, nk, (bs, tv))
-        _check_device(ssm_state.device, conv_scratch=conv_scratch, ssm_scratch=ssm_scratch)
+            _check_device(ssm_state.device, conv_scratch=conv_scratch, ssm_scratch=ssm_scratch)
         max_len = tv
         write_final = False
     else:
@@ -1051,55 +1150,91 @@ def gdn_forward_triton(
 
     # rows: ragged (extend) or request-major with tv rows per request (decode: tv = 1)
     xs, ys = mixed_qkv.stride(0), y.stride(0)
-    fixed = cu is None
     _launch_conv(
         mixed_qkv, (xs * tv, xs, mixed_qkv.stride(1)), conv_weight, conv_state, slots, y,
         (ys * tv, ys, y.stride(1)), seq_len=tv, max_len=max_len, cu=cu, init=init,
         scratch=conv_scratch if mode == "verify" else None, write_final=write_final,
-        block_d=None,
+        block_d=None, record_x=None if record is None else record.x,
     )  # fmt: skip
-    kd = nk * dk
-    q = y[:, :kd].unflatten(1, (nk, dk))
-    k = y[:, kd : 2 * kd].unflatten(1, (nk, dk))
-    v = y[:, 2 * kd :].unflatten(1, (h, dv))
 
     if mode == "extend" and chunked_prefill:
         from unimem_kernel.gdn_chunked import gated_delta_rule_extend_chunked_triton
 
+        q, k, v = _split_conv_out(y, h, dk, dv, nk)
         return gated_delta_rule_extend_chunked_triton(
             q, k, v, g, beta, ssm_state, slots, cu, init, None, nk, out=o, prep=True
         )  # fmt: skip
 
-    def rows(t: torch.Tensor) -> tuple[int, ...]:
-        s = tuple(t.stride())
-        return (s[0] * tv, *s) if fixed else (0, *s)
-
-    _launch_rule(
-        (q, k, v), (rows(q), rows(k), rows(v)), (g, beta), (rows(g), rows(beta)), o, rows(o),
-        ssm_state, slots, seq_len=tv, cu=cu, init=init,
-        scratch=ssm_scratch if mode == "verify" else None, write_final=write_final, prep=True,
-        scale=None, block_v=block_v, num_warps=num_warps,
-        prep_scratch=prep_scratch if mode == "verify" else None,
+    _mixer_rule(
+        y, g, beta, o, _row_strides(o, tv, cu is None), ssm_state, slots, nk, tv=tv, cu=cu,
+        init=init, scratch=ssm_scratch if mode == "verify" else None, write_final=write_final,
+        block_v=block_v, num_warps=num_warps,
+        record_gates=None if record is None else (record.g, record.beta),
     )  # fmt: skip
     return o
 
 
-def _check_prep(
-    prep_scratch: torch.Tensor, ssm_state: torch.Tensor, nk: int, lead: tuple[int, int]
+def _split_conv_out(
+    y: torch.Tensor, h: int, dk: int, dv: int, nk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views ``q, k [T, Hk, Dk]`` and ``v [T, H, Dv]`` of a conv output ``y [T, conv_dim]``."""
+    kd = nk * dk
+    return (
+        y[:, :kd].unflatten(1, (nk, dk)),
+        y[:, kd : 2 * kd].unflatten(1, (nk, dk)),
+        y[:, 2 * kd :].unflatten(1, (h, dv)),
+    )
+
+
+def _row_strides(t: torch.Tensor, tv: int, fixed: bool) -> tuple[int, ...]:
+    """(batch, token, ...) strides of a row tensor ``[T, ...]``: request-major with ``tv``
+    rows a lane (fixed) or ragged (batch stride 0)."""
+    s = tuple(t.stride())
+    return (s[0] * tv, *s) if fixed else (0, *s)
+
+
+def _mixer_rule(
+    y: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    out: torch.Tensor,
+    out_strides: tuple[int, ...],
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    nk: int,
+    *,
+    tv: int,
+    cu: torch.Tensor | None,
+    init: torch.Tensor | None,
+    scratch: torch.Tensor | None,
+    write_final: bool,
+    block_v: int | None,
+    num_warps: int | None,
+    record_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
+    accepted: torch.Tensor | None = None,
 ) -> None:
-    """``prep_scratch [bs, T, prep_dim]`` in the rule's arithmetic dtype, on the states'
-    device."""
+    """The mixer's delta rule over a conv output ``y [T, conv_dim]`` and gates ``g, beta [T,
+    H]`` (SiLU, L2 norm inside): the one call site of the verify, decode, extend and the
+    replay commit, so that they pass the kernel the same kinds of arguments."""
     _, h, dk, dv = ssm_state.shape
-    _check_shape("prep_scratch", prep_scratch, (*lead, gdn_reference.prep_dim(h, dk, dv, nk)))
-    _check_device(ssm_state.device, prep_scratch=prep_scratch)
-    want = gdn_reference.prep_dtype(ssm_state.dtype)
-    if prep_scratch.dtype != want:
-        raise ValueError(f"prep_scratch must be {want}, got {prep_scratch.dtype}")
+    q, k, v = _split_conv_out(y, h, dk, dv, nk)
+    fixed = cu is None
+    _launch_rule(
+        (q, k, v), tuple(_row_strides(t, tv, fixed) for t in (q, k, v)), (g, beta),
+        tuple(_row_strides(t, tv, fixed) for t in (g, beta)), out, out_strides, ssm_state,
+        slots, seq_len=tv, cu=cu, init=init, scratch=scratch, write_final=write_final,
+        prep=True, scale=None, block_v=block_v, num_warps=num_warps,
+        record_gates=record_gates, accepted=accepted,
+    )  # fmt: skip
 
 
-def gated_delta_rule_replay_commit_triton(
-    prep_scratch: torch.Tensor,
+_CONV_COMMIT_BLOCK_D = 256
+
+
+def gdn_replay_commit_triton(
+    record: gdn_reference.VerifyRecord,
     accepted: torch.Tensor,
+    conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
     num_k_heads: int | None = None,
@@ -1107,36 +1242,43 @@ def gated_delta_rule_replay_commit_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Triton launcher of ``gated_delta_rule_replay_commit`` (one launch, no allocation, no
-    host read; fixed grid ``(bs, H, cdiv(Dv, BV))``): ``_rule_kernel`` in its replay mode,
-    reading ``prep_scratch [bs, T, prep_dim]`` as a verify with ``prep_scratch`` wrote it and
-    running tokens ``0 .. accepted[b]`` of each live lane from its slot, whose state it then
-    overwrites. Lanes with ``slots[b] < 0`` or ``accepted[b]`` outside ``[0, T)`` are
-    skipped. The tile configuration is the verify's (``_rule_config(kind="verify")`` for T > 1;
-    pass the verify's ``block_v`` / ``num_warps`` if it had any) and every token runs the
-    verify's ``_delta_step``: the state equals the verify's state after token
-    ``accepted[b]`` (bitwise under the interpreter, to a few ulps compiled: module
-    docstring)."""
+    """Triton launcher of ``gdn_replay_commit`` (two launches, no allocation, no host read,
+    fixed grids): ``_conv_commit_kernel`` rebuilds each live lane's conv window after token
+    ``accepted[b]`` from its slot and ``record.x``; ``_rule_kernel`` — the verify's kernel,
+    with the replay flag — runs tokens ``0 .. accepted[b]`` of ``record.y`` / ``record.g``
+    / ``record.beta`` from the lane's slot and overwrites the slot's state. Lanes with
+    ``slots[b] < 0`` or ``accepted[b]`` outside ``[0, T)`` are skipped. Pass the verify's
+    ``block_v`` / ``num_warps`` if it had any: the same tile, the same compiled kernel, and
+    the committed state is bitwise the verify's state after that token."""
     if ssm_state.dim() != 4:
         raise ValueError(f"ssm_state must be [N, H, Dk, Dv], got {tuple(ssm_state.shape)}")
     _, h, dk, dv = ssm_state.shape
-    nk = h if num_k_heads is None else num_k_heads
-    gdn_reference.check_heads(h, nk)
+    conv_dim = conv_state.shape[1] if conv_state.dim() == 3 else -1
+    nk = gdn_reference.check_conv_dim(conv_dim, h, dk, dv, num_k_heads)
     bs = _check_slots(slots, ssm_state.device)
-    if prep_scratch.dim() != 3:
-        raise ValueError(f"prep_scratch must be [bs, T, prep_dim], got {prep_scratch.shape}")
-    tv = prep_scratch.shape[1]
-    _check_prep(prep_scratch, ssm_state, nk, (bs, tv))
-    _check_device(ssm_state.device, accepted=accepted)
+    tv = record.lanes_and_positions[1]
+    record.check(bs, tv, conv_state, ssm_state)
+    _check_device(ssm_state.device, accepted=accepted, conv_state=conv_state)
     _check_shape("accepted", accepted, (bs,))
     if accepted.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"accepted must be int32/int64, got {accepted.dtype}")
-    k, v, g, beta = gdn_reference.split_prep(prep_scratch, h, dk, dv, nk)
-    _launch_rule(
-        (k, k, v), tuple(_bthd(x, True) for x in (k, k, v)), (g, beta),
-        tuple(_bthd(x, True) for x in (g, beta)), v, _bthd(v, True), ssm_state, slots,
-        seq_len=tv, cu=None, init=None, scratch=None, write_final=True, prep=False,
-        scale=None, block_v=block_v, num_warps=num_warps, accepted=accepted,
+    if bs == 0 or tv == 0:
+        return
+    kw = conv_state.shape[2] + 1
+    block_d = min(_CONV_COMMIT_BLOCK_D, next_pow2(conv_dim))
+    _conv_commit_kernel[(bs, triton.cdiv(conv_dim, block_d))](
+        record.x, conv_state, slots, accepted, tv, conv_dim, *record.x.stride()[:2],
+        *conv_state.stride(), KW=kw, KP=next_pow2(max(kw - 1, 1)), BLOCK_D=block_d,
+        num_warps=4,
+    )  # fmt: skip
+    n = bs * tv
+    y = record.y.view(n, conv_dim)
+    # the verify's output strides (a contiguous [T, H, Dv]); nothing is stored through them
+    o_strides = (tv * h * dv, h * dv, dv, 1)
+    _mixer_rule(
+        y, record.g.view(n, h), record.beta.view(n, h), y, o_strides, ssm_state, slots, nk,
+        tv=tv, cu=None, init=None, scratch=None, write_final=True, block_v=block_v,
+        num_warps=num_warps, accepted=accepted,
     )  # fmt: skip
 
 
@@ -1227,7 +1369,7 @@ def gdn_forward(
     conv_out: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     batch_invariant: bool = False,
-    prep_scratch: torch.Tensor | None = None,
+    record: gdn_reference.VerifyRecord | None = None,
     chunked_prefill: bool = False,
 ) -> torch.Tensor:
     """The GDN mixer core, drop-in for ``gdn_reference.gdn_forward``: Triton on CUDA tensors
@@ -1246,38 +1388,38 @@ def gdn_forward(
             conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
             has_initial_state=has_initial_state, num_k_heads=num_k_heads, out=out,
             conv_out=conv_out, max_seqlen=max_seqlen, batch_invariant=batch_invariant,
-            prep_scratch=prep_scratch, chunked_prefill=chunked_prefill,
+            record=record, chunked_prefill=chunked_prefill,
         )  # fmt: skip
     result = gdn_reference.gdn_forward(
         mode, mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, slots, cu_seqlens,
         conv_scratch=conv_scratch, ssm_scratch=ssm_scratch,
-        has_initial_state=has_initial_state, num_k_heads=num_k_heads,
-        prep_scratch=prep_scratch,
+        has_initial_state=has_initial_state, num_k_heads=num_k_heads, record=record,
     )  # fmt: skip
     return _into(out, result)
 
 
-def gated_delta_rule_replay_commit(
-    prep_scratch: torch.Tensor,
+def gdn_replay_commit(
+    record: gdn_reference.VerifyRecord,
     accepted: torch.Tensor,
+    conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
     num_k_heads: int | None = None,
     *,
     batch_invariant: bool = False,
 ) -> None:
-    """Commit of a verify run with ``prep_scratch``: Triton on CUDA (see
-    ``gated_delta_rule_replay_commit_triton``), else the reference. Bitwise the state the
-    same verify would have stored in ``ssm_scratch[b, accepted[b]]`` (and
+    """Commit of a verify run with a ``record``: Triton on CUDA (see
+    ``gdn_replay_commit_triton``), else the reference. Bitwise the states the same verify
+    would have stored in its per-position scratches at entry ``accepted[b]`` (and
     ``state_commit.commit_states`` copied), each path against itself. ``batch_invariant``:
     the verify ran ``gdn_forward(batch_invariant=True)``, whose tiles the replay must use."""
-    args = (prep_scratch, accepted, ssm_state, slots, num_k_heads)
+    args = (record, accepted, conv_state, ssm_state, slots, num_k_heads)
     if use_triton(ssm_state):
         tiles = {}
         if batch_invariant:
             _, h, dk, dv = ssm_state.shape
             _, bv, nw = _rule_config(h, dk, dv, None, None, "batch_invariant")
             tiles = {"block_v": bv, "num_warps": nw}
-        gated_delta_rule_replay_commit_triton(*args, **tiles)
+        gdn_replay_commit_triton(*args, **tiles)
     else:
-        gdn_reference.gated_delta_rule_replay_commit(*args)
+        gdn_reference.gdn_replay_commit(*args)

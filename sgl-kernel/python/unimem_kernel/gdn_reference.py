@@ -47,16 +47,18 @@ Three modes, as in the engine:
   touched. Committing ``n`` accepted tokens means copying scratch entry ``n - 1`` into the
   slot (DESIGN §5).
 
-  Or, with ``prep_scratch [bs, T, prep_dim]`` in place of the SSM scratch: only what the
-  recurrence consumes goes to scratch, per token the prepared ``k`` (after conv, SiLU and L2
-  norm, per key head), ``v`` (after SiLU), ``g`` and ``beta`` (channels ``[k: Hk*Dk | v: H*Dv
-  | g: H | beta: H]``, :func:`split_prep`, in :func:`prep_dtype`), and the commit
-  (:func:`gated_delta_rule_replay_commit`) re-runs the recurrence over the accepted tokens
-  from the slot's state, which the verify left untouched. Same committed state, bitwise, for
-  ``H * Dk * Dv / (Hk * Dk + H * Dv + 2 * H)`` times fewer scratch bytes (~64x at 128 x 128).
+  Or, with a :class:`VerifyRecord` in place of both scratches: the verify keeps only the
+  step's own inputs — per token the conv input row ``x``, the conv output row ``y`` and the
+  gates ``g``, ``beta`` — and the commit (:func:`gdn_replay_commit`) rebuilds each lane's
+  conv window from its slot and ``x``, and re-runs the recurrence over the accepted tokens
+  from the slot's SSM state, which the verify left untouched. Same committed states, bitwise,
+  for ``H * Dk * Dv / (2 * conv_dim + 2 * H)`` times fewer bytes (~20x at the ``small``
+  sizes) and no per-position state at all.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -407,78 +409,148 @@ def gated_delta_rule_verify(
 # ---------------------------------------------------------------------- replay commit
 
 
-def prep_dtype(ssm_dtype: torch.dtype) -> torch.dtype:
-    """dtype of a verify's prepared-input scratch: the delta rule's arithmetic dtype (float64
-    for float64 states, else float32), so that stored values are exactly those consumed."""
+def rule_dtype(ssm_dtype: torch.dtype) -> torch.dtype:
+    """The delta rule's arithmetic dtype for an SSM state dtype: float64 for float64 states,
+    else float32 (the dtype of a :class:`VerifyRecord`'s gates, so that stored values are
+    exactly those consumed)."""
     return torch.float64 if ssm_dtype == torch.float64 else torch.float32
 
 
-def prep_dim(
-    num_heads: int, head_dim_k: int, head_dim_v: int, num_k_heads: int | None = None
-) -> int:
-    """Channels of a prepared-input row: ``Hk * Dk + H * Dv + 2 * H`` (k, v, g, beta)."""
-    hk = num_heads if num_k_heads is None else num_k_heads
-    return hk * head_dim_k + num_heads * head_dim_v + 2 * num_heads
+@dataclass(frozen=True)
+class VerifyRecord:
+    """What one GDN layer's verify keeps for its commit: the step's own inputs, per lane and
+    position (request-major, ``T`` positions a lane).
+
+    - ``x [bs, T, conv_dim]``: the conv inputs (``mixed_qkv`` rows), in the conv state's
+      dtype — a lane's conv window after ``n`` tokens is the last ``K - 1`` of its slot's
+      window followed by ``x[b, :n]``;
+    - ``y [bs, T, conv_dim]``: the conv outputs (before SiLU), in ``mixed_qkv``'s dtype —
+      what the delta rule reads;
+    - ``g, beta [bs, T, H]``: the gates, in :func:`rule_dtype`.
+
+    Caller-owned buffers (the runner keeps one record per layer, for its largest batch, and
+    passes :meth:`lanes` views); the verify overwrites the live lanes' rows, the commit only
+    reads them.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    @classmethod
+    def empty(
+        cls,
+        bs: int,
+        t_len: int,
+        conv_dim: int,
+        num_heads: int,
+        dtype: torch.dtype,
+        ssm_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        fill: float = 0.0,
+    ) -> VerifyRecord:
+        """A record for ``bs`` lanes of ``t_len`` positions, every entry ``fill``."""
+
+        def full(width: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.full((bs, t_len, width), fill, dtype=dt, device=device)
+
+        gdt = rule_dtype(ssm_dtype)
+        return cls(full(conv_dim, dtype), full(conv_dim, dtype), full(num_heads, gdt),
+                   full(num_heads, gdt))  # fmt: skip
+
+    @property
+    def lanes_and_positions(self) -> tuple[int, int]:
+        return int(self.x.shape[0]), int(self.x.shape[1])
+
+    def lanes(self, bs: int) -> VerifyRecord:
+        """Views of the first ``bs`` lanes."""
+        return VerifyRecord(self.x[:bs], self.y[:bs], self.g[:bs], self.beta[:bs])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.x, self.y, self.g, self.beta))
+
+    def check(self, bs: int, t_len: int, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+              io_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        """ValueError naming the field unless the record fits ``bs`` lanes of ``t_len``
+        positions of a layer with these states (and conv outputs in ``io_dtype``)."""
+        conv_dim = conv_state.shape[1]
+        h = ssm_state.shape[1]
+        gdt = rule_dtype(ssm_state.dtype)
+        if io_dtype is not None and io_dtype != conv_state.dtype:
+            raise ValueError(
+                f"a verify with a VerifyRecord needs mixed_qkv in the conv state's dtype "
+                f"({conv_state.dtype}), got {io_dtype}"
+            )
+        for name, t, width, dt in (
+            ("x", self.x, conv_dim, conv_state.dtype),
+            ("y", self.y, conv_dim, io_dtype or self.y.dtype),
+            ("g", self.g, h, gdt),
+            ("beta", self.beta, h, gdt),
+        ):
+            if tuple(t.shape) != (bs, t_len, width) or t.dtype != dt:
+                raise ValueError(
+                    f"VerifyRecord.{name} must be [{bs}, {t_len}, {width}] {dt}, got "
+                    f"{tuple(t.shape)} {t.dtype}"
+                )
+            if t.device != ssm_state.device:
+                raise ValueError(f"VerifyRecord.{name} is on {t.device}, the states on "
+                                 f"{ssm_state.device}")  # fmt: skip
+            if t.stride(-1) != 1:
+                raise ValueError(f"VerifyRecord.{name} rows must be contiguous")
 
 
-def prep_offsets(
-    num_heads: int, head_dim_k: int, head_dim_v: int, num_k_heads: int | None = None
-) -> tuple[int, int, int]:
-    """Channels where ``v``, ``g`` and ``beta`` start in a prepared-input row (``k`` at 0)."""
-    hk = num_heads if num_k_heads is None else num_k_heads
-    v0 = hk * head_dim_k
-    g0 = v0 + num_heads * head_dim_v
-    return v0, g0, g0 + num_heads
+def _commit_lanes(
+    accepted: torch.Tensor, slots: torch.Tensor, t_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(slots as int64, accepted as int64, live lane indices)``: a lane commits when its
+    slot is ``>= 0`` and ``0 <= accepted < T``."""
+    idx, acc = slots.long(), accepted.long()
+    lanes = ((idx >= 0) & (acc >= 0) & (acc < t_len)).nonzero().flatten()
+    return idx, acc, lanes
 
 
-def split_prep(
-    prep: torch.Tensor,
-    num_heads: int,
-    head_dim_k: int,
-    head_dim_v: int,
-    num_k_heads: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views ``k [..., Hk, Dk]``, ``v [..., H, Dv]``, ``g [..., H]``, ``beta [..., H]`` of a
-    prepared-input scratch ``prep [..., prep_dim]``."""
-    nk = num_heads if num_k_heads is None else num_k_heads
-    want = prep_dim(num_heads, head_dim_k, head_dim_v, nk)
-    if prep.shape[-1] != want:
-        raise ValueError(f"prep_scratch must have {want} channels, got {prep.shape[-1]}")
-    v0, g0, b0 = prep_offsets(num_heads, head_dim_k, head_dim_v, nk)
-    k = prep[..., :v0].unflatten(-1, (nk, head_dim_k))
-    v = prep[..., v0:g0].unflatten(-1, (num_heads, head_dim_v))
-    return k, v, prep[..., g0:b0], prep[..., b0:]
-
-
-def gated_delta_rule_replay_commit(
-    prep_scratch: torch.Tensor,
+def gdn_replay_commit(
+    record: VerifyRecord,
     accepted: torch.Tensor,
+    conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
     num_k_heads: int | None = None,
 ) -> None:
-    """Commit after a verify that stored prepared inputs (``gdn_forward(..., prep_scratch=)``):
-    for every lane ``b`` with ``slots[b] >= 0`` and ``0 <= accepted[b] < T``, the delta rule
-    runs tokens ``0 .. accepted[b]`` of ``prep_scratch[b]`` from ``ssm_state[slots[b]]`` and
-    the state after the last one is written back there, in place. Other lanes are skipped
-    (their slots untouched). The result is bitwise the verify's state-scratch entry
-    ``accepted[b]``: the same recurrence (:func:`gated_delta_rule_recurrent`) over the same
-    lanes (here all ``bs`` lanes run the first ``max(accepted) + 1`` tokens and each keeps
-    its entry ``accepted[b]``)."""
-    bs, t_len = prep_scratch.shape[:2]
+    """Commit after a verify that kept a :class:`VerifyRecord` (``gdn_forward(...,
+    record=)``): for every lane ``b`` with ``slots[b] >= 0`` and ``0 <= accepted[b] < T``,
+    the conv window and the SSM state after token ``accepted[b]`` are written into slot
+    ``slots[b]``, in place; other lanes are skipped (their slots untouched). The conv window
+    is the last ``K - 1`` of ``[slot window | x[b, :accepted + 1]]``; the state runs tokens
+    ``0 .. accepted[b]`` of the record (SiLU and L2 norm of ``y`` as the mixer, the same
+    :func:`gated_delta_rule_recurrent`) from the slot's state. Bitwise the states the verify's
+    per-position scratches would hold at entry ``accepted[b]``."""
+    bs, t_len = record.lanes_and_positions
     h, dk, dv = ssm_state.shape[1:]
     if accepted.shape != (bs,) or slots.shape != (bs,):
         raise ValueError(f"need accepted and slots [{bs}], got {accepted.shape}, {slots.shape}")
-    k, v, g, beta = split_prep(prep_scratch, h, dk, dv, num_k_heads)
-    idx, acc = slots.long(), accepted.long()
-    lanes = ((idx >= 0) & (acc >= 0) & (acc < t_len)).nonzero().flatten()
+    record.check(bs, t_len, conv_state, ssm_state)
+    nk = check_conv_dim(conv_state.shape[1], h, dk, dv, num_k_heads)
+    idx, acc, lanes = _commit_lanes(accepted, slots, t_len)
     if not lanes.numel():
         return
+    kw1 = conv_state.shape[2]
+    win = torch.cat([conv_state[idx[lanes]], record.x[lanes].transpose(1, 2)], dim=2)
+    keep = torch.stack([win[i, :, a + 1 : a + 1 + kw1] for i, a in enumerate(acc[lanes].tolist())])
+    conv_state.index_copy_(0, idx[lanes], keep)
     n = int(acc[lanes].max()) + 1
+    # the mixer's prologue on the same [bs * T] rows as the verify (same shapes, same bits)
+    _, k, v = split_qkv(F.silu(record.y.reshape(bs * t_len, -1).to(ssm_state.dtype)), h, dk,
+                        dv, nk)  # fmt: skip
+    k = l2norm(k).reshape(bs, t_len, nk, dk)[:, :n]
+    v = v.reshape(bs, t_len, h, dv)[:, :n]
     states = ssm_state.new_empty(bs, n, h, dk, dv)
-    first = [x[:, :n] for x in (k, v, g, beta)]
     init = ssm_state[idx.clamp(min=0)]
-    gated_delta_rule_recurrent(first[0], *first, init, states_out=states)  # q := k: unused
+    gated_delta_rule_recurrent(
+        k, k, v, record.g[:, :n], record.beta[:, :n], init, states_out=states
+    )  # q := k: its output is unused
     ssm_state.index_copy_(0, idx[lanes], states[lanes, acc[lanes]])
 
 
@@ -527,6 +599,36 @@ def split_qkv(
     return q, k, v
 
 
+def verify_width(
+    bs: int,
+    mixed_qkv: torch.Tensor,
+    conv_scratch: torch.Tensor | None,
+    ssm_scratch: torch.Tensor | None,
+    record: VerifyRecord | None,
+) -> int:
+    """``Tv`` of a verify call (positions per lane) from its scratches or record; ValueError
+    unless exactly one of (``conv_scratch`` and ``ssm_scratch``) and ``record`` is given and
+    ``mixed_qkv`` has ``bs * Tv`` rows."""
+    if record is not None:
+        if conv_scratch is not None or ssm_scratch is not None:
+            raise ValueError("gdn_forward: verify takes a record or the scratches, not both")
+        tv = record.lanes_and_positions[1]
+    elif conv_scratch is None or ssm_scratch is None:
+        raise ValueError("gdn_forward: verify needs a record, or conv_scratch and ssm_scratch")
+    else:
+        tv = ssm_scratch.shape[1] if ssm_scratch.dim() == 5 else -1
+        if conv_scratch.dim() != 4 or conv_scratch.shape[:2] != (bs, tv):
+            raise ValueError(
+                f"gdn_forward: conv_scratch must be [bs={bs}, Tv={tv}, conv_dim, K-1], got "
+                f"{tuple(conv_scratch.shape)}"
+            )
+    if mixed_qkv.shape[0] != bs * tv:
+        raise ValueError(
+            f"gdn_forward: verify needs T == bs * Tv = {bs} * {tv} rows, got {mixed_qkv.shape[0]}"
+        )
+    return tv
+
+
 def gdn_forward(
     mode: str,
     mixed_qkv: torch.Tensor,
@@ -543,7 +645,7 @@ def gdn_forward(
     has_initial_state: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     num_k_heads: int | None = None,
-    prep_scratch: torch.Tensor | None = None,
+    record: VerifyRecord | None = None,
 ) -> torch.Tensor:
     """The GDN mixer core for one layer and one batch: conv -> SiLU -> split -> L2-norm q, k
     -> gated delta rule. Returns ``o [T, H, Dv]`` in ``mixed_qkv``'s dtype.
@@ -562,10 +664,10 @@ def gdn_forward(
     * ``"verify"``: ``T == bs * Tv`` request-major (request ``i`` owns rows
       ``i*Tv:(i+1)*Tv``), ``Tv`` taken from the scratch shapes ``conv_scratch [bs, Tv,
       conv_dim, K-1]`` and ``ssm_scratch [bs, Tv, H, Dk, Dv]``, which receive the states after
-      every token. Slots not touched. ``cu_seqlens`` is not read. With ``prep_scratch [bs,
-      Tv, prep_dim]`` (:func:`prep_dim`, :func:`prep_dtype`) instead of ``ssm_scratch``, the
-      prepared k, v, g, beta of every token go there (:func:`split_prep`) and no SSM state
-      is stored: commit with :func:`gated_delta_rule_replay_commit`.
+      every token. Slots not touched. ``cu_seqlens`` is not read. With ``record`` (a
+      :class:`VerifyRecord` of ``bs`` lanes, ``Tv`` from its shape) instead of both
+      scratches, the step's conv inputs, conv outputs and gates go there and no state is
+      stored: commit with :func:`gdn_replay_commit`.
     """
     num_heads, dk, dv = ssm_state.shape[1:]
     nk = check_conv_dim(mixed_qkv.shape[-1], num_heads, dk, dv, num_k_heads)
@@ -582,20 +684,21 @@ def gdn_forward(
             raise ValueError(f"gdn_forward: decode needs T == bs, got {mixed_qkv.shape[0]}, {bs}")
         y = causal_conv1d_decode(mixed_qkv, conv_weight, conv_state, slots)
     elif mode == "verify":
-        if conv_scratch is None or (ssm_scratch is None) == (prep_scratch is None):
-            raise ValueError(
-                "gdn_forward: verify needs conv_scratch and one of ssm_scratch, prep_scratch"
-            )
-        tv = (ssm_scratch if prep_scratch is None else prep_scratch).shape[1]
-        if mixed_qkv.shape[0] != bs * tv or conv_scratch.shape[:2] != (bs, tv):
-            raise ValueError(
-                f"gdn_forward: verify needs T == bs * Tv = {bs} * {tv} rows and scratch "
-                f"[bs, Tv, ...]; got T = {mixed_qkv.shape[0]}, conv_scratch "
-                f"{tuple(conv_scratch.shape)}"
-            )
-        y = causal_conv1d_verify(
-            mixed_qkv.reshape(bs, tv, -1), conv_weight, conv_state, slots, conv_scratch
-        ).reshape(bs * tv, -1)
+        tv = verify_width(bs, mixed_qkv, conv_scratch, ssm_scratch, record)
+        if record is not None:
+            record.check(bs, tv, conv_state, ssm_state, mixed_qkv.dtype)
+            x3 = mixed_qkv.reshape(bs, tv, -1)
+            yv, _ = _conv_windows(x3, conv_state[slots.long()], conv_weight)
+            y = yv.to(mixed_qkv.dtype)
+            record.x.copy_(x3)
+            record.y.copy_(y)
+            record.g.copy_(g.reshape(bs, tv, -1))
+            record.beta.copy_(beta.reshape(bs, tv, -1))
+            y = y.reshape(bs * tv, -1)
+        else:
+            y = causal_conv1d_verify(
+                mixed_qkv.reshape(bs, tv, -1), conv_weight, conv_state, slots, conv_scratch
+            ).reshape(bs * tv, -1)
     else:
         raise ValueError(f"gdn_forward: mode must be extend, decode or verify, got {mode!r}")
 
@@ -615,17 +718,9 @@ def gdn_forward(
             g.reshape(bs, tv, num_heads),
             beta.reshape(bs, tv, num_heads),
         )
-        if prep_scratch is None:
+        if record is None:
             o = gated_delta_rule_verify(*qkvgb, ssm_state, slots, ssm_scratch)
         else:
-            if prep_scratch.shape[:2] != (bs, tv) or prep_scratch.dtype != prep_dtype(sdt):
-                raise ValueError(
-                    f"gdn_forward: prep_scratch must be [{bs}, {tv}, prep_dim] "
-                    f"{prep_dtype(sdt)}, got {tuple(prep_scratch.shape)} {prep_scratch.dtype}"
-                )
-            dsts = split_prep(prep_scratch, num_heads, dk, dv, nk)
-            for dst, src in zip(dsts, qkvgb[1:], strict=True):
-                dst.copy_(src)
             o, _ = gated_delta_rule_recurrent(*qkvgb, ssm_state[slots.long()])
         o = o.reshape(bs * tv, num_heads, dv)
     return o.to(mixed_qkv.dtype)
