@@ -13,7 +13,8 @@
 #   same in float32 with DSPARK (torch attention, Triton GDN, no CUDA graphs);
 # bench: `python -m unimem bench` (48 requests of 512 + 512 tokens);
 # profile: benchmark/profile_step.py's steady-state verify step on this checkpoint (static
-#   pools), every kernel's GPU time kept, grouped GEMMs (the routed experts) summed apart.
+#   pools), every kernel's GPU time kept, grouped GEMMs (the routed experts) summed apart;
+#   ATTRIBUTE=N also lists the N largest (torch op, launch site) pairs of an eager step.
 # Output: $OUT (or ./gpu-out): <part>_<arch>_<size>.json and gpu_models_<size>.log.
 # DEVICE / DTYPE (cpu / float32: a dry run of ckpt, validate, compact on the CPU).
 # STEP_TIMEOUT (s, default 400) bounds each python command. Exit 1 if any part failed.
@@ -82,6 +83,7 @@ print(16 if a == 'gpt_oss' else 8, f'{mb / 2**20:.1f}')" "$out/validate_${tag}.j
       profile)
         run python3 - "$ck" "$out/profile_${tag}.json" <<'PY'
 import json
+import os
 import re
 import sys
 import types
@@ -127,7 +129,8 @@ cfg = model.config
 drafter = DsparkDrafter(draft_config_for(cfg), model.embed_weight, model.lm_head_weight, seed=17)
 g = torch.Generator().manual_seed(1)
 args = types.SimpleNamespace(requests=48, input_len=512, gamma=7, page_size=64, steps=30,
-                             replays=20)
+                             replays=20, host_top=0, attribute=int(os.environ.get("ATTRIBUTE", 0)),
+                             top_kernels=15)
 prompts = torch.randint(0, cfg.vocab_size, (args.requests, args.input_len), generator=g).tolist()
 r = profile_step.measure("static", args, model, drafter, prompts)
 kernels = defaultdict(float)
@@ -151,6 +154,8 @@ for label, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
 print(f"  MoE grouped-GEMM share of kernel time: {100 * r['moe_grouped_gemm_share']:.1f}%")
 for name, ms in list(r["all_kernels_ms"].items())[:12]:
     print(f"    {ms:7.3f}  {name[:150]}")
+for o in r["torch_ops_by_launch_site"]:
+    print(f"    {o['ms']:7.3f} {o['calls']:5d}  {o['op'][:60]:<60} {o['site']}")
 with open(path, "w") as f:
     json.dump(r, f, indent=1)
 PY

@@ -167,15 +167,16 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
 
 def attribute_ops(runner, width: int, top: int) -> list[dict]:
     """One eager verify step of ``width`` lanes (the lanes staged by the last launch) under
-    ``torch.profiler`` with Python stacks: the ``top`` (torch op, launch site) pairs by GPU
-    time, in ms per step. The op is the outermost aten op under the Python caller (``aten::to``
-    rather than the ``aten::copy_`` that launched the kernel); the launch site is the three
-    innermost ``unimem`` frames above it. Runs after every other measurement: it advances
+    ``torch.profiler`` with Python stacks and shapes: the ``top`` (torch op, launch site)
+    pairs by GPU time, in ms per step. The op is the outermost aten op under the Python caller
+    (``aten::to`` rather than the ``aten::copy_`` that launched the kernel; matrix products
+    with their two input shapes); the launch site is the three innermost ``unimem`` frames of
+    its recorded stack. Runs after every other measurement: it advances
     the device state."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     runner._uniform_step(width)  # the eager path's own first-use work, outside the profile
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+    with torch.profiler.profile(activities=acts, with_stack=True, record_shapes=True) as prof:
         runner._uniform_step(width)
         torch.cuda.synchronize()
     ms: dict[tuple[str, str], float] = defaultdict(float)
@@ -184,13 +185,24 @@ def attribute_ops(runner, width: int, top: int) -> list[dict]:
         if evt.device_type != torch.autograd.DeviceType.CPU or not evt.kernels:
             continue
         gpu_us = sum(k.duration for k in evt.kernels)
-        op, site, node = evt.name, [], evt.cpu_parent
-        while node is not None and len(site) < 3:
-            if node.name.startswith("aten::") and not site:
-                op = node.name
-            elif "unimem/" in node.name:
-                site.append(node.name.split("unimem/", 1)[-1])
+        # the outermost aten op above the launching one, and the Python frames it recorded
+        top, node = evt, evt.cpu_parent
+        while node is not None:
+            if node.name.startswith("aten::"):
+                top = node
             node = node.cpu_parent
+        frames = [f for f in (getattr(top, "stack", None) or []) if "unimem/" in f]
+        if not frames:  # older profilers: Python function events as parents
+            node = top.cpu_parent
+            while node is not None and len(frames) < 3:
+                if "unimem/" in node.name:
+                    frames.append(node.name)
+                node = node.cpu_parent
+        site = [f.split("unimem/", 1)[-1] for f in frames[:3]]
+        op = top.name
+        shapes = getattr(top, "input_shapes", None)
+        if op in ("aten::linear", "aten::mm", "aten::matmul", "aten::addmm") and shapes:
+            op += " " + "x".join(str(tuple(sh)) for sh in shapes[:2] if sh)
         key = (op, " < ".join(site))
         ms[key] += gpu_us / 1000
         calls[key] += 1
