@@ -186,21 +186,21 @@ def attribute_ops(runner, width: int, top: int) -> list[dict]:
             continue
         gpu_us = sum(k.duration for k in evt.kernels)
         # the outermost aten op above the launching one, and the Python frames it recorded
-        top, node = evt, evt.cpu_parent
+        outer, node = evt, evt.cpu_parent
         while node is not None:
             if node.name.startswith("aten::"):
-                top = node
+                outer = node
             node = node.cpu_parent
-        frames = [f for f in (getattr(top, "stack", None) or []) if "unimem/" in f]
+        frames = [f for f in (getattr(outer, "stack", None) or []) if "unimem/" in f]
         if not frames:  # older profilers: Python function events as parents
-            node = top.cpu_parent
+            node = outer.cpu_parent
             while node is not None and len(frames) < 3:
                 if "unimem/" in node.name:
                     frames.append(node.name)
                 node = node.cpu_parent
         site = [f.split("unimem/", 1)[-1] for f in frames[:3]]
-        op = top.name
-        shapes = getattr(top, "input_shapes", None)
+        op = outer.name
+        shapes = getattr(outer, "input_shapes", None)
         if op in ("aten::linear", "aten::mm", "aten::matmul", "aten::addmm") and shapes:
             op += " " + "x".join(str(tuple(sh)) for sh in shapes[:2] if sh)
         key = (op, " < ".join(site))

@@ -58,11 +58,11 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import islice, repeat
 from typing import TYPE_CHECKING
 
 from unimem.engine.request import InFlight, Request, RequestStatus
-from unimem.memory.pool import MemoryPool, pages_for
+from unimem.memory.pool import MemoryPool, RequestMemory, pages_for
 from unimem.memory.spec import LayerKind
 
 if TYPE_CHECKING:
@@ -321,22 +321,33 @@ class Scheduler:
     # --- policy pieces ---------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        if self.cache is None:
+            self._admit_without_cache()
+            return
         while self.waiting and len(self.running) < self.max_running and not self._admission_paused:
             req = self.waiting[0]
-            if self.cache is None:
-                mem = self.pool.admit(min(self._extend_len(req), self.chunk_size))
-                prefix = 0
-            else:
-                adm = self.cache.admit(req.tokens[: self._extend_end(req)], self.chunk_size)
-                mem, prefix = (adm.mem, adm.prefix_tokens) if adm is not None else (None, 0)
-            if mem is None:
+            adm = self.cache.admit(req.tokens[: self._extend_end(req)], self.chunk_size)
+            if adm is None:
                 return
-            self.waiting.popleft()
-            req.mem = mem
-            req.kv_len = prefix
-            req.cached_tokens += prefix
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._start(self.waiting.popleft(), adm.mem, adm.prefix_tokens)
+
+    def _admit_without_cache(self) -> None:
+        """The waiting requests that fit, in order, in one pool call
+        (:meth:`~unimem.memory.pool.MemoryPool.admit_many`: one allocation for all of them)."""
+        room = self.max_running - len(self.running)
+        if not self.waiting or room <= 0 or self._admission_paused:
+            return
+        reqs = list(islice(self.waiting, room))
+        mems = self.pool.admit_many([min(self._extend_len(r), self.chunk_size) for r in reqs])
+        for mem in mems:  # the first len(mems) waiting requests
+            self._start(self.waiting.popleft(), mem, 0)
+
+    def _start(self, req: Request, mem: RequestMemory, prefix: int) -> None:
+        req.mem = mem
+        req.kv_len = prefix
+        req.cached_tokens += prefix
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _plan(self) -> Batch | None:
         """The next batch from the requests' planned positions (module docstring), or None

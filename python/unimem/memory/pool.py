@@ -407,6 +407,53 @@ class MemoryPool(ABC):
         self._update_usage()
         return req
 
+    def admit_many(self, token_counts: Sequence[int]) -> list[RequestMemory]:
+        """Requests for ``token_counts[i]`` tokens each (no shared prefix), admitted in order
+        until one does not fit; returns the admitted ones (a prefix of the list, possibly
+        empty). The same rows, pages and slots (and generations), in the same order, as that
+        many :meth:`admit` calls, and the same physical units behind them (bound by one pop of
+        the device free lists, so possibly to other ids in that set) — but when they all fit,
+        in one allocation: one upload and one bind / zero launch per kind for the batch
+        instead of per request (the first step of a 48-request bench launched ~300 small
+        kernels from Python: 13 ms of host time on the H200)."""
+        counts = [self._check_tokens(f"token_counts[{i}]", n) for i, n in enumerate(token_counts)]
+        if len(counts) > 1 and len(counts) <= self._rows.free:
+            admitted = self._admit_together(counts)
+            if admitted is not None:
+                return admitted
+        admitted = []
+        for n in counts:  # not all at once: the longest prefix that fits, one by one
+            req = self.admit(n)
+            if req is None:
+                break
+            admitted.append(req)
+        return admitted
+
+    def _admit_together(self, counts: list[int]) -> list[RequestMemory] | None:
+        """All of ``counts`` in one :meth:`_alloc`, or None with nothing changed."""
+        rows = self._rows.take(len(counts))
+        first = self._generation
+        reqs = [
+            RequestMemory(row=row, state_slot=-1, pages=[], swa_start=0, shared=0,
+                          generation=first + 1 + i)
+            for i, row in enumerate(rows)
+        ]  # fmt: skip
+        need = [pages_for(n, self.page_size) for n in counts]
+        todo = [(req, n) for req, n in zip(reqs, need, strict=True) if n]
+        slots = self._alloc(todo, len(reqs) if self._has_state else 0)
+        if slots is None:
+            self._rows.give(rows)
+            return None
+        self._generation = first + len(reqs)
+        for i, req in enumerate(reqs):
+            self._hold_fresh(req.pages)
+            self._live[req.row] = req
+            if self._has_state:
+                req.state_slot = slots[i]
+                self._request_slots[req.state_slot] = req.row
+        self._update_usage()
+        return reqs
+
     def grow(self, batch: Sequence[tuple[RequestMemory, int]]) -> bool:
         """Give every request pages for its target token count (``1..max_context``); all or
         nothing. A target the request already covers needs nothing."""
