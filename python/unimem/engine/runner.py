@@ -95,14 +95,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 class PagedContext(ForwardContext):
     """A ``ForwardContext`` over a pool: attention through paged K/V views and the step's
     metadata, GDN through the requests' state slots — updated in place (extend, decode) or,
-    in verify, left alone while the state after every position goes to the runner's scratch.
+    in verify, left alone while the layer's record of the step's inputs (or, without
+    ``gdn_replay_commit``, the state after every position) goes to the runner's buffers.
     ``capture``: target layers whose hidden states are kept in :attr:`hidden`.
 
     ``packed`` (a ragged verify): the step's rows are packed lanes of uneven lengths. Attention
     runs on the packed rows (the metadata's ``cu_seqlens_q``) and zeroes the padding rows'
     outputs (a varlen kernel leaves them unwritten); GDN scatters the packed rows into the
     uniform ``[bs, gamma + 1]`` layout (rows past a lane's length are zeros: no decay, no
-    update), runs the fixed-width verify form with per-position states into the scratch, and
+    update), runs the fixed-width verify form into the layer's record (or scratch), and
     gathers its output back to the packed rows."""
 
     def __init__(
@@ -557,12 +558,12 @@ class ModelRunner:
            (``cu_seqlens_q`` etc.) on the device;
         3. metadata: :meth:`MetadataBuilder.verify_ragged` from the live FULL/SWA tables (the
            extend metadata kernel and a ragged write window; padding rows write the sink);
-        4. target forward of the packed rows (attention varlen, GDN per-position states into
-           the uniform scratch, :class:`PagedContext`);
+        4. target forward of the packed rows (attention varlen, GDN into the uniform
+           record, :class:`PagedContext`);
         5. accept on the uniform ``[width, gamma + 1]`` view of the logits, at most ``L_b -
            1`` drafts (greedy; with ``draw`` speculative sampling on the truncated chains);
-        6. commit as the fixed step (GDN states at row ``accepted`` of the uniform scratch;
-           drafter context for the committed packed rows), and ``out.verify_lens``.
+        6. commit as the fixed step (GDN states after row ``accepted`` of the uniform
+           record; drafter context for the committed packed rows), and ``out.verify_lens``.
         """
         vw = self.chain.verify_width
         rows, vslots, rids = (
