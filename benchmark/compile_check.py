@@ -274,6 +274,25 @@ def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _expert_combine_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The MoE layer's weight + unsort + slot sum (Qwen3-Next bench sizes: 48 x 8 tokens, top
+    8 of d 2048)."""
+    import torch
+
+    from unimem_kernel import expert_combine
+
+    def combine(dtype):
+        t, k, d = 384, 8, 2048
+        y = torch.randn(t * k, d, dtype=dtype)
+        order = torch.argsort(torch.randint(0, 64, (t * k,)), stable=True)
+        expert_combine.moe_combine(y, order, torch.rand(t, k))
+
+    return [
+        ("moe_combine bf16", lambda: combine(torch.bfloat16)),
+        ("moe_combine fp32", lambda: combine(torch.float32)),
+    ]
+
+
 def _markov_pick_launches() -> list[tuple[str, Callable[[], None]]]:
     """The drafter's fused left-to-right pick (``small`` preset sizes)."""
     import torch
@@ -487,6 +506,7 @@ _KERNELS = {
     "unimem_kernel.gdn": ("_conv_kernel", "_conv_commit_kernel", "_rule_kernel"),
     "unimem_kernel.kv_store": ("_store_kv_kernel",),
     "unimem_kernel.draft_pick": ("_markov_pick_kernel",),
+    "unimem_kernel.expert_combine": ("_moe_combine_kernel",),
     "unimem_kernel.gdn_chunked": ("_chunked_rule_kernel",),
 }
 
@@ -496,6 +516,7 @@ _LAUNCHES = {
     "unimem_kernel.gdn": _gdn_launches,
     "unimem_kernel.kv_store": _kv_store_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
+    "unimem_kernel.expert_combine": _expert_combine_launches,
     "unimem_kernel.gdn_chunked": _gdn_chunked_launches,
 }
 

@@ -4,9 +4,10 @@
 gate/up projection, the architecture's activation and the down projection, and sums the
 pairs back per token with their routing weights. The pairs are sorted by expert on the device
 (``argsort`` + a scatter-add count + ``cumsum``: fixed shapes, no host read, so the step stays
-capturable in a CUDA graph; the pairs are summed back per token in a fixed order, so results
-are deterministic) and each projection is one ``torch._grouped_mm`` over the
-experts' row groups — never a Python loop over experts. :func:`expert_mlp_reference` is the
+capturable in a CUDA graph), each projection is one ``torch._grouped_mm`` over the experts'
+row groups — never a Python loop over experts — and one launch weights the pairs and sums
+them back per token in a fixed order (:func:`unimem_kernel.moe_combine`), so results are
+deterministic. :func:`expert_mlp_reference` is the
 per-expert loop with identical semantics, the oracle in tests (it reads which experts were
 chosen on the host).
 
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from unimem.models import batch_invariant
-from unimem_kernel import bi_grouped_linear
+from unimem_kernel import bi_grouped_linear, moe_combine
 
 GatedAct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -103,18 +104,10 @@ def expert_mlp(
     y = grouped(act(gate, up).contiguous(), w_down, offs)
     if b_down is not None:
         y = y + b_down[expert_of_pair]
-    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
-    # back to (token, slot) order and a sum over the k slots: deterministic (index_add_ on
-    # CUDA accumulates with atomics in a varying order, so bf16 results changed run to run)
-    unsorted = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
-    if not invariant:
-        return unsorted.sum(dim=1).to(x.dtype)
-    # batch-invariant: slot 0 + slot 1 + ... in float32, the same order for any token count
-    # (torch's reduction may split differently when there are few tokens)
-    acc = unsorted[:, 0].float()
-    for j in range(1, k):
-        acc = acc + unsorted[:, j].float()
-    return acc.to(x.dtype)
+    # weights, back to (token, slot) order and the sum over the k slots in one pass: slot 0 +
+    # slot 1 + ... in float32 per token, deterministic and batch-invariant (index_add_ on CUDA
+    # accumulates with atomics in a varying order; torch's reduction splits by token count)
+    return moe_combine(y, order, topk_weights).to(x.dtype)
 
 
 def _grouped_vendor(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from unimem_kernel.batch_invariant import (
     matmul_config,
 )
 from unimem_kernel.draft_pick import markov_pick, markov_pick_reference
+from unimem_kernel.expert_combine import moe_combine, moe_combine_reference
 from unimem_kernel.fused import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -97,6 +98,8 @@ __all__ = [
     "gelu_tanh_mul_reference",
     "markov_pick",
     "markov_pick_reference",
+    "moe_combine",
+    "moe_combine_reference",
     "rope_qk",
     "rope_qk_reference",
     "silu_mul",
