@@ -18,8 +18,9 @@ It replaces three passes over the ``[P, d]`` rows (the weight multiply, the ``in
 back to pair order, the sum over the slots) and the intermediate ``[P, d]`` tensor: the
 kernel gathers each token's ``k`` rows through ``inv`` and writes ``[T, d]`` once. Grid
 ``(T, cdiv(d, BLOCK_D))``; it allocates only ``inv`` and the output, reads nothing on the host
-(captured in CUDA graphs). ``order`` must be a permutation of ``0 .. P-1`` (the caller's: an
-``argsort``); it is not checked on the device.
+(captured in CUDA graphs); it is compiled without multiply-add contraction, so that every
+product is rounded before it is added, as in the reference. ``order`` must be a permutation
+of ``0 .. P-1`` (the caller's: an ``argsort``); it is not checked on the device.
 """
 
 from __future__ import annotations
@@ -121,5 +122,8 @@ def moe_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> 
     _moe_combine_kernel[(t, triton.cdiv(d, block))](
         y, _inverse(order), weights, out, d, y.stride(0), weights.stride(0), out.stride(0),
         K=k, BLOCK_D=block, num_warps=4,
+        # each product rounded before it is added, as torch does: no multiply-add contraction
+        # (for float32 ``y`` the compiler would otherwise fuse ``acc + y * w`` into an FMA)
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out
