@@ -37,7 +37,7 @@ for part in $parts; do
         sgl-kernel/tests/test_draft_pick.py sgl-kernel/tests/test_gdn_batch_invariant.py \
         sgl-kernel/tests/test_moe_combine.py \
         sgl-kernel/tests/test_gdn_kernels.py test/engine/test_gpu_engine.py \
-        test/speculative/test_ragged_verify_gpu.py ;;
+        test/speculative/test_ragged_verify_gpu.py test/models/test_logits_matmul.py ;;
     kernels)
       run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json"
       run python3 benchmark/bench_gdn_commit.py --json "$out/bench_gdn_commit_h200.json"

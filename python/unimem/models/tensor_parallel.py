@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from unimem.models import batch_invariant
 from unimem.models.config import HybridConfig
 
 __all__ = [
@@ -265,6 +266,29 @@ def parallel_embedding(
     return tp.all_reduce(x)
 
 
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) (CUDA)
+
+
+def logits_matmul(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``hidden @ weight.T`` as ``dtype`` logits (``hidden [N, d]``, ``weight [V, d]``). A
+    bf16 / fp16 LM head on CUDA with float32 logits writes float32 from the GEMM itself
+    (``torch.mm(..., out_dtype=float32)``: the accumulator is not rounded to the model dtype
+    first, and no separate cast pass over ``[N, V]`` runs); otherwise — and in
+    batch-invariant mode, whose GEMM override covers ``aten::mm`` without an output dtype —
+    the product in the model dtype, then cast."""
+    if (
+        _MM_OUT_DTYPE
+        and hidden.is_cuda
+        and dtype == torch.float32
+        and hidden.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == hidden.dtype
+        and hidden.dim() == 2
+        and not batch_invariant.covers(hidden)
+    ):
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden, weight).to(dtype)
+
+
 def parallel_logits(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -272,9 +296,10 @@ def parallel_logits(
     vocab: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``[N, vocab]`` logits in ``dtype`` from a vocabulary-parallel LM head: each rank's
-    slice, gathered along the vocabulary (padding cut off). Every rank gets the same bits."""
-    logits = F.linear(hidden, weight).to(dtype)
+    """``[N, vocab]`` logits in ``dtype`` from a vocabulary-parallel LM head
+    (:func:`logits_matmul`): each rank's slice, gathered along the vocabulary (padding cut
+    off). Every rank gets the same bits."""
+    logits = logits_matmul(hidden, weight, dtype)
     if tp.size == 1:
         return logits
     return tp.gather_last(logits)[:, :vocab]

@@ -52,6 +52,7 @@ from torch import nn
 from unimem.memory.spec import AttentionLayerSpec, DraftLane, LayerKind
 from unimem.models.config import HybridConfig
 from unimem.models.nn_ops import frozen_param, rms_norm
+from unimem.models.tensor_parallel import logits_matmul
 from unimem_kernel import add_rms_norm, markov_pick, rope_qk, silu_mul
 from unimem_kernel.draft_pick import markov_bias_reference
 
@@ -445,9 +446,8 @@ class DsparkDrafter(nn.Module):
             x, h = add_rms_norm(x, attn, layer.mlp_norm, c.rms_eps)
             nxt = self.layers[j + 1].input_norm if j + 1 < len(self.layers) else self.final_norm
             x, h = add_rms_norm(x, layer.mlp_normed(h), nxt, c.rms_eps)
-        logits = F.linear(h, self.lm_head.to(c.dtype))
-        if logits.dtype != torch.float64:
-            logits = logits.float()
+        out_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
+        logits = logits_matmul(h, self.lm_head.to(c.dtype), out_dtype)
         return logits.reshape(bs, gamma, c.vocab_size), h.reshape(bs, gamma, c.d_model)
 
     def survival_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
