@@ -207,7 +207,7 @@ class ModelRunner:
     can be captured (FA4), and a GDN path that skips padded lanes (the Triton kernels).
     ``gdn_replay_commit`` (default :data:`GDN_REPLAY_COMMIT`): how a verify's GDN states
     are committed, replayed from the step's recorded inputs (True) or copied from
-    per-position state scratch (False); the record is ~20x smaller than the scratch.
+    per-position state scratch (False); the record is ~40x smaller than the scratch.
     ``logprobs``: every step also writes the log-probability of each output token
     (``out.logprobs``; one log-sum-exp over the vocabulary per logits row) under the model's
     raw distribution — before temperature and filters, as SGLang reports it.

@@ -36,7 +36,7 @@ Modes, as in the engine:
   states' dtypes, entry ``t`` = after token ``t``); the slots are only read. Committing is
   ``state_commit.commit_states`` (DESIGN §5). Or, with a ``gdn_reference.VerifyRecord`` in
   place of both scratches, only the step's inputs are kept — the conv input rows, the conv
-  output rows (the record's ``y`` *is* the conv output) and the gates, ~20x fewer bytes than
+  output rows (the record's ``y`` *is* the conv output) and the gates, ~40x fewer bytes than
   the states at the ``small`` sizes — and ``gdn_replay_commit`` rebuilds each lane's conv
   window and re-runs the delta rule over tokens ``0 .. accepted`` from the slot: the very
   ``_rule_kernel`` binary the verify ran (its step kind is a runtime flag, and the replay
