@@ -7,9 +7,8 @@ pairs back per token with their routing weights. The pairs are sorted by expert 
 capturable in a CUDA graph), each projection is one ``torch._grouped_mm`` over the experts'
 row groups — never a Python loop over experts — and one launch weights the pairs and sums
 them back per token in a fixed order (:func:`unimem_kernel.moe_combine`), so results are
-deterministic. :func:`expert_mlp_reference` is the
-per-expert loop with identical semantics, the oracle in tests (it reads which experts were
-chosen on the host).
+deterministic. :func:`expert_mlp_reference` is the per-expert loop with identical semantics,
+the oracle in tests (it reads which experts were chosen on the host).
 
 Weights are stacked per expert: ``w_gate_up [E, 2I, d]`` with rows ``[gate (I) | up (I)]``
 and ``w_down [E, d, I]`` (``nn.Linear`` orientation: out x in), optional biases
@@ -84,7 +83,7 @@ def expert_mlp(
             x, topk_ids, topk_weights, w_gate_up, w_down, act=act, b_gate_up=b_gate_up,
             b_down=b_down,
         )  # fmt: skip
-    t, k = topk_ids.shape
+    k = topk_ids.shape[1]
     num_experts = w_gate_up.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
