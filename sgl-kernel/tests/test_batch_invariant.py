@@ -16,21 +16,13 @@ the tests at realistic sizes (K = 2048, N = 4096, bf16, M up to 1000).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_devices import DEVICES
 
 from unimem_kernel import batch_invariant as bi
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 DTYPES = [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16")]
 BOUND = {F32: 1e-5, BF16: 1e-2}

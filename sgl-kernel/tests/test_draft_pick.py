@@ -13,25 +13,11 @@ no near-ties at these sizes). CPU runs through the Triton interpreter with
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel.draft_pick import markov_pick, markov_pick_reference
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture
-def triton_backend(monkeypatch):
-    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
 
 
 def inputs(bs, g, v, r, dtype, device, seed):

@@ -28,31 +28,18 @@ real sizes (``D = 2048``, ``T = 384``).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_devices import DEVICES, INTERPRET
 
 from unimem_kernel import fused as fu
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 DTYPES = [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16")]
 MANTISSA = {F32: 23, BF16: 7}
 EPS = 1e-6
-
-
-@pytest.fixture
-def triton_backend(monkeypatch):
-    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
 
 
 def rand(gen, *shape, dtype=F32, device="cpu", scale=1.0):
@@ -143,7 +130,7 @@ def _silu_mul_numpy_exp(gate, up):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_is_torchs_expression_bitwise(triton_backend, dtype):
-    if not _INTERPRET:
+    if not INTERPRET:
         pytest.skip("the interpreter's exp is numpy's")
     g = _gen(4)
     gu = rand(g, 9, 2 * 45, dtype=dtype, scale=3.0)

@@ -21,21 +21,14 @@ capture.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel import gdn
 from unimem_kernel import gdn_reference as gr
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 POISON = 0xFF
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 # (input dtype, state dtype): conv state in the input dtype, SSM state in float32/float64

@@ -22,22 +22,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel import gdn
 from unimem_kernel import gdn_reference as gr
 from unimem_kernel import state_commit as sc
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 KW = 4
 NAN = float("nan")

@@ -10,22 +10,15 @@ there), ``vids``, the request table and ``src_out``/``dst_out`` (past ``k`` too)
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel import id_ops
 
 # Triton runs on CPU tensors only through the interpreter (set by the root conftest when there is
 # no GPU); on a GPU machine the compiled kernels are tested through the ``cuda`` variants.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 PAGE_SIZES = [1, 16, 64]
 JUNK = -7  # stack entries past the top: never read, never written
 

@@ -11,25 +11,11 @@ the ``gpu``-marked case uses the ``small`` preset's verify width (384 tokens, 4 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel.kv_store import store_kv_paged, store_kv_paged_reference
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture
-def triton_backend(monkeypatch):
-    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
 
 
 def arena_caches(pages, page_size, h, dk, dv, dtype, device):

@@ -8,10 +8,9 @@ is compared against that garbage. On CPU the kernel runs through the Triton inte
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 import unimem_kernel.metadata as md
 from unimem_kernel.metadata import (
@@ -23,13 +22,6 @@ from unimem_kernel.metadata import (
 
 # Triton runs on CPU tensors only through the interpreter (set by the root conftest when there is
 # no GPU); on a GPU machine the compiled kernel is tested through the ``cuda`` variants.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 GARBAGE = 0x7FFF_FFF0
 
 

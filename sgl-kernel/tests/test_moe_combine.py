@@ -6,21 +6,12 @@ float32 order) gives the same bits; bad arguments are named."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel import expert_combine as mc_mod
 from unimem_kernel import moe_combine, moe_combine_reference
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 
 
 def _case(t, k, d, dtype, device, seed):

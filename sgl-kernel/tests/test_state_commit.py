@@ -10,22 +10,14 @@ and ``block`` is lowered so that one state spans several programs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel import state_commit as sc
 
 # Triton runs on CPU tensors only through the interpreter (set by the root conftest when there is
 # no GPU); on a GPU machine the compiled kernels are tested through the ``cuda`` variants.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 POISON = 0xFF
 
 

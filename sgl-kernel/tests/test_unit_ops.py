@@ -8,22 +8,14 @@ offset exercise the narrower word views; a small ``block`` splits units across p
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel import unit_ops
 
 # Triton runs on CPU tensors only through the interpreter (set by the root conftest when there is
 # no GPU); on a GPU machine the compiled kernels are tested through the ``cuda`` variants.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 
 
 def make_arena(

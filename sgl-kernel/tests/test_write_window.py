@@ -5,22 +5,14 @@ from the contract, on fresh random inputs. Outputs start as garbage; entries pas
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel.write_window import gather_write_window, gather_write_window_reference
 
 # Triton runs on CPU tensors only through the interpreter (set by the root conftest when there is
 # no GPU); on a GPU machine the compiled kernel is tested through the ``cuda`` variants.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1")
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 GARBAGE = 0x7FFF_FFF0
 
 
