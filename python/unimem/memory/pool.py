@@ -394,11 +394,7 @@ class MemoryPool(ABC):
         if slots is None:
             self._rows.give([req.row])
             return None
-        self._hold_fresh(req.pages[k:])
-        self._live[req.row] = req
-        if self._has_state:
-            req.state_slot = slots[0]
-            self._request_slots[req.state_slot] = req.row
+        self._register(req, slots[0] if self._has_state else -1)
         if prefix is not None and k:
             self._add_refs(shared, shared[swa_start:] if self._has_swa else [])
             self._write_pages(shared, [req.row] * k, list(range(k)))
@@ -446,13 +442,18 @@ class MemoryPool(ABC):
             return None
         self._generation = first + len(reqs)
         for i, req in enumerate(reqs):
-            self._hold_fresh(req.pages)
-            self._live[req.row] = req
-            if self._has_state:
-                req.state_slot = slots[i]
-                self._request_slots[req.state_slot] = req.row
+            self._register(req, slots[i] if self._has_state else -1)
         self._update_usage()
         return reqs
+
+    def _register(self, req: RequestMemory, state_slot: int) -> None:
+        """An admitted request's bookkeeping: its fresh pages (past the shared prefix) held
+        once, the request live, its state slot (``-1`` without STATE layers) recorded."""
+        self._hold_fresh(req.pages[req.shared :])
+        self._live[req.row] = req
+        if self._has_state:
+            req.state_slot = state_slot
+            self._request_slots[state_slot] = req.row
 
     def grow(self, batch: Sequence[tuple[RequestMemory, int]]) -> bool:
         """Give every request pages for its target token count (``1..max_context``); all or

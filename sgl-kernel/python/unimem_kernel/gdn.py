@@ -1106,13 +1106,15 @@ def gdn_forward_triton(
     _check_device(ssm_state.device, conv_out=conv_out, conv_state=conv_state)
     _check_shape("g", g, (n, h))
     _check_shape("beta", beta, (n, h))
+    if record is not None and mode != "verify":
+        raise ValueError(f"gdn_forward: a record is for verify, not {mode}")
+    tv_verify = None
+    if mode == "verify":
+        tv_verify = gdn_reference.verify_width(bs, mixed_qkv, conv_scratch, ssm_scratch, record)
     if record is not None:
-        if mode != "verify":
-            raise ValueError(f"gdn_forward: a record is for verify, not {mode}")
         if conv_out is not None:
             raise ValueError("gdn_forward: with a record the conv output is record.y")
-        tv_rec = gdn_reference.verify_width(bs, mixed_qkv, conv_scratch, ssm_scratch, record)
-        record.check(bs, tv_rec, conv_state, ssm_state, mixed_qkv.dtype)
+        record.check(bs, tv_verify, conv_state, ssm_state, mixed_qkv.dtype)
         conv_out = record.y.view(n, conv_dim)
     # the gates in the rule's dtype in every step kind (the record's, so that the replay's
     # kernel is the verify's); a no-op for the models, whose gates come in that dtype
@@ -1138,7 +1140,7 @@ def gdn_forward_triton(
             raise ValueError(f"gdn_forward: decode needs T == bs, got {n}, {bs}")
         tv = max_len = 1
     elif mode == "verify":
-        tv = gdn_reference.verify_width(bs, mixed_qkv, conv_scratch, ssm_scratch, record)
+        tv = tv_verify
         if record is None:
             _check_shape("conv_scratch", conv_scratch, (bs, tv, *conv_state.shape[1:]))
             _check_shape("ssm_scratch", ssm_scratch, (bs, tv, *ssm_state.shape[1:]))
