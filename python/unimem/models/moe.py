@@ -2,11 +2,11 @@
 
 :func:`expert_mlp` runs every (token, expert) pair a router chose through its expert's
 gate/up projection, the architecture's activation and the down projection, and sums the
-pairs back per token with their routing weights. The pairs are sorted by expert on the device
-(``argsort`` + a scatter-add count + ``cumsum``: fixed shapes, no host read, so the step stays
-capturable in a CUDA graph), each projection is one ``torch._grouped_mm`` over the experts'
-row groups — never a Python loop over experts — and one launch weights the pairs and sums
-them back per token in a fixed order (:func:`unimem_kernel.moe_combine`), so results are
+pairs back per token with their routing weights. The pairs are grouped by expert on the device
+(:func:`unimem_kernel.moe_route`, a stable counting sort: fixed shapes, no host read, so the
+step stays capturable in a CUDA graph), each projection is one ``torch._grouped_mm`` over
+the experts' row groups — never a Python loop over experts — and one launch weights the pairs
+and sums them back per token in a fixed order (:func:`unimem_kernel.moe_combine`), so results are
 deterministic. :func:`expert_mlp_reference` is the per-expert loop with identical semantics,
 the oracle in tests (it reads which experts were chosen on the host).
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from unimem.models import batch_invariant
-from unimem_kernel import bi_grouped_linear, moe_combine
+from unimem_kernel import bi_grouped_linear, moe_combine, moe_route
 
 GatedAct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -83,30 +83,24 @@ def expert_mlp(
             x, topk_ids, topk_weights, w_gate_up, w_down, act=act, b_gate_up=b_gate_up,
             b_down=b_down,
         )  # fmt: skip
-    k = topk_ids.shape[1]
-    num_experts = w_gate_up.shape[0]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-    expert_of_pair = flat[order]
-    token_of_pair = order // k
-    # per-expert pair counts by scatter-add (bincount reads the max on the host on CUDA)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # end row of each expert's group
-    xs = x[token_of_pair]
+    # the pairs grouped by expert: a stable counting sort on the device (fixed shapes, no host
+    # read: the step stays capturable), with each expert's end row for the grouped GEMMs
+    route = moe_route(topk_ids, w_gate_up.shape[0])
+    offs = route.ends
+    xs = x[route.token]
     invariant = batch_invariant.covers(x)
     grouped = _grouped_invariant if invariant else _grouped_vendor
     h = grouped(xs, w_gate_up, offs)
     if b_gate_up is not None:
-        h = h + b_gate_up[expert_of_pair]
+        h = h + b_gate_up[route.expert]
     gate, up = h.chunk(2, dim=-1)
     y = grouped(act(gate, up).contiguous(), w_down, offs)
     if b_down is not None:
-        y = y + b_down[expert_of_pair]
+        y = y + b_down[route.expert]
     # weights, back to (token, slot) order and the sum over the k slots in one pass: slot 0 +
     # slot 1 + ... in float32 per token, deterministic and batch-invariant (index_add_ on CUDA
     # accumulates with atomics in a varying order; torch's reduction splits by token count)
-    return moe_combine(y, order, topk_weights).to(x.dtype)
+    return moe_combine(y, route.order, topk_weights, route.inverse).to(x.dtype)
 
 
 def _grouped_vendor(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

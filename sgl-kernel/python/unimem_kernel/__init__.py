@@ -21,6 +21,7 @@ from unimem_kernel.batch_invariant import (
 )
 from unimem_kernel.draft_pick import markov_pick, markov_pick_reference
 from unimem_kernel.expert_combine import moe_combine, moe_combine_reference
+from unimem_kernel.expert_route import ExpertRoute, moe_route, moe_route_reference
 from unimem_kernel.fused import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -73,6 +74,7 @@ from unimem_kernel.unit_ops import (
 from unimem_kernel.write_window import gather_write_window, gather_write_window_reference
 
 __all__ = [
+    "ExpertRoute",
     "MatmulConfig",
     "bi_grouped_linear",
     "bi_grouped_linear_reference",
@@ -100,6 +102,8 @@ __all__ = [
     "markov_pick_reference",
     "moe_combine",
     "moe_combine_reference",
+    "moe_route",
+    "moe_route_reference",
     "rope_qk",
     "rope_qk_reference",
     "silu_mul",

@@ -102,12 +102,21 @@ def moe_combine_reference(
     return acc.to(y.dtype)
 
 
-def moe_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def moe_combine(
+    y: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    inverse: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Weighted sum over each token's ``k`` slots of the expert outputs ``y [T * k, d]``
     (sorted by ``order``), as ``[T, d]`` in ``y``'s dtype: the Triton kernel where
     :func:`~unimem_kernel._dispatch.use_triton` says so (CUDA), else the reference. Same
-    numbers, bitwise, on either path (float32 sums in slot order)."""
+    numbers, bitwise, on either path (float32 sums in slot order). ``inverse`` (optional,
+    ``[T * k]`` int64, ``inverse[order[i]] = i``: :func:`~unimem_kernel.moe_route` returns it)
+    saves the kernel path the scatter that computes it; it is trusted, not checked."""
     t, k = _check(y, order, weights)
+    if inverse is not None and inverse.shape != order.shape:
+        raise ValueError(f"inverse must be [{t * k}] like order, got {tuple(inverse.shape)}")
     if not use_triton(y) or k == 0 or y.dtype == torch.float64:
         return moe_combine_reference(y, order, weights)
     if y.stride(-1) != 1:
@@ -119,8 +128,9 @@ def moe_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> 
     if t == 0 or d == 0:
         return out
     block = min(_BLOCK_D, next_pow2(d))
+    inv = _inverse(order) if inverse is None else inverse
     _moe_combine_kernel[(t, triton.cdiv(d, block))](
-        y, _inverse(order), weights, out, d, y.stride(0), weights.stride(0), out.stride(0),
+        y, inv, weights, out, d, y.stride(0), weights.stride(0), out.stride(0),
         K=k, BLOCK_D=block, num_warps=4,
         # each product rounded before it is added, as torch does: no multiply-add contraction
         # (for float32 ``y`` the compiler would otherwise fuse ``acc + y * w`` into an FMA)

@@ -1,0 +1,178 @@
+"""Grouping a routed-experts (MoE) layer's (token, slot) pairs by expert: a stable counting sort
+in three small launches instead of a radix ``argsort`` plus the count, scan and index passes.
+
+Semantics (``moe_route_reference``, the torch code the MoE layer ran before): ``topk_ids
+[T, k]`` holds each token's chosen experts in ``[0, E)``; pair ``p = t * k + j`` is token
+``t``'s slot ``j``. With ``P = T * k`` and ``flat = topk_ids.reshape(-1)``:
+
+- ``order [P]`` int64: ``argsort(flat, stable=True)`` — the pairs by expert, pairs of one
+  expert in ascending pair id;
+- ``inverse [P]`` int64: ``inverse[order[i]] = i``, the sorted row of each pair;
+- ``token [P]`` int64: ``order // k``, the token of each sorted row;
+- ``expert [P]`` int64: ``flat[order]``, the expert of each sorted row;
+- ``ends [E]`` int32: the cumulative pair count per expert — expert ``e``'s rows are
+  ``ends[e-1] .. ends[e]`` (the ``offs`` of ``torch._grouped_mm``).
+
+All of them are integers, so the kernels and the reference agree exactly. The kernels:
+``_count_kernel`` (one program per block of ``BLOCK`` pairs: the block's histogram over the
+experts), ``_scan_kernel`` (one program: the expert totals, their running sum ``ends``, and for
+every block and expert the first sorted row its pairs take, in place of the histogram),
+``_place_kernel`` (one program per block: each pair's rank among the block's earlier pairs of
+its expert, hence its sorted row; it writes all four permutation outputs). A pair's row depends
+only on the pairs before it, so the result is the stable order, deterministic and independent
+of scheduling. Grids depend on shapes only and nothing is read on the host: the route is
+captured in CUDA graphs. ``topk_ids`` must lie in ``[0, E)`` (a router's ``topk`` does); the
+kernels do not check it on the device — the reference raises.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from unimem_kernel._dispatch import next_pow2, use_triton
+
+__all__ = ["ExpertRoute", "moe_route", "moe_route_reference"]
+
+_BLOCK = 128  # pairs per program of the count and place kernels ([BLOCK, BLOCK] rank compare)
+_SCAN_ELEMENTS = 16384  # histogram entries the scan holds at once (rows x padded experts)
+
+
+class ExpertRoute(NamedTuple):
+    """The pairs of a MoE layer grouped by expert (module docstring); all on the ids' device."""
+
+    order: torch.Tensor  # [P] int64: pair id of each sorted row
+    inverse: torch.Tensor  # [P] int64: sorted row of each pair
+    token: torch.Tensor  # [P] int64: token of each sorted row
+    expert: torch.Tensor  # [P] int64: expert of each sorted row
+    ends: torch.Tensor  # [E] int32: end row of each expert's group
+
+
+@triton.jit(do_not_specialize=["P"])
+def _count_kernel(ids_ptr, hist_ptr, P, E, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    m = offs < P
+    # masked lanes read 0 and are excluded by the mask (the interpreter's histogram counts
+    # masked lanes in bin 0 and subtracts them again: they must hold 0)
+    ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+    hist = tl.histogram(ids, E_BLOCK, mask=m)
+    cols = tl.arange(0, E_BLOCK)
+    tl.store(hist_ptr + b.to(tl.int64) * E + cols, hist, mask=cols < E)
+
+
+@triton.jit(do_not_specialize=["NB"])
+def _scan_kernel(
+    hist_ptr, ends_ptr, NB, E, ROWS: tl.constexpr, E_BLOCK: tl.constexpr
+):  # fmt: skip
+    """hist [NB, E] int32 -> (in place) first sorted row of block b's pairs of expert e."""
+    cols = tl.arange(0, E_BLOCK)
+    cm = cols < E
+    rows = tl.arange(0, ROWS)
+    total = tl.zeros([E_BLOCK], dtype=tl.int32)
+    for r0 in range(0, NB, ROWS):
+        r = r0 + rows
+        ptrs = hist_ptr + r[:, None].to(tl.int64) * E + cols[None, :]
+        h = tl.load(ptrs, mask=(r[:, None] < NB) & cm[None, :], other=0)
+        total += tl.sum(h, axis=0)
+    ends = tl.cumsum(total, axis=0)
+    tl.store(ends_ptr + cols, ends, mask=cm)
+    carry = ends - total  # first row of each expert's group
+    for r0 in range(0, NB, ROWS):
+        r = r0 + rows
+        ptrs = hist_ptr + r[:, None].to(tl.int64) * E + cols[None, :]
+        mask = (r[:, None] < NB) & cm[None, :]
+        h = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=mask)
+        carry += tl.sum(h, axis=0)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _place_kernel(
+    ids_ptr, base_ptr, order_ptr, inverse_ptr, token_ptr, expert_ptr, P, E,
+    K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    lane = tl.arange(0, BLOCK)
+    p = b * BLOCK + lane
+    m = p < P
+    ids = tl.load(ids_ptr + p, mask=m, other=-1).to(tl.int32)
+    # rank of pair i among the block's earlier pairs of its expert (the masked lanes are the
+    # block's last ones: never earlier than a live pair)
+    earlier = (ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    base = tl.load(base_ptr + b.to(tl.int64) * E + ids, mask=m, other=0)
+    row = (base + rank).to(tl.int64)
+    p64 = p.to(tl.int64)
+    tl.store(order_ptr + row, p64, mask=m)
+    tl.store(token_ptr + row, p64 // K, mask=m)
+    tl.store(expert_ptr + row, ids.to(tl.int64), mask=m)
+    tl.store(inverse_ptr + p64, row, mask=m)
+
+
+def _empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An output buffer (the kernels write every entry; tests poison it through this)."""
+    return torch.empty(n, dtype=dtype, device=device)
+
+
+def _check(topk_ids: torch.Tensor, num_experts: int) -> None:
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, k], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+
+
+def moe_route_reference(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
+    """The torch code of the module docstring (raises on an expert id outside ``[0, E)``:
+    that check reads the ids on the host)."""
+    _check(topk_ids, num_experts)
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got "
+                         f"[{int(flat.min())}, {int(flat.max())}]")  # fmt: skip
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order).scatter_(
+        0, order, torch.arange(flat.numel(), device=flat.device)
+    )
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    return ExpertRoute(order, inverse, order // max(k, 1), flat[order], ends)
+
+
+def moe_route(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
+    """Group the pairs of ``topk_ids [T, k]`` by expert (module docstring): the three Triton
+    kernels where :func:`~unimem_kernel._dispatch.use_triton` says so (CUDA), else the
+    reference; identical outputs on either path. Allocates the five outputs and one
+    ``[cdiv(P, 128), E]`` int32 scratch."""
+    _check(topk_ids, num_experts)
+    if not use_triton(topk_ids):
+        return moe_route_reference(topk_ids, num_experts)
+    t, k = topk_ids.shape
+    n = t * k
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    order, inverse, token, expert = (_empty(n, torch.int64, dev) for _ in range(4))
+    ends = _empty(num_experts, torch.int32, dev)
+    if n == 0:
+        ends.zero_()
+        return ExpertRoute(order, inverse, token, expert, ends)
+    nb = triton.cdiv(n, _BLOCK)
+    e_block = next_pow2(num_experts)
+    hist = torch.empty(nb, num_experts, dtype=torch.int32, device=dev)
+    _count_kernel[(nb,)](ids, hist, n, num_experts, BLOCK=_BLOCK, E_BLOCK=e_block, num_warps=4)
+    rows = max(1, min(next_pow2(nb), _SCAN_ELEMENTS // e_block))
+    _scan_kernel[(1,)](hist, ends, nb, num_experts, ROWS=rows, E_BLOCK=e_block, num_warps=4)
+    _place_kernel[(nb,)](
+        ids, hist, order, inverse, token, expert, n, num_experts, K=k, BLOCK=_BLOCK,
+        num_warps=4,
+    )  # fmt: skip
+    return ExpertRoute(order, inverse, token, expert, ends)
