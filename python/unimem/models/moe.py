@@ -2,11 +2,12 @@
 
 :func:`expert_mlp` runs every (token, expert) pair a router chose through its expert's
 gate/up projection, the architecture's activation and the down projection, and sums the
-pairs back per token with their routing weights. The pairs are grouped by expert on the device
-(:func:`unimem_kernel.moe_route`, a stable counting sort: fixed shapes, no host read, so the
-step stays capturable in a CUDA graph), each projection is one ``torch._grouped_mm`` over
-the experts' row groups — never a Python loop over experts — and one launch weights the pairs
-and sums them back per token in a fixed order (:func:`unimem_kernel.moe_combine`), so results are
+pairs back per token with their routing weights. The pairs are grouped by expert on the
+device (:func:`unimem_kernel.moe_route`, a stable counting sort: fixed shapes, no host read,
+so the step stays capturable in a CUDA graph), each projection is one grouped GEMM over the
+experts' row groups (:func:`unimem_kernel.expert_linear`) — never a Python loop over experts
+— and one launch weights the pairs and sums them back per token in a fixed order
+(:func:`unimem_kernel.moe_combine`), so results are
 deterministic. :func:`expert_mlp_reference` is the per-expert loop with identical semantics,
 the oracle in tests (it reads which experts were chosen on the host).
 
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from unimem.models import batch_invariant
-from unimem_kernel import bi_grouped_linear, moe_combine, moe_route
+from unimem_kernel import bi_grouped_linear, expert_linear, moe_combine, moe_route
 
 GatedAct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -104,8 +105,10 @@ def expert_mlp(
 
 
 def _grouped_vendor(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``xs`` rows times their expert's ``w [E, N, K]``: one ``torch._grouped_mm``."""
-    return torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)
+    """``xs`` rows times their expert's ``w [E, N, K]``: one grouped GEMM launch
+    (:func:`unimem_kernel.expert_linear`: Triton tiles at decode/verify sizes,
+    ``torch._grouped_mm`` for prefill)."""
+    return expert_linear(xs, w, offs)
 
 
 def _grouped_invariant(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

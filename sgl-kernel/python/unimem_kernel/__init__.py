@@ -21,6 +21,7 @@ from unimem_kernel.batch_invariant import (
 )
 from unimem_kernel.draft_pick import markov_pick, markov_pick_reference
 from unimem_kernel.expert_combine import moe_combine, moe_combine_reference
+from unimem_kernel.expert_gemm import expert_gemm_config, expert_linear
 from unimem_kernel.expert_route import ExpertRoute, moe_route, moe_route_reference
 from unimem_kernel.fused import (
     add_rms_norm,
@@ -100,6 +101,8 @@ __all__ = [
     "gelu_tanh_mul_reference",
     "markov_pick",
     "markov_pick_reference",
+    "expert_gemm_config",
+    "expert_linear",
     "moe_combine",
     "moe_combine_reference",
     "moe_route",

@@ -408,15 +408,19 @@ def bi_grouped_linear_triton(
     offs: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    config: MatmulConfig | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel of :func:`bi_grouped_linear` (arguments already validated)."""
+    """The Triton kernel of :func:`bi_grouped_linear` (arguments already validated).
+    ``config``: the tile configuration (default :func:`matmul_config`'s, the batch-invariant
+    one; another fixed configuration keeps each row independent of the others but rounds
+    differently)."""
     t, k = x.shape
     e, n, _ = weight.shape
     if out is None:
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0 or n == 0:
         return out
-    cfg = _matmul_config(x.dtype, k, n)
+    cfg = _matmul_config(x.dtype, k, n) if config is None else config
     # Row tiles over all segments: at most cdiv(T, BLOCK_M) full tiles plus one partial tile
     # per segment (E experts and the tail). Host-known bound: capturable.
     row_tiles = triton.cdiv(t, cfg.block_m) + e + 1
