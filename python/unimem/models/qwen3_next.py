@@ -73,7 +73,7 @@ class Qwen3NextGdn(GdnMixer):
     def project(self, h):
         mixed_qkv, z = F.linear(h, self.in_proj_qkvz.weight).split(self.split_qkvz, dim=-1)
         b, a = F.linear(h, self.in_proj_ba.weight).chunk(2, dim=-1)
-        return mixed_qkv.contiguous(), z, b, a
+        return mixed_qkv, z, b, a  # a column view: the GDN kernels read rows by their stride
 
 
 def _check_shape(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

@@ -56,7 +56,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, gdn_gates, rope_qk
+from unimem_kernel import add_rms_norm, gdn_gates, rope_qk, router_topk
 from unimem_kernel import gated_rms_norm as fused_gated_rms_norm
 from unimem_kernel import silu_mul as fused_silu_mul
 
@@ -211,8 +211,9 @@ class GdnMixer(nn.Module):
     def project(
         self, h: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``h [T, d]`` -> ``mixed_qkv [T, conv_dim]`` (contiguous, ``[q | k | v]``),
-        ``z [T, H * Dv]``, ``b [T, H]``, ``a [T, H]``."""
+        """``h [T, d]`` -> ``mixed_qkv [T, conv_dim]`` (``[q | k | v]``; unit stride along
+        the channels, rows of any stride: a column view of a wider projection is read in
+        place), ``z [T, H * Dv]``, ``b [T, H]``, ``a [T, H]``."""
         raise NotImplementedError
 
     def forward(self, layer_idx: int, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -318,10 +319,8 @@ class SparseMoe(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, self.gate.weight)
-        probs = torch.softmax(logits.to(_acc(h.dtype)), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
+        # softmax, top-k and renormalisation: one launch on CUDA (unimem_kernel.router_topk)
+        weights, ids = router_topk(logits, self.top_k, self.norm_topk)
         ex = self.experts
         routed = expert_mlp(h, ids, weights, ex.gate_up_proj, ex.down_proj, act=silu_mul)
         shared_gate = torch.sigmoid(F.linear(h, self.shared_expert_gate.weight))

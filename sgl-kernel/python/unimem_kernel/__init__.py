@@ -20,6 +20,7 @@ from unimem_kernel.batch_invariant import (
     matmul_config,
 )
 from unimem_kernel.draft_pick import markov_pick, markov_pick_reference
+from unimem_kernel.expert_choice import router_topk, router_topk_reference
 from unimem_kernel.expert_combine import moe_combine, moe_combine_reference
 from unimem_kernel.expert_gemm import expert_gemm_config, expert_linear
 from unimem_kernel.expert_route import ExpertRoute, moe_route, moe_route_reference
@@ -107,6 +108,8 @@ __all__ = [
     "moe_combine_reference",
     "moe_route",
     "moe_route_reference",
+    "router_topk",
+    "router_topk_reference",
     "rope_qk",
     "rope_qk_reference",
     "silu_mul",
