@@ -36,7 +36,8 @@ for part in $parts; do
         sgl-kernel/tests/test_gdn_chunked.py sgl-kernel/tests/test_kv_store.py \
         sgl-kernel/tests/test_draft_pick.py sgl-kernel/tests/test_gdn_batch_invariant.py \
         sgl-kernel/tests/test_moe_combine.py sgl-kernel/tests/test_moe_route.py sgl-kernel/tests/test_expert_gemm.py sgl-kernel/tests/test_router_topk.py \
-        sgl-kernel/tests/test_gdn_kernels.py test/engine/test_gpu_engine.py \
+        sgl-kernel/tests/test_gdn_kernels.py sgl-kernel/tests/test_batch_invariant.py \
+        test/engine/test_gpu_engine.py \
         test/speculative/test_ragged_verify_gpu.py test/models/test_logits_matmul.py ;;
     kernels)
       run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json"

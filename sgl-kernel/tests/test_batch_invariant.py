@@ -204,6 +204,26 @@ def test_grouped_rows_are_invariant_to_the_expert_distribution(triton_backend, d
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_centered_rms_norm_on_a_head_view(triton_backend, device, dtype):
+    # Qwen3-Next's per-head q norm: x is the q half of a [T, H, 2 * Dh] projection (a view
+    # whose rows are 2 * Dh apart), the weight zero-centred (1 + w)
+    gen = torch.Generator().manual_seed(7)
+    qg = rand(gen, 5, 3, 2 * 32, dtype=dtype, device=device, scale=3.0)
+    q = qg[..., :32]
+    weight = rand(gen, 32, device=device).to(dtype)
+    got = bi.bi_rms_norm(q, weight, 1e-6, zero_centered=True)
+    assert got.shape == q.shape and got.dtype == dtype and got.is_contiguous()
+    ref = bi.bi_rms_norm_reference(q.double(), weight.double(), 1e-6, zero_centered=True)
+    assert rel_err(got, ref) <= BOUND[dtype]
+    plain = bi.bi_rms_norm_reference(q.double(), 1.0 + weight.double(), 1e-6)
+    assert torch.equal(ref, plain)
+    for t in range(5):  # each row alone gives the same bits
+        alone = bi.bi_rms_norm(q[t : t + 1], weight, 1e-6, zero_centered=True)
+        assert torch.equal(alone[0], got[t])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [1, 37, 64])
 def test_rms_norm_matches_reference(triton_backend, device, dtype, d):
     gen = torch.Generator().manual_seed(d)

@@ -56,9 +56,11 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, gdn_gates, rope_qk, router_topk
+from unimem_kernel import add_rms_norm, bi_rms_norm, gdn_gates, rope_qk, router_topk
 from unimem_kernel import gated_rms_norm as fused_gated_rms_norm
 from unimem_kernel import silu_mul as fused_silu_mul
+from unimem_kernel.fused import records_autograd
+from unimem_kernel.fused import use_triton as fused_ops_on
 
 LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "full"}
 """HF ``config.layer_types`` entry -> ``HybridConfig.layer_pattern`` entry."""
@@ -85,7 +87,12 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, in float32 (float64
-    for float64 inputs), cast back to ``x``'s dtype once at the end."""
+    for float64 inputs), cast back to ``x``'s dtype once at the end. Where the fused ops run
+    (CUDA, ``UNIMEM_FUSED_OPS`` on, no autograd) one row-local launch
+    (:func:`unimem_kernel.bi_rms_norm`, ``zero_centered``: the same math, batch-invariant);
+    elsewhere the torch code below."""
+    if x.dtype != torch.float64 and fused_ops_on(x) and not records_autograd(x, weight):
+        return bi_rms_norm(x, weight, eps, zero_centered=True)
     acc = _acc(x.dtype)
     y = rms_normalize(x.to(acc), eps)
     return (y * (1.0 + weight.to(acc))).to(x.dtype)

@@ -544,7 +544,10 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 @triton.jit
-def _bi_rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+def _bi_rms_norm_kernel(
+    x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps,
+    ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     y_row = y_ptr + row * stride_y
@@ -559,25 +562,36 @@ def _bi_rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, BLOCK: 
         m = start + cols < D
         xv = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
         wv = tl.load(w_ptr + start + cols, mask=m, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            wv = 1.0 + wv
         tl.store(y_row + start + cols, ((xv * rstd) * wv).to(y_ptr.dtype.element_ty), mask=m)
 
 
-def bi_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch reference of :func:`bi_rms_norm` (``unimem.models.nn_ops.rms_norm``)."""
+def bi_rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
+) -> torch.Tensor:
+    """The torch reference of :func:`bi_rms_norm` (``unimem.models.nn_ops.rms_norm``, or
+    ``qwen_common.zero_centered_rms_norm``'s arithmetic when ``zero_centered``)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xa = x.to(acc)
     y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.to(acc)).to(x.dtype)
+    w = (1.0 + weight.to(acc)) if zero_centered else weight.to(acc)
+    return (y * w).to(x.dtype)
 
 
-def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, batch-invariant.
+def bi_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
+) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * w`` over the last dim, batch-invariant; ``w = weight``,
+    or ``1 + weight`` when ``zero_centered`` (Qwen3-Next's norms).
 
-    ``x [..., D]`` (fp16, bf16, fp32; float64 runs the reference), ``weight [D]`` (any float
-    dtype) on ``x``'s device, ``eps`` a float. Math in fp32 (``x`` and ``weight`` upcast,
-    weight multiplied in fp32, then cast back), as ``unimem.models.nn_ops.rms_norm``. Returns a
-    new tensor of ``x``'s shape and dtype, owned by the caller. One program per row; the
-    sum of squares walks ``D`` in fixed chunks of :func:`_row_block` ``(D)`` elements.
+    ``x [..., D]`` (fp16, bf16, fp32; float64 runs the reference; unit stride along ``D``,
+    leading dims that flatten to one row stride are read in place, e.g. per-head norms of a
+    projection's column view), ``weight [D]`` (any float dtype) on ``x``'s device, ``eps`` a
+    float. Math in fp32 (``x`` and ``weight`` upcast, ``1 + weight`` and the weight multiply
+    in fp32, then cast back), as ``unimem.models.nn_ops.rms_norm``. Returns a new tensor of
+    ``x``'s shape and dtype, owned by the caller. One program per row; the sum of squares
+    walks ``D`` in fixed chunks of :func:`_row_block` ``(D)`` elements.
     """
     x2 = _rows(x, "x")
     _check_float("x", x)
@@ -587,12 +601,13 @@ def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     _check_float("weight", weight)
     _check_device("weight", weight, x, "x")
     if x.dtype == torch.float64 or not use_triton(x):
-        return bi_rms_norm_reference(x, weight, eps)
+        return bi_rms_norm_reference(x, weight, eps, zero_centered=zero_centered)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
         _bi_rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, y, d, x2.stride(0), y.stride(0), float(eps), BLOCK=_row_block(d)
-        )
+            x2, weight, y, d, x2.stride(0), y.stride(0), float(eps),
+            ZERO_CENTERED=bool(zero_centered), BLOCK=_row_block(d),
+        )  # fmt: skip
     return y.reshape(x.shape)
 
 
