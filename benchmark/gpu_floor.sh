@@ -4,7 +4,8 @@
 #   PARTS="tests kernels profile bench" bash benchmark/gpu_floor.sh
 # tests: the gpu tests of the fused model ops, the KV store, the drafter's pick, the GDN replay
 #   commit (equal to the per-position-state commit), the chunked GDN prefill, GDN batch
-#   invariance and the engine (sync-debug loop, graph replay == eager);
+#   invariance, the MoE kernels (router, route, grouped GEMM, combine), the batch-invariant
+#   GEMMs and norms, and the engine (sync-debug loop, graph replay == eager);
 # kernels: benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces),
 #   benchmark/bench_gdn_commit.py (verify + commit, per-position states vs replay) and
 #   benchmark/bench_gdn_prefill.py (recurrent vs chunked GDN prefill at 4k / 32k tokens),
@@ -35,7 +36,8 @@ for part in $parts; do
         sgl-kernel/tests/test_fused_ops.py sgl-kernel/tests/test_gdn_replay_commit.py \
         sgl-kernel/tests/test_gdn_chunked.py sgl-kernel/tests/test_kv_store.py \
         sgl-kernel/tests/test_draft_pick.py sgl-kernel/tests/test_gdn_batch_invariant.py \
-        sgl-kernel/tests/test_moe_combine.py sgl-kernel/tests/test_moe_route.py sgl-kernel/tests/test_expert_gemm.py sgl-kernel/tests/test_router_topk.py \
+        sgl-kernel/tests/test_moe_combine.py sgl-kernel/tests/test_moe_route.py \
+        sgl-kernel/tests/test_expert_gemm.py sgl-kernel/tests/test_router_topk.py \
         sgl-kernel/tests/test_gdn_kernels.py sgl-kernel/tests/test_batch_invariant.py \
         test/engine/test_gpu_engine.py \
         test/speculative/test_ragged_verify_gpu.py test/models/test_logits_matmul.py ;;
