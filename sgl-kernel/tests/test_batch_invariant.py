@@ -160,6 +160,28 @@ def test_grouped_matches_reference(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_rows_gathered_by_the_loads(triton_backend, device, dtype):
+    """``rows=r`` reads ``x[r]`` in place: the same bits as the gathered copy (a MoE layer's
+    pairs: each token's row repeated, in expert order), also with a tile configuration that
+    is not the batch-invariant one, and the reference agrees."""
+    gen = torch.Generator().manual_seed(9)
+    k, n, counts = 45, 37, [5, 0, 11, 8]
+    x_tok = rand(gen, 7, k, dtype=dtype, device=device)
+    _, w, offs = grouped_case(gen, counts, k, n, dtype, device)
+    rows = torch.randint(0, 7, (sum(counts),), generator=gen).to(device)
+    got = bi.bi_grouped_linear(x_tok, w, offs, rows=rows)
+    assert torch.equal(got, bi.bi_grouped_linear(x_tok[rows], w, offs))
+    ref = bi.bi_grouped_linear_reference(x_tok.double(), w.double(), offs, rows=rows)
+    assert rel_err(got, ref) <= BOUND[dtype]
+    cfg = bi.MatmulConfig(16, 32, 16, 4, 2, 1)
+    other = bi.bi_grouped_linear_triton(x_tok, w, offs, config=cfg, rows=rows)
+    assert torch.equal(other, bi.bi_grouped_linear_triton(x_tok[rows], w, offs, config=cfg))
+    with pytest.raises(ValueError, match="rows must be 1-D int32/int64"):
+        bi.bi_grouped_linear(x_tok, w, offs, rows=rows.float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_grouped_is_a_drop_in_for_torch_grouped_mm(triton_backend, device):
     """``bi_grouped_linear(xs, w, offs)`` for ``torch._grouped_mm(xs, w.mT, offs=offs)``
     (float32 on CPU, bf16 on CUDA: what ``unimem.models.moe.expert_mlp`` runs)."""

@@ -58,3 +58,15 @@ def test_gpu_equals_float32_reference(monkeypatch, path, counts, n, k):
     assert not y.isnan().any()
     rel = float((y.float() - ref).abs().max() / ref.abs().max())
     assert rel < 1e-2  # bf16 output rounding (2^-8) with float32 accumulation
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["triton", "vendor"])
+def test_gpu_rows_read_in_place_equal_the_gathered_copy(monkeypatch, path):
+    monkeypatch.setenv("UNIMEM_MOE_GEMM", path)
+    counts, n, k = [48, 0, 130, 7, 63, 64, 1, 65], 1024, 2048
+    x, w, offs, _ = _case(counts, n, k, seed=3)
+    g = torch.Generator().manual_seed(4)
+    tokens = x[: sum(counts) // 4]
+    rows = torch.randint(0, tokens.shape[0], (sum(counts),), generator=g).cuda()
+    assert torch.equal(expert_linear(tokens, w, offs, rows), expert_linear(tokens[rows], w, offs))

@@ -88,10 +88,9 @@ def expert_mlp(
     # read: the step stays capturable), with each expert's end row for the grouped GEMMs
     route = moe_route(topk_ids, w_gate_up.shape[0])
     offs = route.ends
-    xs = x[route.token]
     invariant = batch_invariant.covers(x)
     grouped = _grouped_invariant if invariant else _grouped_vendor
-    h = grouped(xs, w_gate_up, offs)
+    h = grouped(x, w_gate_up, offs, route.token)  # row i is token route.token[i]
     if b_gate_up is not None:
         h = h + b_gate_up[route.expert]
     gate, up = h.chunk(2, dim=-1)
@@ -104,17 +103,21 @@ def expert_mlp(
     return moe_combine(y, route.order, topk_weights, route.inverse).to(x.dtype)
 
 
-def _grouped_vendor(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``xs`` rows times their expert's ``w [E, N, K]``: one grouped GEMM launch
-    (:func:`unimem_kernel.expert_linear`: Triton tiles at decode/verify sizes,
-    ``torch._grouped_mm`` for prefill)."""
-    return expert_linear(xs, w, offs)
+def _grouped_vendor(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows ``x`` (or ``x[rows]``) times their expert's ``w [E, N, K]``: one grouped GEMM
+    launch (:func:`unimem_kernel.expert_linear`: Triton tiles at decode/verify sizes, which
+    read ``x[rows]`` in place; ``torch._grouped_mm`` for prefill)."""
+    return expert_linear(x, w, offs, rows)
 
 
-def _grouped_invariant(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped_invariant(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """As :func:`_grouped_vendor` with each row's result independent of the other rows
     (:func:`unimem_kernel.bi_grouped_linear`)."""
-    return bi_grouped_linear(xs, w, offs)
+    return bi_grouped_linear(x, w, offs, rows=rows)
 
 
 def expert_mlp_reference(

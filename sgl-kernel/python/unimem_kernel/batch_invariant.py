@@ -338,6 +338,7 @@ def bi_linear(
 @triton.jit(do_not_specialize=["T"])
 def _bi_grouped_kernel(
     x_ptr,
+    rows_ptr,
     w_ptr,
     bias_ptr,
     offs_ptr,
@@ -354,6 +355,7 @@ def _bi_grouped_kernel(
     stride_be,
     stride_ot,
     HAS_BIAS: tl.constexpr,
+    GATHER: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -388,7 +390,11 @@ def _bi_grouped_kernel(
     mask_m = rm < row_end
     mask_n = rn < N
     we = tl.minimum(e, E - 1).to(tl.int64)
-    x_rows = x_ptr + rm[:, None] * stride_xt
+    if GATHER:  # noqa: SIM108 (row i of the product reads row rows[i] of x)
+        src = tl.load(rows_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+    else:
+        src = rm
+    x_rows = x_ptr + src[:, None] * stride_xt
     w_cols = w_ptr + we * stride_we + rn[None, :] * stride_wn
     k_end = tl.where(is_tail, 0, K)  # the tail's rows stay zero
     acc = _k_loop(
@@ -409,12 +415,15 @@ def bi_grouped_linear_triton(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of :func:`bi_grouped_linear` (arguments already validated).
     ``config``: the tile configuration (default :func:`matmul_config`'s, the batch-invariant
     one; another fixed configuration keeps each row independent of the others but rounds
-    differently)."""
-    t, k = x.shape
+    differently). ``rows`` (``[T]`` int, optional): product row ``i`` reads ``x[rows[i]]``
+    (the gather of a MoE layer's token rows, done by the loads instead of a copy)."""
+    t = x.shape[0] if rows is None else rows.shape[0]
+    k = x.shape[1]
     e, n, _ = weight.shape
     if out is None:
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -426,10 +435,12 @@ def bi_grouped_linear_triton(
     row_tiles = triton.cdiv(t, cfg.block_m) + e + 1
     grid = (row_tiles, triton.cdiv(n, cfg.block_n))
     _bi_grouped_kernel[grid](
-        x, weight, bias if bias is not None else out, offs, out, t, n, k, e,
+        x, rows if rows is not None else offs, weight, bias if bias is not None else out, offs,
+        out, t, n, k, e,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
         bias.stride(0) if bias is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, UPCAST=_interpreting(),
+        HAS_BIAS=bias is not None, GATHER=rows is not None, IEEE=x.dtype == torch.float32,
+        UPCAST=_interpreting(),
         BLOCK_E=next_pow2(e + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -445,10 +456,13 @@ def bi_grouped_linear_reference(
     offs: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference of :func:`bi_grouped_linear`: per expert, ``x @ weight[e].T`` in
     fp32 (float64 for float64) for all rows, kept on the rows the expert owns (no host reads
     of ``offs``; costs ``E`` full GEMMs: meant for tests)."""
+    if rows is not None:
+        x = x[rows]
     t, k = x.shape
     num_e, n, _ = weight.shape
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -472,6 +486,7 @@ def bi_grouped_linear(
     offs: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped ``x @ weight[e].T`` over rows sorted by expert, batch-invariant.
 
@@ -487,7 +502,10 @@ def bi_grouped_linear(
     A row's result depends only on the row and its expert's weight (and ``K``, ``N``): not on
     ``T``, on how many rows the other experts own, or on the row's position in its segment.
     ``bi_grouped_linear(xs, w, offs)`` replaces ``torch._grouped_mm(xs, w.transpose(-2, -1),
-    offs=offs)``.
+    offs=offs)``. With ``rows`` (``[T]`` int32/int64 on ``x``'s device, values in
+    ``[0, x.shape[0])``, not checked on the device) the grouped rows are ``x[rows]``, read by
+    the kernel's loads (no gathered copy): ``bi_grouped_linear(x, w, offs, rows=r) ==
+    bi_grouped_linear(x[r], w, offs)``, bitwise.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
@@ -498,6 +516,13 @@ def bi_grouped_linear(
     num_e, n, _ = weight.shape
     if num_e == 0:
         raise ValueError("weight must hold at least one expert")
+    t = x.shape[0]
+    if rows is not None:
+        if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"rows must be 1-D int32/int64, got {rows.dtype} "
+                             f"{tuple(rows.shape)}")  # fmt: skip
+        _check_device("rows", rows, x, "x")
+        t = rows.shape[0]
     _check_float("x", x)
     if weight.dtype != x.dtype:
         raise ValueError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
@@ -513,17 +538,16 @@ def bi_grouped_linear(
         _check_float("bias", bias)
         _check_device("bias", bias, x, "x")
     if out is not None:
-        if out.shape != (x.shape[0], n) or out.dtype != x.dtype:
+        if out.shape != (t, n) or out.dtype != x.dtype:
             raise ValueError(
-                f"out must be {x.dtype} of shape ({x.shape[0]}, {n}), "
-                f"got {out.dtype} {tuple(out.shape)}"
+                f"out must be {x.dtype} of shape ({t}, {n}), got {out.dtype} {tuple(out.shape)}"
             )
         if n and out.stride(1) != 1:
             raise ValueError("out must have contiguous rows (stride 1 along N)")
         _check_device("out", out, x, "x")
     if x.dtype == torch.float64 or not use_triton(x):
-        return bi_grouped_linear_reference(x, weight, offs, bias, out)
-    return bi_grouped_linear_triton(x, weight, offs, bias, out)
+        return bi_grouped_linear_reference(x, weight, offs, bias, out, rows)
+    return bi_grouped_linear_triton(x, weight, offs, bias, out, rows=rows)
 
 
 # ------------------------------------------------------------------- row ops

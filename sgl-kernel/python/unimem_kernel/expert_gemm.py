@@ -55,11 +55,20 @@ def expert_gemm_config(rows: int, num_experts: int, dtype: torch.dtype) -> Matmu
     return _TILES[-1][1] if choice == "triton" else None
 
 
-def expert_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``[T, N]``: row ``i`` of ``x [T, K]`` times ``weight[e] [N, K]`` transposed, ``e`` the
-    expert owning row ``i`` by ``offs [E]`` (int32, non-decreasing, ``offs[-1] == T``; not
-    checked on the device). bf16/fp16 on CUDA; the caller checks shapes (the MoE layer)."""
-    cfg = expert_gemm_config(x.shape[0], weight.shape[0], x.dtype) if use_triton(x) else None
+def expert_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[T, N]``: row ``i`` of ``a`` times ``weight[e] [N, K]`` transposed, ``e`` the expert
+    owning row ``i`` by ``offs [E]`` (int32, non-decreasing, ``offs[-1] == T``; not checked on
+    the device), where ``a = x`` or, with ``rows [T]`` (int64), ``a = x[rows]`` — read by the
+    Triton kernel's loads, gathered first for ``torch._grouped_mm``. The caller checks shapes
+    (the MoE layer)."""
+    t = x.shape[0] if rows is None else rows.shape[0]
+    cfg = expert_gemm_config(t, weight.shape[0], x.dtype) if use_triton(x) else None
     if cfg is None:
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
-    return bi_grouped_linear_triton(x, weight, offs, config=cfg)
+        a = x if rows is None else x[rows]
+        return torch._grouped_mm(a, weight.transpose(-2, -1), offs=offs)
+    return bi_grouped_linear_triton(x, weight, offs, config=cfg, rows=rows)
