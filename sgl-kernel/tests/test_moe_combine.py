@@ -75,6 +75,36 @@ def test_interpreter_or_gpu_strided_weights(monkeypatch, device):
     assert torch.equal(moe_combine(y, order, wide), moe_combine_reference(y, order, w))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("t,k,d", [(3, 2, 40), (9, 8, 96)])
+def test_shared_expert_joins_the_pass(monkeypatch, device, dtype, t, k, d):
+    # Qwen3-Next's block: routed + sigmoid(h @ w_gate^T) * shared, with d over two column
+    # programs and the gate's dot product over several chunks
+    monkeypatch.setattr(mc_mod, "_BLOCK_D", 32)
+    if device == "cpu":
+        monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    y, order, w = _case(t, k, d, dtype, device, seed=t + k + d)
+    g = torch.Generator().manual_seed(d)
+    shared, h = (torch.randn(t, d, generator=g).to(device, dtype) for _ in range(2))
+    gate_w = (torch.randn(1, d, generator=g) / d**0.5).to(device, dtype)
+    kw = {"shared": shared, "gate_input": h, "gate_weight": gate_w}
+    got = moe_combine(y, order, w, **kw)
+    want = moe_combine_reference(y, order, w, **kw)
+    assert got.dtype == dtype and not got.isnan().any()
+    # the routed sum is bitwise; the gate's dot product is the kernel's own float32 sum, so
+    # the gated term can differ by its rounding (an ulp of the output, rarely two)
+    exact = moe_combine_reference(y.double(), order, w.double(), shared=shared.double(),
+                                  gate_input=h.double(), gate_weight=gate_w.double())  # fmt: skip
+    scale = float(exact.abs().max())
+    eps = torch.finfo(dtype).eps
+    assert float((got.double() - exact).abs().max()) <= 8 * eps * scale
+    assert float((got.double() - want.double()).abs().max()) <= 4 * eps * scale
+    assert torch.equal(moe_combine(y, order, w), moe_combine_reference(y, order, w))
+    with pytest.raises(ValueError, match="go together"):
+        moe_combine(y, order, w, shared=shared)
+
+
 def test_bad_arguments_are_named():
     y, order, w = _case(4, 2, 8, torch.float32, "cpu", seed=3)
     with pytest.raises(ValueError, match="weights must be"):

@@ -70,19 +70,26 @@ def expert_mlp(
     act: GatedAct,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token.
 
     ``x [T, d]`` (model dtype), ``topk_ids [T, k]`` int64 in ``[0, E)``, ``topk_weights
     [T, k]`` (float32; cast to ``x``'s dtype before the weighted sum, as the activations
     are). Returns ``[T, d]`` in ``x``'s dtype. Grouped GEMMs where
-    :func:`grouped_mm_supported`, else :func:`expert_mlp_reference`.
+    :func:`grouped_mm_supported`, else :func:`expert_mlp_reference`. With ``shared [T, d]``
+    (a shared expert's output) and ``shared_gate_weight [1, d]``, adds
+    ``sigmoid(x @ shared_gate_weight^T) * shared`` in the same final pass
+    (:func:`unimem_kernel.moe_combine`).
     """
     _check(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down)
+    if (shared is None) != (shared_gate_weight is None):
+        raise ValueError("shared and shared_gate_weight go together")
     if not grouped_mm_supported(x):
         return expert_mlp_reference(
             x, topk_ids, topk_weights, w_gate_up, w_down, act=act, b_gate_up=b_gate_up,
-            b_down=b_down,
+            b_down=b_down, shared=shared, shared_gate_weight=shared_gate_weight,
         )  # fmt: skip
     # the pairs grouped by expert: a stable counting sort on the device (fixed shapes, no host
     # read: the step stays capturable), with each expert's end row for the grouped GEMMs
@@ -100,7 +107,9 @@ def expert_mlp(
     # weights, back to (token, slot) order and the sum over the k slots in one pass: slot 0 +
     # slot 1 + ... in float32 per token, deterministic and batch-invariant (index_add_ on CUDA
     # accumulates with atomics in a varying order; torch's reduction splits by token count)
-    return moe_combine(y, route.order, topk_weights, route.inverse).to(x.dtype)
+    gate = {} if shared is None else {"shared": shared, "gate_input": x,
+                                      "gate_weight": shared_gate_weight}  # fmt: skip
+    return moe_combine(y, route.order, topk_weights, route.inverse, **gate).to(x.dtype)
 
 
 def _grouped_vendor(
@@ -130,6 +139,8 @@ def expert_mlp_reference(
     act: GatedAct,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`expert_mlp` as a loop over the experts that were chosen (reads the choice on
     the host: eager only)."""
@@ -146,4 +157,6 @@ def expert_mlp_reference(
             y = y + b_down[e]
         y = y * topk_weights[tok, slot, None].to(y.dtype)
         out.index_add_(0, tok, y.to(x.dtype))
+    if shared is not None:
+        out = out + torch.sigmoid(x @ shared_gate_weight.t()) * shared
     return out

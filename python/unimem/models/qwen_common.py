@@ -329,9 +329,14 @@ class SparseMoe(nn.Module):
         # softmax, top-k and renormalisation: one launch on CUDA (unimem_kernel.router_topk)
         weights, ids = router_topk(logits, self.top_k, self.norm_topk)
         ex = self.experts
-        routed = expert_mlp(h, ids, weights, ex.gate_up_proj, ex.down_proj, act=silu_mul)
-        shared_gate = torch.sigmoid(F.linear(h, self.shared_expert_gate.weight))
-        return self.tp.all_reduce(routed + shared_gate * self.shared_expert.partial(h))
+        # routed + sigmoid(shared_expert_gate(h)) * shared_expert(h): the gate and the sum in
+        # the experts' final pass (unimem_kernel.moe_combine)
+        out = expert_mlp(
+            h, ids, weights, ex.gate_up_proj, ex.down_proj, act=silu_mul,
+            shared=self.shared_expert.partial(h),
+            shared_gate_weight=self.shared_expert_gate.weight,
+        )  # fmt: skip
+        return self.tp.all_reduce(out)
 
 
 # ---------------------------------------------------------------------- the stack

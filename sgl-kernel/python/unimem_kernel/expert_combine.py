@@ -43,11 +43,17 @@ def _moe_combine_kernel(
     inv_ptr,  # [P] int64: row of pair p in y
     w_ptr,  # [T, K] routing weights
     out_ptr,  # [T, d]
+    sh_ptr,  # [T, d] the shared expert's output (HAS_SHARED)
+    hx_ptr,  # [T, d] the shared gate's input (HAS_SHARED)
+    wg_ptr,  # [d] the shared gate's weight (HAS_SHARED)
     d,
     y_s,
     w_s,
     o_s,
+    sh_s,
+    hx_s,
     K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -60,7 +66,23 @@ def _moe_combine_kernel(
         w = _round(tl.load(w_ptr + t * w_s + j).to(tl.float32), dt).to(tl.float32)
         yv = tl.load(y_ptr + row * y_s + offs, mask=m, other=0.0).to(tl.float32)
         acc += _round(yv * w, dt).to(tl.float32)
-    tl.store(out_ptr + t * o_s + offs, _round(acc, out_ptr.dtype.element_ty), mask=m)
+    out = _round(acc, out_ptr.dtype.element_ty)
+    if HAS_SHARED:
+        # the gate's logit (a [T, 1] product: the whole row, in every column program), its
+        # sigmoid, the gated shared output and the sum, each rounded as torch rounds it
+        cols = tl.arange(0, BLOCK_D)
+        dot = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for start in range(0, d, BLOCK_D):
+            cm = start + cols < d
+            hv = tl.load(hx_ptr + t * hx_s + start + cols, mask=cm, other=0.0).to(tl.float32)
+            wv = tl.load(wg_ptr + start + cols, mask=cm, other=0.0).to(tl.float32)
+            dot += hv * wv
+        logit = _round(tl.sum(dot, axis=0), dt).to(tl.float32)
+        gate = _round(tl.sigmoid(logit), dt).to(tl.float32)
+        sv = tl.load(sh_ptr + t * sh_s + offs, mask=m, other=0.0).to(tl.float32)
+        gated = _round(gate * sv, dt).to(tl.float32)
+        out = _round(out.to(tl.float32) + gated, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * o_s + offs, out, mask=m)
 
 
 def _check(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> tuple[int, int]:
@@ -87,19 +109,49 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(idx).scatter_(0, order.long(), idx)
 
 
+def _check_shared(y, t, shared, gate_input, gate_weight) -> None:
+    given = [x is not None for x in (shared, gate_input, gate_weight)]
+    if any(given) and not all(given):
+        raise ValueError("shared, gate_input and gate_weight go together (all or none)")
+    if not all(given):
+        return
+    d = y.shape[1]
+    for name, x in (("shared", shared), ("gate_input", gate_input)):
+        if x.shape != (t, d) or x.dtype != y.dtype or x.device != y.device:
+            raise ValueError(f"{name} must be [{t}, {d}] {y.dtype} on {y.device}, got "
+                             f"{tuple(x.shape)} {x.dtype} on {x.device}")  # fmt: skip
+    if gate_weight.numel() != d or gate_weight.device != y.device:
+        raise ValueError(f"gate_weight must hold {d} values on {y.device}, got "
+                         f"{tuple(gate_weight.shape)} on {gate_weight.device}")  # fmt: skip
+
+
 def moe_combine_reference(
-    y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+    y: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    inverse: torch.Tensor | None = None,
+    *,
+    shared: torch.Tensor | None = None,
+    gate_input: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch code of the module docstring's formula (``[T, d]`` in ``y``'s dtype)."""
+    """The torch code of the module docstring's formula (``[T, d]`` in ``y``'s dtype), plus
+    ``sigmoid(gate_input @ gate_weight^T) * shared`` when a shared expert is given."""
     t, k = _check(y, order, weights)
+    _check_shared(y, t, shared, gate_input, gate_weight)
     if t == 0 or k == 0:
-        return y.new_zeros(t, y.shape[1])
-    prod = y * weights.reshape(-1)[order.long(), None].to(y.dtype)
-    unsorted = torch.empty_like(prod).index_copy_(0, order.long(), prod).view(t, k, -1)
-    acc = unsorted[:, 0].float()
-    for j in range(1, k):
-        acc = acc + unsorted[:, j].float()
-    return acc.to(y.dtype)
+        out = y.new_zeros(t, y.shape[1])
+    else:
+        prod = y * weights.reshape(-1)[order.long(), None].to(y.dtype)
+        unsorted = torch.empty_like(prod).index_copy_(0, order.long(), prod).view(t, k, -1)
+        acc = unsorted[:, 0].float()
+        for j in range(1, k):
+            acc = acc + unsorted[:, j].float()
+        out = acc.to(y.dtype)
+    if shared is not None:
+        gate = torch.sigmoid(gate_input @ gate_weight.reshape(-1, 1).to(gate_input.dtype))
+        out = out + gate * shared
+    return out
 
 
 def moe_combine(
@@ -107,18 +159,32 @@ def moe_combine(
     order: torch.Tensor,
     weights: torch.Tensor,
     inverse: torch.Tensor | None = None,
+    *,
+    shared: torch.Tensor | None = None,
+    gate_input: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum over each token's ``k`` slots of the expert outputs ``y [T * k, d]``
     (sorted by ``order``), as ``[T, d]`` in ``y``'s dtype: the Triton kernel where
     :func:`~unimem_kernel._dispatch.use_triton` says so (CUDA), else the reference. Same
     numbers, bitwise, on either path (float32 sums in slot order). ``inverse`` (optional,
     ``[T * k]`` int64, ``inverse[order[i]] = i``: :func:`~unimem_kernel.moe_route` returns it)
-    saves the kernel path the scatter that computes it; it is trusted, not checked."""
+    saves the kernel path the scatter that computes it; it is trusted, not checked.
+
+    A sigmoid-gated shared expert (Qwen3-Next's) joins in the same pass when ``shared``
+    (its output ``[T, d]``), ``gate_input`` (the layer input ``[T, d]``) and ``gate_weight``
+    (``[d]`` or ``[1, d]``) are given: ``out = routed + sigmoid(gate_input @ gate_weight^T) *
+    shared``, each term rounded to ``y``'s dtype as torch's ops round it. The gate's dot
+    product is the kernel's own float32 sum, so that term agrees with the reference to
+    rounding, not bitwise (the routed sum stays bitwise)."""
     t, k = _check(y, order, weights)
+    _check_shared(y, t, shared, gate_input, gate_weight)
     if inverse is not None and inverse.shape != order.shape:
         raise ValueError(f"inverse must be [{t * k}] like order, got {tuple(inverse.shape)}")
     if not use_triton(y) or k == 0 or y.dtype == torch.float64:
-        return moe_combine_reference(y, order, weights)
+        return moe_combine_reference(
+            y, order, weights, shared=shared, gate_input=gate_input, gate_weight=gate_weight
+        )
     if y.stride(-1) != 1:
         y = y.contiguous()
     if weights.stride(-1) != 1:
@@ -127,11 +193,20 @@ def moe_combine(
     out = y.new_empty(t, d)
     if t == 0 or d == 0:
         return out
+    has_shared = shared is not None
+    if has_shared:
+        shared, gate_input = (x if x.stride(-1) == 1 else x.contiguous()
+                              for x in (shared, gate_input))  # fmt: skip
+        gate_weight = gate_weight.reshape(-1)
     block = min(_BLOCK_D, next_pow2(d))
     inv = _inverse(order) if inverse is None else inverse
     _moe_combine_kernel[(t, triton.cdiv(d, block))](
-        y, inv, weights, out, d, y.stride(0), weights.stride(0), out.stride(0),
-        K=k, BLOCK_D=block, num_warps=4,
+        y, inv, weights, out,
+        shared if has_shared else out, gate_input if has_shared else out,
+        gate_weight if has_shared else out,
+        d, y.stride(0), weights.stride(0), out.stride(0),
+        shared.stride(0) if has_shared else 0, gate_input.stride(0) if has_shared else 0,
+        K=k, HAS_SHARED=has_shared, BLOCK_D=block, num_warps=4,
         # each product rounded before it is added, as torch does: no multiply-add contraction
         # (for float32 ``y`` the compiler would otherwise fuse ``acc + y * w`` into an FMA)
         enable_fp_fusion=False,
