@@ -22,7 +22,6 @@ position and the result is plain partial RoPE, which is what this module applies
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from unimem.models.config import HybridConfig
@@ -37,6 +36,7 @@ from unimem.models.qwen_common import (
     hybrid_config,
     rope_settings,
 )
+from unimem.models.stacked_linear import StackedRows
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -64,14 +64,11 @@ class Qwen3_5Gdn(GdnMixer):
         self.in_proj_z = Weight(h * dv, d, **kw)
         self.in_proj_b = Weight(h, d, **kw)
         self.in_proj_a = Weight(h, d, **kw)
+        # the four projections as one GEMM (column views of its output)
+        self.in_proj = StackedRows(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def project(self, h):
-        return (
-            F.linear(h, self.in_proj_qkv.weight),
-            F.linear(h, self.in_proj_z.weight),
-            F.linear(h, self.in_proj_b.weight),
-            F.linear(h, self.in_proj_a.weight),
-        )
+        return tuple(self.in_proj.linear(h))
 
 
 class Qwen3_5ForCausalLM(QwenHybridForCausalLM):

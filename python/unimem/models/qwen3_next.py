@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from unimem.models.config import HybridConfig
@@ -30,6 +29,7 @@ from unimem.models.qwen_common import (
     hybrid_config,
     rope_settings,
 )
+from unimem.models.stacked_linear import StackedRows
 from unimem.models.tensor_parallel import SINGLE, Shard, TensorParallel, local_config, shard
 
 __all__ = ["Qwen3NextForCausalLM", "qkvz_rows_to_contiguous", "ba_rows_to_contiguous"]
@@ -69,11 +69,13 @@ class Qwen3NextGdn(GdnMixer):
         self.split_qkvz = [c.gdn_conv_dim, h * dv]
         self.in_proj_qkvz = Weight(sum(self.split_qkvz), c.d_model, dtype=c.dtype, device=device)
         self.in_proj_ba = Weight(2 * h, c.d_model, dtype=c.dtype, device=device)
+        self.in_proj = StackedRows(self.in_proj_qkvz, self.in_proj_ba)  # one GEMM for both
 
     def project(self, h):
-        mixed_qkv, z = F.linear(h, self.in_proj_qkvz.weight).split(self.split_qkvz, dim=-1)
-        b, a = F.linear(h, self.in_proj_ba.weight).chunk(2, dim=-1)
-        return mixed_qkv, z, b, a  # a column view: the GDN kernels read rows by their stride
+        qkvz, ba = self.in_proj.linear(h)
+        mixed_qkv, z = qkvz.split(self.split_qkvz, dim=-1)
+        b, a = ba.chunk(2, dim=-1)
+        return mixed_qkv, z, b, a  # column views: the GDN kernels read rows by their stride
 
 
 def _check_shape(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

@@ -44,6 +44,7 @@ from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.moe import expert_mlp
 from unimem.models.nn_ops import apply_rope, frozen_param
+from unimem.models.stacked_linear import StackedRows
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -260,6 +261,8 @@ class DenseMlp(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TensorParallel = SINGLE,
+        *,
+        stack: bool = True,
     ) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
@@ -269,11 +272,19 @@ class DenseMlp(nn.Module):
         self.gate_proj = Weight(ffn, d, **kw)
         self.up_proj = Weight(ffn, d, **kw)
         self.down_proj = Weight(d, ffn, **kw)
+        # gate and up as one GEMM; a caller that stacks them with its own projections of
+        # the same input (the MoE block) passes stack=False and calls :meth:`down`
+        self.gate_up = StackedRows(self.gate_proj, self.up_proj) if stack else None
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``down_proj(silu(gate) * up)`` of the gate and up projections' outputs."""
+        return F.linear(silu_mul(gate, up), self.down_proj.weight)
 
     def partial(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output (the output itself for size 1)."""
-        act = silu_mul(F.linear(h, self.gate_proj.weight), F.linear(h, self.up_proj.weight))
-        return F.linear(act, self.down_proj.weight)
+        if self.gate_up is not None:
+            return self.down(*self.gate_up.linear(h))
+        return self.down(F.linear(h, self.gate_proj.weight), F.linear(h, self.up_proj.weight))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.partial(h))
@@ -321,11 +332,15 @@ class SparseMoe(nn.Module):
         self.gate = Weight(num_experts, d, **kw)
         tp.part(moe_ffn, "moe_intermediate_size")
         self.experts = StackedExperts(num_experts, d, moe_ffn // tp.size, **kw)
-        self.shared_expert = DenseMlp(d, shared_ffn, **kw, tp=tp)
+        self.shared_expert = DenseMlp(d, shared_ffn, **kw, tp=tp, stack=False)
         self.shared_expert_gate = Weight(1, d, **kw)
+        # the router and the shared expert's gate and up projections read the same input:
+        # one GEMM (the router's 64-odd rows alone cost a whole launch)
+        se = self.shared_expert
+        self.in_proj = StackedRows(self.gate, se.gate_proj, se.up_proj)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.gate.weight)
+        logits, shared_gate, shared_up = self.in_proj.linear(h)
         # softmax, top-k and renormalisation: one launch on CUDA (unimem_kernel.router_topk)
         weights, ids = router_topk(logits, self.top_k, self.norm_topk)
         ex = self.experts
@@ -333,7 +348,7 @@ class SparseMoe(nn.Module):
         # the experts' final pass (unimem_kernel.moe_combine)
         out = expert_mlp(
             h, ids, weights, ex.gate_up_proj, ex.down_proj, act=silu_mul,
-            shared=self.shared_expert.partial(h),
+            shared=self.shared_expert.down(shared_gate, shared_up),
             shared_gate_weight=self.shared_expert_gate.weight,
         )  # fmt: skip
         return self.tp.all_reduce(out)

@@ -1,0 +1,88 @@
+"""``StackedRows``: several projections of one input as one GEMM over row ranges of one
+tensor. The products equal the parts' own ``F.linear`` (float64, exact arithmetic per row);
+parameter names, shapes and ``load_state_dict`` are unchanged and keep the stack; a moved or
+re-pointed part is noticed and the parts then run one GEMM each, still correct; the real
+models' stacks survive loading a checkpoint (so the one-GEMM path is the one that runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from unimem.models.stacked_linear import StackedRows, stacks_of
+
+
+class _Part(nn.Module):
+    def __init__(self, n: int, k: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(n, k, generator=g, dtype=torch.float64),
+                                   requires_grad=False)  # fmt: skip
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.gate, self.up = _Part(3, 8, 1), _Part(5, 8, 2), _Part(5, 8, 3)
+        self.stack = StackedRows(self.router, self.gate, self.up)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def test_one_gemm_equals_the_parts_and_names_stay():
+    block = _Block()
+    assert [n for n, _ in block.named_parameters()] == ["router.weight", "gate.weight",
+                                                         "up.weight"]  # fmt: skip
+    assert block.stack.stacked()
+    outs = block.stack.linear(_x())
+    for out, part in zip(outs, (block.router, block.gate, block.up), strict=True):
+        torch.testing.assert_close(out, _x() @ part.weight.T, rtol=0, atol=1e-12)
+
+
+def test_loading_writes_into_the_stack():
+    block = _Block()
+    new = {
+        k: torch.full_like(v, float(i + 1)) for i, (k, v) in enumerate(block.state_dict().items())
+    }
+    block.load_state_dict(new)
+    assert block.stack.stacked()
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.zeros(5, 8, dtype=torch.float64))  # a loader's copy_
+    router, gate, up = block.stack.linear(_x())
+    assert block.stack.stacked() and torch.equal(gate, torch.zeros(6, 5, dtype=torch.float64))
+    torch.testing.assert_close(up, _x().sum(-1, keepdim=True).expand(6, 5) * 3)
+
+
+def test_a_moved_part_falls_back_to_one_gemm_each():
+    block = _Block().to(torch.float32)
+    assert not block.stack.stacked()
+    x = _x().float()
+    for out, part in zip(block.stack.linear(x), (block.router, block.gate, block.up),
+                         strict=True):  # fmt: skip
+        torch.testing.assert_close(out, x @ part.weight.T)
+    block = _Block()
+    block.up.weight.data = torch.ones(5, 8, dtype=torch.float64)  # re-pointed, not copied
+    assert not block.stack.stacked()
+    torch.testing.assert_close(block.stack.linear(_x())[2], _x().sum(-1, keepdim=True).expand(6, 5))
+
+
+def test_mismatched_parts_are_named():
+    with pytest.raises(ValueError, match=r"stacked weights must be \[N, 8\]"):
+        StackedRows(_Part(3, 8, 1), _Part(2, 4, 2))
+    with pytest.raises(ValueError, match="at least one module"):
+        StackedRows()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_loaded_models_keep_their_stacks(tmp_path, arch):
+    import importlib
+
+    from unimem.models.loader import load_model
+
+    importlib.import_module(f"tiny_{arch}").build(tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    stacks = list(stacks_of(model))
+    assert stacks and all(s.stacked() for s in stacks)
