@@ -340,7 +340,7 @@ class SparseMoe(nn.Module):
         self.in_proj = StackedRows(self.gate, se.gate_proj, se.up_proj)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits, shared_gate, shared_up = self.in_proj.linear(h)
+        logits, se_gate, se_up = self.in_proj.linear(h)  # router, shared expert's gate / up
         # softmax, top-k and renormalisation: one launch on CUDA (unimem_kernel.router_topk)
         weights, ids = router_topk(logits, self.top_k, self.norm_topk)
         ex = self.experts
@@ -348,7 +348,7 @@ class SparseMoe(nn.Module):
         # the experts' final pass (unimem_kernel.moe_combine)
         out = expert_mlp(
             h, ids, weights, ex.gate_up_proj, ex.down_proj, act=silu_mul,
-            shared=self.shared_expert.down(shared_gate, shared_up),
+            shared=self.shared_expert.down(se_gate, se_up),
             shared_gate_weight=self.shared_expert_gate.weight,
         )  # fmt: skip
         return self.tp.all_reduce(out)
