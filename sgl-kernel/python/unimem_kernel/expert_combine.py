@@ -14,13 +14,20 @@ computed in float32 in that order (slot 0 first) and rounded once to ``y``'s dty
 product rounded to ``y``'s dtype first (as ``y * weights.to(y.dtype)`` does), the sum over the
 slots in float32. Per token and independent of ``T``: batch-invariant as it stands.
 
+Optionally a sigmoid-gated shared expert joins (Qwen3-Next's block): ``out[t] += sigmoid(
+x[t] . w_gate) * shared[t]``, each of the logit, the gate, the product and the sum rounded to
+``y``'s dtype as torch's bf16 ops round them; the logit's dot product is the kernel's own
+float32 sum over ``d`` (every column program computes it for its token), so this term agrees
+with the reference to rounding rather than bitwise.
+
 It replaces three passes over the ``[P, d]`` rows (the weight multiply, the ``index_copy_``
 back to pair order, the sum over the slots) and the intermediate ``[P, d]`` tensor: the
 kernel gathers each token's ``k`` rows through ``inv`` and writes ``[T, d]`` once. Grid
 ``(T, cdiv(d, BLOCK_D))``; it allocates only ``inv`` and the output, reads nothing on the host
 (captured in CUDA graphs); it is compiled without multiply-add contraction, so that every
 product is rounded before it is added, as in the reference. ``order`` must be a permutation
-of ``0 .. P-1`` (the caller's: an ``argsort``); it is not checked on the device.
+of ``0 .. P-1`` (the caller's: :func:`unimem_kernel.moe_route`, whose ``inverse`` it can
+take too); it is not checked on the device.
 """
 
 from __future__ import annotations
