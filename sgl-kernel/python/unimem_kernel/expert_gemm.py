@@ -8,8 +8,8 @@ kernel) streams them well below the memory rate. There the Triton grouped kernel
 :mod:`unimem_kernel.batch_invariant` runs with a tile sized for that regime
 (:func:`expert_gemm_config`: 64- or 128-row tiles by the mean rows per expert, so one row
 tile covers a typical expert); with many rows per expert (prefill) ``torch._grouped_mm``
-runs. The choice depends on the shapes
-only (host-known: capturable in CUDA graphs; one compiled kernel per ``(K, N)``).
+runs. The choice depends on the shapes only (host-known: capturable in CUDA graphs; one
+compiled kernel per tile and ``(K, N)``).
 
 ``UNIMEM_MOE_GEMM=triton`` or ``vendor`` forces one path (``auto``, the default, chooses).
 Either path keeps each row's result independent of the other rows' values; the two round
