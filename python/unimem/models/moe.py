@@ -107,9 +107,10 @@ def expert_mlp(
     # weights, back to (token, slot) order and the sum over the k slots in one pass: slot 0 +
     # slot 1 + ... in float32 per token, deterministic and batch-invariant (index_add_ on CUDA
     # accumulates with atomics in a varying order; torch's reduction splits by token count)
-    gate = {} if shared is None else {"shared": shared, "gate_input": x,
-                                      "gate_weight": shared_gate_weight}  # fmt: skip
-    return moe_combine(y, route.order, topk_weights, route.inverse, **gate).to(x.dtype)
+    shared_expert = {} if shared is None else {"shared": shared, "gate_input": x,
+                                               "gate_weight": shared_gate_weight}  # fmt: skip
+    out = moe_combine(y, route.order, topk_weights, route.inverse, **shared_expert)
+    return out.to(x.dtype)
 
 
 def _grouped_vendor(

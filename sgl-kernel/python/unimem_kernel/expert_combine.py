@@ -143,7 +143,9 @@ def moe_combine_reference(
     gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch code of the module docstring's formula (``[T, d]`` in ``y``'s dtype), plus
-    ``sigmoid(gate_input @ gate_weight^T) * shared`` when a shared expert is given."""
+    ``sigmoid(gate_input @ gate_weight^T) * shared`` when a shared expert is given.
+    ``inverse`` is accepted for :func:`moe_combine`'s signature; the reference does not need
+    it."""
     t, k = _check(y, order, weights)
     _check_shared(y, t, shared, gate_input, gate_weight)
     if t == 0 or k == 0:
