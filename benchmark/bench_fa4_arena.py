@@ -33,6 +33,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=20, help="graph replays per timing")
     p.add_argument("--rounds", type=int, default=7, help="alternating timing rounds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--pack-gqa",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="FA4's pack_gqa (auto: FA4's own choice, as the engine runs it)",
+    )
     return p.parse_args(argv)
 
 
@@ -52,13 +58,13 @@ def main(argv=None) -> None:
     k_block, v_block = ps * hkv * dk * elt, ps * hkv * dv * elt
     envelope = args.layers * (k_block + v_block)
     lane = args.layers // 2
-    backend = FA4Backend()
+    backend = FA4Backend(pack_gqa={"auto": None, "on": True, "off": False}[args.pack_gqa])
     props = torch.cuda.get_device_properties(dev)
     print(f"GPU: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}")
     print(
         f"Hq={hq} Hkv={hkv} Dk={dk} Dv={dv} bf16, page={ps}, envelope={args.layers} layers "
         f"({envelope} B page stride vs {k_block + v_block} B contiguous), "
-        f"window={args.window}, gamma={args.gamma}; "
+        f"window={args.window}, gamma={args.gamma}, pack_gqa={args.pack_gqa}; "
         f"CUDA graph x{args.replays} replays, median of {args.rounds} alternating rounds"
     )
     header = f"{'bs':>5} {'ctx':>6} {'step':>7} {'arena us':>9} {'contig us':>10} {'ratio':>7}"

@@ -294,6 +294,82 @@ def test_public_entries_and_bad_inputs(monkeypatch):
     assert len(called) == 1
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["step", "batch_invariant"])
+def test_replay_commit_of_all_layers_in_one_launch(device, batch_invariant):
+    """A ReplayCommitPlan commits every layer's first ``bs`` lanes in one launch per kernel,
+    bitwise what one replay commit per layer gives (padded and skipped lanes untouched);
+    a layer whose tensors do not line up with layer 0's makes the plan commit layer by
+    layer, with the same result."""
+    gen = torch.Generator().manual_seed(31)
+    h, hk, t_len, max_bs, n_layers = 4, 2, 4, 5, 3
+    layers = [Layer(gen, h, hk, **SMALL, num_slots=7, dtype=BF16, sdt=F32, device=device)
+              for _ in range(n_layers)]  # fmt: skip
+    records = [ly.record(max_bs, t_len) for ly in layers]
+    slots = torch.tensor([4, -1, 1, 6], dtype=torch.int32, device=device)  # lane 1 padded
+    bs = slots.shape[0]  # a batch narrower than the records (a CUDA-graph bucket)
+    for ly, rec in zip(layers, records, strict=True):
+        x, g, beta = ly.inputs(gen, bs, t_len)
+        gdn.gdn_forward_triton("verify", x, ly.weight, g, beta, ly.conv, ly.ssm, slots,
+                               num_k_heads=hk, record=rec.lanes(bs),
+                               batch_invariant=batch_invariant)  # fmt: skip
+    plan = gdn.ReplayCommitPlan(records, [ly.conv for ly in layers], [ly.ssm for ly in layers])
+    assert plan.stacked and plan.n_layers == n_layers
+    before = [(ly.conv.clone(), ly.ssm.clone()) for ly in layers]
+    tiles = {}
+    if batch_invariant:
+        _, bv, nw = gdn._rule_config(h, SMALL["dk"], SMALL["dv"], None, None, "batch_invariant")
+        tiles = {"block_v": bv, "num_warps": nw}
+    for accepted in ([3, 0, 1, 2], [0, 2, -1, 4]):  # lane 2 / lane 3 of the second skipped
+        acc = torch.tensor(accepted, dtype=torch.int32, device=device)
+        want = []
+        for rec, (conv, ssm) in zip(records, before, strict=True):
+            c, s_ = conv.clone(), ssm.clone()
+            gdn.gdn_replay_commit_triton(rec.lanes(bs), acc, c, s_, slots, hk, **tiles)
+            want.append((c, s_))
+        for ly, (conv, ssm) in zip(layers, before, strict=True):
+            ly.conv.copy_(conv)
+            ly.ssm.copy_(ssm)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+            gdn.gdn_replay_commit_layers(plan, acc, slots, hk, batch_invariant=batch_invariant)
+        for i, (ly, (c, s_)) in enumerate(zip(layers, want, strict=True)):
+            assert_bitwise(ly.conv, c, f"layer {i} conv windows, accepted {accepted}")
+            assert_bitwise(ly.ssm, s_, f"layer {i} SSM states, accepted {accepted}")
+        for i, (ly, (conv, ssm)) in enumerate(zip(layers, before, strict=True)):
+            for slot in (0, 2, 3, 5):  # no live lane's slot: untouched
+                assert_bitwise(ly.ssm[slot], ssm[slot], f"layer {i} slot {slot}")
+                assert_bitwise(ly.conv[slot], conv[slot], f"layer {i} slot {slot}")
+            ly.conv.copy_(conv)
+            ly.ssm.copy_(ssm)
+
+    # a layer with other strides: the plan falls back to one commit per layer
+    odd = Layer(gen, h, hk, **SMALL, num_slots=9, dtype=BF16, sdt=F32, device=device)
+    odd_ssm = odd.ssm[:7]  # same shape, its own slot stride (a gap of 16)
+    odd_ssm = odd_ssm.as_strided(odd_ssm.shape, (odd_ssm.stride(0) + 4, *odd_ssm.stride()[1:]))
+    odd_ssm.copy_(layers[2].ssm)
+    mixed = gdn.ReplayCommitPlan(records, [ly.conv for ly in layers],
+                                 [layers[0].ssm, layers[1].ssm, odd_ssm])  # fmt: skip
+    assert not mixed.stacked
+    acc = torch.tensor([3, 0, 1, 2], dtype=torch.int32, device=device)
+    want = odd_ssm.clone()
+    gdn.gdn_replay_commit_triton(records[2].lanes(bs), acc, layers[2].conv.clone(), want, slots,
+                                 hk, **tiles)  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+        gdn.gdn_replay_commit_layers(mixed, acc, slots, hk, batch_invariant=batch_invariant)
+    assert_bitwise(odd_ssm, want, "the odd layer's SSM states")
+
+
+def test_replay_commit_plan_refuses_mismatched_lists():
+    gen = torch.Generator().manual_seed(3)
+    ly = Layer(gen, 2, 2, **SMALL, num_slots=3, dtype=F64, sdt=F64, device="cpu")
+    with pytest.raises(ValueError, match="one record, conv state and SSM state per layer"):
+        gdn.ReplayCommitPlan([ly.record(2, 3)], [ly.conv], [])
+    with pytest.raises(ValueError, match="one record"):
+        gdn.ReplayCommitPlan([], [], [])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hk", [16, 8])
 @pytest.mark.parametrize("batch_invariant", [False, True])

@@ -270,6 +270,7 @@ class ModelRunner:
         self.verify_scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.verify_records: dict[int, gdn_reference.VerifyRecord] = {}
         self._commit_plan: StateCommitPlan | None = None
+        self._replay_plan: gdn_ops.ReplayCommitPlan | None = None
         if chain is not None:
             self.drafts = DraftRunner(chain, pool, backend, max_bs)
             self._init_verify_scratch(chain.verify_width)
@@ -315,22 +316,29 @@ class ModelRunner:
             dests += [conv, ssm]
         if scratches:
             self._commit_plan = StateCommitPlan(scratches, dests)
+        if self.verify_records:
+            layers = sorted(self.verify_records)
+            caches = [self.pool.state_cache(self.spec.lane_of_layer(i)) for i in layers]
+            self._replay_plan = gdn_ops.ReplayCommitPlan(
+                [self.verify_records[i] for i in layers],
+                [conv for conv, _ in caches],
+                [ssm for _, ssm in caches],
+            )
 
     def _commit_gdn(
         self, accepted: torch.Tensor, vslots: torch.Tensor, slots: torch.Tensor | None
     ) -> None:
         """Every GDN layer's conv and SSM state after position ``accepted`` into the lanes'
-        slots: with ``gdn_replay_commit`` two launches per layer from its record (``slots``:
-        the verify's physical slots, -1 for padded lanes), else one copy launch for every
-        layer (virtual slots ``vslots``, translated in the kernel)."""
+        slots: with ``gdn_replay_commit`` from the layers' records, one conv-window launch
+        and one delta-rule launch for all layers (``slots``: the verify's physical slots, -1
+        for padded lanes; :class:`~unimem_kernel.gdn.ReplayCommitPlan`), else one copy
+        launch for every layer (virtual slots ``vslots``, translated in the kernel)."""
         if self._commit_plan is not None:
             commit_states_multi(self._commit_plan, accepted, vslots, self.pool.state_v2p)
-        width = accepted.shape[0]
-        hk = self.model.config.gdn_key_heads
-        for i, record in self.verify_records.items():
-            conv, ssm = self.pool.state_cache(self.spec.lane_of_layer(i))
-            gdn_ops.gdn_replay_commit(
-                record.lanes(width), accepted, conv, ssm, slots, hk,
+        if self._replay_plan is not None:
+            ssm = self._replay_plan.ssm_states[0]
+            gdn_ops.gdn_replay_commit_layers(
+                self._replay_plan, accepted, slots, self.model.config.gdn_key_heads,
                 batch_invariant=gdn_batch_invariant(ssm),
             )  # fmt: skip
 

@@ -273,6 +273,8 @@ def _conv_commit_kernel(
     state_ptr,  # [N, D, K-1] conv state (slot view)
     slots_ptr,  # [bs] physical slots, < 0: skipped
     acc_ptr,  # [bs] accepted index, outside [0, T): skipped
+    layers_ptr,  # int32 layer table of a ReplayCommitPlan (``multi``)
+    multi,  # several layers in one launch: program (b * n_layers + layer)
     seq_len,
     dim,
     r_sb,
@@ -289,6 +291,13 @@ def _conv_commit_kernel(
     else column ``accepted + 1 + c`` of the slot's window. A program owns channels
     ``[BLOCK_D]`` of one lane: it reads them all before it writes them."""
     b = tl.program_id(0)
+    if multi != 0:
+        n_layers = tl.load(layers_ptr)
+        layer = b % n_layers
+        b = b // n_layers
+        row = layers_ptr + _TABLE_HEAD + layer * _TABLE_ROW
+        xr_ptr += _table_offset(row, 4)
+        state_ptr += _table_offset(row, 5)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     acc = tl.load(acc_ptr + b).to(tl.int64)
     ok = (slot >= 0) & (acc >= 0) & (acc < seq_len)
@@ -316,6 +325,26 @@ def _conv_commit_kernel(
     win = tl.where(from_x[None, :], xv.to(state_ptr.dtype.element_ty), sv)
     tl.debug_barrier()  # every read of the slot before any write
     tl.store(st + cols[None, :] * s_sk, win, mask=dmask[:, None] & cmask[None, :])
+
+
+# A ReplayCommitPlan's int32 layer table: a head ``[n_layers, 0]``, then one row per layer of
+# six element offsets from layer 0's tensors (record y, g, beta, SSM state, record x, conv
+# state), each as two int32 ``(lo, hi)`` with ``offset = hi * 2**31 + lo`` and ``0 <= lo <
+# 2**31`` (int32 so that a single-layer launch passes any int32 index tensor as the
+# never-read placeholder and every step kind keeps one kernel signature).
+TABLE_HEAD = 2
+TABLE_OFFSETS = ("y", "g", "beta", "ssm", "x", "conv")
+TABLE_ROW = 2 * len(TABLE_OFFSETS)
+_TABLE_HEAD = tl.constexpr(TABLE_HEAD)
+_TABLE_ROW = tl.constexpr(TABLE_ROW)
+
+
+@triton.jit
+def _table_offset(row, j: tl.constexpr):
+    """Offset ``j`` of a layer row of the table, as int64."""
+    lo = tl.load(row + 2 * j).to(tl.int64)
+    hi = tl.load(row + 2 * j + 1).to(tl.int64)
+    return hi * 2147483648 + lo
 
 
 @triton.jit
@@ -366,6 +395,7 @@ RULE_STORE_OUT = 4  # store o
 RULE_WRITE_FINAL = 8  # write the final state back to the slot
 RULE_REPLAY = 16  # tokens 0 .. accepted[b] of each lane (the replay commit)
 RULE_SAVE_GATES = 32  # store g and beta of every token into the record (verify)
+RULE_LAYERS = 64  # several layers in one launch (a ReplayCommitPlan's table, see below)
 # the same bits as the kernel sees them (a jitted function reads globals only as constexprs)
 _K_VARLEN = tl.constexpr(RULE_VARLEN)
 _K_HAS_INIT = tl.constexpr(RULE_HAS_INIT)
@@ -373,13 +403,14 @@ _K_STORE_OUT = tl.constexpr(RULE_STORE_OUT)
 _K_WRITE_FINAL = tl.constexpr(RULE_WRITE_FINAL)
 _K_REPLAY = tl.constexpr(RULE_REPLAY)
 _K_SAVE_GATES = tl.constexpr(RULE_SAVE_GATES)
+_K_LAYERS = tl.constexpr(RULE_LAYERS)
 
 
 @triton.jit(
     do_not_specialize=[
         "g_ptr", "beta_ptr", "slots_ptr", "cu_ptr", "init_ptr", "scratch_ptr", "acc_ptr",
-        "rg_ptr", "rb_ptr", "flags", "seq_len", "q_sb", "k_sb", "v_sb", "g_sb", "g_st", "g_sh",
-        "b_sb", "b_st", "b_sh", "o_sb", "r_sb", "r_st",
+        "rg_ptr", "rb_ptr", "layers_ptr", "flags", "seq_len", "q_sb", "k_sb", "v_sb", "g_sb",
+        "g_st", "g_sh", "b_sb", "b_st", "b_sh", "o_sb", "r_sb", "r_st",
     ]
 )  # fmt: skip
 def _rule_kernel(
@@ -397,6 +428,7 @@ def _rule_kernel(
     acc_ptr,  # [bs] accepted index per lane (RULE_REPLAY)
     rg_ptr,  # [bs, T, H] record gates g (RULE_SAVE_GATES)
     rb_ptr,  # [bs, T, H] record gates beta (RULE_SAVE_GATES)
+    layers_ptr,  # int32 layer table of a ReplayCommitPlan (RULE_LAYERS)
     flags,
     seq_len,
     scale,
@@ -445,6 +477,20 @@ def _rule_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)  # value head
+    if (flags & _K_LAYERS) != 0:
+        # program (b * n_layers + layer): the layer's q/k/v, g, beta and state tensors are
+        # layer 0's moved by the table's element offsets
+        n_layers = tl.load(layers_ptr)
+        layer = b % n_layers
+        b = b // n_layers
+        row = layers_ptr + _TABLE_HEAD + layer * _TABLE_ROW
+        off_y = _table_offset(row, 0)
+        q_ptr += off_y
+        k_ptr += off_y
+        v_ptr += off_y
+        g_ptr += _table_offset(row, 1)
+        beta_ptr += _table_offset(row, 2)
+        state_ptr += _table_offset(row, 3)
     varlen = (flags & _K_VARLEN) != 0
     store_out = (flags & _K_STORE_OUT) != 0
     write_final = (flags & _K_WRITE_FINAL) != 0
@@ -852,8 +898,11 @@ def _launch_rule(
     record_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     accepted: torch.Tensor | None = None,
     kind: str | None = None,
+    layers: tuple[torch.Tensor, int] | None = None,
 ) -> None:
-    """One ``_rule_kernel`` launch. ``record_gates`` (``g, beta [bs, T, H]``, a verify with a
+    """One ``_rule_kernel`` launch. ``layers`` (``(table, n_layers)`` of a
+    :class:`ReplayCommitPlan`): ``n_layers`` layers' lanes in one launch, the tensors passed
+    being layer 0's. ``record_gates`` (``g, beta [bs, T, H]``, a verify with a
     record): every token's gates are stored there. ``accepted [bs]`` (the replay commit):
     each lane runs tokens ``0 .. accepted`` without storing outputs and writes its final
     state (``write_final``). ``kind``: the tile configuration's step kind (default: from the
@@ -874,7 +923,9 @@ def _launch_rule(
         | (RULE_WRITE_FINAL if write_final else 0)
         | (RULE_REPLAY if accepted is not None else RULE_STORE_OUT)
         | (RULE_SAVE_GATES if record_gates is not None else 0)
+        | (RULE_LAYERS if layers is not None else 0)
     )
+    table, n_layers = (slots.view(torch.int32), 1) if layers is None else layers
     rg, rb = (g, beta) if record_gates is None else record_gates
     r_strides = (0, 0) if record_gates is None else tuple(rg.stride()[:2])
     # index pointers in one dtype whatever the step kind (placeholders are reinterpreting
@@ -882,10 +933,10 @@ def _launch_rule(
     cu32 = _as_int32(cu) if cu is not None else slots.view(torch.int32)
     init8 = init if init is not None else slots.view(torch.uint8)
     acc32 = _as_int32(accepted) if accepted is not None else slots.view(torch.int32)
-    _rule_kernel[(bs, h, triton.cdiv(dv, bv))](
+    _rule_kernel[(bs * n_layers, h, triton.cdiv(dv, bv))](
         q, k, v, g, beta, out, ssm_state, slots, cu32, init8,
         ssm_state if scratch is None else scratch,
-        acc32, rg, rb, flags, seq_len,
+        acc32, rg, rb, table, flags, seq_len,
         dk**-0.5 if scale is None else scale,
         L2NORM_EPS,
         *qkv_strides[0], *qkv_strides[1], *qkv_strides[2], *gb_strides[0], *gb_strides[1],
@@ -1214,6 +1265,7 @@ def _mixer_rule(
     num_warps: int | None,
     record_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     accepted: torch.Tensor | None = None,
+    layers: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """The mixer's delta rule over a conv output ``y [T, conv_dim]`` and gates ``g, beta [T,
     H]`` (SiLU, L2 norm inside): the one call site of the verify, decode, extend and the
@@ -1226,7 +1278,7 @@ def _mixer_rule(
         tuple(_row_strides(t, tv, fixed) for t in (g, beta)), out, out_strides, ssm_state,
         slots, seq_len=tv, cu=cu, init=init, scratch=scratch, write_final=write_final,
         prep=True, scale=None, block_v=block_v, num_warps=num_warps,
-        record_gates=record_gates, accepted=accepted,
+        record_gates=record_gates, accepted=accepted, layers=layers,
     )  # fmt: skip
 
 
@@ -1266,12 +1318,32 @@ def gdn_replay_commit_triton(
         raise ValueError(f"accepted must be int32/int64, got {accepted.dtype}")
     if bs == 0 or tv == 0:
         return
+    _launch_replay(record, accepted, conv_state, ssm_state, slots, nk, block_v, num_warps)
+
+
+def _launch_replay(
+    record: gdn_reference.VerifyRecord,
+    accepted: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    nk: int,
+    block_v: int | None,
+    num_warps: int | None,
+    layers: tuple[torch.Tensor, int] | None = None,
+) -> None:
+    """The replay commit's two launches (arguments checked by the caller); with ``layers``
+    (``(table, n_layers)``) for ``n_layers`` layers at once, the tensors being layer 0's."""
+    bs, tv = record.lanes_and_positions
+    _, h, dk, dv = ssm_state.shape
+    conv_dim = conv_state.shape[1]
     kw = conv_state.shape[2] + 1
     block_d = min(_CONV_COMMIT_BLOCK_D, next_pow2(conv_dim))
-    _conv_commit_kernel[(bs, triton.cdiv(conv_dim, block_d))](
-        record.x, conv_state, slots, accepted, tv, conv_dim, *record.x.stride()[:2],
-        *conv_state.stride(), KW=kw, KP=next_pow2(max(kw - 1, 1)), BLOCK_D=block_d,
-        num_warps=4,
+    table, n_layers = (slots.view(torch.int32), 1) if layers is None else layers
+    _conv_commit_kernel[(bs * n_layers, triton.cdiv(conv_dim, block_d))](
+        record.x, conv_state, slots, accepted, table, int(layers is not None), tv, conv_dim,
+        *record.x.stride()[:2], *conv_state.stride(), KW=kw, KP=next_pow2(max(kw - 1, 1)),
+        BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     n = bs * tv
     y = record.y.view(n, conv_dim)
@@ -1280,8 +1352,106 @@ def gdn_replay_commit_triton(
     _mixer_rule(
         y, record.g.view(n, h), record.beta.view(n, h), y, o_strides, ssm_state, slots, nk,
         tv=tv, cu=None, init=None, scratch=None, write_final=True, block_v=block_v,
-        num_warps=num_warps, accepted=accepted,
+        num_warps=num_warps, accepted=accepted, layers=layers,
     )  # fmt: skip
+
+
+class ReplayCommitPlan:
+    """The replay commits of several GDN layers of one model, two launches for all of them.
+
+    ``records[i]``, ``conv_states[i]``, ``ssm_states[i]``: layer ``i``'s full-size
+    :class:`~unimem_kernel.gdn_reference.VerifyRecord` (the runner's, for its largest batch)
+    and its slot views. Built once (it uploads a small int32 table of each layer's element
+    offsets from layer 0's tensors; no device work per step). A step commits the first
+    ``bs`` lanes of every layer with :func:`gdn_replay_commit_layers`, bitwise what one
+    :func:`gdn_replay_commit` per layer commits (the same kernels, the same tile).
+
+    ``stacked`` says whether one launch per kernel can serve the layers: every layer's
+    tensors must have layer 0's shapes, dtypes, strides and device and sit a whole number of
+    16-byte units from layer 0's (the kernels' alignment assumptions are layer 0's).
+    Otherwise, and where the reference runs (off CUDA), the plan commits layer by layer."""
+
+    def __init__(
+        self,
+        records: Sequence[gdn_reference.VerifyRecord],
+        conv_states: Sequence[torch.Tensor],
+        ssm_states: Sequence[torch.Tensor],
+    ) -> None:
+        if not (len(records) == len(conv_states) == len(ssm_states)) or not records:
+            raise ValueError(
+                f"ReplayCommitPlan needs one record, conv state and SSM state per layer, got "
+                f"{len(records)}, {len(conv_states)}, {len(ssm_states)}"
+            )
+        self.records = list(records)
+        self.conv_states = list(conv_states)
+        self.ssm_states = list(ssm_states)
+        self.n_layers = len(self.records)
+        self.table: torch.Tensor | None = None
+        rows = [self._offsets(i) for i in range(self.n_layers)]
+        if all(r is not None for r in rows):
+            flat = [self.n_layers, 0]
+            for r in rows:
+                for off in r:
+                    flat += [off % 2**31, off // 2**31]
+            self.table = torch.tensor(flat, dtype=torch.int32, device=self.ssm_states[0].device)
+
+    @property
+    def stacked(self) -> bool:
+        return self.table is not None
+
+    def _layer_tensors(self, i: int) -> tuple[torch.Tensor, ...]:
+        rec = self.records[i]  # in TABLE_OFFSETS order
+        return (rec.y, rec.g, rec.beta, self.ssm_states[i], rec.x, self.conv_states[i])
+
+    def _offsets(self, i: int) -> list[int] | None:
+        """Layer ``i``'s element offsets from layer 0, or None if one launch cannot serve it."""
+        out = []
+        for t, t0 in zip(self._layer_tensors(i), self._layer_tensors(0), strict=True):
+            same = (t.shape, t.stride(), t.dtype, t.device) == (
+                t0.shape, t0.stride(), t0.dtype, t0.device
+            )  # fmt: skip
+            delta = t.data_ptr() - t0.data_ptr()
+            if not same or delta % 16:
+                return None
+            out.append(delta // t.element_size())
+        return out
+
+
+def gdn_replay_commit_layers(
+    plan: ReplayCommitPlan,
+    accepted: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int | None = None,
+    *,
+    batch_invariant: bool = False,
+) -> None:
+    """:func:`gdn_replay_commit` of the first ``bs = len(slots)`` lanes of every layer of
+    ``plan``: on CUDA, when the plan is ``stacked``, one conv-window launch and one
+    delta-rule launch for all layers (``n_layers x bs`` lanes each), else one commit per
+    layer. The same results, bitwise, as one :func:`gdn_replay_commit` per layer; no
+    allocation, no host read (capturable)."""
+    bs = _check_slots(slots, plan.ssm_states[0].device)
+    conv0, ssm0 = plan.conv_states[0], plan.ssm_states[0]
+    if not (plan.stacked and use_triton(ssm0)):
+        for rec, conv, ssm in zip(plan.records, plan.conv_states, plan.ssm_states, strict=True):
+            gdn_replay_commit(rec.lanes(bs), accepted, conv, ssm, slots, num_k_heads,
+                              batch_invariant=batch_invariant)  # fmt: skip
+        return
+    _, h, dk, dv = ssm0.shape
+    nk = gdn_reference.check_conv_dim(conv0.shape[1], h, dk, dv, num_k_heads)
+    record = plan.records[0].lanes(bs)
+    tv = record.lanes_and_positions[1]
+    record.check(bs, tv, conv0, ssm0)
+    _check_device(ssm0.device, accepted=accepted)
+    _check_shape("accepted", accepted, (bs,))
+    if accepted.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"accepted must be int32/int64, got {accepted.dtype}")
+    if bs == 0 or tv == 0:
+        return
+    bv = nw = None
+    if batch_invariant:
+        _, bv, nw = _rule_config(h, dk, dv, None, None, "batch_invariant")
+    _launch_replay(record, accepted, conv0, ssm0, slots, nk, bv, nw, (plan.table, plan.n_layers))
 
 
 # ---------------------------------------------------------------------------------------------
