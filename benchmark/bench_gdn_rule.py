@@ -10,7 +10,8 @@ CUDA graphs (median of ``--repeats``):
   q, k, v, L2 norm of q, k) switched off — the arithmetic the prologue costs;
 - ``replay``: the replay commit's rule launch (tokens ``0 .. accepted`` from the slot, the
   final state written back), accepted counts uniform in ``0 .. T-1`` (``random``) or ``T-1``
-  (``all``); with and without the prologue;
+  (``all``); with and without the prologue; ``1 launch``: every layer's replay in one launch
+  (the engine's :class:`~unimem_kernel.gdn.ReplayCommitPlan` form);
 - ``read states`` / ``copy states``: a read-only reduction and a copy of the same states (the
   bandwidth floor of the verify's and of the replay's state traffic).
 

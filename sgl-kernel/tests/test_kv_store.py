@@ -110,3 +110,119 @@ def test_store_kv_gpu_verify_width():
     store_kv_paged_reference(k, v, kr, vr, slots)
     assert torch.equal(a_tri.isnan(), a_ref.isnan())
     assert torch.equal(torch.nan_to_num(a_tri), torch.nan_to_num(a_ref))
+
+
+# ------------------------------------------------------------------ RoPE + store in one pass
+
+
+def rope_tables(t, half, dtype, device, gen):
+    pos = torch.randint(0, 4096, (t,), generator=gen).double()
+    inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
+    ang = pos[:, None] * inv[None, :]
+    return ang.cos().to(dtype).to(device), ang.sin().to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "page_size, hq, hk, d, half, dtype, rot_dtype",
+    [
+        (8, 4, 2, 32, 16, torch.bfloat16, torch.float32),  # full rotary, GQA 2
+        (4, 3, 1, 64, 8, torch.bfloat16, torch.float32),  # partial rotary (Qwen3-Next-like)
+        (8, 2, 2, 16, 8, torch.bfloat16, torch.bfloat16),  # bf16 tables (Gemma, gpt-oss)
+        (16, 2, 1, 16, 8, torch.float32, torch.float32),
+    ],
+)
+def test_rope_store_kv_equals_rope_then_store(
+    triton_backend, device, page_size, hq, hk, d, half, dtype, rot_dtype
+):
+    """The one-launch form returns ``rope_qk``'s q and leaves the arena byte for byte as
+    ``rope_qk`` + ``store_kv_paged`` (sink rows zeros, poison elsewhere), and both match the
+    reference (rope_qk_reference + the reference store) to the rounding of rope_qk."""
+    from unimem_kernel import rope_qk
+    from unimem_kernel.kv_store import rope_store_kv, rope_store_kv_reference
+
+    gen = torch.Generator().manual_seed(11 + d + half)
+    pages, t = 6, 11
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype).to(device)
+    q = qkv[:, : hq * d].view(t, hq, d)  # column slices of one projection, as the models
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    cos, sin = rope_tables(t, half, rot_dtype, device, gen)
+    live = torch.randperm((pages - 1) * page_size, generator=gen)[: t - 3] + page_size
+    slots = torch.cat([live[:4], torch.tensor([0, -1, 3 % page_size]), live[4:]])
+    slots = slots.to(torch.int32).to(device)
+    arena_f, kf, vf = arena_caches(pages, page_size, hk, d, d, dtype, device)
+    q_fused = rope_store_kv(q, k, v, cos, sin, kf, vf, slots)
+    arena_u, ku, vu = arena_caches(pages, page_size, hk, d, d, dtype, device)
+    q_rot, k_rot = rope_qk(q, k, cos, sin)
+    store_kv_paged(k_rot, v, ku, vu, slots)
+    assert q_fused.is_contiguous() and q_fused.shape == (t, hq, d)
+    assert torch.equal(q_fused, q_rot)
+    assert torch.equal(arena_f.isnan(), arena_u.isnan())
+    assert torch.equal(torch.nan_to_num(arena_f), torch.nan_to_num(arena_u))
+    for off in {0, 3 % page_size}:  # the sink rows written (slots 0, -1 and 3): zeros
+        assert not kf[0, off].float().abs().any() and not vf[0, off].float().abs().any()
+    arena_r, kr, vr = arena_caches(pages, page_size, hk, d, d, dtype, device)
+    q_ref = rope_store_kv_reference(q, k, v, cos, sin, kr, vr, slots)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_fused.float(), q_ref.float(), **tol)
+    torch.testing.assert_close(
+        torch.nan_to_num(arena_f.float()), torch.nan_to_num(arena_r.float()), **tol
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_store_kv_falls_back_and_refuses_bad_input(triton_backend, device):
+    """A cache dtype other than q's takes rope_qk + the store (same bytes); shape errors
+    name the argument."""
+    from unimem_kernel import rope_qk
+    from unimem_kernel.kv_store import rope_store_kv
+
+    gen = torch.Generator().manual_seed(5)
+    t, h, d = 5, 2, 16
+    q = torch.randn(t, h, d, generator=gen).to(device)
+    k = torch.randn(t, h, d, generator=gen).to(device)
+    v = torch.randn(t, h, d, generator=gen).to(device)
+    cos, sin = rope_tables(t, d // 2, torch.float32, device, gen)
+    slots = torch.tensor([4, 5, 0, 9, 10], dtype=torch.int32, device=device)
+    arena_a, ka, va = arena_caches(4, 4, h, d, d, torch.bfloat16, device)
+    q_a = rope_store_kv(q, k, v, cos, sin, ka, va, slots)
+    arena_b, kb, vb = arena_caches(4, 4, h, d, d, torch.bfloat16, device)
+    q_b, k_b = rope_qk(q, k, cos, sin)
+    store_kv_paged(k_b, v, kb, vb, slots)
+    assert torch.equal(q_a, q_b)
+    assert torch.equal(torch.nan_to_num(arena_a), torch.nan_to_num(arena_b))
+    with pytest.raises(ValueError, match="q must be"):
+        rope_store_kv(q[:, :, :8], k, v, cos, sin, ka, va, slots)
+    with pytest.raises(ValueError, match="slots"):
+        rope_store_kv(q, k, v, cos, sin, ka, va, slots[:3])
+    with pytest.raises(ValueError, match="cos must be"):
+        _, kf, vf = arena_caches(4, 4, h, d, d, torch.float32, device)
+        rope_store_kv(q, k, v, cos[:3], sin[:3], kf, vf, slots)
+
+
+@pytest.mark.gpu
+def test_rope_store_kv_gpu_verify_width():
+    """The ``small`` preset's verify step on the GPU: 384 tokens, 16 query / 4 KV heads of
+    128, fp32 tables, page 64, padded lanes in the sink: bitwise ``rope_qk`` + the store."""
+    from unimem_kernel import rope_qk
+    from unimem_kernel.kv_store import rope_store_kv
+
+    gen = torch.Generator().manual_seed(4)
+    page_size, hq, hk, d, t, pages = 64, 16, 4, 128, 384, 64
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).bfloat16().cuda()
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    cos, sin = rope_tables(t, d // 2, torch.float32, "cuda", gen)
+    slots = (torch.randperm((pages - 1) * page_size, generator=gen)[:t] + page_size).int()
+    slots[::17] = 0
+    slots = slots.cuda()
+    a_f, kf, vf = arena_caches(pages, page_size, hk, d, d, torch.bfloat16, "cuda")
+    a_u, ku, vu = arena_caches(pages, page_size, hk, d, d, torch.bfloat16, "cuda")
+    q_f = rope_store_kv(q, k, v, cos, sin, kf, vf, slots)
+    q_u, k_u = rope_qk(q, k, cos, sin)
+    store_kv_paged(k_u, v, ku, vu, slots)
+    assert torch.equal(q_f, q_u)
+    assert torch.equal(a_f.isnan(), a_u.isnan())
+    assert torch.equal(torch.nan_to_num(a_f), torch.nan_to_num(a_u))

@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from unimem.attention.metadata import AttentionMetadata
-from unimem_kernel.kv_store import store_kv_paged
+from unimem_kernel.kv_store import rope_store_kv, store_kv_paged
 
 __all__ = ["AttentionBackend", "check_attention_args", "store_kv_paged"]
 
@@ -89,6 +89,26 @@ class AttentionBackend(ABC):
         """Write ``k [T, Hkv, Dk]``, ``v [T, Hkv, Dv]`` at ``meta.write_slots(swa)`` (shapes
         checked by :func:`~unimem_kernel.kv_store.store_kv_paged`)."""
         store_kv_paged(k, v, k_cache, v_cache, meta.write_slots(swa))
+
+    def rope_store_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        swa: bool,
+    ) -> torch.Tensor:
+        """RoPE on ``q`` and ``k`` (``unimem_kernel.rope_qk``'s contract), then what
+        :meth:`store_kv` does with the rotated ``k`` and ``v``, in one pass
+        (:func:`~unimem_kernel.kv_store.rope_store_kv`: the rotated K goes straight into
+        the cache). Returns the rotated ``q``. A backend that overrides :meth:`store_kv`
+        must override this too."""
+        return rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots(swa))
 
     @abstractmethod
     def attend(

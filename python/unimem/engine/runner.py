@@ -125,19 +125,32 @@ class PagedContext(ForwardContext):
         self.hidden: dict[int, torch.Tensor] = {}
 
     def attention(self, layer_idx, q, k, v, *, sinks=None):
+        caches, swa = self._caches(layer_idx)
+        self.runner.backend.store_kv(k, v, *caches, self.meta, swa=swa)
+        return self._attend(layer_idx, q, caches, swa, sinks)
+
+    def rope_attention(self, layer_idx, q, k, v, cos, sin, *, sinks=None):
+        # RoPE and the K/V store in one launch: the rotated K is written only into the cache
+        caches, swa = self._caches(layer_idx)
+        q = self.runner.backend.rope_store_kv(q, k, v, cos, sin, *caches, self.meta, swa=swa)
+        return self._attend(layer_idx, q, caches, swa, sinks)
+
+    def _caches(self, layer_idx: int) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
+        """The layer's ``(k_cache, v_cache)`` views and whether it is an SWA layer."""
         r = self.runner
         kind = r.layer_kinds[layer_idx]
-        k_cache, v_cache = r.pool.kv_cache(kind, r.spec.lane_of_layer(layer_idx))
-        out = r.backend.forward(
+        return r.pool.kv_cache(kind, r.spec.lane_of_layer(layer_idx)), kind is LayerKind.SWA
+
+    def _attend(self, layer_idx, q, caches, swa, sinks):
+        """The backend's attention of ``q`` over the layer's caches (K/V already stored)."""
+        config = self.runner.model.config
+        out = self.runner.backend.attend(
             q,
-            k,
-            v,
-            k_cache,
-            v_cache,
+            *caches,
             self.meta,
-            swa=kind is LayerKind.SWA,
-            window=r.model.config.layer_window(layer_idx),
-            scale=r.model.config.attention_scale,
+            swa=swa,
+            window=config.layer_window(layer_idx),
+            scale=config.attention_scale,
             sinks=sinks,
         )
         if self.packed is not None:  # padding rows: finite zeros, whatever the kernel left

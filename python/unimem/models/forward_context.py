@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from unimem.models.config import HybridConfig
 from unimem_kernel import gdn_reference as gdn_ref
+from unimem_kernel import rope_qk
 
 
 class ForwardMode(str, enum.Enum):
@@ -100,6 +101,25 @@ class ForwardContext(ABC):
         softmax as a key with no value (it takes probability mass and contributes nothing).
         Returns ``[T, Hq, Dv]``.
         """
+
+    def rope_attention(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`attention` after RoPE on ``q`` and ``k`` (``unimem_kernel.rope_qk``:
+        ``cos, sin [T, R/2]``, rotate-half over the first ``R`` dims of every head). The
+        same result as ``attention(layer_idx, *rope_qk(q, k, cos, sin), v)``, which is what
+        this default runs; a context that stores K into paged caches does both in one pass
+        (the rotated K is then written only into the cache)."""
+        q, k = rope_qk(q, k, cos, sin)
+        return self.attention(layer_idx, q, k, v, sinks=sinks)
 
     @abstractmethod
     def gdn(

@@ -56,7 +56,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, gelu_tanh_mul, rope_qk
+from unimem_kernel import add_rms_norm, gelu_tanh_mul
 
 __all__ = ["Gemma3ForCausalLM", "RopeSpec", "gemma_rms_norm", "text_config_of"]
 
@@ -194,12 +194,9 @@ class Gemma3Attention(nn.Module):
         q = F.linear(h, self.q_proj.weight).view(t, c.n_q_heads, c.head_dim_k)
         k = F.linear(h, self.k_proj.weight).view(t, c.n_kv_heads, c.head_dim_k)
         v = F.linear(h, self.v_proj.weight).view(t, c.n_kv_heads, c.head_dim_v)
-        q, k = rope_qk(  # apply_rope on both in one pass (contiguous results)
-            gemma_rms_norm(q, self.q_norm.weight, eps),
-            gemma_rms_norm(k, self.k_norm.weight, eps),
-            *rope,
-        )
-        o = ctx.attention(layer_idx, q, k, v)
+        q = gemma_rms_norm(q, self.q_norm.weight, eps)
+        k = gemma_rms_norm(k, self.k_norm.weight, eps)
+        o = ctx.rope_attention(layer_idx, q, k, v, *rope)  # apply_rope on q and k, K/V stored
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
         return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
 

@@ -55,7 +55,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, rope_qk
+from unimem_kernel import add_rms_norm
 
 __all__ = ["GptOssForCausalLM", "dequantize_mxfp4", "rope_inv_freq", "rope_parameters"]
 
@@ -233,13 +233,11 @@ class GptOssAttention(nn.Module):
         ctx: ForwardContext,
     ) -> torch.Tensor:
         c, t = self.c, h.shape[0]
-        q, k = rope_qk(  # apply_rope on both in one pass (contiguous results)
-            self.q_proj(h).reshape(t, c.n_q_heads, c.head_dim_k),
-            self.k_proj(h).reshape(t, c.n_kv_heads, c.head_dim_k),
-            *rope,
-        )
+        q = self.q_proj(h).reshape(t, c.n_q_heads, c.head_dim_k)
+        k = self.k_proj(h).reshape(t, c.n_kv_heads, c.head_dim_k)
         v = self.v_proj(h).reshape(t, c.n_kv_heads, c.head_dim_v)
-        o = ctx.attention(layer_idx, q, k, v, sinks=self.sinks)
+        # apply_rope on q and k, K/V stored, in one pass where the context pages them
+        o = ctx.rope_attention(layer_idx, q, k, v, *rope, sinks=self.sinks)
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
         return row_parallel_linear(o, self.o_proj.weight, self.o_proj.bias, self.tp)
 

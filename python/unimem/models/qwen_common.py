@@ -57,7 +57,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, bi_rms_norm, gdn_gates, rope_qk, router_topk
+from unimem_kernel import add_rms_norm, bi_rms_norm, gdn_gates, router_topk
 from unimem_kernel import gated_rms_norm as fused_gated_rms_norm
 from unimem_kernel import silu_mul as fused_silu_mul
 from unimem_kernel.fused import records_autograd
@@ -185,8 +185,7 @@ class GatedAttention(nn.Module):
         k = F.linear(h, self.k_proj.weight).view(t, hkv, dh)
         k = zero_centered_rms_norm(k, self.k_norm.weight, c.rms_eps)
         v = F.linear(h, self.v_proj.weight).view(t, hkv, dh)
-        q, k = rope_qk(q, k, *cos_sin)  # rotary.apply on both, one pass, contiguous
-        o = ctx.attention(layer_idx, q, k, v)
+        o = ctx.rope_attention(layer_idx, q, k, v, *cos_sin)  # rotary.apply on q and k
         o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
         return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
 

@@ -53,7 +53,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, gated_rms_norm, gdn_gates, rope_qk, silu_mul
+from unimem_kernel import add_rms_norm, gated_rms_norm, gdn_gates, silu_mul
 
 
 class AttentionMixer(nn.Module):
@@ -80,11 +80,10 @@ class AttentionMixer(nn.Module):
         c, t = self.c, h.shape[0]
         qkv = F.linear(h, self.qkv_proj)
         q, k, v = qkv.split([self.q_dim, self.k_dim, self.v_dim], dim=-1)
-        q, k = rope_qk(
-            q.reshape(t, c.n_q_heads, c.head_dim_k), k.reshape(t, c.n_kv_heads, c.head_dim_k), *rope
-        )
-        v = v.reshape(t, c.n_kv_heads, c.head_dim_v)  # a strided view: stored, not read
-        o = ctx.attention(layer_idx, q, k, v)
+        q = q.reshape(t, c.n_q_heads, c.head_dim_k)
+        k = k.reshape(t, c.n_kv_heads, c.head_dim_k)
+        v = v.reshape(t, c.n_kv_heads, c.head_dim_v)  # strided views of the projection
+        o = ctx.rope_attention(layer_idx, q, k, v, *rope)  # RoPE + K/V store in one pass
         return row_parallel_linear(
             o.reshape(t, c.n_q_heads * c.head_dim_v), self.o_proj, None, self.tp
         )

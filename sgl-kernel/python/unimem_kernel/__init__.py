@@ -53,7 +53,12 @@ from unimem_kernel.id_ops import (
     unbind_units,
     unbind_units_reference,
 )
-from unimem_kernel.kv_store import store_kv_paged, store_kv_paged_reference
+from unimem_kernel.kv_store import (
+    rope_store_kv,
+    rope_store_kv_reference,
+    store_kv_paged,
+    store_kv_paged_reference,
+)
 from unimem_kernel.metadata import (
     build_decode_metadata,
     build_decode_metadata_reference,
@@ -129,6 +134,8 @@ __all__ = [
     "moe_route_reference",
     "rope_qk",
     "rope_qk_reference",
+    "rope_store_kv",
+    "rope_store_kv_reference",
     "router_topk",
     "router_topk_reference",
     "silu_mul",

@@ -232,16 +232,3 @@ def markov_pick(
             HAS_CONTROL=has_control, FIRST=col == 0, FINAL=col == g, num_warps=4,
         )  # fmt: skip
     return out
-    if base.stride(-1) != 1:
-        base = base.contiguous()
-    u, w = u.contiguous(), w.contiguous()
-    has_control = ref is not None
-    r = u.shape[1]
-    _markov_pick_kernel[(bs,)](
-        base, anchors, u, w, ref if has_control else anchors, take if has_control else anchors,
-        out, v, base.stride(0), base.stride(1), u.stride(0), w.stride(0),
-        ref.stride(0) if has_control else 0, take.stride(0) if has_control else 0, out.stride(0),
-        G=g, R=r, BR=next_pow2(r), BLOCK_V=min(_BLOCK_V, next_pow2(v)), HAS_CONTROL=has_control,
-        num_warps=8,
-    )  # fmt: skip
-    return out

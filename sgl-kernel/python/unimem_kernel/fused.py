@@ -611,8 +611,10 @@ def _rope_head(
     HALF,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    keep,
 ):
-    """Rotate-half over the first ``2 * HALF`` dims of one head vector, the rest copied."""
+    """Rotate-half over the first ``2 * HALF`` dims of one head vector, the rest copied;
+    zeros in place of every result where ``keep`` (a scalar) is False."""
     dt = dst.dtype.element_ty
     rdt = c_row.dtype.element_ty  # the rotation dtype: each torch op's result rounds to it
     cols = tl.arange(0, BLOCK_R)
@@ -627,13 +629,14 @@ def _rope_head(
     x1s = _round(x1 * s, rdt).to(tl.float32)
     lo = _round(x1c - x2s, rdt).to(tl.float32)
     hi = _round(x2c + x1s, rdt).to(tl.float32)
-    tl.store(dst + cols, _round(lo, dt), mask=m)
-    tl.store(dst + HALF + cols, _round(hi, dt), mask=m)
+    tl.store(dst + cols, tl.where(keep, _round(lo, dt), 0.0), mask=m)
+    tl.store(dst + HALF + cols, tl.where(keep, _round(hi, dt), 0.0), mask=m)
     if BLOCK_P > 0:
         for start in range(2 * HALF, D, BLOCK_P):
             pc = start + tl.arange(0, BLOCK_P)
             pm = pc < D
-            tl.store(dst + pc, tl.load(src + pc, mask=pm, other=0.0), mask=pm)
+            x = tl.load(src + pc, mask=pm, other=0.0)
+            tl.store(dst + pc, tl.where(keep, x, 0.0).to(dt), mask=pm)
 
 
 @triton.jit
@@ -664,12 +667,12 @@ def _rope_qk_kernel(
     if h < HQ:
         src = q_ptr + t * stride_qt + h * stride_qh
         dst = qo_ptr + (t * HQ + h) * D
-        _rope_head(src, dst, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P)
+        _rope_head(src, dst, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P, True)
     else:
         hk = h - HQ
         src = k_ptr + t * stride_kt + hk * stride_kh
         dst = ko_ptr + (t * HK + hk) * D
-        _rope_head(src, dst, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P)
+        _rope_head(src, dst, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P, True)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -296,8 +296,8 @@ def _conv_commit_kernel(
         layer = b % n_layers
         b = b // n_layers
         row = layers_ptr + _TABLE_HEAD + layer * _TABLE_ROW
-        xr_ptr += _table_offset(row, 4)
-        state_ptr += _table_offset(row, 5)
+        xr_ptr += _table_offset(row, 4, xr_ptr)
+        state_ptr += _table_offset(row, 5, state_ptr)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     acc = tl.load(acc_ptr + b).to(tl.int64)
     ok = (slot >= 0) & (acc >= 0) & (acc < seq_len)
@@ -328,10 +328,14 @@ def _conv_commit_kernel(
 
 
 # A ReplayCommitPlan's int32 layer table: a head ``[n_layers, 0]``, then one row per layer of
-# six element offsets from layer 0's tensors (record y, g, beta, SSM state, record x, conv
-# state), each as two int32 ``(lo, hi)`` with ``offset = hi * 2**31 + lo`` and ``0 <= lo <
-# 2**31`` (int32 so that a single-layer launch passes any int32 index tensor as the
-# never-read placeholder and every step kind keeps one kernel signature).
+# six offsets from layer 0's tensors (record y, g, beta, SSM state, record x, conv state) in
+# 16-byte units, each as two int32 ``(lo, hi)`` with ``units = hi * 2**31 + lo`` and ``0 <=
+# lo < 2**31`` (int32 so that a single-layer launch passes any int32 index tensor as the
+# never-read placeholder and every step kind keeps one kernel signature). In 16-byte units
+# because the kernel then moves a pointer by ``units * (16 / element size)`` elements, a
+# multiple of 16 bytes the compiler can see: layer 0's alignment, hence its vectorised
+# loads and stores, holds for every layer (an offset of unknown divisibility made the state
+# loads scalar, 3x slower, on the H200).
 TABLE_HEAD = 2
 TABLE_OFFSETS = ("y", "g", "beta", "ssm", "x", "conv")
 TABLE_ROW = 2 * len(TABLE_OFFSETS)
@@ -340,11 +344,13 @@ _TABLE_ROW = tl.constexpr(TABLE_ROW)
 
 
 @triton.jit
-def _table_offset(row, j: tl.constexpr):
-    """Offset ``j`` of a layer row of the table, as int64."""
+def _table_offset(row, j: tl.constexpr, ptr):
+    """Offset ``j`` of a layer row of the table in elements of ``ptr``'s dtype (int64), a
+    multiple of 16 bytes by construction."""
     lo = tl.load(row + 2 * j).to(tl.int64)
     hi = tl.load(row + 2 * j + 1).to(tl.int64)
-    return hi * 2147483648 + lo
+    per_unit: tl.constexpr = 128 // ptr.dtype.element_ty.primitive_bitwidth
+    return (hi * 2147483648 + lo) * per_unit
 
 
 @triton.jit
@@ -484,13 +490,13 @@ def _rule_kernel(
         layer = b % n_layers
         b = b // n_layers
         row = layers_ptr + _TABLE_HEAD + layer * _TABLE_ROW
-        off_y = _table_offset(row, 0)
+        off_y = _table_offset(row, 0, q_ptr)
         q_ptr += off_y
         k_ptr += off_y
         v_ptr += off_y
-        g_ptr += _table_offset(row, 1)
-        beta_ptr += _table_offset(row, 2)
-        state_ptr += _table_offset(row, 3)
+        g_ptr += _table_offset(row, 1, g_ptr)
+        beta_ptr += _table_offset(row, 2, beta_ptr)
+        state_ptr += _table_offset(row, 3, state_ptr)
     varlen = (flags & _K_VARLEN) != 0
     store_out = (flags & _K_STORE_OUT) != 0
     write_final = (flags & _K_WRITE_FINAL) != 0
@@ -1411,9 +1417,9 @@ class ReplayCommitPlan:
                 t0.shape, t0.stride(), t0.dtype, t0.device
             )  # fmt: skip
             delta = t.data_ptr() - t0.data_ptr()
-            if not same or delta % 16:
+            if not same or delta % 16 or 16 % t.element_size():
                 return None
-            out.append(delta // t.element_size())
+            out.append(delta // 16)
         return out
 
 

@@ -17,6 +17,13 @@ one call (they all write zeros there); two tokens naming the same live slot is a
 
 ``store_kv_paged_reference`` is the torch code the attention backends ran before (two
 ``index_put_`` through the views), with the same semantics.
+
+``rope_store_kv`` is the attention layer's RoPE and this store in one launch: it rotates q
+into a new tensor (as ``unimem_kernel.rope_qk``) and writes the rotated K rows straight into
+the cache — the rotated K never exists outside the arena — with V beside them. Its reference
+is ``rope_qk_reference`` followed by ``store_kv_paged_reference``; the kernel's arithmetic is
+``rope_qk``'s (the same device function), so its q and cached K equal ``rope_qk`` + this
+store bit for bit.
 """
 
 from __future__ import annotations
@@ -25,10 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
+from unimem_kernel import fused
 from unimem_kernel._dispatch import next_pow2, use_triton
-from unimem_kernel.fused import _round  # RNE to bf16 (the interpreter's own cast truncates)
+from unimem_kernel.fused import (
+    _rope_head,
+    _round,  # RNE to bf16 (the interpreter's own cast truncates)
+)
 
-__all__ = ["store_kv_paged", "store_kv_paged_reference"]
+__all__ = ["rope_store_kv", "rope_store_kv_reference", "store_kv_paged", "store_kv_paged_reference"]
 
 
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # slices of the write window
@@ -151,3 +162,148 @@ def store_kv_paged(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=h, DK=dk, DV=dv, BH=next_pow2(h), BDK=next_pow2(dk), BDV=next_pow2(dv),
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------ RoPE + store, one pass
+
+
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
+def _rope_store_kernel(
+    q_ptr,  # [T, HQ, D] (unit last stride)
+    k_ptr,  # [T, HK, D]
+    v_ptr,  # [T, HK, DV]
+    cos_ptr,  # [T, HALF] rows (unit last stride)
+    sin_ptr,
+    qo_ptr,  # [T, HQ, D] contiguous: the rotated q
+    kc_ptr,  # [pages, page_size, HK, D] strided view (unit last stride)
+    vc_ptr,  # [pages, page_size, HK, DV]
+    slots_ptr,  # [T] physical slots (int32 or int64)
+    page_size,
+    HQ,
+    HK,
+    D,
+    HALF,
+    q_st,
+    q_sh,
+    k_st,
+    k_sh,
+    v_st,
+    v_sh,
+    c_st,
+    s_st,
+    kc_sp,
+    kc_so,
+    kc_sh,
+    vc_sp,
+    vc_so,
+    vc_sh,
+    DV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BDV: tl.constexpr,
+):
+    """Program ``(t, h)``: query head ``h < HQ`` rotated into ``qo``; else key head ``h -
+    HQ`` rotated into its cache slot and its V row copied beside it (zeros in the sink)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    c_row = cos_ptr + t * c_st
+    s_row = sin_ptr + t * s_st
+    if h < HQ:
+        src = q_ptr + t * q_st + h * q_sh
+        _rope_head(src, qo_ptr + (t * HQ + h) * D, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P, True)
+    else:
+        hk = h - HQ
+        slot = tl.maximum(tl.load(slots_ptr + t).to(tl.int64), 0)
+        page = slot // page_size  # slot >= 0: truncation is floor here
+        off = slot - page * page_size
+        keep = page > 0  # the sink page receives zeros
+        kc = kc_ptr + page * kc_sp + off * kc_so + hk * kc_sh
+        _rope_head(k_ptr + t * k_st + hk * k_sh, kc, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P,
+                   keep)  # fmt: skip
+        cols = tl.arange(0, BDV)
+        mv = cols < DV
+        live = cols < tl.where(keep, DV, 0)  # the scalar predicate as an integer bound
+        v = tl.load(v_ptr + t * v_st + hk * v_sh + cols, mask=live, other=0.0)
+        vc = vc_ptr + page * vc_sp + off * vc_so + hk * vc_sh + cols
+        tl.store(vc, _round(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=mv)
+
+
+def rope_store_kv_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The torch reference of :func:`rope_store_kv`: ``fused.rope_qk_reference`` then
+    :func:`store_kv_paged_reference` of the rotated K; returns the rotated q."""
+    q_rot, k_rot = fused.rope_qk_reference(q, k, cos, sin)
+    store_kv_paged_reference(k_rot, v, k_cache, v_cache, slots)
+    return q_rot
+
+
+def rope_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (``unimem_kernel.rope_qk``'s contract:
+    ``cos, sin [T, R/2]``, rotate-half over the first ``R`` dims), then ``k`` rotated and ``v
+    [T, Hk, Dv]`` stored at ``slots`` as :func:`store_kv_paged` stores them. Returns the
+    rotated q (new, contiguous); the rotated K is written only into ``k_cache``.
+
+    One Triton launch (grid ``[T, Hq + Hk]``) where ``rope_qk`` and the store would run
+    Triton (CUDA, ``UNIMEM_FUSED_OPS`` on, no autograd) and the caches hold q's dtype; else
+    ``rope_qk`` followed by :func:`store_kv_paged` (the same results)."""
+    _check(k, v, k_cache, v_cache, slots)
+    if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be [T, Hq, D] with k's T and D, got {tuple(q.shape)}")
+    fused_path = (
+        fused.use_triton(q)
+        and use_triton(k_cache)
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and q.dtype == k.dtype == k_cache.dtype
+        and cos.dtype != torch.float64
+        and not fused.records_autograd(q, k, v, cos, sin)
+    )
+    if not fused_path:
+        q_rot, k_rot = fused.rope_qk(q, k, cos, sin)
+        store_kv_paged(k_rot, v, k_cache, v_cache, slots)
+        return q_rot
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if cos.dim() != 2 or cos.shape[0] != t or not 0 < 2 * cos.shape[1] <= d:
+        raise ValueError(
+            f"cos must be [T, R/2] with T = {t} and 0 < R <= {d}, got {tuple(cos.shape)}"
+        )
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError(
+            f"sin must have cos's shape {tuple(cos.shape)} and dtype {cos.dtype}, "
+            f"got {tuple(sin.shape)} {sin.dtype}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches' last dim must have unit stride")
+    q2, k2, v2, c2, s2 = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin))
+    qo = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return qo
+    half = cos.shape[1]
+    rest = d - 2 * half
+    dv = v.shape[2]
+    _rope_store_kernel[(t, hq + hk)](
+        q2, k2, v2, c2, s2, qo, k_cache, v_cache, slots, k_cache.shape[1], hq, hk, d, half,
+        q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1),
+        c2.stride(0), s2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        DV=dv, BLOCK_R=next_pow2(half), BLOCK_P=next_pow2(rest) if rest else 0,
+        BDV=next_pow2(dv),
+    )  # fmt: skip
+    return qo
