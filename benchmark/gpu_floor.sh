@@ -2,7 +2,8 @@
 # The GPU runs of "the verify step at the hardware floor", in one device call after the FA4
 # bundle is installed. Run from the repository root:
 #   PARTS="tests kernels profile bench" bash benchmark/gpu_floor.sh
-# tests: the gpu tests of the fused model ops, the KV store, the drafter's pick, the GDN replay
+# tests: the gpu tests of the fused model ops, the KV store (and RoPE + store), the drafter's pick,
+#   the greedy accept, the GDN replay
 #   commit (equal to the per-position-state commit), the chunked GDN prefill, GDN batch
 #   invariance, the MoE kernels (router, route, grouped GEMM, combine), the batch-invariant
 #   GEMMs and norms, and the engine (sync-debug loop, graph replay == eager);
@@ -39,6 +40,7 @@ for part in $parts; do
         sgl-kernel/tests/test_moe_combine.py sgl-kernel/tests/test_moe_route.py \
         sgl-kernel/tests/test_expert_gemm.py sgl-kernel/tests/test_router_topk.py \
         sgl-kernel/tests/test_gdn_kernels.py sgl-kernel/tests/test_batch_invariant.py \
+        sgl-kernel/tests/test_greedy_accept.py \
         test/engine/test_gpu_engine.py \
         test/speculative/test_ragged_verify_gpu.py test/models/test_logits_matmul.py ;;
     kernels)

@@ -71,6 +71,7 @@ from unimem.speculative.verify_lengths import (
 )
 from unimem_kernel import gdn as gdn_ops
 from unimem_kernel import gdn_reference
+from unimem_kernel.greedy_accept import greedy_verify_accept
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
 GDN_REPLAY_COMMIT = True
@@ -550,8 +551,8 @@ class ModelRunner:
             self.drafts.target_layers,
         )
         logits = self.model.forward(input_ids, ctx)
-        tokens = torch.argmax(logits, dim=-1).reshape(width, vw)
-        accepted, bonus = greedy_accept(draft, tokens)
+        # the rows' argmax, the accepted prefix and the bonus token in two launches
+        tokens, accepted, bonus = greedy_verify_accept(logits, draft)
         if params is not None:
             accepted, tokens = self._sampled_accept(
                 logits, draft, q, tokens, accepted, seq_lens, params

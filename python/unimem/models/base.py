@@ -14,8 +14,9 @@ Contract every implementation keeps:
   ``torch.no_grad``;
 * attention layers call ``ctx.rope_attention(i, q, k, v, cos, sin, sinks=...)`` (RoPE
   applied by the context, in the K/V store's pass where it pages K/V) or
-  ``ctx.attention(i, q, k, v, sinks=...)`` with RoPE already applied; GDN layers call ``ctx.gdn(i, mixed_qkv, g, beta, conv_weight=...)``, exactly once per
-  layer in layer order, then ``ctx.capture_hidden(i, x)`` with the residual stream;
+  ``ctx.attention(i, q, k, v, sinks=...)`` with RoPE already applied; GDN layers call
+  ``ctx.gdn(i, mixed_qkv, g, beta, conv_weight=...)``; each exactly once per layer in layer
+  order, then ``ctx.capture_hidden(i, x)`` with the residual stream;
 * logits are float32 (float64 for a float64 model); ``hidden`` is what the LM head reads.
 """
 
