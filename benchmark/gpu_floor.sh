@@ -2,9 +2,9 @@
 # The GPU runs of "the verify step at the hardware floor", in one device call after the FA4
 # bundle is installed. Run from the repository root:
 #   PARTS="tests kernels profile bench" bash benchmark/gpu_floor.sh
-# tests: the gpu tests of the fused model ops, the KV store (and RoPE + store), the drafter's pick,
-#   the greedy accept, the GDN replay
-#   commit (equal to the per-position-state commit), the chunked GDN prefill, GDN batch
+# tests: the gpu tests of the fused model ops, the KV store (and RoPE + store), the drafter's
+#   pick, the greedy accept, the GDN replay commit (equal to the per-position-state commit;
+#   all layers in one launch), the chunked GDN prefill, GDN batch
 #   invariance, the MoE kernels (router, route, grouped GEMM, combine), the batch-invariant
 #   GEMMs and norms, and the engine (sync-debug loop, graph replay == eager);
 # kernels: benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces),

@@ -41,7 +41,11 @@ Modes, as in the engine:
   window and re-runs the delta rule over tokens ``0 .. accepted`` from the slot: the very
   ``_rule_kernel`` binary the verify ran (its step kind is a runtime flag, and the replay
   passes the same kinds of arguments through ``_mixer_rule``), so the committed state is
-  bitwise the verify's state after that token.
+  bitwise the verify's state after that token. A :class:`ReplayCommitPlan` commits every
+  GDN layer of a model in one launch per kernel (``gdn_replay_commit_layers``: the same
+  kernels with a layer table, ``n_layers x bs`` programs on the first grid axis), which
+  keeps more programs in flight than one launch per layer (8 layers of the ``small`` preset
+  at 48 x 8 tokens: 345 -> 283 us, ``benchmark/bench_gdn_rule.py``).
 
 Padded lanes (``slots[b] < 0``, as in a fixed-size CUDA-graph batch) are skipped by the Triton
 path: their slots and scratch entries are neither read nor written and their output rows are
@@ -62,12 +66,13 @@ Kernels (the rule's step kinds are runtime flags, the conv's constexpr switches)
   next token's q/k/v/g/beta. Each program owns its slice of the slot, so the in-place read at
   the start and write at the end never race with another program. Its ``flags``
   (``RULE_*``) select ragged rows, initial-state flags, output and final-state stores, the
-  record's gates (stored by V block 0) and the replay (lane ``b``'s tokens ``0 ..
-  accepted[b]``, no output); constexprs are only the shapes, the tile, the dtype, the
-  per-position state stores of the old verify (``STORE_STATES``) and the mixer prologue
-  (``PREP``). The arguments that vary between step kinds without changing arithmetic (gate,
-  slot, flag pointers; batch strides) are not specialised on, so that one tile is one
-  binary.
+  record's gates (stored by V block 0), the replay (lane ``b``'s tokens ``0 ..
+  accepted[b]``, no output) and several layers in one launch (``RULE_LAYERS``: a
+  ``ReplayCommitPlan``'s table of per-layer offsets); constexprs are only the shapes, the
+  tile, the dtype, the per-position state stores of the old verify (``STORE_STATES``) and
+  the mixer prologue (``PREP``). The arguments that vary between step kinds without
+  changing arithmetic (gate, slot, flag and table pointers; batch strides) are not
+  specialised on, so that one tile is one binary.
 
 Expected cost of the recurrent form in extend (an estimate; ``benchmark/bench_gdn.py`` measures
 it against fla's chunked kernel plus the gather/scatter copies that kernel needs): each program
