@@ -268,10 +268,37 @@ def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
         vc = _slot_view(6, (page, KV_HEADS, HEAD_DIM), bf)
         kv_store.store_kv_paged(k, v, kc, vc, torch.arange(t, dtype=slot_dtype) + page)
 
+    def rope_store(half: int):  # the attention layers' RoPE + store (full / partial rotary)
+        qd, kd = Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        qkv = torch.randn(t, qd + 2 * kd, dtype=bf)
+        q = qkv[:, :qd].reshape(t, Q_HEADS, HEAD_DIM)
+        k = qkv[:, qd : qd + kd].reshape(t, KV_HEADS, HEAD_DIM)
+        v = qkv[:, qd + kd :].reshape(t, KV_HEADS, HEAD_DIM)
+        kc = _slot_view(6, (page, KV_HEADS, HEAD_DIM), bf)
+        vc = _slot_view(6, (page, KV_HEADS, HEAD_DIM), bf)
+        cos, sin = torch.randn(t, half), torch.randn(t, half)
+        kv_store.rope_store_kv(q, k, v, cos, sin, kc, vc, torch.arange(t, dtype=torch.int32) + page)
+
     return [
         ("store_kv_paged int32 slots", lambda: store(torch.int32)),
         ("store_kv_paged int64 slots", lambda: store(torch.int64)),
+        ("rope_store_kv", lambda: rope_store(HEAD_DIM // 2)),
+        ("rope_store_kv partial rotary", lambda: rope_store(HEAD_DIM // 8)),
     ]
+
+
+def _greedy_accept_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The fixed verify's greedy accept (``small`` preset: 48 x 8 rows of 32 000)."""
+    import torch
+
+    from unimem_kernel import greedy_accept
+
+    def accept():
+        bs, w, vocab = 48, 8, 32000
+        logits = torch.randn(bs * w, vocab)
+        greedy_accept.greedy_verify_accept(logits, torch.randint(0, vocab, (bs, w - 1)))
+
+    return [("greedy_verify_accept", accept)]
 
 
 def _expert_combine_launches() -> list[tuple[str, Callable[[], None]]]:
@@ -410,6 +437,18 @@ def _gdn_launches() -> list[tuple[str, Callable[[], None]]]:
             tiles = {"block_v": bv, "num_warps": nw}
         gdn.gdn_replay_commit_triton(record, accepted, conv, ssm, slots, hk, **tiles)
 
+    def replay_layers(n_layers: int = 3):  # the engine's commit: every layer in one launch
+        conv_dim = gdn_reference.mixed_qkv_dim(GDN_H, GDN_DK, GDN_DV, GDN_H)
+        convs = [_slot_view(slots_n, (conv_dim, CONV_K - 1), bf) for _ in range(n_layers)]
+        ssms = [_slot_view(slots_n, (GDN_H, GDN_DK, GDN_DV), f32) for _ in range(n_layers)]
+        records = [gdn_reference.VerifyRecord.empty(bs + 2, width, conv_dim, GDN_H, bf, f32)
+                   for _ in range(n_layers)]  # fmt: skip
+        plan = gdn.ReplayCommitPlan(records, convs, ssms)
+        assert plan.stacked, "the compile check's layers must line up"
+        accepted = torch.tensor([0, 3, 7, -1], dtype=torch.int64)
+        slots = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
+        gdn.gdn_replay_commit_layers(plan, accepted, slots, GDN_H)
+
     def rule(mode: str):  # the standalone delta-rule launchers (no SiLU / L2 prologue)
         ssm = _slot_view(slots_n, (GDN_H, GDN_DK, GDN_DV), f32)
         slots = torch.arange(bs, dtype=torch.int32)
@@ -451,6 +490,7 @@ def _gdn_launches() -> list[tuple[str, Callable[[], None]]]:
         ("gdn replay commit", replay),
         ("gdn replay commit Hk=8 H=16", lambda: replay(hk=8)),
         ("gdn replay commit batch_invariant", lambda: replay(batch_invariant=True)),
+        ("gdn replay commit all layers", replay_layers),
         ("gated_delta_rule decode", lambda: rule("decode")),
         ("gated_delta_rule verify", lambda: rule("verify")),
         ("gated_delta_rule extend HAS_INIT", lambda: rule("extend")),
@@ -504,7 +544,8 @@ _KERNELS = {
         "_bi_log_softmax_kernel",
     ),
     "unimem_kernel.gdn": ("_conv_kernel", "_conv_commit_kernel", "_rule_kernel"),
-    "unimem_kernel.kv_store": ("_store_kv_kernel",),
+    "unimem_kernel.kv_store": ("_store_kv_kernel", "_rope_store_kernel"),
+    "unimem_kernel.greedy_accept": ("_row_argmax_kernel", "_accept_kernel"),
     "unimem_kernel.draft_pick": ("_markov_pick_kernel",),
     "unimem_kernel.expert_combine": ("_moe_combine_kernel",),
     "unimem_kernel.gdn_chunked": ("_chunked_rule_kernel",),
@@ -515,6 +556,7 @@ _LAUNCHES = {
     "unimem_kernel.batch_invariant": _bi_launches,
     "unimem_kernel.gdn": _gdn_launches,
     "unimem_kernel.kv_store": _kv_store_launches,
+    "unimem_kernel.greedy_accept": _greedy_accept_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
     "unimem_kernel.expert_combine": _expert_combine_launches,
     "unimem_kernel.gdn_chunked": _gdn_chunked_launches,
