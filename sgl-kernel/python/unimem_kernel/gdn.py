@@ -1372,10 +1372,11 @@ class ReplayCommitPlan:
 
     ``records[i]``, ``conv_states[i]``, ``ssm_states[i]``: layer ``i``'s full-size
     :class:`~unimem_kernel.gdn_reference.VerifyRecord` (the runner's, for its largest batch)
-    and its slot views. Built once (it uploads a small int32 table of each layer's element
-    offsets from layer 0's tensors; no device work per step). A step commits the first
-    ``bs`` lanes of every layer with :func:`gdn_replay_commit_layers`, bitwise what one
-    :func:`gdn_replay_commit` per layer commits (the same kernels, the same tile).
+    and its slot views. Built once, outside any CUDA-graph capture (it uploads a small int32
+    table of each layer's offsets from layer 0's tensors, in 16-byte units; no device work
+    per step). A step commits the first ``bs`` lanes of every layer with
+    :func:`gdn_replay_commit_layers`, bitwise what one :func:`gdn_replay_commit` per layer
+    commits (the same kernels, the same tile).
 
     ``stacked`` says whether one launch per kernel can serve the layers: every layer's
     tensors must have layer 0's shapes, dtypes, strides and device and sit a whole number of
@@ -1415,7 +1416,8 @@ class ReplayCommitPlan:
         return (rec.y, rec.g, rec.beta, self.ssm_states[i], rec.x, self.conv_states[i])
 
     def _offsets(self, i: int) -> list[int] | None:
-        """Layer ``i``'s element offsets from layer 0, or None if one launch cannot serve it."""
+        """Layer ``i``'s offsets from layer 0 in 16-byte units, or None if one launch cannot
+        serve it."""
         out = []
         for t, t0 in zip(self._layer_tensors(i), self._layer_tensors(0), strict=True):
             same = (t.shape, t.stride(), t.dtype, t.device) == (
