@@ -700,6 +700,32 @@ def rope_qk_reference(
     return _partial_rope(q, cos, sin).contiguous(), _partial_rope(k, cos, sin).contiguous()
 
 
+def check_rope_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """ValueError naming the argument unless ``q [T, Hq, D]``, ``k [T, Hk, D]`` (q's dtype)
+    and ``cos, sin [T, R/2]`` (one dtype, ``0 < R <= D``) are float tensors on q's device:
+    the contract of :func:`rope_qk` (and of ``kv_store.rope_store_kv``)."""
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        _check_float(name, t)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k must be [T, Hk, D] with q's T and D, got shape {tuple(k.shape)}")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    t, _, d = q.shape
+    if cos.dim() != 2 or cos.shape[0] != t or not 0 < 2 * cos.shape[1] <= d:
+        raise ValueError(
+            f"cos must be [T, R/2] with T = {t} and 0 < R <= {d}, got {tuple(cos.shape)}"
+        )
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError(
+            f"sin must have cos's shape {tuple(cos.shape)} and dtype {cos.dtype}, "
+            f"got {tuple(sin.shape)} {sin.dtype}"
+        )
+    for name, x in (("k", k), ("cos", cos), ("sin", sin)):
+        _check_device(name, x, q, "q")
+
+
 def rope_qk(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -715,27 +741,9 @@ def rope_qk(
     ``[x1 * c - x2 * s, x2 * c + x1 * s]`` with ``x1, x2`` the two halves of the rotated dims,
     computed in the rotation dtype and cast back to ``q``'s dtype.
     """
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        _check_float(name, t)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
-    if k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k must be [T, Hk, D] with q's T and D, got shape {tuple(k.shape)}")
-    if k.dtype != q.dtype:
-        raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    check_rope_args(q, k, cos, sin)
     t, hq, d = q.shape
     hk = k.shape[1]
-    if cos.dim() != 2 or cos.shape[0] != t or not 0 < 2 * cos.shape[1] <= d:
-        raise ValueError(
-            f"cos must be [T, R/2] with T = {t} and 0 < R <= {d}, got {tuple(cos.shape)}"
-        )
-    if sin.shape != cos.shape or sin.dtype != cos.dtype:
-        raise ValueError(
-            f"sin must have cos's shape {tuple(cos.shape)} and dtype {cos.dtype}, "
-            f"got {tuple(sin.shape)} {sin.dtype}"
-        )
-    for name, x in (("k", k), ("cos", cos), ("sin", sin)):
-        _check_device(name, x, q, "q")
     if (
         q.dtype == torch.float64
         or cos.dtype == torch.float64

@@ -266,6 +266,7 @@ def rope_store_kv(
     _check(k, v, k_cache, v_cache, slots)
     if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q must be [T, Hq, D] with k's T and D, got {tuple(q.shape)}")
+    fused.check_rope_args(q, k, cos, sin)
     fused_path = (
         fused.use_triton(q)
         and use_triton(k_cache)
@@ -280,15 +281,6 @@ def rope_store_kv(
         return q_rot
     t, hq, d = q.shape
     hk = k.shape[1]
-    if cos.dim() != 2 or cos.shape[0] != t or not 0 < 2 * cos.shape[1] <= d:
-        raise ValueError(
-            f"cos must be [T, R/2] with T = {t} and 0 < R <= {d}, got {tuple(cos.shape)}"
-        )
-    if sin.shape != cos.shape or sin.dtype != cos.dtype:
-        raise ValueError(
-            f"sin must have cos's shape {tuple(cos.shape)} and dtype {cos.dtype}, "
-            f"got {tuple(sin.shape)} {sin.dtype}"
-        )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dim must have unit stride")
     q2, k2, v2, c2, s2 = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin))
