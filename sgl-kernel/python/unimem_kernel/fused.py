@@ -494,33 +494,40 @@ def _gated_rms_norm_kernel(
     stride_zh,
     eps,
     ROUND_BEFORE_WEIGHT: tl.constexpr,
+    BH: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Program ``(t, j)``: heads ``j * BH .. j * BH + BH - 1`` of token ``t`` as one ``[BH,
+    BLOCK]`` tile, each head's sum of squares reduced along its own row of the tile."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    o_row = o_ptr + t * stride_ot + h * stride_oh
-    z_row = z_ptr + t * stride_zt + h * stride_zh
-    y_row = y_ptr + (t * H + h) * D
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)[:, None]
+    hmask = heads < H
+    o_rows = o_ptr + t * stride_ot + heads * stride_oh
+    z_rows = z_ptr + t * stride_zt + heads * stride_zh
+    y_rows = y_ptr + (t * H + heads) * D
     dt = y_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK)
-    sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    cols = tl.arange(0, BLOCK)[None, :]
+    sq = tl.zeros((BH, BLOCK), dtype=tl.float32)
     for start in range(0, D, BLOCK):
-        m = start + cols < D
-        ov = tl.load(o_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        m = hmask & (start + cols < D)
+        ov = tl.load(o_rows + start + cols, mask=m, other=0.0).to(tl.float32)
         sq += ov * ov
-    rstd = tl.math.rsqrt(tl.sum(sq, axis=0) / D + eps)
+    rstd = tl.math.rsqrt(tl.sum(sq, axis=1) / D + eps)[:, None]
     for start in range(0, D, BLOCK):
-        m = start + cols < D
-        ov = tl.load(o_row + start + cols, mask=m, other=0.0).to(tl.float32)
-        wv = tl.load(w_ptr + start + cols, mask=m, other=0.0).to(tl.float32)
-        zv = tl.load(z_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        m = hmask & (start + cols < D)
+        ov = tl.load(o_rows + start + cols, mask=m, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + start + cols, mask=start + cols < D, other=0.0).to(tl.float32)
+        zv = tl.load(z_rows + start + cols, mask=m, other=0.0).to(tl.float32)
         if ROUND_BEFORE_WEIGHT:  # HF RMSNormGated: (weight * normed.to(dtype)) in the dtype
             n = _round(ov * rstd, dt).to(tl.float32)
             n = _round(wv * n, dt).to(tl.float32)
         else:  # nn_ops.rms_norm(o, w) (one cast after the weight)
             n = _round((ov * rstd) * wv, dt).to(tl.float32)
         gate = zv / (1.0 + tl.exp(-zv))  # silu in fp32
-        tl.store(y_row + start + cols, _round(n * gate, dt), mask=m)
+        tl.store(y_rows + start + cols, _round(n * gate, dt), mask=m)
+
+
+_GATED_NORM_TILE = 8192  # elements of a gated-norm program's [heads, chunk] tile
 
 
 def gated_rms_norm_reference(
@@ -565,7 +572,8 @@ def gated_rms_norm(
       dtype, upcast, times ``silu(z)``. With a ``weight`` dtype other than ``o``'s (torch would
       promote) the reference runs.
 
-    One program per ``(token, head)`` row, a fixed chunk over ``D``: row-local.
+    One program per token (or per block of its heads), each head's row reduced on its own with
+    a fixed chunk over ``D``: row-local, whatever the number of tokens.
     """
     _check_float("o", o)
     _check_float("weight", weight)
@@ -591,9 +599,11 @@ def gated_rms_norm(
     o2, z2 = _unit_last(o), _unit_last(z)
     y = torch.empty((t, h * d), dtype=o.dtype, device=o.device)
     if t and h and d:
-        _gated_rms_norm_kernel[(t, h)](
+        block = _row_block(d)
+        bh = min(next_pow2(h), max(1, _GATED_NORM_TILE // block))
+        _gated_rms_norm_kernel[(t, triton.cdiv(h, bh))](
             o2, weight, z2, y, h, d, o2.stride(0), o2.stride(1), z2.stride(0), z2.stride(1),
-            float(eps), ROUND_BEFORE_WEIGHT=bool(round_before_weight), BLOCK=_row_block(d),
+            float(eps), ROUND_BEFORE_WEIGHT=bool(round_before_weight), BH=bh, BLOCK=block,
         )  # fmt: skip
     return y
 
@@ -602,41 +612,53 @@ def gated_rms_norm(
 
 
 @triton.jit
-def _rope_head(
+def _rope_heads(
     src,
+    src_sh,
     dst,
+    dst_sh,
+    n_heads,
     c_row,
     s_row,
     D,
     HALF,
+    BH: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     keep,
 ):
-    """Rotate-half over the first ``2 * HALF`` dims of one head vector, the rest copied;
-    zeros in place of every result where ``keep`` (a scalar) is False."""
+    """Rotate-half over the first ``2 * HALF`` dims of ``n_heads`` head vectors of one token
+    (head ``h`` at ``src + h * src_sh``, written to ``dst + h * dst_sh``), the rest copied;
+    zeros in place of every result where ``keep`` (a scalar) is False. The heads form one
+    ``[BH, BLOCK_R]`` tile; the arithmetic is elementwise, so a head's result does not depend
+    on the tile."""
     dt = dst.dtype.element_ty
     rdt = c_row.dtype.element_ty  # the rotation dtype: each torch op's result rounds to it
-    cols = tl.arange(0, BLOCK_R)
-    m = cols < HALF
-    x1 = _round(tl.load(src + cols, mask=m, other=0.0).to(tl.float32), rdt).to(tl.float32)
-    x2 = _round(tl.load(src + HALF + cols, mask=m, other=0.0).to(tl.float32), rdt).to(tl.float32)
-    c = tl.load(c_row + cols, mask=m, other=0.0).to(tl.float32)
-    s = tl.load(s_row + cols, mask=m, other=0.0).to(tl.float32)
+    heads = tl.arange(0, BH)[:, None]
+    hmask = heads < n_heads
+    cols = tl.arange(0, BLOCK_R)[None, :]
+    cmask = cols < HALF
+    m = hmask & cmask
+    sp = src + heads * src_sh + cols
+    dp = dst + heads * dst_sh + cols
+    x1 = _round(tl.load(sp, mask=m, other=0.0).to(tl.float32), rdt).to(tl.float32)
+    x2 = _round(tl.load(sp + HALF, mask=m, other=0.0).to(tl.float32), rdt).to(tl.float32)
+    c = tl.load(c_row + cols, mask=cmask, other=0.0).to(tl.float32)
+    s = tl.load(s_row + cols, mask=cmask, other=0.0).to(tl.float32)
     x1c = _round(x1 * c, rdt).to(tl.float32)
     x2s = _round(x2 * s, rdt).to(tl.float32)
     x2c = _round(x2 * c, rdt).to(tl.float32)
     x1s = _round(x1 * s, rdt).to(tl.float32)
     lo = _round(x1c - x2s, rdt).to(tl.float32)
     hi = _round(x2c + x1s, rdt).to(tl.float32)
-    tl.store(dst + cols, tl.where(keep, _round(lo, dt), 0.0), mask=m)
-    tl.store(dst + HALF + cols, tl.where(keep, _round(hi, dt), 0.0), mask=m)
+    tl.store(dp, tl.where(keep, _round(lo, dt), 0.0), mask=m)
+    tl.store(dp + HALF, tl.where(keep, _round(hi, dt), 0.0), mask=m)
     if BLOCK_P > 0:
         for start in range(2 * HALF, D, BLOCK_P):
-            pc = start + tl.arange(0, BLOCK_P)
-            pm = pc < D
-            x = tl.load(src + pc, mask=pm, other=0.0)
-            tl.store(dst + pc, tl.where(keep, x, 0.0).to(dt), mask=pm)
+            pc = start + tl.arange(0, BLOCK_P)[None, :]
+            pm = hmask & (pc < D)
+            x = tl.load(src + heads * src_sh + pc, mask=pm, other=0.0)
+            tl.store(dst + heads * dst_sh + pc, tl.where(keep, x, 0.0).to(dt), mask=pm)
 
 
 @triton.jit
@@ -657,22 +679,21 @@ def _rope_qk_kernel(
     stride_kh,
     stride_c,
     stride_s,
+    BHQ: tl.constexpr,
+    BHK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
+    """Program ``(t, 0)``: every query head of token ``t``; ``(t, 1)``: every key head."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
     c_row = cos_ptr + t * stride_c
     s_row = sin_ptr + t * stride_s
-    if h < HQ:
-        src = q_ptr + t * stride_qt + h * stride_qh
-        dst = qo_ptr + (t * HQ + h) * D
-        _rope_head(src, dst, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P, True)
+    if tl.program_id(1) == 0:
+        _rope_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * HQ * D, D, HQ, c_row, s_row,
+                    D, HALF, BHQ, BLOCK_R, BLOCK_P, True)  # fmt: skip
     else:
-        hk = h - HQ
-        src = k_ptr + t * stride_kt + hk * stride_kh
-        dst = ko_ptr + (t * HK + hk) * D
-        _rope_head(src, dst, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P, True)
+        _rope_heads(k_ptr + t * stride_kt, stride_kh, ko_ptr + t * HK * D, D, HK, c_row, s_row,
+                    D, HALF, BHK, BLOCK_R, BLOCK_P, True)  # fmt: skip
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -757,9 +778,10 @@ def rope_qk(
     ko = torch.empty((t, hk, d), dtype=q.dtype, device=q.device)
     if t and (hq or hk) and d:
         rest = d - 2 * half
-        _rope_qk_kernel[(t, hq + hk)](
+        _rope_qk_kernel[(t, 2)](
             q2, k2, c2, s2, qo, ko, hq, hk, d, half, q2.stride(0), q2.stride(1),
             k2.stride(0), k2.stride(1), c2.stride(0), s2.stride(0),
-            BLOCK_R=next_pow2(half), BLOCK_P=next_pow2(rest) if rest else 0,
+            BHQ=next_pow2(hq), BHK=next_pow2(hk), BLOCK_R=next_pow2(half),
+            BLOCK_P=next_pow2(rest) if rest else 0,
         )  # fmt: skip
     return qo, ko

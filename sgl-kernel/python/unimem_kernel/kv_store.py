@@ -35,7 +35,7 @@ import triton.language as tl
 from unimem_kernel import fused
 from unimem_kernel._dispatch import next_pow2, use_triton
 from unimem_kernel.fused import (
-    _rope_head,
+    _rope_heads,
     _round,  # RNE to bf16 (the interpreter's own cast truncates)
 )
 
@@ -198,33 +198,35 @@ def _rope_store_kernel(
     vc_so,
     vc_sh,
     DV: tl.constexpr,
+    BHQ: tl.constexpr,
+    BHK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BDV: tl.constexpr,
 ):
-    """Program ``(t, h)``: query head ``h < HQ`` rotated into ``qo``; else key head ``h -
-    HQ`` rotated into its cache slot and its V row copied beside it (zeros in the sink)."""
+    """Program ``(t, 0)``: every query head of token ``t`` rotated into ``qo``; ``(t, 1)``:
+    every key head rotated into the token's cache slot and its V rows copied beside them
+    (zeros in the sink)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
     c_row = cos_ptr + t * c_st
     s_row = sin_ptr + t * s_st
-    if h < HQ:
-        src = q_ptr + t * q_st + h * q_sh
-        _rope_head(src, qo_ptr + (t * HQ + h) * D, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P, True)
+    if tl.program_id(1) == 0:
+        _rope_heads(q_ptr + t * q_st, q_sh, qo_ptr + t * HQ * D, D, HQ, c_row, s_row, D, HALF,
+                    BHQ, BLOCK_R, BLOCK_P, True)  # fmt: skip
     else:
-        hk = h - HQ
         slot = tl.maximum(tl.load(slots_ptr + t).to(tl.int64), 0)
         page = slot // page_size  # slot >= 0: truncation is floor here
         off = slot - page * page_size
         keep = page > 0  # the sink page receives zeros
-        kc = kc_ptr + page * kc_sp + off * kc_so + hk * kc_sh
-        _rope_head(k_ptr + t * k_st + hk * k_sh, kc, c_row, s_row, D, HALF, BLOCK_R, BLOCK_P,
-                   keep)  # fmt: skip
-        cols = tl.arange(0, BDV)
-        mv = cols < DV
-        live = cols < tl.where(keep, DV, 0)  # the scalar predicate as an integer bound
-        v = tl.load(v_ptr + t * v_st + hk * v_sh + cols, mask=live, other=0.0)
-        vc = vc_ptr + page * vc_sp + off * vc_so + hk * vc_sh + cols
+        kc = kc_ptr + page * kc_sp + off * kc_so
+        _rope_heads(k_ptr + t * k_st, k_sh, kc, kc_sh, HK, c_row, s_row, D, HALF, BHK, BLOCK_R,
+                    BLOCK_P, keep)  # fmt: skip
+        heads = tl.arange(0, BHK)[:, None]
+        cols = tl.arange(0, BDV)[None, :]
+        mv = (heads < HK) & (cols < DV)
+        live = mv & (cols < tl.where(keep, DV, 0))  # the scalar predicate as an integer bound
+        v = tl.load(v_ptr + t * v_st + heads * v_sh + cols, mask=live, other=0.0)
+        vc = vc_ptr + page * vc_sp + off * vc_so + heads * vc_sh + cols
         tl.store(vc, _round(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=mv)
 
 
@@ -260,9 +262,10 @@ def rope_store_kv(
     [T, Hk, Dv]`` stored at ``slots`` as :func:`store_kv_paged` stores them. Returns the
     rotated q (new, contiguous); the rotated K is written only into ``k_cache``.
 
-    One Triton launch (grid ``[T, Hq + Hk]``) where ``rope_qk`` and the store would run
-    Triton (CUDA, ``UNIMEM_FUSED_OPS`` on, no autograd) and the caches hold q's dtype; else
-    ``rope_qk`` followed by :func:`store_kv_paged` (the same results)."""
+    One Triton launch (grid ``[T, 2]``: a token's query heads; its key and value heads) where
+    ``rope_qk`` and the store would run Triton (CUDA, ``UNIMEM_FUSED_OPS`` on, no autograd)
+    and the caches hold q's dtype; else ``rope_qk`` followed by :func:`store_kv_paged` (the
+    same results)."""
     _check(k, v, k_cache, v_cache, slots)
     if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q must be [T, Hq, D] with k's T and D, got {tuple(q.shape)}")
@@ -290,12 +293,12 @@ def rope_store_kv(
     half = cos.shape[1]
     rest = d - 2 * half
     dv = v.shape[2]
-    _rope_store_kernel[(t, hq + hk)](
+    _rope_store_kernel[(t, 2)](
         q2, k2, v2, c2, s2, qo, k_cache, v_cache, slots, k_cache.shape[1], hq, hk, d, half,
         q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1),
         c2.stride(0), s2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        DV=dv, BLOCK_R=next_pow2(half), BLOCK_P=next_pow2(rest) if rest else 0,
-        BDV=next_pow2(dv),
+        DV=dv, BHQ=next_pow2(hq), BHK=next_pow2(hk), BLOCK_R=next_pow2(half),
+        BLOCK_P=next_pow2(rest) if rest else 0, BDV=next_pow2(dv),
     )  # fmt: skip
     return qo
