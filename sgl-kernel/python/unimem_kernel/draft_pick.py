@@ -8,16 +8,25 @@ For a block of ``G`` drafted columns per request, column ``i``'s token is
 with ``prev`` the anchor for ``i = 0`` and ``tok_{i-1}`` after it; with an acceptance control,
 ``tok_i`` is replaced by ``ref[b, i]`` where ``take[b, i]`` *before* it conditions the next
 column. In torch this is a chain of ~6 small kernels per column (gather, a ``[bs, R] x [R,
-V]`` matmul, cast, add, argmax, where). Here it is ``G + 1`` launches of one kernel: launch
-``i`` has ``bs x NSPLIT`` programs, each first resolving column ``i - 1``'s token from that
-column's ``NSPLIT`` partial argmaxes (the token it conditions on; the first program of the
-lane stores it), then taking the argmax of column ``i`` over its chunk of the vocabulary in
-blocks of ``BLOCK_V``: the bias of a block is ``R`` multiply-adds per entry in fp32, rounded
-to the bias dtype (the dtype of ``U`` and ``W``, as the torch matmul's output is) and upcast
-to the logits' fp32. Ties keep the first index, within a chunk and across chunks (as
-``torch.argmax``). (One program per lane walking all ``G`` columns was measured on the H200
-at 0.62 ms per step for 48 x 7 x 32 000: too few programs; the split form keeps the
-vocabulary sweep parallel and pays one launch per column.)
+V]`` matmul, cast, add, argmax, where). Here launch ``i`` has ``cdiv(bs, LANES) x NSPLIT``
+programs; program ``(g, s)`` serves the lane group ``g * LANES + [0, LANES)`` on vocabulary
+chunk ``s``. It first resolves the group's column ``i - 1`` tokens from that column's
+``NSPLIT`` partial argmaxes per lane (the tokens they condition on; the group's split-0
+program stores them), then takes the group's argmaxes of column ``i`` over its chunk in blocks
+of ``BLOCK_V``: each ``[BLOCK_V, R]`` block of ``W`` is loaded once and applied to every lane
+of the group in a static loop, a lane's bias being ``R`` multiply-adds per entry in fp32
+(``tl.sum(w * u, axis=1)``), rounded to the bias dtype (the dtype of ``U`` and ``W``, as the
+torch matmul's output is) and upcast to the logits' fp32; the lanes' logits then form one
+``[BLOCK_V, LANES]`` tile whose maxima and first indices are two reductions for the whole
+group. Ties keep the first index, within a chunk and across chunks (as ``torch.argmax``).
+Lanes past ``bs`` in the last group redo lane ``bs - 1`` and store nothing.
+
+Why groups (H200, bs 48 x G 7 x V 32 000, R 16, bf16 ``U``/``W``): one program per lane
+walking all ``G`` columns took 0.62 ms per step (too few programs); one program per (lane,
+chunk) with a launch per column took 9.6 us per launch (0.077 ms per step), its programs each
+re-reading their chunk of ``W`` for a single lane: 48 x 1 MB of ``W`` through L2 per column.
+Grouping 8 lanes reads ``W`` 6 times per column (6 MB) for the same 6 MB of logits, in 6 x 64
+programs (not yet timed on the H200).
 
 Contract: ``base [bs, G, V]`` float32 (any strides, unit last), ``anchors [bs]`` integer
 token ids in ``[0, V)``, ``u, w [V, R]`` in one float dtype (unit last stride), optional
@@ -27,11 +36,18 @@ inside the verify step's CUDA graph. A row's picks depend only on that row
 (batch-invariant). NaN logits are not supported (torch's argmax
 would pick them; the sweep's comparisons skip them).
 
-Numerics: the kernel's fp32 dot over ``R`` may round to a different bias value than cuBLAS's
-matmul in rare ties of the bf16 rounding, so on a GPU the two can pick different tokens where
-two logits are within a bias ulp of each other; under the interpreter on CPU (fp32 ``U``,
-``W``, fp32 rounding) the kernel equals the reference exactly on the tests' inputs.
-``markov_pick_reference`` is the drafter's torch code.
+Numerics: a lane's bias is computed as by the one-lane kernel this replaces. The ``W`` tile
+keeps its register layout along ``R`` (for 16-bit ``W`` and ``R`` 16: 8 consecutive entries
+per thread, 2 threads), so each entry sums the same products in the same order: a thread's 8
+in order, then the two halves (as Triton 3.6's sm_90 PTX of both kernels shows). Which
+product of a chain the compiler leaves as a plain multiply (the rest fuse into FMAs) varies
+by row; with 16-bit ``U`` and ``W`` every product is exact in fp32, so that cannot change the
+sum and the picks are the previous kernel's bit for bit (with fp32 ``U`` and ``W`` a sum can
+differ in its last bit, rarely). The kernel's fp32 dot may round to a different bias value than
+cuBLAS's matmul in rare ties of the bf16 rounding, so on a GPU the kernel and the reference
+can pick different tokens where two logits are within a bias ulp of each other; under the
+interpreter on CPU (fp32 ``U``, ``W``, fp32 rounding) the kernel equals the reference
+exactly on the tests' inputs. ``markov_pick_reference`` is the drafter's torch code.
 """
 
 from __future__ import annotations
@@ -45,54 +61,65 @@ from unimem_kernel.fused import _round
 
 __all__ = ["markov_pick", "markov_pick_reference"]
 
-_BLOCK_V = 1024
-_NSPLIT = 16  # vocabulary chunks per lane and column: bs x 16 programs fill the GPU
+_BLOCK_V = 512  # vocabulary entries per block: one block per program at V = 32 000
+_LANES = 8  # lanes per program, each W block read once for all of them
+_NSPLIT = 64  # vocabulary chunks per lane group and column: 6 x 64 programs at bs 48
+_NUM_WARPS = 4
 
 
 @triton.jit
-def _column_argmax(base_row, u, w_ptr, w_sv, offs_r, rmask, lo, hi, BLOCK_V: tl.constexpr):
-    """``(max, first index)`` of ``base_row[v] + round(w[v] . u)`` over ``v in [lo, hi)``."""
-    bias_ty = w_ptr.dtype.element_ty
-    best_val = tl.full((), float("-inf"), tl.float32)
-    best_idx = lo.to(tl.int64)
-    for v0 in range(lo, hi, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        vmask = offs < hi
-        w = tl.load(
-            w_ptr + offs.to(tl.int64)[:, None] * w_sv + offs_r[None, :],
-            mask=vmask[:, None] & rmask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        bias = _round(tl.sum(w * u[None, :], axis=1), bias_ty).to(tl.float32)
-        logit = tl.load(base_row + offs, mask=vmask, other=float("-inf")) + bias
-        logit = tl.where(vmask, logit, float("-inf"))
-        blk_max = tl.max(logit, axis=0)
-        blk_idx = tl.min(tl.where(logit == blk_max, offs, hi), axis=0).to(tl.int64)
-        better = blk_max > best_val  # strictly: an earlier block keeps its tie
-        best_idx = tl.where(better, blk_idx, best_idx)
-        best_val = tl.where(better, blk_max, best_val)
-    return best_val, best_idx
+def _join_lanes(xs, LANES: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``[BLOCK_V, LANES]`` whose column ``j`` is ``xs[j]`` (a tuple of ``LANES`` ``[BLOCK_V]``
+    tensors): ``tl.join`` in halves, in registers (the joined dimensions are the thread's)."""
+    for level in tl.static_range(LANES.bit_length() - 1):
+        ys = ()
+        for i in tl.static_range(LANES >> (level + 1)):
+            ys = ys + (tl.join(xs[i], xs[i + (LANES >> (level + 1))]),)
+        xs = ys
+    # level l's joins add a last dimension that steps LANES >> (l + 1) lanes, so the
+    # row-major flattening of the joined dimensions is the lane
+    return tl.reshape(xs[0], (BLOCK_V, LANES))
 
 
 @triton.jit
-def _column_token(part_val, part_idx, ref_ptr, take_ptr, b, col, ref_sb, take_sb,
-                  NSPLIT: tl.constexpr, HAS_CONTROL: tl.constexpr):  # fmt: skip
-    """Column ``col``'s token from its ``NSPLIT`` partial argmaxes (``[NSPLIT]`` rows of
-    ``part_*`` at this lane and column), replaced by the control's reference if it takes."""
-    offs_s = tl.arange(0, NSPLIT)
-    vals = tl.load(part_val + offs_s)
-    idxs = tl.load(part_idx + offs_s)
-    top = tl.max(vals, axis=0)
+def _split_lanes(x, LANES: tl.constexpr):
+    """The ``LANES`` elements of ``x`` (``[LANES]``) as a tuple of scalars: ``tl.split`` in
+    halves, in registers once ``x`` is held whole by every thread."""
+    xs = (x,)
+    for level in tl.static_range(LANES.bit_length() - 1):
+        # piece p of this level holds the lanes ``m * 2**level + p``: splitting it into
+        # ``m`` even and odd, the even halves first, keeps that rule one level down
+        evens = ()
+        odds = ()
+        for p in tl.static_range(1 << level):
+            # (the last level splits a [2] into two scalars)
+            pair = xs[p] if (LANES >> level) == 2 else tl.reshape(xs[p], (LANES >> (level + 1), 2))
+            a, b = tl.split(pair)
+            evens = evens + (a,)
+            odds = odds + (b,)
+        xs = evens + odds
+    return xs
+
+
+@triton.jit
+def _column_tokens(part_val, part_idx, at, ref_ptr, take_ptr, lanes, col, ref_sb, take_sb,
+                   NSPLIT: tl.constexpr, HAS_CONTROL: tl.constexpr):  # fmt: skip
+    """Column ``col``'s tokens of ``lanes`` from their ``NSPLIT`` partial argmaxes each (at
+    ``part_* + at[l] + s``), replaced by the control's reference where it takes."""
+    offs = at[:, None] + tl.arange(0, NSPLIT)[None, :]
+    vals = tl.load(part_val + offs)
+    idxs = tl.load(part_idx + offs)
+    top = tl.max(vals, axis=1)
     # the first split holding the maximum has the smallest index among the ties
-    tok = tl.min(tl.where(vals == top, idxs, 0x7FFFFFFFFFFFFFFF), axis=0)
+    tok = tl.min(tl.where(vals == top[:, None], idxs, 0x7FFFFFFFFFFFFFFF), axis=1)
     if HAS_CONTROL:
-        take = tl.load(take_ptr + b * take_sb + col).to(tl.int1)
-        ref = tl.load(ref_ptr + b * ref_sb + col).to(tl.int64)
+        take = tl.load(take_ptr + lanes * take_sb + col).to(tl.int1)
+        ref = tl.load(ref_ptr + lanes * ref_sb + col).to(tl.int64)
         tok = tl.where(take, ref, tok)
     return tok
 
 
-@triton.jit(do_not_specialize=["V", "col", "chunk"])
+@triton.jit(do_not_specialize=["bs", "col"])
 def _markov_pick_kernel(
     base_ptr,
     anchors_ptr,
@@ -103,6 +130,7 @@ def _markov_pick_kernel(
     part_val_ptr,  # [bs, G, NSPLIT] fp32
     part_idx_ptr,  # [bs, G, NSPLIT] int64
     out_ptr,
+    bs,
     V,
     col,
     chunk,
@@ -117,35 +145,67 @@ def _markov_pick_kernel(
     R: tl.constexpr,
     BR: tl.constexpr,
     NSPLIT: tl.constexpr,
+    LANES: tl.constexpr,
     BLOCK_V: tl.constexpr,
     HAS_CONTROL: tl.constexpr,
     FIRST: tl.constexpr,  # col == 0: prev is the anchor
     FINAL: tl.constexpr,  # col == G: only resolve column G - 1's token
 ):
-    """Program ``(b, s)`` of column ``col``: resolves column ``col - 1``'s token from its
-    partials (split 0 stores it) — that token is ``prev`` — then, unless ``FINAL``, the
-    argmax of vocabulary chunk ``s`` of column ``col`` into the partials."""
-    b = tl.program_id(0).to(tl.int64)
+    """Program ``(g, s)`` of column ``col``, for lanes ``g * LANES + [0, LANES)``: resolves
+    their column ``col - 1`` tokens from the partials (split 0 stores them) — those are
+    ``prev`` — then, unless ``FINAL``, their argmaxes over vocabulary chunk ``s`` of column
+    ``col`` into the partials. Lanes past ``bs`` redo lane ``bs - 1`` and store nothing."""
+    grp = tl.program_id(0)
     s = tl.program_id(1)
-    parts = b * (G * NSPLIT)
+    slot = tl.arange(0, LANES)
+    live = grp * LANES + slot < bs
+    lanes = tl.minimum(grp * LANES + slot, bs - 1).to(tl.int64)
+    parts = lanes * (G * NSPLIT)
     if FIRST:
-        prev = tl.load(anchors_ptr + b).to(tl.int64)
+        prev = tl.load(anchors_ptr + lanes).to(tl.int64)
     else:
         at = parts + (col - 1) * NSPLIT
-        prev = _column_token(part_val_ptr + at, part_idx_ptr + at, ref_ptr, take_ptr, b,
-                             col - 1, ref_sb, take_sb, NSPLIT, HAS_CONTROL)  # fmt: skip
-        tl.store(out_ptr + b * out_sb + (col - 1), prev, mask=s == 0)
+        prev = _column_tokens(part_val_ptr, part_idx_ptr, at, ref_ptr, take_ptr, lanes, col - 1,
+                              ref_sb, take_sb, NSPLIT, HAS_CONTROL)  # fmt: skip
+        if s == 0:
+            tl.store(out_ptr + lanes * out_sb + (col - 1), prev, mask=live)
     if not FINAL:
+        bias_ty = w_ptr.dtype.element_ty
         offs_r = tl.arange(0, BR)
         rmask = offs_r < R
-        u = tl.load(u_ptr + prev * u_sv + offs_r, mask=rmask, other=0.0).to(tl.float32)
+        prevs = _split_lanes(prev, LANES)
+        us = ()
+        for j in tl.static_range(LANES):
+            u = tl.load(u_ptr + prevs[j] * u_sv + offs_r, mask=rmask, other=0.0).to(tl.float32)
+            us = us + (u,)
         lo = s * chunk
         hi = tl.minimum(lo + chunk, V)
-        val, idx = _column_argmax(base_ptr + b * base_sb + col * base_sg, u, w_ptr, w_sv,
-                                  offs_r, rmask, lo, hi, BLOCK_V)  # fmt: skip
+        base_rows = base_ptr + lanes * base_sb + col * base_sg
+        best_val = tl.full([LANES], float("-inf"), tl.float32)
+        best_idx = tl.full([LANES], 0, tl.int64) + lo
+        for v0 in range(lo, hi, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            vmask = offs < hi
+            w = tl.load(
+                w_ptr + offs.to(tl.int64)[:, None] * w_sv + offs_r[None, :],
+                mask=vmask[:, None] & rmask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            sums = ()
+            for j in tl.static_range(LANES):  # the W block once, for every lane
+                sums = sums + (tl.sum(w * us[j][None, :], axis=1),)
+            bias = _round(_join_lanes(sums, LANES, BLOCK_V), bias_ty).to(tl.float32)
+            logit = tl.load(base_rows[None, :] + offs[:, None], mask=vmask[:, None],
+                            other=float("-inf")) + bias  # fmt: skip
+            logit = tl.where(vmask[:, None], logit, float("-inf"))
+            blk_max = tl.max(logit, axis=0)
+            blk_idx = tl.min(tl.where(logit == blk_max[None, :], offs[:, None], hi), axis=0)
+            better = blk_max > best_val  # strictly: an earlier block keeps its tie
+            best_idx = tl.where(better, blk_idx.to(tl.int64), best_idx)
+            best_val = tl.where(better, blk_max, best_val)
         at = parts + col * NSPLIT + s
-        tl.store(part_val_ptr + at, val)
-        tl.store(part_idx_ptr + at, idx)
+        tl.store(part_val_ptr + at, best_val, mask=live)
+        tl.store(part_idx_ptr + at, best_idx, mask=live)
 
 
 def markov_bias_reference(u: torch.Tensor, w: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -218,17 +278,19 @@ def markov_pick(
     has_control = ref is not None
     r = u.shape[1]
     block_v = min(_BLOCK_V, next_pow2(v))
+    lanes = min(_LANES, next_pow2(bs))
     nsplit = min(_NSPLIT, next_pow2(triton.cdiv(v, block_v)))
     chunk = triton.cdiv(triton.cdiv(v, nsplit), block_v) * block_v
     part_val = torch.empty(bs, g, nsplit, dtype=torch.float32, device=base.device)
     part_idx = torch.empty(bs, g, nsplit, dtype=torch.int64, device=base.device)
     ctl = (ref, take) if has_control else (anchors, anchors)
     for col in range(g + 1):  # column col's argmax; column col - 1's token
-        _markov_pick_kernel[(bs, 1 if col == g else nsplit)](
-            base, anchors, u, w, *ctl, part_val, part_idx, out, v, col, chunk,
+        _markov_pick_kernel[(triton.cdiv(bs, lanes), 1 if col == g else nsplit)](
+            base, anchors, u, w, *ctl, part_val, part_idx, out, bs, v, col, chunk,
             base.stride(0), base.stride(1), u.stride(0), w.stride(0),
             ref.stride(0) if has_control else 0, take.stride(0) if has_control else 0,
-            out.stride(0), G=g, R=r, BR=next_pow2(r), NSPLIT=nsplit, BLOCK_V=block_v,
-            HAS_CONTROL=has_control, FIRST=col == 0, FINAL=col == g, num_warps=4,
+            out.stride(0), G=g, R=r, BR=next_pow2(r), NSPLIT=nsplit, LANES=lanes,
+            BLOCK_V=block_v, HAS_CONTROL=has_control, FIRST=col == 0, FINAL=col == g,
+            num_warps=_NUM_WARPS,
         )  # fmt: skip
     return out

@@ -1011,13 +1011,13 @@ def _launch_rule(
     ``silu`` is False: inputs the conv already passed through SiLU) and the L2 norm of q, k.
     ``split_v`` (1 or 2): the V block as one tile or as two halves run in turn (the second
     half's state loads overlap the first half's tokens); default :data:`_STEP_SPLIT_V` for the
-    step kind's default tile, else 1 (an explicit tile, extend, batch invariance). ``layers`` (``(table, n_layers)`` of a
-    :class:`ReplayCommitPlan`): ``n_layers`` layers' lanes in one launch, the tensors passed
-    being layer 0's. ``record_gates`` (``g, beta [bs, T, H]``, a verify with a
-    record): every token's gates are stored there. ``accepted [bs]`` (the replay commit):
-    each lane runs tokens ``0 .. accepted`` without storing outputs and writes its final
-    state (``write_final``). ``kind``: the tile configuration's step kind (default: from the
-    call: extend with ``cu``, else step)."""
+    step kind's default tile, else 1 (an explicit tile, extend, batch invariance).
+    ``layers`` (``(table, n_layers)`` of a :class:`ReplayCommitPlan`): ``n_layers`` layers'
+    lanes in one launch, the tensors passed being layer 0's. ``record_gates`` (``g, beta
+    [bs, T, H]``, a verify with a record): every token's gates are stored there. ``accepted
+    [bs]`` (the replay commit): each lane runs tokens ``0 .. accepted`` without storing
+    outputs and writes its final state (``write_final``). ``kind``: the tile configuration's
+    step kind (default: from the call: extend with ``cu``, else step)."""
     bs = slots.shape[0]
     _, h, dk, dv = ssm_state.shape
     if bs == 0 or h == 0 or dv == 0:
