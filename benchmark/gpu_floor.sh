@@ -18,6 +18,11 @@
 #   launch site and the top kernels (the data for choosing what to fuse next);
 # sweep: bench_gdn_commit.py with a delta-rule tile sweep of the replay form and of decode
 #   (TILES);
+# explore: the eighth session's candidates side by side — bench_gdn_rule.py (delta-rule
+#   tiles with the V block split in two halves, and the prologue with SiLU moved into the
+#   conv: TILES, PROLOGUE), bench_pdl.py (programmatic dependent launch between small
+#   kernels), bench_verify_attention.py (the split-KV Triton verify attention against FA4),
+#   bench_fused_ops.py;
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
 set -uo pipefail
@@ -40,7 +45,7 @@ for part in $parts; do
         sgl-kernel/tests/test_moe_combine.py sgl-kernel/tests/test_moe_route.py \
         sgl-kernel/tests/test_expert_gemm.py sgl-kernel/tests/test_router_topk.py \
         sgl-kernel/tests/test_gdn_kernels.py sgl-kernel/tests/test_batch_invariant.py \
-        sgl-kernel/tests/test_greedy_accept.py \
+        sgl-kernel/tests/test_greedy_accept.py sgl-kernel/tests/test_paged_attention.py \
         test/engine/test_gpu_engine.py \
         test/speculative/test_ragged_verify_gpu.py test/models/test_logits_matmul.py ;;
     kernels)
@@ -62,6 +67,12 @@ for part in $parts; do
       run python3 benchmark/bench_gdn_commit.py \
         --tiles "${TILES:-64x4,16x1,16x2,32x1,32x2,32x4,64x2,64x8,128x4,128x8}" \
         --json "$out/bench_gdn_commit_sweep_h200.json" ;;
+    explore)
+      run python3 benchmark/bench_gdn_rule.py --tiles "${TILES:-32x1,32x1x2,16x1,16x1x2,64x2x2}" \
+        --prologue "${PROLOGUE:-full,l2,none}" --json "$out/bench_gdn_rule_h200.json"
+      run python3 benchmark/bench_pdl.py --json "$out/bench_pdl_h200.json"
+      run python3 benchmark/bench_verify_attention.py --json "$out/bench_verify_attention_h200.json"
+      run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json" ;;
     bench)
       run python3 -m unimem bench --json "$out/bench_h200.json" ;;
     *) echo "unknown part $part"; false ;;
