@@ -15,11 +15,7 @@ CUDA graphs (median of ``--repeats``):
 - ``read states`` / ``copy states``: a read-only reduction and a copy of the same states (the
   bandwidth floor of the verify's and of the replay's state traffic).
 
-``--tiles BVxWARPS[xSPLIT],..`` repeats the rule rows per delta-rule tile (the step tile
-first; ``SPLIT`` 2 runs the V block as two halves in turn, ``_rule_kernel``'s ``SPLIT_V``).
-``--prologue`` lists the prologue forms: ``full`` (SiLU and L2 norm in the rule, bf16 conv
-output: the engine's form), ``l2`` (the L2 norm only, over an fp32 conv output that already
-went through SiLU: the form with SiLU moved into the conv) and ``none``.
+``--tiles BVxWARPS,..`` repeats the rule rows per delta-rule tile (the step tile first).
 This is a diagnostic of the kernel's form (what bounds it: state bytes or per-token
 arithmetic); the engine's numbers are ``profile_step.py``'s.
 """
@@ -43,8 +39,7 @@ def parse_args(argv=None):
     ap.add_argument("--bs", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=8, help="tokens per verify (gamma + 1)")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--tiles", default="32x1,32x1x2,16x1,64x2x2", help="BVxWARPS[xSPLIT] list")
-    ap.add_argument("--prologue", default="full,l2,none", help="prologue forms (docstring)")
+    ap.add_argument("--tiles", default="32x1,16x1,64x4", help="BVxWARPS list")
     ap.add_argument("--per-graph", type=int, default=10)
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=7)
@@ -72,13 +67,10 @@ def main(argv=None) -> int:
     ns = bs + 16
     all_states = 0.1 * randn(nl * ns, H, DK, DV)
     all_ys = randn(nl * n, conv_dim).bfloat16()
-    # the conv output after SiLU, in fp32 (the ``l2`` prologue form's input)
-    all_ys_silu = torch.nn.functional.silu(all_ys.float())
     all_gs = -torch.rand(nl * n, H, generator=gen, device=dev)
     all_betas = torch.rand(nl * n, H, generator=gen, device=dev)
     states = [all_states[i * ns : (i + 1) * ns] for i in range(nl)]
     ys = [all_ys[i * n : (i + 1) * n] for i in range(nl)]
-    ys_silu = [all_ys_silu[i * n : (i + 1) * n] for i in range(nl)]
     gs = [all_gs[i * n : (i + 1) * n] for i in range(nl)]
     betas = [all_betas[i * n : (i + 1) * n] for i in range(nl)]
     outs = [torch.empty(n, H, DV, dtype=torch.bfloat16, device=dev) for _ in range(nl)]
@@ -98,14 +90,13 @@ def main(argv=None) -> int:
         gdn._launch_rule(
             (q, k, v), strides, (g, beta), gb_strides, out, o_strides, state, lanes,
             seq_len=t, cu=None, init=None, scratch=None, write_final=acc is not None,
-            prep=prep != "none", silu=prep == "full", scale=None, block_v=tile[0],
-            num_warps=tile[1], split_v=tile[2], record_gates=gates, accepted=acc,
+            prep=prep, scale=None, block_v=tile[0], num_warps=tile[1],
+            record_gates=gates, accepted=acc,
         )  # fmt: skip
 
     def rule(i, prep, tile, acc=None):
         gates = None if acc is not None else (rec_g[i], rec_b[i])
-        y = ys_silu[i] if prep == "l2" else ys[i]
-        launch(y, gs[i], betas[i], outs[i], states[i], slots, prep, tile, acc, gates)
+        launch(ys[i], gs[i], betas[i], outs[i], states[i], slots, prep, tile, acc, gates)
 
     # the stacked form: lane i * bs + b is layer i's lane b (its slot offset by i * ns)
     stacked_slots = torch.cat([slots + i * ns for i in range(nl)])
@@ -114,8 +105,7 @@ def main(argv=None) -> int:
     stacked_accepted = {name: acc.repeat(nl) for name, acc in accepted.items()}
 
     def rule_stacked(prep, tile, name):
-        y = all_ys_silu if prep == "l2" else all_ys
-        launch(y, all_gs, all_betas, stacked_out, all_states, stacked_slots, prep, tile,
+        launch(all_ys, all_gs, all_betas, stacked_out, all_states, stacked_slots, prep, tile,
                stacked_accepted[name], None)  # fmt: skip
 
     rows = []
@@ -133,9 +123,8 @@ def main(argv=None) -> int:
 
     for spec in args.tiles.split(","):
         tile = tuple(int(x) for x in spec.split("x"))
-        tile = tile if len(tile) == 3 else (*tile, 1)
-        for prep in args.prologue.split(","):
-            tag = {"full": "", "l2": ", L2 only", "none": ", no prologue"}[prep]
+        for prep in (True, False):
+            tag = "" if prep else ", no prologue"
             add("verify" + tag, spec, lambda: [rule(i, prep, tile) for i in range(nl)], state_mb)  # noqa: B023
             for name, acc in accepted.items():
                 add(f"replay {name}" + tag, spec,

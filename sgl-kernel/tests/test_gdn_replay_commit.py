@@ -204,24 +204,6 @@ def test_replay_commit_equals_state_scratch_commit(device, dtypes, heads):
     check_commits(layer, slots, old, record, accepted_sets(4, t_len, lens, device), True)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_split_v_block_in_two_halves(device, monkeypatch):
-    """``_STEP_SPLIT_V = 2`` (the step tile's V block as two halves run in turn): the
-    verify's outputs equal the one-tile kernel's to rounding, and the replay commit of
-    every accepted count equals the per-position commit (the same kernel's states)."""
-    gen = torch.Generator().manual_seed(21)
-    t_len, lens = 4, [4, 3, 4]
-    layer = Layer(gen, 4, 2, **SMALL, num_slots=5, dtype=BF16, sdt=F32, device=device)
-    slots = torch.tensor([3, -1, 1], dtype=torch.int32, device=device)
-    x, g, beta = layer.inputs(gen, 3, t_len, lens)
-    (one_tile, _), _, _ = run_both(layer, slots, x, g, beta, t_len, True)
-    monkeypatch.setattr(gdn, "_STEP_SPLIT_V", 2)
-    (o_old, o_new), old, record = run_both(layer, slots, x, g, beta, t_len, True)
-    assert_rounding(o_new, o_old, "verify output, split")
-    assert_rounding(o_new, one_tile, "verify output, split vs one tile")
-    check_commits(layer, slots, old, record, accepted_sets(3, t_len, lens, device), True)
-
-
 @pytest.mark.parametrize("dtypes", [(F32, F32), (F64, F64)], ids=["f32", "f64"])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda hs: f"h{hs[0]}k{hs[1]}")
 def test_reference_replay_commit_equals_state_scratch_commit(dtypes, heads):
@@ -394,17 +376,13 @@ def test_replay_commit_plan_refuses_mismatched_lists():
 @pytest.mark.gpu
 @pytest.mark.parametrize("hk", [16, 8])
 @pytest.mark.parametrize("batch_invariant", [False, True])
-@pytest.mark.parametrize("split_v", [1, 2])
-def test_small_preset_one_kernel_for_decode_verify_replay(
-    hk, batch_invariant, split_v, monkeypatch
-):
+def test_small_preset_one_kernel_for_decode_verify_replay(hk, batch_invariant):
     """The ``small`` preset's GDN layer (16 heads of 128 x 128), 48 lanes x 8 tokens with
     padded and ragged lanes. Decode, verify and the replay commit run one compiled
     ``_rule_kernel``, so: the verify's outputs equal a token-by-token decode's bitwise, and
     the replay's committed states (every accepted count) equal the decode's states after
     that token bitwise; against the per-position verify (another compiled kernel) the
     states agree to a few ulps and the conv windows bitwise."""
-    monkeypatch.setattr(gdn, "_STEP_SPLIT_V", split_v)  # the step tile's V split
     gen = torch.Generator().manual_seed(hk)
     bs, t_len = 48, 8
     layer = Layer(gen, 16, hk, 128, 128, num_slots=64, dtype=BF16, sdt=F32, device="cuda")

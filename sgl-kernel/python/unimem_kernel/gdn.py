@@ -69,11 +69,10 @@ Kernels (the rule's step kinds are runtime flags, the conv's constexpr switches)
   record's gates (stored by V block 0), the replay (lane ``b``'s tokens ``0 ..
   accepted[b]``, no output) and several layers in one launch (``RULE_LAYERS``: a
   ``ReplayCommitPlan``'s table of per-layer offsets); constexprs are only the shapes, the
-  tile and its V split (``SPLIT_V``: two halves run in turn, so that the second half's
-  state loads overlap the first half's tokens), the dtype, the per-position state stores of
-  the old verify (``STORE_STATES``) and the mixer prologue (``SILU``, ``L2NORM``). The
-  arguments that vary between step kinds without changing arithmetic (gate, slot, flag and
-  table pointers; batch strides) are not specialised on, so that one tile is one binary.
+  tile, the dtype, the per-position state stores of the old verify (``STORE_STATES``) and
+  the mixer prologue (``PREP``). The arguments that vary between step kinds without
+  changing arithmetic (gate, slot, flag and table pointers; batch strides) are not
+  specialised on, so that one tile is one binary.
 
 Expected cost of the recurrent form in extend (an estimate; ``benchmark/bench_gdn.py`` measures
 it against fla's chunked kernel plus the gather/scatter copies that kernel needs): each program
@@ -397,91 +396,6 @@ def _delta_step(state, k, v, g, beta):
     return state + k[:, None] * u[None, :]
 
 
-@triton.jit
-def _token_loop(
-    state,
-    offs_k,
-    offs_v,
-    live,
-    length,
-    q_row,
-    k_row,
-    v_row,
-    g_row,
-    b_row,
-    o_row,
-    q_st,
-    k_st,
-    v_st,
-    g_st,
-    b_st,
-    o_st,
-    q_sd,
-    k_sd,
-    v_sd,
-    o_sd,
-    rg_ptr,
-    rb_ptr,
-    r_off,
-    r_st,
-    r_ok,
-    store_out,
-    c_base,
-    c_st,
-    c_sk,
-    c_sv,
-    scratch_ptr,
-    scale,
-    eps,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    ACC: tl.constexpr,
-    STORE_STATES: tl.constexpr,
-    SILU: tl.constexpr,
-    L2NORM: tl.constexpr,
-):
-    """Tokens ``0 .. length - 1`` of one lane and head through the ``[BK, len(offs_v)]``
-    state tile ``state``: the mixer's prologue (``SILU``, ``L2NORM``), the record's gates
-    (where ``r_ok``), the delta step, the output (``store_out``) and the per-position state
-    (``STORE_STATES``). Returns the state after the last token. Token ``t + 1``'s inputs are
-    loaded while token ``t`` is computed."""
-    vmask = offs_v < DV
-    m_live = (offs_k < tl.where(live, DK, 0))[:, None] & vmask[None, :]
-    c_offs = offs_k[:, None] * c_sk + offs_v[None, :] * c_sv
-    nq, nk, nv, ng, nb = _load_token(
-        q_row, k_row, v_row, g_row, b_row, offs_k, offs_v, q_sd, k_sd, v_sd,
-        live & (length > 0), DK, DV, ACC,
-    )  # fmt: skip
-    for t in range(0, length):
-        q, k, v, g, beta = nq, nk, nv, ng, nb
-        nxt = t + 1
-        nq, nk, nv, ng, nb = _load_token(
-            q_row + nxt * q_st, k_row + nxt * k_st, v_row + nxt * v_st, g_row + nxt * g_st,
-            b_row + nxt * b_st, offs_k, offs_v, q_sd, k_sd, v_sd,
-            live & (nxt < length), DK, DV, ACC,
-        )  # fmt: skip
-        if SILU:
-            q = q / (1.0 + tl.exp(-q))
-            k = k / (1.0 + tl.exp(-k))
-            v = v / (1.0 + tl.exp(-v))
-        if L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
-        tl.store(rg_ptr + r_off + t * r_st, g.to(rg_ptr.dtype.element_ty), mask=r_ok)
-        tl.store(rb_ptr + r_off + t * r_st, beta.to(rb_ptr.dtype.element_ty), mask=r_ok)
-        state = _delta_step(state, k, v, g, beta)
-        if store_out:
-            o = tl.sum(state * (q * scale)[:, None], axis=0)
-            tl.store(o_row + t * o_st + offs_v * o_sd, o.to(o_row.dtype.element_ty), mask=vmask)
-        if STORE_STATES:
-            tl.store(
-                c_base + t * c_st + c_offs,
-                state.to(scratch_ptr.dtype.element_ty),
-                mask=m_live,
-            )
-    return state
-
-
 # Runtime step flags of ``_rule_kernel`` (bits of ``flags``). They are runtime values, not
 # constexprs, so that extend, decode, verify and the replay commit of one tile configuration
 # run one compiled kernel: a token's state is then bitwise the same whichever step computes
@@ -569,10 +483,8 @@ def _rule_kernel(
     BV: tl.constexpr,
     ACC: tl.constexpr,
     STORE_STATES: tl.constexpr,
-    SILU: tl.constexpr,  # SiLU on q, k, v (the mixer's prologue; off when the conv applied it)
-    L2NORM: tl.constexpr,  # L2 norm of q, k (the mixer's prologue)
+    PREP: tl.constexpr,  # SiLU on q, k, v and L2 norm of q, k (the mixer's prologue)
     GROUP: tl.constexpr,  # H // Hk: value head h reads q, k of key head h // GROUP
-    SPLIT_V: tl.constexpr,  # 1 or 2: the V block as one tile, or two halves run in turn
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)  # value head
@@ -616,10 +528,13 @@ def _rule_kernel(
     slot = tl.where(live, slot, 0)
 
     offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    vmask = offs_v < DV
     # scalar predicates as integer bounds (see _conv_kernel)
-    k_has = offs_k < tl.where(has, DK, 0)
-    k_live = offs_k < tl.where(live, DK, 0)
-    s_base = state_ptr + slot * s_sn + h * s_sh + offs_k[:, None] * s_sk
+    m_has = (offs_k < tl.where(has, DK, 0))[:, None] & vmask[None, :]
+    m_live = (offs_k < tl.where(live, DK, 0))[:, None] & vmask[None, :]
+    s_ptrs = state_ptr + slot * s_sn + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+    state = tl.load(s_ptrs, mask=m_has, other=0.0).to(ACC)
 
     h64 = h.to(tl.int64)
     hk64 = (h // GROUP).to(tl.int64)  # its key head
@@ -630,53 +545,45 @@ def _rule_kernel(
     b_row = beta_ptr + b_off * b_sb + start * b_st + h64 * b_sh
     o_row = o_ptr + b_off * o_sb + start * o_st + h64 * o_sh
     c_base = scratch_ptr + b.to(tl.int64) * c_sb + h64 * c_sh
+    c_offs = offs_k[:, None] * c_sk + offs_v[None, :] * c_sv
     # the record's gates (RULE_SAVE_GATES): by the first V block of each head
     r_off = b.to(tl.int64) * r_sb + h64
     r_ok = live & save_gates & (tl.program_id(2) == 0)
 
-    if SPLIT_V == 1:
-        offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
-        vmask = offs_v < DV
-        s_ptrs = s_base + offs_v[None, :] * s_sv
-        state = tl.load(s_ptrs, mask=k_has[:, None] & vmask[None, :], other=0.0).to(ACC)
-        state = _token_loop(
-            state, offs_k, offs_v, live, length, q_row, k_row, v_row, g_row, b_row, o_row,
-            q_st, k_st, v_st, g_st, b_st, o_st, q_sd, k_sd, v_sd, o_sd, rg_ptr, rb_ptr, r_off,
-            r_st, r_ok, store_out, c_base, c_st, c_sk, c_sv, scratch_ptr, scale, eps, DK, DV,
-            ACC, STORE_STATES, SILU, L2NORM,
+    # software prefetch: token t + 1 is loaded while token t is computed
+    nq, nk, nv, ng, nb = _load_token(
+        q_row, k_row, v_row, g_row, b_row, offs_k, offs_v, q_sd, k_sd, v_sd,
+        live & (length > 0), DK, DV, ACC,
+    )  # fmt: skip
+    for t in range(0, length):
+        q, k, v, g, beta = nq, nk, nv, ng, nb
+        nxt = t + 1
+        nq, nk, nv, ng, nb = _load_token(
+            q_row + nxt * q_st, k_row + nxt * k_st, v_row + nxt * v_st, g_row + nxt * g_st,
+            b_row + nxt * b_st, offs_k, offs_v, q_sd, k_sd, v_sd,
+            live & (nxt < length), DK, DV, ACC,
         )  # fmt: skip
-        if write_final:
-            tl.debug_barrier()  # every thread's read of the slot before any write
-            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty),
-                     mask=k_live[:, None] & vmask[None, :])  # fmt: skip
-    else:
-        # Two halves of the V block, both loaded up front and run in turn: the second half's
-        # state streams in while the first half's tokens are computed.
-        HALF_V: tl.constexpr = BV // 2
-        offs_a = tl.program_id(2) * BV + tl.arange(0, HALF_V)
-        offs_b = offs_a + HALF_V
-        ma = offs_a < DV
-        mb = offs_b < DV
-        pa = s_base + offs_a[None, :] * s_sv
-        pb = s_base + offs_b[None, :] * s_sv
-        sa = tl.load(pa, mask=k_has[:, None] & ma[None, :], other=0.0).to(ACC)
-        sb = tl.load(pb, mask=k_has[:, None] & mb[None, :], other=0.0).to(ACC)
-        sa = _token_loop(
-            sa, offs_k, offs_a, live, length, q_row, k_row, v_row, g_row, b_row, o_row,
-            q_st, k_st, v_st, g_st, b_st, o_st, q_sd, k_sd, v_sd, o_sd, rg_ptr, rb_ptr, r_off,
-            r_st, r_ok, store_out, c_base, c_st, c_sk, c_sv, scratch_ptr, scale, eps, DK, DV,
-            ACC, STORE_STATES, SILU, L2NORM,
-        )  # fmt: skip
-        sb = _token_loop(
-            sb, offs_k, offs_b, live, length, q_row, k_row, v_row, g_row, b_row, o_row,
-            q_st, k_st, v_st, g_st, b_st, o_st, q_sd, k_sd, v_sd, o_sd, rg_ptr, rb_ptr, r_off,
-            r_st, r_ok & False, store_out, c_base, c_st, c_sk, c_sv, scratch_ptr, scale, eps,
-            DK, DV, ACC, STORE_STATES, SILU, L2NORM,
-        )  # fmt: skip
-        if write_final:
-            tl.debug_barrier()  # every thread's read of the slot before any write
-            tl.store(pa, sa.to(state_ptr.dtype.element_ty), mask=k_live[:, None] & ma[None, :])
-            tl.store(pb, sb.to(state_ptr.dtype.element_ty), mask=k_live[:, None] & mb[None, :])
+        if PREP:
+            q = q / (1.0 + tl.exp(-q))
+            k = k / (1.0 + tl.exp(-k))
+            v = v / (1.0 + tl.exp(-v))
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+        tl.store(rg_ptr + r_off + t * r_st, g.to(rg_ptr.dtype.element_ty), mask=r_ok)
+        tl.store(rb_ptr + r_off + t * r_st, beta.to(rb_ptr.dtype.element_ty), mask=r_ok)
+        state = _delta_step(state, k, v, g, beta)
+        if store_out:
+            o = tl.sum(state * (q * scale)[:, None], axis=0)
+            tl.store(o_row + t * o_st + offs_v * o_sd, o.to(o_ptr.dtype.element_ty), mask=vmask)
+        if STORE_STATES:
+            tl.store(
+                c_base + t * c_st + c_offs,
+                state.to(scratch_ptr.dtype.element_ty),
+                mask=m_live,
+            )
+    if write_final:
+        tl.debug_barrier()  # every thread's read of the slot before any write
+        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=m_live)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -768,7 +675,6 @@ def _conv_blocks(
 
 
 _STEP_TILE = (32, 1)  # (BV, warps) of decode, verify and the replay commit
-_STEP_SPLIT_V = 1  # the step tile's V split (``_rule_kernel``'s SPLIT_V)
 _EXTEND_BV = 8
 _BATCH_INVARIANT_TILE = (64, 4)
 
@@ -1004,32 +910,21 @@ def _launch_rule(
     accepted: torch.Tensor | None = None,
     kind: str | None = None,
     layers: tuple[torch.Tensor, int] | None = None,
-    silu: bool = True,
-    split_v: int | None = None,
 ) -> None:
-    """One ``_rule_kernel`` launch. ``prep``: the mixer's prologue — SiLU on q, k, v (unless
-    ``silu`` is False: inputs the conv already passed through SiLU) and the L2 norm of q, k.
-    ``split_v`` (1 or 2): the V block as one tile or as two halves run in turn (the second
-    half's state loads overlap the first half's tokens); default :data:`_STEP_SPLIT_V` for the
-    step kind's default tile, else 1 (an explicit tile, extend, batch invariance).
-    ``layers`` (``(table, n_layers)`` of a :class:`ReplayCommitPlan`): ``n_layers`` layers'
-    lanes in one launch, the tensors passed being layer 0's. ``record_gates`` (``g, beta
-    [bs, T, H]``, a verify with a record): every token's gates are stored there. ``accepted
-    [bs]`` (the replay commit): each lane runs tokens ``0 .. accepted`` without storing
-    outputs and writes its final state (``write_final``). ``kind``: the tile configuration's
-    step kind (default: from the call: extend with ``cu``, else step)."""
+    """One ``_rule_kernel`` launch. ``layers`` (``(table, n_layers)`` of a
+    :class:`ReplayCommitPlan`): ``n_layers`` layers' lanes in one launch, the tensors passed
+    being layer 0's. ``record_gates`` (``g, beta [bs, T, H]``, a verify with a
+    record): every token's gates are stored there. ``accepted [bs]`` (the replay commit):
+    each lane runs tokens ``0 .. accepted`` without storing outputs and writes its final
+    state (``write_final``). ``kind``: the tile configuration's step kind (default: from the
+    call: extend with ``cu``, else step)."""
     bs = slots.shape[0]
     _, h, dk, dv = ssm_state.shape
     if bs == 0 or h == 0 or dv == 0:
         return
     if kind is None:
         kind = "extend" if cu is not None else "step"
-    if split_v is None:
-        default_tile = kind == "step" and block_v is None and num_warps is None
-        split_v = _STEP_SPLIT_V if default_tile else 1
     bk, bv, warps = _rule_config(h, dk, dv, block_v, num_warps, kind)
-    if split_v not in (1, 2) or bv < 2 * split_v:
-        raise ValueError(f"split_v must be 1 or 2 (and at most BV / 2), got {split_v}")
     q, k, v = qkv
     g, beta = gb
     group = gdn_reference.check_heads(h, k.shape[-2])
@@ -1063,10 +958,8 @@ def _launch_rule(
         BV=bv,
         ACC=_acc(ssm_state.dtype),
         STORE_STATES=scratch is not None,
-        SILU=prep and silu,
-        L2NORM=prep,
+        PREP=prep,
         GROUP=group,
-        SPLIT_V=split_v,
         num_warps=warps,
     )  # fmt: skip
 
