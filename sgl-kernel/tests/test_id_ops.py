@@ -399,6 +399,35 @@ def test_translate(device, page_size, shape):
 
 
 # ---------------------------------------------------------------------------------------------
+# translate_slots
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("shape", [(0,), (1,), (48,), (1500,)])
+def test_translate_slots(device, dtype, shape):
+    gen = torch.Generator().manual_seed(6000 + len(shape) + shape[0])
+    num_virt, num_phys = 24, 20
+    band = torch.arange(1, num_phys)
+    bound = band[torch.randperm(band.numel(), generator=gen)[:10]]
+    space = make_space(gen, num_virt, num_phys, bound, device)
+    v = torch.randint(-3, num_virt + 3, shape, generator=gen, dtype=dtype)
+    specials = [-1, num_virt, num_virt - 1, 0]
+    v.view(-1)[: len(specials)] = torch.tensor(specials[: v.numel()], dtype=dtype)
+    v = v.to(device)
+    outs = []
+    for fn in (id_ops.translate_slots_reference, id_ops.translate_slots_triton):
+        out = torch.full(shape, JUNK, dtype=dtype, device=device)
+        fn(v, space.v2p, out)
+        outs.append(out)
+    assert_same(outs[0], outs[1])
+    table = space.v2p.cpu().tolist()
+    want = [table[x] if 0 <= x < num_virt else -1 for x in v.view(-1).tolist()]
+    assert outs[0].view(-1).tolist() == want  # negatives, past the end, unbound: -1
+
+
+# ---------------------------------------------------------------------------------------------
 # compact_band
 # ---------------------------------------------------------------------------------------------
 

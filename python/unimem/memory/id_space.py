@@ -131,7 +131,8 @@ def warm_up_id_kernels(
     device: torch.device, page_sizes: tuple[int, ...], req_dtype: torch.dtype
 ) -> None:
     """Compile every variant of the id ops (:meth:`IdSpace.bind` / :meth:`IdSpace.unbind`
-    with and without the request table, :meth:`IdSpace.compact`) for ``page_sizes`` before
+    with and without the request table, :meth:`IdSpace.compact`, the int32 state-slot
+    lookup ``translate_slots``) for ``page_sizes`` before
     the first step, on a throwaway space and request table of ``req_dtype``. Without it the
     first SWA retirement or compaction compiles mid-run (~65 ms of host time on the H200,
     found in the steady state of ``benchmark/profile_step.py``). The kernels do not
@@ -151,3 +152,4 @@ def warm_up_id_kernels(
         space.bind(vid, page_size=page_size, **table)
         space.unbind(1, page_size=page_size, **table)
     space.compact(2, 4)
+    uk.translate_slots(vid, space.v2p, torch.empty_like(vid))  # the state slots' lookup

@@ -766,8 +766,9 @@ class MemoryPool(ABC):
         negative ``vslots``: padded lanes of a fixed-size batch)."""
         if self.state_v2p is None:
             return vslots
-        phys = self.state_v2p[vslots.long().clamp(min=0)]
-        return torch.where(vslots >= 0, phys, -1)
+        out = torch.empty_like(vslots)
+        uk.translate_slots(vslots.contiguous(), self.state_v2p, out)  # one launch on CUDA
+        return out
 
     # --- accounting ------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Id-space ops: bind, unbind, translate and compact units of one id space.
+"""Id-space ops: bind, unbind, translate (tokens, slots) and compact units of one id space.
 
 An *id space* is a pair of int32 device tables that are allocated once and only mutated in
 place (their addresses are stable for CUDA graphs):
@@ -435,6 +435,46 @@ def translate_tokens_reference(
 
 
 # ---------------------------------------------------------------------------------------------
+# translate_slots: virtual unit ids -> physical units (-1 for anything unbound)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["numel", "num_ids"])
+def _translate_slots_kernel(v_ptr, v2p_ptr, out_ptr, numel, num_ids, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < numel
+    v = tl.load(v_ptr + i, mask=ok, other=-1).to(tl.int64)
+    inb = ok & (v >= 0) & (v < num_ids)
+    phys = tl.load(v2p_ptr + v, mask=inb, other=-1)
+    tl.store(out_ptr + i, tl.where(inb, phys, -1).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def translate_slots_triton(v: torch.Tensor, v2p: torch.Tensor, out: torch.Tensor) -> None:
+    """Triton launcher of ``translate_slots`` (one launch; none for an empty ``v``)."""
+    if v.shape != out.shape:
+        raise ValueError(f"v {tuple(v.shape)} and out {tuple(out.shape)} differ in shape")
+    if not (v.is_contiguous() and out.is_contiguous()):
+        raise ValueError("v and out must be contiguous")
+    _check_table("v2p", v2p)
+    numel = v.numel()
+    if numel == 0:
+        return
+    _translate_slots_kernel[(triton.cdiv(numel, _BLOCK_TOKENS),)](
+        v, v2p, out, numel, v2p.numel(), BLOCK=_BLOCK_TOKENS
+    )
+
+
+def translate_slots_reference(v: torch.Tensor, v2p: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = v2p[v[i]]``: the physical unit of virtual id ``v[i]`` (a state slot), ``-1``
+    where ``v[i]`` is negative (a padded lane), past the end of ``v2p`` or unbound. ``v`` and
+    ``out`` are integer tensors of one shape (contiguous); ``v2p`` an int32 table."""
+    t = v.reshape(-1).long()
+    inb = (t >= 0) & (t < v2p.numel())
+    phys = torch.where(inb, v2p[t.clamp(0, v2p.numel() - 1)].long(), -1)
+    out.reshape(-1).copy_(phys.to(out.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
 # compact_band: pair a region's live units with holes outside it and rebind them
 # ---------------------------------------------------------------------------------------------
 
@@ -681,6 +721,12 @@ def translate_tokens(
     """See ``translate_tokens_reference`` for the contract."""
     impl = translate_tokens_triton if use_triton(vtok) else translate_tokens_reference
     impl(vtok, v2p, page_size, out)
+
+
+def translate_slots(v: torch.Tensor, v2p: torch.Tensor, out: torch.Tensor) -> None:
+    """See ``translate_slots_reference`` for the contract."""
+    impl = translate_slots_triton if use_triton(v) else translate_slots_reference
+    impl(v, v2p, out)
 
 
 def compact_band(
