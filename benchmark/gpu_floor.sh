@@ -18,11 +18,9 @@
 #   launch site and the top kernels (the data for choosing what to fuse next);
 # sweep: bench_gdn_commit.py with a delta-rule tile sweep of the replay form and of decode
 #   (TILES);
-# explore: the eighth session's candidates side by side — bench_gdn_rule.py (delta-rule
-#   tiles with the V block split in two halves, and the prologue with SiLU moved into the
-#   conv: TILES, PROLOGUE), bench_pdl.py (programmatic dependent launch between small
-#   kernels), bench_verify_attention.py (the split-KV Triton verify attention against FA4),
-#   bench_fused_ops.py;
+# explore: bench_pdl.py (programmatic dependent launch between small kernels),
+#   bench_verify_attention.py (the split-KV Triton verify attention against FA4; SPLITS and
+#   PROGRAMS sweep its split size and programs per KV head), bench_fused_ops.py;
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
 set -uo pipefail
@@ -68,10 +66,9 @@ for part in $parts; do
         --tiles "${TILES:-64x4,16x1,16x2,32x1,32x2,32x4,64x2,64x8,128x4,128x8}" \
         --json "$out/bench_gdn_commit_sweep_h200.json" ;;
     explore)
-      run python3 benchmark/bench_gdn_rule.py --tiles "${TILES:-32x1,32x1x2,16x1,16x1x2,64x2x2}" \
-        --prologue "${PROLOGUE:-full,l2,none}" --json "$out/bench_gdn_rule_h200.json"
       run python3 benchmark/bench_pdl.py --json "$out/bench_pdl_h200.json"
-      run python3 benchmark/bench_verify_attention.py --json "$out/bench_verify_attention_h200.json"
+      run python3 benchmark/bench_verify_attention.py --splits ${SPLITS:-64} \
+        --programs ${PROGRAMS:-4} --json "$out/bench_verify_attention_h200.json"
       run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json" ;;
     bench)
       run python3 -m unimem bench --json "$out/bench_h200.json" ;;

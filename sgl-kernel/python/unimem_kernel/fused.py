@@ -16,10 +16,12 @@ transcendental functions (``exp``, ``rsqrt``; ``log1p`` and ``tanh`` are built f
 the kernels agree with the references to an ulp or so, not bitwise, except where a test in
 ``sgl-kernel/tests/test_fused_ops.py`` states bitwise equality.
 
-Row ops (:func:`add_rms_norm`, :func:`gated_rms_norm`) run one program per row with a fixed
-chunk over the row (:func:`_row_block`, a function of the row length only, the same chunking
-as :func:`unimem_kernel.bi_rms_norm`): a row's result never depends on how many rows share the
-call, so they are safe in batch-invariant (deterministic) mode. The others are elementwise.
+Row ops (:func:`add_rms_norm`, :func:`gated_rms_norm`) reduce each row with a fixed chunk
+over it (:func:`_row_block`, a function of the row length only, the same chunking as
+:func:`unimem_kernel.bi_rms_norm`): one program per row, or per token for the gated norm,
+whose heads' rows form one tile and are each reduced along their own tile row. A row's
+result never depends on how many rows share the call, so they are safe in batch-invariant
+(deterministic) mode. The others are elementwise.
 Outputs are freshly allocated; launch grids depend on shapes only (CUDA-graph capturable).
 The kernels have no backward: where autograd would record the op (an input requires grad,
 :func:`records_autograd`), the public op runs its reference.
