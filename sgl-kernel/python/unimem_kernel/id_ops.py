@@ -439,7 +439,9 @@ def translate_tokens_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["numel", "num_ids"])
+@triton.jit(
+    do_not_specialize=["numel", "num_ids"], do_not_specialize_on_alignment=["v_ptr", "out_ptr"]
+)
 def _translate_slots_kernel(v_ptr, v2p_ptr, out_ptr, numel, num_ids, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < numel
