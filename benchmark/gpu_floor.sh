@@ -21,9 +21,7 @@
 # explore: bench_pdl.py (programmatic dependent launch between small kernels),
 #   bench_verify_attention.py (the split-KV Triton verify attention against FA4; SPLITS and
 #   PROGRAMS sweep its split size and programs per KV head), bench_fused_ops.py;
-# groups: profile_step.py with the verify step as 1, 2, 3 lane groups on concurrent streams
-#   (LANE_GROUPS, MEMORY);
-# bench: `python -m unimem bench` (docs/results/bench_h200.json; BENCH_ARGS are added).
+# bench: `python -m unimem bench` (docs/results/bench_h200.json).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -72,13 +70,8 @@ for part in $parts; do
       run python3 benchmark/bench_verify_attention.py --splits ${SPLITS:-64} \
         --programs ${PROGRAMS:-4} --json "$out/bench_verify_attention_h200.json"
       run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json" ;;
-    groups)
-      run python3 benchmark/profile_step.py --memory "${MEMORY:-static}" \
-        --lane-groups "${LANE_GROUPS:-1,2,3}" --top-kernels 20 \
-        --json "$out/profile_lane_groups_h200.json" ;;
     bench)
-      # shellcheck disable=SC2086
-      run python3 -m unimem bench ${BENCH_ARGS:-} --json "$out/bench_h200.json" ;;
+      run python3 -m unimem bench --json "$out/bench_h200.json" ;;
     *) echo "unknown part $part"; false ;;
   esac || status=1
 done

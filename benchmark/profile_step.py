@@ -69,9 +69,8 @@ def category(name: str) -> str:
     return "other (norms, RoPE, sampling, accept, elementwise)"
 
 
-def measure(kind: str, lane_groups: int, args, model, drafter, prompts) -> dict:
-    """Steady-state numbers of one memory kind ("static" or "unified") with verify steps in
-    ``lane_groups`` lane groups."""
+def measure(kind: str, args, model, drafter, prompts) -> dict:
+    """Steady-state numbers of one memory kind ("static" or "unified")."""
     dev = model.device
     cfg = model.config
     refs = {i: p + p for i, p in enumerate(prompts)}
@@ -84,9 +83,7 @@ def measure(kind: str, lane_groups: int, args, model, drafter, prompts) -> dict:
         pool = StaticMemory(spec, pages, pages, n, n, cfg.max_context, dev)
     else:
         pool = UnifiedMemory(spec, 24 << 30, n, cfg.max_context, dev)
-    eng = EngineCore(
-        model, pool, FA4Backend(), n, 8192, chain=chain, cuda_graphs=True, lane_groups=lane_groups
-    )
+    eng = EngineCore(model, pool, FA4Backend(), n, 8192, chain=chain, cuda_graphs=True)
     for p in prompts:
         eng.submit(p, out_len)
     while any(r.kv_len < args.input_len for r in eng.scheduler.running) or eng.scheduler.waiting:
@@ -153,8 +150,6 @@ def measure(kind: str, lane_groups: int, args, model, drafter, prompts) -> dict:
     del eng, pool
     return {
         "memory": kind,
-        "lane_groups": lane_groups,
-        "lane_group_bounds": runner.lane_group_bounds(width),
         "requests": bs,
         "bucket": width,
         "step_wall_ms": wall * 1e3,
@@ -275,13 +270,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--memory", default="static,unified", help="comma-separated kinds")
-    ap.add_argument(
-        "--lane-groups",
-        default="1",
-        help="comma-separated lane-group counts of the verify step (each measured with every "
-        "memory kind; with more than one group the kernel sum exceeds the step: the groups "
-        "overlap)",
-    )
     ap.add_argument("--top-kernels", type=int, default=15)
     ap.add_argument(
         "--host-top",
@@ -312,13 +300,11 @@ def main() -> None:
         f"page {args.page_size}, prompts {args.input_len}; steady state"
     )
     results = []
-    runs = [(int(g), k) for g in args.lane_groups.split(",") for k in args.memory.split(",")]
-    for groups, kind in runs:
-        r = measure(kind, groups, args, model, drafter, prompts)
+    for kind in args.memory.split(","):
+        r = measure(kind, args, model, drafter, prompts)
         results.append(r)
         print(
-            f"[{kind}, lane groups {r['lane_group_bounds']}] engine loop: "
-            f"{r['step_wall_ms']:.2f} ms/step wall, host "
+            f"[{kind}] engine loop: {r['step_wall_ms']:.2f} ms/step wall, host "
             f"{r['host_ms_per_step']:.2f} ms/step outside the wait, "
             f"{r['tokens_per_step']:.1f} tokens/step, {r['output_tok_s']:.0f} tok/s; "
             f"verify step on the GPU (replays): {r['gpu_ms_per_verify_step']:.2f} ms"
@@ -343,12 +329,11 @@ def main() -> None:
             print("  torch ops of one eager verify step by launch site (ms, calls):")
             for o in r["torch_ops_by_launch_site"]:
                 print(f"    {o['ms']:7.3f} {o['calls']:5d}  {o['op']:<28} {o['site']}")
-    a = results[0]
-    for b in results[1:]:
+    if len(results) == 2:
+        a, b = results
         print(
-            f"[{b['memory']}, {b['lane_groups']} groups] / [{a['memory']}, {a['lane_groups']} "
-            f"groups]: wall {a['step_wall_ms'] / b['step_wall_ms']:.3f}x throughput, GPU step "
-            f"{a['gpu_ms_per_verify_step'] / b['gpu_ms_per_verify_step']:.3f}x"
+            f"{b['memory']}/{a['memory']}: wall {a['step_wall_ms'] / b['step_wall_ms']:.3f}x "
+            f"throughput, GPU step {a['gpu_ms_per_verify_step'] / b['gpu_ms_per_verify_step']:.3f}x"
         )
     if args.json:
         with open(args.json, "w") as f:

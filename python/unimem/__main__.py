@@ -182,15 +182,6 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         "(default: batch size x (gamma + 1), no cut)",
     )
     v.add_argument(
-        "--lane-groups",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with --spec dspark: run each fixed verify step of 8 N or more requests as N lane "
-        "groups on concurrent CUDA streams (one group's GEMMs overlap another's latency-bound "
-        f"kernels; default {d.lane_groups})",
-    )
-    v.add_argument(
         "--temperature",
         type=float,
         default=d.temperature,
@@ -322,7 +313,6 @@ _NEEDS = (
     ("--cpu-threads", "cpu_threads", "--device cpu", lambda a: a.device == "cpu"),
     ("--top-p", "top_p", "--temperature > 0", lambda a: a.temperature > 0),
     ("--verify-lengths", "verify_lengths", "--spec dspark", lambda a: a.spec != "none"),
-    ("--lane-groups", "lane_groups", "--spec dspark", lambda a: a.spec != "none"),
     (
         "--speculative-verify-budget",
         "speculative_verify_budget",
@@ -359,7 +349,6 @@ def _check_flags(args: argparse.Namespace) -> None:
         "dtype",
         "top_p",
         "verify_lengths",
-        "lane_groups",
     ):
         if getattr(args, attr) is None:
             setattr(args, attr, getattr(d, attr))
@@ -413,7 +402,6 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         verify_lengths=args.verify_lengths,
         verify_budget=args.speculative_verify_budget,
         deterministic=args.deterministic,
-        lane_groups=args.lane_groups,
     )
 
 

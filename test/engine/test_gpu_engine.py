@@ -63,12 +63,9 @@ def _prompts(cfg: HybridConfig, n: int, length: int) -> list[list[int]]:
 
 
 def _run(
-    model, pool, prompts, output_len, chain, max_running, sync_debug: bool, lane_groups: int = 1
+    model, pool, prompts, output_len, chain, max_running, sync_debug: bool
 ) -> tuple[dict[int, list[int]], EngineCore]:
-    eng = EngineCore(
-        model, pool, _fa4(), max_running, 256, chain=chain, cuda_graphs=True,
-        lane_groups=lane_groups,
-    )  # fmt: skip
+    eng = EngineCore(model, pool, _fa4(), max_running, 256, chain=chain, cuda_graphs=True)
     for p in prompts:
         eng.submit(p, output_len)
     torch.cuda.synchronize()
@@ -81,22 +78,18 @@ def _run(
     return {r.rid: r.output for r in done}, eng
 
 
-@pytest.mark.parametrize(
-    "speculative, lane_groups, max_running", [(False, 1, 6), (True, 1, 6), (True, 2, 16)]
-)
-def test_step_loop_is_sync_free_and_static_equals_unified(speculative, lane_groups, max_running):
+@pytest.mark.parametrize("speculative", [False, True])
+def test_step_loop_is_sync_free_and_static_equals_unified(speculative):
     """More than 200 engine steps — admissions, chunked prefill, CUDA-graph decode or verify
     steps at several batch buckets, SWA retirement, releases, and in the unified run
     allocator-driven compaction — under torch.cuda.set_sync_debug_mode("error"): any
     synchronising CUDA call raises. Static and unified memory give identical tokens. The
-    pools' kernels compile at the pools' construction, never mid-run. With two lane groups
-    (16 requests: buckets of 16 and more split in two) the verify graphs fork and join a
-    second stream."""
+    pools' kernels compile at the pools' construction, never mid-run."""
     cfg = preset("gpu_test")
     dev = torch.device("cuda")
     model = HybridModel(cfg, seed=1, device=dev)
-    prompts = _prompts(cfg, 2 * max_running, 150)
-    gamma = 3
+    prompts = _prompts(cfg, 12, 150)
+    gamma, max_running = 3, 6
     output_len = 240 if speculative else 120  # more than 200 steps either way
     chain, lanes = None, ()
     if speculative:
@@ -109,7 +102,7 @@ def test_step_loop_is_sync_free_and_static_equals_unified(speculative, lane_grou
     pages = max_running * -(-(150 + output_len + 2 * (gamma + 1)) // 16)
     static = StaticMemory(spec, pages, pages, max_running, max_running, cfg.max_context, dev)
     warm = _memory_variants()
-    out_s, eng_s = _run(model, static, prompts, output_len, chain, max_running, True, lane_groups)
+    out_s, eng_s = _run(model, static, prompts, output_len, chain, max_running, True)
     assert not _compiled_since(warm)
     # An arena 10 % above the static run's peak: the bands must move (compaction) but
     # nothing is retracted, so both runs have the same batches and hence the same kernels.
@@ -117,7 +110,7 @@ def test_step_loop_is_sync_free_and_static_equals_unified(speculative, lane_grou
     arena = int(1.1 * static.stats.peak_bytes) + sinks
     unified = UnifiedMemory(spec, arena, max_running, cfg.max_context, dev)
     warm = _memory_variants()
-    out_u, eng_u = _run(model, unified, prompts, output_len, chain, max_running, True, lane_groups)
+    out_u, eng_u = _run(model, unified, prompts, output_len, chain, max_running, True)
     assert not _compiled_since(warm)
     assert eng_s.steps >= 200 and eng_u.steps >= 200
     assert unified.stats.compactions > 0 and eng_u.scheduler.retractions == 0

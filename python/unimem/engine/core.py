@@ -49,9 +49,6 @@ class EngineCore:
     (``Request.output_logprobs``) under the model's raw distribution (before temperature and
     sampling filters).
 
-    ``lane_groups``: fixed verify steps of large buckets run as that many lane groups on
-    concurrent streams (:class:`~unimem.engine.runner.ModelRunner`; 1: one group).
-
     ``random_seed``: requests submitted without a seed get one drawn from it and their
     request id (:func:`~unimem.engine.sampling.default_seed`), so a run is reproducible.
 
@@ -74,7 +71,6 @@ class EngineCore:
         graph_buckets: Sequence[int] | None = None,
         logprobs: bool = False,
         random_seed: int = 0,
-        lane_groups: int = 1,
     ) -> None:
         self.model = model
         self.random_seed = random_seed
@@ -103,7 +99,6 @@ class EngineCore:
             cuda_graphs=cuda_graphs,
             graph_buckets=graph_buckets,
             logprobs=logprobs,
-            lane_groups=lane_groups,
         )
         self.results = ResultRing(max_running, self.runner.width, pool.device, logprobs=logprobs)
         self._pending: tuple[Batch, StagedResult] | None = None

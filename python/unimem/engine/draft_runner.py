@@ -50,20 +50,10 @@ class DraftRunner:
 
     ``max_bs`` requests per step. The pool's spec must carry exactly the drafter's lanes
     (``memory_spec(config, page_size, draft_lanes=drafter.config.lanes())``).
-
-    ``lane_groups``: how many lane groups of one step may draft at once, each on its own
-    CUDA stream (:class:`~unimem.engine.runner.ModelRunner`'s ``lane_groups``); each group
-    has its own metadata buffers, chosen by the ``group`` argument of :meth:`propose` and
-    :meth:`propose_sampled`.
     """
 
     def __init__(
-        self,
-        chain: DsparkChain,
-        pool: MemoryPool,
-        backend: AttentionBackend,
-        max_bs: int,
-        lane_groups: int = 1,
+        self, chain: DsparkChain, pool: MemoryPool, backend: AttentionBackend, max_bs: int
     ) -> None:
         dc = chain.drafter.config
         if pool.spec.draft_lanes != dc.lanes():
@@ -80,17 +70,14 @@ class DraftRunner:
             (lane.host, pool.spec.lane_of_draft(j), dc.layer_window(j))
             for j, lane in enumerate(pool.spec.draft_lanes)
         ]
-        self.builders = [
-            MetadataBuilder(
-                max_bs=max_bs,
-                max_pages_per_req=pool.max_pages_per_request,
-                max_tokens=max_bs * chain.gamma,
-                page_size=pool.page_size,
-                swa=pool.spec.has(LayerKind.SWA),
-                device=pool.device,
-            )
-            for _ in range(lane_groups)
-        ]
+        self.builder = MetadataBuilder(
+            max_bs=max_bs,
+            max_pages_per_req=pool.max_pages_per_request,
+            max_tokens=max_bs * chain.gamma,
+            page_size=pool.page_size,
+            swa=pool.spec.has(LayerKind.SWA),
+            device=pool.device,
+        )
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -105,15 +92,13 @@ class DraftRunner:
         rids: torch.Tensor,
         *,
         survival: bool = False,
-        group: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens ``[bs, gamma]`` (int64) for requests at request-table ``rows`` with
         committed lengths ``seq_lens`` and anchors ``anchors`` (the token at ``seq_lens``);
         ``rids`` key the acceptance control. Writes the block's K/V into the draft lanes at
         positions ``seq_lens .. seq_lens + gamma - 1``; reads nothing on the host. With
-        ``survival``: ``(tokens, survival [bs, gamma] float32)``. ``group``: the lane group
-        whose metadata buffers the block uses."""
-        base, hidden = self._block_forward(rows, seq_lens, anchors, group)
+        ``survival``: ``(tokens, survival [bs, gamma] float32)``."""
+        base, hidden = self._block_forward(rows, seq_lens, anchors)
         ref = take = None
         if self.chain.control is not None:
             ref, take = self._control_decisions(seq_lens, rids, base.shape[1])
@@ -131,7 +116,6 @@ class DraftRunner:
         params: SamplingRows,
         *,
         survival: bool = False,
-        group: int = 0,
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`propose` for a batch with sampled lanes: ``(tokens [bs, gamma] int64,
         q [bs, gamma, vocab] float32)``. A lane with temperature > 0 draws column ``i`` from
@@ -141,7 +125,7 @@ class DraftRunner:
         :meth:`propose` (its ``q`` is the one-hot of its token). A draft the acceptance
         control replaces gets the point mass on the reference as its ``q``. With ``survival``:
         ``(tokens, q, survival [bs, gamma] float32)``."""
-        base, hidden = self._block_forward(rows, seq_lens, anchors, group)
+        base, hidden = self._block_forward(rows, seq_lens, anchors)
         control = self.chain.control
         start = seq_lens.long()
         live = params.temperature > 0
@@ -173,12 +157,12 @@ class DraftRunner:
         return self.chain.control.decide(rids[:, None], seq_lens.long()[:, None] + cols)
 
     def _block_forward(
-        self, rows: torch.Tensor, seq_lens: torch.Tensor, anchors: torch.Tensor, group: int
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, anchors: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block forward's base logits ``[bs, gamma, vocab]`` and final hidden states
-        ``[bs, gamma, d_model]`` (block K/V stored), on lane group ``group``'s buffers."""
+        ``[bs, gamma, d_model]`` (block K/V stored)."""
         pool = self.pool
-        meta = self.builders[group].verify(
+        meta = self.builder.verify(
             pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p, gamma=self.gamma - 1
         )
 

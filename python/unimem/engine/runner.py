@@ -24,15 +24,6 @@ Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
   confidence head under the step's row budget, and the lanes' windows are packed back to back
   in a fixed number of rows per batch bucket (:meth:`ModelRunner._ragged_verify_step`).
 
-*Lane groups* (``lane_groups > 1``): the fixed verify step of a large bucket runs as that
-many groups of lanes, each a complete verify step over its own lanes (its own metadata
-buffers, record lanes and output lanes) on its own CUDA stream, forked from and joined back
-to the step's stream — inside the step's graph the groups are independent branches, so one
-group's GEMMs run while another's latency-bound kernels (the delta rule, attention, the
-small ops) leave most of the GPU idle. Every lane's work is the same work a one-group step
-does for it; what may differ is only what a kernel choice depending on the number of rows
-makes differ (cuBLAS picks by M), and nothing at all under deterministic inference.
-
 Every step writes ``StepOutputs`` (tokens and counts per lane) for the caller to copy to the
 host and read one step late. Decode and verify read only device buffers, so with
 ``cuda_graphs`` they are recorded per batch-size bucket (:class:`StepGraphs`) and replayed.
@@ -95,11 +86,6 @@ commit_states_multi`; on a GPU that verify is a separately compiled kernel, so i
 agree with the replay's to a few ulps)."""
 
 
-MIN_GROUP_LANES = 8
-"""Fewest lanes of a lane group (:meth:`ModelRunner.lane_group_bounds`): below it a group's
-GEMMs are too small to share the GPU usefully."""
-
-
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)[i, tokens[i]]`` per row (float32): ``logits [N, V]``,
     ``tokens [N]`` int64."""
@@ -113,8 +99,6 @@ class PagedContext(ForwardContext):
     in verify, left alone while the layer's record of the step's inputs (or, without
     ``gdn_replay_commit``, the state after every position) goes to the runner's buffers.
     ``capture``: target layers whose hidden states are kept in :attr:`hidden`.
-    ``first_lane``: the step's first lane in the runner's buffers (a lane group's offset into
-    the verify records).
 
     ``packed`` (a ragged verify): the step's rows are packed lanes of uneven lengths. Attention
     runs on the packed rows (the metadata's ``cu_seqlens_q``) and zeroes the padding rows'
@@ -132,10 +116,8 @@ class PagedContext(ForwardContext):
         logits_indices: torch.Tensor,
         capture: tuple[int, ...] = (),
         packed: PackedRows | None = None,
-        first_lane: int = 0,
     ) -> None:
         super().__init__(mode, meta.positions, meta.cu_seqlens_q, logits_indices)
-        self.first_lane = first_lane
         self.runner = runner
         self.meta = meta
         self.state_slots = state_slots
@@ -196,12 +178,11 @@ class PagedContext(ForwardContext):
         scratch = {}
         if self.mode is ForwardMode.VERIFY:
             bs = self.state_slots.shape[0]
-            lanes = slice(self.first_lane, self.first_lane + bs)
             if r.gdn_replay_commit:
-                scratch = {"record": r.verify_records[layer_idx].lanes(bs, self.first_lane)}
+                scratch = {"record": r.verify_records[layer_idx].lanes(bs)}
             else:
                 conv_scratch, ssm_scratch = r.verify_scratch[layer_idx]
-                scratch = {"conv_scratch": conv_scratch[lanes], "ssm_scratch": ssm_scratch[lanes]}
+                scratch = {"conv_scratch": conv_scratch[:bs], "ssm_scratch": ssm_scratch[:bs]}
         bi = gdn_batch_invariant(ssm)
         return gdn_ops.gdn_forward(
             self.mode.value,
@@ -241,11 +222,6 @@ class ModelRunner:
     ``gdn_replay_commit`` (default :data:`GDN_REPLAY_COMMIT`): how a verify's GDN states
     are committed, replayed from the step's recorded inputs (True) or copied from
     per-position state scratch (False); the record is ~40x smaller than the scratch.
-    ``lane_groups``: split a fixed verify step of at least ``lane_groups *
-    MIN_GROUP_LANES`` lanes into that many lane groups run on concurrent streams (module
-    docstring; 1: never). Needs a chain, the replay commit and an unsharded model (the
-    sharded model's collectives must run in one order on every rank); an adaptive chain's
-    ragged step stays one group (its row budget is the whole batch's).
     ``logprobs``: every step also writes the log-probability of each output token
     (``out.logprobs``; one log-sum-exp over the vocabulary per logits row) under the model's
     raw distribution — before temperature and filters, as SGLang reports it.
@@ -274,7 +250,6 @@ class ModelRunner:
         graph_buckets: Sequence[int] | None = None,
         logprobs: bool = False,
         gdn_replay_commit: bool | None = None,
-        lane_groups: int = 1,
     ) -> None:
         self.model = model
         self.logprobs = logprobs
@@ -289,7 +264,6 @@ class ModelRunner:
         self.max_bs = max_bs
         self.chain = chain
         self.width = chain.verify_width if chain is not None else 1
-        self.lane_groups = self._check_lane_groups(lane_groups)
         max_tokens = max(max_tokens, max_bs * self.width)
         self.builder = MetadataBuilder(
             max_bs=max_bs,
@@ -298,23 +272,6 @@ class ModelRunner:
             page_size=pool.page_size,
             swa=pool.spec.has(LayerKind.SWA),
             device=pool.device,
-        )
-        # lane group g > 0 builds its verify metadata in its own buffers, on its own stream
-        self._group_builders = [self.builder] + [
-            MetadataBuilder(
-                max_bs=max_bs,
-                max_pages_per_req=pool.max_pages_per_request,
-                max_tokens=max_bs * self.width,
-                page_size=pool.page_size,
-                swa=pool.spec.has(LayerKind.SWA),
-                device=pool.device,
-            )
-            for _ in range(self.lane_groups - 1)
-        ]
-        self._group_streams = (
-            [torch.cuda.Stream(self.device) for _ in range(self.lane_groups - 1)]
-            if self.device.type == "cuda"
-            else []
         )
         self.state = DeviceRequestState(pool.req_to_token.shape[0], self.device)
         self.sampling = DeviceSamplingState(pool.req_to_token.shape[0], self.device)
@@ -329,7 +286,7 @@ class ModelRunner:
         self._commit_plan: StateCommitPlan | None = None
         self._replay_plan: gdn_ops.ReplayCommitPlan | None = None
         if chain is not None:
-            self.drafts = DraftRunner(chain, pool, backend, max_bs, self.lane_groups)
+            self.drafts = DraftRunner(chain, pool, backend, max_bs)
             self._init_verify_scratch(chain.verify_width)
         self.graphs: StepGraphs | None = None
         self.sample_graphs: StepGraphs | None = None
@@ -344,56 +301,6 @@ class ModelRunner:
                 self.sample_graphs = StepGraphs(
                     self._sampling_step, self.lanes.pad, buckets, self.device
                 )
-
-    def _check_lane_groups(self, lane_groups: int) -> int:
-        """``lane_groups`` if this runner can split its verify steps that way, else a
-        ValueError naming why (at construction, never mid-run)."""
-        if not isinstance(lane_groups, int) or isinstance(lane_groups, bool) or lane_groups < 1:
-            raise ValueError(f"lane_groups must be an int >= 1, got {lane_groups!r}")
-        if lane_groups == 1:
-            return 1
-        if self.chain is None:
-            raise ValueError("lane_groups > 1 splits verify steps: it needs a DSPARK chain")
-        if not self.gdn_replay_commit and self.spec.has(LayerKind.STATE):
-            raise ValueError("lane_groups > 1 needs gdn_replay_commit (the replay commit)")
-        tp = getattr(self.model, "tp", None)
-        if tp is not None and tp.size > 1:
-            raise ValueError(
-                "lane_groups > 1 cannot run under tensor parallelism: concurrent groups would "
-                "issue the ranks' collectives in no fixed order"
-            )
-        return lane_groups
-
-    def lane_group_bounds(self, width: int) -> list[tuple[int, int]]:
-        """The lane groups ``[(start, stop), ...]`` of a fixed verify step of ``width``
-        lanes: ``lane_groups`` near-equal groups when each gets at least
-        :data:`MIN_GROUP_LANES` lanes, else one. A function of ``width`` alone (the step's
-        graph is recorded per bucket)."""
-        n = self.lane_groups
-        if n == 1 or width < n * MIN_GROUP_LANES:
-            return [(0, width)]
-        cuts = [width * i // n for i in range(n + 1)]
-        return list(zip(cuts[:-1], cuts[1:], strict=True))
-
-    def _run_lane_groups(self, width: int, step) -> None:
-        """``step(group, start, stop)`` for each lane group of ``width``: group 0 on the
-        current stream, group ``g`` on its own stream forked from it and joined back before
-        returning (on the CPU, one after the other)."""
-        bounds = self.lane_group_bounds(width)
-        if len(bounds) == 1 or self.device.type != "cuda":
-            for g, (start, stop) in enumerate(bounds):
-                step(g, start, stop)
-            return
-        main = torch.cuda.current_stream(self.device)
-        sides = self._group_streams[: len(bounds) - 1]
-        for side in sides:
-            side.wait_stream(main)
-        step(0, *bounds[0])
-        for side, (g, (start, stop)) in zip(sides, enumerate(bounds[1:], 1), strict=True):
-            with torch.cuda.stream(side):
-                step(g, start, stop)
-        for side in sides:
-            main.wait_stream(side)
 
     def _init_verify_scratch(self, width: int) -> None:
         """Per GDN layer, for ``max_bs`` lanes of ``width`` positions: with
@@ -433,25 +340,20 @@ class ModelRunner:
             )
 
     def _commit_gdn(
-        self,
-        accepted: torch.Tensor,
-        vslots: torch.Tensor,
-        slots: torch.Tensor | None,
-        first_lane: int = 0,
+        self, accepted: torch.Tensor, vslots: torch.Tensor, slots: torch.Tensor | None
     ) -> None:
         """Every GDN layer's conv and SSM state after position ``accepted`` into the lanes'
-        slots: with ``gdn_replay_commit`` from the layers' records (lanes from
-        ``first_lane``), one conv-window launch and one delta-rule launch for all layers
-        (``slots``: the verify's physical slots, -1 for padded lanes;
-        :class:`~unimem_kernel.gdn.ReplayCommitPlan`), else one copy launch for every layer
-        (virtual slots ``vslots``, translated in the kernel; one lane group only)."""
+        slots: with ``gdn_replay_commit`` from the layers' records, one conv-window launch
+        and one delta-rule launch for all layers (``slots``: the verify's physical slots, -1
+        for padded lanes; :class:`~unimem_kernel.gdn.ReplayCommitPlan`), else one copy
+        launch for every layer (virtual slots ``vslots``, translated in the kernel)."""
         if self._commit_plan is not None:
             commit_states_multi(self._commit_plan, accepted, vslots, self.pool.state_v2p)
         if self._replay_plan is not None:
             ssm = self._replay_plan.ssm_states[0]
             gdn_ops.gdn_replay_commit_layers(
                 self._replay_plan, accepted, slots, self.model.config.gdn_key_heads,
-                batch_invariant=gdn_batch_invariant(ssm), first_lane=first_lane,
+                batch_invariant=gdn_batch_invariant(ssm),
             )  # fmt: skip
 
     # ----------------------------------------------------------------------------- launch
@@ -622,38 +524,31 @@ class ModelRunner:
         if self.chain.adaptive:
             self._ragged_verify_step(width, draw)
             return
-        self._run_lane_groups(
-            width, lambda group, start, stop: self._verify_lanes(group, start, stop, draw)
-        )
-
-    def _verify_lanes(self, group: int, start: int, stop: int, draw: bool) -> None:
-        """:meth:`_verify_step` for lanes ``start .. stop - 1`` on lane group ``group``'s
-        metadata buffers (the current stream)."""
         gamma, vw = self.chain.gamma, self.chain.verify_width
-        n = stop - start
-        rows, vslots, rids = self.lanes.group(start, stop)
+        rows, vslots, rids = (
+            self.lanes.rows(width),
+            self.lanes.vslots(width),
+            self.lanes.rids(width),
+        )
         seq_lens, anchors = self.state.read(rows)
         pool = self.pool
-        meta = self._group_builders[group].verify(
+        meta = self.builder.verify(
             pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p, gamma=gamma
         )
         params = self.sampling.read(rows) if draw else None
         q = None
         if params is None:
-            draft = self.drafts.propose(rows, seq_lens, anchors, rids, group=group)
+            draft = self.drafts.propose(rows, seq_lens, anchors, rids)
         else:
-            draft, q = self.drafts.propose_sampled(
-                rows, seq_lens, anchors, rids, params, group=group
-            )
+            draft, q = self.drafts.propose_sampled(rows, seq_lens, anchors, rids, params)
         input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
         ctx = PagedContext(
             self,
             ForwardMode.VERIFY,
             meta,
             self._state_slots(vslots),
-            self._arange[: n * vw],
+            self._arange[: width * vw],
             self.drafts.target_layers,
-            first_lane=start,
         )
         logits = self.model.forward(input_ids, ctx)
         # the rows' argmax, the accepted prefix and the bonus token in two launches
@@ -663,15 +558,15 @@ class ModelRunner:
                 logits, draft, q, tokens, accepted, seq_lens, params
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
-        self._commit_gdn(accepted, vslots, ctx.state_slots, start)
+        self._commit_gdn(accepted, vslots, ctx.state_slots)
         keep = commit_mask(accepted, vw).reshape(-1)
         self.drafts.write_context(ctx.hidden, meta, keep)
         self.state.write(rows, seq_lens + accepted + 1, bonus)
-        self.out.tokens[start:stop] = tokens
-        self.out.counts[start:stop] = accepted + 1
+        self.out.tokens[:width] = tokens
+        self.out.counts[:width] = accepted + 1
         if self.logprobs:
             lp = token_logprobs(logits, tokens.reshape(-1))
-            self.out.logprobs[start:stop] = lp.reshape(n, vw)
+            self.out.logprobs[:width] = lp.reshape(width, vw)
 
     def _ragged_verify_step(self, width: int, draw: bool = False) -> None:
         """The verify step with per-lane lengths ``L_b`` in ``1 .. gamma + 1``, packed

@@ -149,10 +149,6 @@ class StepLanes:
     def rows(self, bs: int) -> torch.Tensor:
         return self.buffer[0, :bs]
 
-    def group(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(rows, vslots, rids)`` of lanes ``start .. stop - 1`` (views)."""
-        return tuple(self.buffer[:, start:stop])
-
     def vslots(self, bs: int) -> torch.Tensor:
         return self.buffer[1, :bs]
 

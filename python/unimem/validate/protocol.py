@@ -123,7 +123,6 @@ class ValidateConfig:
     verify_lengths: str = "fixed"
     verify_budget: int | None = None
     deterministic: str = "auto"
-    lane_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.deterministic not in DETERMINISTIC_MODES:
@@ -212,11 +211,6 @@ class ValidateConfig:
             raise ValueError(
                 f"verify budget (--speculative-verify-budget) must be an int >= 1, got {b!r}"
             )
-        g = self.lane_groups
-        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-            raise ValueError(f"lane groups (--lane-groups) must be an int >= 1, got {g!r}")
-        if g > 1 and self.tp_size > 1:  # (runs without a chain take one group)
-            raise ValueError("--lane-groups > 1 cannot run with --tp-size > 1")
         draft = self.speculative_draft_model_path  # used with spec dspark only
         if draft is not None and not os.path.isfile(os.path.join(draft, "config.json")):
             raise ValueError(f"--speculative-draft-model-path {draft}: no config.json there")
@@ -551,7 +545,6 @@ def run_one(
         chain=chain,
         cache=cache,
         cuda_graphs=cfg.use_cuda_graphs,
-        lane_groups=cfg.lane_groups if chain is not None else 1,
     )
     for p in prompts:
         engine.submit(p, cfg.output_len, sampling=cfg.sampling())

@@ -1437,29 +1437,22 @@ def gdn_replay_commit_layers(
     num_k_heads: int | None = None,
     *,
     batch_invariant: bool = False,
-    first_lane: int = 0,
 ) -> None:
-    """:func:`gdn_replay_commit` of ``bs = len(slots)`` lanes of every layer of ``plan``,
-    from record lane ``first_lane`` (a step's lane group; default the first ``bs`` lanes):
-    on CUDA, when the plan is ``stacked``, one conv-window launch and one delta-rule launch
-    for all layers (``n_layers x bs`` lanes each; the plan's offsets are between layers, so
-    they hold for any lane range), else one commit per layer. The same results, bitwise, as
-    one :func:`gdn_replay_commit` per layer; no allocation, no host read (capturable)."""
+    """:func:`gdn_replay_commit` of the first ``bs = len(slots)`` lanes of every layer of
+    ``plan``: on CUDA, when the plan is ``stacked``, one conv-window launch and one
+    delta-rule launch for all layers (``n_layers x bs`` lanes each), else one commit per
+    layer. The same results, bitwise, as one :func:`gdn_replay_commit` per layer; no
+    allocation, no host read (capturable)."""
     bs = _check_slots(slots, plan.ssm_states[0].device)
     conv0, ssm0 = plan.conv_states[0], plan.ssm_states[0]
-    total = plan.records[0].lanes_and_positions[0]
-    if not (isinstance(first_lane, int) and first_lane >= 0 and first_lane + bs <= total):
-        raise ValueError(
-            f"lanes {first_lane} .. {first_lane} + {bs} are outside the plan's {total} lanes"
-        )
     if not (plan.stacked and use_triton(ssm0)):
         for rec, conv, ssm in zip(plan.records, plan.conv_states, plan.ssm_states, strict=True):
-            gdn_replay_commit(rec.lanes(bs, first_lane), accepted, conv, ssm, slots,
-                              num_k_heads, batch_invariant=batch_invariant)  # fmt: skip
+            gdn_replay_commit(rec.lanes(bs), accepted, conv, ssm, slots, num_k_heads,
+                              batch_invariant=batch_invariant)  # fmt: skip
         return
     _, h, dk, dv = ssm0.shape
     nk = gdn_reference.check_conv_dim(conv0.shape[1], h, dk, dv, num_k_heads)
-    record = plan.records[0].lanes(bs, first_lane)
+    record = plan.records[0].lanes(bs)
     tv = record.lanes_and_positions[1]
     record.check(bs, tv, conv0, ssm0)
     _check_device(ssm0.device, accepted=accepted)

@@ -463,11 +463,9 @@ class VerifyRecord:
     def lanes_and_positions(self) -> tuple[int, int]:
         return int(self.x.shape[0]), int(self.x.shape[1])
 
-    def lanes(self, bs: int, first: int = 0) -> VerifyRecord:
-        """Views of ``bs`` lanes from lane ``first`` (a step's lane group; default the first
-        ``bs`` lanes)."""
-        s = slice(first, first + bs)
-        return VerifyRecord(self.x[s], self.y[s], self.g[s], self.beta[s])
+    def lanes(self, bs: int) -> VerifyRecord:
+        """Views of the first ``bs`` lanes."""
+        return VerifyRecord(self.x[:bs], self.y[:bs], self.g[:bs], self.beta[:bs])
 
     @property
     def nbytes(self) -> int:
