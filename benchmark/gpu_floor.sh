@@ -21,6 +21,11 @@
 # explore: bench_pdl.py (programmatic dependent launch between small kernels),
 #   bench_verify_attention.py (the split-KV Triton verify attention against FA4; SPLITS and
 #   PROGRAMS sweep its split size and programs per KV head), bench_fused_ops.py;
+# splitkv: bench_verify_attention.py at few requests (SPLIT_BS, default 1 2 4 8 16 24) and
+#   contexts 512 .. 32k, split sizes 64/128 and 2..16 programs per (request, KV head): the
+#   data for choosing when decode/verify attention takes the split-KV kernel;
+# smallbatch: profile_step.py at 1 and 4 requests with 28k-token prompts and at 16 with 8k,
+#   FA4 against the split-KV kernel for decode/verify attention (--split-kv-max-bs 0,16);
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
 set -uo pipefail
@@ -70,6 +75,18 @@ for part in $parts; do
       run python3 benchmark/bench_verify_attention.py --splits ${SPLITS:-64} \
         --programs ${PROGRAMS:-4} --json "$out/bench_verify_attention_h200.json"
       run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json" ;;
+    splitkv)
+      for bs in ${SPLIT_BS:-1 2 4 8 16 24}; do
+        run python3 benchmark/bench_verify_attention.py --bs "$bs" --q-len 8 1 --window 0 \
+          --context 512 2048 8192 32768 --splits 64 128 --programs 2 4 8 16 --repeats 3 \
+          --json "$out/bench_verify_attention_bs${bs}_h200.json"
+      done ;;
+    smallbatch)
+      for case in "1 28000" "4 28000" "16 8192"; do
+        set -- $case
+        run python3 benchmark/profile_step.py --memory static --requests "$1" --input-len "$2" \
+          --split-kv-max-bs 0,16 --top-kernels 12 --json "$out/profile_small_batch_${1}x${2}_h200.json"
+      done ;;
     bench)
       run python3 -m unimem bench --json "$out/bench_h200.json" ;;
     *) echo "unknown part $part"; false ;;

@@ -12,6 +12,8 @@
 #   generate on the same checkpoint (tokens and log-probabilities compared); oracle32: the
 #   same in float32 with DSPARK (torch attention, Triton GDN, no CUDA graphs);
 # bench: `python -m unimem bench` (48 requests of 512 + 512 tokens);
+# smallbatch: `python -m unimem bench` with 8 running of 16 requests of 2048 + 128 tokens
+#   (decode/verify attention through the split-KV kernel: static == unified);
 # profile: benchmark/profile_step.py's steady-state verify step on this checkpoint (static
 #   pools), every kernel's GPU time kept, grouped GEMMs (the routed experts) summed apart;
 #   ATTRIBUTE=N also lists the N largest (torch op, launch site) pairs of an eager step.
@@ -48,6 +50,10 @@ for arch in "${archs[@]}"; do
       ckpt)
         [ -f "$ck/config.json" ] && [ -f "$ck/make_checkpoint.json" ] \
           || run python3 benchmark/make_checkpoint.py --arch "$arch" --size "$size" --out "$ck" ;;
+      smallbatch)
+        run python3 -m unimem bench "${common[@]}" --requests 16 --max-running 8 \
+          --input-len 2048 --output-len 128 --page-size 64 \
+          --json "$out/smallbatch_${tag}.json" ;;
       validate)
         run python3 -m unimem validate "${common[@]}" --spec dspark --requests 16 \
           --input-len 256 --output-len 128 --page-size 64 --max-running 16 \

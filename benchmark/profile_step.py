@@ -40,7 +40,7 @@ from collections import defaultdict
 import torch
 import triton
 
-from unimem.attention.fa4_backend import FA4Backend
+from unimem.attention.fa4_backend import SPLIT_KV_MAX_BS, FA4Backend
 from unimem.engine.core import EngineCore
 from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.step_io import StagedResult
@@ -54,7 +54,10 @@ from unimem.speculative.control import AcceptanceControl
 from unimem.speculative.drafter import DsparkDrafter
 
 CATEGORIES = [
-    ("attention (FA4)", re.compile(r"flash|fmha|FlashAttn|cute", re.I)),
+    (
+        "attention (FA4, split-KV)",
+        re.compile(r"flash|fmha|FlashAttn|cute|_split_kv_|(?<!_moe)_combine_kernel", re.I),
+    ),
     ("GDN conv + delta rule", re.compile(r"_conv_kernel|_rule_kernel")),
     ("metadata + write window", re.compile(r"_metadata_kernel|_write_window_kernel")),
     ("state commit", re.compile(r"_commit")),
@@ -69,8 +72,9 @@ def category(name: str) -> str:
     return "other (norms, RoPE, sampling, accept, elementwise)"
 
 
-def measure(kind: str, args, model, drafter, prompts) -> dict:
-    """Steady-state numbers of one memory kind ("static" or "unified")."""
+def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> dict:
+    """Steady-state numbers of one memory kind ("static" or "unified"), with decode/verify
+    steps of at most ``split_kv_max_bs`` requests attending through the split-KV kernel."""
     dev = model.device
     cfg = model.config
     refs = {i: p + p for i, p in enumerate(prompts)}
@@ -83,7 +87,8 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
         pool = StaticMemory(spec, pages, pages, n, n, cfg.max_context, dev)
     else:
         pool = UnifiedMemory(spec, 24 << 30, n, cfg.max_context, dev)
-    eng = EngineCore(model, pool, FA4Backend(), n, 8192, chain=chain, cuda_graphs=True)
+    backend = FA4Backend(split_kv_max_bs=split_kv_max_bs)
+    eng = EngineCore(model, pool, backend, n, 8192, chain=chain, cuda_graphs=True)
     for p in prompts:
         eng.submit(p, out_len)
     while any(r.kv_len < args.input_len for r in eng.scheduler.running) or eng.scheduler.waiting:
@@ -150,6 +155,8 @@ def measure(kind: str, args, model, drafter, prompts) -> dict:
     del eng, pool
     return {
         "memory": kind,
+        "split_kv_max_bs": split_kv_max_bs,
+        "split_kv": backend.split_kv_max_bs >= width,
         "requests": bs,
         "bucket": width,
         "step_wall_ms": wall * 1e3,
@@ -270,6 +277,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--memory", default="static,unified", help="comma-separated kinds")
+    ap.add_argument(
+        "--split-kv-max-bs",
+        default=str(SPLIT_KV_MAX_BS),
+        help="comma-separated FA4Backend.split_kv_max_bs values, each measured with every "
+        "memory kind (0: FA4 for every step)",
+    )
     ap.add_argument("--top-kernels", type=int, default=15)
     ap.add_argument(
         "--host-top",
@@ -300,11 +313,14 @@ def main() -> None:
         f"page {args.page_size}, prompts {args.input_len}; steady state"
     )
     results = []
-    for kind in args.memory.split(","):
-        r = measure(kind, args, model, drafter, prompts)
+    runs = [(int(m), k) for m in args.split_kv_max_bs.split(",") for k in args.memory.split(",")]
+    for max_bs, kind in runs:
+        r = measure(kind, max_bs, args, model, drafter, prompts)
         results.append(r)
+        attn = "split-KV" if r["split_kv"] else "FA4"
         print(
-            f"[{kind}] engine loop: {r['step_wall_ms']:.2f} ms/step wall, host "
+            f"[{kind}, {attn} decode/verify attention] engine loop: "
+            f"{r['step_wall_ms']:.2f} ms/step wall, host "
             f"{r['host_ms_per_step']:.2f} ms/step outside the wait, "
             f"{r['tokens_per_step']:.1f} tokens/step, {r['output_tok_s']:.0f} tok/s; "
             f"verify step on the GPU (replays): {r['gpu_ms_per_verify_step']:.2f} ms"
@@ -329,11 +345,13 @@ def main() -> None:
             print("  torch ops of one eager verify step by launch site (ms, calls):")
             for o in r["torch_ops_by_launch_site"]:
                 print(f"    {o['ms']:7.3f} {o['calls']:5d}  {o['op']:<28} {o['site']}")
-    if len(results) == 2:
-        a, b = results
+    a = results[0]
+    for b in results[1:]:
         print(
-            f"{b['memory']}/{a['memory']}: wall {a['step_wall_ms'] / b['step_wall_ms']:.3f}x "
-            f"throughput, GPU step {a['gpu_ms_per_verify_step'] / b['gpu_ms_per_verify_step']:.3f}x"
+            f"[{b['memory']}, split_kv_max_bs {b['split_kv_max_bs']}] / [{a['memory']}, "
+            f"split_kv_max_bs {a['split_kv_max_bs']}]: wall "
+            f"{a['step_wall_ms'] / b['step_wall_ms']:.3f}x throughput, GPU step "
+            f"{a['gpu_ms_per_verify_step'] / b['gpu_ms_per_verify_step']:.3f}x"
         )
     if args.json:
         with open(args.json, "w") as f:

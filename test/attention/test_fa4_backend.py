@@ -11,6 +11,7 @@ bf16 data) by relative error.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 
@@ -112,7 +113,9 @@ MODES = {
 }
 
 
-def run_and_compare(mode, page_size, window, hq, hkv, dk, dv):
+def run_and_compare(mode, page_size, window, hq, hkv, dk, dv, split_kv=False, sinks=False):
+    """``split_kv``: the step is marked uniform (decode, verify) and the backend takes its
+    split-KV kernel for it; else FA4 itself. ``sinks``: random per-head attention sinks."""
     from unimem.attention.fa4_backend import FA4Backend
 
     ctx, qn = MODES[mode]
@@ -121,15 +124,23 @@ def run_and_compare(mode, page_size, window, hq, hkv, dk, dv):
     )
     scale = 1.0 / math.sqrt(dk)
     swa = window is not None
-    backend = FA4Backend()
+    backend = FA4Backend(split_kv_max_bs=16 if split_kv else 0)
+    if split_kv:
+        meta = dataclasses.replace(meta, uniform_q=True)
+        assert backend.takes_split_kv(meta) and not backend.takes_split_kv(meta, invariant=True)
+    sink = None
+    if sinks:
+        sink = torch.randn(hq, generator=torch.Generator().manual_seed(4)).cuda()
     poison_allocator(64 << 20)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, swa=swa, window=window, scale=scale)
+    out = backend.forward(
+        q, k, v, k_cache, v_cache, meta, swa=swa, window=window, scale=scale, sinks=sink
+    )
     torch.cuda.synchronize()
     assert out.shape == (meta.num_tokens, hq, dv) and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all(), "FA4 read a NaN (unowned page or unwritten output)"
     # the store went through the arena views: the reference reads the same caches
     ref = TorchReferenceBackend().attend(
-        q, k_cache, v_cache, meta, swa=swa, window=window, scale=scale
+        q, k_cache, v_cache, meta, swa=swa, window=window, scale=scale, sinks=sink
     )
     assert rel_err(out, ref) < REL_TOL
     # per request too (a single wrong page shows up even when the batch norm hides it)
@@ -151,6 +162,20 @@ def test_fa4_matches_reference_gqa(mode, page_size, window):
 @pytest.mark.gpu
 @needs_fa4
 @pytest.mark.parametrize("window", [None, 48])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+def test_split_kv_path_matches_reference(mode, page_size, window):
+    """Small uniform steps through the backend's split-KV kernel: the reference's outputs."""
+    run_and_compare(mode, page_size, window, hq=8, hkv=2, dk=128, dv=128, split_kv=True)
+    run_and_compare(mode, 64, window, hq=8, hkv=1, dk=192, dv=128, split_kv=True)
+    # Qwen3-Next's attention (16 / 2 heads of 256) and gpt-oss's (64 / 8 of 64, sinks)
+    run_and_compare(mode, page_size, window, hq=16, hkv=2, dk=256, dv=256, split_kv=True)
+    run_and_compare(mode, 16, window, hq=64, hkv=8, dk=64, dv=64, split_kv=True, sinks=True)
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("window", [None, 48])
 @pytest.mark.parametrize("mode", ["decode", "verify"])
 def test_fa4_asymmetric_head_dims(mode, window):
     # (192, 128): SM90 accepts any (Dk, Dv) in 8..256 (multiples of 8); SM100 this pair.
@@ -165,11 +190,13 @@ def test_fa4_mha_small_head_dim():
 
 @pytest.mark.gpu
 @needs_fa4
+@pytest.mark.parametrize("split_kv_max_bs", [0, 16])
 @pytest.mark.parametrize("page_size", [64, 128])
-def test_fa4_cuda_graph_replays_live_v2p(page_size):
+def test_fa4_cuda_graph_replays_live_v2p(page_size, split_kv_max_bs):
     """builder.decode + forward captured in one CUDA graph; between replays the data of some
     pages moves (compaction: bytes copied, v2p rewritten, old pages poisoned) and lengths grow.
-    Each replay equals the eager reference on the live tables."""
+    Each replay equals the eager reference on the live tables. Through FA4 and through the
+    split-KV kernel the backend takes for small decode steps."""
     from unimem.attention.fa4_backend import FA4Backend
 
     g = torch.Generator().manual_seed(1)
@@ -199,7 +226,7 @@ def test_fa4_cuda_graph_replays_live_v2p(page_size):
     q = torch.randn(bs, hq, d, generator=g).to(dt).to(dev)
     k = torch.randn(bs, hkv, d, generator=g).to(dt).to(dev)
     v = torch.randn(bs, hkv, d, generator=g).to(dt).to(dev)
-    backend = FA4Backend()
+    backend = FA4Backend(split_kv_max_bs=split_kv_max_bs)
     scale = d**-0.5
     backend.warmup(k_cache, v_cache, num_q_heads=hq, q_lens=(1,), batch_sizes=(bs,))
 

@@ -132,6 +132,8 @@ def test_same_buffers_every_call_tails_cleared_values_exact(device):
         num_tokens=19, max_seqlen_q=13,
     )  # fmt: skip
     check(m3, expected(r2t, rpi, prefix, new, full_v2p, swa_v2p, width))
+    # decode and verify say their query blocks are uniform; a ragged extend does not
+    assert m1.uniform_q and m2.uniform_q and not m3.uniform_q
     # Every tensor is a slice of the same owned buffer, call after call.
     assert pointers(m1) == pointers(m2) == pointers(m3)
     assert m1.page_table.data_ptr() == builder.buffers.page_table.data_ptr()

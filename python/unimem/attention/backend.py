@@ -23,6 +23,11 @@ Contract of ``forward(q, k, v, k_cache, v_cache, meta, swa=, window=, scale=)``:
 ``swa`` selects the SWA page table and write slots (else FULL); ``window`` is independent of it
 (None = full causal). Shapes: ``q [T, Hq, Dk]``, ``k [T, Hkv, Dk]``, ``v [T, Hkv, Dv]``,
 ``T = meta.num_tokens``; returns ``o [T, Hq, Dv]`` in ``q``'s dtype.
+
+``invariant`` (a keyword of ``attend`` and ``forward``): the caller runs in batch-invariant mode
+(``--enable-deterministic-inference``): a query row must get the same bits in every step kind
+(extend, decode, verify) and batch, so a backend that picks kernels by step shape must not do so
+(it uses one kernel for every step).
 """
 
 from __future__ import annotations
@@ -122,10 +127,12 @@ class AttentionBackend(ABC):
         window: int | None,
         scale: float,
         sinks: torch.Tensor | None = None,
+        invariant: bool = False,
     ) -> torch.Tensor:
         """Attention of ``q [T, Hq, Dk]`` over the paged caches; returns ``[T, Hq, Dv]``.
         ``sinks [Hq]`` (float32): per-head logits that join every softmax without a value
-        (gpt-oss's attention sinks); None for none."""
+        (gpt-oss's attention sinks); None for none. ``invariant``: see the module
+        docstring."""
 
     def forward(
         self,
@@ -140,9 +147,11 @@ class AttentionBackend(ABC):
         window: int | None,
         scale: float,
         sinks: torch.Tensor | None = None,
+        invariant: bool = False,
     ) -> torch.Tensor:
         """``store_kv`` then ``attend`` (see the module docstring for the full contract)."""
         self.store_kv(k, v, k_cache, v_cache, meta, swa=swa)
         return self.attend(
-            q, k_cache, v_cache, meta, swa=swa, window=window, scale=scale, sinks=sinks
-        )
+            q, k_cache, v_cache, meta, swa=swa, window=window, scale=scale, sinks=sinks,
+            invariant=invariant,
+        )  # fmt: skip

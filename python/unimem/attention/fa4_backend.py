@@ -53,6 +53,19 @@ repository Dao-AILab/flash-attention holds the same files):
   batch-lookup aid is then built per call). So decode, verify and extend widths, and batch
   sizes on either side of 256, can be distinct kernels.
 
+Split-KV for small decode/verify steps. FA4 on SM90 has no split-KV: one CTA per (request, KV
+head) walks all its keys, so with few requests it leaves most of the GPU idle and its time is one
+CTA's walk over the context (measured on the H200: ~13 µs at 520 keys and ~400 µs at 32k keys,
+the same for 1 or 16 requests). A step whose metadata is ``uniform_q`` (decode, verify and the
+drafter's block) with at most ``split_kv_max_bs`` requests and at most :data:`SPLIT_KV_MAX_Q`
+rows per request attends instead through :func:`unimem_kernel.paged_verify_attention`
+(splits of :data:`SPLIT_KV_KEYS` keys at absolute positions, :func:`split_kv_programs`
+programs per (request, KV head), a fixed merge order): 1.4x FA4 at 520 keys and 4.5-6.3x at
+32k with 1-4 requests, 1.04-1.38x at 16 requests, slower from 24 requests on
+(``docs/benchmarks.md``, "Split-KV verify attention against FA4"). The choice depends on the
+step's batch size, so a row's bits can depend on its batch bucket: with ``invariant`` (batch-
+invariant mode) every step takes FA4, as extend does, and rows do not.
+
 CUDA graphs. Every variant (dtype, head dims, GQA ratio, window or not, query width class)
 compiles on its first call (seconds); a first call inside ``torch.cuda.graph`` breaks the
 capture. Call ``warmup`` eagerly for every variant a graph will record. The output tensor is
@@ -67,13 +80,52 @@ import torch
 
 from unimem.attention.backend import AttentionBackend, check_attention_args
 from unimem.attention.metadata import AttentionMetadata
+from unimem_kernel.paged_attention import paged_verify_attention
 
-__all__ = ["FA4Backend"]
+__all__ = [
+    "SPLIT_KV_KEYS",
+    "SPLIT_KV_MAX_BS",
+    "SPLIT_KV_MAX_Q",
+    "FA4Backend",
+    "split_kv_programs",
+    "takes_split_kv",
+]
+
+SPLIT_KV_MAX_BS = 16
+"""Default ``FA4Backend.split_kv_max_bs``: the largest decode/verify batch that attends through
+the split-KV kernel (faster than FA4 up to 16 requests at every context measured, slower at 24:
+module docstring)."""
+
+SPLIT_KV_KEYS = 128
+"""Keys per split of the split-KV kernel (the best of 64 and 128 at 1-16 requests)."""
+
+SPLIT_KV_MAX_Q = 16
+"""Most query rows per request the split-KV path takes (a verify of up to 15 drafts)."""
+
+
+def split_kv_programs(bs: int) -> int:
+    """Programs per (request, KV head) of the split-KV kernel for ``bs`` requests: 16 up to 4
+    requests, 8 at 8, 4 from 16 on — about 64 programs per KV head in all, the best measured
+    at each of 1, 2, 4, 8, 16 requests (within 5 %) over 520 to 32k keys."""
+    return max(4, min(16, 64 // max(bs, 1)))
+
 
 _INSTALL_HINT = (
     "FA4Backend needs FlashAttention-4 (module flash_attn.cute), e.g. "
     "`pip install flash-attn-4==4.0.0b36` on a machine with an SM90/SM100 GPU"
 )
+
+
+def takes_split_kv(meta: AttentionMetadata, max_bs: int, invariant: bool = False) -> bool:
+    """Whether a step of ``meta`` attends through the split-KV kernel: a uniform step (decode,
+    verify: ``meta.uniform_q``) of 1 .. ``max_bs`` requests and at most
+    :data:`SPLIT_KV_MAX_Q` rows each, outside batch-invariant mode (``invariant``)."""
+    return (
+        meta.uniform_q
+        and not invariant
+        and 1 <= meta.batch_size <= max_bs
+        and meta.max_seqlen_q <= SPLIT_KV_MAX_Q
+    )
 
 
 class FA4Backend(AttentionBackend):
@@ -83,11 +135,20 @@ class FA4Backend(AttentionBackend):
     other than 1 make FA4 allocate partial buffers per call). ``pack_gqa``: None lets FA4
     decide (packs query heads of one KV head into one tile when ``Hq > Hkv``).
 
+    ``split_kv_max_bs``: decode/verify steps (``meta.uniform_q``) of at most this many
+    requests attend through the split-KV Triton kernel instead (module docstring; 0: never).
+
     Store: the base class ``store_kv`` (``unimem_kernel.store_kv_paged``: one Triton launch
     for K and V through the strided views; capturable). Attend: capturable once warmed up.
     """
 
-    def __init__(self, *, num_splits: int = 1, pack_gqa: bool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        num_splits: int = 1,
+        pack_gqa: bool | None = None,
+        split_kv_max_bs: int = SPLIT_KV_MAX_BS,
+    ) -> None:
         try:
             from flash_attn.cute import flash_attn_varlen_func
         except ImportError as e:
@@ -96,9 +157,17 @@ class FA4Backend(AttentionBackend):
             raise RuntimeError("FA4Backend needs a CUDA device")
         if not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+        if not isinstance(split_kv_max_bs, int) or split_kv_max_bs < 0:
+            raise ValueError(f"split_kv_max_bs must be an int >= 0, got {split_kv_max_bs!r}")
         self._varlen = flash_attn_varlen_func
         self.num_splits = num_splits
         self.pack_gqa = pack_gqa
+        self.split_kv_max_bs = split_kv_max_bs
+
+    def takes_split_kv(self, meta: AttentionMetadata, invariant: bool = False) -> bool:
+        """Whether ``attend`` runs ``meta``'s step through the split-KV kernel
+        (:func:`takes_split_kv` with this backend's ``split_kv_max_bs``)."""
+        return takes_split_kv(meta, self.split_kv_max_bs, invariant)
 
     def attend(
         self,
@@ -111,12 +180,21 @@ class FA4Backend(AttentionBackend):
         window: int | None,
         scale: float,
         sinks: torch.Tensor | None = None,
+        invariant: bool = False,
     ) -> torch.Tensor:
         check_attention_args(q, k_cache, v_cache, meta, window, sinks)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"FA4 needs fp16/bf16, got {q.dtype}")
         if not (q.dtype == k_cache.dtype == v_cache.dtype):
             raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+        if self.takes_split_kv(meta, invariant):
+            bs = meta.batch_size
+            return paged_verify_attention(
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.cache_seqlens, meta.table(swa),
+                q_len=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=float(scale),
+                window=window, sinks=sinks, split_size=SPLIT_KV_KEYS,
+                kv_programs=split_kv_programs(bs),
+            )  # fmt: skip
         left = None if window is None else window - 1
         extra = {} if sinks is None else {"learnable_sink": sinks}
         res = self._varlen(

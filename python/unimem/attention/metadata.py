@@ -67,7 +67,10 @@ class AttentionMetadata:
     - ``full_write_slots [T]``, ``swa_write_slots [T]`` or None: physical token slots where new
       token ``t``'s K/V go (slot ``s`` = page ``s // page_size``, offset ``s % page_size``);
       slot 0 (the sink) marks a lane with nowhere to write;
-    - ``positions [T]`` int64: position of new token ``t`` within its request.
+    - ``positions [T]`` int64: position of new token ``t`` within its request;
+    - ``uniform_q``: every request has exactly ``max_seqlen_q`` new tokens, request-major
+      (``cu_seqlens_q = arange(bs + 1) * max_seqlen_q``): the decode and verify steps'
+      metadata. Host-known; lets a backend take a kernel for fixed-width query blocks.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -82,6 +85,7 @@ class AttentionMetadata:
     full_write_slots: torch.Tensor
     swa_write_slots: torch.Tensor | None
     positions: torch.Tensor
+    uniform_q: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -397,7 +401,9 @@ class MetadataBuilder:
             swa_slots,
             buf.positions[:num_tokens],
         )
-        return self._result(bs, num_tokens, q_len, max_seqlen_k, swa_table, swa_slots)
+        return self._result(
+            bs, num_tokens, q_len, max_seqlen_k, swa_table, swa_slots, uniform_q=True
+        )
 
     def _ragged_write_window(
         self,
@@ -445,6 +451,8 @@ class MetadataBuilder:
         max_seqlen_k: int | None,
         swa_table: torch.Tensor | None,
         swa_slots: torch.Tensor | None,
+        *,
+        uniform_q: bool = False,
     ) -> AttentionMetadata:
         buf = self.buffers
         full_table = buf.page_table[:bs]
@@ -464,4 +472,5 @@ class MetadataBuilder:
             full_write_slots=full_slots,
             swa_write_slots=swa_slots,
             positions=buf.positions[:num_tokens],
+            uniform_q=uniform_q,
         )

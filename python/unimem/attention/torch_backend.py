@@ -79,6 +79,7 @@ class TorchReferenceBackend(AttentionBackend):
         window: int | None,
         scale: float,
         sinks: torch.Tensor | None = None,
+        invariant: bool = False,  # one computation per request in every step: always invariant
     ) -> torch.Tensor:
         check_attention_args(q, k_cache, v_cache, meta, window, sinks)
         table = meta.table(swa)

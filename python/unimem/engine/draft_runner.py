@@ -36,6 +36,7 @@ from unimem.engine.sampling import filtered_probs
 from unimem.engine.step_io import SamplingRows
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
+from unimem.models import batch_invariant
 from unimem.speculative import spec_sampling
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.drafter import draft_config_for
@@ -179,6 +180,7 @@ class DraftRunner:
                 swa=kind is LayerKind.SWA,
                 window=window,
                 scale=q.shape[-1] ** -0.5,
+                invariant=batch_invariant.covers(q),
             )
 
         return self.drafter.block_forward(anchors, meta.positions, attend)

@@ -57,6 +57,7 @@ from unimem.engine.step_io import (
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
+from unimem.models import batch_invariant
 from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardContext, ForwardMode
@@ -153,6 +154,7 @@ class PagedContext(ForwardContext):
             window=config.layer_window(layer_idx),
             scale=config.attention_scale,
             sinks=sinks,
+            invariant=batch_invariant.covers(q),
         )
         if self.packed is not None:  # padding rows: finite zeros, whatever the kernel left
             out = torch.where(self.packed.valid[:, None, None], out, 0)

@@ -1,0 +1,60 @@
+"""When the FA4 backend hands a step to the split-KV kernel (pure host logic: runs on the CPU;
+the kernel's numbers are tested in ``test_fa4_backend.py`` and
+``sgl-kernel/tests/test_paged_attention.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from unimem.attention.fa4_backend import (
+    SPLIT_KV_MAX_BS,
+    SPLIT_KV_MAX_Q,
+    split_kv_programs,
+    takes_split_kv,
+)
+from unimem.attention.metadata import MetadataBuilder
+
+
+def _builder(max_bs: int) -> MetadataBuilder:
+    return MetadataBuilder(
+        max_bs=max_bs, max_pages_per_req=8, max_tokens=max_bs * 17, page_size=4, swa=False,
+        device="cpu",
+    )  # fmt: skip
+
+
+def _tables(rows: int):
+    r2t = torch.arange(rows * 32, dtype=torch.int32).reshape(rows, 32) + 4
+    return r2t, torch.arange(rows * 8 + 2, dtype=torch.int32)
+
+
+def test_small_uniform_steps_only():
+    rows = SPLIT_KV_MAX_BS + 1
+    r2t, v2p = _tables(rows)
+    b = _builder(rows)
+
+    def idx(n):
+        return torch.arange(n, dtype=torch.int32), torch.full((n,), 9, dtype=torch.int32)
+
+    for n in (1, 2, SPLIT_KV_MAX_BS):
+        rpi, seq = idx(n)
+        assert takes_split_kv(b.decode(r2t, rpi, seq, v2p), SPLIT_KV_MAX_BS)
+        assert takes_split_kv(b.verify(r2t, rpi, seq, v2p, gamma=7), SPLIT_KV_MAX_BS)
+        # batch-invariant mode: every step kind takes one kernel (FA4)
+        assert not takes_split_kv(b.decode(r2t, rpi, seq, v2p), SPLIT_KV_MAX_BS, invariant=True)
+        # switched off
+        assert not takes_split_kv(b.decode(r2t, rpi, seq, v2p), 0)
+    rpi, seq = idx(SPLIT_KV_MAX_BS + 1)
+    assert not takes_split_kv(b.decode(r2t, rpi, seq, v2p), SPLIT_KV_MAX_BS)
+    # wider than the kernel's query block
+    rpi, seq = idx(2)
+    wide = b.verify(r2t, rpi, seq, v2p, gamma=SPLIT_KV_MAX_Q)
+    assert wide.max_seqlen_q == SPLIT_KV_MAX_Q + 1
+    assert not takes_split_kv(wide, SPLIT_KV_MAX_BS)
+    # an extend is ragged even when every chunk has the same length
+    ext = b.extend(r2t, rpi, seq, torch.full((2,), 3, dtype=torch.int32), v2p, num_tokens=6,
+                   max_seqlen_q=3)  # fmt: skip
+    assert not takes_split_kv(ext, SPLIT_KV_MAX_BS)
+
+
+def test_programs_per_kv_head():
+    assert [split_kv_programs(b) for b in (1, 2, 4, 8, 16, 24, 48)] == [16, 16, 16, 8, 4, 4, 4]
