@@ -26,6 +26,11 @@
 #   data for choosing when decode/verify attention takes the split-KV kernel;
 # smallbatch: profile_step.py at 1 and 4 requests with 28k-token prompts and at 16 with 8k,
 #   FA4 against the split-KV kernel for decode/verify attention (--split-kv-max-bs 0,16);
+# flaprefill: bench_gdn.py's prefill rows at 4k and 32k tokens, 1 and 4 requests: our
+#   recurrent extend against fla's chunked kernel (with the slot gather/scatter it needs);
+# prefill: the GPU tests of the fla prefill path, benchmark/bench_prefill.py (time to first
+#   token of one 4k / 28k prompt, recurrent vs fla) and bench_gdn.py's prefill rows at 512 ..
+#   2048 tokens (where fla starts to win);
 # bench: `python -m unimem bench` (docs/results/bench_h200.json).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
 set -uo pipefail
@@ -87,6 +92,19 @@ for part in $parts; do
         run python3 benchmark/profile_step.py --memory static --requests "$1" --input-len "$2" \
           --split-kv-max-bs 0,16 --top-kernels 12 --json "$out/profile_small_batch_${1}x${2}_h200.json"
       done ;;
+    flaprefill)
+      for reqs in 1 4; do
+        run python3 benchmark/bench_gdn.py --bs 1 --prefill-requests "$reqs" \
+          --prefill-lens 4096 32768 --repeats 3 --prefill-iters 2 \
+          --json "$out/bench_gdn_prefill_fla_r${reqs}_h200.json"
+      done ;;
+    prefill)
+      run python3 -m pytest -q -p no:cacheprovider -m gpu test/models/test_gdn_prefill.py
+      run python3 benchmark/bench_prefill.py --lens 4096 28000 \
+        --json "$out/bench_prefill_h200.json"
+      run python3 benchmark/bench_gdn.py --bs 1 --prefill-requests 1 \
+        --prefill-lens 256 512 1024 2048 --repeats 3 \
+        --json "$out/bench_gdn_prefill_fla_short_h200.json" ;;
     bench)
       run python3 -m unimem bench --json "$out/bench_h200.json" ;;
     *) echo "unknown part $part"; false ;;

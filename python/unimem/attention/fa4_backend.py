@@ -60,8 +60,9 @@ the same for 1 or 16 requests). A step whose metadata is ``uniform_q`` (decode, 
 drafter's block) with at most ``split_kv_max_bs`` requests and at most :data:`SPLIT_KV_MAX_Q`
 rows per request attends instead through :func:`unimem_kernel.paged_verify_attention`
 (splits of :data:`SPLIT_KV_KEYS` keys at absolute positions, :func:`split_kv_programs`
-programs per (request, KV head), a fixed merge order): 1.4x FA4 at 520 keys and 4.5-6.3x at
-32k with 1-4 requests, 1.04-1.38x at 16 requests, slower from 24 requests on
+programs per (request, KV head), a fixed merge order): 1.15-1.24x FA4 at 520 keys and
+4.5-6.3x at 32k keys with 1-4 requests, 0.96x (520 keys) to 1.38x (32k) at 16, slower from
+24 requests on
 (``docs/benchmarks.md``, "Split-KV verify attention against FA4"). The choice depends on the
 step's batch size, so a row's bits can depend on its batch bucket: with ``invariant`` (batch-
 invariant mode) every step takes FA4, as extend does, and rows do not.
@@ -93,8 +94,9 @@ __all__ = [
 
 SPLIT_KV_MAX_BS = 16
 """Default ``FA4Backend.split_kv_max_bs``: the largest decode/verify batch that attends through
-the split-KV kernel (faster than FA4 up to 16 requests at every context measured, slower at 24:
-module docstring)."""
+the split-KV kernel (faster than FA4 at every context measured up to 8 requests; at 16, 4 %
+slower at 520 keys and 6-38 % faster from 2k keys on; slower everywhere at 24: module
+docstring)."""
 
 SPLIT_KV_KEYS = 128
 """Keys per split of the split-KV kernel (the best of 64 and 128 at 1-16 requests)."""

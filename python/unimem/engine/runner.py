@@ -36,7 +36,6 @@ in verify, :mod:`unimem.speculative.spec_sampling`), never on its batch.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -57,7 +56,7 @@ from unimem.engine.step_io import (
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
-from unimem.models import batch_invariant
+from unimem.models import batch_invariant, gdn_prefill
 from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardContext, ForwardMode
@@ -100,6 +99,8 @@ class PagedContext(ForwardContext):
     in verify, left alone while the layer's record of the step's inputs (or, without
     ``gdn_replay_commit``, the state after every position) goes to the runner's buffers.
     ``capture``: target layers whose hidden states are kept in :attr:`hidden`.
+    ``cu_seqlens_host``: an extend's ``cu_seqlens_q`` as host ints (fla's chunked GDN
+    prefill plans its chunks from them without reading the device).
 
     ``packed`` (a ragged verify): the step's rows are packed lanes of uneven lengths. Attention
     runs on the packed rows (the metadata's ``cu_seqlens_q``) and zeroes the padding rows'
@@ -117,8 +118,10 @@ class PagedContext(ForwardContext):
         logits_indices: torch.Tensor,
         capture: tuple[int, ...] = (),
         packed: PackedRows | None = None,
+        cu_seqlens_host: list[int] | None = None,
     ) -> None:
         super().__init__(mode, meta.positions, meta.cu_seqlens_q, logits_indices)
+        self.cu_seqlens_host = cu_seqlens_host
         self.runner = runner
         self.meta = meta
         self.state_slots = state_slots
@@ -186,6 +189,18 @@ class PagedContext(ForwardContext):
                 conv_scratch, ssm_scratch = r.verify_scratch[layer_idx]
                 scratch = {"conv_scratch": conv_scratch[:bs], "ssm_scratch": ssm_scratch[:bs]}
         bi = gdn_batch_invariant(ssm)
+        kernel = "recurrent"
+        if self.mode is ForwardMode.EXTEND:
+            # opt-in chunked prefill (fla's kernel or ours; never batch-invariant: it rounds
+            # differently from the recurrent decode/verify form): unimem.models.gdn_prefill
+            kernel = gdn_prefill.prefill_kernel(self.meta.max_seqlen_q, ssm.device, bi)
+        if kernel == "fla":
+            return gdn_prefill.gdn_extend_fla(
+                mixed_qkv, conv_weight, g, beta, conv, ssm, self.state_slots,
+                self.meta.cu_seqlens_q, max_seqlen=self.meta.max_seqlen_q,
+                cu_seqlens_host=self.cu_seqlens_host,
+                num_k_heads=r.model.config.gdn_key_heads,
+            )  # fmt: skip
         return gdn_ops.gdn_forward(
             self.mode.value,
             mixed_qkv,
@@ -200,11 +215,7 @@ class PagedContext(ForwardContext):
             max_seqlen=self.meta.max_seqlen_q,
             num_k_heads=r.model.config.gdn_key_heads,
             batch_invariant=bi,
-            # opt-in chunked (WY) prefill kernel: extend only, never batch-invariant (it rounds
-            # differently from the recurrent decode/verify form); off until measured on a GPU
-            chunked_prefill=self.mode is ForwardMode.EXTEND
-            and not bi
-            and os.environ.get("UNIMEM_GDN_CHUNKED_PREFILL", "off") == "on",
+            chunked_prefill=kernel == "triton",  # our own chunked kernel (opt-in)
             **scratch,
         )
 
@@ -460,7 +471,13 @@ class ModelRunner:
         )
         last = meta.cu_seqlens_q[1:].long() - 1  # each request's last row (device, no upload)
         capture = self.drafts.target_layers if self.drafts is not None else ()
-        ctx = PagedContext(self, ForwardMode.EXTEND, meta, self._state_slots(vslots), last, capture)
+        cu_host = [0]
+        for n in lens:
+            cu_host.append(cu_host[-1] + n)
+        ctx = PagedContext(
+            self, ForwardMode.EXTEND, meta, self._state_slots(vslots), last, capture,
+            cu_seqlens_host=cu_host,
+        )  # fmt: skip
         logits = self.model.forward(input_ids.long(), ctx)
         if self.drafts is not None:
             self.drafts.write_context(ctx.hidden, meta)

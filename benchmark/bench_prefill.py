@@ -1,0 +1,86 @@
+"""Time to first token of one long prompt on one GPU: GDN prefill through the recurrent kernel
+against fla's chunked kernel (``unimem.models.gdn_prefill``), side by side in one process.
+
+Builds the ``small`` preset (8 GDN, 4 SWA, 4 FULL layers; bf16) over static pools with the FA4
+backend and no prefix cache, then for each ``--lens`` prompt length and each mode of
+``UNIMEM_GDN_CHUNKED_PREFILL`` (``off``: recurrent; ``fla``) submits one request of that many
+random tokens for one output token and times ``EngineCore.run`` (prefill in chunks of
+``--chunk`` tokens, then the sampled token read back): the median of ``--repeats`` after one
+warm-up request per mode and length (fla autotunes its kernels on first use). Prints the GPU,
+the settings and a table of ms and ratios; ``--json PATH`` writes the rows.
+
+    python benchmark/bench_prefill.py --lens 4096 28000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lens", type=int, nargs="+", default=[4096, 28000])
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", default="off,fla", help="UNIMEM_GDN_CHUNKED_PREFILL values")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_prefill: needs a CUDA device")
+        return 2
+    from unimem.attention.fa4_backend import FA4Backend
+    from unimem.engine.core import EngineCore
+    from unimem.memory.static import StaticMemory
+    from unimem.models.config import memory_spec
+    from unimem.models.gdn_prefill import PREFILL_ENV
+    from unimem.models.presets import preset
+    from unimem.models.synthetic import HybridModel
+
+    dev = torch.device("cuda")
+    cfg = preset("small")
+    model = HybridModel(cfg, seed=0, device=dev)
+    spec = memory_spec(cfg, 64)
+    pages = -(-(max(args.lens) + 64) // 64) + 1
+    pool = StaticMemory(spec, pages, pages, 1, 1, cfg.max_context, dev)
+    eng = EngineCore(model, pool, FA4Backend(), 1, args.chunk)
+    gen = torch.Generator().manual_seed(0)
+    gpu = torch.cuda.get_device_name(dev)
+    print(f"{gpu}: small preset, one prompt, prefill chunks of {args.chunk}, static pools, FA4")
+    rows = []
+    for length in args.lens:
+        prompt = torch.randint(0, cfg.vocab_size, (length,), generator=gen).tolist()
+        times = {}
+        for mode in args.modes.split(","):
+            os.environ[PREFILL_ENV] = mode
+            samples = []
+            for i in range(args.repeats + 1):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                eng.submit(prompt, 1)
+                eng.run()
+                torch.cuda.synchronize()
+                if i:  # the first is the warm-up
+                    samples.append((time.perf_counter() - t0) * 1e3)
+            times[mode] = statistics.median(samples)
+            rows.append({"len": length, "mode": mode, "ms": times[mode], "samples": samples})
+        base = times.get("off")
+        line = "  ".join(
+            f"{m} {ms:8.1f} ms" + (f" ({base / ms:.2f}x)" if base and m != "off" else "")
+            for m, ms in times.items()
+        )
+        print(f"  {length:>6} tokens: {line}")
+    os.environ.pop(PREFILL_ENV, None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "chunk": args.chunk, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

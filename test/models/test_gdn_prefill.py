@@ -1,0 +1,205 @@
+"""The GDN prefill kernel choice (``unimem.models.gdn_prefill``) and fla's chunked extend on
+arena slots.
+
+CPU: which kernel ``prefill_kernel`` picks for each ``UNIMEM_GDN_CHUNKED_PREFILL`` mode, chunk
+length, device and batch-invariant flag. GPU (``gpu`` marker; skipped without fla-core): the fla
+extend equals the recurrent Triton extend to bf16 rounding on strided slot views (a ragged batch
+with and without prior state, the ``small`` preset's heads and Qwen3-Next's grouped heads; conv
+windows bitwise, SSM states to ~1e-2), and an engine whose prefills take fla gives identical
+tokens over static and unified memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unimem.models import gdn_prefill
+from unimem.models.gdn_prefill import FLA_MIN_TOKENS, PREFILL_ENV, prefill_kernel
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def with_fla(monkeypatch):
+    """fla "importable" (a stand-in: the choice never calls it)."""
+    monkeypatch.setattr(gdn_prefill, "fla_chunk_rule", lambda: lambda *a, **k: None)
+
+
+@pytest.fixture
+def without_fla(monkeypatch):
+    monkeypatch.setattr(gdn_prefill, "fla_chunk_rule", lambda: None)
+
+
+def test_default_is_the_recurrent_kernel(with_fla, monkeypatch):
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    assert prefill_kernel(32768, CUDA, False) == "recurrent"
+
+
+def test_auto_takes_fla_for_long_chunks_on_gpu(with_fla, monkeypatch):
+    monkeypatch.setenv(PREFILL_ENV, "auto")
+    assert prefill_kernel(FLA_MIN_TOKENS, CUDA, False) == "fla"
+    assert prefill_kernel(FLA_MIN_TOKENS - 1, CUDA, False) == "recurrent"
+    assert prefill_kernel(32768, CPU, False) == "recurrent"
+    # batch-invariant mode: one rounding for extend, decode and verify
+    assert prefill_kernel(32768, CUDA, True) == "recurrent"
+
+
+def test_auto_without_fla_is_recurrent(without_fla, monkeypatch):
+    monkeypatch.setenv(PREFILL_ENV, "auto")
+    assert prefill_kernel(32768, CUDA, False) == "recurrent"
+
+
+def test_explicit_modes(with_fla, monkeypatch):
+    monkeypatch.setenv(PREFILL_ENV, "fla")
+    assert prefill_kernel(3, CUDA, False) == "fla"
+    assert prefill_kernel(3, CUDA, True) == "recurrent"
+    monkeypatch.setenv(PREFILL_ENV, "triton")
+    assert prefill_kernel(32768, CUDA, False) == "triton"
+    monkeypatch.setenv(PREFILL_ENV, "off")
+    assert prefill_kernel(32768, CUDA, False) == "recurrent"
+    monkeypatch.setenv(PREFILL_ENV, "yes")
+    with pytest.raises(ValueError, match=PREFILL_ENV):
+        prefill_kernel(32768, CUDA, False)
+
+
+def test_forced_fla_without_fla_names_the_package(without_fla, monkeypatch):
+    monkeypatch.setenv(PREFILL_ENV, "fla")
+    with pytest.raises(ValueError, match="fla-core"):
+        prefill_kernel(32768, CUDA, False)
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+
+def _needs_fla():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if gdn_prefill.fla_chunk_rule() is None:
+        pytest.skip("needs fla-core")
+
+
+def _slot_views(num_slots, conv_dim, kw, h, dk, dv):
+    """Conv ``[N, conv_dim, kw - 1]`` bf16 and SSM ``[N, H, Dk, Dv]`` fp32 strided views of one
+    uint8 arena (per slot: conv block, then SSM block, 256-byte aligned), random contents."""
+    conv_bytes = conv_dim * (kw - 1) * 2
+    ssm_off = -(-conv_bytes // 256) * 256
+    slot_bytes = ssm_off + h * dk * dv * 4
+    arena = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=CUDA)
+    conv = torch.as_strided(
+        arena.view(torch.bfloat16), (num_slots, conv_dim, kw - 1),
+        (slot_bytes // 2, kw - 1, 1),
+    )  # fmt: skip
+    ssm = torch.as_strided(
+        arena[ssm_off:].view(torch.float32), (num_slots, h, dk, dv),
+        (slot_bytes // 4, dk * dv, dv, 1),
+    )  # fmt: skip
+    conv.copy_(torch.randn(conv.shape, device=CUDA).bfloat16())
+    ssm.copy_(0.1 * torch.randn(ssm.shape, device=CUDA))
+    return conv, ssm
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hk, h, d", [(16, 16, 128), (4, 8, 128)])
+def test_fla_extend_matches_recurrent_on_slots(hk, h, d):
+    """A ragged extend (1 500, 700, 64 and 1 token; the third request starts from a zeroed
+    slot) through fla and through the recurrent Triton kernel, from the same slots."""
+    _needs_fla()
+    from unimem_kernel import gdn as gdn_ops
+
+    torch.manual_seed(0)
+    kw = 4
+    conv_dim = hk * 2 * d + h * d
+    lens = [1500, 700, 64, 1]
+    slots = torch.tensor([5, 1, 3, 0], dtype=torch.int32, device=CUDA)
+    conv, ssm = _slot_views(8, conv_dim, kw, h, d, d)
+    conv[3].zero_()
+    ssm[3].zero_()
+    t = sum(lens)
+    cu_host = [0]
+    for n in lens:
+        cu_host.append(cu_host[-1] + n)
+    cu = torch.tensor(cu_host, dtype=torch.int32, device=CUDA)
+    x = torch.randn(t, conv_dim, device=CUDA).bfloat16()
+    w = (0.5 * torch.randn(conv_dim, kw, device=CUDA)).bfloat16()
+    g = -torch.rand(t, h, device=CUDA) * 0.5 - 0.01  # log-decay
+    beta = torch.rand(t, h, device=CUDA)
+    conv0, ssm0 = conv.clone(), ssm.clone()
+    ref = gdn_ops.gdn_forward(
+        "extend", x, w, g, beta, conv, ssm, slots, cu, max_seqlen=max(lens), num_k_heads=hk
+    )
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    conv.copy_(conv0)
+    ssm.copy_(ssm0)
+    out = gdn_prefill.gdn_extend_fla(
+        x, w, g, beta, conv, ssm, slots, cu, max_seqlen=max(lens), cu_seqlens_host=cu_host,
+        num_k_heads=hk,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 2e-2
+    for b, (lo, hi) in enumerate(zip(cu_host[:-1], cu_host[1:], strict=True)):
+        assert _rel(out[lo:hi], ref[lo:hi]) < 3e-2, b
+    live = slots.long()
+    assert torch.equal(conv[live], conv_ref[live])  # the same conv kernel
+    assert _rel(ssm[live], ssm_ref[live]) < 1e-2
+    others = [i for i in range(8) if i not in live.tolist()]
+    assert torch.equal(ssm[others], ssm0[others]) and torch.equal(conv[others], conv0[others])
+
+
+@pytest.mark.gpu
+def test_engine_prefills_through_fla_static_equals_unified(monkeypatch):
+    """Prompts of 1 100 tokens (chunked prefill of 512: the last chunk is shorter, the first
+    two take fla under ``fla``) then DSPARK verify steps: identical tokens over static and
+    unified memory, and fla was used."""
+    _needs_fla()
+    pytest.importorskip("flash_attn.cute", reason="FA4 not installed")
+    from unimem.attention.fa4_backend import FA4Backend
+    from unimem.engine.core import EngineCore
+    from unimem.engine.draft_runner import draft_config_for
+    from unimem.memory.static import StaticMemory
+    from unimem.memory.unified import UnifiedMemory
+    from unimem.models.config import memory_spec
+    from unimem.models.presets import preset
+    from unimem.models.synthetic import HybridModel
+    from unimem.speculative.chain import DsparkChain
+    from unimem.speculative.drafter import DsparkDrafter
+
+    monkeypatch.setenv(PREFILL_ENV, "fla")
+    calls = []
+    real = gdn_prefill.gdn_extend_fla
+
+    def counting(*a, **k):
+        calls.append(a[0].shape[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(gdn_prefill, "gdn_extend_fla", counting)
+    cfg = preset("gpu_test")
+    model = HybridModel(cfg, seed=3, device=CUDA)
+    drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)
+    g = torch.Generator().manual_seed(9)
+    prompts = torch.randint(0, cfg.vocab_size, (4, 1100), generator=g).tolist()
+    spec = memory_spec(cfg, 16, drafter.config.lanes())
+    outs = []
+    for kind in ("static", "unified"):
+        pages = 4 * -(-(1100 + 40 + 16) // 16)
+        pool = (
+            StaticMemory(spec, pages, pages, 4, 4, cfg.max_context, CUDA)
+            if kind == "static"
+            else UnifiedMemory(spec, 256 << 20, 4, cfg.max_context, CUDA)
+        )
+        eng = EngineCore(
+            model, pool, FA4Backend(), 4, 512, chain=DsparkChain(drafter, 3), cuda_graphs=True
+        )
+        for p in prompts:
+            eng.submit(p, 40)
+        outs.append({r.rid: r.output for r in eng.run()})
+    assert calls, "no extend took fla"
+    assert outs[0] == outs[1]
+    assert all(len(o) == 40 for o in outs[0].values())
