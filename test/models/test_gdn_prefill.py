@@ -70,6 +70,26 @@ def test_forced_fla_without_fla_names_the_package(without_fla, monkeypatch):
         prefill_kernel(32768, CUDA, False)
 
 
+def test_a_bad_setting_fails_when_the_engine_starts(monkeypatch):
+    """The runner checks the variable at construction: no engine starts that would fail at
+    its first prefill."""
+    from unimem.attention.torch_backend import TorchReferenceBackend
+    from unimem.engine.core import EngineCore
+    from unimem.memory.static import StaticMemory
+    from unimem.models.config import memory_spec
+    from unimem.models.presets import preset
+    from unimem.models.synthetic import HybridModel
+
+    cfg = preset("tiny")
+    model = HybridModel(cfg, seed=0)
+    pool = StaticMemory(memory_spec(cfg, 16), 8, 8, 2, 2, cfg.max_context)
+    monkeypatch.setenv(PREFILL_ENV, "on")
+    with pytest.raises(ValueError, match=PREFILL_ENV):
+        EngineCore(model, pool, TorchReferenceBackend(), 2, 32)
+    monkeypatch.setenv(PREFILL_ENV, "triton")
+    EngineCore(model, pool, TorchReferenceBackend(), 2, 32)
+
+
 # ----------------------------------------------------------------------------------- GPU
 
 

@@ -274,6 +274,8 @@ class ModelRunner:
         self.spec = pool.spec
         self.device = pool.device
         self.layer_kinds = [layer.kind for layer in pool.spec.layers]
+        if pool.spec.has(LayerKind.STATE):
+            gdn_prefill.prefill_mode(self.device)  # a bad UNIMEM_GDN_CHUNKED_PREFILL fails here
         self.max_bs = max_bs
         self.chain = chain
         self.width = chain.verify_width if chain is not None else 1

@@ -55,6 +55,7 @@ __all__ = [
     "fla_chunk_rule",
     "gdn_extend_fla",
     "prefill_kernel",
+    "prefill_mode",
 ]
 
 PREFILL_ENV = "UNIMEM_GDN_CHUNKED_PREFILL"
@@ -75,21 +76,27 @@ def fla_chunk_rule() -> Callable | None:
     return chunk_gated_delta_rule
 
 
-def prefill_kernel(max_seqlen: int, device: torch.device, batch_invariant: bool) -> str:
-    """``"fla"``, ``"triton"`` (our chunked kernel) or ``"recurrent"`` for an extend whose
-    longest chunk has ``max_seqlen`` tokens, states on ``device`` (module docstring).
-    ValueError for an unknown ``UNIMEM_GDN_CHUNKED_PREFILL``, or ``fla`` without fla."""
+def prefill_mode(device: torch.device) -> str:
+    """The ``UNIMEM_GDN_CHUNKED_PREFILL`` mode (default ``off``). ValueError naming the
+    variable for an unknown value, or for ``fla`` on a GPU without fla installed: the engine
+    calls this at start-up, so a bad setting fails there and not at the first prefill."""
     mode = os.environ.get(PREFILL_ENV, "off")
     if mode not in PREFILL_MODES:
         raise ValueError(f"{PREFILL_ENV} must be one of {PREFILL_MODES}, got {mode!r}")
+    if mode == "fla" and device.type == "cuda" and fla_chunk_rule() is None:
+        raise ValueError(f"{PREFILL_ENV}=fla needs fla (pip install fla-core)")
+    return mode
+
+
+def prefill_kernel(max_seqlen: int, device: torch.device, batch_invariant: bool) -> str:
+    """``"fla"``, ``"triton"`` (our chunked kernel) or ``"recurrent"`` for an extend whose
+    longest chunk has ``max_seqlen`` tokens, states on ``device`` (module docstring; errors
+    as :func:`prefill_mode`)."""
+    mode = prefill_mode(device)
     if batch_invariant or mode == "off" or device.type != "cuda":
         return "recurrent"
-    if mode == "triton":
-        return "triton"
-    if mode == "fla":
-        if fla_chunk_rule() is None:
-            raise ValueError(f"{PREFILL_ENV}=fla needs fla (pip install fla-core)")
-        return "fla"
+    if mode in ("triton", "fla"):
+        return mode
     return "fla" if max_seqlen >= FLA_MIN_TOKENS and fla_chunk_rule() is not None else "recurrent"
 
 
