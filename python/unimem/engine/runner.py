@@ -36,6 +36,7 @@ in verify, :mod:`unimem.speculative.spec_sampling`), never on its batch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -473,9 +474,7 @@ class ModelRunner:
         )
         last = meta.cu_seqlens_q[1:].long() - 1  # each request's last row (device, no upload)
         capture = self.drafts.target_layers if self.drafts is not None else ()
-        cu_host = [0]
-        for n in lens:
-            cu_host.append(cu_host[-1] + n)
+        cu_host = [0, *itertools.accumulate(lens)]
         ctx = PagedContext(
             self, ForwardMode.EXTEND, meta, self._state_slots(vslots), last, capture,
             cu_seqlens_host=cu_host,
