@@ -32,9 +32,43 @@ def without_fla(monkeypatch):
     monkeypatch.setattr(gdn_prefill, "fla_chunk_rule", lambda: None)
 
 
-def test_default_is_the_recurrent_kernel(with_fla, monkeypatch):
+def test_default_is_auto(with_fla, monkeypatch):
+    """fla for long chunks on a GPU, the recurrent kernel for short ones, on a CPU and in
+    batch-invariant mode."""
     monkeypatch.delenv(PREFILL_ENV, raising=False)
-    assert prefill_kernel(32768, CUDA, False) == "recurrent"
+    assert gdn_prefill.prefill_mode(CUDA) == "auto"
+    assert prefill_kernel(32768, CUDA, False) == "fla"
+    assert prefill_kernel(FLA_MIN_TOKENS - 1, CUDA, False) == "recurrent"
+    assert prefill_kernel(32768, CPU, False) == "recurrent"
+    assert prefill_kernel(32768, CUDA, True) == "recurrent"
+
+
+def test_warm_up_lengths_reach_every_l2norm_bucket():
+    """One count per ceil(tokens * key heads / 65 536) bucket up to the extend size."""
+    from unimem.models.gdn_prefill import warm_up_lengths
+
+    assert warm_up_lengths(8192, 16) == [4096, 8192]
+    assert warm_up_lengths(8192, 2) == [8192]
+    assert warm_up_lengths(4097, 16) == [4096, 4097]
+    assert warm_up_lengths(100, 16) == [100]
+    per = 65536
+    for max_tokens, hk in [(32768, 16), (12000, 4), (3000, 32)]:
+        lens = warm_up_lengths(max_tokens, hk)
+        buckets = {-(-t * hk // per) for t in lens}
+        assert buckets == set(range(1, -(-max_tokens * hk // per) + 1))
+        assert max(lens) == max_tokens
+    with pytest.raises(ValueError, match="max_tokens"):
+        warm_up_lengths(0, 16)
+
+
+def test_warm_up_is_a_no_op_where_fla_never_runs(with_fla, monkeypatch):
+    """CPU states, ``off``, and ``auto`` with extends shorter than FLA_MIN_TOKENS: nothing runs."""
+    conv = torch.zeros(2, 96, 3, dtype=torch.bfloat16)
+    ssm = torch.zeros(2, 2, 16, 16)
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    assert gdn_prefill.warm_up_fla(conv, ssm, max_tokens=8192) == []
+    monkeypatch.setenv(PREFILL_ENV, "off")
+    assert gdn_prefill.warm_up_fla(conv, ssm, max_tokens=8192) == []
 
 
 def test_auto_takes_fla_for_long_chunks_on_gpu(with_fla, monkeypatch):
@@ -88,6 +122,15 @@ def test_a_bad_setting_fails_when_the_engine_starts(monkeypatch):
         EngineCore(model, pool, TorchReferenceBackend(), 2, 32)
     monkeypatch.setenv(PREFILL_ENV, "triton")
     EngineCore(model, pool, TorchReferenceBackend(), 2, 32)
+
+
+def test_chunk_indices_label_every_chunk_by_sequence_and_position():
+    """fla's varlen layout: one row (sequence, chunk within it) per 64-token chunk."""
+    cu = torch.tensor([0, 1500, 2200, 2264, 2265])
+    rows = gdn_prefill._chunk_indices(cu, CPU)
+    assert rows.dtype == torch.int64 and rows.shape == (24 + 11 + 1 + 1, 2)
+    expect = [(0, i) for i in range(24)] + [(1, i) for i in range(11)] + [(2, 0), (3, 0)]
+    assert [tuple(r) for r in rows.tolist()] == expect
 
 
 # ----------------------------------------------------------------------------------- GPU
@@ -161,6 +204,11 @@ def test_fla_extend_matches_recurrent_on_slots(hk, h, d):
         num_k_heads=hk,
     )  # fmt: skip
     torch.cuda.synchronize()
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    cu_long = torch.tensor(cu_host, device=CUDA)
+    fla_rows = prepare_chunk_indices(cu_long, gdn_prefill.FLA_CHUNK)
+    assert torch.equal(gdn_prefill._chunk_indices(cu_long.cpu(), CUDA), fla_rows)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 2e-2
@@ -223,3 +271,74 @@ def test_engine_prefills_through_fla_static_equals_unified(monkeypatch):
     assert calls, "no extend took fla"
     assert outs[0] == outs[1]
     assert all(len(o) == 40 for o in outs[0].values())
+
+
+def _fla_kernel_state() -> set[tuple[str, str]]:
+    """Every compiled variant and every autotuned key of fla's Triton kernels loaded so far:
+    ``(kernel, key)`` pairs from the JIT functions' per-device caches and the autotuners'
+    result caches."""
+    import sys
+
+    seen: set[tuple[str, str]] = set()
+    visited: set[int] = set()
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            while obj is not None and id(obj) not in visited:
+                visited.add(id(obj))
+                label = getattr(obj, "__name__", type(obj).__name__)
+                for cache in getattr(obj, "device_caches", {}).values():
+                    seen |= {(label, "jit:" + str(k)) for k in cache[0]}
+                tuned = getattr(obj, "cache", None)
+                if isinstance(tuned, dict) and hasattr(obj, "configs"):
+                    seen |= {(label, "tuned:" + str(k)) for k in tuned}
+                obj = getattr(obj, "fn", None)
+    return seen
+
+
+@pytest.mark.gpu
+def test_engine_start_warms_fla_so_prefills_compile_nothing(monkeypatch):
+    """The default mode (``auto``) with 2 048-token extends: the runner warms fla up at
+    construction; then 1 500-token prompts prefill through fla without compiling or
+    autotuning any fla kernel, and the step loop (prefill chunks, CUDA-graph decode) runs
+    under ``torch.cuda.set_sync_debug_mode("error")``."""
+    _needs_fla()
+    pytest.importorskip("flash_attn.cute", reason="FA4 not installed")
+    from unimem.attention.fa4_backend import FA4Backend
+    from unimem.engine.core import EngineCore
+    from unimem.memory.static import StaticMemory
+    from unimem.models.config import memory_spec
+    from unimem.models.presets import preset
+    from unimem.models.synthetic import HybridModel
+
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    calls = []
+    real = gdn_prefill.gdn_extend_fla
+
+    def counting(*a, **k):
+        calls.append(a[0].shape[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(gdn_prefill, "gdn_extend_fla", counting)
+    cfg = preset("gpu_test")
+    model = HybridModel(cfg, seed=3, device=CUDA)
+    pages = 3 * -(-(1500 + 24) // 16)
+    pool = StaticMemory(memory_spec(cfg, 16), pages, pages, 3, 3, cfg.max_context, CUDA)
+    eng = EngineCore(model, pool, FA4Backend(), 3, 2048, cuda_graphs=True)
+    assert eng.runner.fla_warm_up_tokens, "the runner did not warm fla up"
+    warmed = len(calls)
+    warm = _fla_kernel_state()
+    assert warm, "no fla kernel state found"
+    g = torch.Generator().manual_seed(11)
+    for p in torch.randint(0, cfg.vocab_size, (3, 1500), generator=g).tolist():
+        eng.submit(p, 8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        done = eng.run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(calls) > warmed, "no prefill took fla"
+    assert _fla_kernel_state() == warm
+    assert sorted(len(r.output) for r in done) == [8, 8, 8]

@@ -192,8 +192,9 @@ class PagedContext(ForwardContext):
         bi = gdn_batch_invariant(ssm)
         kernel = "recurrent"
         if self.mode is ForwardMode.EXTEND:
-            # opt-in chunked prefill (fla's kernel or ours; never batch-invariant: it rounds
-            # differently from the recurrent decode/verify form): unimem.models.gdn_prefill
+            # chunked prefill (fla's kernel by default for long chunks, or ours; never
+            # batch-invariant: it rounds differently from the recurrent decode/verify form):
+            # unimem.models.gdn_prefill
             kernel = gdn_prefill.prefill_kernel(self.meta.max_seqlen_q, ssm.device, bi)
         if kernel == "fla":
             return gdn_prefill.gdn_extend_fla(
@@ -281,6 +282,7 @@ class ModelRunner:
         self.chain = chain
         self.width = chain.verify_width if chain is not None else 1
         max_tokens = max(max_tokens, max_bs * self.width)
+        self.fla_warm_up_tokens = self._warm_up_fla(max_tokens)
         self.builder = MetadataBuilder(
             max_bs=max_bs,
             max_pages_per_req=pool.max_pages_per_request,
@@ -317,6 +319,27 @@ class ModelRunner:
                 self.sample_graphs = StepGraphs(
                     self._sampling_step, self.lanes.pad, buckets, self.device
                 )
+
+    def _warm_up_fla(self, max_tokens: int) -> list[int]:
+        """Compile and autotune fla's chunked GDN prefill for every GDN layer layout of the
+        model before the first request, when an extend of up to ``max_tokens`` tokens can
+        take it (:func:`unimem.models.gdn_prefill.warm_up_fla`; never in batch-invariant
+        mode). Returns the token counts run (empty when nothing was warmed)."""
+        layouts = {}
+        for i, kind in enumerate(self.layer_kinds):
+            if kind is LayerKind.STATE:
+                conv, ssm = self.pool.state_cache(self.spec.lane_of_layer(i))
+                layouts.setdefault((tuple(conv.shape[1:]), tuple(ssm.shape[1:])), (conv, ssm))
+        ran: list[int] = []
+        with torch.inference_mode():
+            for conv, ssm in layouts.values():
+                if gdn_batch_invariant(ssm):
+                    continue
+                ran += gdn_prefill.warm_up_fla(
+                    conv, ssm, max_tokens=max_tokens,
+                    num_k_heads=self.model.config.gdn_key_heads, dtype=self.model.config.dtype,
+                )  # fmt: skip
+        return ran
 
     def _init_verify_scratch(self, width: int) -> None:
         """Per GDN layer, for ``max_bs`` lanes of ``width`` positions: with

@@ -6,22 +6,29 @@ dependent steps per (request, head, V block) on CUDA cores; fla's chunked (WY) k
 uses) does ``L / 64`` steps of tensor-core matmuls. Measured on the H200 for one layer of the
 ``small`` preset (``docs/benchmarks.md``, "Chunked GDN prefill"): one 32k-token prompt 16.5 ms
 recurrent vs 1.4 ms through fla, four of them 19.6 vs 4.0 ms, four of 4k tokens 2.5 vs 0.7 ms;
-through the whole engine the time to first token of one prompt drops 1.27x at 4k tokens and
-1.31x at 28k (``benchmark/bench_prefill.py``).
+through the whole engine the time to first token of one prompt drops 1.17x at 4k tokens and
+1.68x at 28k (``benchmark/bench_prefill.py``).
 
 :func:`prefill_kernel` picks per extend step, from ``UNIMEM_GDN_CHUNKED_PREFILL``:
 
-- ``off`` (default): the recurrent kernel;
-- ``auto``: fla when it is importable, the states are on a GPU and the step's longest chunk has
-  at least :data:`FLA_MIN_TOKENS` tokens; else the recurrent kernel;
+- ``auto`` (default): fla when it is importable, the states are on a GPU and the step's
+  longest chunk has at least :data:`FLA_MIN_TOKENS` tokens; else the recurrent kernel;
 - ``fla``: fla for every extend on a GPU (tests; an error if fla is missing);
+- ``off``: the recurrent kernel always;
 - ``triton``: our own chunked kernel (``unimem_kernel.gdn_chunked``: slower than fla, kept as
   the measured alternative).
 
-Status: opt-in. The fla path ran end to end on the H200 (the timings above), but its GPU tests
+Status: the default is ``auto``. On the H200 the fla path's GPU tests
 (``test/models/test_gdn_prefill.py``: outputs and states against the recurrent kernel on slot
-views, static == unified through the engine) have not yet completed a run there; ``auto``
-becomes the default once they have.
+views at the ``small`` preset's and Qwen3-Next's head layouts, static == unified through the
+engine) pass, and per layer fla overtakes our recurrent mixer between 512 and 1 024 tokens
+(``bench_gdn.py`` prefill rows, recurrent conv + rule vs conv + fla: 0.38 vs 0.58 ms at 512
+tokens, 0.73 vs 0.61 ms at 1 024, 1.46 vs 0.61 ms at 2 048), hence :data:`FLA_MIN_TOKENS`.
+
+fla compiles and autotunes its kernels on first use (about a minute on a cold Triton cache; its
+autotuner times candidates with host synchronisations). :func:`warm_up_fla` runs that at
+engine start-up — the runner calls it when the mode can take fla — so no request's prefill
+pays it and no step of the serving loop synchronises for it.
 
 Batch-invariant mode (``--enable-deterministic-inference``) always takes the recurrent kernel:
 a token's state must be the same bits whether an extend, a decode or a verify computed it, and
@@ -56,14 +63,25 @@ __all__ = [
     "gdn_extend_fla",
     "prefill_kernel",
     "prefill_mode",
+    "warm_up_fla",
+    "warm_up_lengths",
 ]
 
 PREFILL_ENV = "UNIMEM_GDN_CHUNKED_PREFILL"
 PREFILL_MODES = ("auto", "fla", "triton", "off")
 
+FLA_CHUNK = 64
+"""Tokens per chunk of fla's chunked rule (its default; it also accepts 16 and 32)."""
+
 FLA_MIN_TOKENS = 1024
 """Shortest longest-chunk of an extend that ``auto`` hands to fla: below it the recurrent
-kernel's few hundred dependent steps cost about what fla's fixed launches do."""
+kernel's few hundred dependent steps cost less than fla's ~0.6 ms of fixed launches per layer
+(measured crossover between 512 and 1 024 tokens on the H200, module docstring)."""
+
+_L2NORM_ROWS_PER_BUCKET = 65536
+"""fla's L2-norm kernel autotunes per ``ceil(rows / 65 536)`` (``NB`` in
+``fla.modules.norm.l2norm.l2norm_fwd``, rows = tokens x key heads); every other kernel of the
+chunked rule autotunes on head counts and sizes only. :func:`warm_up_fla` covers each bucket."""
 
 
 @functools.cache
@@ -77,10 +95,10 @@ def fla_chunk_rule() -> Callable | None:
 
 
 def prefill_mode(device: torch.device) -> str:
-    """The ``UNIMEM_GDN_CHUNKED_PREFILL`` mode (default ``off``). ValueError naming the
+    """The ``UNIMEM_GDN_CHUNKED_PREFILL`` mode (default ``auto``). ValueError naming the
     variable for an unknown value, or for ``fla`` on a GPU without fla installed: the engine
     calls this at start-up, so a bad setting fails there and not at the first prefill."""
-    mode = os.environ.get(PREFILL_ENV, "off")
+    mode = os.environ.get(PREFILL_ENV, "auto")
     if mode not in PREFILL_MODES:
         raise ValueError(f"{PREFILL_ENV} must be one of {PREFILL_MODES}, got {mode!r}")
     if mode == "fla" and device.type == "cuda" and fla_chunk_rule() is None:
@@ -98,6 +116,84 @@ def prefill_kernel(max_seqlen: int, device: torch.device, batch_invariant: bool)
     if mode in ("triton", "fla"):
         return mode
     return "fla" if max_seqlen >= FLA_MIN_TOKENS and fla_chunk_rule() is not None else "recurrent"
+
+
+def warm_up_lengths(max_tokens: int, num_k_heads: int) -> list[int]:
+    """Token counts whose extends reach every autotune bucket of fla's L2 norm that an extend
+    of at most ``max_tokens`` tokens can (one per bucket, the bucket's largest count capped at
+    ``max_tokens``; :data:`_L2NORM_ROWS_PER_BUCKET`), ascending."""
+    if max_tokens < 1 or num_k_heads < 1:
+        raise ValueError(f"max_tokens and num_k_heads must be >= 1: {max_tokens}, {num_k_heads}")
+    per = _L2NORM_ROWS_PER_BUCKET
+    buckets = -(-max_tokens * num_k_heads // per)
+    return sorted({min(max_tokens, b * per // num_k_heads) for b in range(1, buckets + 1)})
+
+
+def warm_up_fla(
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    *,
+    max_tokens: int,
+    num_k_heads: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[int]:
+    """Compile and autotune fla's chunked rule for one GDN layer layout before serving.
+
+    ``conv_state [N, conv_dim, K-1]`` and ``ssm_state [N, H, Dk, Dv]`` are the pool's slot
+    views of a GDN layer; only their shapes, dtypes and device are used (one scratch slot of
+    each is allocated here: no pool slot is read or written). ``dtype``: the model's
+    activations and conv weight (default the conv state's).
+    Runs :func:`gdn_extend_fla` once per L2-norm autotune bucket that an extend of at most
+    ``max_tokens`` tokens can reach (:data:`_L2NORM_ROWS_PER_BUCKET`), on seeded random
+    inputs, and synchronises. Returns the token counts it ran (empty when the choice can never
+    be fla: a CPU device, ``off``/``triton``, fla missing, or ``auto`` with ``max_tokens``
+    below :data:`FLA_MIN_TOKENS`). Errors as :func:`prefill_mode`."""
+    device = ssm_state.device
+    mode = prefill_mode(device)
+    if device.type != "cuda" or mode in ("off", "triton") or fla_chunk_rule() is None:
+        return []
+    if mode == "auto" and max_tokens < FLA_MIN_TOKENS:
+        return []
+    _, h, dk, dv = ssm_state.shape
+    hk = h if num_k_heads is None else num_k_heads
+    conv_dim, conv_width = conv_state.shape[1], conv_state.shape[2] + 1
+    act = conv_state.dtype if dtype is None else dtype
+    lens = warm_up_lengths(max_tokens, hk)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    conv = randn(1, conv_dim, conv_state.shape[2], dtype=conv_state.dtype)
+    ssm = (0.1 * randn(1, h, dk, dv)).to(ssm_state.dtype)
+    weight = (0.5 * randn(conv_dim, conv_width)).to(act)
+    slots = torch.zeros(1, dtype=torch.int32, device=device)
+    for t in lens:
+        x = randn(t, conv_dim, dtype=act)
+        g = -0.5 * torch.rand(t, h, generator=gen, device=device) - 0.01
+        beta = torch.rand(t, h, generator=gen, device=device)
+        cu = torch.tensor([0, t], dtype=torch.int32, device=device)
+        gdn_extend_fla(
+            x, weight, g, beta, conv, ssm, slots, cu, max_seqlen=t, cu_seqlens_host=(0, t),
+            num_k_heads=hk,
+        )  # fmt: skip
+    torch.cuda.synchronize(device)
+    return lens
+
+
+def _chunk_indices(cu_host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """fla's varlen ``chunk_indices`` ``[chunks, 2]`` int64 (sequence, chunk within it) for
+    ``FLA_CHUNK``-token chunks, built on the host from the host offsets and uploaded without
+    a synchronisation (fla would otherwise build it on the host and copy it with a blocking
+    ``.to``)."""
+    counts = (cu_host[1:] - cu_host[:-1] + (FLA_CHUNK - 1)) // FLA_CHUNK
+    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    within = torch.arange(seq.numel()) - starts
+    rows = torch.stack([seq, within], 1)
+    if device.type != "cuda":
+        return rows.to(device)
+    return rows.pin_memory().to(device, non_blocking=True)
 
 
 def gdn_extend_fla(
@@ -154,6 +250,7 @@ def gdn_extend_fla(
         q, k, v, g.float().reshape(1, t, h), beta.float().reshape(1, t, h), scale=dk**-0.5,
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu, cu_seqlens_cpu=cu_host,
+        chunk_indices=_chunk_indices(cu_host, cu.device), chunk_size=FLA_CHUNK,
     )  # fmt: skip
     ssm_state.index_copy_(0, idx, final.to(ssm_state.dtype))
     return o.reshape(t, h, dv).to(mixed_qkv.dtype)

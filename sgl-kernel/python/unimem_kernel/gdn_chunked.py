@@ -30,8 +30,8 @@ V block of a head recomputes them (``Dv / BV`` times; accepted for now, a split 
 per-(request, key head, chunk) pre-pass is the obvious next step once measured).
 
 Rounding differs from the recurrent form (other summation order), so the engine uses this
-kernel only when asked (``UNIMEM_GDN_CHUNKED_PREFILL=triton``; ``=auto`` / ``=fla`` take fla's
-chunked kernel instead, ``unimem.models.gdn_prefill``) and never under batch-invariant
+kernel only when asked (``UNIMEM_GDN_CHUNKED_PREFILL=triton``; the default ``auto`` and ``fla``
+take fla's chunked kernel instead, ``unimem.models.gdn_prefill``) and never under batch-invariant
 mode, where a token must get bitwise the same state from extend, decode and verify.
 
 ``dot_precision``: ``"ieee"`` (default: float32 FMA products, the tight result) or ``"tf32"``
