@@ -72,9 +72,13 @@ def category(name: str) -> str:
     return "other (norms, RoPE, sampling, accept, elementwise)"
 
 
-def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> dict:
+def measure(
+    kind: str, split_kv_max_bs: int, draft_ahead: bool, args, model, drafter, prompts
+) -> dict:
     """Steady-state numbers of one memory kind ("static" or "unified"), with decode/verify
-    steps of at most ``split_kv_max_bs`` requests attending through the split-KV kernel."""
+    steps of at most ``split_kv_max_bs`` requests attending through the split-KV kernel, and
+    with or without drafting ahead (``EngineCore(draft_ahead=)``; the steady step is then the
+    one that starts from drafts made by the previous step)."""
     dev = model.device
     cfg = model.config
     refs = {i: p + p for i, p in enumerate(prompts)}
@@ -88,7 +92,9 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
     else:
         pool = UnifiedMemory(spec, 24 << 30, n, cfg.max_context, dev)
     backend = FA4Backend(split_kv_max_bs=split_kv_max_bs)
-    eng = EngineCore(model, pool, backend, n, 8192, chain=chain, cuda_graphs=True)
+    eng = EngineCore(
+        model, pool, backend, n, 8192, chain=chain, cuda_graphs=True, draft_ahead=draft_ahead
+    )
     for p in prompts:
         eng.submit(p, out_len)
     while any(r.kv_len < args.input_len for r in eng.scheduler.running) or eng.scheduler.waiting:
@@ -125,12 +131,13 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
     # 2. GPU time of one verify step (graph replays back to back)
     runner = eng.runner
     bs = len(eng.scheduler.running)
-    width = runner.graphs.bucket(bs)
+    graphs = runner.drafted_graphs if runner.drafted_graphs is not None else runner.graphs
+    width = graphs.bucket(bs)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runner.graphs.replay(width)
+    graphs.replay(width)
     start.record()
     for _ in range(args.replays):
-        runner.graphs.replay(width)
+        graphs.replay(width)
     end.record()
     torch.cuda.synchronize()
     gpu_ms = start.elapsed_time(end) / args.replays
@@ -139,7 +146,7 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
     n_prof = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(n_prof):
-            runner.graphs.replay(width)
+            graphs.replay(width)
         torch.cuda.synchronize()
     per_cat: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
@@ -152,11 +159,13 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
             per_kernel[evt.key[:160]] += us / 1000 / n_prof
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top_kernels]
     launch_sites = attribute_ops(runner, width, args.attribute) if args.attribute else []
+    overlap = overlap_probe(runner, width, args.replays) if args.overlap_probe else {}
     del eng, pool
     return {
         "memory": kind,
         "split_kv_max_bs": split_kv_max_bs,
         "split_kv": backend.split_kv_max_bs >= width,
+        "draft_ahead": runner.draft_ahead,
         "requests": bs,
         "bucket": width,
         "step_wall_ms": wall * 1e3,
@@ -169,7 +178,74 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
         "host_top_functions": host_top,
         "steady_state_compiles": compiles,
         "torch_ops_by_launch_site": launch_sites,
+        "overlap_probe_ms": overlap,
     }
+
+
+def overlap_probe(runner, width: int, replays: int) -> dict[str, float]:
+    """What running the GDN replay commit beside the drafter would save: GPU ms of CUDA graphs
+    of ``width`` lanes (the lanes staged by the last launch; accepted counts drawn at random)
+    holding the commit alone, the drafter's proposal alone, both in sequence, and both forked
+    onto two streams (equal priority, and the drafter's stream at a higher priority). Runs
+    after every other measurement: it writes state slots and draft lanes."""
+    rows, vslots, rids = (
+        runner.lanes.rows(width),
+        runner.lanes.vslots(width),
+        runner.lanes.rids(width),
+    )
+    seq_lens, anchors = runner.state.read(rows)
+    slots = runner._state_slots(vslots)
+    gen = torch.Generator(device=rows.device).manual_seed(3)
+    accepted = torch.randint(
+        0, runner.chain.verify_width, (width,), generator=gen, device=rows.device
+    ).int()
+
+    def commit():
+        runner._commit_gdn(accepted, vslots, slots)
+
+    def draft():
+        runner.drafts.propose(rows, seq_lens, anchors, rids)
+
+    lo, hi = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)
+
+    def forked(draft_stream):
+        def run():
+            cur = torch.cuda.current_stream()
+            lo.wait_stream(cur)
+            draft_stream.wait_stream(cur)
+            with torch.cuda.stream(lo):
+                commit()
+            with torch.cuda.stream(draft_stream):
+                draft()
+            cur.wait_stream(lo)
+            cur.wait_stream(draft_stream)
+
+        return run
+
+    variants = {
+        "commit": commit,
+        "draft": draft,
+        "sequential": lambda: (commit(), draft()),
+        "forked": forked(torch.cuda.Stream(priority=0)),
+        "forked_draft_high_priority": forked(hi),
+    }
+    out = {}
+    with torch.inference_mode():
+        for name, fn in variants.items():
+            fn()  # first use outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            out[name] = start.elapsed_time(end) / replays
+    return out
 
 
 def attribute_ops(runner, width: int, top: int) -> list[dict]:
@@ -296,6 +372,18 @@ def main() -> None:
         default=0,
         help="also profile one eager verify step and list this many torch ops by launch site",
     )
+    ap.add_argument(
+        "--draft-ahead",
+        default="1",
+        help="comma-separated EngineCore(draft_ahead=) values (0/1), each measured with every "
+        "memory kind",
+    )
+    ap.add_argument(
+        "--overlap-probe",
+        action="store_true",
+        help="also time the GDN replay commit and the drafter's proposal in CUDA graphs, in "
+        "sequence and forked onto two streams",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -313,13 +401,19 @@ def main() -> None:
         f"page {args.page_size}, prompts {args.input_len}; steady state"
     )
     results = []
-    runs = [(int(m), k) for m in args.split_kv_max_bs.split(",") for k in args.memory.split(",")]
-    for max_bs, kind in runs:
-        r = measure(kind, max_bs, args, model, drafter, prompts)
+    runs = [
+        (int(m), k, bool(int(d)))
+        for m in args.split_kv_max_bs.split(",")
+        for d in args.draft_ahead.split(",")
+        for k in args.memory.split(",")
+    ]
+    for max_bs, kind, ahead in runs:
+        r = measure(kind, max_bs, ahead, args, model, drafter, prompts)
         results.append(r)
         attn = "split-KV" if r["split_kv"] else "FA4"
+        drafts = "drafts made ahead" if r["draft_ahead"] else "drafts in the step"
         print(
-            f"[{kind}, {attn} decode/verify attention] engine loop: "
+            f"[{kind}, {attn} decode/verify attention, {drafts}] engine loop: "
             f"{r['step_wall_ms']:.2f} ms/step wall, host "
             f"{r['host_ms_per_step']:.2f} ms/step outside the wait, "
             f"{r['tokens_per_step']:.1f} tokens/step, {r['output_tok_s']:.0f} tok/s; "
@@ -341,6 +435,10 @@ def main() -> None:
             for f in r["host_top_functions"]:
                 print(f"    {f['own_us_per_step']:8.1f} {f['cum_us_per_step']:8.1f} "
                       f"{f['calls_per_step']:7.1f}  {f['function']}")  # fmt: skip
+        if r["overlap_probe_ms"]:
+            print("  overlap probe, GPU ms per graph replay:")
+            for name, ms in r["overlap_probe_ms"].items():
+                print(f"    {ms:7.3f}  {name}")
         if r["torch_ops_by_launch_site"]:
             print("  torch ops of one eager verify step by launch site (ms, calls):")
             for o in r["torch_ops_by_launch_site"]:
@@ -348,8 +446,9 @@ def main() -> None:
     a = results[0]
     for b in results[1:]:
         print(
-            f"[{b['memory']}, split_kv_max_bs {b['split_kv_max_bs']}] / [{a['memory']}, "
-            f"split_kv_max_bs {a['split_kv_max_bs']}]: wall "
+            f"[{b['memory']}, split_kv_max_bs {b['split_kv_max_bs']}, draft_ahead "
+            f"{b['draft_ahead']}] / [{a['memory']}, split_kv_max_bs {a['split_kv_max_bs']}, "
+            f"draft_ahead {a['draft_ahead']}]: wall "
             f"{a['step_wall_ms'] / b['step_wall_ms']:.3f}x throughput, GPU step "
             f"{a['gpu_ms_per_verify_step'] / b['gpu_ms_per_verify_step']:.3f}x"
         )
