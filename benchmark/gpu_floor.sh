@@ -31,9 +31,8 @@
 # prefill: the GPU tests of the fla prefill path, benchmark/bench_prefill.py (time to first
 #   token of one 4k / 28k prompt, recurrent vs fla) and bench_gdn.py's prefill rows at 512 ..
 #   2048 tokens (where fla starts to win);
-# ahead: the GPU tests of drafting ahead (drafted-step graphs == drafting in the step, static
-#   and unified) and of the engine, then profile_step.py with and without drafting ahead and
-#   its overlap probe (commit and drafter alone, in sequence, forked);
+# overlap: profile_step.py with its overlap probe (the GDN replay commit and the drafter's
+#   proposal alone, in sequence, and forked onto two streams, in CUDA graphs);
 # fp8: benchmark/bench_fp8_gemm.py (the verify GEMM shapes in e4m3 against bf16);
 # bench: `python -m unimem bench` (docs/results/bench_h200.json; BENCH_ARGS adds flags).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
@@ -109,11 +108,9 @@ for part in $parts; do
       run python3 benchmark/bench_gdn.py --bs 1 --prefill-requests 1 \
         --prefill-lens 256 512 1024 2048 --repeats 3 \
         --json "$out/bench_gdn_prefill_fla_short_h200.json" ;;
-    ahead)
-      run python3 -m pytest -q -p no:cacheprovider -rfE -W ignore -m gpu \
-        test/speculative/test_draft_ahead.py test/engine/test_gpu_engine.py
-      run python3 benchmark/profile_step.py --memory static --draft-ahead 0,1 --steps 20 \
-        --overlap-probe --top-kernels 12 --json "$out/profile_draft_ahead_h200.json" ;;
+    overlap)
+      run python3 benchmark/profile_step.py --memory static --steps 20 --overlap-probe \
+        --top-kernels 12 --json "$out/profile_overlap_h200.json" ;;
     fp8)
       run python3 benchmark/bench_fp8_gemm.py --json "$out/bench_fp8_gemm_h200.json" ;;
     bench)

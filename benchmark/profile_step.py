@@ -72,13 +72,9 @@ def category(name: str) -> str:
     return "other (norms, RoPE, sampling, accept, elementwise)"
 
 
-def measure(
-    kind: str, split_kv_max_bs: int, draft_ahead: bool, args, model, drafter, prompts
-) -> dict:
+def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> dict:
     """Steady-state numbers of one memory kind ("static" or "unified"), with decode/verify
-    steps of at most ``split_kv_max_bs`` requests attending through the split-KV kernel, and
-    with or without drafting ahead (``EngineCore(draft_ahead=)``; the steady step is then the
-    one that starts from drafts made by the previous step)."""
+    steps of at most ``split_kv_max_bs`` requests attending through the split-KV kernel."""
     dev = model.device
     cfg = model.config
     refs = {i: p + p for i, p in enumerate(prompts)}
@@ -92,9 +88,7 @@ def measure(
     else:
         pool = UnifiedMemory(spec, 24 << 30, n, cfg.max_context, dev)
     backend = FA4Backend(split_kv_max_bs=split_kv_max_bs)
-    eng = EngineCore(
-        model, pool, backend, n, 8192, chain=chain, cuda_graphs=True, draft_ahead=draft_ahead
-    )
+    eng = EngineCore(model, pool, backend, n, 8192, chain=chain, cuda_graphs=True)
     for p in prompts:
         eng.submit(p, out_len)
     while any(r.kv_len < args.input_len for r in eng.scheduler.running) or eng.scheduler.waiting:
@@ -131,13 +125,12 @@ def measure(
     # 2. GPU time of one verify step (graph replays back to back)
     runner = eng.runner
     bs = len(eng.scheduler.running)
-    graphs = runner.drafted_graphs if runner.drafted_graphs is not None else runner.graphs
-    width = graphs.bucket(bs)
+    width = runner.graphs.bucket(bs)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graphs.replay(width)
+    runner.graphs.replay(width)
     start.record()
     for _ in range(args.replays):
-        graphs.replay(width)
+        runner.graphs.replay(width)
     end.record()
     torch.cuda.synchronize()
     gpu_ms = start.elapsed_time(end) / args.replays
@@ -146,7 +139,7 @@ def measure(
     n_prof = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(n_prof):
-            graphs.replay(width)
+            runner.graphs.replay(width)
         torch.cuda.synchronize()
     per_cat: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
@@ -165,7 +158,6 @@ def measure(
         "memory": kind,
         "split_kv_max_bs": split_kv_max_bs,
         "split_kv": backend.split_kv_max_bs >= width,
-        "draft_ahead": runner.draft_ahead,
         "requests": bs,
         "bucket": width,
         "step_wall_ms": wall * 1e3,
@@ -373,12 +365,6 @@ def main() -> None:
         help="also profile one eager verify step and list this many torch ops by launch site",
     )
     ap.add_argument(
-        "--draft-ahead",
-        default="1",
-        help="comma-separated EngineCore(draft_ahead=) values (0/1), each measured with every "
-        "memory kind",
-    )
-    ap.add_argument(
         "--overlap-probe",
         action="store_true",
         help="also time the GDN replay commit and the drafter's proposal in CUDA graphs, in "
@@ -401,19 +387,13 @@ def main() -> None:
         f"page {args.page_size}, prompts {args.input_len}; steady state"
     )
     results = []
-    runs = [
-        (int(m), k, bool(int(d)))
-        for m in args.split_kv_max_bs.split(",")
-        for d in args.draft_ahead.split(",")
-        for k in args.memory.split(",")
-    ]
-    for max_bs, kind, ahead in runs:
-        r = measure(kind, max_bs, ahead, args, model, drafter, prompts)
+    runs = [(int(m), k) for m in args.split_kv_max_bs.split(",") for k in args.memory.split(",")]
+    for max_bs, kind in runs:
+        r = measure(kind, max_bs, args, model, drafter, prompts)
         results.append(r)
         attn = "split-KV" if r["split_kv"] else "FA4"
-        drafts = "drafts made ahead" if r["draft_ahead"] else "drafts in the step"
         print(
-            f"[{kind}, {attn} decode/verify attention, {drafts}] engine loop: "
+            f"[{kind}, {attn} decode/verify attention] engine loop: "
             f"{r['step_wall_ms']:.2f} ms/step wall, host "
             f"{r['host_ms_per_step']:.2f} ms/step outside the wait, "
             f"{r['tokens_per_step']:.1f} tokens/step, {r['output_tok_s']:.0f} tok/s; "
@@ -446,9 +426,8 @@ def main() -> None:
     a = results[0]
     for b in results[1:]:
         print(
-            f"[{b['memory']}, split_kv_max_bs {b['split_kv_max_bs']}, draft_ahead "
-            f"{b['draft_ahead']}] / [{a['memory']}, split_kv_max_bs {a['split_kv_max_bs']}, "
-            f"draft_ahead {a['draft_ahead']}]: wall "
+            f"[{b['memory']}, split_kv_max_bs {b['split_kv_max_bs']}] / [{a['memory']}, "
+            f"split_kv_max_bs {a['split_kv_max_bs']}]: wall "
             f"{a['step_wall_ms'] / b['step_wall_ms']:.3f}x throughput, GPU step "
             f"{a['gpu_ms_per_verify_step'] / b['gpu_ms_per_verify_step']:.3f}x"
         )

@@ -80,17 +80,12 @@ def test_chain_engine_needs_room_for_the_write_window_and_the_draft_lanes(tiny):
     chain = DsparkChain(drafter, 4)
     spec = memory_spec(cfg, 16, draft_lanes=drafter.config.lanes())
     pool = UnifiedMemory(spec, 16 << 20, 2, cfg.max_context)
-    eng = EngineCore(model, pool, TorchReferenceBackend(), 2, 32, chain=chain, draft_ahead=False)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), 2, 32, chain=chain)
     # prompt + output - 1 fits the context, but not the last write window (4) plus the
     # look-ahead step (5) that may run before the host reads that the request finished
     with pytest.raises(ValueError, match="write window and look-ahead 9 exceed the context"):
         eng.submit([1] * (cfg.max_context - 17), 10)
     eng.submit([1] * (cfg.max_context - 18), 10)
-    # drafting ahead, that step also writes the next block's 4 drafts
-    eng = EngineCore(model, pool, TorchReferenceBackend(), 2, 32, chain=chain, draft_ahead=True)
-    with pytest.raises(ValueError, match="write window and look-ahead 13 exceed the context"):
-        eng.submit([1] * (cfg.max_context - 21), 10)
-    eng.submit([1] * (cfg.max_context - 22), 10)
     plain = UnifiedMemory(memory_spec(cfg, 16), 4 << 20, 2, cfg.max_context)
     with pytest.raises(ValueError, match="draft_lanes"):
         EngineCore(model, plain, TorchReferenceBackend(), 2, 32, chain=chain)

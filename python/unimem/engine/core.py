@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
 from unimem.engine.request import Request
-from unimem.engine.runner import DRAFT_AHEAD, ModelRunner
+from unimem.engine.runner import ModelRunner
 from unimem.engine.sampling import GREEDY, SamplingOptions, default_seed, seed_to_int64
 from unimem.engine.scheduler import Batch, Scheduler
 from unimem.engine.step_io import ResultRing, StagedResult
@@ -55,11 +55,6 @@ class EngineCore:
     With results read one step late, a speculative request may run one verify step past its
     end (its in-flight step finished it): every request reserves ``lookahead`` (``gamma + 1``)
     tokens of context and memory beyond its write window for that step.
-
-    ``draft_ahead`` (default :data:`unimem.engine.runner.DRAFT_AHEAD`; fixed verify lengths
-    only): a greedy verify step drafts its requests' next block at its end, beside the GDN
-    commit, and every verify reserves ``gamma`` more tokens for that block (its look-ahead
-    grows by as much).
     """
 
     def __init__(
@@ -76,19 +71,13 @@ class EngineCore:
         graph_buckets: Sequence[int] | None = None,
         logprobs: bool = False,
         random_seed: int = 0,
-        draft_ahead: bool | None = None,
     ) -> None:
         self.model = model
         self.random_seed = random_seed
         self.pool = pool
         self.chain = chain
         self.cache = cache
-        if draft_ahead is None:
-            draft_ahead = DRAFT_AHEAD
-        draft_ahead = draft_ahead and chain is not None and not chain.adaptive
-        # the block drafted ahead reaches gamma tokens past the verify's write window
-        draft_reach = chain.gamma if draft_ahead else 0
-        self.lookahead = chain.verify_width + draft_reach if chain is not None else 0
+        self.lookahead = chain.verify_width if chain is not None else 0
         if chain is not None:
             c = model.config
             window = c.window if "swa" in c.layer_pattern else None
@@ -99,7 +88,6 @@ class EngineCore:
             chunk_size,
             gamma=chain.gamma if chain is not None else None,
             cache=cache,
-            verify_reach=draft_reach,
         )
         self.runner = ModelRunner(
             model,
@@ -111,7 +99,6 @@ class EngineCore:
             cuda_graphs=cuda_graphs,
             graph_buckets=graph_buckets,
             logprobs=logprobs,
-            draft_ahead=draft_ahead,
         )
         self.results = ResultRing(max_running, self.runner.width, pool.device, logprobs=logprobs)
         self._pending: tuple[Batch, StagedResult] | None = None

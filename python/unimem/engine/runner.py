@@ -75,15 +75,6 @@ from unimem_kernel import gdn_reference
 from unimem_kernel.greedy_accept import greedy_verify_accept
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
-DRAFT_AHEAD = True
-"""Default of :class:`ModelRunner`'s ``draft_ahead``: a greedy fixed verify step ends by
-drafting its lanes' next block (the drafter's proposal from the new lengths and anchors, into
-:attr:`ModelRunner.next_drafts`) on the step's stream while the GDN commit runs on a second
-stream, and the next verify step of the same requests starts from those drafts instead of
-drafting first. The drafter reads no GDN state, so the two overlap; the drafts are the ones
-the next step would have made (same inputs, same kernels), so outputs do not change. The
-scheduler reserves ``gamma`` more tokens per verify for the block written ahead."""
-
 GDN_REPLAY_COMMIT = True
 """Default of :class:`ModelRunner`'s ``gdn_replay_commit``: a verify keeps per GDN layer only
 the step's inputs (a :class:`~unimem_kernel.gdn_reference.VerifyRecord`: conv input and
@@ -274,7 +265,6 @@ class ModelRunner:
         graph_buckets: Sequence[int] | None = None,
         logprobs: bool = False,
         gdn_replay_commit: bool | None = None,
-        draft_ahead: bool | None = None,
     ) -> None:
         self.model = model
         self.logprobs = logprobs
@@ -316,22 +306,8 @@ class ModelRunner:
         if chain is not None:
             self.drafts = DraftRunner(chain, pool, backend, max_bs)
             self._init_verify_scratch(chain.verify_width)
-        if draft_ahead is None:
-            draft_ahead = DRAFT_AHEAD
-        self.draft_ahead = draft_ahead and chain is not None and not chain.adaptive
-        # the drafts of each request-table row's next verify step, valid for the rows in
-        # _drafted_rows (those of the last launch, when it was a greedy fixed verify)
-        self.next_drafts: torch.Tensor | None = None
-        self._drafted_rows: frozenset[int] = frozenset()
-        self._commit_stream: torch.cuda.Stream | None = None
-        if self.draft_ahead:
-            rows = pool.req_to_token.shape[0]
-            self.next_drafts = torch.zeros(rows, chain.gamma, dtype=torch.int64, device=self.device)
-            if self.device.type == "cuda":
-                self._commit_stream = torch.cuda.Stream(self.device)
         self.graphs: StepGraphs | None = None
         self.sample_graphs: StepGraphs | None = None
-        self.drafted_graphs: StepGraphs | None = None
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError("cuda_graphs needs a pool on a CUDA device")
@@ -343,10 +319,6 @@ class ModelRunner:
                 self.sample_graphs = StepGraphs(
                     self._sampling_step, self.lanes.pad, buckets, self.device
                 )
-                if self.draft_ahead:
-                    self.drafted_graphs = StepGraphs(
-                        self._drafted_step, self.lanes.pad, buckets, self.device
-                    )
 
     def _warm_up_fla(self, max_tokens: int) -> list[int]:
         """Compile and autotune fla's chunked GDN prefill for every GDN layer layout of the
@@ -434,8 +406,6 @@ class ModelRunner:
         Returns the number of lanes."""
         if batch.mode == "extend":
             self._extend(batch)
-            if self._drafted_rows:  # an extend moves its rows: their drafts are stale
-                self._drafted_rows = self._drafted_rows.difference(r.mem.row for r in batch.reqs)
             return len(batch.reqs)
         if batch.mode != ("verify" if self.chain is not None else "decode"):
             raise ValueError(
@@ -451,19 +421,13 @@ class ModelRunner:
             width,
         )
         draw = any(not r.sampling.greedy for r in batch.reqs)
-        rows = [r.mem.row for r in batch.reqs]
-        drafted = not draw and bool(self._drafted_rows) and self._drafted_rows.issuperset(rows)
-        graphs = self.sample_graphs if draw else self.drafted_graphs if drafted else self.graphs
+        graphs = self.sample_graphs if draw else self.graphs
         if graphs is not None:
             graphs.replay(width)
         elif draw:
             self._sampling_step(width)
-        elif drafted:
-            self._drafted_step(width)
         else:
             self._uniform_step(width)
-        if self.draft_ahead:  # a greedy fixed verify drafted its rows' next block
-            self._drafted_rows = frozenset() if draw else frozenset(rows)
         return bs
 
     def _uniform_step(self, width: int) -> None:
@@ -471,10 +435,6 @@ class ModelRunner:
             self._verify_step(width)
         else:
             self._decode_step(width)
-
-    def _drafted_step(self, width: int) -> None:
-        """The greedy fixed verify step of lanes whose drafts the previous step made."""
-        self._verify_step(width, drafted=True)
 
     def _sampling_step(self, width: int) -> None:
         if self.chain is not None:
@@ -583,7 +543,7 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- verify
 
-    def _verify_step(self, width: int, draw: bool = False, drafted: bool = False) -> None:
+    def _verify_step(self, width: int, draw: bool = False) -> None:
         """One chain step for every lane (each lane's anchor is its row's next token, its
         committed length its row's length, its pages cover ``length + gamma + 1`` tokens —
         the scheduler reserved them). Device inputs only (capturable):
@@ -603,11 +563,6 @@ class ModelRunner:
 
         Nothing is freed (rejected rows are overwritten next step). With an adaptive chain
         the step is :meth:`_ragged_verify_step`; the fixed step below is unchanged by it.
-
-        With ``draft_ahead`` (greedy steps): ``drafted`` takes step 2's drafts from
-        :attr:`next_drafts` (the previous step made them); the step ends by drafting the
-        lanes' next block from their new lengths and anchors into :attr:`next_drafts`, on
-        this stream, while the GDN commit runs on a second one (:data:`DRAFT_AHEAD`).
         """
         if self.chain.adaptive:
             self._ragged_verify_step(width, draw)
@@ -625,9 +580,7 @@ class ModelRunner:
         )
         params = self.sampling.read(rows) if draw else None
         q = None
-        if drafted:
-            draft = self.next_drafts.index_select(0, rows)
-        elif params is None:
+        if params is None:
             draft = self.drafts.propose(rows, seq_lens, anchors, rids)
         else:
             draft, q = self.drafts.propose_sampled(rows, seq_lens, anchors, rids, params)
@@ -648,15 +601,7 @@ class ModelRunner:
                 logits, draft, q, tokens, accepted, seq_lens, params
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
-        ahead = self.draft_ahead and params is None
-        side = self._commit_stream if ahead else None
-        if side is not None:  # the commit beside the drafter (it reads no GDN state)
-            main = torch.cuda.current_stream(self.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                self._commit_gdn(accepted, vslots, ctx.state_slots)
-        else:
-            self._commit_gdn(accepted, vslots, ctx.state_slots)
+        self._commit_gdn(accepted, vslots, ctx.state_slots)
         keep = commit_mask(accepted, vw).reshape(-1)
         self.drafts.write_context(ctx.hidden, meta, keep)
         self.state.write(rows, seq_lens + accepted + 1, bonus)
@@ -665,11 +610,6 @@ class ModelRunner:
         if self.logprobs:
             lp = token_logprobs(logits, tokens.reshape(-1))
             self.out.logprobs[:width] = lp.reshape(width, vw)
-        if ahead:  # the next step's drafts, from exactly what it would read
-            next_lens, next_anchors = self.state.read(rows)
-            self.next_drafts[rows] = self.drafts.propose(rows, next_lens, next_anchors, rids)
-        if side is not None:
-            main.wait_stream(side)
 
     def _ragged_verify_step(self, width: int, draw: bool = False) -> None:
         """The verify step with per-lane lengths ``L_b`` in ``1 .. gamma + 1``, packed

@@ -101,7 +101,6 @@ class Scheduler:
         chunk_size: int,
         gamma: int | None = None,
         cache: PrefixCache | None = None,
-        verify_reach: int = 0,
     ) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
@@ -111,12 +110,7 @@ class Scheduler:
             raise ValueError(f"gamma must be >= 1 (or None without speculation), got {gamma}")
         if cache is not None and cache.pool is not pool:
             raise ValueError("the prefix cache must be built over the scheduler's pool")
-        if verify_reach < 0 or (verify_reach and gamma is None):
-            raise ValueError(f"verify_reach must be >= 0 and needs gamma, got {verify_reach}")
         self.gamma = gamma
-        # tokens past a verify's write window that the step also writes (a block drafted
-        # ahead for the next step): its pages are reserved with the window's
-        self.verify_reach = verify_reach
         self.pool = pool
         self.cache = cache
         # Anchor points of the cache: committed lengths that are multiples of this.
@@ -179,10 +173,8 @@ class Scheduler:
                 if self.waiting and not self.running:
                     raise RuntimeError("no request can run: the pool cannot hold even one request")
                 return None
-            reach = self.verify_reach if batch.mode == "verify" else 0
             targets = [
-                (r.mem, r.planned_kv_max + n + reach)
-                for r, n in zip(batch.reqs, batch.lens, strict=True)
+                (r.mem, r.planned_kv_max + n) for r, n in zip(batch.reqs, batch.lens, strict=True)
             ]
             if self.pool.grow(targets):
                 return batch
