@@ -127,7 +127,9 @@ def run_and_compare(mode, page_size, window, hq, hkv, dk, dv, split_kv=False, si
     backend = FA4Backend(split_kv_max_bs=16 if split_kv else 0)
     if split_kv:
         meta = dataclasses.replace(meta, uniform_q=True)
-        assert backend.takes_split_kv(meta) and not backend.takes_split_kv(meta, invariant=True)
+        layout = {"q_heads": hq, "head_dim": dk}
+        assert backend.takes_split_kv(meta, **layout)
+        assert not backend.takes_split_kv(meta, invariant=True, **layout)
     sink = None
     if sinks:
         sink = torch.randn(hq, generator=torch.Generator().manual_seed(4)).cuda()

@@ -9,10 +9,16 @@ import torch
 from unimem.attention.fa4_backend import (
     SPLIT_KV_MAX_BS,
     SPLIT_KV_MAX_Q,
+    SPLIT_KV_MAX_WORK,
     split_kv_programs,
-    takes_split_kv,
 )
+from unimem.attention.fa4_backend import takes_split_kv as _takes
 from unimem.attention.metadata import MetadataBuilder
+
+
+def takes_split_kv(meta, max_bs, invariant=False, q_heads=16, head_dim=128):
+    """The policy at the small preset's layout (16 query heads of 128)."""
+    return _takes(meta, max_bs, invariant, q_heads=q_heads, head_dim=head_dim)
 
 
 def _builder(max_bs: int) -> MetadataBuilder:
@@ -58,3 +64,23 @@ def test_small_uniform_steps_only():
 
 def test_programs_per_kv_head():
     assert [split_kv_programs(b) for b in (1, 2, 4, 8, 16, 24, 48)] == [16, 16, 16, 8, 4, 4, 4]
+    # 64 / bs, at most 256 / (bs x KV heads), 4 .. 16: the best measured per layout
+    assert [split_kv_programs(b, 8) for b in (1, 2, 4, 8)] == [16, 16, 8, 4]  # gpt-oss
+    assert [split_kv_programs(b, 2) for b in (1, 2, 4, 8)] == [16, 16, 16, 8]  # Qwen3-Next
+    assert [split_kv_programs(b, 4) for b in (1, 8, 16)] == [16, 8, 4]
+
+
+def test_the_head_layout_bounds_the_batch():
+    """batch x query heads x head dim <= SPLIT_KV_MAX_WORK: 16 requests at the small preset's
+    16 x 128, 8 at Qwen3-Next's 16 x 256 and at gpt-oss's 64 x 64."""
+    rows = SPLIT_KV_MAX_BS + 1
+    r2t, v2p = _tables(rows)
+    b = _builder(rows)
+    assert SPLIT_KV_MAX_WORK == 16 * 16 * 128
+    for heads, dim, most in ((16, 128, 16), (16, 256, 8), (64, 64, 8), (8, 64, 16)):
+        for n in (most, most + 1):
+            rpi = torch.arange(n, dtype=torch.int32)
+            seq = torch.full((n,), 9, dtype=torch.int32)
+            meta = b.verify(r2t, rpi, seq, v2p, gamma=7)
+            want = n <= most and n <= SPLIT_KV_MAX_BS
+            assert takes_split_kv(meta, SPLIT_KV_MAX_BS, q_heads=heads, head_dim=dim) == want

@@ -63,9 +63,13 @@ rows per request attends instead through :func:`unimem_kernel.paged_verify_atten
 programs per (request, KV head), a fixed merge order): 1.15-1.24x FA4 at 520 keys and
 4.5-6.3x at 32k keys with 1-4 requests, 0.96x (520 keys) to 1.38x (32k) at 16, slower from
 24 requests on
-(``docs/benchmarks.md``, "Split-KV verify attention against FA4"). The choice depends on the
-step's batch size, so a row's bits can depend on its batch bucket: with ``invariant`` (batch-
-invariant mode) every step takes FA4, as extend does, and rows do not.
+(``docs/benchmarks.md``, "Split-KV verify attention against FA4"). Where FA4 catches up
+depends on the head layout too: at Qwen3-Next's (16 query / 2 KV heads of 256) 16 requests
+are 0.75x FA4 at 512 keys and at gpt-oss's (64 / 8 of 64) 0.65-0.73x at every context, so a
+step also needs ``batch x query heads x head dim`` <= :data:`SPLIT_KV_MAX_WORK` (the small
+preset's 16 x 16 x 128: up to 16 requests there, 8 for the other two). The choice depends on
+the step's batch size, so a row's bits can depend on its batch bucket: with ``invariant``
+(batch-invariant mode) every step takes FA4, as extend does, and rows do not.
 
 CUDA graphs. Every variant (dtype, head dims, GQA ratio, window or not, query width class)
 compiles on its first call (seconds); a first call inside ``torch.cuda.graph`` breaks the
@@ -87,6 +91,7 @@ __all__ = [
     "SPLIT_KV_KEYS",
     "SPLIT_KV_MAX_BS",
     "SPLIT_KV_MAX_Q",
+    "SPLIT_KV_MAX_WORK",
     "FA4Backend",
     "split_kv_programs",
     "takes_split_kv",
@@ -98,6 +103,14 @@ the split-KV kernel (faster than FA4 at every context measured up to 8 requests;
 slower at 520 keys and 6-38 % faster from 2k keys on; slower everywhere at 24: module
 docstring)."""
 
+SPLIT_KV_MAX_WORK = 16 * 16 * 128
+"""Most ``batch x query heads x head dim`` of a step that takes the split-KV kernel (with
+``split_kv_max_bs``). Measured on the H200 at 512-8k keys, 8 query rows per request (the
+kernel at its default programs against FA4): the small preset (16 / 4 x 128) is 0.96-1.38x at
+16 requests; Qwen3-Next's layout (16 / 2 x 256) 1.01-2.05x at 8 requests and 0.75-1.17x at
+16; gpt-oss's (64 / 8 x 64) 1.03-1.35x at 8 requests (4 programs, :func:`split_kv_programs`)
+and 0.65-0.73x at 16."""
+
 SPLIT_KV_KEYS = 128
 """Keys per split of the split-KV kernel (the best of 64 and 128 at 1-16 requests)."""
 
@@ -105,11 +118,18 @@ SPLIT_KV_MAX_Q = 16
 """Most query rows per request the split-KV path takes (a verify of up to 15 drafts)."""
 
 
-def split_kv_programs(bs: int) -> int:
-    """Programs per (request, KV head) of the split-KV kernel for ``bs`` requests: 16 up to 4
-    requests, 8 at 8, 4 from 16 on — about 64 programs per KV head in all, the best measured
-    at each of 1, 2, 4, 8, 16 requests (within 5 %) over 520 to 32k keys."""
-    return max(4, min(16, 64 // max(bs, 1)))
+def split_kv_programs(bs: int, kv_heads: int = 4) -> int:
+    """Programs per (request, KV head) of the split-KV kernel for ``bs`` requests of
+    ``kv_heads`` KV heads: ``64 / bs``, at most ``256 / (bs * kv_heads)``, between 4 and 16 —
+    the best of 2 / 4 / 8 / 16 measured on the H200 over 512 to 8k keys (at 520 to 32k for
+    the small preset) in every layout measured:
+
+    - the small preset (4 KV heads): 16 up to 4 requests, 8 at 8, 4 from 16 on;
+    - Qwen3-Next's layout (2 KV heads of 256): 16 at 2 requests, 8 at 8;
+    - gpt-oss's (8 KV heads of 64): 8 at 4 requests and 4 at 8 (16 and 8 are 10-25 % slower
+      there); at 2 requests 16 (8 is 10 % faster at 512 keys, 15 % slower at 8k)."""
+    bs = max(bs, 1)
+    return max(4, min(16, 64 // bs, 256 // (bs * max(kv_heads, 1))))
 
 
 _INSTALL_HINT = (
@@ -118,14 +138,24 @@ _INSTALL_HINT = (
 )
 
 
-def takes_split_kv(meta: AttentionMetadata, max_bs: int, invariant: bool = False) -> bool:
+def takes_split_kv(
+    meta: AttentionMetadata,
+    max_bs: int,
+    invariant: bool = False,
+    *,
+    q_heads: int,
+    head_dim: int,
+) -> bool:
     """Whether a step of ``meta`` attends through the split-KV kernel: a uniform step (decode,
     verify: ``meta.uniform_q``) of 1 .. ``max_bs`` requests and at most
-    :data:`SPLIT_KV_MAX_Q` rows each, outside batch-invariant mode (``invariant``)."""
+    :data:`SPLIT_KV_MAX_Q` rows each, with ``batch x q_heads x head_dim`` at most
+    :data:`SPLIT_KV_MAX_WORK`, outside batch-invariant mode (``invariant``)."""
+    bs = meta.batch_size
     return (
         meta.uniform_q
         and not invariant
-        and 1 <= meta.batch_size <= max_bs
+        and 1 <= bs <= max_bs
+        and bs * q_heads * head_dim <= SPLIT_KV_MAX_WORK
         and meta.max_seqlen_q <= SPLIT_KV_MAX_Q
     )
 
@@ -166,10 +196,15 @@ class FA4Backend(AttentionBackend):
         self.pack_gqa = pack_gqa
         self.split_kv_max_bs = split_kv_max_bs
 
-    def takes_split_kv(self, meta: AttentionMetadata, invariant: bool = False) -> bool:
-        """Whether ``attend`` runs ``meta``'s step through the split-KV kernel
-        (:func:`takes_split_kv` with this backend's ``split_kv_max_bs``)."""
-        return takes_split_kv(meta, self.split_kv_max_bs, invariant)
+    def takes_split_kv(
+        self, meta: AttentionMetadata, invariant: bool = False, *, q_heads: int, head_dim: int
+    ) -> bool:
+        """Whether ``attend`` runs ``meta``'s step of ``q_heads`` query heads of ``head_dim``
+        through the split-KV kernel (:func:`takes_split_kv` with this backend's
+        ``split_kv_max_bs``)."""
+        return takes_split_kv(
+            meta, self.split_kv_max_bs, invariant, q_heads=q_heads, head_dim=head_dim
+        )
 
     def attend(
         self,
@@ -189,13 +224,13 @@ class FA4Backend(AttentionBackend):
             raise ValueError(f"FA4 needs fp16/bf16, got {q.dtype}")
         if not (q.dtype == k_cache.dtype == v_cache.dtype):
             raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
-        if self.takes_split_kv(meta, invariant):
-            bs = meta.batch_size
+        if self.takes_split_kv(meta, invariant, q_heads=q.shape[1], head_dim=q.shape[2]):
+            bs, kv_heads = meta.batch_size, k_cache.shape[2]
             return paged_verify_attention(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.cache_seqlens, meta.table(swa),
                 q_len=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=float(scale),
                 window=window, sinks=sinks, split_size=SPLIT_KV_KEYS,
-                kv_programs=split_kv_programs(bs),
+                kv_programs=split_kv_programs(bs, kv_heads),
             )  # fmt: skip
         left = None if window is None else window - 1
         extra = {} if sinks is None else {"learnable_sink": sinks}

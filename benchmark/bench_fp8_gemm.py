@@ -1,0 +1,127 @@
+"""FP8 (e4m3) against bf16 for the verify step's GEMM shapes on one GPU: the data for deciding
+whether an FP8 weight path (``--quantization fp8``-style: weights quantised per output channel
+at load, activations per token at run time) can move the step's GEMM share.
+
+Shapes: ``bench_gemm_shapes.SHAPES`` (the ``small`` preset at ``--m`` rows). Variants per shape:
+- ``bf16``: ``F.linear`` (the LM head: ``torch.mm(..., out_dtype=float32)``);
+- ``fp8 rowwise``: ``torch._scaled_mm`` with float32 scales per row of A ``[M, 1]`` and per
+  output channel of B ``[1, N]``, bf16 (LM head: float32) out;
+- ``fp8 tensor``: the same with one scale per operand;
+- ``quant``: the per-token activation quantisation a rowwise call needs (torch ops: amax,
+  divide, cast), timed alone, as the upper bound of what a fused quantisation costs.
+
+Each time: ``--iters`` calls in one CUDA graph, the median of ``--repeats`` samples
+(``cuda_timing.graph_median_ms``); TFLOP/s = 2 M N K / time; ``rel`` = the largest |difference|
+to the float32 product of the unquantised operands, relative to its largest |value|. ``--json
+PATH`` writes the rows. Needs CUDA (exits 2 with one line without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from bench_gemm_shapes import SHAPES
+from cuda_timing import graph_median_ms
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[384], help="rows (tokens per step)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=40, help="calls per sample")
+    ap.add_argument("--repeats", type=int, default=7, help="samples; the median is kept")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    return ap.parse_args(argv)
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantisation: ``(x / s, s)`` with ``s = amax(|row|) / 448`` (float32)."""
+    s = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX
+    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+def measure_shape(m: int, name: str, g: torch.Generator, args) -> dict:
+    """One shape's row: each variant's µs, TFLOP/s and error, and the quantisation's µs."""
+    dev = g.device
+    k, n, out = SHAPES[name]
+    out_dtype = torch.float32 if out == "fp32" else torch.bfloat16
+    a = torch.randn(m, k, generator=g, device=dev).bfloat16()
+    w = (torch.randn(n, k, generator=g, device=dev) / k**0.5).bfloat16()
+    ref = a.float() @ w.float().t()
+    wq, ws = quant_rows(w)  # per output channel
+    aq, a_s = quant_rows(a)
+    ws_row = ws.t().contiguous()  # [1, N]
+    b = wq.t()  # [K, N] column-major, as _scaled_mm wants its second operand
+    w_1 = w.float().abs().amax() / FP8_MAX
+    a_1 = a.float().abs().amax() / FP8_MAX
+    b_1 = (w.float() / w_1).to(FP8).t()
+    aq_1 = (a.float() / a_1).to(FP8)
+
+    def bf16():
+        if out == "fp32":
+            return torch.mm(a, w.t(), out_dtype=torch.float32)
+        return F.linear(a, w)
+
+    def rowwise():
+        return torch._scaled_mm(aq, b, scale_a=a_s, scale_b=ws_row, out_dtype=out_dtype)
+
+    def tensor():
+        return torch._scaled_mm(aq_1, b_1, scale_a=a_1, scale_b=w_1, out_dtype=out_dtype)
+
+    def time_us(fn) -> float:
+        return 1e3 * graph_median_ms(fn, warmup=args.warmup, iters=args.iters, repeats=args.repeats)
+
+    row: dict = {"m": m, "shape": name, "k": k, "n": n}
+    for label, fn in (("bf16", bf16), ("fp8_rowwise", rowwise), ("fp8_tensor", tensor)):
+        try:
+            y = fn().float()
+            rel = float((y - ref).abs().max() / ref.abs().max())
+            us = time_us(fn)
+            row[label] = {"us": us, "tflops": 2 * m * n * k / us / 1e6, "rel": rel}
+        except RuntimeError as e:  # a scaling mode this build does not have
+            row[label] = {"error": str(e).splitlines()[0][:160]}
+    row["quant_us"] = time_us(lambda: quant_rows(a))
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fp8_gemm: needs a CUDA device")
+        return 2
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    print(f"GPU {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}")
+    print(f"iters {args.iters} per CUDA graph, median of {args.repeats}; us per call (TFLOP/s)")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for m in args.m:
+        for name in args.shapes:
+            row = measure_shape(m, name, g, args)
+            rows.append(row)
+            cells = []
+            for label in ("bf16", "fp8_rowwise", "fp8_tensor"):
+                r = row[label]
+                cells.append(
+                    f"{label} {r['us']:7.1f} ({r['tflops']:5.0f}, rel {r['rel']:.1e})"
+                    if "us" in r
+                    else f"{label} n/a ({r['error']})"
+                )
+            print(f"M {m:5d} {name:8s} " + " | ".join(cells) + f" | quant {row['quant_us']:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": props.name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
