@@ -28,6 +28,20 @@ def with_fla(monkeypatch):
 
 
 @pytest.fixture
+def fla_calls(monkeypatch):
+    """Token counts of every ``gdn_extend_fla`` call (the runner's and the warm-up's)."""
+    calls = []
+    real = gdn_prefill.gdn_extend_fla
+
+    def counting(*a, **k):
+        calls.append(a[0].shape[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(gdn_prefill, "gdn_extend_fla", counting)
+    return calls
+
+
+@pytest.fixture
 def without_fla(monkeypatch):
     monkeypatch.setattr(gdn_prefill, "fla_chunk_rule", lambda: None)
 
@@ -222,7 +236,7 @@ def test_fla_extend_matches_recurrent_on_slots(hk, h, d):
 
 
 @pytest.mark.gpu
-def test_engine_prefills_through_fla_static_equals_unified(monkeypatch):
+def test_engine_prefills_through_fla_static_equals_unified(monkeypatch, fla_calls):
     """Prompts of 1 100 tokens (chunked prefill of 512: the last chunk is shorter, the first
     two take fla under ``fla``) then DSPARK verify steps: identical tokens over static and
     unified memory, and fla was used."""
@@ -240,14 +254,6 @@ def test_engine_prefills_through_fla_static_equals_unified(monkeypatch):
     from unimem.speculative.drafter import DsparkDrafter
 
     monkeypatch.setenv(PREFILL_ENV, "fla")
-    calls = []
-    real = gdn_prefill.gdn_extend_fla
-
-    def counting(*a, **k):
-        calls.append(a[0].shape[0])
-        return real(*a, **k)
-
-    monkeypatch.setattr(gdn_prefill, "gdn_extend_fla", counting)
     cfg = preset("gpu_test")
     model = HybridModel(cfg, seed=3, device=CUDA)
     drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)
@@ -265,10 +271,11 @@ def test_engine_prefills_through_fla_static_equals_unified(monkeypatch):
         eng = EngineCore(
             model, pool, FA4Backend(), 4, 512, chain=DsparkChain(drafter, 3), cuda_graphs=True
         )
+        warmed = len(fla_calls)  # the runner's warm-up extends
         for p in prompts:
             eng.submit(p, 40)
         outs.append({r.rid: r.output for r in eng.run()})
-    assert calls, "no extend took fla"
+        assert len(fla_calls) > warmed, f"no extend took fla ({kind})"
     assert outs[0] == outs[1]
     assert all(len(o) == 40 for o in outs[0].values())
 
@@ -298,7 +305,7 @@ def _fla_kernel_state() -> set[tuple[str, str]]:
 
 
 @pytest.mark.gpu
-def test_engine_start_warms_fla_so_prefills_compile_nothing(monkeypatch):
+def test_engine_start_warms_fla_so_prefills_compile_nothing(monkeypatch, fla_calls):
     """The default mode (``auto``) with 2 048-token extends: the runner warms fla up at
     construction; then 1 500-token prompts prefill through fla without compiling or
     autotuning any fla kernel, and the step loop (prefill chunks, CUDA-graph decode) runs
@@ -313,21 +320,13 @@ def test_engine_start_warms_fla_so_prefills_compile_nothing(monkeypatch):
     from unimem.models.synthetic import HybridModel
 
     monkeypatch.delenv(PREFILL_ENV, raising=False)
-    calls = []
-    real = gdn_prefill.gdn_extend_fla
-
-    def counting(*a, **k):
-        calls.append(a[0].shape[0])
-        return real(*a, **k)
-
-    monkeypatch.setattr(gdn_prefill, "gdn_extend_fla", counting)
     cfg = preset("gpu_test")
     model = HybridModel(cfg, seed=3, device=CUDA)
     pages = 3 * -(-(1500 + 24) // 16)
     pool = StaticMemory(memory_spec(cfg, 16), pages, pages, 3, 3, cfg.max_context, CUDA)
     eng = EngineCore(model, pool, FA4Backend(), 3, 2048, cuda_graphs=True)
     assert eng.runner.fla_warm_up_tokens, "the runner did not warm fla up"
-    warmed = len(calls)
+    warmed = len(fla_calls)
     warm = _fla_kernel_state()
     assert warm, "no fla kernel state found"
     g = torch.Generator().manual_seed(11)
@@ -339,6 +338,6 @@ def test_engine_start_warms_fla_so_prefills_compile_nothing(monkeypatch):
         done = eng.run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(calls) > warmed, "no prefill took fla"
+    assert len(fla_calls) > warmed, "no prefill took fla"
     assert _fla_kernel_state() == warm
     assert sorted(len(r.output) for r in done) == [8, 8, 8]
