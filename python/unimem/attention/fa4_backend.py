@@ -118,7 +118,7 @@ SPLIT_KV_MAX_Q = 16
 """Most query rows per request the split-KV path takes (a verify of up to 15 drafts)."""
 
 
-def split_kv_programs(bs: int, kv_heads: int = 4) -> int:
+def split_kv_programs(bs: int, kv_heads: int) -> int:
     """Programs per (request, KV head) of the split-KV kernel for ``bs`` requests of
     ``kv_heads`` KV heads: ``64 / bs``, at most ``256 / (bs * kv_heads)``, between 4 and 16 —
     the best of 2 / 4 / 8 / 16 measured on the H200 over 512 to 8k keys (at 520 to 32k for
