@@ -168,7 +168,8 @@ class FA4Backend(AttentionBackend):
     decide (packs query heads of one KV head into one tile when ``Hq > Hkv``).
 
     ``split_kv_max_bs``: decode/verify steps (``meta.uniform_q``) of at most this many
-    requests attend through the split-KV Triton kernel instead (module docstring; 0: never).
+    requests — and within :data:`SPLIT_KV_MAX_WORK` for their head layout — attend through the
+    split-KV Triton kernel instead (module docstring; 0: never).
 
     Store: the base class ``store_kv`` (``unimem_kernel.store_kv_paged``: one Triton launch
     for K and V through the strided views; capturable). Attend: capturable once warmed up.
