@@ -40,7 +40,7 @@ from collections import defaultdict
 import torch
 import triton
 
-from unimem.attention.fa4_backend import SPLIT_KV_MAX_BS, SPLIT_KV_MAX_WORK, FA4Backend
+from unimem.attention.fa4_backend import SPLIT_KV_MAX_BS, FA4Backend, split_kv_batch
 from unimem.engine.core import EngineCore
 from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.step_io import StagedResult
@@ -157,8 +157,9 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
     return {
         "memory": kind,
         "split_kv_max_bs": split_kv_max_bs,
-        "split_kv": backend.split_kv_max_bs >= width
-        and width * cfg.n_q_heads * cfg.head_dim_k <= SPLIT_KV_MAX_WORK,
+        "split_kv": split_kv_batch(
+            width, backend.split_kv_max_bs, q_heads=cfg.n_q_heads, head_dim=cfg.head_dim_k
+        ),
         "requests": bs,
         "bucket": width,
         "step_wall_ms": wall * 1e3,

@@ -214,7 +214,8 @@ def test_fla_extend_matches_recurrent_on_slots(hk, h, d):
     conv.copy_(conv0)
     ssm.copy_(ssm0)
     out = gdn_prefill.gdn_extend_fla(
-        x, w, g, beta, conv, ssm, slots, cu, max_seqlen=max(lens), cu_seqlens_host=cu_host,
+        x, w, g, beta, conv, ssm, slots, cu, max_seqlen=max(lens),
+        varlen=gdn_prefill.fla_varlen(cu, cu_host),
         num_k_heads=hk,
     )  # fmt: skip
     torch.cuda.synchronize()

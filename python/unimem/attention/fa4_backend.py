@@ -93,6 +93,7 @@ __all__ = [
     "SPLIT_KV_MAX_Q",
     "SPLIT_KV_MAX_WORK",
     "FA4Backend",
+    "split_kv_batch",
     "split_kv_programs",
     "takes_split_kv",
 ]
@@ -138,6 +139,13 @@ _INSTALL_HINT = (
 )
 
 
+def split_kv_batch(bs: int, max_bs: int, *, q_heads: int, head_dim: int) -> bool:
+    """Whether a uniform step of ``bs`` requests with ``q_heads`` query heads of ``head_dim``
+    is small enough for the split-KV kernel: 1 .. ``max_bs`` requests and ``bs x q_heads x
+    head_dim`` at most :data:`SPLIT_KV_MAX_WORK`."""
+    return 1 <= bs <= max_bs and bs * q_heads * head_dim <= SPLIT_KV_MAX_WORK
+
+
 def takes_split_kv(
     meta: AttentionMetadata,
     max_bs: int,
@@ -150,12 +158,10 @@ def takes_split_kv(
     verify: ``meta.uniform_q``) of 1 .. ``max_bs`` requests and at most
     :data:`SPLIT_KV_MAX_Q` rows each, with ``batch x q_heads x head_dim`` at most
     :data:`SPLIT_KV_MAX_WORK`, outside batch-invariant mode (``invariant``)."""
-    bs = meta.batch_size
     return (
         meta.uniform_q
         and not invariant
-        and 1 <= bs <= max_bs
-        and bs * q_heads * head_dim <= SPLIT_KV_MAX_WORK
+        and split_kv_batch(meta.batch_size, max_bs, q_heads=q_heads, head_dim=head_dim)
         and meta.max_seqlen_q <= SPLIT_KV_MAX_Q
     )
 

@@ -123,6 +123,7 @@ class PagedContext(ForwardContext):
     ) -> None:
         super().__init__(mode, meta.positions, meta.cu_seqlens_q, logits_indices)
         self.cu_seqlens_host = cu_seqlens_host
+        self._fla_varlen: gdn_prefill.FlaVarlen | None = None  # built by the first fla layer
         self.runner = runner
         self.meta = meta
         self.state_slots = state_slots
@@ -197,11 +198,14 @@ class PagedContext(ForwardContext):
             # unimem.models.gdn_prefill
             kernel = gdn_prefill.prefill_kernel(self.meta.max_seqlen_q, ssm.device, bi)
         if kernel == "fla":
+            if self._fla_varlen is None:  # one chunk table for every GDN layer of the extend
+                self._fla_varlen = gdn_prefill.fla_varlen(
+                    self.meta.cu_seqlens_q, self.cu_seqlens_host
+                )
             return gdn_prefill.gdn_extend_fla(
                 mixed_qkv, conv_weight, g, beta, conv, ssm, self.state_slots,
                 self.meta.cu_seqlens_q, max_seqlen=self.meta.max_seqlen_q,
-                cu_seqlens_host=self.cu_seqlens_host,
-                num_k_heads=r.model.config.gdn_key_heads,
+                varlen=self._fla_varlen, num_k_heads=r.model.config.gdn_key_heads,
             )  # fmt: skip
         return gdn_ops.gdn_forward(
             self.mode.value,

@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +58,11 @@ from unimem_kernel import gdn as gdn_ops
 
 __all__ = [
     "FLA_MIN_TOKENS",
+    "FlaVarlen",
     "PREFILL_ENV",
     "PREFILL_MODES",
     "fla_chunk_rule",
+    "fla_varlen",
     "gdn_extend_fla",
     "prefill_kernel",
     "prefill_mode",
@@ -149,10 +152,7 @@ def warm_up_fla(
     be fla: a CPU device, ``off``/``triton``, fla missing, or ``auto`` with ``max_tokens``
     below :data:`FLA_MIN_TOKENS`). Errors as :func:`prefill_mode`."""
     device = ssm_state.device
-    mode = prefill_mode(device)
-    if device.type != "cuda" or mode in ("off", "triton") or fla_chunk_rule() is None:
-        return []
-    if mode == "auto" and max_tokens < FLA_MIN_TOKENS:
+    if prefill_kernel(max_tokens, device, batch_invariant=False) != "fla":
         return []
     _, h, dk, dv = ssm_state.shape
     hk = h if num_k_heads is None else num_k_heads
@@ -174,8 +174,8 @@ def warm_up_fla(
         beta = torch.rand(t, h, generator=gen, device=device)
         cu = torch.tensor([0, t], dtype=torch.int32, device=device)
         gdn_extend_fla(
-            x, weight, g, beta, conv, ssm, slots, cu, max_seqlen=t, cu_seqlens_host=(0, t),
-            num_k_heads=hk,
+            x, weight, g, beta, conv, ssm, slots, cu, max_seqlen=t,
+            varlen=fla_varlen(cu, (0, t)), num_k_heads=hk,
         )  # fmt: skip
     torch.cuda.synchronize(device)
     return lens
@@ -196,6 +196,25 @@ def _chunk_indices(cu_host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return rows.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class FlaVarlen:
+    """fla's view of one extend's ragged batch, shared by every GDN layer of the step:
+    ``cu`` the offsets ``[bs + 1]`` int64 on the device, ``cu_host`` the same on the host,
+    ``chunk_indices`` fla's chunk table (:func:`_chunk_indices`) on the device. Build with
+    :func:`fla_varlen` once per extend."""
+
+    cu: torch.Tensor
+    cu_host: torch.Tensor
+    chunk_indices: torch.Tensor
+
+
+def fla_varlen(cu_seqlens: torch.Tensor, cu_seqlens_host: Sequence[int]) -> FlaVarlen:
+    """:class:`FlaVarlen` of an extend whose offsets are ``cu_seqlens [bs + 1]`` (int32, on the
+    device) with host copy ``cu_seqlens_host``; reads nothing back from the device."""
+    cu_host = torch.tensor(list(cu_seqlens_host), dtype=torch.long)
+    return FlaVarlen(cu_seqlens.long(), cu_host, _chunk_indices(cu_host, cu_seqlens.device))
+
+
 def gdn_extend_fla(
     mixed_qkv: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -207,7 +226,7 @@ def gdn_extend_fla(
     cu_seqlens: torch.Tensor,
     *,
     max_seqlen: int,
-    cu_seqlens_host: Sequence[int],
+    varlen: FlaVarlen,
     num_k_heads: int | None = None,
 ) -> torch.Tensor:
     """The GDN mixer core of an extend, with fla's chunked rule (module docstring).
@@ -215,9 +234,10 @@ def gdn_extend_fla(
     ``mixed_qkv [T, conv_dim]`` (channels ``[q: Hk*Dk | k: Hk*Dk | v: H*Dv]``), ``g, beta [T,
     H]`` (log-decay and post-sigmoid gates), ``conv_state [N, conv_dim, K-1]`` and
     ``ssm_state [N, H, Dk, Dv]`` slot views (read and written in place at ``slots [bs]``),
-    ``cu_seqlens [bs + 1]`` int32 on the device with its host copy ``cu_seqlens_host`` and
-    ``max_seqlen`` (the longest chunk). Returns ``o [T, H, Dv]`` in ``mixed_qkv``'s dtype, as
-    ``gdn_forward("extend", ...)``. Raises if fla is missing."""
+    ``cu_seqlens [bs + 1]`` int32 on the device, ``max_seqlen`` (the longest chunk) and
+    ``varlen`` (:func:`fla_varlen` of those offsets, built once per extend). Returns
+    ``o [T, H, Dv]`` in ``mixed_qkv``'s dtype, as ``gdn_forward("extend", ...)``. Raises if
+    fla is missing."""
     rule = fla_chunk_rule()
     if rule is None:
         raise ValueError(f"gdn_extend_fla needs fla (pip install fla-core); or {PREFILL_ENV}=off")
@@ -228,10 +248,11 @@ def gdn_extend_fla(
         raise ValueError(
             f"mixed_qkv has {conv_dim} channels, expected Hk*2*Dk + H*Dv = {hk * 2 * dk + h * dv}"
         )
-    if len(cu_seqlens_host) != slots.shape[0] + 1 or cu_seqlens_host[-1] != t:
+    n, end = varlen.cu_host.numel(), int(varlen.cu_host[-1])
+    if n != slots.shape[0] + 1 or end != t:
         raise ValueError(
-            f"cu_seqlens_host must be [bs + 1 = {slots.shape[0] + 1}] ending at T = {t}, got "
-            f"{len(cu_seqlens_host)} entries ending at {cu_seqlens_host[-1]}"
+            f"varlen offsets must be [bs + 1 = {slots.shape[0] + 1}] ending at T = {t}, got "
+            f"{n} entries ending at {end}"
         )
     y = gdn_ops.causal_conv1d_extend_triton(
         mixed_qkv, conv_weight, conv_state, slots, cu_seqlens, out=None, max_seqlen=max_seqlen
@@ -244,13 +265,11 @@ def gdn_extend_fla(
     v = y[:, 2 * kd :].reshape(1, t, h, dv).contiguous()
     idx = slots.long()
     initial = ssm_state.index_select(0, idx).float()
-    cu = cu_seqlens.long()
-    cu_host = torch.tensor(list(cu_seqlens_host), dtype=torch.long)
     o, final = rule(
         q, k, v, g.float().reshape(1, t, h), beta.float().reshape(1, t, h), scale=dk**-0.5,
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu, cu_seqlens_cpu=cu_host,
-        chunk_indices=_chunk_indices(cu_host, cu.device), chunk_size=FLA_CHUNK,
+        cu_seqlens=varlen.cu, cu_seqlens_cpu=varlen.cu_host,
+        chunk_indices=varlen.chunk_indices, chunk_size=FLA_CHUNK,
     )  # fmt: skip
     ssm_state.index_copy_(0, idx, final.to(ssm_state.dtype))
     return o.reshape(t, h, dv).to(mixed_qkv.dtype)
