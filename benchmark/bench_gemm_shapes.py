@@ -9,6 +9,9 @@ Variants per shape:
 - ``cublas``: ``F.linear`` (the LM head: ``torch.mm(..., out_dtype=float32)``), torch's default
   BLAS path;
 - ``cublaslt``: the same after ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
+- ``lt bias``: ``F.linear(x, w, zeros(N))`` (bf16 shapes): torch runs a bf16 ``addmm`` with a
+  1-D bias through cuBLASLt's bias epilogue (``gemm_and_bias``) whatever the preferred
+  library, so this is cuBLASLt for one call site; adding +0.0 changes no value;
 - ``tunable``: ``torch.cuda.tunable`` (TunableOp) tuned for the shape in this process, then
   the same call (it dispatches to the algorithm it measured fastest);
 - ``triton BMxBNxBK sS wW stT``: a Triton TMA GEMM with split-K ``S`` (``S`` > 1: float32
@@ -148,6 +151,13 @@ def bench_shape(name: str, args: argparse.Namespace, record, timing: dict) -> No
     torch.backends.cuda.preferred_blas_library("cublaslt")
     record(name, "cublaslt", graph_median_ms(call, **timing), rel_err(call(), ref), k, n)
     torch.backends.cuda.preferred_blas_library("cublas")
+    if odt != "fp32":
+        zero = torch.zeros(n, device="cuda", dtype=x.dtype)
+
+        def lt_bias():
+            return F.linear(x, w, zero)
+
+        record(name, "lt bias", graph_median_ms(lt_bias, **timing), rel_err(lt_bias(), ref), k, n)
     if not args.no_tunable:
         tun = torch.cuda.tunable
         tun.enable(True)

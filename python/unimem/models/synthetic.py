@@ -50,6 +50,7 @@ from unimem.models.tensor_parallel import (
     parallel_embedding,
     parallel_logits,
     row_parallel_linear,
+    row_parallel_linear_lt,
     shard,
     vocab_shard,
 )
@@ -133,10 +134,13 @@ class Mlp(nn.Module):
         self.ffn_dim = c.ffn_dim
         self.gate_up = frozen_param(2 * c.ffn_dim, c.d_model)
         self.down = frozen_param(c.d_model, c.ffn_dim)
+        # routes the down projection through cuBLASLt (row_parallel_linear_lt); not a weight
+        self.register_buffer("down_zero", torch.zeros(c.d_model, dtype=c.dtype), persistent=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up over the fused [gate | up] projection, one pass
-        return row_parallel_linear(silu_mul(F.linear(h, self.gate_up)), self.down, None, self.tp)
+        act = silu_mul(F.linear(h, self.gate_up))
+        return row_parallel_linear_lt(act, self.down, self.down_zero, self.tp)
 
 
 class HybridLayer(nn.Module):

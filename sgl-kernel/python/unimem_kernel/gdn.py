@@ -110,6 +110,13 @@ _CONV_TILE = 4096  # elements of a conv program's [BLOCK_T, BLOCK_D] tile
 # the prefill conv 14-16 % slower (8 x 512: 135 -> 157 us, 8 x 2048: 461 -> 524 us) and left
 # decode and verify unchanged: benchmark/bench_gdn.py, docs/benchmarks.md. Per-element
 # arithmetic, so the tile changes no result.)
+_CONV_SHORT_TILE = (64, 2)  # (BLOCK_D, warps) of segments of 2..16 tokens (verify windows)
+# (benchmark/bench_gdn_conv.py on the H200, small preset, 48 lanes x 8 tokens with the record's
+# input rows: 7.96 us against 12.91 us for the 512-channel, 4-warp tile these segments had;
+# 128 x 2 warps 9.04, 256 x 8 warps 8.94. Decode keeps 512 x 4 warps: 3.99 us, the best
+# within 0.2 us. docs/benchmarks.md, "GDN Triton kernels on arena slots".)
+_CONV_SHORT_MAX_T = 16
+_CONV_WARPS = 4
 _MAX_GRID_YZ = 65535  # CUDA limit of grid axes 1 and 2
 
 _TL_ACC = {torch.float64: tl.float64}
@@ -656,10 +663,17 @@ def _cu_seqlens(
 
 
 def _conv_blocks(
-    max_len: int, dim: int, kw: int, block_d: int | None, block_t: int | None
-) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_D, token blocks)``. Several token blocks only with ``BLOCK_T >= K-1``
-    (later blocks must never need the conv state)."""
+    max_len: int,
+    dim: int,
+    kw: int,
+    block_d: int | None,
+    block_t: int | None,
+    num_warps: int | None = None,
+) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_D, token blocks, warps)``; ``None`` picks the default: a
+    ``_CONV_SHORT_TILE`` for segments of 2 .. ``_CONV_SHORT_MAX_T`` tokens (verify), else
+    ``_CONV_TILE`` elements of at most 512 channels in ``_CONV_WARPS`` warps. Several token
+    blocks only with ``BLOCK_T >= K-1`` (later blocks must never need the conv state)."""
     cap = _CONV_MAX_BLOCK_T if block_t is None else block_t
     if cap <= 0 or cap & (cap - 1):
         raise ValueError(f"block_t must be a power of two, got {cap}")
@@ -667,11 +681,17 @@ def _conv_blocks(
     n_t = max(1, triton.cdiv(max_len, block_t))
     if n_t > 1 and block_t < kw - 1:
         raise ValueError(f"conv kernel width {kw} too large for {block_t}-token blocks")
+    short = 1 < block_t <= _CONV_SHORT_MAX_T and n_t == 1
     if block_d is None:
-        block_d = max(16, min(512, _CONV_TILE // block_t, next_pow2(dim)))
+        if short:
+            block_d = max(16, min(_CONV_SHORT_TILE[0], next_pow2(dim)))
+        else:
+            block_d = max(16, min(512, _CONV_TILE // block_t, next_pow2(dim)))
+    if num_warps is None:
+        num_warps = _CONV_SHORT_TILE[1] if short else _CONV_WARPS
     if n_t > _MAX_GRID_YZ or triton.cdiv(dim, block_d) > _MAX_GRID_YZ:
         raise ValueError(f"conv grid too large: {n_t} token blocks, dim {dim}")
-    return block_t, block_d, n_t
+    return block_t, block_d, n_t, num_warps
 
 
 _STEP_TILE = (32, 1)  # (BV, warps) of decode, verify and the replay commit
@@ -751,15 +771,18 @@ def _launch_conv(
     block_d: int | None = None,
     block_t: int | None = None,
     record_x: torch.Tensor | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """One ``_conv_kernel`` launch. ``scratch [bs, T, D, K-1]``: the window after every token
     (verify); ``record_x [bs, T, D]`` (row-contiguous): the input rows (verify with a
-    record)."""
+    record). ``block_d`` / ``block_t`` / ``num_warps`` override the tile (``_conv_blocks``;
+    per-element arithmetic: no result depends on them; ``benchmark/bench_gdn_conv.py`` sweeps
+    them)."""
     bs = slots.shape[0]
     dim, kw = weight.shape
     if bs == 0 or dim == 0:
         return
-    block_t, block_d, n_t = _conv_blocks(max_len, dim, kw, block_d, block_t)
+    block_t, block_d, n_t, num_warps = _conv_blocks(max_len, dim, kw, block_d, block_t, num_warps)
     grid = (bs, n_t, triton.cdiv(dim, block_d))
     _conv_kernel[grid](
         x, weight, conv_state, slots,
@@ -781,7 +804,7 @@ def _launch_conv(
         WRITE_FINAL=write_final,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
