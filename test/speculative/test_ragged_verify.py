@@ -366,6 +366,8 @@ def test_static_equals_unified_with_compaction_forced_adaptive():
         assert 1 <= side["mean_verify_length"] < 6
         assert side["tokens_verified_per_step"] <= 10
         assert side["accept_length"] >= 1
+        assert side["ms_per_step"] == 1e3 * side["seconds"] / side["steps"]
+        assert 1 <= side["lanes_per_verify_batch"] <= 4  # max_running
 
 
 def _lockstep(model, cfg, drafter, prompts, gamma, output_len, sampling, seed):

@@ -328,6 +328,9 @@ class RunResult:
             "capacity_bytes": self.capacity_bytes,
             "steps": self.steps,
             "seconds": self.seconds,
+            # the run's wall time per engine step: how fast its steps ran, apart from how
+            # many the run's token path needed (a throughput moves with both)
+            "ms_per_step": 1e3 * self.seconds / self.steps if self.steps else 0.0,
         }
         if with_arena_stats:
             out["compactions"] = self.compactions
@@ -339,6 +342,10 @@ class RunResult:
             out["accept_length"] = self.accept_length
             out["mean_verify_length"] = rows / steps
             out["verify_batches"] = self.verify_batches
+            # request-steps per verify batch: how full the run's verify steps were
+            out["lanes_per_verify_batch"] = (
+                steps / self.verify_batches if self.verify_batches else 0.0
+            )
             out["tokens_verified_per_step"] = (
                 rows / self.verify_batches if self.verify_batches else 0.0
             )

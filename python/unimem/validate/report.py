@@ -18,6 +18,7 @@ def format_table(report: dict) -> str:
         ("peak bytes", s["peak_bytes"], u["peak_bytes"]),
         ("capacity bytes", s["capacity_bytes"], u["capacity_bytes"]),
         ("steps", s["steps"], u["steps"]),
+        ("wall ms/step", f"{s['ms_per_step']:.3f}", f"{u['ms_per_step']:.3f}"),
         ("compactions", "-", u["compactions"]),
         ("retractions", "-", u["retractions"]),
     ]
@@ -34,6 +35,11 @@ def format_table(report: dict) -> str:
                 "verified tokens/step",
                 f"{s['tokens_verified_per_step']:.2f}",
                 f"{u['tokens_verified_per_step']:.2f}",
+            ),
+            (
+                "lanes per verify batch",
+                f"{s['lanes_per_verify_batch']:.2f}",
+                f"{u['lanes_per_verify_batch']:.2f}",
             ),
         ]
     if "prefix_cache" in s:
