@@ -13,7 +13,14 @@ CUDA graphs (median of ``--repeats``):
   (``all``); with and without the prologue; ``1 launch``: every layer's replay in one launch
   (the engine's :class:`~unimem_kernel.gdn.ReplayCommitPlan` form);
 - ``read states`` / ``copy states``: a read-only reduction and a copy of the same states (the
-  bandwidth floor of the verify's and of the replay's state traffic).
+  bandwidth floor of the verify's and of the replay's state traffic);
+- ``fused bound, r + T tokens`` (``--fused-extra``, with the prologue): one rule launch per
+  layer over ``r + T`` tokens per lane with the final state written back, against ``verify``
+  plus ``replay r tokens, 1 launch`` (every lane replaying ``r`` tokens). It bounds a replay
+  commit folded into the next step's verify — one kernel that replays the previous step's
+  ``r`` accepted tokens from the slot, writes the state there, then runs this step's ``T``
+  tokens — from above (it also stores the ``r`` replayed tokens' outputs, and writes the
+  state at the end instead of after token ``r``: the same bytes).
 
 ``--tiles BVxWARPS,..`` repeats the rule rows per delta-rule tile (the step tile first).
 This is a diagnostic of the kernel's form (what bounds it: state bytes or per-token
@@ -40,6 +47,9 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", type=int, default=8, help="tokens per verify (gamma + 1)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tiles", default="32x1,16x1,64x4", help="BVxWARPS list")
+    ap.add_argument(
+        "--fused-extra", default="1,4", help="replayed tokens r of the fused-bound rows (list)"
+    )
     ap.add_argument("--per-graph", type=int, default=10)
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=7)
@@ -81,17 +91,21 @@ def main(argv=None) -> int:
         "random": torch.randint(0, t, (bs,), generator=gen, device=dev, dtype=torch.int32),
         "all": torch.full((bs,), t - 1, dtype=torch.int32, device=dev),
     }
-    o_strides = (t * H * DV, H * DV, DV, 1)
+    extras = [int(r) for r in args.fused_extra.split(",") if r]
+    for r in extras:
+        if not 1 <= r <= t:
+            raise SystemExit(f"bench_gdn_rule: --fused-extra {r} must be in 1 .. {t}")
+        accepted[f"{r} tokens"] = torch.full((bs,), r - 1, dtype=torch.int32, device=dev)
 
-    def launch(y, g, beta, out, state, lanes, prep, tile, acc, gates):
+    def launch(y, g, beta, out, state, lanes, prep, tile, acc, gates, seq=t, final=None):
         q, k, v = gdn._split_conv_out(y, H, DK, DV, H)
-        strides = tuple(gdn._row_strides(x, t, True) for x in (q, k, v))
-        gb_strides = tuple(gdn._row_strides(x, t, True) for x in (g, beta))
+        strides = tuple(gdn._row_strides(x, seq, True) for x in (q, k, v))
+        gb_strides = tuple(gdn._row_strides(x, seq, True) for x in (g, beta))
         gdn._launch_rule(
-            (q, k, v), strides, (g, beta), gb_strides, out, o_strides, state, lanes,
-            seq_len=t, cu=None, init=None, scratch=None, write_final=acc is not None,
-            prep=prep, scale=None, block_v=tile[0], num_warps=tile[1],
-            record_gates=gates, accepted=acc,
+            (q, k, v), strides, (g, beta), gb_strides, out, (seq * H * DV, H * DV, DV, 1),
+            state, lanes, seq_len=seq, cu=None, init=None, scratch=None,
+            write_final=acc is not None if final is None else final, prep=prep, scale=None,
+            block_v=tile[0], num_warps=tile[1], record_gates=gates, accepted=acc,
         )  # fmt: skip
 
     def rule(i, prep, tile, acc=None):
@@ -121,16 +135,37 @@ def main(argv=None) -> int:
         us = graph_us(fn, args)  # runs and times ``fn`` before returning
         rows.append({"row": row, "tile": spec, "us": us, "GB/s": traffic_mb / us * 1e3})
 
+    def fused_inputs(r):
+        # r + t tokens per lane for every layer (the fused-bound rows)
+        m = bs * (r + t)
+        ys_ = [randn(m, conv_dim).bfloat16() for _ in range(nl)]
+        gs_ = [-torch.rand(m, H, generator=gen, device=dev) for _ in range(nl)]
+        bs_ = [torch.rand(m, H, generator=gen, device=dev) for _ in range(nl)]
+        outs_ = [torch.empty(m, H, DV, dtype=torch.bfloat16, device=dev) for _ in range(nl)]
+        return ys_, gs_, bs_, outs_
+
+    fused = {r: fused_inputs(r) for r in extras}
+
+    def rule_fused(r, tile):
+        fy, fg, fb, fo = fused[r]
+        for i in range(nl):
+            launch(fy[i], fg[i], fb[i], fo[i], states[i], slots, True, tile, None, None,
+                   seq=r + t, final=True)  # fmt: skip
+
     for spec in args.tiles.split(","):
         tile = tuple(int(x) for x in spec.split("x"))
         for prep in (True, False):
             tag = "" if prep else ", no prologue"
             add("verify" + tag, spec, lambda: [rule(i, prep, tile) for i in range(nl)], state_mb)  # noqa: B023
             for name, acc in accepted.items():
+                if name.endswith("tokens") and not prep:
+                    continue
                 add(f"replay {name}" + tag, spec,
                     lambda: [rule(i, prep, tile, acc) for i in range(nl)], 2 * state_mb)  # noqa: B023  # fmt: skip
                 add(f"replay {name}, 1 launch" + tag, spec,
                     lambda: rule_stacked(prep, tile, name), 2 * state_mb)  # noqa: B023  # fmt: skip
+        for r in extras:
+            add(f"fused bound, {r} + {t} tokens", spec, lambda: rule_fused(r, tile), 2 * state_mb)  # noqa: B023
     print(f"bench_gdn_rule: {torch.cuda.get_device_name()}, {nl} layers, {bs} lanes x {t} "
           f"tokens, H {H}, Dk {DK}, Dv {DV}; states {state_mb:.0f} MB")  # fmt: skip
     for r in rows:

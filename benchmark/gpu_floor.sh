@@ -34,6 +34,8 @@
 # overlap: profile_step.py with its overlap probe (the GDN replay commit and the drafter's
 #   proposal alone, in sequence, and forked onto two streams, in CUDA graphs);
 # fp8: benchmark/bench_fp8_gemm.py (the verify GEMM shapes in e4m3 against bf16);
+# rule: benchmark/bench_gdn_rule.py at the step tile (the delta rule against its state
+#   traffic, and the fused-bound rows: a replay commit folded into the next verify);
 # conv: benchmark/bench_gdn_conv.py (the GDN conv's tiles in decode and verify, bitwise checked)
 #   and benchmark/bench_gemm_shapes.py (the verify GEMM shapes: cuBLAS, cuBLASLt, zero bias);
 # bench: `python -m unimem bench` (docs/results/bench_h200.json; BENCH_ARGS adds flags).
@@ -115,6 +117,8 @@ for part in $parts; do
         --top-kernels 12 --json "$out/profile_overlap_h200.json" ;;
     fp8)
       run python3 benchmark/bench_fp8_gemm.py --json "$out/bench_fp8_gemm_h200.json" ;;
+    rule)
+      run python3 benchmark/bench_gdn_rule.py --tiles 32x1 --json "$out/bench_gdn_rule_h200.json" ;;
     conv)
       run python3 benchmark/bench_gdn_conv.py --json "$out/bench_gdn_conv_h200.json"
       run python3 benchmark/bench_gemm_shapes.py --no-tunable --split-shapes \
