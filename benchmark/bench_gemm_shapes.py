@@ -3,7 +3,8 @@ of running the same product (the data for choosing a GEMM path for the narrow-ou
 
 Shapes (default the ``small`` preset at 48 requests x 8 tokens, ``M`` = 384, bf16 weights
 ``[N, K]`` as ``nn.Linear`` stores them): attention q/k/v, o-projection, GDN in-projection,
-GDN out-projection (= o), MLP gate+up, MLP down, LM head (float32 out).
+GDN out-projection (= o), MLP gate+up, MLP down, LM head (float32 out). ``--shapes q3n_..``:
+the Qwen3-Next ``bench`` checkpoint's dense projections (``SHAPES``).
 
 Variants per shape:
 - ``cublas``: ``F.linear`` (the LM head: ``torch.mm(..., out_dtype=float32)``), torch's default
@@ -43,7 +44,17 @@ SHAPES = {  # name: (K, N, out dtype)
     "gate_up": (2048, 11264, "bf16"),
     "down": (5632, 2048, "bf16"),
     "lm_head": (2048, 32000, "fp32"),
+    # the Qwen3-Next `bench` checkpoint (benchmark/make_checkpoint.py): GDN in_proj_qkvz +
+    # in_proj_ba stacked; GDN out_proj and attention o_proj (both 4096 -> 2048); the gated
+    # q_proj; k_proj / v_proj; router + shared expert gate / up stacked; shared expert down
+    "q3n_gdn_in": (2048, 12352, "bf16"),
+    "q3n_out": (4096, 2048, "bf16"),
+    "q3n_q": (2048, 8192, "bf16"),
+    "q3n_kv": (2048, 512, "bf16"),
+    "q3n_moe_in": (2048, 1088, "bf16"),
+    "q3n_se_down": (512, 2048, "bf16"),
 }
+SMALL_SHAPES = ["qkv", "o_proj", "gdn_in", "gate_up", "down", "lm_head"]
 
 # (BM, BN, BK, split, warps, stages)
 TRITON_CONFIGS = [
@@ -63,7 +74,7 @@ TRITON_CONFIGS = [
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, default=384, help="rows (tokens of one verify step)")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=SMALL_SHAPES, choices=list(SHAPES))
     ap.add_argument("--split-shapes", nargs="*", default=["down", "o_proj"], choices=list(SHAPES))
     ap.add_argument("--no-tunable", action="store_true", help="skip the TunableOp variant")
     ap.add_argument("--warmup", type=int, default=5)

@@ -1,7 +1,9 @@
 """``row_parallel_linear_lt``: a row-parallel product with a zero bias (cuBLASLt's bias
-epilogue on CUDA) has the plain product's values — on the CPU, in batch-invariant mode, and
-within the bf16 GEMM's rounding on the GPU — and the small preset's MLP routes its down
-projection through it with a zero buffer that is not part of the weights."""
+epilogue on CUDA) where ``lt_route`` says so — at least ``LT_ROUTE_MIN_ROWS`` rows and a
+measured shape — has the plain product's values (on the CPU, in batch-invariant mode, and
+within the bf16 GEMM's rounding on the GPU) and is the plain product's call otherwise; the
+small preset's MLP and Qwen3-Next's GDN / attention output projections route through it with
+zero buffers that are not part of the weights."""
 
 from __future__ import annotations
 
@@ -12,7 +14,13 @@ import torch.nn.functional as F
 from unimem.models import batch_invariant
 from unimem.models.presets import preset
 from unimem.models.synthetic import Mlp
-from unimem.models.tensor_parallel import SINGLE, row_parallel_linear_lt
+from unimem.models.tensor_parallel import (
+    LT_ROUTE_MIN_ROWS,
+    LT_ROUTE_SHAPES,
+    SINGLE,
+    lt_route,
+    row_parallel_linear_lt,
+)
 
 
 def _case(device, dtype, n=24, k=96, d=64, seed=0):
@@ -25,6 +33,24 @@ def _case(device, dtype, n=24, k=96, d=64, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cpu_equals_the_plain_product(dtype):
     x, w, zero = _case("cpu", dtype)
+    assert torch.equal(row_parallel_linear_lt(x, w, zero, SINGLE), F.linear(x, w))
+
+
+def test_route_needs_the_rows_and_a_measured_shape():
+    for k, n in LT_ROUTE_SHAPES:
+        w = torch.empty(n, k, device="meta")
+        assert not lt_route(LT_ROUTE_MIN_ROWS - 1, w)
+        assert lt_route(LT_ROUTE_MIN_ROWS, w)
+        assert lt_route(8 * LT_ROUTE_MIN_ROWS, w)
+        # the transposed shape (or any other) is not a measured one
+        assert not lt_route(8 * LT_ROUTE_MIN_ROWS, torch.empty(k, n, device="meta"))
+    assert not lt_route(4096, torch.empty(2048, 2048, device="meta"))
+
+
+def test_cpu_route_taken_equals_the_plain_product():
+    k, n = sorted(LT_ROUTE_SHAPES)[0]
+    x, w, zero = _case("cpu", torch.float32, n=LT_ROUTE_MIN_ROWS, k=k, d=n, seed=3)
+    assert lt_route(x.shape[0], w)
     assert torch.equal(row_parallel_linear_lt(x, w, zero, SINGLE), F.linear(x, w))
 
 
@@ -43,14 +69,37 @@ def test_mlp_zero_buffer_is_not_a_weight():
     assert all(name != "down_zero" for name, _ in mlp.named_parameters())
 
 
+def test_qwen3_next_zero_buffers_are_not_weights():
+    import tiny_qwen3_next
+
+    from unimem.models.qwen3_next import Qwen3NextForCausalLM
+
+    model = Qwen3NextForCausalLM.from_hf_config(
+        tiny_qwen3_next.config(), dtype=torch.float32, device="cpu"
+    )
+    zeros = {n: b for n, b in model.named_buffers() if n.endswith(("o_zero", "out_zero"))}
+    kinds = {n.rsplit(".", 1)[1] for n in zeros}
+    assert kinds == {"o_zero", "out_zero"}  # attention and GDN layers both have one
+    d = model.config.d_model
+    assert all(torch.equal(b, torch.zeros(d)) for b in zeros.values())
+    assert not set(zeros) & set(model.state_dict())
+    assert not set(zeros) & {n for n, _ in model.named_parameters()}
+
+
 @pytest.mark.gpu
-def test_cuda_bf16_matches_the_product_and_batch_invariant_mode_is_exact():
-    # the small preset's down projection at the verify step's 384 rows
-    x, w, zero = _case("cuda", torch.bfloat16, n=384, k=5632, d=2048, seed=1)
+@pytest.mark.parametrize("k", sorted({k for k, _ in LT_ROUTE_SHAPES}))
+def test_cuda_bf16_matches_the_product_and_batch_invariant_mode_is_exact(k):
+    # the measured shapes at the verify step's 384 rows (the route) and at a 48-request
+    # decode step's 48 rows (the plain call, bitwise)
+    n = next(n for kk, n in LT_ROUTE_SHAPES if kk == k)
+    x, w, zero = _case("cuda", torch.bfloat16, n=384, k=k, d=n, seed=1)
     exact = x.double() @ w.double().t()
     got = row_parallel_linear_lt(x, w, zero, SINGLE)
     rel = float((got.double() - exact).abs().max() / exact.abs().max())
     assert rel < 1e-2
+    small = x[:48].clone()
+    assert not lt_route(small.shape[0], w)
+    assert torch.equal(row_parallel_linear_lt(small, w, zero, SINGLE), F.linear(small, w))
     batch_invariant.enable()
     try:
         plain = F.linear(x, w)

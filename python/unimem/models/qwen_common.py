@@ -53,7 +53,7 @@ from unimem.models.tensor_parallel import (
     heads,
     parallel_embedding,
     parallel_logits,
-    row_parallel_linear,
+    row_parallel_linear_lt,
     shard,
     vocab_shard,
 )
@@ -168,6 +168,8 @@ class GatedAttention(nn.Module):
         self.o_proj = Weight(d, hq * dh, **kw)
         self.q_norm = Weight(dh, **kw)
         self.k_norm = Weight(dh, **kw)
+        # the o_proj's route through cuBLASLt (row_parallel_linear_lt); not a weight
+        self.register_buffer("o_zero", torch.zeros(d, **kw), persistent=False)
 
     def forward(
         self,
@@ -187,7 +189,7 @@ class GatedAttention(nn.Module):
         v = F.linear(h, self.v_proj.weight).view(t, hkv, dh)
         o = ctx.rope_attention(layer_idx, q, k, v, *cos_sin)  # rotary.apply on q and k
         o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
-        return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
+        return row_parallel_linear_lt(o, self.o_proj.weight, self.o_zero, self.tp)
 
 
 class GdnMixer(nn.Module):
@@ -214,6 +216,8 @@ class GdnMixer(nn.Module):
         self.dt_bias = frozen_param(h, dtype=c.state_dtype, device=device)
         self.norm = Weight(dv, **kw)
         self.out_proj = Weight(c.d_model, h * dv, **kw)
+        # the out_proj's route through cuBLASLt (row_parallel_linear_lt); not a weight
+        self.register_buffer("out_zero", torch.zeros(c.d_model, **kw), persistent=False)
 
     def project(
         self, h: torch.Tensor
@@ -234,7 +238,8 @@ class GdnMixer(nn.Module):
             o = fused_gated_rms_norm(o, self.norm.weight, z, c.rms_eps, round_before_weight=True)
         else:
             o = gated_rms_norm(o, self.norm.weight, z, c.rms_eps)
-        return row_parallel_linear(o.reshape(t, -1), self.out_proj.weight, None, self.tp)
+        o = o.reshape(t, -1)
+        return row_parallel_linear_lt(o, self.out_proj.weight, self.out_zero, self.tp)
 
 
 # ---------------------------------------------------------------------- MLPs
