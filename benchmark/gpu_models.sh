@@ -136,9 +136,9 @@ drafter = DsparkDrafter(draft_config_for(cfg), model.embed_weight, model.lm_head
 g = torch.Generator().manual_seed(1)
 args = types.SimpleNamespace(requests=48, input_len=512, gamma=7, page_size=64, steps=30,
                              replays=20, host_top=0, attribute=int(os.environ.get("ATTRIBUTE", 0)),
-                             top_kernels=15)
+                             top_kernels=15, overlap_probe=False)
 prompts = torch.randint(0, cfg.vocab_size, (args.requests, args.input_len), generator=g).tolist()
-r = profile_step.measure("static", args, model, drafter, prompts)
+r = profile_step.measure("static", profile_step.SPLIT_KV_MAX_BS, args, model, drafter, prompts)
 kernels = defaultdict(float)
 for evt in held["prof"].key_averages():
     us = getattr(evt, "self_device_time_total", None)

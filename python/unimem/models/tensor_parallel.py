@@ -52,7 +52,6 @@ __all__ = [
     "row_parallel_linear",
     "row_parallel_linear_lt",
     "lt_route",
-    "LT_ROUTE_MIN_ROWS",
     "LT_ROUTE_SHAPES",
 ]
 
@@ -254,47 +253,40 @@ def row_parallel_linear(
     return y if bias is None else y + bias
 
 
-LT_ROUTE_MIN_ROWS = 160
-"""Fewest rows at which :func:`row_parallel_linear_lt` takes cuBLASLt's bias epilogue."""
-
 LT_ROUTE_SHAPES = frozenset({(5632, 2048), (4096, 2048)})
 """``(K, N)`` of the projections measured faster through cuBLASLt's bias epilogue: the
 ``small`` preset's MLP down projection (5632 -> 2048) and the Qwen3-Next GDN ``out_proj`` /
 attention ``o_proj`` (4096 -> 2048, the 80B-A3B's own shapes)."""
 
 
-def lt_route(rows: int, weight: torch.Tensor) -> bool:
-    """Whether :func:`row_parallel_linear_lt` runs a ``rows``-row product by ``weight [N,
-    K]`` (the rank's shard) through cuBLASLt's bias epilogue: at least
-    :data:`LT_ROUTE_MIN_ROWS` rows and a measured shape (:data:`LT_ROUTE_SHAPES`).
+def lt_route(weight: torch.Tensor) -> bool:
+    """Whether :func:`row_parallel_linear_lt` runs products by ``weight [N, K]`` (the rank's
+    shard) through cuBLASLt's bias epilogue: a measured shape (:data:`LT_ROUTE_SHAPES`).
 
-    Measured on the H200 (torch 2.11 + cu130, ``benchmark/bench_gemm_shapes.py`` at 48 ..
-    768 rows, docs/benchmarks.md): for both shapes the epilogue route is 2-5 us faster at
-    160, 224, 320, 384 and 768 rows and at most 0.5 us slower at 192, 256 and 512, but
-    1.3-2.2 us slower at 48 rows (a 48-request decode step) and up to 1 us at 96-128 — where
-    cuBLAS's own choice is kept."""
-    return rows >= LT_ROUTE_MIN_ROWS and (int(weight.shape[1]), int(weight.shape[0])) in (
-        LT_ROUTE_SHAPES
-    )
+    The choice depends on the weight's shape only, never on the row count. Measured on the
+    H200 (torch 2.11 + cu130, ``benchmark/bench_gemm_shapes.py`` at 48 .. 768 rows,
+    docs/benchmarks.md), the epilogue route is 2-5 us faster at 160, 224, 320, 384 (a
+    48-request verify step) and 768 rows and up to 2.2 us slower at 48 (a 48-request decode
+    step); but the two libraries round differently from each other, and a route chosen by
+    rows made verify steps (384 rows) round differently from decode steps (48 rows): the
+    ``small`` bench's greedy speculative run then matched its plain run on 0 of 48 requests,
+    against 40 with one route at every row count."""
+    return (int(weight.shape[1]), int(weight.shape[0])) in LT_ROUTE_SHAPES
 
 
 def row_parallel_linear_lt(
     x: torch.Tensor, weight: torch.Tensor, zero_bias: torch.Tensor, tp: TensorParallel
 ) -> torch.Tensor:
-    """``row_parallel_linear(x, weight, None, tp)`` (``x [rows, K]``), through cuBLASLt where
-    :func:`lt_route` says so: each rank's product is then ``F.linear(x, W, zero_bias)``
-    (``zero_bias``: zeros ``[N]`` in the weight's dtype, on its device), a bf16/fp16
-    ``addmm`` with a 1-D bias, which torch runs through cuBLASLt's bias epilogue whatever
+    """``row_parallel_linear(x, weight, None, tp)``, through cuBLASLt where :func:`lt_route`
+    says so (by the weight's shape): each rank's product is then ``F.linear(x, W,
+    zero_bias)`` (``zero_bias``: zeros ``[N]`` in the weight's dtype, on its device), a
+    bf16/fp16 ``addmm`` with a 1-D bias, which torch runs through cuBLASLt's bias epilogue whatever
     BLAS library is preferred; otherwise ``F.linear(x, W)``. Adding +0.0 to the float32
     accumulator changes no value (a -0.0 result becomes +0.0), so the output equals the plain
     product's up to the GEMM algorithm's own rounding. On the CPU, and under batch invariance
     (whose ``addmm`` override adds the bias in its own GEMM's epilogue), the values are the
-    plain product's. The route depends only on the shapes (host metadata): a CUDA graph
-    records one of the two calls, and no device value is read."""
-    if x.dim() == 2 and lt_route(x.shape[0], weight):
-        y = F.linear(x, weight, zero_bias)
-    else:
-        y = F.linear(x, weight)
+    plain product's. No device value is read."""
+    y = F.linear(x, weight, zero_bias) if lt_route(weight) else F.linear(x, weight)
     return y if tp.size == 1 else tp.all_reduce(y)
 
 
