@@ -265,12 +265,13 @@ def lt_route(weight: torch.Tensor) -> bool:
 
     The choice depends on the weight's shape only, never on the row count. Measured on the
     H200 (torch 2.11 + cu130, ``benchmark/bench_gemm_shapes.py`` at 48 .. 768 rows,
-    docs/benchmarks.md), the epilogue route is 2-5 us faster at 160, 224, 320, 384 (a
-    48-request verify step) and 768 rows and up to 2.2 us slower at 48 (a 48-request decode
-    step); but the two libraries round differently from each other, and a route chosen by
-    rows made verify steps (384 rows) round differently from decode steps (48 rows): the
-    ``small`` bench's greedy speculative run then matched its plain run on 0 of 48 requests,
-    against 40 with one route at every row count."""
+    docs/benchmarks.md), the epilogue route is 0.4-5 us faster at 160, 224, 320, 384 (a
+    48-request verify step) and 768 rows, up to 0.5 us slower at 192, 256 and 512, and up
+    to 2.2 us slower at 48 (a 48-request decode step); but the two libraries round
+    differently from each other, and a route chosen by rows made verify steps (384 rows)
+    round differently from decode steps (48 rows): the ``small`` bench's greedy speculative
+    run then matched its plain run on 0 of 48 requests, against 40 with one route at every
+    row count."""
     return (int(weight.shape[1]), int(weight.shape[0])) in LT_ROUTE_SHAPES
 
 
@@ -280,8 +281,8 @@ def row_parallel_linear_lt(
     """``row_parallel_linear(x, weight, None, tp)``, through cuBLASLt where :func:`lt_route`
     says so (by the weight's shape): each rank's product is then ``F.linear(x, W,
     zero_bias)`` (``zero_bias``: zeros ``[N]`` in the weight's dtype, on its device), a
-    bf16/fp16 ``addmm`` with a 1-D bias, which torch runs through cuBLASLt's bias epilogue whatever
-    BLAS library is preferred; otherwise ``F.linear(x, W)``. Adding +0.0 to the float32
+    bf16/fp16 ``addmm`` with a 1-D bias, which torch runs through cuBLASLt's bias epilogue
+    whatever BLAS library is preferred; otherwise ``F.linear(x, W)``. Adding +0.0 to the float32
     accumulator changes no value (a -0.0 result becomes +0.0), so the output equals the plain
     product's up to the GEMM algorithm's own rounding. On the CPU, and under batch invariance
     (whose ``addmm`` override adds the bias in its own GEMM's epilogue), the values are the
