@@ -22,7 +22,10 @@ CUDA graphs (median of ``--repeats``):
   tokens — from above (it also stores the ``r`` replayed tokens' outputs, and writes the
   state at the end instead of after token ``r``: the same bytes).
 
-``--tiles BVxWARPS,..`` repeats the rule rows per delta-rule tile (the step tile first).
+``--tiles BVxWARPS,..`` repeats the rule rows per delta-rule tile (the step tile first);
+``step`` is the engine's default step launch (``gdn_step``'s persistent kernel where it is
+eligible, else ``_rule_kernel``'s step tile). ``--heads`` / ``--key-heads`` set the value and
+key heads (Qwen3-Next: 32 / 16).
 This is a diagnostic of the kernel's form (what bounds it: state bytes or per-token
 arithmetic); the engine's numbers are ``profile_step.py``'s.
 """
@@ -38,7 +41,7 @@ from bench_gdn_commit import graph_us
 from unimem_kernel import gdn
 from unimem_kernel import gdn_reference as gr
 
-H, DK, DV = 16, 128, 128
+DK, DV = 128, 128
 
 
 def parse_args(argv=None):
@@ -46,7 +49,9 @@ def parse_args(argv=None):
     ap.add_argument("--bs", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=8, help="tokens per verify (gamma + 1)")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--tiles", default="32x1,16x1,64x4", help="BVxWARPS list")
+    ap.add_argument("--tiles", default="step,32x1", help="BVxWARPS list, or step")
+    ap.add_argument("--heads", type=int, default=16, help="value heads")
+    ap.add_argument("--key-heads", type=int, default=None, help="key heads (default: --heads)")
     ap.add_argument(
         "--fused-extra", default="1,4", help="replayed tokens r of the fused-bound rows (list)"
     )
@@ -66,8 +71,10 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     bs, t, nl = args.bs, args.tokens, args.layers
+    H = args.heads
+    HK = args.key_heads or H
     n = bs * t
-    conv_dim = gr.mixed_qkv_dim(H, DK, DV, H)
+    conv_dim = gr.mixed_qkv_dim(H, DK, DV, HK)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=dev)
@@ -98,7 +105,7 @@ def main(argv=None) -> int:
         accepted[f"{r} tokens"] = torch.full((bs,), r - 1, dtype=torch.int32, device=dev)
 
     def launch(y, g, beta, out, state, lanes, prep, tile, acc, gates, seq=t, final=None):
-        q, k, v = gdn._split_conv_out(y, H, DK, DV, H)
+        q, k, v = gdn._split_conv_out(y, H, DK, DV, HK)
         strides = tuple(gdn._row_strides(x, seq, True) for x in (q, k, v))
         gb_strides = tuple(gdn._row_strides(x, seq, True) for x in (g, beta))
         gdn._launch_rule(
@@ -153,7 +160,7 @@ def main(argv=None) -> int:
                    seq=r + t, final=True)  # fmt: skip
 
     for spec in args.tiles.split(","):
-        tile = tuple(int(x) for x in spec.split("x"))
+        tile = (None, None) if spec == "step" else tuple(int(x) for x in spec.split("x"))
         for prep in (True, False):
             tag = "" if prep else ", no prologue"
             add("verify" + tag, spec, lambda: [rule(i, prep, tile) for i in range(nl)], state_mb)  # noqa: B023
@@ -167,12 +174,14 @@ def main(argv=None) -> int:
         for r in extras:
             add(f"fused bound, {r} + {t} tokens", spec, lambda: rule_fused(r, tile), 2 * state_mb)  # noqa: B023
     print(f"bench_gdn_rule: {torch.cuda.get_device_name()}, {nl} layers, {bs} lanes x {t} "
-          f"tokens, H {H}, Dk {DK}, Dv {DV}; states {state_mb:.0f} MB")  # fmt: skip
+          f"tokens, H {H} (key heads {HK}), Dk {DK}, Dv {DV}; "
+          f"states {state_mb:.0f} MB")  # fmt: skip
     for r in rows:
         print(f"  {r['row']:<28} {r.get('tile', ''):>6} {r['us']:9.1f} us  {r['GB/s']:7.0f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "heads": H, "key_heads": HK,
+                   "rows": rows}, f, indent=1)  # fmt: skip
     return 0
 
 
