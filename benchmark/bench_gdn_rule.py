@@ -23,9 +23,8 @@ CUDA graphs (median of ``--repeats``):
   state at the end instead of after token ``r``: the same bytes).
 
 ``--tiles BVxWARPS,..`` repeats the rule rows per delta-rule tile (the step tile first);
-``step`` is the engine's default step launch (``gdn_step``'s persistent kernel where it is
-eligible, else ``_rule_kernel``'s step tile). ``--heads`` / ``--key-heads`` set the value and
-key heads (Qwen3-Next: 32 / 16).
+``step`` is the launch the engine makes (no explicit tile: ``gdn._rule_config``'s step
+default). ``--heads`` / ``--key-heads`` set the value and key heads (Qwen3-Next: 32 / 16).
 This is a diagnostic of the kernel's form (what bounds it: state bytes or per-token
 arithmetic); the engine's numbers are ``profile_step.py``'s.
 """
@@ -49,7 +48,7 @@ def parse_args(argv=None):
     ap.add_argument("--bs", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=8, help="tokens per verify (gamma + 1)")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--tiles", default="step,32x1", help="BVxWARPS list, or step")
+    ap.add_argument("--tiles", default="step", help="BVxWARPS list, or step")
     ap.add_argument("--heads", type=int, default=16, help="value heads")
     ap.add_argument("--key-heads", type=int, default=None, help="key heads (default: --heads)")
     ap.add_argument(

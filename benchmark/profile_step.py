@@ -58,7 +58,7 @@ CATEGORIES = [
         "attention (FA4, split-KV)",
         re.compile(r"flash|fmha|FlashAttn|cute|_split_kv_|(?<!_moe)_combine_kernel", re.I),
     ),
-    ("GDN conv + delta rule", re.compile(r"_conv_kernel|_rule_kernel|_rule_step_kernel")),
+    ("GDN conv + delta rule", re.compile(r"_conv_kernel|_rule_kernel")),
     ("metadata + write window", re.compile(r"_metadata_kernel|_write_window_kernel")),
     ("state commit", re.compile(r"_commit")),
     ("GEMM (projections, MLP, LM heads)", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),

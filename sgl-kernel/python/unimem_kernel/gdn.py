@@ -97,7 +97,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel import gdn_reference, gdn_step
+from unimem_kernel import gdn_reference
 from unimem_kernel._dispatch import next_pow2, use_triton
 
 L2NORM_EPS = 1e-6
@@ -967,19 +967,12 @@ def _launch_rule(
     cu32 = _as_int32(cu) if cu is not None else slots.view(torch.int32)
     init8 = init if init is not None else slots.view(torch.uint8)
     acc32 = _as_int32(accepted) if accepted is not None else slots.view(torch.int32)
-    scale = dk**-0.5 if scale is None else scale
-    if _step_kernel_takes(kind, block_v, num_warps, cu, init, scratch) and gdn_step.eligible(
-        qkv, qkv_strides, gb, out, out_strides, ssm_state
-    ):
-        gdn_step.launch(
-            qkv, qkv_strides, gb, gb_strides, out, out_strides, ssm_state, slots, acc32, rg,
-            rb, r_strides, table, n_layers, flags, seq_len, scale, L2NORM_EPS, prep, group,
-        )  # fmt: skip
-        return
     _rule_kernel[(bs * n_layers, h, triton.cdiv(dv, bv))](
         q, k, v, g, beta, out, ssm_state, slots, cu32, init8,
         ssm_state if scratch is None else scratch,
-        acc32, rg, rb, table, flags, seq_len, scale, L2NORM_EPS,
+        acc32, rg, rb, table, flags, seq_len,
+        dk**-0.5 if scale is None else scale,
+        L2NORM_EPS,
         *qkv_strides[0], *qkv_strides[1], *qkv_strides[2], *gb_strides[0], *gb_strides[1],
         *out_strides, *ssm_state.stride(), *_strides(scratch, 5), *r_strides,
         DK=dk,
@@ -991,24 +984,6 @@ def _launch_rule(
         PREP=prep,
         GROUP=group,
         num_warps=warps,
-    )  # fmt: skip
-
-
-def _step_kernel_takes(
-    kind: str,
-    block_v: int | None,
-    num_warps: int | None,
-    cu: torch.Tensor | None,
-    init: torch.Tensor | None,
-    scratch: torch.Tensor | None,
-) -> bool:
-    """Whether a launch is one :mod:`gdn_step` serves (given ``gdn_step.eligible``): the step
-    tile at its defaults (decode, verify, the replay commit), fixed rows, no initial-state
-    flags and no per-position state stores. Explicit tiles (batch invariance, benchmarks'
-    sweeps), extends and the old per-position verify stay on ``_rule_kernel``."""
-    return (
-        kind == "step" and block_v is None and num_warps is None and cu is None
-        and init is None and scratch is None
     )  # fmt: skip
 
 
