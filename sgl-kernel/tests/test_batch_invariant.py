@@ -462,3 +462,35 @@ def test_gpu_row_ops_are_batch_invariant(monkeypatch, d):
     for m in (1, 7, 48):
         assert torch.equal(bi.bi_rms_norm(x[:m], weight, 1e-6), norm[:m])
         assert torch.equal(bi.bi_log_softmax(x[-m:]), lsm[-m:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_on_head_views_of_a_stacked_projection(triton_backend, device, dtype):
+    # Qwen3-Next's attention with q, k and v as one GEMM: q is the query half of the
+    # [T, Hq, 2 * Dh] columns and k the [T, Hkv, Dh] columns of a [T, W] output, so a row
+    # (t, h) sits at t * W + h * S: two strides, read in place
+    gen = torch.Generator().manual_seed(11)
+    t, hq, hkv, dh = 5, 3, 2, 32
+    w = hq * 2 * dh + 2 * hkv * dh
+    qkv = rand(gen, t, w, dtype=dtype, device=device, scale=3.0)
+    q = qkv[:, : hq * 2 * dh].view(t, hq, 2 * dh)[..., :dh]
+    k = qkv[:, hq * 2 * dh : hq * 2 * dh + hkv * dh].view(t, hkv, dh)
+    weight = rand(gen, dh, device=device).to(dtype)
+    for x in (q, k):
+        assert bi._row_groups(x) is not None  # no copy
+        got = bi.bi_rms_norm(x, weight, 1e-6, zero_centered=True)
+        assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+        ref = bi.bi_rms_norm_reference(x.double(), weight.double(), 1e-6, zero_centered=True)
+        assert rel_err(got, ref) <= BOUND[dtype]
+        # the same bits as the norm of a contiguous copy and of each token alone
+        assert torch.equal(got, bi.bi_rms_norm(x.contiguous(), weight, 1e-6, zero_centered=True))
+        for i in range(t):
+            alone = bi.bi_rms_norm(x[i : i + 1], weight, 1e-6, zero_centered=True)
+            assert torch.equal(alone[0], got[i])
+    # leading dims that do not flatten to one stride: copied first, the same result
+    a = rand(gen, 4, 5, 6, dh, dtype=dtype, device=device)
+    odd = a.permute(1, 0, 2, 3)[:, :, :3]
+    assert bi._row_groups(odd) is None
+    got = bi.bi_rms_norm(odd, weight, 1e-6)
+    assert torch.equal(got, bi.bi_rms_norm(odd.contiguous(), weight, 1e-6))

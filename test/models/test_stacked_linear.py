@@ -86,3 +86,8 @@ def test_loaded_models_keep_their_stacks(tmp_path, arch):
     model = load_model(tmp_path, dtype=torch.float32)
     stacks = list(stacks_of(model))
     assert stacks and all(s.stacked() for s in stacks)
+    # the gated attention's q (with its gate), k and v: one GEMM
+    from unimem.models.qwen_common import GatedAttention
+
+    attn = [m for m in model.modules() if isinstance(m, GatedAttention)]
+    assert attn and all(m.qkv.stacked() for m in attn)

@@ -168,6 +168,9 @@ class GatedAttention(nn.Module):
         self.o_proj = Weight(d, hq * dh, **kw)
         self.q_norm = Weight(dh, **kw)
         self.k_norm = Weight(dh, **kw)
+        # q (with its gate), k and v as one GEMM; the q/k norms read their head views of
+        # its columns in place (bi_rms_norm's two-stride rows)
+        self.qkv = StackedRows(self.q_proj, self.k_proj, self.v_proj)
         # the o_proj's route through cuBLASLt (row_parallel_linear_lt); not a weight
         self.register_buffer("o_zero", torch.zeros(d, **kw), persistent=False)
 
@@ -181,12 +184,12 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         c, t = self.c, h.shape[0]
         hq, hkv, dh = c.n_q_heads, c.n_kv_heads, c.head_dim_k
-        qg = F.linear(h, self.q_proj.weight).view(t, hq, 2 * dh)
+        qg, k, v = self.qkv.linear(h)
+        qg = qg.view(t, hq, 2 * dh)
         q, gate = qg[..., :dh], qg[..., dh:]
         q = zero_centered_rms_norm(q, self.q_norm.weight, c.rms_eps)
-        k = F.linear(h, self.k_proj.weight).view(t, hkv, dh)
-        k = zero_centered_rms_norm(k, self.k_norm.weight, c.rms_eps)
-        v = F.linear(h, self.v_proj.weight).view(t, hkv, dh)
+        k = zero_centered_rms_norm(k.view(t, hkv, dh), self.k_norm.weight, c.rms_eps)
+        v = v.view(t, hkv, dh)
         o = ctx.rope_attention(layer_idx, q, k, v, *cos_sin)  # rotary.apply on q and k
         o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
         return row_parallel_linear_lt(o, self.o_proj.weight, self.o_zero, self.tp)

@@ -558,6 +558,21 @@ def _row_block(d: int) -> int:
     return min(next_pow2(d), 4096)
 
 
+def _row_groups(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
+    """``x [..., R, D]`` (unit stride along ``D``, ``dim >= 3``) as ``(x3 [G, R, D] view,
+    R, stride between groups, stride between rows)`` when its leading dims flatten to one
+    stride but not together with ``R`` (a per-head view of a wider projection's columns:
+    rows ``t * W + h * S``); None otherwise."""
+    if x.dim() < 3 or (x.shape[-1] > 1 and x.stride(-1) != 1):
+        return None
+    r = x.shape[-2]
+    try:
+        x3 = x.view(-1, r, x.shape[-1])
+    except RuntimeError:
+        return None
+    return x3, r, x3.stride(0), x3.stride(1)
+
+
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     if x.dim() < 1:
         raise ValueError(f"{name} must have at least one dim")
@@ -569,11 +584,13 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
 
 @triton.jit
 def _bi_rms_norm_kernel(
-    x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps,
+    x_ptr, w_ptr, y_ptr, D, R, stride_g, stride_x, stride_y, eps,
     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # row (g, r) of x at g * stride_g + r * stride_x (R rows a group); y rows contiguous
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
+    g = row // R
+    x_row = x_ptr + g * stride_g + (row - g * R) * stride_x
     y_row = y_ptr + row * stride_y
     cols = tl.arange(0, BLOCK)
     sq = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -609,27 +626,37 @@ def bi_rms_norm(
     """``x * rsqrt(mean(x^2) + eps) * w`` over the last dim, batch-invariant; ``w = weight``,
     or ``1 + weight`` when ``zero_centered`` (Qwen3-Next's norms).
 
-    ``x [..., D]`` (fp16, bf16, fp32; float64 runs the reference; unit stride along ``D``,
-    leading dims that flatten to one row stride are read in place, e.g. per-head norms of a
-    projection's column view), ``weight [D]`` (any float dtype) on ``x``'s device, ``eps`` a
+    ``x [..., D]`` (fp16, bf16, fp32; float64 runs the reference; unit stride along ``D``).
+    Read in place when its rows sit at one stride, or at two: ``x [..., R, D]`` whose
+    leading dims flatten to one stride (row ``(g, r)`` at ``g * s_g + r * s_r``, e.g.
+    per-head norms of a head-split column range of a stacked q/k/v projection); any other
+    layout is copied first. ``weight [D]`` (any float dtype) on ``x``'s device, ``eps`` a
     float. Math in fp32 (``x`` and ``weight`` upcast, ``1 + weight`` and the weight multiply
     in fp32, then cast back), as ``unimem.models.nn_ops.rms_norm``. Returns a new tensor of
     ``x``'s shape and dtype, owned by the caller. One program per row; the sum of squares
     walks ``D`` in fixed chunks of :func:`_row_block` ``(D)`` elements.
     """
-    x2 = _rows(x, "x")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim")
     _check_float("x", x)
-    d = x2.shape[1]
+    d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
     _check_float("weight", weight)
     _check_device("weight", weight, x, "x")
     if x.dtype == torch.float64 or not use_triton(x):
         return bi_rms_norm_reference(x, weight, eps, zero_centered=zero_centered)
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0] and d:
-        _bi_rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, y, d, x2.stride(0), y.stride(0), float(eps),
+    groups = _row_groups(x)
+    if groups is not None:
+        src, r, stride_g, stride_x = groups
+    else:  # rows of one stride (a copy only when they are not)
+        src = _rows(x, "x")
+        r, stride_g, stride_x = 1, src.stride(0), src.stride(0)
+    n = x.numel() // d if d else 0
+    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    if n and d:
+        _bi_rms_norm_kernel[(n,)](
+            src, weight, y, d, r, stride_g, stride_x, y.stride(0), float(eps),
             ZERO_CENTERED=bool(zero_centered), BLOCK=_row_block(d),
         )  # fmt: skip
     return y.reshape(x.shape)
