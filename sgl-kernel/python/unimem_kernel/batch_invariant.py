@@ -561,8 +561,9 @@ def _row_block(d: int) -> int:
 def _row_groups(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
     """``x [..., R, D]`` (unit stride along ``D``, ``dim >= 3``) as ``(x3 [G, R, D] view,
     R, stride between groups, stride between rows)`` when its leading dims flatten to one
-    stride but not together with ``R`` (a per-head view of a wider projection's columns:
-    rows ``t * W + h * S``); None otherwise."""
+    stride, so that row ``(g, r)`` sits at ``g * s_g + r * s_r`` (a per-head view of a wider
+    projection's columns: rows ``t * W + h * S``, which no single row stride describes);
+    None otherwise."""
     if x.dim() < 3 or (x.shape[-1] > 1 and x.stride(-1) != 1):
         return None
     r = x.shape[-2]
