@@ -11,9 +11,12 @@ Rows: ``q_len`` 8 (a DSPARK verify, gamma 7) and 1
 
 Each side is timed as the engine runs it: ``--iters`` calls recorded in one CUDA graph,
 CUDA events around a replay, the median of ``--repeats`` replays (``cuda_timing``), in
-microseconds per call. ``GB/s`` is the K/V bytes the step must read (the keys some query of
-a request can see, every request) over our time. ``err`` is the largest elementwise
-difference of ours vs FA4, relative to FA4's largest magnitude (bf16 outputs: ~1e-2 is a few
+microseconds per call. ``fa4n us``: FA4 with the backend's narrow query tile
+(``fa4_backend.narrow_query_tile``: 64 rows, one consumer warpgroup) where the step's packed
+rows fit it, as ``FA4Backend`` runs such steps on SM90. ``GB/s`` is the K/V bytes the step
+must read (the keys some query of a request can see, every request) over our time. ``err``
+is the largest elementwise difference of ours vs FA4, relative to FA4's largest magnitude
+(bf16 outputs: ~1e-2 is a few
 bf16 ulps). ``--splits`` / ``--programs`` sweep our work split (keys per split, programs per
 (request, KV head)); defaults are the module's. FA4 is skipped (ours only) when
 ``flash_attn.cute`` does not import. Prints the GPU, the sizes and a table; ``--json PATH``
@@ -90,12 +93,15 @@ def main(argv=None) -> int:
 
     from unimem_kernel import paged_attention as pa
 
-    fa4 = None
+    fa4 = fa4_fwd = None
     if not args.no_fa4:
         try:
             from flash_attn.cute import flash_attn_varlen_func as fa4
+            from flash_attn.cute.interface import _flash_attn_fwd as fa4_fwd
         except ImportError as e:
             print(f"# FA4 not importable ({e}): ours only")
+    from unimem.attention.fa4_backend import narrow_query_tile
+
     dev = torch.device("cuda")
     dt = torch.bfloat16
     bs, hq, hkv, d, ps = args.bs, args.q_heads, args.kv_heads, args.head_dim, args.page_size
@@ -115,6 +121,7 @@ def main(argv=None) -> int:
           f"{args.repeats} replays; ours: max_seqlen_k={args.max_seqlen_k}, default split "
           f"{pa._SPLIT} keys, {pa._KV_PROGRAMS} programs")  # fmt: skip
     head = (f"{'q_len':>5} {'ctx':>5} {'window':>6} {'split':>5} {'progs':>5} {'fa4 us':>8} "
+            f"{'fa4n us':>8} "
             f"{'ours us':>8} {'speedup':>7} {'ours GB/s':>9} {'err':>8}")  # fmt: skip
     print(head)
     print("-" * len(head))
@@ -146,6 +153,25 @@ def main(argv=None) -> int:
                     fa4_us = 1e3 * graph_median_ms(run_fa4, warmup=2, iters=args.iters,
                                                    repeats=args.repeats)  # fmt: skip
                     fa4_out = run_fa4()
+                tile = narrow_query_tile(q_len, hq, hkv, d, d, local=window is not None)
+                narrow_us = None
+                if fa4_fwd is not None and tile is not None:
+
+                    def run_narrow(left=left, q=q, cu=cu, seq=seq, table=table, q_len=q_len,
+                                   n_cols=n_cols, tile=tile):  # fmt: skip
+                        return fa4_fwd(q, kc, vc, cu_seqlens_q=cu, max_seqlen_q=q_len,
+                                       max_seqlen_k=n_cols * ps, seqused_k=seq,
+                                       page_table=table, softmax_scale=scale, causal=True,
+                                       window_size_left=left,
+                                       window_size_right=None if left is None else 0,
+                                       tile_mn=tile, num_threads=256)[0]  # fmt: skip
+
+                    narrow_us = 1e3 * graph_median_ms(run_narrow, warmup=2, iters=args.iters,
+                                                      repeats=args.repeats)  # fmt: skip
+                    diff = (run_narrow().float() - fa4_out.float()).abs().max()
+                    narrow_err = float(diff / fa4_out.float().abs().max().clamp_min(1e-30))
+                    print(f"# q_len {q_len} ctx {ctx} window {window}: FA4 narrow tile {tile} "
+                          f"vs default, max rel diff {narrow_err:.1e}")  # fmt: skip
                 for split in args.splits:
                     for progs in args.programs:
 
@@ -168,11 +194,13 @@ def main(argv=None) -> int:
                             "bs": bs, "q_len": q_len, "context": ctx, "cache_seqlens": total,
                             "window": window, "split": split or pa._SPLIT,
                             "programs": progs or pa._KV_PROGRAMS, "fa4_us": fa4_us,
+                            "fa4_narrow_us": narrow_us, "fa4_narrow_tile": tile,
                             "ours_us": ours_us, "ours_gbps": kv_bytes / ours_us / 1e3,
                             "kv_bytes": kv_bytes, "max_rel_err_vs_fa4": err,
                         }  # fmt: skip
                         rows.append(row)
                         fa4_s = f"{fa4_us:8.1f}" if fa4_us is not None else f"{'-':>8}"
+                        fa4_s += f" {narrow_us:8.1f}" if narrow_us is not None else f" {'-':>8}"
                         sp = f"{fa4_us / ours_us:7.2f}" if fa4_us is not None else f"{'-':>7}"
                         err_s = f"{err:8.1e}" if err is not None else f"{'-':>8}"
                         print(f"{q_len:>5} {ctx:>5} {str(window):>6} {row['split']:>5} "

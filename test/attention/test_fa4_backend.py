@@ -113,9 +113,13 @@ MODES = {
 }
 
 
-def run_and_compare(mode, page_size, window, hq, hkv, dk, dv, split_kv=False, sinks=False):
+def run_and_compare(
+    mode, page_size, window, hq, hkv, dk, dv, split_kv=False, sinks=False, narrow_tile=True
+):
     """``split_kv``: the step is marked uniform (decode, verify) and the backend takes its
-    split-KV kernel for it; else FA4 itself. ``sinks``: random per-head attention sinks."""
+    split-KV kernel for it; else FA4 itself. ``sinks``: random per-head attention sinks.
+    ``narrow_tile``: the backend's option (FA4's 64-row tile for short steps). Returns the
+    backend's output."""
     from unimem.attention.fa4_backend import FA4Backend
 
     ctx, qn = MODES[mode]
@@ -124,7 +128,7 @@ def run_and_compare(mode, page_size, window, hq, hkv, dk, dv, split_kv=False, si
     )
     scale = 1.0 / math.sqrt(dk)
     swa = window is not None
-    backend = FA4Backend(split_kv_max_bs=16 if split_kv else 0)
+    backend = FA4Backend(split_kv_max_bs=16 if split_kv else 0, narrow_tile=narrow_tile)
     if split_kv:
         meta = dataclasses.replace(meta, uniform_q=True)
         layout = {"q_heads": hq, "head_dim": dk}
@@ -150,6 +154,7 @@ def run_and_compare(mode, page_size, window, hq, hkv, dk, dv, split_kv=False, si
     for b in range(meta.batch_size):
         if cu[b + 1] > cu[b]:
             assert rel_err(out[cu[b] : cu[b + 1]], ref[cu[b] : cu[b + 1]]) < REL_TOL, b
+    return out
 
 
 @pytest.mark.gpu
@@ -173,6 +178,32 @@ def test_split_kv_path_matches_reference(mode, page_size, window):
     # Qwen3-Next's attention (16 / 2 heads of 256) and gpt-oss's (64 / 8 of 64, sinks)
     run_and_compare(mode, page_size, window, hq=16, hkv=2, dk=256, dv=256, split_kv=True)
     run_and_compare(mode, 16, window, hq=64, hkv=8, dk=64, dv=64, split_kv=True, sinks=True)
+
+
+# (page size, Hq, Hkv, head dim, sinks): the small preset's attention, Qwen3-Next's, gpt-oss's
+NARROW_LAYOUTS = [(64, 16, 4, 128, False), (64, 16, 2, 256, False), (16, 64, 8, 64, True)]
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("window", [None, 48])
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+@pytest.mark.parametrize("layout", NARROW_LAYOUTS, ids=["small", "qwen3_next", "gpt_oss"])
+def test_narrow_tile_matches_reference_and_default_tile(mode, window, layout):
+    """Short steps through FA4's 64-row tile: the reference's outputs, and within bf16
+    rounding of the same step through FA4's default tile."""
+    from unimem.attention.fa4_backend import FA4Backend, narrow_query_tile
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the narrow tile is an SM90 path")
+    page_size, hq, hkv, d, sinks = layout
+    q_len = max(MODES[mode][1])
+    assert narrow_query_tile(q_len, hq, hkv, d, d, local=window is not None) is not None
+    assert FA4Backend()._narrow_fwd is not None, "FA4 4.0.0b36's internal forward changed"
+    args = (mode, page_size, window, hq, hkv, d, d)
+    narrow = run_and_compare(*args, sinks=sinks)
+    default = run_and_compare(*args, sinks=sinks, narrow_tile=False)
+    assert rel_err(narrow, default) < 1e-2
 
 
 @pytest.mark.gpu

@@ -7,9 +7,11 @@ from __future__ import annotations
 import torch
 
 from unimem.attention.fa4_backend import (
+    NARROW_TILE_ROWS,
     SPLIT_KV_MAX_BS,
     SPLIT_KV_MAX_Q,
     SPLIT_KV_MAX_WORK,
+    narrow_query_tile,
     split_kv_programs,
 )
 from unimem.attention.fa4_backend import takes_split_kv as _takes
@@ -83,3 +85,22 @@ def test_the_head_layout_bounds_the_batch():
             meta = b.verify(r2t, rpi, seq, v2p, gamma=7)
             want = n <= most and n <= SPLIT_KV_MAX_BS
             assert takes_split_kv(meta, SPLIT_KV_MAX_BS, q_heads=heads, head_dim=dim) == want
+
+
+def test_narrow_query_tile_for_short_steps_of_measured_layouts():
+    # packed rows = q rows x query heads per KV head; FA4's key tile for the head dim
+    assert narrow_query_tile(8, 16, 4, 128, 128, local=False) == (NARROW_TILE_ROWS, 128)
+    assert narrow_query_tile(16, 16, 4, 128, 128, local=True) == (64, 128)  # 64 rows
+    assert narrow_query_tile(8, 16, 2, 256, 256, local=False) == (64, 80)  # Qwen3-Next
+    assert narrow_query_tile(8, 16, 2, 256, 256, local=True) == (64, 64)
+    assert narrow_query_tile(8, 64, 8, 64, 64, local=True) == (64, 128)  # gpt-oss
+    assert narrow_query_tile(1, 16, 16, 128, 128, local=False) == (64, 128)  # MHA decode
+
+
+def test_narrow_query_tile_not_for_long_steps_or_other_head_dims():
+    assert narrow_query_tile(17, 16, 4, 128, 128, local=False) is None  # 68 packed rows
+    assert narrow_query_tile(9, 16, 2, 256, 256, local=False) is None
+    assert narrow_query_tile(512, 16, 4, 128, 128, local=False) is None  # extend
+    assert narrow_query_tile(8, 8, 1, 192, 128, local=False) is None  # Dk != Dv
+    assert narrow_query_tile(1, 8, 1, 96, 96, local=False) is None  # not measured
+    assert narrow_query_tile(1, 6, 4, 128, 128, local=False) is None  # ragged GQA ratio

@@ -71,6 +71,23 @@ preset's 16 x 16 x 128: up to 16 requests there, 8 for the other two). The choic
 the step's batch size, so a row's bits can depend on its batch bucket: with ``invariant``
 (batch-invariant mode) every step takes FA4, as extend does, and rows do not.
 
+Narrow query tile for short steps (SM90). FA4 sizes its query tile for prefill: 128 rows
+(192 at head dim 64) in two consumer warpgroups. A decode or verify step packs only
+``max_seqlen_q x Hq / Hkv`` rows per (request, KV head) — 32 for the small preset's verify
+(8 tokens x 4 query heads), 64 for Qwen3-Next's and gpt-oss's — so most of the tile is padding
+and each CTA carries a warpgroup that does no useful work. When those rows fit
+:data:`NARROW_TILE_ROWS`, :func:`narrow_query_tile` gives a 64-row tile with FA4's own key-tile
+width for the head dim, run by one consumer warpgroup (``num_threads`` 256). FA4's public
+function takes no tile, so that call goes through ``flash_attn.cute.interface._flash_attn_fwd``
+(private; in 4.0.0b36 it takes ``tile_mn`` and ``num_threads`` and is what the public function
+calls). Measured on the H200 (48 requests, 512 keys, 8 query rows, page 64;
+``docs/benchmarks.md``, "FA4 on arena views"): 27.9 -> 22.6 µs per call at 16 / 4 heads of
+128, 22.8 -> 19.6 at 16 / 2 of 256, 42.6 -> 29.9 at 64 / 8 of 64. The tile decides which rows
+share a CTA, not how a row reduces its keys, but with batch invariance on (``invariant``)
+every step keeps FA4's default tile, as extend does. Where the installed FA4 lacks that
+function or those parameters, or the GPU is not SM90, the public call runs (a warning says
+so once).
+
 CUDA graphs. Every variant (dtype, head dims, GQA ratio, window or not, query width class)
 compiles on its first call (seconds); a first call inside ``torch.cuda.graph`` breaks the
 capture. Call ``warmup`` eagerly for every variant a graph will record. The output tensor is
@@ -79,7 +96,9 @@ allocated by FA4 on each call (inside a graph: from the graph's pool, fixed addr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+import warnings
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -92,7 +111,9 @@ __all__ = [
     "SPLIT_KV_MAX_BS",
     "SPLIT_KV_MAX_Q",
     "SPLIT_KV_MAX_WORK",
+    "NARROW_TILE_ROWS",
     "FA4Backend",
+    "narrow_query_tile",
     "split_kv_batch",
     "split_kv_programs",
     "takes_split_kv",
@@ -117,6 +138,53 @@ SPLIT_KV_KEYS = 128
 
 SPLIT_KV_MAX_Q = 16
 """Most query rows per request the split-KV path takes (a verify of up to 15 drafts)."""
+
+NARROW_TILE_ROWS = 64
+"""Most packed query rows per (request, KV head) — ``max_seqlen_q x Hq / Hkv`` with GQA
+packing — that FA4 runs in the narrow 64-row tile (:func:`narrow_query_tile`)."""
+
+
+def narrow_query_tile(
+    max_seqlen_q: int, q_heads: int, kv_heads: int, dk: int, dv: int, *, local: bool
+) -> tuple[int, int] | None:
+    """FA4's ``(tile_m, tile_n)`` for a step whose requests have at most ``max_seqlen_q`` query
+    rows, or ``None`` for FA4's default tiles (module docstring). The narrow tile applies when
+    the packed rows (``max_seqlen_q x q_heads / kv_heads``; GQA packing is FA4's default) fit
+    :data:`NARROW_TILE_ROWS` and the head dims are one of the measured layouts (``dk == dv``
+    in 64, 128, 256); its key tile is the one FA4 picks on SM90 for that head dim and masking
+    (128 up to head dim 128; 80, or 64 with a window, at 256 — 128 at 256 does not fit in
+    shared memory with one consumer warpgroup)."""
+    if dk != dv or dk not in (64, 128, 256) or kv_heads < 1 or q_heads % kv_heads:
+        return None
+    if max_seqlen_q * (q_heads // kv_heads) > NARROW_TILE_ROWS:
+        return None
+    if dk <= 128:
+        return NARROW_TILE_ROWS, 128
+    return NARROW_TILE_ROWS, 64 if local else 80
+
+
+_NARROW_TILE_THREADS = 256  # one producer and one consumer warpgroup
+
+
+def _narrow_tile_forward() -> Callable[..., object] | None:
+    """FA4's internal forward when it takes ``tile_mn`` and ``num_threads`` on this GPU (SM90),
+    else ``None`` with a warning (module docstring)."""
+    major, _ = torch.cuda.get_device_capability()
+    if major != 9:
+        return None
+    from flash_attn.cute import interface
+
+    fwd = getattr(interface, "_flash_attn_fwd", None)  # private: checked, not assumed
+    needed = {"tile_mn", "num_threads", "window_size_left", "window_size_right", "page_table"}
+    if fwd is None or not needed <= set(inspect.signature(fwd).parameters):
+        warnings.warn(
+            "flash_attn.cute.interface._flash_attn_fwd does not take tile_mn / num_threads in "
+            "this FA4 version: decode and verify steps use FA4's default query tile "
+            "(tested: flash-attn-4 4.0.0b36)",
+            stacklevel=3,
+        )
+        return None
+    return fwd
 
 
 def split_kv_programs(bs: int, kv_heads: int) -> int:
@@ -177,6 +245,10 @@ class FA4Backend(AttentionBackend):
     requests — and within :data:`SPLIT_KV_MAX_WORK` for their head layout — attend through the
     split-KV Triton kernel instead (module docstring; 0: never).
 
+    ``narrow_tile``: steps whose packed query rows fit :data:`NARROW_TILE_ROWS` run FA4 with
+    the 64-row tile of :func:`narrow_query_tile` (module docstring), outside batch-invariant
+    mode; False keeps FA4's default tile everywhere.
+
     Store: the base class ``store_kv`` (``unimem_kernel.store_kv_paged``: one Triton launch
     for K and V through the strided views; capturable). Attend: capturable once warmed up.
     """
@@ -187,6 +259,7 @@ class FA4Backend(AttentionBackend):
         num_splits: int = 1,
         pack_gqa: bool | None = None,
         split_kv_max_bs: int = SPLIT_KV_MAX_BS,
+        narrow_tile: bool = True,
     ) -> None:
         try:
             from flash_attn.cute import flash_attn_varlen_func
@@ -202,6 +275,9 @@ class FA4Backend(AttentionBackend):
         self.num_splits = num_splits
         self.pack_gqa = pack_gqa
         self.split_kv_max_bs = split_kv_max_bs
+        # with pack_gqa forced off the packed-rows rule does not hold: default tiles
+        use_narrow = narrow_tile and pack_gqa is not False and num_splits == 1
+        self._narrow_fwd = _narrow_tile_forward() if use_narrow else None
 
     def takes_split_kv(
         self, meta: AttentionMetadata, invariant: bool = False, *, q_heads: int, head_dim: int
@@ -241,6 +317,32 @@ class FA4Backend(AttentionBackend):
             )  # fmt: skip
         left = None if window is None else window - 1
         extra = {} if sinks is None else {"learnable_sink": sinks}
+        tile = None
+        if self._narrow_fwd is not None and not invariant:
+            tile = narrow_query_tile(
+                meta.max_seqlen_q, q.shape[1], k_cache.shape[2], q.shape[2], v_cache.shape[3],
+                local=window is not None,
+            )  # fmt: skip
+        if tile is not None:
+            res = self._narrow_fwd(
+                q,
+                k_cache,
+                v_cache,
+                cu_seqlens_q=meta.cu_seqlens_q,
+                max_seqlen_q=meta.max_seqlen_q,
+                max_seqlen_k=meta.max_seqlen_k,
+                seqused_k=meta.cache_seqlens,
+                page_table=meta.table(swa),
+                softmax_scale=float(scale),
+                causal=True,
+                window_size_left=left,
+                window_size_right=None if left is None else 0,
+                tile_mn=tile,
+                num_threads=_NARROW_TILE_THREADS,
+                pack_gqa=self.pack_gqa,
+                **extra,
+            )
+            return res[0] if isinstance(res, tuple) else res
         res = self._varlen(
             q,
             k_cache,
