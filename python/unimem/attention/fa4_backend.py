@@ -80,13 +80,14 @@ and each CTA carries a warpgroup that does no useful work. When those rows fit
 width for the head dim, run by one consumer warpgroup (``num_threads`` 256). FA4's public
 function takes no tile, so that call goes through ``flash_attn.cute.interface._flash_attn_fwd``
 (private; in 4.0.0b36 it takes ``tile_mn`` and ``num_threads`` and is what the public function
-calls). Measured on the H200 (48 requests, 512 keys, 8 query rows, page 64;
-``docs/benchmarks.md``, "FA4 on arena views"): 27.9 -> 22.6 µs per call at 16 / 4 heads of
-128, 22.8 -> 19.6 at 16 / 2 of 256, 42.6 -> 29.9 at 64 / 8 of 64. The tile decides which rows
-share a CTA, not how a row reduces its keys, but with batch invariance on (``invariant``)
-every step keeps FA4's default tile, as extend does. Where the installed FA4 lacks that
-function or those parameters, or the GPU is not SM90, the public call runs (a warning says
-so once).
+calls). Measured on the H200 (48 requests of 520 keys, 8 query rows, page 64;
+``docs/benchmarks.md``, "Split-KV verify attention against FA4"): 27.9 -> 23.2 µs per call
+at 16 / 4 heads of 128, 23.3 -> 19.4 at 16 / 2 of 256, 41.7 -> 30.6 at 64 / 8 of 64. The tile
+decides which rows share a CTA, not how a row reduces its keys: its outputs equal the
+default tile's bit for bit (the GPU tests assert it at the three layouts), so batch-invariant
+mode takes it too and a row still gets the same bits in extend (default tile), decode and
+verify. Where the installed FA4 lacks that function or those parameters, the public call runs
+(with a warning); on other GPUs than SM90 it always does.
 
 CUDA graphs. Every variant (dtype, head dims, GQA ratio, window or not, query width class)
 compiles on its first call (seconds); a first call inside ``torch.cuda.graph`` breaks the
@@ -246,8 +247,8 @@ class FA4Backend(AttentionBackend):
     split-KV Triton kernel instead (module docstring; 0: never).
 
     ``narrow_tile``: steps whose packed query rows fit :data:`NARROW_TILE_ROWS` run FA4 with
-    the 64-row tile of :func:`narrow_query_tile` (module docstring), outside batch-invariant
-    mode; False keeps FA4's default tile everywhere.
+    the 64-row tile of :func:`narrow_query_tile` (module docstring; the same bits as the
+    default tile); False keeps FA4's default tile everywhere.
 
     Store: the base class ``store_kv`` (``unimem_kernel.store_kv_paged``: one Triton launch
     for K and V through the strided views; capturable). Attend: capturable once warmed up.
@@ -318,7 +319,7 @@ class FA4Backend(AttentionBackend):
         left = None if window is None else window - 1
         extra = {} if sinks is None else {"learnable_sink": sinks}
         tile = None
-        if self._narrow_fwd is not None and not invariant:
+        if self._narrow_fwd is not None:  # same bits as the default tile: also when invariant
             tile = narrow_query_tile(
                 meta.max_seqlen_q, q.shape[1], k_cache.shape[2], q.shape[2], v_cache.shape[3],
                 local=window is not None,
