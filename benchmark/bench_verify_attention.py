@@ -16,12 +16,12 @@ microseconds per call. ``fa4n us``: FA4 with the backend's narrow query tile
 rows fit it, as ``FA4Backend`` runs such steps on SM90. ``GB/s`` is the K/V bytes the step
 must read (the keys some query of a request can see, every request) over our time. ``err``
 is the largest elementwise difference of ours vs FA4, relative to FA4's largest magnitude
-(bf16 outputs: ~1e-2 is a few
-bf16 ulps). ``--splits`` / ``--programs`` sweep our work split (keys per split, programs per
-(request, KV head)); defaults are the module's. FA4 is skipped (ours only) when
-``flash_attn.cute`` does not import. Prints the GPU, the sizes and a table; ``--json PATH``
-writes the rows. Needs CUDA (prints one line and exits 2 without it). About a minute on an
-H200, most of it FA4's first compiles.
+(bf16 outputs: ~1e-2 is a few bf16 ulps); a comment line before each row gives the narrow
+tile's against the default tile's. ``--splits`` / ``--programs`` sweep our work split (keys
+per split, programs per (request, KV head)); defaults are the module's. FA4 is skipped (ours
+only) when ``flash_attn.cute`` does not import. Prints the GPU, the sizes and a table;
+``--json PATH`` writes the rows. Needs CUDA (prints one line and exits 2 without it). About
+a minute on an H200, most of it FA4's first compiles.
 
     python benchmark/bench_verify_attention.py
     python benchmark/bench_verify_attention.py --q-len 8 --context 512 --programs 2 4 8
