@@ -317,7 +317,19 @@ class FA4Backend(AttentionBackend):
                 kv_programs=split_kv_programs(bs, kv_heads),
             )  # fmt: skip
         left = None if window is None else window - 1
-        extra = {} if sinks is None else {"learnable_sink": sinks}
+        right = None if left is None else 0
+        args = {
+            "cu_seqlens_q": meta.cu_seqlens_q,
+            "max_seqlen_q": meta.max_seqlen_q,
+            "max_seqlen_k": meta.max_seqlen_k,
+            "seqused_k": meta.cache_seqlens,
+            "page_table": meta.table(swa),
+            "softmax_scale": float(scale),
+            "causal": True,
+            "pack_gqa": self.pack_gqa,
+        }
+        if sinks is not None:
+            args["learnable_sink"] = sinks
         tile = None
         if self._narrow_fwd is not None:  # same bits as the default tile: also when invariant
             tile = narrow_query_tile(
@@ -326,40 +338,14 @@ class FA4Backend(AttentionBackend):
             )  # fmt: skip
         if tile is not None:
             res = self._narrow_fwd(
-                q,
-                k_cache,
-                v_cache,
-                cu_seqlens_q=meta.cu_seqlens_q,
-                max_seqlen_q=meta.max_seqlen_q,
-                max_seqlen_k=meta.max_seqlen_k,
-                seqused_k=meta.cache_seqlens,
-                page_table=meta.table(swa),
-                softmax_scale=float(scale),
-                causal=True,
-                window_size_left=left,
-                window_size_right=None if left is None else 0,
-                tile_mn=tile,
-                num_threads=_NARROW_TILE_THREADS,
-                pack_gqa=self.pack_gqa,
-                **extra,
-            )
-            return res[0] if isinstance(res, tuple) else res
-        res = self._varlen(
-            q,
-            k_cache,
-            v_cache,
-            cu_seqlens_q=meta.cu_seqlens_q,
-            max_seqlen_q=meta.max_seqlen_q,
-            max_seqlen_k=meta.max_seqlen_k,
-            seqused_k=meta.cache_seqlens,
-            page_table=meta.table(swa),
-            softmax_scale=float(scale),
-            causal=True,
-            window_size=(left, None if left is None else 0),
-            num_splits=self.num_splits,
-            pack_gqa=self.pack_gqa,
-            **extra,
-        )
+                q, k_cache, v_cache, window_size_left=left, window_size_right=right,
+                tile_mn=tile, num_threads=_NARROW_TILE_THREADS, **args,
+            )  # fmt: skip
+        else:
+            res = self._varlen(
+                q, k_cache, v_cache, window_size=(left, right), num_splits=self.num_splits,
+                **args,
+            )  # fmt: skip
         return res[0] if isinstance(res, tuple) else res
 
     def warmup(
