@@ -10,7 +10,7 @@ Candidates per mode (``us`` per call):
 
 - ``conv``: ``causal_conv1d_{decode,verify,extend}_triton`` (slot read/written in place);
 - ``rule``: ``gated_delta_rule_{decode,verify,extend}_triton`` (q, k already L2-normalised);
-- ``mixer``: ``gdn_forward_triton`` (conv, then SiLU + L2 norm + delta rule: two launches);
+- ``mixer``: ``gdn_forward_triton`` (conv + SiLU, then L2 norm + delta rule: two launches);
 - ``fla-recurrent`` (decode, prefill) and ``fla-chunk`` (prefill), when ``fla`` is importable:
   ``initial_state = ssm[slots]`` (gather), fla's kernel with ``output_final_state=True``, then
   ``ssm.index_copy_(0, slots, final)`` (scatter) - the copies an in-place kernel saves. Same

@@ -6,8 +6,8 @@ states in slot views, bf16 conv outputs; ``--bs`` lanes x ``--tokens`` tokens), 
 CUDA graphs (median of ``--repeats``):
 
 - ``verify``: the verify's rule launch (reads each lane's state, stores the outputs and the
-  record's gates); ``verify, no prologue``: the same launch with the mixer's prologue (SiLU on
-  q, k, v, L2 norm of q, k) switched off — the arithmetic the prologue costs;
+  record's gates); ``verify, no prologue``: the same launch with the mixer's prologue (the L2
+  norm of q, k; SiLU runs in the conv) switched off — the arithmetic the prologue costs;
 - ``replay``: the replay commit's rule launch (tokens ``0 .. accepted`` from the slot, the
   final state written back), accepted counts uniform in ``0 .. T-1`` (``random``) or ``T-1``
   (``all``); with and without the prologue; ``1 launch``: every layer's replay in one launch

@@ -190,9 +190,13 @@ def close(a, b, **kw) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+ACTIVATIONS = [pytest.param(None, id="linear"), pytest.param("silu", id="silu")]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES)
-def test_conv_decode(device, dtypes):
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_conv_decode(device, dtypes, activation):
     dtype, sdt = dtypes
     gen = torch.Generator().manual_seed(1)
     arena = make_arena(gen, dtype, sdt, device)
@@ -202,11 +206,13 @@ def test_conv_decode(device, dtypes):
     w = rand(gen, (dim, K), dtype, device, 0.5)
     slots = torch.tensor(SLOTS, dtype=torch.int32, device=device)
     out = nan_like(x.shape, dtype, device)
-    y = gdn.causal_conv1d_decode_triton(x, w, arena.conv, slots, out=out, block_d=32)
+    y = gdn.causal_conv1d_decode_triton(
+        x, w, arena.conv, slots, out=out, block_d=32, activation=activation
+    )
     assert y is out
     live = live_lanes(SLOTS)
     lv = torch.tensor(live, device=device)
-    y_ref = gr.causal_conv1d_decode(x[lv], w, ref.conv, slots[lv])
+    y_ref = gr.causal_conv1d_decode(x[lv], w, ref.conv, slots[lv], activation)
     close(y[lv], y_ref, **tol(dtype))
     assert bool((y[padded_lanes(SLOTS)] == 0).all())
     close(arena.conv, ref.conv, rtol=0, atol=0, equal_nan=True)  # states: moved, not computed
@@ -216,7 +222,8 @@ def test_conv_decode(device, dtypes):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("t_len", [1, 4])
-def test_conv_verify(device, dtypes, t_len):
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_conv_verify(device, dtypes, t_len, activation):
     dtype, sdt = dtypes
     gen = torch.Generator().manual_seed(2 + t_len)
     arena = make_arena(gen, dtype, sdt, device)
@@ -227,11 +234,13 @@ def test_conv_verify(device, dtypes, t_len):
     w = rand(gen, (dim, K), dtype, device, 0.5)
     slots = torch.tensor(SLOTS, dtype=torch.int64, device=device)
     scratch = nan_like((bs, t_len, dim, K - 1), dtype, device)
-    y = gdn.causal_conv1d_verify_triton(x, w, arena.conv, slots, scratch, block_d=32)
+    y = gdn.causal_conv1d_verify_triton(
+        x, w, arena.conv, slots, scratch, block_d=32, activation=activation
+    )
     assert torch.equal(arena.buf, before), "verify must not touch the arena"
     live = torch.tensor(live_lanes(SLOTS), device=device)
     ref_scratch = nan_like((live.numel(), t_len, dim, K - 1), dtype, device)
-    y_ref = gr.causal_conv1d_verify(x[live], w, arena.conv, slots[live], ref_scratch)
+    y_ref = gr.causal_conv1d_verify(x[live], w, arena.conv, slots[live], ref_scratch, activation)
     close(y[live], y_ref, **tol(dtype))
     close(scratch[live], ref_scratch, rtol=0, atol=0)
     pad = padded_lanes(SLOTS)
@@ -241,7 +250,8 @@ def test_conv_verify(device, dtypes, t_len):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("block_t", [4, None])
-def test_conv_extend(device, dtypes, block_t):
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_conv_extend(device, dtypes, block_t, activation):
     """Ragged: lengths 0 (no initial state: slot zeroed), 2 (< K-1: the final state mixes old
     state and inputs), padded, 11 (several token blocks with block_t=4), 0 with a state."""
     dtype, sdt = dtypes
@@ -260,13 +270,13 @@ def test_conv_extend(device, dtypes, block_t):
     arena.conv[4] = float("nan")  # no initial state: the slot's bytes must not be read
     ref.conv[4] = float("nan")
     y = gdn.causal_conv1d_extend_triton(
-        x, w, arena.conv, slots, bounds, init, block_d=32, block_t=block_t
+        x, w, arena.conv, slots, bounds, init, block_d=32, block_t=block_t, activation=activation
     )
     live = live_lanes(slots_l)
     lv = torch.tensor(live, device=device)
     rows = torch.tensor(ragged_rows(bounds, live), dtype=torch.long, device=device)
     y_ref = gr.causal_conv1d_extend(
-        x[rows], w, ref.conv, slots[lv], sub_bounds(bounds, live), init[lv]
+        x[rows], w, ref.conv, slots[lv], sub_bounds(bounds, live), init[lv], activation
     )
     close(y[rows], y_ref, **tol(dtype))
     pad_rows = ragged_rows(bounds, padded_lanes(slots_l))
@@ -274,6 +284,15 @@ def test_conv_extend(device, dtypes, block_t):
     close(arena.conv, ref.conv, rtol=0, atol=0, equal_nan=True)
     assert bool((arena.conv[4] == 0).all())  # zero tokens, no initial state: zeros
     arena.assert_untouched_outside(slots_l)
+
+
+def test_conv_refuses_an_unknown_activation():
+    arena = make_arena(torch.Generator().manual_seed(9), F32, F32, "cpu")
+    dim = arena.conv_shape[0]
+    x, w = torch.randn(len(SLOTS), dim), torch.randn(dim, K)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        gdn.causal_conv1d_decode_triton(x, w, arena.conv, slots, activation="relu")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -157,6 +157,34 @@ def test_conv_verify_states_equal_step_by_step_decode_and_slot_untouched():
         assert torch.equal(step_state[slots], scratch[:, t])
 
 
+def test_conv_silu_activation_is_applied_before_the_one_rounding():
+    """``activation="silu"``: SiLU on the float32 accumulator, then one rounding to the input
+    dtype (``causal_conv1d_fn``'s activation), in every mode; anything else is refused."""
+    gen = _gen(14)
+    bs, tv, d, kernel = 3, 4, 6, 4
+    w = torch.randn(d, kernel, generator=gen).to(torch.bfloat16)
+    state = torch.randn(bs, d, kernel - 1, generator=gen).to(torch.bfloat16)
+    slots = torch.arange(bs)
+    x = torch.randn(bs, tv, d, generator=gen).to(torch.bfloat16)
+    # the float32 accumulator of the plain conv, from float32 copies of the same bf16 values
+    acc = gr.causal_conv1d_verify(
+        x.float(), w.float(), state.float(), slots, torch.empty(bs, tv, d, kernel - 1)
+    )
+    want = F.silu(acc).to(torch.bfloat16)
+    scratch = torch.empty(bs, tv, d, kernel - 1, dtype=torch.bfloat16)
+    y = gr.causal_conv1d_verify(x, w, state, slots, scratch, "silu")
+    assert torch.equal(y, want)
+    assert not torch.equal(y, F.silu(acc.to(torch.bfloat16).float()).to(torch.bfloat16))
+    y0 = gr.causal_conv1d_decode(x[:, 0], w, state.clone(), slots, "silu")
+    assert torch.equal(y0, want[:, 0])
+    ye = gr.causal_conv1d_extend(
+        x.reshape(bs * tv, d), w, state.clone(), slots, [0, tv, 2 * tv, 3 * tv], None, "silu"
+    )
+    assert torch.equal(ye, want.reshape(bs * tv, d))
+    with pytest.raises(ValueError, match="activation"):
+        gr.causal_conv1d_decode(x[:, 0], w, state, slots, "gelu")
+
+
 def test_delta_rule_modes_agree_with_strided_slots():
     gen = _gen(5)
     h, dk, dv, tv = 2, 4, 3, 4

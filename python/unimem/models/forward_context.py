@@ -137,8 +137,9 @@ class ForwardContext(ABC):
         ``config.gdn_key_heads`` heads, v ``config.gdn_heads``),
         ``g [T, H]`` (log decay, ``<= 0``) and ``beta [T, H]`` in ``config.state_dtype``,
         ``conv_weight [conv_dim, K]`` (the layer's depthwise conv taps). Runs the causal conv
-        continuing from the request's conv state, SiLU, splits q/k/v, L2-normalises q and k
-        and runs the gated delta rule from the request's recurrent state. Extend and decode
+        continuing from the request's conv state with SiLU (one rounding to ``mixed_qkv``'s
+        dtype, after the SiLU), splits q/k/v, L2-normalises q and k and runs the gated delta
+        rule from the request's recurrent state. Extend and decode
         update both states in place; verify writes the states after every position to
         scratch and leaves them as they were. Returns ``[T, H, Dv]``.
         """
@@ -465,7 +466,7 @@ class WholeSequenceContext(ForwardContext):
         padded = F.pad(mixed_qkv.to(acc), (0, 0, kernel - 1, 0))  # zeros before token 0
         taps = padded.unfold(0, kernel, 1)  # [L, D, K]: inputs t-K+1 .. t
         y = (taps * conv_weight.to(acc)).sum(-1)
-        y = F.silu(y.to(mixed_qkv.dtype).to(acc))
+        y = F.silu(y).to(mixed_qkv.dtype).to(acc)  # SiLU before the one rounding, as the conv
         hk, dk = c.gdn_key_heads, c.gdn_head_dim_k
         q = y[:, : hk * dk].unflatten(1, (hk, dk))
         k = y[:, hk * dk : 2 * hk * dk].unflatten(1, (hk, dk))

@@ -38,10 +38,11 @@ only; static and unified runs take the same kernel for the same steps.
 
 :func:`gdn_extend_fla` is the extend half of ``unimem_kernel.gdn.gdn_forward`` with fla's rule:
 the causal conv runs our Triton kernel (the conv window is read from and written back to each
-request's slot, in place), SiLU on its output, then fla with the L2 norm of q and k in its
-kernel; the SSM states are gathered from the slots into fla's ``initial_state`` and its final
-states scattered back (a copy of ``H * Dk * Dv`` floats per request and layer, small next to a
-long prompt). fla is never imported at module import: only when an extend asks for it.
+request's slot, in place) with SiLU before its output's rounding, then fla with the L2 norm
+of q and k in its kernel; the SSM states are gathered from the slots into fla's
+``initial_state`` and its final states scattered back (a copy of ``H * Dk * Dv`` floats per
+request and layer, small next to a long prompt). fla is never imported at module import:
+only when an extend asks for it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from unimem_kernel import gdn as gdn_ops
 
@@ -255,9 +255,9 @@ def gdn_extend_fla(
             f"{n} entries ending at {end}"
         )
     y = gdn_ops.causal_conv1d_extend_triton(
-        mixed_qkv, conv_weight, conv_state, slots, cu_seqlens, out=None, max_seqlen=max_seqlen
-    )
-    y = F.silu(y)
+        mixed_qkv, conv_weight, conv_state, slots, cu_seqlens, out=None, max_seqlen=max_seqlen,
+        activation="silu",
+    )  # fmt: skip
     kd = hk * dk
     # fla reads [1, T, heads, D] rows at a stride of heads * D: contiguous copies
     q = y[:, :kd].reshape(1, t, hk, dk).contiguous()

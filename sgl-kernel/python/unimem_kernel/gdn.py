@@ -6,14 +6,18 @@ public entry points here): same arguments, same results up to rounding. In short
 with conv state ``[conv_dim, K-1]`` and recurrent state ``S [H, Dk, Dv]``:
 
 * conv: ``y_t[c] = sum_{i<K} w[c, i] * x_{t-K+1+i}[c]`` (inputs before the first token from
-  the conv state), no activation; the conv accumulates in float32 (float64 for float64 inputs)
-  and ``y`` is stored in ``x``'s dtype; a state entry holds inputs rounded to ``x``'s dtype;
+  the conv state), then SiLU where ``activation="silu"``; the conv accumulates in float32
+  (float64 for float64 inputs), applies the activation there and stores ``y`` in ``x``'s
+  dtype (one rounding, as ``causal_conv1d_fn``); a state entry holds inputs rounded to
+  ``x``'s dtype;
 * delta rule, per head, arithmetic in the SSM state's dtype (float32 for bf16/fp32 models):
   ``S = exp(g_t) S; S += beta_t k_t (v_t - S^T k_t)^T; o_t = S^T (scale q_t)``,
   ``scale = Dk ** -0.5``;
-* the mixer (:func:`gdn_forward`): conv -> SiLU -> split ``[q | k | v]`` -> L2-normalise q, k
-  (``x / sqrt(sum(x^2) + 1e-6)``) -> delta rule. SiLU and the L2 norm run inside the delta
-  rule kernel, which reads q, k, v straight from the conv output (no intermediate copies);
+* the mixer (:func:`gdn_forward`): conv with SiLU -> split ``[q | k | v]`` -> L2-normalise q,
+  k (``x / sqrt(sum(x^2) + 1e-6)``) -> delta rule. SiLU runs in the conv kernel, once per
+  element (the delta rule's programs would each redo it for their V block, and every value
+  head of a key head for its q and k); the L2 norm runs inside the delta rule kernel, which
+  reads q, k, v straight from the conv output (no intermediate copies);
 * grouped key heads: q and k may have ``Hk`` heads dividing the ``H`` value heads (Qwen3-Next:
   16 and 32); value head ``h`` uses key head ``h // (H // Hk)`` (HuggingFace's
   ``repeat_interleave``). The rule kernel indexes the key head directly, so q and k are never
@@ -54,11 +58,12 @@ zeros. (The torch reference has no padded lanes: on CPU pass live lanes only.)
 Kernels (the rule's step kinds are runtime flags, the conv's constexpr switches):
 
 * ``_conv_kernel``: grid ``(bs, token blocks, channel blocks)``; a program computes a
-  ``[BLOCK_T, BLOCK_D]`` tile of ``y`` from ``K`` shifted loads. Only token block 0 of a
-  request touches its slot: it reads the initial state and, in extend/decode, writes the final
-  ``K-1`` inputs back after a barrier (``BLOCK_T >= K-1`` whenever there are several token
-  blocks, so later blocks never need the state). Verify writes the window after every token
-  (``STORE_STATES``) or, with a record, the input rows (``STORE_X``, coalesced).
+  ``[BLOCK_T, BLOCK_D]`` tile of ``y`` from ``K`` shifted loads, then SiLU (``SILU``). Only
+  token block 0 of a request touches its slot: it reads the initial state and, in
+  extend/decode, writes the final ``K-1`` inputs back after a barrier (``BLOCK_T >= K-1``
+  whenever there are several token blocks, so later blocks never need the state). Verify
+  writes the window after every token (``STORE_STATES``) or, with a record, the input rows
+  (``STORE_X``, coalesced).
 * ``_conv_commit_kernel``: grid ``(bs, channel blocks)``; the replay commit's conv half.
 * ``_rule_kernel``: grid ``(bs, H, cdiv(Dv, BLOCK_V))`` over value heads (q/k read from key head
   ``h // GROUP``, ``GROUP = H // Hk``); the state tile ``[Dk, BLOCK_V]`` stays
@@ -70,8 +75,8 @@ Kernels (the rule's step kinds are runtime flags, the conv's constexpr switches)
   accepted[b]``, no output) and several layers in one launch (``RULE_LAYERS``: a
   ``ReplayCommitPlan``'s table of per-layer offsets); constexprs are only the shapes, the
   tile, the dtype, the per-position state stores of the old verify (``STORE_STATES``) and
-  the mixer prologue (``PREP``). The arguments that vary between step kinds without
-  changing arithmetic (gate, slot, flag and table pointers; batch strides) are not
+  the mixer's L2 norm of q and k (``PREP``). The arguments that vary between step kinds
+  without changing arithmetic (gate, slot, flag and table pointers; batch strides) are not
   specialised on, so that one tile is one binary.
 
 Expected cost of the recurrent form in extend (an estimate; ``benchmark/bench_gdn.py`` measures
@@ -132,6 +137,12 @@ def _acc(dtype: torch.dtype):
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _silu(x):
+    """SiLU, ``x / (1 + exp(-x))``, in ``x``'s dtype (the mixer's conv output)."""
+    return x / (1.0 + tl.exp(-x))
+
+
 @triton.jit(do_not_specialize=["seq_len"])
 def _conv_kernel(
     x_ptr,  # [rows, D] inputs (row of (b, t): b * x_sb + (start_b + t) * x_st)
@@ -170,6 +181,7 @@ def _conv_kernel(
     STORE_STATES: tl.constexpr,
     STORE_X: tl.constexpr,
     WRITE_FINAL: tl.constexpr,
+    SILU: tl.constexpr,  # SiLU on the accumulator before the store (the mixer's activation)
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -243,6 +255,8 @@ def _conv_kernel(
                 + offs_d[None, :]
             )
             tl.store(r_ptrs, xin.to(xr_ptr.dtype.element_ty), mask=t_live[:, None] & dmask[None, :])
+    if SILU:
+        acc = _silu(acc)
     ymask = tmask[:, None] & dmask[None, :]
     tl.store(
         y_ptr + b_off * y_sb + rows[:, None] * y_st + offs_d[None, :] * y_sd,
@@ -490,7 +504,7 @@ def _rule_kernel(
     BV: tl.constexpr,
     ACC: tl.constexpr,
     STORE_STATES: tl.constexpr,
-    PREP: tl.constexpr,  # SiLU on q, k, v and L2 norm of q, k (the mixer's prologue)
+    PREP: tl.constexpr,  # L2 norm of q, k (the mixer's prologue; SiLU ran in the conv)
     GROUP: tl.constexpr,  # H // Hk: value head h reads q, k of key head h // GROUP
 ):
     b = tl.program_id(0)
@@ -571,9 +585,6 @@ def _rule_kernel(
             live & (nxt < length), DK, DV, ACC,
         )  # fmt: skip
         if PREP:
-            q = q / (1.0 + tl.exp(-q))
-            k = k / (1.0 + tl.exp(-k))
-            v = v / (1.0 + tl.exp(-v))
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
         tl.store(rg_ptr + r_off + t * r_st, g.to(rg_ptr.dtype.element_ty), mask=r_ok)
@@ -772,12 +783,13 @@ def _launch_conv(
     block_t: int | None = None,
     record_x: torch.Tensor | None = None,
     num_warps: int | None = None,
+    silu: bool = False,
 ) -> None:
     """One ``_conv_kernel`` launch. ``scratch [bs, T, D, K-1]``: the window after every token
     (verify); ``record_x [bs, T, D]`` (row-contiguous): the input rows (verify with a
-    record). ``block_d`` / ``block_t`` / ``num_warps`` override the tile (``_conv_blocks``;
-    per-element arithmetic: no result depends on them; ``benchmark/bench_gdn_conv.py`` sweeps
-    them)."""
+    record); ``silu``: SiLU on the output before its rounding (the mixer's conv).
+    ``block_d`` / ``block_t`` / ``num_warps`` override the tile (``_conv_blocks``; per-element
+    arithmetic: no result depends on them; ``benchmark/bench_gdn_conv.py`` sweeps them)."""
     bs = slots.shape[0]
     dim, kw = weight.shape
     if bs == 0 or dim == 0:
@@ -802,6 +814,7 @@ def _launch_conv(
         STORE_STATES=scratch is not None,
         STORE_X=record_x is not None,
         WRITE_FINAL=write_final,
+        SILU=silu,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -835,11 +848,14 @@ def causal_conv1d_extend_triton(
     max_seqlen: int | None = None,
     block_d: int | None = None,
     block_t: int | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """Triton launcher of ``causal_conv1d_extend`` (one launch): ``x [T, D]`` ragged by
     ``cu_seqlens``; reads the initial and writes the final conv state of each request in its
-    slot, in place. Returns ``out [T, D]`` (``x``'s dtype). ``block_d``/``block_t`` (powers of
-    two) override the tile; tests lower ``block_t`` to split requests over token blocks."""
+    slot, in place. Returns ``out [T, D]`` (``x``'s dtype). ``activation``: None or
+    ``"silu"``. ``block_d``/``block_t`` (powers of two) override the tile; tests lower
+    ``block_t`` to split requests over token blocks."""
+    silu = gdn_reference.check_activation(activation)
     _check_conv(x.shape[-1], weight, conv_state)
     bs = _check_slots(slots, conv_state.device)
     _check_device(conv_state.device, x=x, out=out)
@@ -850,7 +866,7 @@ def causal_conv1d_extend_triton(
     _launch_conv(
         x, (0, *x.stride()), weight, conv_state, slots, y, (0, *y.stride()),
         seq_len=0, max_len=max_len, cu=cu, init=init, scratch=None, write_final=True,
-        block_d=block_d, block_t=block_t,
+        block_d=block_d, block_t=block_t, silu=silu,
     )  # fmt: skip
     return y
 
@@ -863,9 +879,11 @@ def causal_conv1d_decode_triton(
     *,
     out: torch.Tensor | None = None,
     block_d: int | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """Triton launcher of ``causal_conv1d_decode``: ``x [bs, D]`` -> ``out [bs, D]``; each live
-    lane's slot state is updated in place."""
+    lane's slot state is updated in place. ``activation``: None or ``"silu"``."""
+    silu = gdn_reference.check_activation(activation)
     _check_conv(x.shape[-1], weight, conv_state)
     bs = _check_slots(slots, conv_state.device)
     _check_device(conv_state.device, x=x, out=out)
@@ -875,7 +893,7 @@ def causal_conv1d_decode_triton(
     _launch_conv(
         x, (x.stride(0), 0, x.stride(1)), weight, conv_state, slots, y,
         (y.stride(0), 0, y.stride(1)), seq_len=1, max_len=1, cu=None, init=None, scratch=None,
-        write_final=True, block_d=block_d,
+        write_final=True, block_d=block_d, silu=silu,
     )  # fmt: skip
     return y
 
@@ -889,10 +907,12 @@ def causal_conv1d_verify_triton(
     *,
     out: torch.Tensor | None = None,
     block_d: int | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """Triton launcher of ``causal_conv1d_verify``: ``x [bs, T, D]`` -> ``out [bs, T, D]``;
     ``state_scratch [bs, T, D, K-1]`` receives the conv state after every token; slots are
-    only read."""
+    only read. ``activation``: None or ``"silu"``."""
+    silu = gdn_reference.check_activation(activation)
     _check_conv(x.shape[-1], weight, conv_state)
     bs = _check_slots(slots, conv_state.device)
     _check_device(conv_state.device, x=x, out=out, state_scratch=state_scratch)
@@ -905,7 +925,7 @@ def causal_conv1d_verify_triton(
     _launch_conv(
         x, tuple(x.stride()), weight, conv_state, slots, y, tuple(y.stride()), seq_len=t,
         max_len=t, cu=None, init=None, scratch=state_scratch, write_final=False,
-        block_d=block_d,
+        block_d=block_d, silu=silu,
     )  # fmt: skip
     return y
 
@@ -1149,7 +1169,7 @@ def gdn_forward_triton(
     record: gdn_reference.VerifyRecord | None = None,
     chunked_prefill: bool = False,
 ) -> torch.Tensor:
-    """Triton launcher of ``gdn_forward``: two launches (conv; SiLU + L2 norm + delta rule).
+    """Triton launcher of ``gdn_forward``: two launches (conv + SiLU; L2 norm + delta rule).
 
     Arguments as ``gdn_reference.gdn_forward`` (the extend kernel is the recurrent form: no
     chunk size). ``num_k_heads`` (``Hk``, default ``H``) must divide ``H``; ``mixed_qkv``
@@ -1241,7 +1261,7 @@ def gdn_forward_triton(
         mixed_qkv, (xs * tv, xs, mixed_qkv.stride(1)), conv_weight, conv_state, slots, y,
         (ys * tv, ys, y.stride(1)), seq_len=tv, max_len=max_len, cu=cu, init=init,
         scratch=conv_scratch if mode == "verify" else None, write_final=write_final,
-        block_d=None, record_x=None if record is None else record.x,
+        block_d=None, record_x=None if record is None else record.x, silu=True,
     )  # fmt: skip
 
     if mode == "extend" and chunked_prefill:
@@ -1301,9 +1321,9 @@ def _mixer_rule(
     accepted: torch.Tensor | None = None,
     layers: tuple[torch.Tensor, int] | None = None,
 ) -> None:
-    """The mixer's delta rule over a conv output ``y [T, conv_dim]`` and gates ``g, beta [T,
-    H]`` (SiLU, L2 norm inside): the one call site of the verify, decode, extend and the
-    replay commit, so that they pass the kernel the same kinds of arguments."""
+    """The mixer's delta rule over a conv output ``y [T, conv_dim]`` (SiLU applied) and gates
+    ``g, beta [T, H]`` (the L2 norm of q, k inside): the one call site of the verify, decode,
+    extend and the replay commit, so that they pass the kernel the same kinds of arguments."""
     _, h, dk, dv = ssm_state.shape
     q, k, v = _split_conv_out(y, h, dk, dv, nk)
     fixed = cu is None
@@ -1503,30 +1523,41 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv1d_extend(
-    x, weight, conv_state, slots, cu_seqlens, has_initial_state=None, *, out=None
-) -> torch.Tensor:
+    x, weight, conv_state, slots, cu_seqlens, has_initial_state=None, *, out=None,
+    activation=None,
+) -> torch.Tensor:  # fmt: skip
     """Triton on CUDA (see ``causal_conv1d_extend_triton``), else the reference."""
     if use_triton(conv_state):
         return causal_conv1d_extend_triton(
-            x, weight, conv_state, slots, cu_seqlens, has_initial_state, out=out
-        )
+            x, weight, conv_state, slots, cu_seqlens, has_initial_state, out=out,
+            activation=activation,
+        )  # fmt: skip
     ref = gdn_reference.causal_conv1d_extend
-    return _into(out, ref(x, weight, conv_state, slots, cu_seqlens, has_initial_state))
+    return _into(out, ref(x, weight, conv_state, slots, cu_seqlens, has_initial_state, activation))
 
 
-def causal_conv1d_decode(x, weight, conv_state, slots, *, out=None) -> torch.Tensor:
+def causal_conv1d_decode(
+    x, weight, conv_state, slots, *, out=None, activation=None
+) -> torch.Tensor:
     """Triton on CUDA (see ``causal_conv1d_decode_triton``), else the reference."""
     if use_triton(conv_state):
-        return causal_conv1d_decode_triton(x, weight, conv_state, slots, out=out)
-    return _into(out, gdn_reference.causal_conv1d_decode(x, weight, conv_state, slots))
+        return causal_conv1d_decode_triton(
+            x, weight, conv_state, slots, out=out, activation=activation
+        )
+    ref = gdn_reference.causal_conv1d_decode
+    return _into(out, ref(x, weight, conv_state, slots, activation))
 
 
-def causal_conv1d_verify(x, weight, conv_state, slots, state_scratch, *, out=None):
+def causal_conv1d_verify(
+    x, weight, conv_state, slots, state_scratch, *, out=None, activation=None
+) -> torch.Tensor:
     """Triton on CUDA (see ``causal_conv1d_verify_triton``), else the reference."""
     if use_triton(conv_state):
-        return causal_conv1d_verify_triton(x, weight, conv_state, slots, state_scratch, out=out)
+        return causal_conv1d_verify_triton(
+            x, weight, conv_state, slots, state_scratch, out=out, activation=activation
+        )
     ref = gdn_reference.causal_conv1d_verify
-    return _into(out, ref(x, weight, conv_state, slots, state_scratch))
+    return _into(out, ref(x, weight, conv_state, slots, state_scratch, activation))
 
 
 def gated_delta_rule_extend(

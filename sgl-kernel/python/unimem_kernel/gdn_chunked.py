@@ -8,8 +8,9 @@ expanded), ``v [T, H, Dv]``, ``g, beta [T, H]``, rows ragged by a device ``cu_se
 from ``ssm_state[slots[b]]`` (zeros where ``has_initial_state[b]`` is False: the slot is then
 not read) and its final state is written back there in place; padded lanes (``slots[b] < 0``)
 get zero output rows and their slots are neither read nor written. ``prep=True`` applies the
-mixer's prologue inside the kernel (SiLU on q, k, v, then L2 norm of q and k), as the recurrent
-kernel's ``PREP`` flag, which ``gdn_forward_triton`` uses (conv first, then the rule).
+mixer's prologue inside the kernel (the L2 norm of q and k: SiLU ran in the conv), as the
+recurrent kernel's ``PREP`` flag, which ``gdn_forward_triton`` uses (conv first, then the
+rule).
 
 The algebra is ``gdn_reference.gated_delta_rule_chunked``'s. Within a chunk of ``C`` tokens
 starting from state ``S0``, with ``G`` the cumulative log decay inside the chunk and ``D[t, s]
@@ -43,7 +44,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -64,11 +64,6 @@ DEFAULT_CHUNK = 16
 """Chunk length of the Triton kernel (``tl.dot`` needs >= 16 on the GPU)."""
 
 _DOT_PRECISIONS = ("ieee", "tf32")
-
-
-@triton.jit
-def _silu(x):
-    return x / (1.0 + tl.exp(-x))
 
 
 @triton.jit(do_not_specialize=["scale", "eps"])
@@ -167,9 +162,6 @@ def _chunked_rule_kernel(
         gt = tl.load(g_base + rows * g_st, mask=r_in, other=0.0).to(ACC)
         bt = tl.load(b_base + rows * b_st, mask=r_in, other=0.0).to(ACC)
         if PREP:
-            qt = _silu(qt)
-            kt = _silu(kt)
-            vt = _silu(vt)
             qt = qt / tl.sqrt(tl.sum(qt * qt, axis=1) + eps)[:, None]
             kt = kt / tl.sqrt(tl.sum(kt * kt, axis=1) + eps)[:, None]
         qt = qt * scale
@@ -254,8 +246,8 @@ def gated_delta_rule_extend_chunked_triton(
     """Chunked-form Triton launcher with the contract of ``gdn.gated_delta_rule_extend_triton``
     (module docstring): one launch, grid ``(bs, H, cdiv(Dv, BV))``, no host read of a device
     tensor (``max_seqlen`` is accepted for symmetry; the grid does not depend on it).
-    ``num_k_heads`` (default ``q.shape[1]``) must match q, k. ``prep``: SiLU on q, k, v and L2
-    norm of q, k inside the kernel (the mixer's path). Returns ``o [T, H, Dv]`` (``v``'s
+    ``num_k_heads`` (default ``q.shape[1]``) must match q, k. ``prep``: the L2 norm of q, k
+    inside the kernel (the mixer's path, whose conv applied SiLU). Returns ``o [T, H, Dv]`` (``v``'s
     dtype, or ``out``)."""
     del max_seqlen
     if dot_precision not in _DOT_PRECISIONS:
@@ -318,8 +310,8 @@ def gated_delta_rule_extend_chunked_reference(
     prep: bool = False,
 ) -> torch.Tensor:
     """torch reference of :func:`gated_delta_rule_extend_chunked_triton`, same semantics:
-    padded lanes (``slots < 0``) give zero rows and touch no slot; ``prep`` runs SiLU on q, k,
-    v and the L2 norm of q, k in the state's dtype first; then
+    padded lanes (``slots < 0``) give zero rows and touch no slot; ``prep`` runs the L2 norm
+    of q, k in the state's dtype first; then
     ``gdn_reference.gated_delta_rule_chunked`` per request (q, k expanded to the value heads
     there). Reads ``cu_seqlens`` on the host."""
     del max_seqlen
@@ -328,9 +320,8 @@ def gated_delta_rule_extend_chunked_reference(
         raise ValueError(f"num_k_heads {num_k_heads} != q's {nk} key heads")
     sdt = ssm_state.dtype
     if prep:
-        q = gdn_reference.l2norm(F.silu(q.to(sdt)))
-        k = gdn_reference.l2norm(F.silu(k.to(sdt)))
-        v = F.silu(v.to(sdt))
+        q = gdn_reference.l2norm(q.to(sdt))
+        k = gdn_reference.l2norm(k.to(sdt))
     bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     slot_l = slots.tolist()
     init_l = None if has_initial_state is None else has_initial_state.tolist()

@@ -16,7 +16,9 @@ State layouts (per GDN layer):
 Conventions (Qwen3-Next / fla):
 
 * Causal depthwise conv, no bias: ``y_t[c] = sum_{i<K} w[c, i] * x_{t-K+1+i}[c]``, where
-  inputs before the request's first token come from the conv state (zeros when fresh).
+  inputs before the request's first token come from the conv state (zeros when fresh); with
+  ``activation="silu"`` the conv applies SiLU to its accumulator before the one rounding to
+  the output dtype (the ``activation`` of ``causal_conv1d_fn``, as SGLang and vLLM run it).
 * Gated delta rule, per head, with ``a_t = exp(g_t)`` (``g_t <= 0`` is the log decay),
   ``beta_t`` in (0, 1), ``q_t`` scaled by ``scale = Dk ** -0.5``::
 
@@ -25,9 +27,10 @@ Conventions (Qwen3-Next / fla):
       o_t = S_t^T (scale * q_t)
 
   ``S`` is ``[Dk, Dv]``; ``o_t`` and ``v_t`` are ``[Dv]``.
-* The mixer (:func:`gdn_forward`): conv over ``mixed_qkv = [q | k | v]`` (each head-major:
-  ``Hk * Dk``, ``Hk * Dk``, ``H * Dv`` channels), SiLU, split, L2-normalise q and k
-  (``x / sqrt(sum(x^2) + 1e-6)``), delta rule.
+* The mixer (:func:`gdn_forward`): conv with SiLU over ``mixed_qkv = [q | k | v]`` (each
+  head-major: ``Hk * Dk``, ``Hk * Dk``, ``H * Dv`` channels), its output rounded once to
+  ``mixed_qkv``'s dtype, split, L2-normalise q and k (``x / sqrt(sum(x^2) + 1e-6)``, in the
+  state's dtype), delta rule.
 * Grouped key heads (Qwen3-Next: 16 key heads, 32 value heads): q and k have ``Hk`` heads,
   v, g, beta and the state ``H``, with ``Hk`` dividing ``H``. Value head ``h`` uses key head
   ``h // (H // Hk)``, i.e. q and k are ``repeat_interleave``'d over the value heads (as
@@ -69,6 +72,16 @@ L2NORM_EPS = 1e-6
 DEFAULT_CHUNK = 64
 """Chunk length of the chunked delta rule."""
 
+CONV_ACTIVATIONS = (None, "silu")
+"""Values of the convs' ``activation`` argument (``causal_conv1d_fn``'s names)."""
+
+
+def check_activation(activation: str | None) -> bool:
+    """True for ``"silu"``, False for None; ValueError naming the value otherwise."""
+    if activation not in CONV_ACTIVATIONS:
+        raise ValueError(f"conv activation must be one of {CONV_ACTIVATIONS}, got {activation!r}")
+    return activation == "silu"
+
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype of the conv: float64 for float64 inputs, else float32."""
@@ -89,13 +102,15 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
 
 
 def _conv_windows(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, activation: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal conv of ``x [B, T, D]`` continuing from ``state [B, D, K-1]``.
 
-    Returns ``y [B, T, D]`` (accumulation dtype) and ``windows [B, T + 1, D, K - 1]``: entry
-    ``t`` is the conv state after ``t`` tokens (entry 0 = ``state``), in ``state``'s dtype.
+    Returns ``y [B, T, D]`` (accumulation dtype; SiLU applied when ``activation`` is
+    ``"silu"``) and ``windows [B, T + 1, D, K - 1]``: entry ``t`` is the conv state after ``t``
+    tokens (entry 0 = ``state``), in ``state``'s dtype.
     """
+    silu = check_activation(activation)
     k = weight.shape[1]
     acc = _acc_dtype(x.dtype)
     xs = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, K-1+T, D]
@@ -106,7 +121,7 @@ def _conv_windows(
     for i in range(1, k):
         y = y + xa[:, i : i + t] * w[:, i]
     windows = xs.unfold(1, k - 1, 1).to(state.dtype)  # [B, T+1, D, K-1]
-    return y, windows
+    return (F.silu(y) if silu else y), windows
 
 
 def causal_conv1d_extend(
@@ -116,8 +131,10 @@ def causal_conv1d_extend(
     slots: torch.Tensor,
     cu_seqlens: torch.Tensor | list[int],
     has_initial_state: torch.Tensor | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
-    """Causal conv over a ragged batch; returns ``y [T, D]`` in ``x``'s dtype (no activation).
+    """Causal conv over a ragged batch; returns ``y [T, D]`` in ``x``'s dtype (``activation``:
+    None or ``"silu"``, applied before the rounding to that dtype).
 
     ``x [T, D]``: tokens of ``bs`` requests back to back, request ``i`` at rows
     ``cu_seqlens[i]:cu_seqlens[i+1]``. ``weight [D, K]``. ``conv_state [N, D, K-1]`` indexed
@@ -135,7 +152,7 @@ def causal_conv1d_extend(
     finals = []
     for i in range(bs):
         s, e = bounds[i], bounds[i + 1]
-        yi, windows = _conv_windows(x[s:e].unsqueeze(0), init[i : i + 1], weight)
+        yi, windows = _conv_windows(x[s:e].unsqueeze(0), init[i : i + 1], weight, activation)
         y[s:e] = yi[0].to(x.dtype)
         finals.append(windows[0, -1])
     if bs:
@@ -144,11 +161,15 @@ def causal_conv1d_extend(
 
 
 def causal_conv1d_decode(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """One token per request: ``x [bs, D]`` -> ``y [bs, D]``; slot states updated in place."""
     idx = slots.long()
-    y, windows = _conv_windows(x.unsqueeze(1), conv_state[idx], weight)
+    y, windows = _conv_windows(x.unsqueeze(1), conv_state[idx], weight, activation)
     conv_state.index_copy_(0, idx, windows[:, -1])
     return y[:, 0].to(x.dtype)
 
@@ -159,13 +180,14 @@ def causal_conv1d_verify(
     conv_state: torch.Tensor,
     slots: torch.Tensor,
     state_scratch: torch.Tensor,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """``T`` tokens per request without touching the slots.
 
     ``x [bs, T, D]`` -> ``y [bs, T, D]``. ``state_scratch [bs, T, D, K-1]`` (caller-owned,
     conv state dtype) receives in entry ``t`` the conv state after token ``t``.
     """
-    y, windows = _conv_windows(x, conv_state[slots.long()], weight)
+    y, windows = _conv_windows(x, conv_state[slots.long()], weight, activation)
     state_scratch.copy_(windows[:, 1:])
     return y.to(x.dtype)
 
@@ -424,7 +446,7 @@ class VerifyRecord:
     - ``x [bs, T, conv_dim]``: the conv inputs (``mixed_qkv`` rows), in the conv state's
       dtype — a lane's conv window after ``n`` tokens is the last ``K - 1`` of its slot's
       window followed by ``x[b, :n]``;
-    - ``y [bs, T, conv_dim]``: the conv outputs (before SiLU), in ``mixed_qkv``'s dtype —
+    - ``y [bs, T, conv_dim]``: the conv outputs (SiLU applied), in ``mixed_qkv``'s dtype —
       what the delta rule reads;
     - ``g, beta [bs, T, H]``: the gates, in :func:`rule_dtype`.
 
@@ -524,7 +546,7 @@ def gdn_replay_commit(
     the conv window and the SSM state after token ``accepted[b]`` are written into slot
     ``slots[b]``, in place; other lanes are skipped (their slots untouched). The conv window
     is the last ``K - 1`` of ``[slot window | x[b, :accepted + 1]]``; the state runs tokens
-    ``0 .. accepted[b]`` of the record (SiLU and L2 norm of ``y`` as the mixer, the same
+    ``0 .. accepted[b]`` of the record (the L2 norm of ``y``'s k as the mixer, the same
     :func:`gated_delta_rule_recurrent`) from the slot's state. Bitwise the states the verify's
     per-position scratches would hold at entry ``accepted[b]``."""
     bs, t_len = record.lanes_and_positions
@@ -541,9 +563,8 @@ def gdn_replay_commit(
     keep = torch.stack([win[i, :, a + 1 : a + 1 + kw1] for i, a in enumerate(acc[lanes].tolist())])
     conv_state.index_copy_(0, idx[lanes], keep)
     n = int(acc[lanes].max()) + 1
-    # the mixer's prologue on the same [bs * T] rows as the verify (same shapes, same bits)
-    _, k, v = split_qkv(F.silu(record.y.reshape(bs * t_len, -1).to(ssm_state.dtype)), h, dk,
-                        dv, nk)  # fmt: skip
+    # the mixer's L2 norm on the same [bs * T] rows as the verify (same shapes, same bits)
+    _, k, v = split_qkv(record.y.reshape(bs * t_len, -1).to(ssm_state.dtype), h, dk, dv, nk)
     k = l2norm(k).reshape(bs, t_len, nk, dk)[:, :n]
     v = v.reshape(bs, t_len, h, dv)[:, :n]
     states = ssm_state.new_empty(bs, n, h, dk, dv)
@@ -647,8 +668,9 @@ def gdn_forward(
     num_k_heads: int | None = None,
     record: VerifyRecord | None = None,
 ) -> torch.Tensor:
-    """The GDN mixer core for one layer and one batch: conv -> SiLU -> split -> L2-norm q, k
-    -> gated delta rule. Returns ``o [T, H, Dv]`` in ``mixed_qkv``'s dtype.
+    """The GDN mixer core for one layer and one batch: conv with SiLU (rounded once to
+    ``mixed_qkv``'s dtype) -> split -> L2-norm q, k -> gated delta rule. Returns ``o [T, H,
+    Dv]`` in ``mixed_qkv``'s dtype.
 
     ``mixed_qkv [T, conv_dim]`` with channels ``[q: Hk*Dk | k: Hk*Dk | v: H*Dv]``,
     ``conv_weight [conv_dim, K]``, ``g, beta [T, H]``; ``H``, ``Dk``, ``Dv`` are read from
@@ -677,18 +699,18 @@ def gdn_forward(
         if cu_seqlens is None:
             raise ValueError("gdn_forward: extend needs cu_seqlens")
         y = causal_conv1d_extend(
-            mixed_qkv, conv_weight, conv_state, slots, cu_seqlens, has_initial_state
+            mixed_qkv, conv_weight, conv_state, slots, cu_seqlens, has_initial_state, "silu"
         )
     elif mode == "decode":
         if mixed_qkv.shape[0] != bs:
             raise ValueError(f"gdn_forward: decode needs T == bs, got {mixed_qkv.shape[0]}, {bs}")
-        y = causal_conv1d_decode(mixed_qkv, conv_weight, conv_state, slots)
+        y = causal_conv1d_decode(mixed_qkv, conv_weight, conv_state, slots, "silu")
     elif mode == "verify":
         tv = verify_width(bs, mixed_qkv, conv_scratch, ssm_scratch, record)
         if record is not None:
             record.check(bs, tv, conv_state, ssm_state, mixed_qkv.dtype)
             x3 = mixed_qkv.reshape(bs, tv, -1)
-            yv, _ = _conv_windows(x3, conv_state[slots.long()], conv_weight)
+            yv, _ = _conv_windows(x3, conv_state[slots.long()], conv_weight, "silu")
             y = yv.to(mixed_qkv.dtype)
             record.x.copy_(x3)
             record.y.copy_(y)
@@ -696,13 +718,13 @@ def gdn_forward(
             record.beta.copy_(beta.reshape(bs, tv, -1))
             y = y.reshape(bs * tv, -1)
         else:
-            y = causal_conv1d_verify(
-                mixed_qkv.reshape(bs, tv, -1), conv_weight, conv_state, slots, conv_scratch
-            ).reshape(bs * tv, -1)
+            x3 = mixed_qkv.reshape(bs, tv, -1)
+            y = causal_conv1d_verify(x3, conv_weight, conv_state, slots, conv_scratch, "silu")
+            y = y.reshape(bs * tv, -1)
     else:
         raise ValueError(f"gdn_forward: mode must be extend, decode or verify, got {mode!r}")
 
-    q, k, v = split_qkv(F.silu(y.to(sdt)), num_heads, dk, dv, nk)
+    q, k, v = split_qkv(y.to(sdt), num_heads, dk, dv, nk)
     q, k = l2norm(q), l2norm(k)
     if mode == "extend":
         o = gated_delta_rule_extend(
