@@ -451,7 +451,7 @@ def run_mixer(mode, arena, ref, bounds, x, w, g, beta, slots_l, init_l, device, 
 @pytest.mark.parametrize("dtypes", [*DTYPES, pytest.param((F64, F64), id="f64")])
 @pytest.mark.parametrize("heads", HEADS)
 def test_gdn_forward(device, mode, dtypes, heads):
-    """conv -> SiLU -> split -> L2 norm -> delta rule, two launches, against the reference
+    """conv + SiLU -> split -> L2 norm -> delta rule, two launches, against the reference
     (float64: the ``tiny`` preset's dtype, float64 arithmetic in both kernels). Grouped key
     heads: ``mixed_qkv`` is ``[q: Hk*Dk | k: Hk*Dk | v: H*Dv]``. Extend: no tokens and no
     initial state, 1 and 2 tokens from a state, padded, 13 tokens without an initial state."""
