@@ -707,20 +707,18 @@ def gdn_forward(
         y = causal_conv1d_decode(mixed_qkv, conv_weight, conv_state, slots, "silu")
     elif mode == "verify":
         tv = verify_width(bs, mixed_qkv, conv_scratch, ssm_scratch, record)
+        x3 = mixed_qkv.reshape(bs, tv, -1)
         if record is not None:
             record.check(bs, tv, conv_state, ssm_state, mixed_qkv.dtype)
-            x3 = mixed_qkv.reshape(bs, tv, -1)
             yv, _ = _conv_windows(x3, conv_state[slots.long()], conv_weight, "silu")
             y = yv.to(mixed_qkv.dtype)
             record.x.copy_(x3)
             record.y.copy_(y)
             record.g.copy_(g.reshape(bs, tv, -1))
             record.beta.copy_(beta.reshape(bs, tv, -1))
-            y = y.reshape(bs * tv, -1)
         else:
-            x3 = mixed_qkv.reshape(bs, tv, -1)
             y = causal_conv1d_verify(x3, conv_weight, conv_state, slots, conv_scratch, "silu")
-            y = y.reshape(bs * tv, -1)
+        y = y.reshape(bs * tv, -1)
     else:
         raise ValueError(f"gdn_forward: mode must be extend, decode or verify, got {mode!r}")
 
