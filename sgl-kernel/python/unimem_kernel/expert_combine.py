@@ -62,31 +62,39 @@ def _moe_combine_kernel(
     K: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    D_BLOCKS: tl.constexpr,  # cdiv(d, BLOCK_D)
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < d
     dt = y_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # Every load is issued before any arithmetic waits on one: the slots' rows and weights,
+    # the shared expert's terms (independent of the rows), then the routed rows. The gate's
+    # logit is a [T, 1] product: the whole row, in every column program.
+    rows = ()
+    ws = ()
     for j in tl.static_range(K):
-        row = tl.load(inv_ptr + t * K + j).to(tl.int64)
-        w = _round(tl.load(w_ptr + t * w_s + j).to(tl.float32), dt).to(tl.float32)
-        yv = tl.load(y_ptr + row * y_s + offs, mask=m, other=0.0).to(tl.float32)
-        acc += _round(yv * w, dt).to(tl.float32)
-    out = _round(acc, out_ptr.dtype.element_ty)
+        rows = rows + (tl.load(inv_ptr + t * K + j).to(tl.int64),)
+        ws = ws + (_round(tl.load(w_ptr + t * w_s + j).to(tl.float32), dt).to(tl.float32),)
     if HAS_SHARED:
-        # the gate's logit (a [T, 1] product: the whole row, in every column program), its
-        # sigmoid, the gated shared output and the sum, each rounded as torch rounds it
         cols = tl.arange(0, BLOCK_D)
         dot = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for start in range(0, d, BLOCK_D):
-            cm = start + cols < d
-            hv = tl.load(hx_ptr + t * hx_s + start + cols, mask=cm, other=0.0).to(tl.float32)
-            wv = tl.load(wg_ptr + start + cols, mask=cm, other=0.0).to(tl.float32)
-            dot += hv * wv
+        for i in tl.static_range(D_BLOCKS):
+            cm = i * BLOCK_D + cols < d
+            hv = tl.load(hx_ptr + t * hx_s + i * BLOCK_D + cols, mask=cm, other=0.0)
+            wv = tl.load(wg_ptr + i * BLOCK_D + cols, mask=cm, other=0.0)
+            dot += hv.to(tl.float32) * wv.to(tl.float32)
+        sv = tl.load(sh_ptr + t * sh_s + offs, mask=m, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        yv = tl.load(y_ptr + rows[j] * y_s + offs, mask=m, other=0.0).to(tl.float32)
+        acc += _round(yv * ws[j], dt).to(tl.float32)
+    out = _round(acc, out_ptr.dtype.element_ty)
+    if HAS_SHARED:
+        # the logit, its sigmoid, the gated shared output and the sum, each rounded as torch
+        # rounds it
         logit = _round(tl.sum(dot, axis=0), dt).to(tl.float32)
         gate = _round(tl.sigmoid(logit), dt).to(tl.float32)
-        sv = tl.load(sh_ptr + t * sh_s + offs, mask=m, other=0.0).to(tl.float32)
         gated = _round(gate * sv, dt).to(tl.float32)
         out = _round(out.to(tl.float32) + gated, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * o_s + offs, out, mask=m)
@@ -215,7 +223,7 @@ def moe_combine(
         gate_weight if has_shared else out,
         d, y.stride(0), weights.stride(0), out.stride(0),
         shared.stride(0) if has_shared else 0, gate_input.stride(0) if has_shared else 0,
-        K=k, HAS_SHARED=has_shared, BLOCK_D=block, num_warps=4,
+        K=k, HAS_SHARED=has_shared, BLOCK_D=block, D_BLOCKS=triton.cdiv(d, block), num_warps=4,
         # each product rounded before it is added, as torch does: no multiply-add contraction
         # (for float32 ``y`` the compiler would otherwise fuse ``acc + y * w`` into an FMA)
         enable_fp_fusion=False,
