@@ -314,9 +314,36 @@ def _expert_combine_launches() -> list[tuple[str, Callable[[], None]]]:
         order = torch.argsort(torch.randint(0, 64, (t * k,)), stable=True)
         expert_combine.moe_combine(y, order, torch.rand(t, k))
 
+    def combine_shared():
+        t, k, d = 384, 8, 2048
+        bf = torch.bfloat16
+        y = torch.randn(t * k, d, dtype=bf)
+        order = torch.argsort(torch.randint(0, 64, (t * k,)), stable=True)
+        expert_combine.moe_combine(y, order, torch.rand(t, k), shared=torch.randn(t, d, dtype=bf),
+                                   gate_input=torch.randn(t, d, dtype=bf),
+                                   gate_weight=torch.randn(d, dtype=bf))  # fmt: skip
+
     return [
         ("moe_combine bf16", lambda: combine(torch.bfloat16)),
         ("moe_combine fp32", lambda: combine(torch.float32)),
+        ("moe_combine bf16 with the shared expert", combine_shared),
+    ]
+
+
+def _expert_route_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The MoE layer's counting sort by expert: a verify step of the Qwen3-Next bench
+    checkpoint (48 x 8 tokens, top 8 of 64: the place kernel scans) and a prefill chunk of the
+    real model's routing (4 096 tokens, top 10 of 512: the scan kernel runs)."""
+    import torch
+
+    from unimem_kernel import expert_route
+
+    def route(t, k, e):
+        expert_route.moe_route(torch.randn(t, e).topk(k, -1).indices, e)
+
+    return [
+        ("moe_route verify 384 x 8 of 64", lambda: route(384, 8, 64)),
+        ("moe_route prefill 4096 x 10 of 512", lambda: route(4096, 10, 512)),
     ]
 
 
@@ -548,6 +575,7 @@ _KERNELS = {
     "unimem_kernel.greedy_accept": ("_row_argmax_kernel", "_accept_kernel"),
     "unimem_kernel.draft_pick": ("_markov_pick_kernel",),
     "unimem_kernel.expert_combine": ("_moe_combine_kernel",),
+    "unimem_kernel.expert_route": ("_count_kernel", "_scan_kernel", "_place_kernel"),
     "unimem_kernel.gdn_chunked": ("_chunked_rule_kernel",),
 }
 
@@ -559,6 +587,7 @@ _LAUNCHES = {
     "unimem_kernel.greedy_accept": _greedy_accept_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
     "unimem_kernel.expert_combine": _expert_combine_launches,
+    "unimem_kernel.expert_route": _expert_route_launches,
     "unimem_kernel.gdn_chunked": _gdn_chunked_launches,
 }
 

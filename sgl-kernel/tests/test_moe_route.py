@@ -4,7 +4,9 @@ layer ran before): equal outputs, exactly, on fresh random routings — distinct
 token as a router's ``topk`` gives, repeated experts, every pair on one expert, empty batches —
 under the Triton interpreter and on a GPU, with poisoned output buffers so an unwritten entry
 shows; several blocks and several scan chunks at small sizes; the permutation's own
-properties; ``moe_combine`` with the route's inverse equals it without; bad arguments named."""
+properties; ``moe_combine`` with the route's inverse equals it without; bad arguments named.
+Both forms run each case: the place kernel scanning the count kernel's table itself (a decode
+or verify step) and the scan kernel's launch between them (a prefill chunk)."""
 
 from __future__ import annotations
 
@@ -42,8 +44,15 @@ def _assert_route(got: er.ExpertRoute, ids: torch.Tensor, e: int) -> None:
     assert bool((got.expert[1:] >= got.expert[:-1]).all()) if p > 1 else True
 
 
-def _setup(monkeypatch, device: str, block: int | None = None, scan: int | None = None) -> None:
+_FORMS = ["scan_in_place", "scan_kernel"]
+
+
+def _setup(
+    monkeypatch, device: str, form: str, block: int | None = None, scan: int | None = None
+) -> None:
     _poisoned(monkeypatch)
+    # the place kernel scans tables up to a bound; 0 sends every routing through the scan kernel
+    monkeypatch.setattr(er, "_PLACE_SCAN_ELEMENTS", 1 << 30 if form == "scan_in_place" else 0)
     if device == "cpu":
         monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
     if block is not None:
@@ -52,31 +61,34 @@ def _setup(monkeypatch, device: str, block: int | None = None, scan: int | None 
         monkeypatch.setattr(er, "_SCAN_ELEMENTS", scan)
 
 
+@pytest.mark.parametrize("form", _FORMS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "t,k,e", [(1, 1, 1), (7, 2, 4), (48, 8, 64), (40, 10, 512), (33, 4, 32), (25, 1, 3)]
 )
-def test_kernel_equals_reference(monkeypatch, device, t, k, e):
-    _setup(monkeypatch, device)
+def test_kernel_equals_reference(monkeypatch, device, form, t, k, e):
+    _setup(monkeypatch, device, form)
     g = torch.Generator().manual_seed(t * 1000 + k * 10 + e)
     ids = _topk_like(t, k, e, g).to(device)
     _assert_route(moe_route(ids, e), ids, e)
 
 
+@pytest.mark.parametrize("form", _FORMS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_many_blocks_and_scan_chunks(monkeypatch, device, dtype):
+def test_many_blocks_and_scan_chunks(monkeypatch, device, form, dtype):
     # 16-pair blocks and a scan that holds 2 rows of 64 padded experts at a time: 19 blocks,
     # 10 scan chunks; repeated experts within a token and within a block
-    _setup(monkeypatch, device, block=16, scan=128)
+    _setup(monkeypatch, device, form, block=16, scan=128)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 40, (50, 6), generator=g).to(device, dtype)
     _assert_route(moe_route(ids, 40), ids, 40)
 
 
+@pytest.mark.parametrize("form", _FORMS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_skewed_routings(monkeypatch, device):
-    _setup(monkeypatch, device, block=16)
+def test_skewed_routings(monkeypatch, device, form):
+    _setup(monkeypatch, device, form, block=16)
     one = torch.zeros(37, 3, dtype=torch.int64, device=device)  # every pair on expert 0
     _assert_route(moe_route(one, 5), one, 5)
     last = torch.full((20, 2), 7, dtype=torch.int64, device=device)  # all on the last expert
@@ -85,9 +97,10 @@ def test_skewed_routings(monkeypatch, device):
     assert got.ends.tolist() == [0] * 7 + [40]
 
 
+@pytest.mark.parametrize("form", _FORMS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_empty_batch(monkeypatch, device):
-    _setup(monkeypatch, device)
+def test_empty_batch(monkeypatch, device, form):
+    _setup(monkeypatch, device, form)
     ids = torch.zeros(0, 4, dtype=torch.int64, device=device)
     got = moe_route(ids, 6)
     assert all(x.numel() == 0 for x in got[:4])
@@ -110,10 +123,15 @@ def test_combine_with_the_routes_inverse(monkeypatch, device):
 
 @pytest.mark.gpu
 def test_gpu_qwen3_next_prefill_sizes():
-    # a prefill chunk of Qwen3-Next's real routing (512 experts, top 10): 4 096 tokens
+    # a prefill chunk of Qwen3-Next's real routing (512 experts, top 10): 4 096 tokens, through
+    # the scan kernel; and a verify step of 48 requests x 8 tokens over the bench checkpoint's
+    # 64 experts (top 8), scanned by the place kernel
     g = torch.Generator().manual_seed(11)
     ids = _topk_like(4096, 10, 512, g).cuda()
     _assert_route(moe_route(ids, 512), ids, 512)
+    ids = _topk_like(384, 8, 64, g).cuda()
+    assert er._PLACE_SCAN_ELEMENTS >= 32 * 64
+    _assert_route(moe_route(ids, 64), ids, 64)
 
 
 def test_bad_arguments_are_named():
