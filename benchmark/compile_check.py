@@ -235,6 +235,11 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
         cos = torch.randn(t, rotary // 2, dtype=rot_dtype)
         fu.rope_qk(q, k, cos, torch.randn_like(cos))
 
+    def sigmoid_gate():
+        # Qwen3-Next's gated attention: 16 heads of 256, the gate a slice of the q/gate product
+        qg = torch.randn(t, 16, 512, dtype=bf)
+        fu.sigmoid_gate(torch.randn(t, 16, 256, dtype=bf), qg[..., 256:])
+
     return [
         ("add_rms_norm", lambda: add_rms_norm(False)),
         ("add_rms_norm zero_centered", lambda: add_rms_norm(True)),
@@ -248,6 +253,7 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
         ("rope_qk fp32 full", lambda: rope(f32, HEAD_DIM)),
         ("rope_qk bf16 full", lambda: rope(bf, HEAD_DIM)),
         ("rope_qk fp32 partial 64/256", lambda: rope(f32, 64, 256)),
+        ("sigmoid_gate (gated attention output)", sigmoid_gate),
     ]
 
 
@@ -563,6 +569,7 @@ _KERNELS = {
         "_gdn_gates_kernel",
         "_gated_rms_norm_kernel",
         "_rope_qk_kernel",
+        "_sigmoid_gate_kernel",
     ),
     "unimem_kernel.batch_invariant": (
         "_bi_matmul_kernel",

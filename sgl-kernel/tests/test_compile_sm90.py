@@ -73,6 +73,7 @@ def _failures(rows: list[dict], kernels: tuple[str, ...]) -> str:
                 "_gdn_gates_kernel",
                 "_gated_rms_norm_kernel",
                 "_rope_qk_kernel",
+                "_sigmoid_gate_kernel",
             ),
             id="fused",
         ),  # fmt: skip

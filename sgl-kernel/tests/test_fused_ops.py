@@ -234,6 +234,53 @@ def test_gated_rms_norm_references_are_the_model_code():
         assert torch.equal(fu.gated_rms_norm_reference(o, w, z, EPS, round_before_weight=True), hf)
 
 
+# ------------------------------------------------------------------- attention output gate
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", [4096, 32], ids=["heads_in_one_tile", "a_tile_per_head"])
+def test_sigmoid_gate_matches_reference(triton_backend, monkeypatch, device, dtype, tile):
+    """``o * sigmoid(gate)`` with the gate a column slice of the stacked q/gate projection (as
+    ``GatedAttention`` holds it): the kernel's ``exp`` against torch's, so bf16 within 1 ulp and
+    fp32 within 1e-6; ``tile`` 32 gives each head its own program."""
+    monkeypatch.setattr(fu, "_SIGMOID_GATE_TILE", tile)
+    g = _gen(21)
+    t, h, d = 5, 3, 19
+    o = rand(g, t, h, d, dtype=dtype, device=device)
+    qg = rand(g, t, h, 2 * d, dtype=dtype, device=device, scale=3.0)
+    gate = qg[..., d:]  # strides (h * 2d, 2d, 1)
+    got = fu.sigmoid_gate(o, gate)
+    ref = fu.sigmoid_gate_reference(o, gate)
+    assert got.shape == (t, h * d) and got.is_contiguous()
+    if dtype == F32:
+        assert rel_err(got, ref) <= 1e-6
+    else:
+        assert_ulp(got, ref, 1, floor=1e-6)
+
+
+def test_sigmoid_gate_reference_is_the_model_code():
+    g = _gen(22)
+    o, qg = rand(g, 4, 2, 8, dtype=BF16), rand(g, 4, 2, 16, dtype=BF16)
+    gate = qg[..., 8:]
+    model = o.reshape(4, 16) * torch.sigmoid(gate.reshape(4, 16))  # GatedAttention's old line
+    assert torch.equal(fu.sigmoid_gate_reference(o, gate), model)
+    o64, gate64 = o.double(), gate.double()  # float64 runs the reference
+    assert torch.equal(
+        fu.sigmoid_gate(o64, gate64), o64.reshape(4, 16) * gate64.reshape(4, 16).sigmoid()
+    )
+
+
+def test_sigmoid_gate_bad_arguments_are_named():
+    o = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match=r"o must be \[T, H, D\]"):
+        fu.sigmoid_gate(o.reshape(2, 12), o.reshape(2, 12))
+    with pytest.raises(ValueError, match="gate must have o's shape"):
+        fu.sigmoid_gate(o, torch.zeros(2, 3, 5))
+    with pytest.raises(ValueError, match="gate must have o's dtype"):
+        fu.sigmoid_gate(o, o.to(BF16))
+
+
 # ------------------------------------------------------------------- RoPE
 
 
@@ -439,6 +486,12 @@ def test_real_sizes_on_gpu(triton_backend):
         fu.rope_qk(q, k, cos, sin), fu.rope_qk_reference(q, k, cos, sin), strict=True
     ):
         assert_ulp(got, ref, 1, floor=1e-5)
+    # Qwen3-Next's gated attention: 16 heads of 256, the gate a slice of the q/gate product
+    ao = rand(g, T_REAL, 16, 256, dtype=dt, device=dev)
+    gate = rand(g, T_REAL, 16, 512, dtype=dt, device=dev, scale=3.0)[..., 256:]
+    gated = fu.sigmoid_gate(ao, gate)
+    assert_ulp(gated, fu.sigmoid_gate_reference(ao, gate), 1, floor=1e-6)
+    assert torch.equal(fu.sigmoid_gate(ao[9:10], gate[9:10])[0], gated[9])
     # invariance at real sizes: one row alone == that row inside all 384
     s1, y1 = fu.add_rms_norm(x[100:101], delta[100:101], w, EPS, zero_centered=True)
     assert torch.equal(y1[0], y[100]) and torch.equal(s1[0], s[100])

@@ -57,7 +57,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, bi_rms_norm, gdn_gates, router_topk
+from unimem_kernel import add_rms_norm, bi_rms_norm, gdn_gates, router_topk, sigmoid_gate
 from unimem_kernel import gated_rms_norm as fused_gated_rms_norm
 from unimem_kernel import silu_mul as fused_silu_mul
 from unimem_kernel.fused import records_autograd
@@ -191,7 +191,7 @@ class GatedAttention(nn.Module):
         k = zero_centered_rms_norm(k.view(t, hkv, dh), self.k_norm.weight, c.rms_eps)
         v = v.view(t, hkv, dh)
         o = ctx.rope_attention(layer_idx, q, k, v, *cos_sin)  # rotary.apply on q and k
-        o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
+        o = sigmoid_gate(o.reshape(t, hq, dh), gate)  # o * sigmoid(gate), the gate read in place
         return row_parallel_linear_lt(o, self.o_proj.weight, self.o_zero, self.tp)
 
 

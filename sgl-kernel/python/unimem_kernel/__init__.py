@@ -35,6 +35,8 @@ from unimem_kernel.fused import (
     gelu_tanh_mul_reference,
     rope_qk,
     rope_qk_reference,
+    sigmoid_gate,
+    sigmoid_gate_reference,
     silu_mul,
     silu_mul_reference,
 )
@@ -139,6 +141,8 @@ __all__ = [
     "moe_route_reference",
     "rope_qk",
     "rope_qk_reference",
+    "sigmoid_gate",
+    "sigmoid_gate_reference",
     "rope_store_kv",
     "rope_store_kv_reference",
     "router_topk",

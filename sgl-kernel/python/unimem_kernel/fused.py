@@ -1,5 +1,6 @@
 """Fused elementwise model ops: residual add + RMS norm, gated activations, GDN gates, the GDN
-output norm and RoPE on q and k, each one Triton launch in place of a chain of torch ops.
+output norm, gated attention's output gate and RoPE on q and k, each one Triton launch in
+place of a chain of torch ops.
 
 Every op has a ``*_reference`` torch function that is, literally, the torch code the models
 ran before the fusion (``unimem.models.nn_ops`` / ``qwen_common`` / ``synthetic``), so a model
@@ -65,6 +66,8 @@ __all__ = [
     "gelu_tanh_mul_reference",
     "rope_qk",
     "rope_qk_reference",
+    "sigmoid_gate",
+    "sigmoid_gate_reference",
     "silu_mul",
     "silu_mul_reference",
 ]
@@ -625,6 +628,80 @@ def gated_rms_norm(
         _gated_rms_norm_kernel[(t, triton.cdiv(h, bh))](
             o2, weight, z2, y, h, d, o2.stride(0), o2.stride(1), z2.stride(0), z2.stride(1),
             float(eps), ROUND_BEFORE_WEIGHT=bool(round_before_weight), BH=bh, BLOCK=block,
+        )  # fmt: skip
+    return y
+
+
+# ------------------------------------------------------------------- attention output gate
+
+_SIGMOID_GATE_TILE = 4096  # elements of a gate program's [heads, D] tile
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    o_ptr,
+    g_ptr,
+    y_ptr,
+    H,
+    D,
+    stride_ot,
+    stride_oh,
+    stride_gt,
+    stride_gh,
+    BH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program ``(t, j)``: heads ``j * BH + [0, BH)`` of token ``t``, one ``[BH, BLOCK_D]``
+    tile (``BLOCK_D >= D``)."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    m = (heads < H) & (cols < D)
+    dt = y_ptr.dtype.element_ty
+    o = tl.load(o_ptr + t * stride_ot + heads * stride_oh + cols, mask=m, other=0.0)
+    g = tl.load(g_ptr + t * stride_gt + heads * stride_gh + cols, mask=m, other=0.0)
+    s = _round(1.0 / (1.0 + tl.exp(-g.to(tl.float32))), dt)  # torch's sigmoid, in the dtype
+    y = _round(o.to(tl.float32) * s.to(tl.float32), dt)
+    tl.store(y_ptr + t * (H * D) + heads * D + cols, y, mask=m)
+
+
+def sigmoid_gate_reference(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The torch reference of :func:`sigmoid_gate` (``qwen_common.GatedAttention``'s code)."""
+    t = o.shape[0]
+    return o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated attention's output gate ``o * sigmoid(gate)``, flattened to ``[T, H * D]``.
+
+    ``o`` and ``gate`` are ``[T, H, D]`` of one dtype (fp16, bf16, fp32; float64 runs the
+    reference), any token and head strides with a unit last one — the gate is typically a
+    column slice of the stacked q/gate projection, read in place (the torch code copies it
+    to reshape it). Returns a new contiguous ``[T, H * D]`` in that dtype, computed as torch
+    does: ``sigmoid`` in fp32 (``1 / (1 + exp(-x))``) rounded to the dtype, then the product in
+    fp32 rounded to the dtype; the kernel's ``exp`` may differ from torch's in the last fp32
+    bit, so the gate agrees to rounding. Elementwise: batch-invariant.
+    """
+    _check_float("o", o)
+    _check_float("gate", gate)
+    if o.dim() != 3:
+        raise ValueError(f"o must be [T, H, D], got shape {tuple(o.shape)}")
+    if gate.shape != o.shape:
+        raise ValueError(f"gate must have o's shape {tuple(o.shape)}, got {tuple(gate.shape)}")
+    if gate.dtype != o.dtype:
+        raise ValueError(f"gate must have o's dtype {o.dtype}, got {gate.dtype}")
+    _check_device("gate", gate, o, "o")
+    if o.dtype == torch.float64 or not use_triton(o) or records_autograd(o, gate):
+        return sigmoid_gate_reference(o, gate)
+    o2, g2 = _unit_last(o), _unit_last(gate)
+    t, h, d = o.shape
+    y = torch.empty((t, h * d), dtype=o.dtype, device=o.device)
+    if t and h and d:
+        block = next_pow2(d)
+        bh = min(next_pow2(h), max(1, _SIGMOID_GATE_TILE // block))
+        _sigmoid_gate_kernel[(t, triton.cdiv(h, bh))](
+            o2, g2, y, h, d, o2.stride(0), o2.stride(1), g2.stride(0), g2.stride(1),
+            BH=bh, BLOCK_D=block,
         )  # fmt: skip
     return y
 
