@@ -38,7 +38,7 @@ from unimem_kernel import fused as fu
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 DTYPES = [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16")]
-MANTISSA = {F32: 23, BF16: 7}
+MANTISSA = {F32: 23, BF16: 7, torch.float16: 10}
 EPS = 1e-6
 
 
@@ -498,6 +498,26 @@ def test_real_sizes_on_gpu(triton_backend):
     assert torch.equal(
         fu.gated_rms_norm(o[7:8], wn, z[7:8], EPS)[0], fu.gated_rms_norm(o, wn, z, EPS)[7]
     )
+
+
+@pytest.mark.gpu
+def test_fp16_rounds_as_torch_on_gpu(triton_backend):
+    """fp16 takes the GPU rounding's other branch (``cvt.rn.f16.f32``): ``add_rms_norm``'s
+    ``new_x`` and RoPE in an fp16 rotation dtype equal torch bitwise, as in bf16."""
+    g, dev, f16 = _gen(23), "cuda", torch.float16
+    x, delta = rand(g, 33, 96, dtype=f16, device=dev), rand(g, 33, 96, dtype=f16, device=dev)
+    w = rand(g, 96, dtype=f16, device=dev)
+    s, y = fu.add_rms_norm(x, delta, w, EPS)
+    s0, y0 = fu.add_rms_norm_reference(x, delta, w, EPS)
+    assert torch.equal(s, s0)
+    assert_ulp(y, y0, 1, floor=1e-6)
+    q, k = rand(g, 3, 2, 8, dtype=f16, device=dev), rand(g, 3, 1, 8, dtype=f16, device=dev)
+    cos, sin = _cos_sin(g, 3, 4, dtype=f16, device=dev)
+    (gq, gk), (rq, rk) = fu.rope_qk(q, k, cos, sin), fu.rope_qk_reference(q, k, cos, sin)
+    assert torch.equal(gq, rq) and torch.equal(gk, rk)
+    o, qg = rand(g, 5, 3, 16, dtype=f16, device=dev), rand(g, 5, 3, 32, dtype=f16, device=dev)
+    gate = qg[..., 16:]
+    assert_ulp(fu.sigmoid_gate(o, gate), fu.sigmoid_gate_reference(o, gate), 1, floor=1e-6)
 
 
 def test_the_switch_runs_the_references(monkeypatch):

@@ -23,11 +23,12 @@ its expert, hence its sorted row; it writes all four permutation outputs). Where
 histogram table is small (``_PLACE_SCAN_ELEMENTS``: a decode or verify step over up to ~64
 experts) the place kernel takes the scan's sums itself from the table and the scan kernel
 does not run: two launches (on the H200 at 384 tokens x top 8 of 64, 8.1 -> 4.3 µs; the
-place kernel's extra sums cost less than the scan's launch and its wait). A pair's row
-depends only on the pairs before it, so the result is the stable order, deterministic and
-independent of scheduling. Grids depend on shapes only and nothing is read on the host: the route is
-captured in CUDA graphs. ``topk_ids`` must lie in ``[0, E)`` (a router's ``topk`` does); the
-kernels do not check it on the device — the reference raises.
+place kernel's extra sums cost less than the scan's launch and its wait).
+
+A pair's row depends only on the pairs before it, so the result is the stable order,
+deterministic and independent of scheduling. Grids depend on shapes only and nothing is read
+on the host: the route is captured in CUDA graphs. ``topk_ids`` must lie in ``[0, E)`` (a
+router's ``topk`` does); the kernels do not check it on the device — the reference raises.
 """
 
 from __future__ import annotations
