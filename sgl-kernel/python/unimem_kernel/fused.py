@@ -109,6 +109,19 @@ def _check_device(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) 
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
+def _check_heads_like(o: torch.Tensor, other: torch.Tensor, name: str) -> None:
+    """``o [T, H, D]`` and ``other`` (called ``name``) of its shape, dtype and device."""
+    _check_float("o", o)
+    _check_float(name, other)
+    if o.dim() != 3:
+        raise ValueError(f"o must be [T, H, D], got shape {tuple(o.shape)}")
+    if other.shape != o.shape:
+        raise ValueError(f"{name} must have o's shape {tuple(o.shape)}, got {tuple(other.shape)}")
+    if other.dtype != o.dtype:
+        raise ValueError(f"{name} must have o's dtype {o.dtype}, got {other.dtype}")
+    _check_device(name, other, o, "o")
+
+
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[rows, x.shape[-1]]`` with unit stride along the last dim (a view where the
     layout allows, else a copy)."""
@@ -599,20 +612,12 @@ def gated_rms_norm(
     One program per token (or per block of its heads), each head's row reduced on its own with
     a fixed chunk over ``D``: row-local, whatever the number of tokens.
     """
-    _check_float("o", o)
     _check_float("weight", weight)
-    _check_float("z", z)
-    if o.dim() != 3:
-        raise ValueError(f"o must be [T, H, D], got shape {tuple(o.shape)}")
-    if z.shape != o.shape:
-        raise ValueError(f"z must have o's shape {tuple(o.shape)}, got {tuple(z.shape)}")
-    if z.dtype != o.dtype:
-        raise ValueError(f"z must have o's dtype {o.dtype}, got {z.dtype}")
+    _check_heads_like(o, z, "z")
     t, h, d = o.shape
     if weight.shape != (d,):
         raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
     _check_device("weight", weight, o, "o")
-    _check_device("z", z, o, "o")
     if (
         o.dtype == torch.float64
         or weight.dtype == torch.float64
@@ -682,15 +687,7 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     fp32 rounded to the dtype; the kernel's ``exp`` may differ from torch's in the last fp32
     bit, so the gate agrees to rounding. Elementwise: batch-invariant.
     """
-    _check_float("o", o)
-    _check_float("gate", gate)
-    if o.dim() != 3:
-        raise ValueError(f"o must be [T, H, D], got shape {tuple(o.shape)}")
-    if gate.shape != o.shape:
-        raise ValueError(f"gate must have o's shape {tuple(o.shape)}, got {tuple(gate.shape)}")
-    if gate.dtype != o.dtype:
-        raise ValueError(f"gate must have o's dtype {o.dtype}, got {gate.dtype}")
-    _check_device("gate", gate, o, "o")
+    _check_heads_like(o, gate, "gate")
     if o.dtype == torch.float64 or not use_triton(o) or records_autograd(o, gate):
         return sigmoid_gate_reference(o, gate)
     o2, g2 = _unit_last(o), _unit_last(gate)
