@@ -143,6 +143,7 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
         torch.cuda.synchronize()
     per_cat: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
+    per_kernel_calls: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
@@ -150,6 +151,7 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
         if us > 0:
             per_cat[category(evt.key)] += us / 1000 / n_prof
             per_kernel[evt.key[:160]] += us / 1000 / n_prof
+            per_kernel_calls[evt.key[:160]] += evt.count / n_prof
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top_kernels]
     launch_sites = attribute_ops(runner, width, args.attribute) if args.attribute else []
     overlap = overlap_probe(runner, width, args.replays) if args.overlap_probe else {}
@@ -169,6 +171,8 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
         "gpu_ms_per_verify_step": gpu_ms,
         "kernel_ms_per_step": dict(per_cat),
         "top_kernels_ms": dict(top),
+        "top_kernel_calls_per_step": {name: per_kernel_calls[name] for name, _ in top},
+        "kernel_launches_per_step": sum(per_kernel_calls.values()),
         "host_top_functions": host_top,
         "steady_state_compiles": compiles,
         "torch_ops_by_launch_site": launch_sites,
@@ -407,9 +411,11 @@ def main() -> None:
         for label, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
             print(f"  {label:<52}{ms:>9.3f}{100 * ms / total:>7.1f}%")
         print(f"  {'sum of kernel time':<52}{total:>9.3f}")
-        print("  top kernels (ms/step):")
+        print(f"  kernel launches per step: {r['kernel_launches_per_step']:.0f}")
+        print("  top kernels (ms/step, calls/step):")
+        calls = r["top_kernel_calls_per_step"]
         for name, ms in r["top_kernels_ms"].items():
-            print(f"    {ms:7.3f}  {name}")
+            print(f"    {ms:7.3f} {calls[name]:5.0f}  {name}")
         for name, keys in r["steady_state_compiles"].items():
             print(f"  COMPILED in the steady state: {name} x{len(keys)}: {keys[0]}")
         if r["host_top_functions"]:
