@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unimem.speculative.accept import commit_mask, greedy_accept
+from unimem.speculative.accept import greedy_accept
 
 
 def _naive(draft: list[int], target: list[int]) -> tuple[int, int]:
@@ -55,15 +55,6 @@ def test_rows_are_independent_of_the_batch():
     permuted = greedy_accept(draft[perm], target[perm])
     assert torch.equal(permuted.accepted, whole.accepted[perm])
     assert torch.equal(permuted.bonus, whole.bonus[perm])
-
-
-def test_commit_mask_marks_anchor_and_accepted_rows():
-    mask = commit_mask(torch.tensor([0, 2, 3], dtype=torch.int32), 4)
-    assert mask.tolist() == [
-        [True, False, False, False],
-        [True, True, True, False],
-        [True, True, True, True],
-    ]
 
 
 def test_shape_errors():

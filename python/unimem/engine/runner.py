@@ -36,6 +36,7 @@ in verify, :mod:`unimem.speculative.spec_sampling`), never on its batch.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -62,7 +63,7 @@ from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardContext, ForwardMode
 from unimem.speculative import spec_sampling
-from unimem.speculative.accept import commit_mask, greedy_accept
+from unimem.speculative.accept import greedy_accept
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.verify_lengths import (
     PackedRows,
@@ -534,9 +535,7 @@ class ModelRunner:
         params = self.sampling.read(rows) if draw else None
         # the input token sits at index seq_lens; the sampled one at seq_lens + 1
         sampled = self._pick(logits, params, seq_lens.long() + 1)
-        self.state.write(rows, seq_lens + 1, sampled)
-        self.out.tokens[:width, 0] = sampled
-        self.out.counts[:width] = 1
+        self.state.commit(rows, seq_lens, sampled, sampled[:, None], self.out)
         if self.logprobs:
             self.out.logprobs[:width, 0] = token_logprobs(logits, sampled)
 
@@ -606,11 +605,14 @@ class ModelRunner:
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
         self._commit_gdn(accepted, vslots, ctx.state_slots)
-        keep = commit_mask(accepted, vw).reshape(-1)
-        self.drafts.write_context(ctx.hidden, meta, keep)
-        self.state.write(rows, seq_lens + accepted + 1, bonus)
-        self.out.tokens[:width] = tokens
-        self.out.counts[:width] = accepted + 1
+        swa_slots = meta.swa_write_slots
+        slots = (meta.full_write_slots,) + (() if swa_slots is None else (swa_slots,))
+        full, *swa = self.state.commit(rows, seq_lens, bonus, tokens, self.out, accepted, slots)
+        # the drafter's context K/V of the committed rows only (the others write the sink)
+        committed = dataclasses.replace(
+            meta, full_write_slots=full, swa_write_slots=swa[0] if swa else None
+        )
+        self.drafts.write_context(ctx.hidden, committed)
         if self.logprobs:
             lp = token_logprobs(logits, tokens.reshape(-1))
             self.out.logprobs[:width] = lp.reshape(width, vw)
@@ -714,9 +716,7 @@ class ModelRunner:
         self._commit_gdn(accepted, vslots, ctx.state_slots)
         keep = packed.valid & (packed.offset <= accepted.long()[packed.lane])
         self.drafts.write_context(ctx.hidden, meta, keep)
-        self.state.write(rows, seq_lens + accepted + 1, bonus)
-        self.out.tokens[:width] = tokens
-        self.out.counts[:width] = accepted + 1
+        self.state.commit(rows, seq_lens, bonus, tokens, self.out, accepted)
         self.out.verify_lens[:width] = lengths
         if self.logprobs:
             lp = token_logprobs(uniform_logits, tokens.reshape(-1))

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from unimem_kernel.lane_commit import commit_lanes
+
 __all__ = [
     "DeviceRequestState",
     "DeviceSamplingState",
@@ -56,9 +58,9 @@ class DeviceRequestState:
         self.next_tokens = torch.zeros(rows, dtype=torch.int64, device=device)
 
     def read(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(seq_lens, next_tokens)`` of ``rows [bs]`` (gathers; no host read)."""
-        idx = rows.long()
-        return self.seq_lens[idx], self.next_tokens[idx]
+        """``(seq_lens, next_tokens)`` of ``rows [bs]`` (int32 or int64; two gathers, no
+        host read)."""
+        return self.seq_lens.index_select(0, rows), self.next_tokens.index_select(0, rows)
 
     def write(self, rows: torch.Tensor, seq_lens: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Set the state of ``rows [bs]``; lanes on row 0 (padding) write row 0's own zeros,
@@ -67,6 +69,28 @@ class DeviceRequestState:
         live = rows > 0
         self.seq_lens[idx] = torch.where(live, seq_lens.to(torch.int32), 0)
         self.next_tokens[idx] = torch.where(live, next_tokens.long(), 0)
+
+    def commit(
+        self,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        next_tokens: torch.Tensor,
+        tokens: torch.Tensor,
+        out: StepOutputs,
+        accepted: torch.Tensor | None = None,
+        write_slots: Sequence[torch.Tensor] = (),
+    ) -> list[torch.Tensor]:
+        """A decode or verify step's lanes in one launch (:func:`unimem_kernel.commit_lanes`):
+        lane ``b`` commits ``tokens[b, :count]`` (``count`` = 1, or ``accepted[b] + 1`` for a
+        verify step) into ``out``, and its row advances to ``seq_lens[b] + count`` with
+        ``next_tokens[b]`` next (padding lanes on row 0 write row 0's zeros). ``seq_lens``
+        int32, ``next_tokens`` int64, ``tokens [bs, W]`` int64, ``accepted`` int32. Returns
+        ``write_slots`` (``[bs * W]`` each) with the rows past each lane's committed prefix
+        sent to the sink slot 0."""
+        return commit_lanes(
+            rows, seq_lens, next_tokens, tokens, self.seq_lens, self.next_tokens,
+            out.tokens, out.counts, accepted, write_slots,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

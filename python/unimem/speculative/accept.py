@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["AcceptResult", "commit_mask", "greedy_accept"]
+__all__ = ["AcceptResult", "greedy_accept"]
 
 
 class AcceptResult(NamedTuple):
@@ -59,10 +59,3 @@ def greedy_accept(
     accepted = match.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
     bonus = target_argmax.long().gather(1, accepted.long()[:, None])[:, 0]
     return AcceptResult(accepted, bonus)
-
-
-def commit_mask(accepted: torch.Tensor, width: int) -> torch.Tensor:
-    """``[bs, width]`` bool: ``mask[b, j] = j <= accepted[b]`` — the verify rows a step
-    commits (the anchor and the accepted drafts)."""
-    cols = torch.arange(width, device=accepted.device)
-    return cols[None, :] <= accepted.long()[:, None]
