@@ -307,6 +307,45 @@ def _greedy_accept_launches() -> list[tuple[str, Callable[[], None]]]:
     return [("greedy_verify_accept", accept)]
 
 
+def _lane_commit_launches() -> list[tuple[str, Callable[[], None]]]:
+    """A step's lane commit: verify (48 lanes x 8 rows, FULL + SWA write slots) and decode."""
+    import torch
+
+    from unimem_kernel import lane_commit
+
+    bs, w, rows, i32 = 48, 8, 64, torch.int32
+
+    def commit(verify: bool):
+        lane_commit.commit_lanes(
+            torch.arange(bs, dtype=i32), torch.randint(1, 99, (bs,), dtype=i32),
+            torch.randint(0, 99, (bs,)), torch.randint(0, 99, (bs, w if verify else 1)),
+            torch.zeros(rows, dtype=i32), torch.zeros(rows, dtype=torch.int64),
+            torch.zeros(bs, w, dtype=torch.int64), torch.zeros(bs, dtype=i32),
+            torch.randint(0, w, (bs,), dtype=i32) if verify else None,
+            (torch.arange(bs * w, dtype=i32),) * 2 if verify else (),
+        )  # fmt: skip
+
+    return [
+        ("commit_lanes verify", lambda: commit(True)),
+        ("commit_lanes decode", lambda: commit(False)),
+    ]
+
+
+def _window_lookup_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The acceptance control's decisions of a verify step (48 lanes, gamma 7)."""
+    import torch
+
+    from unimem_kernel import window_lookup
+
+    def lookup():
+        bs = 48
+        tables = (torch.zeros(bs, 2600, dtype=torch.int64), torch.zeros(bs, 2600, dtype=torch.bool))
+        lanes = torch.arange(bs, dtype=torch.int32)
+        window_lookup.window_lookup(tables, lanes, lanes, 7, 1)
+
+    return [("window_lookup control", lookup)]
+
+
 def _expert_combine_launches() -> list[tuple[str, Callable[[], None]]]:
     """The MoE layer's weight + unsort + slot sum (Qwen3-Next bench sizes: 48 x 8 tokens, top
     8 of d 2048)."""
@@ -584,6 +623,8 @@ _KERNELS = {
     "unimem_kernel.expert_combine": ("_moe_combine_kernel",),
     "unimem_kernel.expert_route": ("_count_kernel", "_scan_kernel", "_place_kernel"),
     "unimem_kernel.gdn_chunked": ("_chunked_rule_kernel",),
+    "unimem_kernel.lane_commit": ("_commit_lanes_kernel",),
+    "unimem_kernel.window_lookup": ("_window_lookup_kernel",),
 }
 
 _LAUNCHES = {
@@ -596,6 +637,8 @@ _LAUNCHES = {
     "unimem_kernel.expert_combine": _expert_combine_launches,
     "unimem_kernel.expert_route": _expert_route_launches,
     "unimem_kernel.gdn_chunked": _gdn_chunked_launches,
+    "unimem_kernel.lane_commit": _lane_commit_launches,
+    "unimem_kernel.window_lookup": _window_lookup_launches,
 }
 
 

@@ -75,3 +75,21 @@ def test_batch_composition_does_not_change_decisions():
 def test_bad_rate():
     with pytest.raises(ValueError, match="rate"):
         AcceptanceControl(1.5, 0, REFS)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_decide_window_equals_decide_over_the_window(dtype):
+    """A step's decisions for ``gamma`` columns (``decide_window``, one launch on CUDA) are
+    ``decide`` at ``seq_len + 1 + i``: padding lanes (rid -1), rids without a reference and
+    positions past the reference's end included."""
+    control = AcceptanceControl(0.8, seed=5, references=REFS)
+    rids = torch.tensor([0, 1, 3, -1, 2, 7, 0], dtype=dtype)
+    seq_lens = torch.tensor([0, 25, 12, 4, 3, 1, 38], dtype=dtype)
+    ref, take = control.decide_window(rids, seq_lens, 7, offset=1)
+    want_ref, want_take = control.decide(
+        rids[:, None], seq_lens.long()[:, None] + 1 + torch.arange(7)
+    )
+    assert ref.dtype == torch.int64 and take.dtype == torch.bool
+    assert torch.equal(ref, want_ref) and torch.equal(take, want_take)
+    assert (ref[3] == -1).all() and not take[3].any()  # padding lane: unknown, never taken
+    assert ref[0].tolist() == list(range(101, 108))

@@ -154,8 +154,7 @@ class DraftRunner:
         """The acceptance control's ``(reference tokens, take)`` ``[bs, gamma]`` for the
         block's columns, in one gather: column ``i`` proposes the token at position
         ``seq_len + i + 1``."""
-        cols = torch.arange(1, gamma + 1, device=seq_lens.device)
-        return self.chain.control.decide(rids[:, None], seq_lens.long()[:, None] + cols)
+        return self.chain.control.decide_window(rids, seq_lens, gamma, offset=1)
 
     def _block_forward(
         self, rows: torch.Tensor, seq_lens: torch.Tensor, anchors: torch.Tensor

@@ -15,9 +15,9 @@ with ``rate``. It does not depend on the batch, the step or the memory mode, so 
 unified runs propose the same tokens. Positions the reference does not cover are left as
 drafted.
 
-Device-friendly: the reference tokens live in one device table indexed by ``rid`` (uploaded
-once), and :meth:`AcceptanceControl.apply` is a few elementwise ops and a gather, with no host
-read.
+Device-friendly: the reference tokens and the decisions live in device tables indexed by
+``rid`` and position (uploaded once), and a step's decisions are one gather with no host read
+(:meth:`AcceptanceControl.decide_window`: one launch on CUDA).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from unimem_kernel.window_lookup import window_lookup
 
 __all__ = ["AcceptanceControl", "uniform_draws"]
 
@@ -74,11 +76,11 @@ class AcceptanceControl:
         self.seed = int(seed)
         rows = max(references, default=-1) + 1
         width = max((len(t) for t in references.values()), default=0) + 1
-        table = torch.full((max(rows, 1), width), -1, dtype=torch.int32)
+        table = torch.full((max(rows, 1), width), -1, dtype=torch.int64)
         for rid, toks in references.items():
-            table[rid, : len(toks)] = torch.tensor(list(toks), dtype=torch.int32)
+            table[rid, : len(toks)] = torch.tensor(list(toks), dtype=torch.int64)
         self.table = table.to(device)
-        """``[rids, width]`` int32: reference token at each position, -1 where unknown (the
+        """``[rids, width]`` int64: reference token at each position, -1 where unknown (the
         last column is always -1, so clamped out-of-range positions read "unknown")."""
         r = torch.arange(table.shape[0])[:, None]
         p = torch.arange(width)[None, :]
@@ -98,7 +100,7 @@ class AcceptanceControl:
     def reference(self, rids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Reference tokens (int64, -1 where unknown) at ``positions`` of requests ``rids``
         (broadcast)."""
-        return self.table[self._index(rids, positions)].long()
+        return self.table[self._index(rids, positions)]
 
     def apply(
         self, tokens: torch.Tensor, rids: torch.Tensor, positions: torch.Tensor
@@ -118,4 +120,14 @@ class AcceptanceControl:
         sampling seed, so speculative sampling treats a replaced draft as proposed by a point
         mass (:func:`unimem.speculative.spec_sampling.replace_proposal`)."""
         idx = self._index(rids, positions)
-        return self.table[idx].long(), self.take_table[idx]
+        return self.table[idx], self.take_table[idx]
+
+    def decide_window(
+        self, rids: torch.Tensor, starts: torch.Tensor, width: int, offset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decide` at positions ``starts[b] + offset + i`` (``i < width``) of request
+        ``rids[b]`` (``rids``, ``starts`` ``[bs]`` int), as ``[bs, width]`` tensors: the same
+        values as ``decide(rids[:, None], starts[:, None] + offset + arange(width))``, in one
+        launch on CUDA (:func:`unimem_kernel.window_lookup`)."""
+        ref, take = window_lookup((self.table, self.take_table), rids, starts, width, offset)
+        return ref, take
