@@ -80,6 +80,13 @@ class ForwardContext(ABC):
         self.cu_seqlens_q = cu_seqlens_q
         self.logits_indices = logits_indices
 
+    def logits_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[logits_indices]`` for ``x [T, ...]``: ``x`` itself in decode and verify, where
+        every row needs logits in row order (no gather; the caller must not write it)."""
+        if self.mode is not ForwardMode.EXTEND and self.logits_indices.shape[0] == x.shape[0]:
+            return x
+        return x[self.logits_indices]
+
     @abstractmethod
     def attention(
         self,

@@ -541,7 +541,7 @@ class QwenHybridForCausalLM(CausalLM):
             next_norm = layers[i + 1].input_layernorm.weight if i + 1 < n else None
             x, h = layer(i, x, h, self.rotary, cos_sin, ctx, next_norm)
             ctx.capture_hidden(i, x)
-        hidden = zero_centered_rms_norm(x[ctx.logits_indices], self.model.norm.weight, c.rms_eps)
+        hidden = zero_centered_rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
         logits = parallel_logits(
             hidden, self.lm_head.weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
         )

@@ -303,7 +303,7 @@ class HybridModel(CausalLM):
             next_norm = self.layers[i + 1].mixer_norm if i + 1 < n else None
             x, h = layer(i, x, h, rope, ctx, next_norm)
             ctx.capture_hidden(i, x)
-        hidden = rms_norm(x[ctx.logits_indices], self.final_norm, c.rms_eps)
+        hidden = rms_norm(ctx.logits_rows(x), self.final_norm, c.rms_eps)
         out_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
         logits = parallel_logits(hidden, self.lm_head, self.tp, c.vocab_size, out_dtype)
         return ModelOutput(logits, hidden)
