@@ -64,6 +64,7 @@ from unimem_kernel.kv_store import (
     store_kv_paged,
     store_kv_paged_reference,
 )
+from unimem_kernel.lane_commit import commit_lanes, commit_lanes_reference
 from unimem_kernel.metadata import (
     build_decode_metadata,
     build_decode_metadata_reference,
@@ -83,6 +84,7 @@ from unimem_kernel.unit_ops import (
     fill_units,
     fill_units_reference,
 )
+from unimem_kernel.window_lookup import window_lookup, window_lookup_reference
 from unimem_kernel.write_window import gather_write_window, gather_write_window_reference
 
 __all__ = [
@@ -107,6 +109,8 @@ __all__ = [
     "build_decode_metadata_reference",
     "build_extend_metadata",
     "build_extend_metadata_reference",
+    "commit_lanes",
+    "commit_lanes_reference",
     "commit_states",
     "commit_states_multi",
     "commit_states_multi_reference",
@@ -157,4 +161,6 @@ __all__ = [
     "translate_tokens_reference",
     "unbind_units",
     "unbind_units_reference",
+    "window_lookup",
+    "window_lookup_reference",
 ]
