@@ -331,17 +331,35 @@ def _lane_commit_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _rope_angles_launches() -> list[tuple[str, Callable[[], None]]]:
+    """RoPE's cos/sin of a verify step (384 positions, the small preset's 64 frequencies),
+    plain and with gpt-oss's factor and bf16 cast."""
+    import torch
+
+    from unimem_kernel import rope_angles
+
+    pos = torch.arange(384)
+    inv = torch.rand(HEAD_DIM // 2)
+    return [
+        ("rope_cos_sin", lambda: rope_angles.rope_cos_sin(pos, inv)),
+        (
+            "rope_cos_sin factor bf16",
+            lambda: rope_angles.rope_cos_sin(pos, inv, 1.2, torch.bfloat16),
+        ),
+    ]
+
+
 def _window_lookup_launches() -> list[tuple[str, Callable[[], None]]]:
     """The acceptance control's decisions of a verify step (48 lanes, gamma 7)."""
     import torch
 
-    from unimem_kernel import window_lookup
+    from unimem_kernel.window_lookup import window_lookup
 
     def lookup():
         bs = 48
         tables = (torch.zeros(bs, 2600, dtype=torch.int64), torch.zeros(bs, 2600, dtype=torch.bool))
         lanes = torch.arange(bs, dtype=torch.int32)
-        window_lookup.window_lookup(tables, lanes, lanes, 7, 1)
+        window_lookup(tables, lanes, lanes, 7, 1)
 
     return [("window_lookup control", lookup)]
 
@@ -625,6 +643,7 @@ _KERNELS = {
     "unimem_kernel.gdn_chunked": ("_chunked_rule_kernel",),
     "unimem_kernel.lane_commit": ("_commit_lanes_kernel",),
     "unimem_kernel.window_lookup": ("_window_lookup_kernel",),
+    "unimem_kernel.rope_angles": ("_rope_cos_sin_kernel",),
 }
 
 _LAUNCHES = {
@@ -639,6 +658,7 @@ _LAUNCHES = {
     "unimem_kernel.gdn_chunked": _gdn_chunked_launches,
     "unimem_kernel.lane_commit": _lane_commit_launches,
     "unimem_kernel.window_lookup": _window_lookup_launches,
+    "unimem_kernel.rope_angles": _rope_angles_launches,
 }
 
 

@@ -57,6 +57,7 @@ from unimem.models.tensor_parallel import (
     vocab_shard,
 )
 from unimem_kernel import add_rms_norm, gelu_tanh_mul
+from unimem_kernel.rope_angles import rope_cos_sin
 
 __all__ = ["Gemma3ForCausalLM", "RopeSpec", "gemma_rms_norm", "text_config_of"]
 
@@ -459,9 +460,8 @@ class Gemma3ForCausalLM(CausalLM):
 
     def _rope(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, D/2]``: float32 angles, cast to the model dtype."""
-        angles = positions.to(torch.float32)[:, None] * getattr(self, f"inv_freq_{kind}")[None]
-        dt = self.config.dtype
-        return angles.cos().to(dt), angles.sin().to(dt)
+        inv_freq = getattr(self, f"inv_freq_{kind}")
+        return rope_cos_sin(positions, inv_freq, out_dtype=self.config.dtype)
 
     @torch.no_grad()
     def forward_with_hidden(self, input_ids: torch.Tensor, ctx: ForwardContext) -> ModelOutput:

@@ -56,6 +56,7 @@ from unimem.models.tensor_parallel import (
     vocab_shard,
 )
 from unimem_kernel import add_rms_norm
+from unimem_kernel.rope_angles import rope_cos_sin
 
 __all__ = ["GptOssForCausalLM", "dequantize_mxfp4", "rope_inv_freq", "rope_parameters"]
 
@@ -446,9 +447,8 @@ class GptOssForCausalLM(CausalLM):
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [T, head_dim / 2]``: angles in float32, both scaled by the YaRN attention
         factor, then cast to the model dtype (as HF rotates in the activations' dtype)."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
         f, dt = self.rope_attention_factor, self.config.dtype
-        return (angles.cos() * f).to(dt), (angles.sin() * f).to(dt)
+        return rope_cos_sin(positions, self.inv_freq, f, dt)
 
     @torch.no_grad()
     def forward_with_hidden(self, input_ids: torch.Tensor, ctx: ForwardContext) -> ModelOutput:

@@ -62,6 +62,7 @@ from unimem_kernel import gated_rms_norm as fused_gated_rms_norm
 from unimem_kernel import silu_mul as fused_silu_mul
 from unimem_kernel.fused import records_autograd
 from unimem_kernel.fused import use_triton as fused_ops_on
+from unimem_kernel.rope_angles import rope_cos_sin
 
 LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "full"}
 """HF ``config.layer_types`` entry -> ``HybridConfig.layer_pattern`` entry."""
@@ -134,8 +135,7 @@ class PartialRotary(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [T, rotary_dim / 2]`` for ``positions [T]``."""
-        angles = positions.to(self.rope_dtype)[:, None] * self.inv_freq[None, :]
-        return angles.cos(), angles.sin()
+        return rope_cos_sin(positions, self.inv_freq)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [T, H, D]`` with its first ``rotary_dim`` dims rotated; same dtype."""

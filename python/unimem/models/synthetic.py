@@ -55,6 +55,7 @@ from unimem.models.tensor_parallel import (
     vocab_shard,
 )
 from unimem_kernel import add_rms_norm, gated_rms_norm, gdn_gates, silu_mul
+from unimem_kernel.rope_angles import rope_cos_sin
 
 
 class AttentionMixer(nn.Module):
@@ -286,8 +287,7 @@ class HybridModel(CausalLM):
     # ------------------------------------------------------------------ forward
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(self.rope_dtype)[:, None] * self.inv_freq[None, :]
-        return angles.cos(), angles.sin()
+        return rope_cos_sin(positions, self.inv_freq)
 
     @torch.no_grad()
     def forward_with_hidden(self, input_ids: torch.Tensor, ctx: ForwardContext) -> ModelOutput:

@@ -55,6 +55,7 @@ from unimem.models.nn_ops import frozen_param, rms_norm
 from unimem.models.tensor_parallel import logits_matmul
 from unimem_kernel import add_rms_norm, markov_pick, rope_qk, silu_mul
 from unimem_kernel.draft_pick import markov_bias_reference
+from unimem_kernel.rope_angles import rope_cos_sin
 
 __all__ = ["DRAFT_HOSTS", "DraftAttention", "DraftConfig", "DsparkDrafter", "draft_config_for"]
 
@@ -357,8 +358,7 @@ class DsparkDrafter(nn.Module):
     # ------------------------------------------------------------------ pieces
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(self.rope_dtype)[:, None] * self.inv_freq[None, :]
-        return angles.cos(), angles.sin()
+        return rope_cos_sin(positions, self.inv_freq)
 
     def _qkv(
         self, j: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]

@@ -71,6 +71,7 @@ from unimem_kernel.metadata import (
     build_extend_metadata,
     build_extend_metadata_reference,
 )
+from unimem_kernel.rope_angles import rope_cos_sin, rope_cos_sin_reference
 from unimem_kernel.state_commit import (
     StateCommitPlan,
     commit_states,
@@ -143,6 +144,8 @@ __all__ = [
     "moe_combine_reference",
     "moe_route",
     "moe_route_reference",
+    "rope_cos_sin",
+    "rope_cos_sin_reference",
     "rope_qk",
     "rope_qk_reference",
     "rope_store_kv",
