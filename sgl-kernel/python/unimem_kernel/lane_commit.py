@@ -2,9 +2,9 @@
 
 After a step has chosen its tokens, each lane ``b`` (request-table row ``rows[b]``) commits
 ``count[b]`` of them: 1 for a decode step, ``accepted[b] + 1`` for a verify step (the anchor's
-successors up to the accepted prefix plus the bonus token). Four small writes follow, which in
-torch are about a dozen kernels (adds, casts, comparisons, ``where``, two ``index_put_`` and
-two copies) of a few hundred elements each:
+successors up to the accepted prefix plus the bonus token). Three sets of small writes
+follow, which in torch are about a dozen kernels (adds, casts, comparisons, ``where``, two
+``index_put_`` and two copies) of a few hundred elements each:
 
 - the request table's device state: ``state_seq_lens[rows[b]] = seq_lens[b] + count[b]`` and
   ``state_next_tokens[rows[b]] = next_tokens[b]`` (the token the next step feeds); a lane on
