@@ -10,10 +10,12 @@ pairs): the gate/up projection ``[P, d] x [E, 2I, d]`` and the down projection `
 counts (e.g. prefill chunks) to see where each path wins.
 
 Each time: ``--iters`` calls in one CUDA graph, CUDA events around a replay, median of
-``--repeats`` (``cuda_timing.graph_median_ms``); GB/s = the experts' weight bytes / time (the
-floor of this regime: every expert's weights are read once); ``rel`` = the largest |difference|
-to the float32 per-expert product relative to its largest |value|. ``--json PATH`` writes the
-rows. Needs CUDA (exits 2 with one line without it).
+``--repeats`` (``cuda_timing.graph_median_ms``); ``--launch-orders`` adds each Triton tile
+with its column tiles launched first (the same bits, another order over the weights); GB/s =
+the experts' weight bytes / time (the floor of this regime: every expert's weights are read
+once); ``rel`` = the largest |difference| to the float32 per-expert product relative to its
+largest |value|. ``--json PATH`` writes the rows. Needs CUDA (exits 2 with one line without
+it).
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20, help="calls per sample")
     ap.add_argument("--repeats", type=int, default=7, help="samples; the median is kept")
+    ap.add_argument(
+        "--launch-orders",
+        action="store_true",
+        help="also time each Triton tile with its column tiles launched first (grid (n, p))",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return ap.parse_args(argv)
 
@@ -106,13 +113,16 @@ def main(argv=None) -> int:
             for bm, bn, bk, warps, stages in CONFIGS:
                 cfg = MatmulConfig(bm, bn, bk, warps, stages, 1)
                 label = f"triton {bm}x{bn}x{bk} w{warps} st{stages}"
-                try:
-                    record(label,
-                           lambda xs=xs, w=w, cfg=cfg, ends=route.ends: bi_grouped_linear_triton(
-                               xs, w, ends, config=cfg))  # fmt: skip
-                except Exception as exc:  # a config that does not fit this GPU: say so, go on
-                    print(f"T {tokens:6d} {name:8s} {label:28s} failed: {type(exc).__name__}: "
-                          f"{str(exc)[:160]}")  # fmt: skip
+                for cols_fastest in (False, True) if args.launch_orders else (False,):
+                    tag = label + (" cols-first" if cols_fastest else "")
+                    try:
+                        record(tag,
+                               lambda xs=xs, w=w, cfg=cfg, ends=route.ends, c=cols_fastest:
+                               bi_grouped_linear_triton(xs, w, ends, config=cfg,
+                                                        cols_fastest=c))  # fmt: skip
+                    except Exception as exc:  # a config that does not fit this GPU: go on
+                        print(f"T {tokens:6d} {name:8s} {tag:28s} failed: "
+                              f"{type(exc).__name__}: {str(exc)[:160]}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=gpu, experts=e, top_k=k, d_model=d, width=width, rows=rows), f,

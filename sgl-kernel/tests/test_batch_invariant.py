@@ -177,6 +177,9 @@ def test_grouped_rows_gathered_by_the_loads(triton_backend, device, dtype):
     cfg = bi.MatmulConfig(16, 32, 16, 4, 2, 1)
     other = bi.bi_grouped_linear_triton(x_tok, w, offs, config=cfg, rows=rows)
     assert torch.equal(other, bi.bi_grouped_linear_triton(x_tok[rows], w, offs, config=cfg))
+    # the launch order (column tiles fastest) changes no bit
+    swapped = bi.bi_grouped_linear_triton(x_tok, w, offs, config=cfg, rows=rows, cols_fastest=True)
+    assert torch.equal(swapped, other)
     with pytest.raises(ValueError, match="rows must be 1-D int32/int64"):
         bi.bi_grouped_linear(x_tok, w, offs, rows=rows.float())
 

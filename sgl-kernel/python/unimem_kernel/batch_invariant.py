@@ -358,6 +358,7 @@ def _bi_grouped_kernel(
     GATHER: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    COLS_FASTEST: tl.constexpr,  # launch order only: grid (n, p) instead of (p, n)
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -367,8 +368,15 @@ def _bi_grouped_kernel(
     # [offs[E-1], T), which are written as zeros. Each segment is cut into row tiles starting
     # at the segment's first row; program (p, n) takes the p-th row tile of all segments in
     # order (found on the device from offs: no host reads) and exits if there is none.
-    p = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # COLS_FASTEST numbers the programs column tile first, so the column tiles of one row tile
+    # (one expert's weights) are launched side by side; each output tile's arithmetic is the
+    # same either way.
+    if COLS_FASTEST:
+        pid_n = tl.program_id(0)
+        p = tl.program_id(1)
+    else:
+        p = tl.program_id(0)
+        pid_n = tl.program_id(1)
     seg = tl.arange(0, BLOCK_E)
     ends = tl.load(offs_ptr + seg, mask=seg < E, other=0).to(tl.int32)
     ends = tl.where(seg < E, ends, T)
@@ -416,12 +424,15 @@ def bi_grouped_linear_triton(
     out: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
     rows: torch.Tensor | None = None,
+    cols_fastest: bool = False,
 ) -> torch.Tensor:
     """The Triton kernel of :func:`bi_grouped_linear` (arguments already validated).
     ``config``: the tile configuration (default :func:`matmul_config`'s, the batch-invariant
     one; another fixed configuration keeps each row independent of the others but rounds
     differently). ``rows`` (``[T]`` int, optional): product row ``i`` reads ``x[rows[i]]``
-    (the gather of a MoE layer's token rows, done by the loads instead of a copy)."""
+    (the gather of a MoE layer's token rows, done by the loads instead of a copy).
+    ``cols_fastest``: launch the column tiles of a row tile side by side (grid ``(n, p)``);
+    the launch order only, never the numbers (the same bits either way)."""
     t = x.shape[0] if rows is None else rows.shape[0]
     k = x.shape[1]
     e, n, _ = weight.shape
@@ -433,14 +444,15 @@ def bi_grouped_linear_triton(
     # Row tiles over all segments: at most cdiv(T, BLOCK_M) full tiles plus one partial tile
     # per segment (E experts and the tail). Host-known bound: capturable.
     row_tiles = triton.cdiv(t, cfg.block_m) + e + 1
-    grid = (row_tiles, triton.cdiv(n, cfg.block_n))
+    col_tiles = triton.cdiv(n, cfg.block_n)
+    grid = (col_tiles, row_tiles) if cols_fastest else (row_tiles, col_tiles)
     _bi_grouped_kernel[grid](
         x, rows if rows is not None else offs, weight, bias if bias is not None else out, offs,
         out, t, n, k, e,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
         bias.stride(0) if bias is not None else 0, out.stride(0),
         HAS_BIAS=bias is not None, GATHER=rows is not None, IEEE=x.dtype == torch.float32,
-        UPCAST=_interpreting(),
+        UPCAST=_interpreting(), COLS_FASTEST=cols_fastest,
         BLOCK_E=next_pow2(e + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
