@@ -99,11 +99,19 @@ def _fail(msg: str) -> None:
     raise ValueError(msg)
 
 
-def _check_vector(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], n: int | None):
+def _check_vector(
+    name: str,
+    t: torch.Tensor,
+    dtypes: tuple[torch.dtype, ...],
+    n: int | None,
+    contiguous: bool = False,
+) -> None:
     if t.dim() != 1 or t.dtype not in dtypes or (n is not None and t.shape[0] != n):
         want = "/".join(str(d).removeprefix("torch.") for d in dtypes)
         size = "" if n is None else f" of {n}"
         _fail(f"{name} must be a 1-D {want} vector{size}, got {t.dtype} {tuple(t.shape)}")
+    if contiguous and t.numel() > 1 and t.stride(0) != 1:
+        _fail(f"{name} must be contiguous")
 
 
 def _check(
@@ -127,8 +135,9 @@ def _check(
     w = tokens.shape[1]
     if w < 1:
         _fail("tokens must hold at least one column (W >= 1)")
-    _check_vector("state_seq_lens", state_seq_lens, (torch.int32,), None)
-    _check_vector("state_next_tokens", state_next_tokens, (torch.int64,), state_seq_lens.shape[0])
+    _check_vector("state_seq_lens", state_seq_lens, (torch.int32,), None, contiguous=True)
+    _check_vector("state_next_tokens", state_next_tokens, (torch.int64,),
+                  state_seq_lens.shape[0], contiguous=True)  # fmt: skip
     if out_tokens.dim() != 2 or out_tokens.dtype != torch.int64:
         _fail(f"out_tokens must be a 2-D int64 tensor, got {out_tokens.dtype} "
               f"{tuple(out_tokens.shape)}")  # fmt: skip
@@ -136,7 +145,7 @@ def _check(
         _fail(f"out_tokens {tuple(out_tokens.shape)} cannot hold [{bs}, {w}]")
     if w > 1 and out_tokens.stride(1) != 1:
         _fail("out_tokens must have unit stride along its columns")
-    _check_vector("out_counts", out_counts, (torch.int32,), None)
+    _check_vector("out_counts", out_counts, (torch.int32,), None, contiguous=True)
     if out_counts.shape[0] < bs:
         _fail(f"out_counts holds {out_counts.shape[0]} lanes, the step has {bs}")
     if accepted is not None:
@@ -144,12 +153,7 @@ def _check(
     if len(write_slots) > _MAX_SLOT_VECTORS:
         _fail(f"at most {_MAX_SLOT_VECTORS} write-slot vectors, got {len(write_slots)}")
     for i, s in enumerate(write_slots):
-        _check_vector(f"write_slots[{i}]", s, (torch.int32, torch.int64), bs * w)
-    for name, t in (("state_seq_lens", state_seq_lens), ("state_next_tokens", state_next_tokens),
-                    ("out_counts", out_counts), *((f"write_slots[{i}]", s)
-                                                  for i, s in enumerate(write_slots))):  # fmt: skip
-        if t.numel() > 1 and t.stride(0) != 1:
-            _fail(f"{name} must be contiguous")
+        _check_vector(f"write_slots[{i}]", s, (torch.int32, torch.int64), bs * w, contiguous=True)
     named = [("seq_lens", seq_lens), ("next_tokens", next_tokens), ("tokens", tokens),
              ("state_seq_lens", state_seq_lens), ("state_next_tokens", state_next_tokens),
              ("out_tokens", out_tokens), ("out_counts", out_counts),
