@@ -50,7 +50,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 48, 256], help="decode/verify")
     ap.add_argument("--verify-tokens", type=int, default=4, help="tokens per verify (gamma+1)")
-    ap.add_argument("--prefill-requests", type=int, default=8)
+    ap.add_argument("--prefill-requests", type=int, nargs="+", default=[8])
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--per-graph", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=20, help="graph replays per sample")
@@ -289,10 +289,9 @@ def bench_step(ctx: Context, mode: str, bs: int) -> None:
         ctx.report(mode, bs, tv, "fla-recurrent", *graph_us(step, args), moved, check)
 
 
-def bench_prefill(ctx: Context, length: int) -> None:
-    """``--prefill-requests`` requests of ``length`` tokens: conv, rule, mixer, fla."""
+def bench_prefill(ctx: Context, bs: int, length: int) -> None:
+    """``bs`` requests of ``length`` tokens: conv, rule, mixer, fla."""
     args, dev, conv, ssm, w = ctx.args, ctx.dev, ctx.conv, ctx.ssm, ctx.w
-    bs = args.prefill_requests
     n = bs * length
     slots = ctx.slots(bs)
     cu = torch.arange(0, n + 1, length, dtype=torch.int32, device=dev)
@@ -353,7 +352,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     fla = None if args.no_fla else load_fla()
-    num_slots = max([*args.bs, args.prefill_requests]) + 16
+    num_slots = max([*args.bs, *args.prefill_requests]) + 16
     _, conv, ssm = arena_states(num_slots, dev)
     w = (0.5 * torch.randn(CONV_DIM, KW, generator=gen, device=dev)).bfloat16()
     state_bytes = H * DK * DV * 4 + CONV_DIM * (KW - 1) * 2  # per request and layer
@@ -401,8 +400,9 @@ def main(argv=None) -> int:
     for mode in ("decode", "verify"):
         for bs in args.bs:
             bench_step(ctx, mode, bs)
-    for length in args.prefill_lens:
-        bench_prefill(ctx, length)
+    for bs in args.prefill_requests:
+        for length in args.prefill_lens:
+            bench_prefill(ctx, bs, length)
 
     if args.json:
         with open(args.json, "w") as f:

@@ -8,7 +8,13 @@ kernel compiled), then per memory kind a fresh pool and engine whose first ``--s
 steps run one at a time under cProfile with a device synchronisation after each: wall time
 per step, then the functions with the largest cumulative time over those steps.
 
+``--kernels N`` profiles the same steps' GPU work instead of the host's: each step's GPU time
+(CUDA events), then ``torch.profiler`` over the steps, kernels summed over them by the
+categories of ``profile_step.py`` and the ``N`` kernels with the most time (prefill chunks run
+eagerly, verify steps as graph replays; both are listed).
+
     python benchmark/profile_first_steps.py --steps 4 --top 25
+    python benchmark/profile_first_steps.py --steps 4 --kernels 25 --memory static
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import cProfile
 import io
 import pstats
 import time
+from collections import defaultdict
 
 import torch
+from profile_step import category
 
 from unimem.engine.core import EngineCore
 from unimem.engine.draft_runner import draft_config_for
@@ -33,7 +41,19 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="profile the steps' GPU kernels (this many listed) instead of the host",
+    )
+    ap.add_argument(
+        "--memory", default="static,unified,static,unified", help="comma-separated kinds, in order"
+    )
     args = ap.parse_args()
+    kinds = args.memory.split(",")
+    if not set(kinds) <= {"static", "unified"}:
+        ap.error(f"--memory: kinds are static and unified, got {args.memory!r}")
     cfg = P.bench_config(requests=args.requests, output_len=64)
     dev = torch.device(cfg.device)
     model, prompts = P.build_model_and_prompts(cfg, dev)
@@ -47,7 +67,7 @@ def main() -> int:
     del first
     print(f"{torch.cuda.get_device_name(dev)}: small preset, {len(prompts)} x {cfg.input_len} "
           f"prompts, chunk {cfg.chunk_size}, first {args.steps} steps")  # fmt: skip
-    for kind in ("static", "unified", "static", "unified"):
+    for kind in kinds:
         if kind == "static":
             pool = P.static_pool(cfg, model.config, dev, lanes)
         else:
@@ -58,22 +78,66 @@ def main() -> int:
         for p in prompts:
             eng.submit(p, cfg.output_len)
         torch.cuda.synchronize(dev)
-        prof = cProfile.Profile()
-        walls = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            prof.enable()
-            eng.step()
-            torch.cuda.synchronize(dev)
-            prof.disable()
-            walls.append((time.perf_counter() - t) * 1e3)
-        print(f"[{kind}] step wall ms (synchronised): {', '.join(f'{w:.1f}' for w in walls)}")
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(args.top)
-        lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
-        print("\n".join(lines[-args.top - 1 :]))
+        if args.kernels:
+            profile_kernels(eng, kind, args.steps, args.kernels, dev)
+        else:
+            profile_host(eng, kind, args.steps, args.top, dev)
         del eng, pool
     return 0
+
+
+def profile_host(eng: EngineCore, kind: str, steps: int, top: int, dev: torch.device) -> None:
+    """``steps`` engine steps, one at a time under cProfile: wall per step, then the ``top``
+    functions by cumulative time."""
+    prof = cProfile.Profile()
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        prof.enable()
+        eng.step()
+        torch.cuda.synchronize(dev)
+        prof.disable()
+        walls.append((time.perf_counter() - t) * 1e3)
+    print(f"[{kind}] step wall ms (synchronised): {', '.join(f'{w:.1f}' for w in walls)}")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    print("\n".join(lines[-top - 1 :]))
+
+
+def profile_kernels(eng: EngineCore, kind: str, steps: int, top: int, dev: torch.device) -> None:
+    """``steps`` engine steps, one at a time under ``torch.profiler`` (CUDA activity only):
+    each step's GPU time by CUDA events around it (synchronised before the next starts; the
+    profiler adds little to kernel times), then the kernels summed over the steps by category
+    and the ``top`` kernels."""
+    gpu_ms = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            eng.step()
+            end.record()
+            torch.cuda.synchronize(dev)
+            gpu_ms.append(start.elapsed_time(end))
+    print(f"[{kind}] step GPU ms (events, synchronised): {', '.join(f'{t:.1f}' for t in gpu_ms)}")
+    per_cat: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, tuple[float, int]] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = evt.self_cuda_time_total
+        if us > 0:
+            per_cat[category(evt.key)] += us / 1000
+            per_kernel[evt.key[:150]] = (us / 1000, evt.count)
+    total = sum(per_cat.values())
+    print(f"  {'kernels by category, summed over the steps':<52}{'ms':>9}{'share':>8}")
+    for label, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:<52}{ms:>9.2f}{100 * ms / total:>7.1f}%")
+    print(f"  {'sum of kernel time':<52}{total:>9.2f}")
+    print("  top kernels (ms, calls):")
+    for name, (ms, calls) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {ms:8.2f} {calls:6d}  {name}")
 
 
 if __name__ == "__main__":
