@@ -108,19 +108,25 @@ def profile_host(eng: EngineCore, kind: str, steps: int, top: int, dev: torch.de
 def profile_kernels(eng: EngineCore, kind: str, steps: int, top: int, dev: torch.device) -> None:
     """``steps`` engine steps, one at a time under ``torch.profiler`` (CUDA activity only):
     each step's GPU time by CUDA events around it (synchronised before the next starts; the
-    profiler adds little to kernel times), then the kernels summed over the steps by category
+    profiler adds little to kernel times) and its host time until ``step()`` returns (the GPU
+    work is launched, not waited for: a host time near the GPU time means a host-bound
+    step), then the kernels summed over the steps by category
     and the ``top`` kernels."""
-    gpu_ms = []
+    gpu_ms, host_ms = [], []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
             start.record()
             eng.step()
             end.record()
+            host_ms.append((time.perf_counter() - t) * 1e3)
             torch.cuda.synchronize(dev)
             gpu_ms.append(start.elapsed_time(end))
     print(f"[{kind}] step GPU ms (events, synchronised): {', '.join(f'{t:.1f}' for t in gpu_ms)}")
+    print(f"[{kind}] step host ms (until step() returns): "
+          f"{', '.join(f'{t:.1f}' for t in host_ms)}")  # fmt: skip
     per_cat: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, tuple[float, int]] = {}
     for evt in prof.key_averages():

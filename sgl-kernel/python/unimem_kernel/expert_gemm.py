@@ -7,7 +7,7 @@ bound by reading every expert's weights once, and ``torch._grouped_mm`` (CUTLASS
 kernel) streams them well below the memory rate. There the Triton grouped kernel of
 :mod:`unimem_kernel.batch_invariant` runs with a tile sized for that regime
 (:func:`expert_gemm_config`: 64- or 128-row tiles by the mean rows per expert, so one row
-tile covers a typical expert; a row tile's column tiles launched side by side); with many rows per expert (prefill) ``torch._grouped_mm``
+tile covers a typical expert); with many rows per expert (prefill) ``torch._grouped_mm``
 runs. The choice depends on the shapes only (host-known: capturable in CUDA graphs; one
 compiled kernel per tile and ``(K, N)``).
 
@@ -33,10 +33,7 @@ _ENV = "UNIMEM_MOE_GEMM"
 # bench sizes: 64 experts of width 512, d 2048; docs/benchmarks.md): up to 64 rows (a verify
 # step of 48 requests x 8 tokens is 48) the 64-row tile, 1.2-1.4x torch._grouped_mm; up to
 # 128 the 128-row tile (1.03-1.17x); above that torch._grouped_mm is faster (at 192 rows by
-# 1.1-1.35x, at 512 by 1.2-1.6x). Both tiles launch a row tile's column tiles side by side
-# (``cols_fastest``: the same bits): gate/up 75.9 -> 71.6 us (64-row tile) and 77.3 -> 74.5
-# (128-row), down 41.7 -> 41.6 and 47.2 -> 46.6 at 384 tokens x top 8
-# (``bench_moe_gemm.py --launch-orders``, docs/benchmarks.md).
+# 1.1-1.35x, at 512 by 1.2-1.6x).
 _TILES = (
     (64, MatmulConfig(64, 128, 64, 4, 4, 1)),
     (128, MatmulConfig(128, 128, 64, 8, 3, 1)),
@@ -74,4 +71,4 @@ def expert_linear(
     if cfg is None:
         a = x if rows is None else x[rows]
         return torch._grouped_mm(a, weight.transpose(-2, -1), offs=offs)
-    return bi_grouped_linear_triton(x, weight, offs, config=cfg, rows=rows, cols_fastest=True)
+    return bi_grouped_linear_triton(x, weight, offs, config=cfg, rows=rows)
