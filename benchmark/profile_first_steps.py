@@ -110,8 +110,7 @@ def profile_kernels(eng: EngineCore, kind: str, steps: int, top: int, dev: torch
     each step's GPU time by CUDA events around it (synchronised before the next starts; the
     profiler adds little to kernel times) and its host time until ``step()`` returns (the GPU
     work is launched, not waited for: a host time near the GPU time means a host-bound
-    step), then the kernels summed over the steps by category
-    and the ``top`` kernels."""
+    step), then the kernels summed over the steps by category and the ``top`` kernels."""
     gpu_ms, host_ms = [], []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -128,14 +127,15 @@ def profile_kernels(eng: EngineCore, kind: str, steps: int, top: int, dev: torch
     print(f"[{kind}] step host ms (until step() returns): "
           f"{', '.join(f'{t:.1f}' for t in host_ms)}")  # fmt: skip
     per_cat: dict[str, float] = defaultdict(float)
-    per_kernel: dict[str, tuple[float, int]] = {}
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
             us = evt.self_cuda_time_total
         if us > 0:
             per_cat[category(evt.key)] += us / 1000
-            per_kernel[evt.key[:150]] = (us / 1000, evt.count)
+            per_kernel[evt.key[:150]][0] += us / 1000
+            per_kernel[evt.key[:150]][1] += evt.count
     total = sum(per_cat.values())
     print(f"  {'kernels by category, summed over the steps':<52}{'ms':>9}{'share':>8}")
     for label, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
@@ -143,7 +143,7 @@ def profile_kernels(eng: EngineCore, kind: str, steps: int, top: int, dev: torch
     print(f"  {'sum of kernel time':<52}{total:>9.2f}")
     print("  top kernels (ms, calls):")
     for name, (ms, calls) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"    {ms:8.2f} {calls:6d}  {name}")
+        print(f"    {ms:8.2f} {calls:6.0f}  {name}")
 
 
 if __name__ == "__main__":
