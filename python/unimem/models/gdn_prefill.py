@@ -79,7 +79,10 @@ FLA_CHUNK = 64
 FLA_MIN_TOKENS = 1024
 """Shortest longest-chunk of an extend that ``auto`` hands to fla: below it the recurrent
 kernel's few hundred dependent steps cost less than fla's ~0.6 ms of fixed launches per layer
-(measured crossover between 512 and 1 024 tokens on the H200, module docstring)."""
+(measured crossover between 512 and 1 024 tokens on the H200, module docstring). It is a
+bound on the longest chunk, not on the extend's total tokens: 16 prompts of 512 tokens (8 192
+tokens) run fla's kernels faster than the recurrent rule, but fla's host-bound launches for
+each GDN layer made such engine steps slower (docs/benchmarks.md, "Chunked GDN prefill")."""
 
 _L2NORM_ROWS_PER_BUCKET = 65536
 """fla's L2-norm kernel autotunes per ``ceil(rows / 65 536)`` (``NB`` in
