@@ -1,15 +1,17 @@
-"""Time to first token of one long prompt on one GPU: GDN prefill through the recurrent kernel
+"""Time to first token of long prompts on one GPU: GDN prefill through the recurrent kernel
 against fla's chunked kernel (``unimem.models.gdn_prefill``), side by side in one process.
 
 Builds the ``small`` preset (8 GDN, 4 SWA, 4 FULL layers; bf16) over static pools with the FA4
-backend and no prefix cache, then for each ``--lens`` prompt length and each mode of
-``UNIMEM_GDN_CHUNKED_PREFILL`` (``off``: recurrent; ``fla``) submits one request of that many
-random tokens for one output token and times ``EngineCore.run`` (prefill in chunks of
-``--chunk`` tokens, then the sampled token read back): the median of ``--repeats`` after one
-warm-up request per mode and length (fla autotunes its kernels on first use). Prints the GPU,
-the settings and a table of ms and ratios; ``--json PATH`` writes the rows.
+backend and no prefix cache, then for each ``--requests`` count, each ``--lens`` prompt length
+and each mode of ``UNIMEM_GDN_CHUNKED_PREFILL`` (``off``: recurrent; ``fla``; ``auto``: the
+default's choice) submits that many requests of that many random tokens, each for one output
+token, and times ``EngineCore.run`` (prefill in chunks of ``--chunk`` tokens, packed across the
+requests, then the sampled tokens read back): the median of ``--repeats`` after one warm-up run
+per mode and size (fla autotunes its kernels on first use). Prints the GPU, the settings and a
+table of ms and ratios against ``off``; ``--json PATH`` writes the rows.
 
     python benchmark/bench_prefill.py --lens 4096 28000
+    python benchmark/bench_prefill.py --requests 1 4 16 --lens 512 1024 2048
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lens", type=int, nargs="+", default=[4096, 28000])
+    ap.add_argument("--requests", type=int, nargs="+", default=[1], help="prompts at once")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="off,fla", help="UNIMEM_GDN_CHUNKED_PREFILL values")
@@ -46,35 +49,41 @@ def main() -> int:
     cfg = preset("small")
     model = HybridModel(cfg, seed=0, device=dev)
     spec = memory_spec(cfg, 64)
-    pages = -(-(max(args.lens) + 64) // 64) + 1
-    pool = StaticMemory(spec, pages, pages, 1, 1, cfg.max_context, dev)
-    eng = EngineCore(model, pool, FA4Backend(), 1, args.chunk)
+    most = max(args.requests)
+    pages = most * -(-(max(args.lens) + 64) // 64) + 1
+    pool = StaticMemory(spec, pages, pages, most, most, cfg.max_context, dev)
+    eng = EngineCore(model, pool, FA4Backend(), most, args.chunk)
     gen = torch.Generator().manual_seed(0)
     gpu = torch.cuda.get_device_name(dev)
-    print(f"{gpu}: small preset, one prompt, prefill chunks of {args.chunk}, static pools, FA4")
+    print(f"{gpu}: small preset, prefill chunks of {args.chunk}, static pools, FA4")
     rows = []
-    for length in args.lens:
-        prompt = torch.randint(0, cfg.vocab_size, (length,), generator=gen).tolist()
-        times = {}
-        for mode in args.modes.split(","):
-            os.environ[PREFILL_ENV] = mode
-            samples = []
-            for i in range(args.repeats + 1):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                eng.submit(prompt, 1)
-                eng.run()
-                torch.cuda.synchronize()
-                if i:  # the first is the warm-up
-                    samples.append((time.perf_counter() - t0) * 1e3)
-            times[mode] = statistics.median(samples)
-            rows.append({"len": length, "mode": mode, "ms": times[mode], "samples": samples})
-        base = times.get("off")
-        line = "  ".join(
-            f"{m} {ms:8.1f} ms" + (f" ({base / ms:.2f}x)" if base and m != "off" else "")
-            for m, ms in times.items()
-        )
-        print(f"  {length:>6} tokens: {line}")
+    for requests in args.requests:
+        for length in args.lens:
+            prompts = torch.randint(0, cfg.vocab_size, (requests, length), generator=gen).tolist()
+            times = {}
+            for mode in args.modes.split(","):
+                os.environ[PREFILL_ENV] = mode
+                samples = []
+                for i in range(args.repeats + 1):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for prompt in prompts:
+                        eng.submit(prompt, 1)
+                    eng.run()
+                    torch.cuda.synchronize()
+                    if i:  # the first is the warm-up
+                        samples.append((time.perf_counter() - t0) * 1e3)
+                times[mode] = statistics.median(samples)
+                rows.append(
+                    {"requests": requests, "len": length, "mode": mode, "ms": times[mode],
+                     "samples": samples}
+                )  # fmt: skip
+            base = times.get("off")
+            line = "  ".join(
+                f"{m} {ms:8.1f} ms" + (f" ({base / ms:.2f}x)" if base and m != "off" else "")
+                for m, ms in times.items()
+            )
+            print(f"  {requests:>3} x {length:>6} tokens: {line}")
     os.environ.pop(PREFILL_ENV, None)
     if args.json:
         with open(args.json, "w") as f:

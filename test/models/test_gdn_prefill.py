@@ -15,10 +15,31 @@ import pytest
 import torch
 
 from unimem.models import gdn_prefill
-from unimem.models.gdn_prefill import FLA_MIN_TOKENS, PREFILL_ENV, prefill_kernel
+from unimem.models.gdn_prefill import (
+    FLA_FIXED_US,
+    PREFILL_ENV,
+    recurrent_extend_us,
+)
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
+HEADS, DV = 16, 128  # the small preset's GDN value heads
+
+
+def prefill_kernel(max_seqlen, device, batch_invariant, requests=1, value_heads=HEADS, dv=DV):
+    return gdn_prefill.prefill_kernel(
+        max_seqlen, device, batch_invariant, requests=requests, value_heads=value_heads,
+        head_v_dim=dv,
+    )  # fmt: skip
+
+
+def shortest_fla_chunk(requests: int, value_heads: int = HEADS, dv: int = DV) -> int:
+    """The fewest longest-chunk tokens for which ``auto`` takes fla."""
+    return next(
+        n
+        for n in range(1, 1 << 20)
+        if recurrent_extend_us(n, requests, value_heads, dv) >= FLA_FIXED_US
+    )
 
 
 @pytest.fixture
@@ -52,9 +73,44 @@ def test_default_is_auto(with_fla, monkeypatch):
     monkeypatch.delenv(PREFILL_ENV, raising=False)
     assert gdn_prefill.prefill_mode(CUDA) == "auto"
     assert prefill_kernel(32768, CUDA, False) == "fla"
-    assert prefill_kernel(FLA_MIN_TOKENS - 1, CUDA, False) == "recurrent"
+    assert prefill_kernel(1024, CUDA, False) == "recurrent"
     assert prefill_kernel(32768, CPU, False) == "recurrent"
     assert prefill_kernel(32768, CUDA, True) == "recurrent"
+
+
+def test_auto_matches_the_engine_measurements(with_fla, monkeypatch):
+    """The H200 measurements behind the estimate (``bench_prefill.py``, small preset, two
+    runs): one prompt of 1 024-2 048 tokens and 4 x 1 024-1 536 ran faster recurrent; 4 x 3 072,
+    4 x 4 096 and 16 prompts of 1 024-2 048 (8 x 1 024 and 4 x 2 048 a step) faster through
+    fla, one prompt of 4 096 tokens as fast or faster."""
+    monkeypatch.setenv(PREFILL_ENV, "auto")
+    for requests, tokens in [(1, 1024), (1, 2048), (4, 1024), (4, 1536)]:
+        assert prefill_kernel(tokens, CUDA, False, requests) == "recurrent", (requests, tokens)
+    for requests, tokens in [(1, 4096), (4, 3072), (4, 4096), (8, 1024), (4, 2048)]:
+        assert prefill_kernel(tokens, CUDA, False, requests) == "fla", (requests, tokens)
+
+
+def test_auto_is_monotonic_in_tokens_requests_and_heads(with_fla, monkeypatch):
+    """Longer chunks, more requests or more heads never send an extend back to the recurrent
+    kernel; the switch sits where the estimate reaches fla's fixed cost."""
+    monkeypatch.setenv(PREFILL_ENV, "auto")
+    for requests in (1, 2, 4, 8, 16, 48):
+        n = shortest_fla_chunk(requests)
+        assert prefill_kernel(n, CUDA, False, requests) == "fla"
+        assert prefill_kernel(n - 1, CUDA, False, requests) == "recurrent"
+        assert prefill_kernel(n, CUDA, False, requests + 1) == "fla"
+        assert prefill_kernel(n, CUDA, False, requests, 2 * HEADS) == "fla"
+        assert prefill_kernel(n, CUDA, False, requests, HEADS, 2 * DV) == "fla"
+    # half-width heads: half the programs, so the knee comes at twice the requests
+    assert shortest_fla_chunk(8, HEADS, DV // 2) == shortest_fla_chunk(4)
+    firsts = [shortest_fla_chunk(r) for r in (1, 2, 4, 8, 16, 48)]
+    assert firsts == sorted(firsts, reverse=True)
+    # one chunk of n tokens bounds every extend of n tokens (the warm-up's question)
+    for total in (512, 1024, 2048, 4096, 8192):
+        for heads in (4, HEADS, 4 * HEADS):
+            one = recurrent_extend_us(total, 1, heads, DV)
+            for r in (2, 4, 8, 16):
+                assert recurrent_extend_us(total // r, r, heads, DV) <= one + 1e-9
 
 
 def test_warm_up_lengths_reach_every_l2norm_bucket():
@@ -76,7 +132,8 @@ def test_warm_up_lengths_reach_every_l2norm_bucket():
 
 
 def test_warm_up_is_a_no_op_where_fla_never_runs(with_fla, monkeypatch):
-    """CPU states, ``off``, and ``auto`` with extends shorter than FLA_MIN_TOKENS: nothing runs."""
+    """CPU states and ``off``: nothing runs (``auto`` on a GPU asks :func:`prefill_kernel`
+    whether one chunk of ``max_tokens`` tokens would take fla: the test above)."""
     conv = torch.zeros(2, 96, 3, dtype=torch.bfloat16)
     ssm = torch.zeros(2, 2, 16, 16)
     monkeypatch.delenv(PREFILL_ENV, raising=False)
@@ -87,8 +144,8 @@ def test_warm_up_is_a_no_op_where_fla_never_runs(with_fla, monkeypatch):
 
 def test_auto_takes_fla_for_long_chunks_on_gpu(with_fla, monkeypatch):
     monkeypatch.setenv(PREFILL_ENV, "auto")
-    assert prefill_kernel(FLA_MIN_TOKENS, CUDA, False) == "fla"
-    assert prefill_kernel(FLA_MIN_TOKENS - 1, CUDA, False) == "recurrent"
+    assert prefill_kernel(shortest_fla_chunk(1), CUDA, False) == "fla"
+    assert prefill_kernel(shortest_fla_chunk(1) - 1, CUDA, False) == "recurrent"
     assert prefill_kernel(32768, CPU, False) == "recurrent"
     # batch-invariant mode: one rounding for extend, decode and verify
     assert prefill_kernel(32768, CUDA, True) == "recurrent"
@@ -307,10 +364,10 @@ def _fla_kernel_state() -> set[tuple[str, str]]:
 
 @pytest.mark.gpu
 def test_engine_start_warms_fla_so_prefills_compile_nothing(monkeypatch, fla_calls):
-    """The default mode (``auto``) with 2 048-token extends: the runner warms fla up at
-    construction; then 1 500-token prompts prefill through fla without compiling or
-    autotuning any fla kernel, and the step loop (prefill chunks, CUDA-graph decode) runs
-    under ``torch.cuda.set_sync_debug_mode("error")``."""
+    """The default mode (``auto``) with 4 096-token extends: the runner warms fla up at
+    construction; then 2 600-token prompts (long enough for ``auto`` to take fla) prefill
+    through fla without compiling or autotuning any fla kernel, and the step loop (prefill
+    chunks, CUDA-graph decode) runs under ``torch.cuda.set_sync_debug_mode("error")``."""
     _needs_fla()
     pytest.importorskip("flash_attn.cute", reason="FA4 not installed")
     from unimem.attention.fa4_backend import FA4Backend
@@ -323,15 +380,17 @@ def test_engine_start_warms_fla_so_prefills_compile_nothing(monkeypatch, fla_cal
     monkeypatch.delenv(PREFILL_ENV, raising=False)
     cfg = preset("gpu_test")
     model = HybridModel(cfg, seed=3, device=CUDA)
-    pages = 3 * -(-(1500 + 24) // 16)
+    prompt_len = 2600
+    assert prefill_kernel(prompt_len, CUDA, False, 1, cfg.gdn_heads, cfg.gdn_head_dim_v) == "fla"
+    pages = 3 * -(-(prompt_len + 24) // 16)
     pool = StaticMemory(memory_spec(cfg, 16), pages, pages, 3, 3, cfg.max_context, CUDA)
-    eng = EngineCore(model, pool, FA4Backend(), 3, 2048, cuda_graphs=True)
+    eng = EngineCore(model, pool, FA4Backend(), 3, 4096, cuda_graphs=True)
     assert eng.runner.fla_warm_up_tokens, "the runner did not warm fla up"
     warmed = len(fla_calls)
     warm = _fla_kernel_state()
     assert warm, "no fla kernel state found"
     g = torch.Generator().manual_seed(11)
-    for p in torch.randint(0, cfg.vocab_size, (3, 1500), generator=g).tolist():
+    for p in torch.randint(0, cfg.vocab_size, (3, prompt_len), generator=g).tolist():
         eng.submit(p, 8)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

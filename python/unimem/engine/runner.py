@@ -194,10 +194,13 @@ class PagedContext(ForwardContext):
         bi = gdn_batch_invariant(ssm)
         kernel = "recurrent"
         if self.mode is ForwardMode.EXTEND:
-            # chunked prefill (fla's kernel by default for long chunks, or ours; never
-            # batch-invariant: it rounds differently from the recurrent decode/verify form):
-            # unimem.models.gdn_prefill
-            kernel = gdn_prefill.prefill_kernel(self.meta.max_seqlen_q, ssm.device, bi)
+            # chunked prefill (fla's kernel where the recurrent one would cost more than
+            # fla's launches, or ours; never batch-invariant: it rounds differently from the
+            # recurrent decode/verify form): unimem.models.gdn_prefill
+            kernel = gdn_prefill.prefill_kernel(
+                self.meta.max_seqlen_q, ssm.device, bi, requests=self.state_slots.shape[0],
+                value_heads=ssm.shape[1], head_v_dim=ssm.shape[3],
+            )  # fmt: skip
         if kernel == "fla":
             if self._fla_varlen is None:  # one chunk table for every GDN layer of the extend
                 self._fla_varlen = gdn_prefill.fla_varlen(

@@ -11,19 +11,30 @@ through the whole engine the time to first token of one prompt drops 1.17x at 4k
 
 :func:`prefill_kernel` picks per extend step, from ``UNIMEM_GDN_CHUNKED_PREFILL``:
 
-- ``auto`` (default): fla when it is importable, the states are on a GPU and the step's
-  longest chunk has at least :data:`FLA_MIN_TOKENS` tokens; else the recurrent kernel;
+- ``auto`` (default): fla when it is importable, the states are on a GPU and the recurrent
+  kernel's estimated time for the step (:func:`recurrent_extend_us`) reaches fla's fixed cost
+  per layer call (:data:`FLA_FIXED_US`); else the recurrent kernel;
 - ``fla``: fla for every extend on a GPU (tests; an error if fla is missing);
 - ``off``: the recurrent kernel always;
 - ``triton``: our own chunked kernel (``unimem_kernel.gdn_chunked``: slower than fla, kept as
   the measured alternative).
 
+Why a cost estimate and not a token count. fla's path is ~17 launches per GDN layer, and its
+host time (1.1-1.8 ms a call on the H200's host, ``benchmark/bench_fla_host.py``) exceeds its
+GPU time up to ~8k tokens; the recurrent path is 3 launches (0.2-0.4 ms of host) whose GPU time
+grows with the longest chunk and, past a few dozen (request, head) pairs, with the requests.
+A prefill step launches every layer eagerly, so it runs at the pace of the slower of the two,
+and fla pays only where the recurrent kernel's GPU time is above fla's launches. Through the
+engine (``benchmark/bench_prefill.py --requests 1 4 16``, small preset, two runs on two
+machines, ``docs/benchmarks.md``): one prompt of 1 024-2 048 tokens took 15-21 ms recurrent
+and 24-32 ms through fla, 4 x 1 024 20-22 ms against 22-43; 16 prompts of 1 024-4 096 tokens
+and 4 of 3 072-4 096 ran 1.07-1.41x faster through fla, one 4 096-token prompt 1.0-1.55x (the
+host's speed decides).
+
 Status: the default is ``auto``. On the H200 the fla path's GPU tests
 (``test/models/test_gdn_prefill.py``: outputs and states against the recurrent kernel on slot
 views at the ``small`` preset's and Qwen3-Next's head layouts, static == unified through the
-engine) pass, and per layer fla overtakes our recurrent mixer between 512 and 1 024 tokens
-(``bench_gdn.py`` prefill rows, recurrent conv + rule vs conv + fla: 0.38 vs 0.58 ms at 512
-tokens, 0.73 vs 0.61 ms at 1 024, 1.46 vs 0.61 ms at 2 048), hence :data:`FLA_MIN_TOKENS`.
+engine) pass.
 
 fla compiles and autotunes its kernels on first use (about a minute on a cold Triton cache; its
 autotuner times candidates with host synchronisations). :func:`warm_up_fla` runs that at
@@ -57,7 +68,7 @@ import torch
 from unimem_kernel import gdn as gdn_ops
 
 __all__ = [
-    "FLA_MIN_TOKENS",
+    "FLA_FIXED_US",
     "FlaVarlen",
     "PREFILL_ENV",
     "PREFILL_MODES",
@@ -66,6 +77,7 @@ __all__ = [
     "gdn_extend_fla",
     "prefill_kernel",
     "prefill_mode",
+    "recurrent_extend_us",
     "warm_up_fla",
     "warm_up_lengths",
 ]
@@ -76,13 +88,23 @@ PREFILL_MODES = ("auto", "fla", "triton", "off")
 FLA_CHUNK = 64
 """Tokens per chunk of fla's chunked rule (its default; it also accepts 16 and 32)."""
 
-FLA_MIN_TOKENS = 1024
-"""Shortest longest-chunk of an extend that ``auto`` hands to fla: below it the recurrent
-kernel's few hundred dependent steps cost less than fla's ~0.6 ms of fixed launches per layer
-(measured crossover between 512 and 1 024 tokens on the H200, module docstring). It is a
-bound on the longest chunk, not on the extend's total tokens: 16 prompts of 512 tokens (8 192
-tokens) run fla's kernels faster than the recurrent rule, but fla's host-bound launches for
-each GDN layer made such engine steps slower (docs/benchmarks.md, "Chunked GDN prefill")."""
+FLA_FIXED_US = 1300.0
+"""What one GDN layer's extend through fla costs a prefill step at least, in µs: the host time
+of its ~17 launches (1.1-1.8 ms a call measured on the H200's host, ``bench_fla_host.py``; its
+GPU time is below that up to ~8k tokens), which a host-bound prefill step waits for. Taken
+near the low end: over a prefill of several steps the host runs ahead of the GPU and fla's
+smaller GPU time counts (at the crossing, 8 x 1 024 and 4 x 2 048 tokens a step, prefills of
+16 prompts ran 7-22 % faster through fla; one step of 4 x 2 048 was within 10 % either way)."""
+
+RECURRENT_US_PER_TOKEN = 0.58
+"""The recurrent extend's GPU µs per token of the longest chunk while its programs fit the GPU
+(one request of the ``small`` preset on the H200: 0.58 µs)."""
+
+RECURRENT_PAIRS_KNEE = 56
+"""(request, value head) pairs, counted in heads of 128 values, beyond which the recurrent
+extend's time per token grows in proportion: its one-warp programs (one per 32 values of a
+head) stop finding free issue slots (H200, ``small`` preset: 0.58 µs a token at 16 pairs,
+0.78 at 64, 2.57 at 256)."""
 
 _L2NORM_ROWS_PER_BUCKET = 65536
 """fla's L2-norm kernel autotunes per ``ceil(rows / 65 536)`` (``NB`` in
@@ -112,16 +134,37 @@ def prefill_mode(device: torch.device) -> str:
     return mode
 
 
-def prefill_kernel(max_seqlen: int, device: torch.device, batch_invariant: bool) -> str:
-    """``"fla"``, ``"triton"`` (our chunked kernel) or ``"recurrent"`` for an extend whose
-    longest chunk has ``max_seqlen`` tokens, states on ``device`` (module docstring; errors
-    as :func:`prefill_mode`)."""
+def recurrent_extend_us(max_seqlen: int, requests: int, value_heads: int, head_v_dim: int) -> float:
+    """Estimated GPU µs of one GDN layer's recurrent extend of ``requests`` chunks whose longest
+    has ``max_seqlen`` tokens, with ``value_heads`` heads of ``head_v_dim`` values: the
+    dependent token steps of the longest chunk, slowed in proportion once the pairs pass
+    :data:`RECURRENT_PAIRS_KNEE` (constants measured on the H200; module docstring)."""
+    pairs = requests * value_heads * head_v_dim / 128
+    return max_seqlen * RECURRENT_US_PER_TOKEN * max(1.0, pairs / RECURRENT_PAIRS_KNEE)
+
+
+def prefill_kernel(
+    max_seqlen: int,
+    device: torch.device,
+    batch_invariant: bool,
+    *,
+    requests: int = 1,
+    value_heads: int,
+    head_v_dim: int,
+) -> str:
+    """``"fla"``, ``"triton"`` (our chunked kernel) or ``"recurrent"`` for an extend of
+    ``requests`` chunks whose longest has ``max_seqlen`` tokens, states of ``value_heads``
+    heads of ``head_v_dim`` values on ``device`` (module docstring; errors as
+    :func:`prefill_mode`). With
+    ``requests=1`` it answers whether any extend of at most ``max_seqlen`` tokens can take fla
+    (the estimate is largest for one chunk of them all)."""
     mode = prefill_mode(device)
     if batch_invariant or mode == "off" or device.type != "cuda":
         return "recurrent"
     if mode in ("triton", "fla"):
         return mode
-    return "fla" if max_seqlen >= FLA_MIN_TOKENS and fla_chunk_rule() is not None else "recurrent"
+    slow = recurrent_extend_us(max_seqlen, requests, value_heads, head_v_dim) >= FLA_FIXED_US
+    return "fla" if slow and fla_chunk_rule() is not None else "recurrent"
 
 
 def warm_up_lengths(max_tokens: int, num_k_heads: int) -> list[int]:
@@ -152,12 +195,13 @@ def warm_up_fla(
     Runs :func:`gdn_extend_fla` once per L2-norm autotune bucket that an extend of at most
     ``max_tokens`` tokens can reach (:data:`_L2NORM_ROWS_PER_BUCKET`), on seeded random
     inputs, and synchronises. Returns the token counts it ran (empty when the choice can never
-    be fla: a CPU device, ``off``/``triton``, fla missing, or ``auto`` with ``max_tokens``
-    below :data:`FLA_MIN_TOKENS`). Errors as :func:`prefill_mode`."""
+    be fla: a CPU device, ``off``/``triton``, fla missing, or ``auto`` where no extend of at
+    most ``max_tokens`` tokens reaches :data:`FLA_FIXED_US`). Errors as :func:`prefill_mode`."""
     device = ssm_state.device
-    if prefill_kernel(max_tokens, device, batch_invariant=False) != "fla":
-        return []
     _, h, dk, dv = ssm_state.shape
+    choice = prefill_kernel(max_tokens, device, False, value_heads=h, head_v_dim=dv)
+    if choice != "fla":
+        return []
     hk = h if num_k_heads is None else num_k_heads
     conv_dim, conv_width = conv_state.shape[1], conv_state.shape[2] + 1
     act = conv_state.dtype if dtype is None else dtype
