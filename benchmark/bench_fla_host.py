@@ -39,6 +39,7 @@ import statistics
 import time
 
 import torch
+from cuda_timing import graph_median_ms
 
 from unimem.models import gdn_prefill
 from unimem_kernel import gdn as gdn_ops
@@ -111,24 +112,8 @@ def host_us(fn, calls: int, repeats: int) -> tuple[float, float]:
 
 
 def gpu_us(fn, calls: int, repeats: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    samples = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / calls * 1e3)
-    return statistics.median(samples)
+    """Microseconds per call of ``fn``'s kernels, replayed from a CUDA graph."""
+    return graph_median_ms(fn, warmup=1, iters=calls, repeats=repeats) * 1e3
 
 
 def launches(fn) -> int:
