@@ -94,7 +94,7 @@ of its ~17 launches (1.1-1.8 ms a call measured on the H200's host, ``bench_fla_
 GPU time is below that up to ~8k tokens), which a host-bound prefill step waits for. Taken
 near the low end: over a prefill of several steps the host runs ahead of the GPU and fla's
 smaller GPU time counts (at the crossing, 8 x 1 024 and 4 x 2 048 tokens a step, prefills of
-16 prompts ran 7-22 % faster through fla; one step of 4 x 2 048 was within 10 % either way)."""
+16 prompts ran 7-22 % faster through fla; one step of 4 x 2 048 was within 11 % either way)."""
 
 RECURRENT_US_PER_TOKEN = 0.58
 """The recurrent extend's GPU µs per token of the longest chunk while its programs fit the GPU
@@ -155,9 +155,8 @@ def prefill_kernel(
     """``"fla"``, ``"triton"`` (our chunked kernel) or ``"recurrent"`` for an extend of
     ``requests`` chunks whose longest has ``max_seqlen`` tokens, states of ``value_heads``
     heads of ``head_v_dim`` values on ``device`` (module docstring; errors as
-    :func:`prefill_mode`). With
-    ``requests=1`` it answers whether any extend of at most ``max_seqlen`` tokens can take fla
-    (the estimate is largest for one chunk of them all)."""
+    :func:`prefill_mode`). With ``requests=1`` it answers whether any extend of at most
+    ``max_seqlen`` tokens can take fla (the estimate is largest for one chunk of them all)."""
     mode = prefill_mode(device)
     if batch_invariant or mode == "off" or device.type != "cuda":
         return "recurrent"
