@@ -1,6 +1,6 @@
 """Host and GPU cost of one GDN layer's extend through fla's chunked rule, as the engine calls
 it: ``unimem.models.gdn_prefill.gdn_extend_fla`` with the varlen plan built once per extend
-(``fla_varlen``) and shared by the layers, against leaner ways to call the same kernels.
+(``fla_varlen``) and shared by the layers, beside the runner's recurrent extend.
 
 Why: fla's path is ~10 Triton launches plus torch glue per GDN layer, and through the engine
 its prefill steps were slower than the recurrent kernel's although its kernels were faster
@@ -20,8 +20,8 @@ Rows per ``(requests, tokens)`` and variant:
 
 Variants: ``fla`` (``gdn_extend_fla`` as the runner calls it) and ``recurrent`` (the runner's
 other extend path: ``unimem_kernel.gdn.gdn_forward("extend", ...)``, conv + SiLU then L2 norm
-+ recurrent delta rule, two launches). ``--profile N`` prints cProfile's top ``N`` functions by
-own time for the ``fla`` variant at the first size.
++ recurrent delta rule; 3 launches measured). ``--profile N`` prints cProfile's top ``N``
+functions by own time for the ``fla`` variant at the first size.
 Sizes: one GDN layer of the ``small`` preset (16 heads, Dk = Dv = 128, conv 4), bf16
 activations, fp32 SSM states in arena-like slot views. Prints the GPU, versions and a table;
 ``--json PATH`` writes the rows.
