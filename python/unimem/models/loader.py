@@ -13,6 +13,10 @@ parameters of the target dtype on the target device, and streams every shard's t
 Then every parameter must have been filled — ``lm_head.weight`` is tied to the input
 embedding when the config says ``tie_word_embeddings`` and the checkpoint has none.
 
+Every function here takes a model path as :func:`unimem.models.model_path.resolve_model_path`
+does: a checkpoint directory, a GGUF file (converted once, cached), an embedded model's name,
+or None for the default model.
+
 Errors are one line naming the problem (:class:`CheckpointError`, a ``ValueError``): no
 config, a missing shard, an unsupported architecture, an unexpected tensor, a tensor of the
 wrong shape, a tensor the checkpoint lacks.
@@ -29,6 +33,7 @@ from pathlib import Path
 import torch
 
 from unimem.models.base import CausalLM
+from unimem.models.model_path import resolve_model_path
 from unimem.models.registry import model_class
 from unimem.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -67,7 +72,7 @@ def load_hf_config(path: str | os.PathLike):
     """``transformers.AutoConfig`` of the checkpoint directory (local files only)."""
     from transformers import AutoConfig
 
-    root = Path(path)
+    root = Path(resolve_model_path(path))
     if not (root / "config.json").is_file():
         raise CheckpointError(f"{root}: no config.json (not a HuggingFace checkpoint directory)")
     return AutoConfig.from_pretrained(str(root), local_files_only=True)
@@ -197,7 +202,7 @@ def load_model(
 ) -> CausalLM:
     """The model of checkpoint directory ``path`` (module docstring); with ``tp``, rank
     ``tp.rank``'s shard of it, read from the shards' slices."""
-    root = Path(path)
+    root = Path(resolve_model_path(path))
     hf_config = load_hf_config(root)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
@@ -223,7 +228,7 @@ def load_tokenizer(path: str | os.PathLike):
     files."""
     from transformers import AutoTokenizer
 
-    root = Path(path)
+    root = Path(resolve_model_path(path))
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((root / n).is_file() for n in names):
         return None
@@ -247,7 +252,7 @@ def eos_token_ids(path: str | os.PathLike, hf_config, tokenizer) -> tuple[int, .
 
 
 def load_checkpoint(
-    path: str | os.PathLike,
+    path: str | os.PathLike | None,
     *,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
@@ -257,7 +262,8 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Model (rank ``tp.rank``'s shard), config, tokenizer (from ``tokenizer_path`` or
     ``path``) and EOS ids of a checkpoint directory."""
-    root = Path(path)
+    root = Path(resolve_model_path(path))
+    tokenizer_path = None if tokenizer_path is None else resolve_model_path(tokenizer_path)
     model = load_model(root, dtype=dtype, device=device, max_context=max_context, tp=tp)
     hf_config = load_hf_config(root)
     tokenizer = load_tokenizer(tokenizer_path or root)
