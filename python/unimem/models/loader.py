@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -179,17 +179,37 @@ def load_weights_into(
         raise CheckpointError(f"{where}: missing tensor(s) {', '.join(missing[:5])}{more}")
 
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
+"""The ``generation_config.json`` fields that give a request's sampling defaults (SGLang's
+``--sampling-defaults model``)."""
+
+
 @dataclass
 class Checkpoint:
     """A loaded checkpoint: the model, its HF config, the tokenizer (None if the directory
-    has none) and the token ids that end a generation (from ``generation_config.json``,
-    else the config, else the tokenizer)."""
+    has none), the token ids that end a generation (from ``generation_config.json``,
+    else the config, else the tokenizer) and the sampling defaults its
+    ``generation_config.json`` gives (:func:`sampling_defaults`)."""
 
     path: Path
     model: CausalLM
     hf_config: object
     tokenizer: object | None
     eos_token_ids: tuple[int, ...]
+    sampling_defaults: dict = field(default_factory=dict)
+
+
+def sampling_defaults(path: str | os.PathLike) -> dict:
+    """``temperature``, ``top_p``, ``top_k``, ``min_p`` as the directory's
+    ``generation_config.json`` sets them (absent or null fields left out; no file: ``{}``)."""
+    gen = Path(path) / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    try:
+        data = json.loads(gen.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{gen}: not JSON ({e})") from None
+    return {k: data[k] for k in SAMPLING_DEFAULT_KEYS if data.get(k) is not None}
 
 
 def load_model(
@@ -267,4 +287,5 @@ def load_checkpoint(
     model = load_model(root, dtype=dtype, device=device, max_context=max_context, tp=tp)
     hf_config = load_hf_config(root)
     tokenizer = load_tokenizer(tokenizer_path or root)
-    return Checkpoint(root, model, hf_config, tokenizer, eos_token_ids(root, hf_config, tokenizer))
+    eos = eos_token_ids(root, hf_config, tokenizer)
+    return Checkpoint(root, model, hf_config, tokenizer, eos, sampling_defaults(root))

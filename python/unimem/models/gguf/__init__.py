@@ -20,8 +20,8 @@ def is_gguf_file(path: str) -> bool:
         return False
 
 
-def converted_checkpoint(path, root=None):
+def converted_checkpoint(path, root=None, expected_sha256=None):
     """See :func:`unimem.models.gguf.convert.converted_checkpoint`."""
     from unimem.models.gguf.convert import converted_checkpoint as convert
 
-    return convert(path, root)
+    return convert(path, root, expected_sha256)

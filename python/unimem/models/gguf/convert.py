@@ -36,7 +36,7 @@ from unimem.models.gguf.tokenizer import build_tokenizer
 
 __all__ = ["CONVERTER_VERSION", "cache_root", "convert_gguf", "converted_checkpoint", "file_key"]
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 SUPPORTED_ARCHITECTURES = (gemma3.ARCHITECTURE,)
 PROVENANCE_FILE = "unimem_gguf.json"
 
@@ -97,13 +97,22 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def converted_checkpoint(path: str | os.PathLike, root: str | os.PathLike | None = None) -> Path:
+def converted_checkpoint(
+    path: str | os.PathLike,
+    root: str | os.PathLike | None = None,
+    expected_sha256: str | None = None,
+) -> Path:
     """The cached HF-format directory of GGUF ``path``, converting it on first use (module
-    docstring)."""
+    docstring); with ``expected_sha256``, :class:`GGUFError` if the file's content differs."""
     src = Path(path).resolve()
     if not src.is_file():
         raise GGUFError(f"{path}: no such GGUF file")
     digest = file_sha256(src)
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise GGUFError(
+            f"{src}: sha256 {digest[:12]}… differs from the expected {expected_sha256[:12]}… "
+            "(a damaged file: delete it and load again to reassemble it)"
+        )
     base = Path(root) if root is not None else cache_root()
     target = base / "gguf" / f"{src.stem}-{file_key(digest)}"
     if (target / PROVENANCE_FILE).is_file():

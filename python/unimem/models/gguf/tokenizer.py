@@ -122,8 +122,22 @@ def build_tokenizer(f: GGUFFile) -> TokenizerFiles:
     tok.post_processor = processors.TemplateProcessing(
         single=" ".join(single), pair=" ".join(pair), special_tokens=specials
     )
+    added = {
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": ty == CONTROL,
+        }
+        for i, (t, ty) in enumerate(zip(original, types, strict=True))
+        if ty == CONTROL or (ty == USER_DEFINED and t in vocab)
+    }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
+        # what transformers' save_pretrained writes; it spares readers parsing tokenizer.json
+        "added_tokens_decoder": added,
         "bos_token": bos,
         "eos_token": eos,
         "unk_token": unk,
