@@ -682,6 +682,8 @@ def _validate(
             "--backend torch, a 16-bit preset (small) or --dtype bfloat16"
         )
     model, prompts = build_model_and_prompts(cfg, device, tp)
+    if cfg.prompts_file is not None:  # pools are sized for the longest prompt of the file
+        cfg = replace(cfg, input_len=max(len(p) for p in prompts))
     if cfg.spec == "dspark":
         report = _validate_dspark(cfg, model, prompts, progress, max_margins)
         report["gpu"] = gpu_name(device)
