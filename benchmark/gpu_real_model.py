@@ -96,7 +96,11 @@ def part_load(model_path: str) -> tuple[str, dict]:
     again = resolve_model_path(model_path)
     cached = time.perf_counter() - t
     assert again == ckpt
-    out = {"checkpoint_dir": ckpt, "convert_s": round(first, 2), "cached_resolve_s": round(cached, 2)}
+    out = {
+        "checkpoint_dir": ckpt,
+        "convert_s": round(first, 2),
+        "cached_resolve_s": round(cached, 2),
+    }
     print("load:", out)
     return ckpt, out
 
@@ -260,9 +264,11 @@ def part_throughput(ckpt, prompts, engine, n_new=256) -> dict:
 
     tok = AutoTokenizer.from_pretrained(ckpt)
     tok.padding_side = "left"
-    hf = AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.bfloat16, attn_implementation="sdpa"
-    ).cuda().eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa")
+        .cuda()
+        .eval()
+    )
     batch = tok(prompts, return_tensors="pt", padding=True).to("cuda")
     kw = dict(do_sample=False, pad_token_id=tok.pad_token_id)
     with torch.no_grad():
@@ -306,9 +312,7 @@ def main() -> int:
     short, long = prompt_sets(ckpt)
     result["prompts"] = {"short": len(short), "long": len(long)}
     save()
-    for name, fn in (
-        ("validate", lambda: part_validate(ckpt, short + long, out_path.parent)),
-    ):
+    for name, fn in (("validate", lambda: part_validate(ckpt, short + long, out_path.parent)),):
         try:
             result[name] = fn()
         except Exception:
