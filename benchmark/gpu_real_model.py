@@ -60,6 +60,9 @@ def check_environment() -> dict:
     import transformers
     import triton
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # a true float32 reference
+    torch.backends.cudnn.allow_tf32 = False
+
     env = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
