@@ -96,8 +96,8 @@ def test_tensors_match_transformers_decoder(checkpoint):
     from unimem.models.gguf.reader import read_gguf
 
     f = read_gguf(embedded_gguf("gemma-3-270m")[0])
-    first = {}  # the first tensor of each quantised type
-    for name, t in f.tensors.items():
+    first = {}  # the smallest tensor of each quantised type
+    for name, t in sorted(f.tensors.items(), key=lambda kv: kv[1].data.size):
         first.setdefault(t.qtype.name, name)
     seen = set()
     with safe_open(f"{checkpoint}/model.safetensors", framework="pt") as st:
