@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from unimem.cache.radix import Node, RadixTree
+from unimem.memory.errors import require
 from unimem.memory.pool import (
     FreedUnits,
     MemoryPool,
@@ -523,31 +524,35 @@ class PrefixCache:
         )
 
     def check(self) -> None:
-        """Assert the cache's own invariants (host only; tests and debugging)."""
+        """Check the cache's own invariants (host only; tests and debugging): raises
+        :class:`~unimem.memory.errors.InternalError` naming the first broken one."""
         nodes = list(self.tree.nodes())
-        assert len(nodes) == self.tree.size == self.stats.cached_pages, "node count"
-        assert len({n.page for n in nodes}) == len(nodes), "a page is cached twice"
+        require(len(nodes) == self.tree.size == self.stats.cached_pages, "node count")
+        require(len({n.page for n in nodes}) == len(nodes), "a page is cached twice")
         refs: dict[int, int] = {id(n): 0 for n in nodes}
         for n in nodes:
-            assert n.depth == n.parent.depth + 1 and n.pins == 0
-            assert self.pool.page_refs(n.page) >= 1, f"cached page {n.page} is not bound"
+            require(
+                n.depth == n.parent.depth + 1 and n.pins == 0,
+                "invariant broken: n.depth == n.parent.depth + 1 and n.pins == 0",
+            )
+            require(self.pool.page_refs(n.page) >= 1, f"cached page {n.page} is not bound")
             if n.anchor:
-                assert (n.checkpoint >= 0) == self.has_state, "anchor without its checkpoint"
-                assert n.depth % self.checkpoint_interval == 0, "anchor off the interval"
+                require((n.checkpoint >= 0) == self.has_state, "anchor without its checkpoint")
+                require(n.depth % self.checkpoint_interval == 0, "anchor off the interval")
                 for w in n.window(self.window_pages):
                     refs[id(w)] += 1
             else:
-                assert n.checkpoint < 0, "checkpoint without an anchor"
+                require(n.checkpoint < 0, "checkpoint without an anchor")
         for n in nodes:
-            assert n.window_refs == refs[id(n)], f"page {n.page}: window count"
-            assert n.swa == (n.window_refs > 0), f"page {n.page}: SWA hold != window cover"
-            assert not n.swa or self.pool.swa_bound(n.page), f"page {n.page}: SWA not bound"
+            require(n.window_refs == refs[id(n)], f"page {n.page}: window count")
+            require(n.swa == (n.window_refs > 0), f"page {n.page}: SWA hold != window cover")
+            require(not n.swa or self.pool.swa_bound(n.page), f"page {n.page}: SWA not bound")
         ckpts = [n.checkpoint for n in nodes if n.checkpoint >= 0]
-        assert set(ckpts) == self._checkpoints and len(ckpts) == len(set(ckpts)), "checkpoints"
+        require(set(ckpts) == self._checkpoints and len(ckpts) == len(set(ckpts)), "checkpoints")
         s = self.stats
-        assert s.retained_swa_pages == sum(n.swa for n in nodes), "retained SWA gauge"
-        assert s.checkpoints == sum(n.checkpoint >= 0 for n in nodes), "checkpoint gauge"
-        assert s.anchors == sum(n.anchor for n in nodes), "anchor gauge"
+        require(s.retained_swa_pages == sum(n.swa for n in nodes), "retained SWA gauge")
+        require(s.checkpoints == sum(n.checkpoint >= 0 for n in nodes), "checkpoint gauge")
+        require(s.anchors == sum(n.anchor for n in nodes), "anchor gauge")
 
 
 def _token_seq(name: str, tokens: object) -> Sequence[int]:

@@ -62,6 +62,7 @@ from itertools import islice, repeat
 from typing import TYPE_CHECKING
 
 from unimem.engine.request import InFlight, Request, RequestStatus
+from unimem.memory.errors import require
 from unimem.memory.pool import MemoryPool, RequestMemory, pages_for
 from unimem.memory.spec import LayerKind
 
@@ -304,7 +305,9 @@ class Scheduler:
         if self.cache is not None:
             self._insert(stepped)
         else:
-            assert all(snap < 0 for _, snap in stepped)
+            require(
+                all(snap < 0 for _, snap in stepped), "a state snapshot was taken without a cache"
+            )
         self.pool.retire_swa(going)
         if done:
             # A step launched after the finishing one may still be in flight: the release

@@ -20,15 +20,29 @@ To give band ``i`` ``m`` free units the planner, in order:
    few (which may in turn make *its* far neighbour retreat). An emptied middle band drops out of
    the way and re-anchors later in whatever gap it is given.
 
+Where a band may be. A band always lies within its *gap*: the bytes between the nearest
+non-empty band below it (or the header) and the nearest non-empty band above it (or the arena
+end). An empty band is re-anchored at the grid point of its own unit grid nearest the middle
+of its gap that lies inside the gap; when no grid point lies inside (a gap narrower than one
+unit, off the band's grid), at the first grid point above the gap's lower limit, where it can
+only grow up once its upper neighbour retreats. :meth:`BandLayout.room` counts the units a
+band can add at one side while the whole band stays inside both limits of its gap (0 when it
+does not lie inside them now), so a plan never makes bands overlap by construction.
+
 ``plan`` works on a copy and returns the list of actions, or ``None`` when the request
-cannot be met — in which case nothing at all has changed. The executor replays the actions with
-device ops in order.
+cannot be met — in which case nothing at all has changed. Before returning it checks the
+planned layout (:meth:`BandLayout.check`: no overlap, nothing outside the arena, counts in
+range) and raises :class:`~unimem.memory.errors.InternalError` with the band table if a plan
+broke it — also with nothing changed. The executor replays the actions with device ops in
+order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import Enum
+
+from unimem.memory.errors import InternalError
 
 
 class Side(Enum):
@@ -130,8 +144,16 @@ class BandLayout:
             return self.arena_end if j is None else self.bands[j].byte_lo
         return self.header_end if j is None else self.bands[j].byte_hi
 
+    def _inside(self, i: int) -> bool:
+        """Whether band ``i`` lies within both limits of its gap."""
+        b = self.bands[i]
+        return self.limit(i, Side.DOWN) <= b.byte_lo and b.byte_hi <= self.limit(i, Side.UP)
+
     def room(self, i: int, side: Side) -> int:
-        """How many units band ``i`` can add at ``side`` without moving anybody."""
+        """How many units band ``i`` can add at ``side`` without moving anybody: the band
+        after the extension lies within both limits of its gap (0 if it does not now)."""
+        if not self._inside(i):
+            return 0
         b = self.bands[i]
         if side is Side.UP:
             return max(0, (self.limit(i, Side.UP) - b.base) // b.unit_bytes - b.hi)
@@ -146,17 +168,36 @@ class BandLayout:
             return [Side.DOWN]
         return sorted((Side.UP, Side.DOWN), key=lambda s: -self.room(i, s))
 
+    def describe(self) -> str:
+        """The band table, one band a line: extent in units and bytes, free count."""
+        rows = [f"arena [{self.header_end}, {self.arena_end}) bytes past the header"]
+        for i, b in enumerate(self.bands):
+            rows.append(
+                f"  {b.name}: units [{b.lo}, {b.hi}) bytes [{b.byte_lo}, {b.byte_hi}) "
+                f"free {b.free} reserved {self.reserved[i]} unit_bytes {b.unit_bytes}"
+            )
+        return "\n".join(rows)
+
     def check(self) -> None:
-        """Raise AssertionError if bands overlap or leave the arena."""
+        """Raise :class:`~unimem.memory.errors.InternalError` (the band table in its message)
+        if bands overlap, leave the arena, or have counts out of range. Runs in every mode."""
+        problem = None
         prev_hi = self.header_end
-        for b in self.bands:
-            if b.size == 0:
-                continue
-            assert b.lo <= b.hi, f"{b.name}: lo {b.lo} > hi {b.hi}"
-            assert b.byte_lo >= prev_hi, f"{b.name} overlaps the band below it"
-            assert 0 <= b.free <= b.size, f"{b.name}: free {b.free} of {b.size}"
-            prev_hi = b.byte_hi
-        assert prev_hi <= self.arena_end, "a band runs past the arena end"
+        for i, b in enumerate(self.bands):
+            if b.lo > b.hi:
+                problem = f"{b.name}: lo {b.lo} > hi {b.hi}"
+            elif not 0 <= self.reserved[i] <= b.free <= b.size:
+                problem = f"{b.name}: free {b.free} (reserved {self.reserved[i]}) of {b.size}"
+            elif b.size and b.byte_lo < prev_hi:
+                problem = f"{b.name} overlaps the band below it"
+            if problem is not None:
+                break
+            if b.size:
+                prev_hi = b.byte_hi
+        if problem is None and prev_hi > self.arena_end:
+            problem = "a band runs past the arena end"
+        if problem is not None:
+            raise InternalError(f"band plan: {problem}\n{self.describe()}")
 
     # --- actions on the host state ------------------------------------------------------------
 
@@ -180,20 +221,29 @@ class BandLayout:
     # --- planning -----------------------------------------------------------------------------
 
     def _anchor_for(self, i: int) -> int:
-        """Where an empty band ``i`` should sit: the middle of its gap (ends: at the end)."""
+        """Where an empty band ``i`` should sit: a grid point inside its gap (both limits
+        respected) — the lowest for the lowest band, the highest for the highest, the one
+        nearest the middle for a middle band. When no grid point lies inside the gap, the
+        first one above its lower limit (the band can then grow only up, once its upper
+        neighbour retreats: :meth:`room` is 0 until then)."""
         b = self.bands[i]
         lo_b, hi_b = self.limit(i, Side.DOWN), self.limit(i, Side.UP)
+        first = _ceil_div(lo_b - b.base, b.unit_bytes)  # lowest grid point >= lo_b
+        last = (hi_b - b.base) // b.unit_bytes  # highest grid point <= hi_b
         n = len(self.bands)
-        if n == 1 or i == 0:
-            return _ceil_div(lo_b - b.base, b.unit_bytes)
+        if last < first or n == 1 or i == 0:
+            return first
         if i == n - 1:
-            return (hi_b - b.base) // b.unit_bytes
-        return _ceil_div((lo_b + hi_b) // 2 - b.base, b.unit_bytes)
+            return last
+        middle = _ceil_div((lo_b + hi_b) // 2 - b.base, b.unit_bytes)
+        return min(max(middle, first), last)
 
     def _make_room(self, i: int, side: Side, need: int, out: list[Action]) -> bool:
         """Move neighbours at ``side`` until band ``i`` can extend there by ``need`` units."""
         b = self.bands[i]
         while self.room(i, side) < need:
+            if not self._within_far_limit(i, side):
+                return False  # moving the neighbour at ``side`` cannot make room
             j = self._neighbour(i, side)
             if j is None:
                 return False
@@ -216,6 +266,14 @@ class BandLayout:
                 return False
             self._do(Compact(j, Side.DOWN if side is Side.UP else Side.UP, k), out)
         return True
+
+    def _within_far_limit(self, i: int, side: Side) -> bool:
+        """Whether band ``i`` respects the limit of its gap opposite ``side`` (what a move of
+        the neighbour at ``side`` cannot change)."""
+        b = self.bands[i]
+        if side is Side.UP:
+            return b.byte_lo >= self.limit(i, Side.DOWN)
+        return b.byte_hi <= self.limit(i, Side.UP)
 
     def plan(self, demands: list[tuple[int, int]]) -> list[Action] | None:
         """Actions that leave each band ``i`` of ``demands`` with ``m`` more free units than

@@ -1,7 +1,9 @@
 """Invariant checks for pools. They read the device and synchronise: tests and debugging only,
-never on the step path.
+never on the step path. A broken invariant raises
+:class:`~unimem.memory.errors.InternalError` naming it, in every mode (also under
+``python -O``).
 
-``check_unified(mem, requests)`` asserts, for a :class:`UnifiedMemory`:
+``check_unified(mem, requests)`` checks, for a :class:`UnifiedMemory`:
 
 - bands lie inside the arena, above the header, and never overlap; header + band bytes +
   gaps == arena bytes;
@@ -14,7 +16,7 @@ never on the step path.
 - every request's pages are bound in FULL and bound in SWA from ``swa_start`` on; its
   request-table row holds its virtual token ids; its state slot is bound.
 
-``check_holders(pool, requests, cache_pages, cache_swa, cache_slots)`` asserts, for any pool,
+``check_holders(pool, requests, cache_pages, cache_swa, cache_slots)`` checks, for any pool,
 that the host's holder counts are exactly the holders: each request holds its pages (FULL) and
 its pages from ``swa_start`` (SWA), the cache holds what it says; that every state slot in use
 belongs to exactly one of them; and that the SWA table binds exactly the SWA-held pages.
@@ -29,6 +31,7 @@ from collections.abc import Iterable
 
 import torch
 
+from unimem.memory.errors import require
 from unimem.memory.pool import MemoryPool, RequestMemory
 from unimem.memory.spec import LayerKind
 from unimem.memory.unified import UnifiedMemory
@@ -40,12 +43,12 @@ def check_unified(mem: UnifiedMemory, requests: Iterable[RequestMemory] = ()) ->
     spans = sorted((b.byte_lo, b.byte_hi) for b in bands.bands if b.size > 0)
     covered, gaps, prev = 0, 0, mem.header_bytes
     for lo, hi in spans:
-        assert lo >= prev, "bands overlap"
+        require(lo >= prev, "bands overlap")
         gaps += lo - prev
         covered += hi - lo
         prev = hi
     gaps += mem.arena_bytes - prev
-    assert mem.header_bytes + covered + gaps == mem.arena_bytes, "bytes not conserved"
+    require(mem.header_bytes + covered + gaps == mem.arena_bytes, "bytes not conserved")
 
     for kind, space in mem.spaces.items():
         band = mem.band(kind)
@@ -53,28 +56,29 @@ def check_unified(mem: UnifiedMemory, requests: Iterable[RequestMemory] = ()) ->
         p2v = space.p2v.cpu().long()
         bound_v = torch.nonzero(v2p >= 0).flatten()
         phys = v2p[bound_v]
-        assert torch.equal(p2v[phys], bound_v), f"{kind}: p2v is not the inverse of v2p"
+        require(torch.equal(p2v[phys], bound_v), f"{kind}: p2v is not the inverse of v2p")
         bound_p = torch.nonzero(p2v >= 0).flatten()
-        assert torch.equal(v2p[p2v[bound_p]], bound_p), f"{kind}: v2p is not the inverse of p2v"
-        assert bound_p.numel() == band.live, f"{kind}: {bound_p.numel()} bound, host {band.live}"
+        require(torch.equal(v2p[p2v[bound_p]], bound_p), f"{kind}: v2p is not the inverse of p2v")
+        require(bound_p.numel() == band.live, f"{kind}: {bound_p.numel()} bound, host {band.live}")
         if bound_p.numel():
-            assert int(bound_p.min()) >= band.lo and int(bound_p.max()) < band.hi, (
-                f"{kind}: a bound unit lies outside the band [{band.lo}, {band.hi})"
+            require(
+                int(bound_p.min()) >= band.lo and int(bound_p.max()) < band.hi,
+                f"{kind}: a bound unit lies outside the band [{band.lo}, {band.hi})",
             )
         if kind is not LayerKind.STATE:
-            assert int(p2v[0]) == -1, f"{kind}: the sink is bound"
-        assert space.free == band.free, f"{kind}: stack height {space.free} != host {band.free}"
+            require(int(p2v[0]) == -1, f"{kind}: the sink is bound")
+        require(space.free == band.free, f"{kind}: stack height {space.free} != host {band.free}")
         stack = space.free_stack[: space.free].cpu().long()
-        assert stack.unique().numel() == stack.numel(), f"{kind}: an id is on the stack twice"
+        require(stack.unique().numel() == stack.numel(), f"{kind}: an id is on the stack twice")
         extent = torch.arange(band.lo, band.hi)
         holes = extent[p2v[band.lo : band.hi] < 0]
-        assert torch.equal(stack.sort().values, holes), f"{kind}: stack != holes of the extent"
+        require(torch.equal(stack.sort().values, holes), f"{kind}: stack != holes of the extent")
 
     full_refs, swa_refs = mem.holders()
     for kind, refs in ((LayerKind.FULL, full_refs), (LayerKind.SWA, swa_refs)):
         if kind in mem.spaces:
             bound = set(torch.nonzero(mem.spaces[kind].v2p.cpu() >= 0).flatten().tolist())
-            assert bound == set(refs), f"{kind}: bound pages != pages the host counts holders of"
+            require(bound == set(refs), f"{kind}: bound pages != pages the host counts holders of")
 
     p = mem.page_size
     r2t = mem.req_to_token.cpu().long()
@@ -83,13 +87,13 @@ def check_unified(mem: UnifiedMemory, requests: Iterable[RequestMemory] = ()) ->
     for req in requests:
         if req.pages:
             v = torch.tensor(req.pages)
-            assert bool((full_v2p[v] > 0).all()), f"row {req.row}: an unbound FULL page"
+            require(bool((full_v2p[v] > 0).all()), f"row {req.row}: an unbound FULL page")
             if swa_v2p is not None:
-                assert bool((swa_v2p[v[req.swa_start :]] > 0).all()), f"row {req.row}: SWA"
+                require(bool((swa_v2p[v[req.swa_start :]] > 0).all()), f"row {req.row}: SWA")
             want = (v[:, None] * p + torch.arange(p)[None, :]).flatten()
-            assert torch.equal(r2t[req.row, : want.numel()], want), f"row {req.row}: table"
+            require(torch.equal(r2t[req.row, : want.numel()], want), f"row {req.row}: table")
         if LayerKind.STATE in mem.spaces:
-            assert int(mem.spaces[LayerKind.STATE].v2p[req.state_slot]) >= 0, "state slot"
+            require(int(mem.spaces[LayerKind.STATE].v2p[req.state_slot]) >= 0, "state slot")
 
 
 def check_holders(
@@ -109,17 +113,17 @@ def check_holders(
         if has_swa:
             want_swa.update(req.pages[req.swa_start :])
     full_refs, swa_refs = pool.holders()
-    assert dict(want_full) == full_refs, "FULL holder counts differ from the holders"
-    assert dict(want_swa) == swa_refs, "SWA holder counts differ from the holders"
-    assert pool.live_units(LayerKind.FULL) == len(full_refs), "FULL live units != held pages"
+    require(dict(want_full) == full_refs, "FULL holder counts differ from the holders")
+    require(dict(want_swa) == swa_refs, "SWA holder counts differ from the holders")
+    require(pool.live_units(LayerKind.FULL) == len(full_refs), "FULL live units != held pages")
     if has_swa:
-        assert pool.live_units(LayerKind.SWA) == len(swa_refs), "SWA live units != held units"
+        require(pool.live_units(LayerKind.SWA) == len(swa_refs), "SWA live units != held units")
         bound = set(torch.nonzero(pool.swa_v2p.cpu() >= 0).flatten().tolist())
-        assert bound == set(swa_refs), "SWA table binds other pages than the SWA-held ones"
+        require(bound == set(swa_refs), "SWA table binds other pages than the SWA-held ones")
     if pool.spec.has(LayerKind.STATE):
         slots = [r.state_slot for r in requests] + list(cache_slots)
-        assert len(set(slots)) == len(slots), "a state slot has two owners"
-        assert pool.live_units(LayerKind.STATE) == len(slots), "state slots leak or are shared"
+        require(len(set(slots)) == len(slots), "a state slot has two owners")
+        require(pool.live_units(LayerKind.STATE) == len(slots), "state slots leak or are shared")
 
 
 def unit_bytes(pool: MemoryPool, kind: LayerKind, vid: int) -> torch.Tensor | None:

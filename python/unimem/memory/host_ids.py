@@ -38,6 +38,14 @@ class HostIdPool:
         """Whether ``i`` is currently taken."""
         return i in self._taken
 
+    def peek(self, n: int) -> list[int]:
+        """The ids ``take(n)`` would return now, without taking them."""
+        if n > self.free:
+            raise RuntimeError(f"HostIdPool: {n} ids requested, {self.free} free")
+        k = min(n, len(self._returned))
+        ids = self._returned[len(self._returned) - k :][::-1]
+        return ids + list(range(self._next, self._next + n - k))
+
     def take(self, n: int) -> list[int]:
         if n > self.free:
             raise RuntimeError(f"HostIdPool: {n} ids requested, {self.free} free")

@@ -9,8 +9,13 @@ Contract (what may be called when, what is always safe):
 - Every method is host-driven and sync-free: the host decides how many units each request
   gets from lengths it already knows; device ops are launched in stream order and nothing is
   read back. Running out of memory is a *value* (``admit`` returns None, ``grow`` returns
-  False, ``save_state`` returns None) and leaves the pool exactly as it was: the scheduler
-  then evicts or retracts.
+  False, ``save_state`` returns None) and leaves the pool exactly as it was — the
+  generation counter included: a failed ``admit`` makes no handle, so it uses no
+  generation — and the scheduler then evicts or retracts.
+- A broken invariant inside the pool (a bug, never bad input) raises
+  :class:`~unimem.memory.errors.InternalError`, in every mode (no ``assert``). The band
+  planner checks its plan before anything is executed, so an error there leaves the pool as
+  it was; every call gives back what it took (rows, ids, holds) before the error propagates.
 - ``req_to_token[row, pos]`` holds the *virtual* token id of position ``pos`` of the request
   at ``row``: ``vpage * page_size + offset``. Row 0, virtual page 0 and virtual state slot 0
   are never handed out: padded batch lanes point at them and resolve to the zero sink.
@@ -59,6 +64,7 @@ from dataclasses import dataclass, field
 import torch
 
 import unimem_kernel as uk
+from unimem.memory.errors import InternalError
 from unimem.memory.host_ids import HostIdPool
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.spec import LayerKind, MemorySpec
@@ -144,6 +150,20 @@ def _count(counts: dict[int, int], ids: list[int], delta: int) -> None:
             counts[i] = n
         else:
             del counts[i]
+
+
+def bind_order(todo: list[tuple[RequestMemory, int]]) -> list[int]:
+    """Indices into the fresh ids of ``todo``'s requests (handed out in ``todo`` order:
+    request 0 gets the first ``n0``) listing the last request's block first, each block in
+    its own order. A device free stack pops ``n`` ids at once as ``stack[top - n + i]`` for
+    ``i < n``; binding in this order gives request 0 the top of the stack, request 1 the ids
+    under them, and so on — what popping per request, in order, would do."""
+    blocks = []
+    at = 0
+    for _, n in todo:
+        blocks.append(range(at, at + n))
+        at += n
+    return [i for block in reversed(blocks) for i in block]
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -380,20 +400,21 @@ class MemoryPool(ABC):
         k = len(shared)
         if self._rows.free == 0:
             return None
-        self._generation += 1
+        row = self._rows.peek(1)[0]  # taken once the request fits
         req = RequestMemory(
-            row=self._rows.take(1)[0],
+            row=row,
             state_slot=-1,
             pages=list(shared),
             swa_start=swa_start,
             shared=k,
-            generation=self._generation,
+            generation=self._generation + 1,
         )
         n = pages_for(num_tokens, self.page_size) - k
         slots = self._alloc([(req, n)] if n else [], 1 if self._has_state else 0)
         if slots is None:
-            self._rows.give([req.row])
             return None
+        self._rows.take(1)
+        self._generation += 1
         self._register(req, slots[0] if self._has_state else -1)
         if prefix is not None and k:
             self._add_refs(shared, shared[swa_start:] if self._has_swa else [])
@@ -406,45 +427,82 @@ class MemoryPool(ABC):
     def admit_many(self, token_counts: Sequence[int]) -> list[RequestMemory]:
         """Requests for ``token_counts[i]`` tokens each (no shared prefix), admitted in order
         until one does not fit; returns the admitted ones (a prefix of the list, possibly
-        empty). The same rows, pages and slots (and generations), in the same order, as that
-        many :meth:`admit` calls, and the same physical units behind them (bound by one pop of
-        the device free lists, so possibly to other ids in that set) — but when they all fit,
-        in one allocation: one upload and one bind / zero launch per kind for the batch
-        instead of per request (the first step of a 48-request bench launched ~300 small
-        kernels from Python: 13 ms of host time on the H200)."""
-        counts = [self._check_tokens(f"token_counts[{i}]", n) for i, n in enumerate(token_counts)]
-        if len(counts) > 1 and len(counts) <= self._rows.free:
-            admitted = self._admit_together(counts)
-            if admitted is not None:
-                return admitted
-        admitted = []
-        for n in counts:  # not all at once: the longest prefix that fits, one by one
-            req = self.admit(n)
-            if req is None:
-                break
-            admitted.append(req)
-        return admitted
+        empty).
 
-    def _admit_together(self, counts: list[int]) -> list[RequestMemory] | None:
-        """All of ``counts`` in one :meth:`_alloc`, or None with nothing changed."""
-        rows = self._rows.take(len(counts))
+        Contract: the pool ends exactly as after that many :meth:`admit` calls one by one
+        (stopping at the first None) — the same rows, pages, slots and generations, the same
+        request table, the same virtual-to-physical tables and free stacks, the same band
+        moves (compactions and the units they move) and the same statistics. The admissions
+        are planned one by one on the host (:meth:`_plan_admissions`); runs of requests
+        that need no band move are bound together, one upload and one bind / zero launch per
+        kind for the run (the device pops the run's units from its free lists at once, in
+        the order the admits one by one would), instead of per request.
+
+        If an allocator step raises (:class:`~unimem.memory.errors.InternalError`), the
+        requests this call admitted are released, their rows come back, and the error
+        propagates; nothing is leaked."""
+        counts = [self._check_tokens(f"token_counts[{i}]", n) for i, n in enumerate(token_counts)]
+        need = [pages_for(n, self.page_size) for n in counts]
+        groups = self._plan_admissions(need[: self._rows.free])
+        total = sum(size for _, size in groups)
+        if total == 0:
+            return []
+        rows = self._rows.peek(total)  # taken group by group, as each one is allocated
         first = self._generation
         reqs = [
             RequestMemory(row=row, state_slot=-1, pages=[], swa_start=0, shared=0,
                           generation=first + 1 + i)
             for i, row in enumerate(rows)
         ]  # fmt: skip
-        need = [pages_for(n, self.page_size) for n in counts]
-        todo = [(req, n) for req, n in zip(reqs, need, strict=True) if n]
-        slots = self._alloc(todo, len(reqs) if self._has_state else 0)
-        if slots is None:
-            self._rows.give(rows)
-            return None
-        self._generation = first + len(reqs)
-        for i, req in enumerate(reqs):
-            self._register(req, slots[i] if self._has_state else -1)
+        done = 0
+        try:
+            for plan, size in groups:
+                group = reqs[done : done + size]
+                todo = [(r, n) for r, n in zip(group, need[done : done + size], strict=True) if n]
+                slots = self._alloc(todo, size if self._has_state else 0, plan)
+                if slots is None:
+                    raise InternalError(
+                        f"admit_many: requests {done}..{done + size - 1} were planned to fit "
+                        f"but their allocation failed"
+                    )
+                self._rows.take(size)
+                self._generation = first + done + size
+                for i, req in enumerate(group):
+                    self._register(req, slots[i] if self._has_state else -1)
+                done += size
+        except BaseException:
+            if done:
+                self.release(reqs[:done])
+            self._generation = first
+            raise
         self._update_usage()
         return reqs
+
+    def _plan_admissions(self, pages: list[int]) -> list[tuple[object, int]]:
+        """How the longest prefix of requests needing ``pages[i]`` fresh pages (and a state
+        slot each, with STATE layers) that fits one by one is allocated: ``(plan, size)``
+        groups in order, each of ``size`` consecutive requests whose allocation is one
+        :meth:`_alloc` call with that ``plan`` (None: the implementation plans itself).
+        Host only; changes nothing. The default: every request that fits, in one group."""
+        free = self._free_for_admission()
+        if free is None:
+            return [(None, len(pages))] if pages else []
+        pages_left, slots_left = free
+        fit = 0
+        for n in pages:
+            slots = 1 if self._has_state else 0
+            if n > pages_left or slots > slots_left:
+                break
+            pages_left -= n
+            slots_left -= slots
+            fit += 1
+        return [(None, fit)] if fit else []
+
+    def _free_for_admission(self) -> tuple[int, int] | None:
+        """``(pages, state slots)`` admissions may take in total, for pools whose capacity
+        is two counts (:meth:`_plan_admissions`' default); pools that plan otherwise override
+        :meth:`_plan_admissions`."""
+        raise NotImplementedError
 
     def _register(self, req: RequestMemory, state_slot: int) -> None:
         """An admitted request's bookkeeping: its fresh pages (past the shared prefix) held
@@ -809,10 +867,18 @@ class MemoryPool(ABC):
         """Units of ``kind`` handed out and not yet freed."""
 
     @abstractmethod
-    def _alloc(self, todo: list[tuple[RequestMemory, int]], n_slots: int) -> list[int] | None:
+    def _alloc(
+        self, todo: list[tuple[RequestMemory, int]], n_slots: int, plan: object = None
+    ) -> list[int] | None:
         """Append ``n`` fresh pages to each ``(req, n)`` of ``todo`` (FULL, and SWA when
         present), writing them into the request table, and bind ``n_slots`` zeroed state
-        slots, returned. All or nothing: None leaves everything as it was."""
+        slots, returned. All or nothing: None leaves everything as it was; so does an
+        :class:`~unimem.memory.errors.InternalError` raised while planning. ``plan``: what
+        :meth:`_plan_admissions` made for this call (None: plan now).
+
+        Device ids are popped in reverse request order (:func:`bind_order`), so that the
+        requests of ``todo`` get the physical units that the same allocations one request
+        after another would give them."""
 
     @abstractmethod
     def _free_units(self, full: list[int], swa: list[int], slots: list[int]) -> None:

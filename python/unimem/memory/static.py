@@ -17,7 +17,14 @@ import unimem_kernel as uk
 from unimem.memory.host_ids import HostIdPool
 from unimem.memory.id_space import IdSpace, warm_up_id_kernels
 from unimem.memory.layout import MemoryLayout
-from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, as_int, pages_for
+from unimem.memory.pool import (
+    POISON_BYTE,
+    MemoryPool,
+    RequestMemory,
+    as_int,
+    bind_order,
+    pages_for,
+)
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
 
@@ -161,7 +168,16 @@ class StaticMemory(MemoryPool):
 
     # --- allocation ------------------------------------------------------------------------------
 
-    def _alloc(self, todo: list[tuple[RequestMemory, int]], n_slots: int) -> list[int] | None:
+    def _free_for_admission(self) -> tuple[int, int]:
+        """Pages every page pool can still hand out, and free state slots (what ``_alloc``
+        checks: ids are host-chosen, so admissions one by one take exactly these)."""
+        pools = [ids.free for ids in (self._full_ids, self._swa) if ids is not None]
+        slots = self._slots.free if self._slots is not None else 0
+        return (min(pools) if pools else 0), slots
+
+    def _alloc(
+        self, todo: list[tuple[RequestMemory, int]], n_slots: int, plan: object = None
+    ) -> list[int] | None:
         n_pages = sum(n for _, n in todo)
         if self._full_ids is not None and n_pages > self._full_ids.free:
             return None
@@ -176,7 +192,9 @@ class StaticMemory(MemoryPool):
             for req, n in todo:
                 rows += [req.row] * n
                 cols += range(len(req.pages), len(req.pages) + n)
-            packed = upload_int32(np.array(pages + rows + cols, dtype=np.int32), self.device)
+            order = bind_order(todo)
+            dev = [pages[i] for i in order] + [rows[i] for i in order] + [cols[i] for i in order]
+            packed = upload_int32(np.array(dev, dtype=np.int32), self.device)
             pdev = packed[:n_pages]
             self._write_page_rows(pdev, packed[n_pages : 2 * n_pages], packed[2 * n_pages :])
             self._zero(LayerKind.FULL, pdev)

@@ -25,9 +25,18 @@ import torch
 
 import unimem_kernel as uk
 from unimem.memory.band_plan import Action, BandLayout, BandState, Compact, Extend, Reanchor, Side
+from unimem.memory.errors import InternalError
 from unimem.memory.host_ids import HostIdPool
 from unimem.memory.id_space import IdSpace, warm_up_id_kernels
-from unimem.memory.pool import POISON_BYTE, MemoryPool, RequestMemory, as_int, pages_for
+from unimem.memory.layout import MemoryLayout
+from unimem.memory.pool import (
+    POISON_BYTE,
+    MemoryPool,
+    RequestMemory,
+    as_int,
+    bind_order,
+    pages_for,
+)
 from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.staging import upload_int32
 
@@ -77,6 +86,31 @@ def _minimal_arena_bytes(kinds, unit_bytes, base, header, demands) -> int:
     return lo
 
 
+def _geometry(lay: MemoryLayout) -> tuple[list[LayerKind], dict, dict, int]:
+    """``(kinds in address order, unit bytes, base of each kind's grid, header bytes)``: the
+    sinks of FULL then SWA fill the header; STATE's grid starts at its end."""
+    kinds = [k for k in ADDRESS_ORDER if k in lay.kinds]
+    ub = {k: lay.unit_bytes(k) for k in kinds}
+    base: dict[LayerKind, int] = {}
+    header = 0
+    for k in (LayerKind.FULL, LayerKind.SWA):
+        if k in ub:
+            base[k] = header
+            header += ub[k]
+    if LayerKind.STATE in ub:
+        base[LayerKind.STATE] = header
+    return kinds, ub, base, header
+
+
+def minimal_arena_bytes(spec: MemorySpec) -> int:
+    """The smallest ``arena_bytes`` (a multiple of 16) :class:`UnifiedMemory` accepts for
+    ``spec``: the sinks and one minimal request (one page of every attention kind, one state
+    slot, draft lanes included), with what the unit grids waste at band boundaries."""
+    kinds, ub, base, header = _geometry(MemoryLayout.build(spec))
+    demands = [(i, 1) for i in range(len(kinds))]
+    return _minimal_arena_bytes(kinds, ub, base, header, demands)
+
+
 class UnifiedMemory(MemoryPool):
     """One arena of ``arena_bytes`` whose split between kinds follows the workload. The arena
     must hold at least one minimal request (one page of every attention kind and one state
@@ -99,18 +133,9 @@ class UnifiedMemory(MemoryPool):
         super().__init__(spec, max_requests, max_context, torch.device(device))
         self.poison = poison
         lay = self.layout
-        kinds = [k for k in ADDRESS_ORDER if spec.has(k)]
-        ub = {k: lay.unit_bytes(k) for k in kinds}
+        kinds, ub, self.base, header = _geometry(lay)
         arena_bytes = as_int("arena_bytes", arena_bytes)
         arena_end = arena_bytes - arena_bytes % 16
-        self.base: dict[LayerKind, int] = {}
-        header = 0
-        for k in (LayerKind.FULL, LayerKind.SWA):
-            if k in ub:
-                self.base[k] = header
-                header += ub[k]
-        if LayerKind.STATE in ub:
-            self.base[LayerKind.STATE] = header
         self.header_bytes = header
         self.kinds = kinds
         self._band_index = {k: i for i, k in enumerate(kinds)}
@@ -209,15 +234,54 @@ class UnifiedMemory(MemoryPool):
 
     # --- allocation ------------------------------------------------------------------------------
 
-    def _alloc(self, todo: list[tuple[RequestMemory, int]], n_slots: int) -> list[int] | None:
+    def _plan_admissions(self, pages: list[int]) -> list[tuple[object, int]]:
+        """Plan admissions one by one on a copy of the bands (each plan made on the state the
+        earlier admissions leave, their units taken off the free counts): a request whose
+        plan moves a band starts a new group; requests that need no move join the group
+        before them (their units are popped with it)."""
+        sim = self.bands.copy()
+        pages_left, slots_left = self._vpages.free, self._vslots.free
+        groups: list[tuple[object, int]] = []
+        for n in pages:
+            slots = 1 if self._has_state else 0
+            if n > pages_left or slots > slots_left:
+                break
+            demands = self._demands(n, slots)
+            plan = sim.plan(demands)
+            if plan is None:
+                break
+            for act in plan:
+                sim.apply(act)
+            for i, m in demands:
+                sim.bands[i].free -= m
+            pages_left -= n
+            slots_left -= slots
+            if plan or not groups:
+                groups.append((plan, 1))
+            else:
+                groups[-1] = (groups[-1][0], groups[-1][1] + 1)
+        return groups
+
+    def _alloc(
+        self, todo: list[tuple[RequestMemory, int]], n_slots: int, plan: object = None
+    ) -> list[int] | None:
         n_pages = sum(n for _, n in todo)
         if n_pages > self._vpages.free or n_slots > self._vslots.free:
             return None
-        plan = self.bands.plan(self._demands(n_pages, n_slots))
+        demands = self._demands(n_pages, n_slots)
         if plan is None:
-            return None
+            plan = self.bands.plan(demands)
+            if plan is None:
+                return None
         for act in plan:
             self._execute(act)
+        for i, m in demands:
+            band = self.bands.bands[i]
+            if band.free < m:
+                raise InternalError(
+                    f"{band.name}: the plan left {band.free} free units for a demand of {m}\n"
+                    f"{self.bands.describe()}"
+                )
 
         vids = self._vpages.take(n_pages)
         slots = self._vslots.take(n_slots)
@@ -226,7 +290,13 @@ class UnifiedMemory(MemoryPool):
             start = len(req.pages)
             rows += [req.row] * n
             cols += range(start, start + n)
-        packed = upload_int32(np.array(vids + rows + cols + slots, dtype=np.int32), self.device)
+        order = bind_order(todo)
+        dev_vids = [vids[i] for i in order]
+        dev_rows = [rows[i] for i in order]
+        dev_cols = [cols[i] for i in order]
+        packed = upload_int32(
+            np.array(dev_vids + dev_rows + dev_cols + slots[::-1], dtype=np.int32), self.device
+        )
         if n_pages:
             vdev = packed[:n_pages]
             rdev = packed[n_pages : 2 * n_pages]
@@ -300,7 +370,10 @@ class UnifiedMemory(MemoryPool):
         band = self.bands.bands[act.band]
         space = self.spaces[kind]
         if isinstance(act, Reanchor):
-            assert band.size == 0 and space.free == 0
+            if band.size or space.free:
+                raise InternalError(
+                    f"{kind}: re-anchoring a band of {band.size} units with {space.free} free"
+                )
         elif isinstance(act, Extend):
             up = act.side is Side.UP
             lo, hi = (band.hi, band.hi + act.n) if up else (band.lo - act.n, band.lo)
@@ -316,7 +389,8 @@ class UnifiedMemory(MemoryPool):
             self.stats.compactions += 1
             self.stats.moved_units += act.k
         self.bands.apply(act)
-        assert band.free == space.free, f"{kind}: host count {band.free} != stack {space.free}"
+        if band.free != space.free:
+            raise InternalError(f"{kind}: host count {band.free} != stack height {space.free}")
 
     # --- explicit compaction ---------------------------------------------------------------------
 

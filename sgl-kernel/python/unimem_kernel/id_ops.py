@@ -218,7 +218,8 @@ def bind_units_reference(
     v2p[v] = phys.to(v2p.dtype)
     p2v[phys] = v.to(p2v.dtype)
     if req_to_token is not None:
-        assert unit_rows is not None and unit_cols is not None
+        if unit_rows is None or unit_cols is None:
+            raise ValueError("bind_units_reference: req_to_token needs unit_rows and unit_cols")
         offs = torch.arange(page_size, device=v.device)
         cols = unit_cols[:n].long()[:, None] * page_size + offs[None, :]
         rows = unit_rows[:n].long()[:, None].expand_as(cols)
@@ -368,7 +369,10 @@ def unbind_units_reference(
     if n == 0:
         return
     if vids is None:
-        assert req_to_token is not None and unit_rows is not None and unit_cols is not None
+        if req_to_token is None or unit_rows is None or unit_cols is None:
+            raise ValueError(
+                "unbind_units_reference: without vids, pass req_to_token, unit_rows, unit_cols"
+            )
         tok = req_to_token[unit_rows[:n].long(), unit_cols[:n].long() * page_size]
         v = torch.div(tok.long(), page_size, rounding_mode="floor")
     else:
