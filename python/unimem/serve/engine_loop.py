@@ -65,7 +65,8 @@ class Submission:
     (EOS included unless ignored), ``sampling`` (None: greedy), and where its deltas go.
     ``arrival``: ``time.monotonic()`` when the HTTP request came in (time to first token is
     measured from it). ``event_loop``: run ``sink`` on this asyncio loop (module
-    docstring)."""
+    docstring). ``counted``: False for the server's own probes (``/health_generate``), which
+    the metrics leave out."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -74,6 +75,7 @@ class Submission:
     sink: Callable[[Delta], None]
     arrival: float = field(default_factory=time.monotonic)
     event_loop: asyncio.AbstractEventLoop | None = None
+    counted: bool = True
 
 
 class Handle:
@@ -277,7 +279,8 @@ class EngineLoop:
         except ValueError as e:  # checked on the HTTP side already; a race is still answered
             self._outbox.append((h, Delta(finish_reason="abort", error=str(e))))
             return
-        self._counters.prompt_tokens += len(s.prompt)
+        if s.counted:
+            self._counters.prompt_tokens += len(s.prompt)
         self._active.append(h)
 
     def _abort(self, h: Handle) -> None:
@@ -314,6 +317,8 @@ class EngineLoop:
         if n == 0:
             return
         self.last_output = now
+        if not h.sub.counted:
+            return
         self._counters.generation_tokens += n
         if self.observe is not None:
             if h.sent == 0:
@@ -325,6 +330,8 @@ class EngineLoop:
         h.last_emit = now
 
     def _finished(self, h: Handle, reason: str, now: float) -> None:
+        if not h.sub.counted:
+            return
         c = self._counters
         r = h.req
         c.cached_tokens += r.cached_tokens

@@ -224,7 +224,9 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
             )
         tic = time.monotonic()
         p = GenParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        gen = Generation(serving, serving.prepare([0], p, "input_ids"), (), None)
+        sub = serving.prepare([0], p, "input_ids")
+        sub.counted = False  # a probe: not a request the metrics count
+        gen = Generation(serving, sub, (), None)
         probe = asyncio.ensure_future(gen.collect())
         timeout = serving.options.health_generate_timeout
         try:
