@@ -14,35 +14,18 @@ import threading
 
 import openai
 import pytest
-import tiny_qwen3_next
-import tiny_tokenizer
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-import unimem
 from unimem.serve.app import make_app
 from unimem.serve.args import ServerOptions
 
 MODEL = "tiny"
-MAX_TOTAL_TOKENS = 96
-"""Static pools far below the tiny model's context (256): one request cannot grow to it."""
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen3_next_user")
-    hf = tiny_qwen3_next.build(path)
-    tiny_tokenizer.save(path, hf.config.vocab_size)
-    eng = unimem.Engine(
-        model_path=str(path),
-        device="cpu",
-        dtype="float32",
-        page_size=4,
-        max_total_tokens=MAX_TOTAL_TOKENS,
-        max_running_requests=4,
-    )
-    yield eng
-    eng.shutdown()
+def engine(small_engine):
+    return small_engine
 
 
 def _options(**kw) -> ServerOptions:

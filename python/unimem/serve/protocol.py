@@ -207,29 +207,32 @@ def refuse_unsupported(body: BaseModel) -> None:
         )
 
 
-def check_unicode(data: Any, where: str = "") -> None:
+def check_unicode(data: Any) -> None:
     """400 naming the field and the position of the first string in a decoded JSON body that
     is not valid Unicode (a lone surrogate such as ``"\\ud800"``: JSON can spell it, UTF-8
-    and the tokenizer cannot)."""
-    if isinstance(data, str):
-        try:
-            data.encode("utf-8")
-        except UnicodeEncodeError as e:
-            field = where or "body"
-            raise ApiError(
-                400,
-                f"{field}: invalid Unicode at position {e.start}: lone surrogate "
-                f"U+{ord(data[e.start]):04X}",
-                param=where or None,
-                code="invalid_unicode",
-            ) from None
-    elif isinstance(data, dict):
-        for key, value in data.items():
-            check_unicode(key, where)
-            check_unicode(value, f"{where}.{key}" if where else str(key))
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            check_unicode(value, f"{where}.{i}" if where else str(i))
+    and the tokenizer cannot). Iterative: any nesting depth the JSON decoder accepted."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        where, item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ApiError(
+                    400,
+                    f"{where or 'body'}: invalid Unicode at position {e.start}: lone "
+                    f"surrogate U+{ord(item[e.start]):04X}",
+                    param=where or None,
+                    code="invalid_unicode",
+                ) from None
+        elif isinstance(item, dict):
+            for key, value in reversed(item.items()):
+                name = f"{where}.{key}" if where else str(key)
+                todo.append((name, value))
+                todo.append((where, key))
+        elif isinstance(item, list):
+            for i in reversed(range(len(item))):
+                todo.append((f"{where}.{i}" if where else str(i), item[i]))
 
 
 def parse_body(model: type[BaseModel], data: Any) -> BaseModel:
