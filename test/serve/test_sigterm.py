@@ -166,5 +166,5 @@ def test_sigterm_under_load_drains_and_exits_0(server):
         assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in s.events[:-2])
     for s in refused:
         assert s.status == 503 and s.headers["retry-after"]
-        assert s.body["error"]["code"] == "service_unavailable"
+        assert s.body["error"]["code"] == "shutting_down"
         assert "shutting down" in s.body["error"]["message"]

@@ -328,8 +328,11 @@ class Generation:
         if d.error is not None:
             self.finish_reason = "abort"
             if d.status == 503:
+                if self.serving.draining:
+                    raise self.serving.shutting_down_error()
                 headers = {"Retry-After": str(RETRY_AFTER_S)}
-                raise ApiError(503, d.error, code="service_unavailable", headers=headers)
+                code = "engine_error" if not self.serving.loop.alive else "service_unavailable"
+                raise ApiError(503, d.error, code=code, headers=headers)
             raise ApiError(d.status, d.error, code="invalid_value")
         toks, lps = list(d.tokens), list(d.logprobs)
         self.output_ids += toks

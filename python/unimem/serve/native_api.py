@@ -14,7 +14,7 @@ event carries the text and ids so far (SGLang's cumulative stream) and the last 
 per kind, running / queued requests, the prefix cache's statistics under ``prefix_cache``,
 ...), so a client can watch memory return to idle: what the prefix cache holds counts as
 used until ``/flush_cache``, which empties the cache when no request is queued or running
-(400 otherwise, as SGLang answers).
+(400 otherwise, as SGLang answers, with SGLang's message in an error body).
 """
 
 from __future__ import annotations
@@ -281,9 +281,9 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
                 serving.loop.call(lambda core: serving.engine.flush_cache())
             )
         except ValueError as e:  # not supported here (tensor parallelism)
-            return PlainTextResponse(f"Cache not flushed: {e}.", status_code=400)
+            raise ApiError(400, f"Cache not flushed: {e}.", code="unsupported_value") from None
         if not done:
-            return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
+            raise ApiError(400, "Cache not flushed: requests are running.", code="requests_running")
         return PlainTextResponse("Cache flushed.")
 
     @router.get("/metrics")
