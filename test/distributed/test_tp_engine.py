@@ -3,17 +3,22 @@ processes): rank 0 drives, the other rank follows the broadcast submissions and 
 ``UNIMEM_TP_CHECK_STATE=1`` the ranks' allocator states are compared after every step.
 
 One engine (DSPARK chain speculation over a unified arena that compacts) serves every
-engine check, so the module spawns once for it and once for ``validate``."""
+engine check, so the module spawns once for it and once for ``validate``. Its ranks are
+torn down in order: rank 0 stops them (they acknowledge leaving their loop), joins them, and
+only then shuts the reference engine down; the rendezvous never guesses a free port (another
+suite on the host could take it between the guess and the bind)."""
 
 from __future__ import annotations
 
 import pytest
 import tiny_qwen3_next
 import tiny_tokenizer
+import torch.distributed as dist
 import tp_checks
 
 import unimem
-from unimem.engine.distributed import CHECK_ENV
+from unimem.engine import distributed
+from unimem.engine.distributed import CHECK_ENV, run_ranks
 from unimem.validate.protocol import ValidateConfig, validate
 
 OUT = tp_checks.OUT
@@ -46,10 +51,12 @@ def engines(checked, tmp_path_factory):
         disable_radix_cache=True,
     )
     procs = list(tp._ranks.procs)
-    yield ref, tp
-    tp.shutdown()
-    assert [p.exitcode for p in procs] == [0]
-    ref.shutdown()
+    try:
+        yield ref, tp
+    finally:
+        tp.shutdown()  # the ranks acknowledge the stop, then exit; joined here
+        assert [p.exitcode for p in procs] == [0]
+        ref.shutdown()
 
 
 def test_generate_equals_the_unsharded_engine(engines):
@@ -109,3 +116,11 @@ def test_tp_size_must_be_positive():
         ValidateConfig(tp_size=0)
     with pytest.raises(ValueError, match="tp_size must be a positive int"):
         unimem.Engine(model_path="/nowhere", tp_size=0)
+
+
+def test_rendezvous_never_takes_a_port_in_use(monkeypatch):
+    """Another suite's store holds the port a free-port guess would return: the ranks still
+    meet (the port is bound, not guessed) and only each other."""
+    other = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    monkeypatch.setattr(distributed, "free_port", lambda: other.port)
+    assert run_ranks(2, tp_checks.ranks_seen) == [0, 1]

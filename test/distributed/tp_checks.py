@@ -95,3 +95,8 @@ def _disagreement(model, groups: TPGroups) -> str | None:
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def ranks_seen(groups: TPGroups) -> list[int]:
+    """Every rank's number, gathered over the control group (a rendezvous check)."""
+    return [int(b) for b in groups.all_gather_bytes(str(groups.rank).encode())]

@@ -325,6 +325,7 @@ def test_client_drop_mid_stream_releases_memory(server):
         assert busy["running_requests"] == 1 and busy["used_bytes"] > IDLE["used_bytes"]
         r = server.http.post("/flush_cache")  # refused while a request runs (as in SGLang)
         assert r.status_code == 400 and "running" in r.text
+        assert r.json()["error"]["code"] == "requests_running"  # an error body, as every 4xx
     # leaving the block closes the connection mid-stream
     info = _idle(server)
     assert info["used_bytes"] == IDLE["used_bytes"]

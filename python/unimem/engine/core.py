@@ -134,6 +134,34 @@ class EngineCore:
                 f"request rejected: {total} tokens do not fit in the memory even alone"
             )
 
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + output tokens) that :meth:`check_request` accepts:
+        within the pool's context with the write window and look-ahead, and holdable in the
+        memory alone. A request up to it is admitted once its prompt's first chunk fits; its
+        growth past what the memory holds beside the others is handled by retraction (see
+        :mod:`unimem.engine.scheduler`). Computed once (the pool's geometry is fixed)."""
+        cached = getattr(self, "_max_request_tokens", None)
+        if cached is not None:
+            return cached
+        reach = (self.chain.gamma if self.chain else 0) + self.lookahead
+        pool = self.pool
+
+        def fits(n: int) -> bool:  # n = prompt + output tokens
+            total = max(1, n - 1 + reach)
+            return total <= pool.max_context and pool.fits_alone(
+                total, self._swa_peak_tokens(total)
+            )
+
+        lo, hi = 0, pool.max_context + 1  # fits(lo) (vacuously for 0), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        self._max_request_tokens = lo
+        return lo
+
     def check_sampling(self, sampling: SamplingOptions) -> None:
         """``ValueError`` if ``sampling`` is not a :class:`SamplingOptions`. Every option runs
         with or without a chain (with one, temperature > 0 is exact speculative sampling)."""

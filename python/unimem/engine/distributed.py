@@ -36,6 +36,7 @@ import datetime
 import hashlib
 import os
 import pickle
+import secrets
 import socket
 import sys
 import traceback
@@ -168,30 +169,42 @@ def free_port() -> int:
 
 
 def init_groups(
-    rank: int, size: int, port: int, device: str | torch.device, host: str = "127.0.0.1"
+    rank: int,
+    size: int,
+    port: int,
+    device: str | torch.device,
+    host: str = "127.0.0.1",
+    store: dist.TCPStore | None = None,
+    namespace: str = "",
 ) -> TPGroups:
-    """Join the ``size`` ranks meeting at ``host:port`` (rank 0 serves the store): the device
-    group (NCCL for a CUDA ``device``, else gloo) and the gloo control group."""
+    """Join the ``size`` ranks meeting at ``host:port`` (rank 0 serves the store; it may pass
+    the ``store`` it already serves): the device group (NCCL for a CUDA ``device``, else
+    gloo) and the gloo control group. ``namespace``: a prefix of every key, shared by the
+    ranks of one group only (a stray process reaching the port cannot join them)."""
     timeout = _timeout()
     dev = rank_device(device, rank)
-    store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, timeout)
+    if store is None:
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+    ns = f"{namespace}/" if namespace else ""
+    control = dist.ProcessGroupGloo(dist.PrefixStore(ns + "control", store), rank, size, timeout)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        group = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, opts)
+        group = dist.ProcessGroupNCCL(dist.PrefixStore(ns + "device", store), rank, size, opts)
     else:
-        group = dist.ProcessGroupGloo(dist.PrefixStore("device", store), rank, size, timeout)
+        group = dist.ProcessGroupGloo(dist.PrefixStore(ns + "device", store), rank, size, timeout)
     return TPGroups(rank, size, dev, group, control, store)
 
 
 # ---------------------------------------------------------------------- processes
 
 
-def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable, args: tuple) -> None:
+def _rank_main(
+    rank: int, size: int, port: int, namespace: str, device: str, fn: Callable, args: tuple
+) -> None:
     try:
-        groups = init_groups(rank, size, port, device)
+        groups = init_groups(rank, size, port, device, namespace=namespace)
         fn(groups, *args)
     except BaseException:
         traceback.print_exc(file=sys.stderr)
@@ -202,7 +215,11 @@ def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable, args:
 class RankProcesses:
     """Ranks ``1 .. size - 1`` as spawned processes, each running ``fn(groups, *args)``; the
     caller joins as rank 0 (:attr:`groups`). ``fn`` and ``args`` must pickle (a module-level
-    function)."""
+    function).
+
+    Rank 0 serves the rendezvous store on a port the OS picks while it binds (no free-port
+    guess another process could take in between) and the ranks meet under a namespace of
+    their own, so concurrent groups on one host never join each other."""
 
     def __init__(self, size: int, device: str, fn: Callable, *args) -> None:
         if not isinstance(size, int) or size < 2:
@@ -211,15 +228,21 @@ class RankProcesses:
             raise ValueError(
                 f"tp_size {size} needs {size} GPUs, {torch.cuda.device_count()} visible"
             )
-        port = free_port()
+        host = "127.0.0.1"
+        store = dist.TCPStore(host, 0, size, True, timeout=_timeout(), wait_for_workers=False)
+        port, namespace = store.port, secrets.token_hex(8)
         ctx = torch.multiprocessing.get_context("spawn")
         self.procs = [
-            ctx.Process(target=_rank_main, args=(r, size, port, device, fn, args), daemon=True)
+            ctx.Process(
+                target=_rank_main,
+                args=(r, size, port, namespace, device, fn, args),
+                daemon=True,
+            )
             for r in range(1, size)
         ]
         for p in self.procs:
             p.start()
-        self.groups = init_groups(0, size, port, device)
+        self.groups = init_groups(0, size, port, device, host, store=store, namespace=namespace)
 
     def join(self, timeout: float = 60.0) -> list[int]:
         """Wait for the ranks to exit; the ranks that failed (non-zero exit, or still running
@@ -287,10 +310,13 @@ class LeaderCore(EngineCore):
         return more
 
     def stop(self) -> None:
-        """End the other ranks' :func:`follow` loops (idempotent)."""
+        """End the other ranks' :func:`follow` loops (idempotent); returns once every rank
+        has left its loop (no collective of theirs is pending when the caller goes on to
+        join their processes)."""
         if not self._stopped:
             self._stopped = True
             self.groups.broadcast_object(("stop", []))
+            self.groups.control_group.barrier().wait()
 
 
 def follow(core: EngineCore, groups: TPGroups) -> None:
@@ -308,6 +334,7 @@ def follow(core: EngineCore, groups: TPGroups) -> None:
             else:
                 core.abort(live[op[1]])
         if cmd == "stop":
+            groups.control_group.barrier().wait()  # rank 0 learns that this rank is done
             return
         core.step()
         if check:

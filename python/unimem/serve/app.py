@@ -76,7 +76,7 @@ def build_app(serving: Serving, metrics: ServerMetrics) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        return JSONResponse(error_body(exc), status_code=exc.status)
+        return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -90,6 +90,7 @@ def build_app(serving: Serving, metrics: ServerMetrics) -> FastAPI:
         err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
         return JSONResponse(error_body(err), status_code=500)
 
+    app.state.serving = serving  # the server's SIGTERM handler drains it
     app.include_router(openai_router(serving))
     app.include_router(native_router(serving, metrics))
     if serving.options.api_key is not None:

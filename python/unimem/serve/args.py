@@ -49,7 +49,6 @@ SGLANG_ONLY_FLAGS = frozenset(
         "--base-gpu-id",
         "--gpu-id-step",
         "--enable-dp-attention",
-        "--chat-template",
         "--completion-template",
         "--tool-call-parser",
         "--reasoning-parser",
@@ -105,13 +104,18 @@ class CliError(Exception):
 @dataclass(frozen=True)
 class ServerOptions:
     """The HTTP side's options: where to listen, the model name clients use (SGLang's default:
-    the model path), the API key (None: none needed) and the log level."""
+    the model path), the API key (None: none needed), the log level, the chat template
+    (``--chat-template``: a Jinja file or a known name; None: the tokenizer's), the drain
+    timeout on SIGTERM and the ``/health_generate`` timeout, in seconds."""
 
     host: str
     port: int
     served_model_name: str
     api_key: str | None
     log_level: str
+    chat_template: str | None = None
+    graceful_shutdown_timeout: float = 30.0
+    health_generate_timeout: float = 20.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -149,6 +153,11 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
     )
     m.add_argument("--context-length", type=int, help="default: the checkpoint's")
     m.add_argument("--served-model-name", help="the model name in the API (default: model path)")
+    m.add_argument(
+        "--chat-template",
+        help="the chat template for /v1/chat/completions: a Jinja file or a known name "
+        "(default: the tokenizer's)",
+    )
     m.add_argument("--random-seed", type=int, default=0)
     mem = p.add_argument_group("memory and scheduling")
     mem.add_argument(
@@ -220,6 +229,20 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     s.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     s.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="unimem only: seconds running requests get to finish after SIGTERM / SIGINT "
+        "(new ones get 503); what still runs then is ended with finish_reason abort",
+    )
+    s.add_argument(
+        "--health-generate-timeout",
+        type=float,
+        default=20.0,
+        help="unimem only: seconds /health_generate waits for the engine to produce a "
+        "token (its probe, or any request's) before it answers 503",
+    )
+    s.add_argument(
         "--enable-metrics",
         action="store_true",
         help="accepted for SGLang command lines: /metrics is always on",
@@ -253,6 +276,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
         raise CliError("--api-key must not be empty")
     if ns.served_model_name is not None and not ns.served_model_name:
         raise CliError("--served-model-name must not be empty")
+    for flag, value in (
+        ("--graceful-shutdown-timeout", ns.graceful_shutdown_timeout),
+        ("--health-generate-timeout", ns.health_generate_timeout),
+    ):
+        if not value > 0 or value == float("inf"):
+            raise CliError(f"{flag} must be a positive number of seconds, got {value}")
+    chat_template = None
+    if ns.chat_template is not None:
+        from unimem.serve.chat_template import ChatTemplateError, resolve_chat_template
+
+        try:
+            chat_template = resolve_chat_template(ns.chat_template)
+        except ChatTemplateError as e:
+            raise CliError(str(e)) from None
     engine_kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs) if hasattr(ns, f.name)}
     engine_kwargs["dtype"] = DTYPES[ns.dtype]
     engine_kwargs["device"] = ns.device or _default_device()
@@ -266,6 +303,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
         served_model_name=ns.served_model_name or engine_args.model_path,
         api_key=ns.api_key,
         log_level=ns.log_level,
+        chat_template=chat_template,
+        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
+        health_generate_timeout=ns.health_generate_timeout,
     )
     return engine_args, options
 

@@ -49,13 +49,14 @@ class Delta:
     """New output of one request since its previous delta: ``tokens`` with their
     ``logprobs``; ``finish_reason`` ("stop", "length", "abort") on its last delta, with
     ``cached_tokens`` (prefix-cache hits) and ``error`` (a message if the engine could not
-    run the request: then no tokens follow)."""
+    run the request: then no tokens follow) with the HTTP ``status`` it is answered with."""
 
     tokens: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: str | None = None
+    status: int = 400
 
 
 @dataclass
@@ -64,7 +65,8 @@ class Submission:
     (EOS included unless ignored), ``sampling`` (None: greedy), and where its deltas go.
     ``arrival``: ``time.monotonic()`` when the HTTP request came in (time to first token is
     measured from it). ``event_loop``: run ``sink`` on this asyncio loop (module
-    docstring)."""
+    docstring). ``counted``: False for the server's own probes (``/health_generate``), which
+    the metrics leave out."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -73,6 +75,7 @@ class Submission:
     sink: Callable[[Delta], None]
     arrival: float = field(default_factory=time.monotonic)
     event_loop: asyncio.AbstractEventLoop | None = None
+    counted: bool = True
 
 
 class Handle:
@@ -83,6 +86,8 @@ class Handle:
         self.req: Request | None = None  # set by the engine thread
         self.sent = 0
         self.last_emit = 0.0
+        self.finish_as: str | None = None  # the reason the response reports (metrics)
+        self.failed: Delta | None = None  # the error it ends with, if ended before it started
 
 
 @dataclass
@@ -109,6 +114,8 @@ class EngineLoop:
         self._active: list[Handle] = []
         self._outbox: list[tuple[Handle, Delta]] = []
         self._stopping = False
+        self._count_lock = threading.Lock()
+        self.last_output = 0.0  # time.monotonic() when output tokens last came out
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self._counters = _Counters()
@@ -132,10 +139,53 @@ class EngineLoop:
         self._post("submit", handle)
         return handle
 
-    def abort(self, handle: Handle) -> None:
+    def abort(self, handle: Handle, report_as: str | None = None) -> None:
         """End ``handle``'s request between steps (its memory comes back); a no-op once it
-        finished. Returns at once."""
+        finished. ``report_as``: the finish reason the response reports and the metrics
+        count (a stop string ends a request as "stop"); default "abort". Returns at once."""
+        if report_as is not None:
+            handle.finish_as = report_as
         self._post("abort", handle)
+
+    def relabel(self, engine_reason: str, reported: str) -> None:
+        """Count one finished request as ``reported`` instead of ``engine_reason`` (a stop
+        string found in the delta that already ended it for another reason)."""
+        if engine_reason == reported:
+            return
+        with self._count_lock:
+            done = self._counters.requests_finished
+            if done.get(engine_reason, 0) > 0:
+                done[engine_reason] -= 1
+                if not done[engine_reason]:
+                    del done[engine_reason]
+            done[reported] = done.get(reported, 0) + 1
+
+    def fail_queued(self, message: str, status: int = 503) -> Future:
+        """End every request that is queued and has produced nothing yet (its response has
+        not started) with ``message`` answered as ``status``; requests already running go
+        on. Runs between two steps; the future's result is how many were ended."""
+
+        def fail(core: EngineCore) -> int:
+            n = 0
+            for h in self._active:
+                r = h.req
+                if h.sent == 0 and not r.output and r.status.name == "WAITING":
+                    core.abort(r)
+                    h.failed = Delta(finish_reason="abort", error=message, status=status)
+                    n += 1
+            return n
+
+        return self.call(fail)
+
+    def abort_all(self) -> Future:
+        """Abort every request (each ends with finish_reason "abort"); between two steps."""
+        return self.call(lambda core: [core.abort(h.req) for h in self._active])
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is queued or running (as of the last step)."""
+        s = self._snapshot
+        return bool(s.get("running_requests") or s.get("queued_requests"))
 
     def call(self, fn: Callable[[EngineCore], object]) -> Future:
         """Run ``fn(core)`` on the engine thread between two steps; its result as a future."""
@@ -144,8 +194,9 @@ class EngineLoop:
         return fut
 
     def snapshot(self) -> dict:
-        """The engine's state as of its last step (module docstring); never blocks."""
-        return self._snapshot
+        """The engine's state as of its last step (module docstring; finished requests by
+        reason are current); never blocks."""
+        return {**self._snapshot, "requests_finished": self._finished_counts()}
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort every request, stop the thread and wait for it."""
@@ -160,7 +211,7 @@ class EngineLoop:
             if self._stopping or self.error is not None:
                 reason = self.error or "the server is shutting down"
                 if kind == "submit":
-                    _send([(item, Delta(finish_reason="abort", error=reason))])
+                    _send([(item, Delta(finish_reason="abort", error=reason, status=503))])
                 elif kind == "call":
                     item[1].set_exception(RuntimeError(reason))
                 return
@@ -196,7 +247,7 @@ class EngineLoop:
                 self.error = f"engine failure: {type(e).__name__}: {e}"
                 pending, self._inbox = self._inbox, []
             failed = self._active + [i for k, i in pending if k == "submit"]
-            _send([(h, Delta(finish_reason="abort", error=self.error)) for h in failed])
+            _send([(h, Delta(finish_reason="abort", error=self.error, status=503)) for h in failed])
             for k, item in pending:
                 if k == "call":
                     item[1].set_exception(RuntimeError(self.error))
@@ -228,7 +279,8 @@ class EngineLoop:
         except ValueError as e:  # checked on the HTTP side already; a race is still answered
             self._outbox.append((h, Delta(finish_reason="abort", error=str(e))))
             return
-        self._counters.prompt_tokens += len(s.prompt)
+        if s.counted:
+            self._counters.prompt_tokens += len(s.prompt)
         self._active.append(h)
 
     def _abort(self, h: Handle) -> None:
@@ -243,6 +295,9 @@ class EngineLoop:
             r = h.req
             n = len(r.output)
             done = r.finished
+            if done and h.failed is not None:  # ended before it started (fail_queued)
+                self._outbox.append((h, h.failed))
+                continue
             if n > h.sent or done:
                 toks = tuple(r.output[h.sent : n])
                 lps = tuple(r.output_logprobs[h.sent : n])
@@ -261,6 +316,9 @@ class EngineLoop:
     def _observe_tokens(self, h: Handle, n: int, now: float) -> None:
         if n == 0:
             return
+        self.last_output = now
+        if not h.sub.counted:
+            return
         self._counters.generation_tokens += n
         if self.observe is not None:
             if h.sent == 0:
@@ -272,14 +330,23 @@ class EngineLoop:
         h.last_emit = now
 
     def _finished(self, h: Handle, reason: str, now: float) -> None:
+        if not h.sub.counted:
+            return
         c = self._counters
         r = h.req
         c.cached_tokens += r.cached_tokens
         c.verify_steps += r.verify_steps
         c.verified_tokens += r.verified_tokens
-        c.requests_finished[reason] = c.requests_finished.get(reason, 0) + 1
+        if reason == "abort" and h.finish_as is not None:
+            reason = h.finish_as
+        with self._count_lock:
+            c.requests_finished[reason] = c.requests_finished.get(reason, 0) + 1
         if self.observe is not None:
             self.observe.finished(reason, now - h.sub.arrival)
+
+    def _finished_counts(self) -> dict[str, int]:
+        with self._count_lock:
+            return dict(self._counters.requests_finished)
 
     def _publish(self) -> None:
         """Swap in a fresh snapshot (one reference assignment: readers never see a torn one)."""
@@ -313,7 +380,7 @@ class EngineLoop:
             "cached_tokens_total": c.cached_tokens,
             "spec_verify_steps_total": c.verify_steps,
             "spec_verified_tokens_total": c.verified_tokens,
-            "requests_finished": dict(c.requests_finished),
+            "requests_finished": self._finished_counts(),
             "prompt_throughput": (c.prompt_tokens - hist[0][1]) / span if span > 0 else 0.0,
             "generation_throughput": (c.generation_tokens - hist[0][2]) / span if span > 0 else 0.0,
             "prefix_cache": cache_stats(self.core),

@@ -38,6 +38,12 @@ DISCONNECT_POLL_S = 0.5
 DEFAULT_TEMPERATURE = 1.0
 """OpenAI's and SGLang's default temperature when a request gives none."""
 
+DRAIN_POLL_S = 0.05
+"""How often a draining server checks whether its requests are done."""
+
+RETRY_AFTER_S = 5
+"""The ``Retry-After`` (seconds) of a 503 while the server shuts down."""
+
 
 @dataclass
 class GenParams:
@@ -58,6 +64,7 @@ class GenParams:
     logprobs: bool = False
     top_logprobs: int = 0
     max_tokens_field: str = "max_tokens"  # how the request spelled it (errors name it)
+    top_logprobs_field: str = "top_logprobs"
 
 
 @dataclass
@@ -83,9 +90,21 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.core = engine.core
         self.vocab_size = engine.model.config.vocab_size
-        self.context_length = engine.context_length
+        # What the server really accepts (max_model_len): the model's context, or less when
+        # one request of that length could not be held by the memory even alone.
+        self.memory_limit = self.core.max_request_tokens()
+        self.context_length = min(engine.context_length, self.memory_limit)
         self.eos_token_ids = frozenset(engine.eos_token_ids)
         self.started = time.time()
+        self.draining = False  # SIGTERM: new requests get 503, running ones finish
+
+    def shutting_down_error(self) -> ApiError:
+        return ApiError(
+            503,
+            "the server is shutting down; retry on another replica or later",
+            code="shutting_down",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
     # ------------------------------------------------------------------ checks
 
@@ -107,10 +126,9 @@ class Serving:
 
     def max_room(self, prompt_len: int) -> int:
         """The most output tokens a prompt of ``prompt_len`` tokens may ask for: within the
-        context, with the write window and look-ahead of speculation."""
-        core = self.core
-        reach = core.lookahead + (core.chain.gamma if core.chain is not None else 0)
-        return min(self.context_length - prompt_len, core.pool.max_context - prompt_len + 1 - reach)
+        context (:attr:`context_length`: the write window and look-ahead of speculation and
+        what the memory holds for one request are counted)."""
+        return self.context_length - prompt_len
 
     def sampling_options(self, p: GenParams) -> SamplingOptions | None:
         """The one place request parameters become engine sampling options (None: greedy).
@@ -143,12 +161,21 @@ class Serving:
             )
         if p.n != 1:
             raise ApiError(400, f"n must be 1, got {p.n}", param="n", code="unsupported_value")
+        if self.draining:
+            raise self.shutting_down_error()
         room = self.max_room(len(prompt))
         if room < 1:
+            why = ""
+            if self.memory_limit < self.engine.context_length:
+                why = (
+                    f" (the model's is {self.engine.context_length}; this server's memory "
+                    f"holds at most {self.memory_limit} tokens for one request: raise "
+                    "--max-total-tokens or --mem-fraction-static)"
+                )
             raise ApiError(
                 400,
                 f"This model's maximum context length is {self.context_length} "
-                f"tokens; the {prompt_field} has {len(prompt)} tokens, which leaves "
+                f"tokens{why}; the {prompt_field} has {len(prompt)} tokens, which leaves "
                 "no room for output",
                 param=prompt_field,
                 code="context_length_exceeded",
@@ -184,29 +211,53 @@ class Serving:
             )
         if p.stop and self.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer", param="stop")
+        top = p.top_logprobs_field
         if p.top_logprobs not in (0, 1):
             raise ApiError(
                 400,
-                f"top logprobs: only 0 or 1 are supported, got {p.top_logprobs}",
-                param="top_logprobs",
+                f"{top}: only 0 or 1 are supported, got {p.top_logprobs}",
+                param=top,
                 code="unsupported_value",
             )
         sampling = self.sampling_options(p)
         if p.top_logprobs and sampling is not None:
+            # The engine reports the chosen token's log-probability at every temperature;
+            # the most likely token beside it is the chosen one only under greedy decoding.
             raise ApiError(
                 400,
-                "top logprobs need temperature 0",
-                param="top_logprobs",
+                f"{top} 1 (the most likely token) needs temperature 0; at temperature > 0 "
+                f"ask for the chosen tokens' log-probabilities only ({top} 0)",
+                param=top,
                 code="unsupported_value",
             )
         try:
             self.core.check_request(prompt, n)
         except ValueError as e:
-            raise ApiError(400, str(e), param=prompt_field, code="invalid_value") from None
+            raise ApiError(400, str(e), param=name, code="context_length_exceeded") from None
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops |= self.eos_token_ids
         return Submission(prompt, n, frozenset(stops), sampling, sink=_no_sink)
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown (SIGTERM): stop admitting (new requests get 503 with
+        ``Retry-After``), end the queued requests that have not started with the same 503,
+        let running ones finish for up to ``timeout`` seconds, then abort what still runs
+        (its stream ends with finish_reason "abort" and ``[DONE]``)."""
+        self.draining = True
+        loop = self.loop
+        if not loop.alive:
+            return
+        err = self.shutting_down_error()
+        try:
+            await asyncio.wrap_future(loop.fail_queued(err.message))
+            deadline = time.monotonic() + timeout
+            while loop.busy and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+            if loop.busy:
+                await asyncio.wrap_future(loop.abort_all())
+        except RuntimeError:  # the engine thread stopped meanwhile: nothing left to drain
+            return
 
     # ------------------------------------------------------------------ helpers
 
@@ -237,6 +288,7 @@ class Generation:
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
         self.arrival = sub.arrival
+        self.disconnected = False  # the client went away (not the server ending it)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Submit and yield pieces until the last one (which has a ``finish_reason``). An
@@ -253,12 +305,17 @@ class Generation:
                 done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
                 if not done:
                     if self.http_request is not None and await self.http_request.is_disconnected():
+                        self.disconnected = True
                         return  # finally aborts
                     continue
                 delta, getter = getter.result(), None
                 piece = self._piece(delta)
                 if piece.finish_reason == "stop" and isinstance(piece.matched, str):
-                    self.serving.loop.abort(handle)  # a stop string: end it in the engine
+                    # a stop string: end it in the engine, counted as the response reports it
+                    if delta.finish_reason is None:
+                        self.serving.loop.abort(handle, report_as="stop")
+                    else:  # the engine had ended it already (and counted it) for another reason
+                        self.serving.loop.relabel(delta.finish_reason, "stop")
                 yield piece
         finally:
             if getter is not None:
@@ -270,8 +327,13 @@ class Generation:
     def _piece(self, d: Delta) -> Piece:
         if d.error is not None:
             self.finish_reason = "abort"
-            status = 503 if not self.serving.loop.alive else 400
-            raise ApiError(status, d.error, code="engine_error" if status == 503 else None)
+            if d.status == 503:
+                if self.serving.draining:
+                    raise self.serving.shutting_down_error()
+                headers = {"Retry-After": str(RETRY_AFTER_S)}
+                code = "engine_error" if not self.serving.loop.alive else "service_unavailable"
+                raise ApiError(503, d.error, code=code, headers=headers)
+            raise ApiError(d.status, d.error, code="invalid_value")
         toks, lps = list(d.tokens), list(d.logprobs)
         self.output_ids += toks
         self.completion_tokens += len(toks)

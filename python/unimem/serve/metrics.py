@@ -9,14 +9,15 @@ checkpoints it holds and its evictions), speculative accept length, prompt and
 generation tokens (totals and throughput over the last seconds). Histograms are observed by
 the engine thread as tokens come out: time to first token (from the HTTP request's arrival),
 inter-token latency (per token: the gap between two deliveries over the tokens delivered),
-end-to-end request latency.
+end-to-end request latency. Finished requests are counted by the finish reason their
+responses report (a stop string is "stop", not the abort that ends it in the engine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE"]
@@ -141,6 +142,14 @@ class _SnapshotCollector:
                 "Prefix-cache entries evicted for memory.",
                 cache["evictions"],
             )
+        finished = CounterMetricFamily(
+            "unimem:requests_finished",
+            "Finished requests by the finish reason their responses report.",
+            labels=[*self.label_names, "finish_reason"],
+        )
+        for reason, n in sorted(s["requests_finished"].items()):
+            finished.add_metric([*self.label_values, reason], n)
+        yield finished
         steps = s["spec_verify_steps_total"]
         yield g(
             "unimem:spec_accept_length",
@@ -188,12 +197,6 @@ class ServerMetrics:
             registry=r,
             buckets=E2E_BUCKETS,
         )
-        self._finished = Counter(
-            "unimem:requests_finished",
-            "Finished requests by reason.",
-            [*names, "finish_reason"],
-            registry=r,
-        )
         r.register(_SnapshotCollector(snapshot, labels))
 
     # called by the engine thread (prometheus-client metrics are thread-safe)
@@ -206,8 +209,7 @@ class ServerMetrics:
             h.observe(seconds)
 
     def finished(self, reason: str, seconds: float) -> None:
-        self._e2e.labels(*self._values).observe(seconds)
-        self._finished.labels(*self._values, reason).inc()
+        self._e2e.labels(*self._values).observe(seconds)  # by reason: the snapshot's counts
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -14,7 +14,7 @@ event carries the text and ids so far (SGLang's cumulative stream) and the last 
 per kind, running / queued requests, the prefix cache's statistics under ``prefix_cache``,
 ...), so a client can watch memory return to idle: what the prefix cache holds counts as
 used until ``/flush_cache``, which empties the cache when no request is queued or running
-(400 otherwise, as SGLang answers).
+(400 otherwise, as SGLang answers, with SGLang's message in an error body).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ SAMPLING_KEYS = (
     "n",
 )
 
-HEALTH_GENERATE_TIMEOUT_S = 20.0
+HEALTH_POLL_S = 0.05
+"""How often ``/health_generate`` looks for engine output."""
 
 
 def _gen_params(raw: dict | None, where: str) -> GenParams:
@@ -127,7 +128,9 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
 
     def prompts(body: GenerateRequest) -> tuple[list[list[int]], str, bool]:
         if (body.text is None) == (body.input_ids is None):
-            raise ApiError(400, "give exactly one of text and input_ids", param="text")
+            raise ApiError(
+                400, "give exactly one of text and input_ids", param="text", code="invalid_value"
+            )
         if body.text is not None:
             serving.require_tokenizer()
             single = isinstance(body.text, str)
@@ -199,6 +202,8 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
 
     @router.get("/health")
     async def health():
+        if serving.draining:
+            raise serving.shutting_down_error()
         if not serving.loop.alive:
             raise ApiError(
                 503, serving.loop.error or "the engine is not running", code="engine_error"
@@ -207,12 +212,37 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
 
     @router.get("/health_generate")
     async def health_generate(request: Request):
+        """SGLang's semantics: healthy once the engine produces a token after the probe
+        arrived, its own one-token probe's or any running request's (a busy server is not
+        slowed by, nor failed for, its queue); 503 if nothing comes out within
+        ``--health-generate-timeout`` seconds, or while shutting down."""
+        if serving.draining:
+            raise serving.shutting_down_error()
+        if not serving.loop.alive:
+            raise ApiError(
+                503, serving.loop.error or "the engine is not running", code="engine_error"
+            )
+        tic = time.monotonic()
         p = GenParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        gen = Generation(serving, serving.prepare([0], p, "input_ids"), (), request)
+        sub = serving.prepare([0], p, "input_ids")
+        sub.counted = False  # a probe: not a request the metrics count
+        gen = Generation(serving, sub, (), None)
+        probe = asyncio.ensure_future(gen.collect())
+        timeout = serving.options.health_generate_timeout
         try:
-            await asyncio.wait_for(gen.collect(), HEALTH_GENERATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise ApiError(503, "the engine did not answer in time", code="timeout") from None
+            while not probe.done() and serving.loop.last_output <= tic:
+                if time.monotonic() - tic > timeout:
+                    raise ApiError(
+                        503,
+                        f"the engine produced no token in {timeout:g}s (--health-generate-timeout)",
+                        code="timeout",
+                    )
+                await asyncio.sleep(HEALTH_POLL_S)
+            if probe.done():
+                probe.result()  # an engine error is answered as such
+        finally:
+            if not probe.done():
+                probe.cancel()  # aborts the probe in the engine (or drops it from the queue)
         return Response(status_code=200)
 
     @router.get("/get_model_info")
@@ -251,9 +281,9 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
                 serving.loop.call(lambda core: serving.engine.flush_cache())
             )
         except ValueError as e:  # not supported here (tensor parallelism)
-            return PlainTextResponse(f"Cache not flushed: {e}.", status_code=400)
+            raise ApiError(400, f"Cache not flushed: {e}.", code="unsupported_value") from None
         if not done:
-            return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
+            raise ApiError(400, "Cache not flushed: requests are running.", code="requests_running")
         return PlainTextResponse("Cache flushed.")
 
     @router.get("/metrics")

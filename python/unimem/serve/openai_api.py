@@ -19,11 +19,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from unimem.serve.chat_template import KNOWN_TEMPLATES
 from unimem.serve.generation import Generation, GenParams, Piece, Serving
 from unimem.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    check_unicode,
     error_body,
     parse_body,
     refuse_unsupported,
@@ -38,14 +40,16 @@ async def read_json(request: Request):
     """The decoded body; 400 with OpenAI's message if it is not JSON."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise ApiError(
             400,
             "We could not parse the JSON body of your request. (HINT: This "
             "likely means you aren't using your HTTP library correctly.)",
             code="invalid_json",
         ) from None
+    check_unicode(data)
+    return data
 
 
 def sse(obj) -> str:
@@ -157,7 +161,7 @@ class _Route:
         head = {"id": rid, "object": obj, "created": created, "model": s.options.served_model_name}
         if not body.stream:
             out = await gen.collect()
-            if out.finish_reason == "abort":  # the client is gone; nobody reads this
+            if gen.disconnected:  # the client is gone; nobody reads this
                 raise ApiError(499, "client disconnected", code="client_closed_request")
             choice = self.choice(out, want_lp, top, 0, stream=False)
             return JSONResponse({**head, "choices": [choice], "usage": _usage(gen)})
@@ -230,6 +234,7 @@ def openai_router(serving: Serving) -> APIRouter:
             )
         params = _params(body, body.max_tokens, "max_tokens")
         params.top_logprobs = lp or 0
+        params.top_logprobs_field = "logprobs"
         return await completions.run(
             request, body, prompt, "prompt", params, lp is not None, lp or 0
         )
@@ -243,7 +248,12 @@ def openai_router(serving: Serving) -> APIRouter:
         prompt = _chat_prompt(serving, body)
         top = body.top_logprobs or 0
         if top and not body.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            raise ApiError(
+                400,
+                "top_logprobs needs logprobs: true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise ApiError(
                 400,
@@ -295,12 +305,27 @@ def _completion_prompt(serving: Serving, prompt) -> list[int]:
 def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
     tok = serving.tokenizer
     if not body.messages:
-        raise ApiError(400, "messages must not be empty", param="messages")
-    if not getattr(tok, "chat_template", None):
-        raise ApiError(400, "the model's tokenizer has no chat template", param="messages")
+        raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
+    template = serving.options.chat_template or getattr(tok, "chat_template", None)
+    if not template:
+        raise ApiError(
+            400,
+            "this model has no chat template (a base model): start the server with "
+            "--chat-template FILE|NAME (a Jinja file, or one of: "
+            f"{', '.join(sorted(KNOWN_TEMPLATES))}), or send the text to /v1/completions",
+            param="messages",
+            code="no_chat_template",
+        )
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
     except Exception as e:  # a template may refuse a conversation (raise_exception)
-        raise ApiError(400, f"messages: the chat template failed: {e}", param="messages") from None
+        raise ApiError(
+            400,
+            f"messages: the chat template failed: {e}",
+            param="messages",
+            code="invalid_value",
+        ) from None
     return tok.encode(text, add_special_tokens=False)

@@ -16,11 +16,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = [
     "ApiError",
+    "DEFAULT_CODES",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
     "GenerateRequest",
     "StreamOptions",
+    "check_unicode",
     "error_body",
     "parse_body",
     "refuse_unsupported",
@@ -29,7 +31,8 @@ __all__ = [
 
 class ApiError(Exception):
     """An error answered with an OpenAI error body: ``status`` (400, 401, 404, 503, ...),
-    ``message``, the offending ``param`` and a machine-readable ``code``."""
+    ``message``, the offending ``param`` and a machine-readable ``code`` (never None: without
+    one, the status's default code). ``headers``: extra response headers (``Retry-After``)."""
 
     def __init__(
         self,
@@ -38,13 +41,27 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or DEFAULT_CODES.get(
+            status, "invalid_request" if status < 500 else "server_error"
+        )
         self.type = type or _error_type(status)
+        self.headers = headers
+
+
+DEFAULT_CODES = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    503: "service_unavailable",
+}
+"""The code of an error raised without one, by status (every error body carries a code)."""
 
 
 def _error_type(status: int) -> str:
@@ -188,6 +205,34 @@ def refuse_unsupported(body: BaseModel) -> None:
             param="response_format",
             code="unsupported_parameter",
         )
+
+
+def check_unicode(data: Any) -> None:
+    """400 naming the field and the position of the first string in a decoded JSON body that
+    is not valid Unicode (a lone surrogate such as ``"\\ud800"``: JSON can spell it, UTF-8
+    and the tokenizer cannot). Iterative: any nesting depth the JSON decoder accepted."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        where, item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ApiError(
+                    400,
+                    f"{where or 'body'}: invalid Unicode at position {e.start}: lone "
+                    f"surrogate U+{ord(item[e.start]):04X}",
+                    param=where or None,
+                    code="invalid_unicode",
+                ) from None
+        elif isinstance(item, dict):
+            for key, value in reversed(item.items()):
+                name = f"{where}.{key}" if where else str(key)
+                todo.append((name, value))
+                todo.append((where, key))
+        elif isinstance(item, list):
+            for i in reversed(range(len(item))):
+                todo.append((f"{where}.{i}" if where else str(i), item[i]))
 
 
 def parse_body(model: type[BaseModel], data: Any) -> BaseModel:

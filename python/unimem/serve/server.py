@@ -3,12 +3,16 @@
 Order: parse the flags (one-line errors, exit 2), bind the listening socket (a port in use is
 a one-line error before the model loads), build the engine exactly as :class:`unimem.Engine`
 does (checkpoint, pools sized as SGLang sizes them, ``EngineCore``), log one capacity line
-like SGLang's, start the engine thread, serve with uvicorn until SIGINT / SIGTERM, then abort
-what is running and stop the engine thread. Ctrl-C at any point exits without a traceback.
+like SGLang's, start the engine thread, serve with uvicorn until SIGINT / SIGTERM, then drain
+(new and queued requests get 503 JSON with ``Retry-After``; running ones get
+``--graceful-shutdown-timeout`` seconds to finish, then are aborted: every open stream ends
+with a final chunk and ``[DONE]``), stop the engine thread and exit 0; a second signal stops
+at once. Ctrl-C at any point exits without a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -21,12 +25,14 @@ from unimem.engine.args import EngineArgs
 from unimem.memory.spec import LayerKind
 from unimem.serve.args import CliError, ServerOptions, parse_args
 
-__all__ = ["capacity_line", "main"]
+__all__ = ["capacity_line", "main", "resolve_drafter", "shipped_drafter"]
 
 log = logging.getLogger("unimem.serve")
 
 PROG = "unimem.launch_server"
-GRACEFUL_SHUTDOWN_S = 5
+CLOSE_CONNECTIONS_S = 5
+"""Seconds uvicorn gives open connections to close once the drain is over (their responses
+have all ended by then; this only bounds a client that does not read)."""
 
 
 def _fail(message: str) -> int:
@@ -68,18 +74,76 @@ def capacity_line(engine) -> str:
     )
 
 
+def shipped_drafter(model_path: str) -> str | None:
+    """The DSPARK drafter checkpoint shipped with the model at ``model_path``, if there is one:
+    the hook ``--speculative-algorithm DSPARK`` without ``--speculative-draft-model-path``
+    picks it up through. No model ships a trained drafter yet, so this returns None; a model
+    that ships one is recognized here (e.g. a drafter directory beside its weights)."""
+    return None
+
+
+def resolve_drafter(args: EngineArgs) -> EngineArgs:
+    """``args`` with the model's shipped drafter (:func:`shipped_drafter`) when DSPARK is on
+    and none is given; without one, a start-up warning says what the untrained drafter
+    costs."""
+    if args.speculative_algorithm != "DSPARK" or args.speculative_draft_model_path is not None:
+        return args
+    path = shipped_drafter(args.model_path)
+    if path is not None:
+        log.info("DSPARK: using the drafter shipped with the model: %s", path)
+        return EngineArgs.from_kwargs(**{**asdict(args), "speculative_draft_model_path": path})
+    log.warning(
+        "--speculative-algorithm DSPARK without --speculative-draft-model-path: the drafter "
+        "is UNTRAINED (random weights) and nearly every draft is rejected (accept length "
+        "about 1 token per step), so each step pays the drafter and a %d-token verify for "
+        "one token: slower than serving without DSPARK. Train a drafter (python -m "
+        "unimem.speculative.distill) and pass --speculative-draft-model-path, or leave "
+        "--speculative-algorithm out.",
+        args.gamma + 1,
+    )
+    return args
+
+
 def _build_engine(args: EngineArgs):
     from unimem.engine.api import Engine
 
     return Engine(**asdict(args))
 
 
-def _uvicorn_server(config):
+def _uvicorn_server(config, drain=None):
     """A ``uvicorn.Server`` that stops gracefully on SIGINT / SIGTERM and then returns (uvicorn
-    re-raises the signal after its shutdown, which would kill the process with it)."""
+    re-raises the signal after its shutdown, which would kill the process with it).
+    ``drain``: a coroutine function run on the first signal before uvicorn stops (the
+    server keeps answering meanwhile); a second signal stops at once."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        _loop: asyncio.AbstractEventLoop | None = None
+        _drain_task: asyncio.Task | None = None
+
+        async def serve(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets=sockets)
+
+        def handle_exit(self, sig, frame):
+            if drain is None or self._loop is None or self._drain_task is not None:
+                self.force_exit = self.should_exit or self._drain_task is not None
+                self.should_exit = True
+                return
+            self._drain_task = True  # claimed; the task replaces it on the loop
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self):
+            self._drain_task = self._loop.create_task(self._drain())
+
+        async def _drain(self):
+            try:
+                await drain()
+            except Exception:
+                log.exception("draining failed")
+            finally:
+                self.should_exit = True
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -107,9 +171,18 @@ def serve(engine, options: ServerOptions, sock: socket.socket) -> None:
         app,
         log_level=options.log_level,
         access_log=options.log_level == "debug",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
     )
-    server = _uvicorn_server(config)
+    serving = app.state.serving
+
+    async def drain() -> None:
+        log.info(
+            "shutting down: new requests get 503; running ones have %gs to finish",
+            options.graceful_shutdown_timeout,
+        )
+        await serving.drain(options.graceful_shutdown_timeout)
+
+    server = _uvicorn_server(config, drain)
     host, port = sock.getsockname()[:2]
     log.info("serving %s on http://%s:%d", options.served_model_name, host, port)
     server.run(sockets=[sock])  # the app's shutdown stops the engine thread
@@ -139,6 +212,7 @@ def _main(argv: list[str] | None) -> int:
         sock = _bind(options.host, options.port)
     except OSError as e:
         return _fail(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}")
+    engine_args = resolve_drafter(engine_args)
     try:
         engine = _build_engine(engine_args)
     except (ValueError, OSError) as e:
