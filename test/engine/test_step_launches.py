@@ -100,7 +100,7 @@ def test_gemma3_fused_step_body_decodes_as_the_reference(gemma_path, monkeypatch
                             page_size=4)  # fmt: skip
         outs[backend] = eng.generate(
             input_ids=prompts,
-            sampling_params={"max_new_tokens": 10, "temperature": 0.0},
+            sampling_params={"max_new_tokens": 6, "temperature": 0.0},
             return_logprob=True,
         )
     for ref, got in zip(outs["reference"], outs["triton"], strict=True):
