@@ -581,3 +581,24 @@ def test_norm_add_rms_norm_reference_is_gemma_chain():
     assert torch.equal(s, s0) and torch.equal(y, y0)
     with pytest.raises(ValueError, match="next_weight"):
         fu.norm_add_rms_norm(x, delta, pw, nw[:5], EPS)
+
+
+# ------------------------------------------------------------------- clamped_swiglu
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamped_swiglu_matches_reference(triton_backend, device, dtype):
+    """gpt-oss's clamped SwiGLU over the two column halves of a gate/up product, values on
+    both sides of the clamp: bf16 within 1 ulp of the torch code (the sigmoid's exp), fp32
+    within 1e-6."""
+    g = _gen(9)
+    h = rand(g, 5, 2 * 24, dtype=dtype, device=device, scale=6.0)
+    gate, up = h.chunk(2, dim=-1)
+    y = fu.clamped_swiglu(gate, up, 1.702, 7.0)
+    y0 = fu.clamped_swiglu_reference(gate, up, 1.702, 7.0)
+    assert y.is_contiguous() and y.shape == (5, 24)
+    if dtype == F32:
+        assert rel_err(y, y0) <= 1e-6
+    else:
+        assert_ulp(y, y0, 1, floor=2.0**-20)

@@ -27,6 +27,8 @@ from unimem_kernel.expert_route import ExpertRoute, moe_route, moe_route_referen
 from unimem_kernel.fused import (
     add_rms_norm,
     add_rms_norm_reference,
+    clamped_swiglu,
+    clamped_swiglu_reference,
     gated_rms_norm,
     gated_rms_norm_reference,
     gdn_gates,
@@ -112,6 +114,8 @@ __all__ = [
     "build_decode_metadata_reference",
     "build_extend_metadata",
     "build_extend_metadata_reference",
+    "clamped_swiglu",
+    "clamped_swiglu_reference",
     "commit_lanes",
     "commit_lanes_reference",
     "commit_states",

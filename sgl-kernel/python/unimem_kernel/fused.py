@@ -58,6 +58,8 @@ def use_triton(t: torch.Tensor) -> bool:
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
+    "clamped_swiglu",
+    "clamped_swiglu_reference",
     "gated_rms_norm",
     "gated_rms_norm_reference",
     "gdn_gates",
@@ -488,24 +490,38 @@ def _gated_act_kernel(
     stride_g,
     stride_u,
     stride_o,
-    ACT: tl.constexpr,  # 0: silu, 1: gelu (tanh approximation)
+    alpha,
+    limit,
+    ACT: tl.constexpr,  # 0: silu, 1: gelu (tanh approximation), 2: gpt-oss's clamped SwiGLU
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < F_
+    dt = o_ptr.dtype.element_ty
     g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
-    if ACT == 0:
-        a = g / (1.0 + tl.exp(-g))  # torch's silu: x / (1 + exp(-x)) in fp32
+    if ACT == 2:
+        # (clamp(up, -l, l) + 1) * (g * sigmoid(g * alpha)), g = clamp(gate, max=l): every
+        # torch op's result rounded to the dtype, as the torch code rounds it
+        g = _round(tl.minimum(g, limit), dt).to(tl.float32)
+        u = _round(tl.minimum(tl.maximum(u, -limit), limit), dt).to(tl.float32)
+        t = _round(g * alpha, dt).to(tl.float32)
+        sg = _round(1.0 / (1.0 + tl.exp(-t)), dt).to(tl.float32)
+        gs = _round(g * sg, dt).to(tl.float32)
+        u1 = _round(u + 1.0, dt).to(tl.float32)
+        tl.store(o_ptr + row * stride_o + cols, _round(u1 * gs, dt), mask=m)
     else:
-        # torch's tanh GELU: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), with
-        # tanh(v) = 1 - 2 / (exp(2v) + 1) (no tanh in the interpreter)
-        inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
-        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-        a = 0.5 * g * (1.0 + th)
-    a = _round(a, o_ptr.dtype.element_ty).to(tl.float32)  # the activation is rounded first
-    tl.store(o_ptr + row * stride_o + cols, _round(a * u, o_ptr.dtype.element_ty), mask=m)
+        if ACT == 0:
+            a = g / (1.0 + tl.exp(-g))  # torch's silu: x / (1 + exp(-x)) in fp32
+        else:
+            # torch's tanh GELU: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))),
+            # with tanh(v) = 1 - 2 / (exp(2v) + 1) (no tanh in the interpreter)
+            inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+            th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+            a = 0.5 * g * (1.0 + th)
+        a = _round(a, dt).to(tl.float32)  # the activation is rounded first
+        tl.store(o_ptr + row * stride_o + cols, _round(a * u, dt), mask=m)
 
 
 def silu_mul_reference(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -526,7 +542,14 @@ def _gate_and_up(gate_up: torch.Tensor, up: torch.Tensor | None):
     return gate_up.chunk(2, dim=-1)
 
 
-def _gated_act(name: str, act: int, gate_up: torch.Tensor, up: torch.Tensor | None):
+def _gated_act(
+    name: str,
+    act: int,
+    gate_up: torch.Tensor,
+    up: torch.Tensor | None,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+):
     _check_float("gate_up", gate_up)
     if gate_up.dim() < 1:
         raise ValueError("gate_up must have at least one dim")
@@ -546,9 +569,10 @@ def _gated_act(name: str, act: int, gate_up: torch.Tensor, up: torch.Tensor | No
             raise ValueError(f"up must have gate_up's dtype {gate_up.dtype}, got {up.dtype}")
         _check_device("up", up, gate_up, "gate_up")
         f = gate_up.shape[-1]
-    reference = silu_mul_reference if act == 0 else gelu_tanh_mul_reference
     if gate_up.dtype == torch.float64 or not use_triton(gate_up) or records_autograd(gate_up, up):
-        return reference(gate_up, up)
+        if act == 2:
+            return clamped_swiglu_reference(gate_up, up, alpha, limit)
+        return (silu_mul_reference if act == 0 else gelu_tanh_mul_reference)(gate_up, up)
     gate, upv = _gate_and_up(gate_up, up)
     g2, u2 = _unit_stride_rows(gate), _unit_stride_rows(upv)
     rows = g2.shape[0]
@@ -557,8 +581,9 @@ def _gated_act(name: str, act: int, gate_up: torch.Tensor, up: torch.Tensor | No
         block = min(_ELEMENTWISE_BLOCK, next_pow2(f))
         grid = (rows, triton.cdiv(f, block))
         _gated_act_kernel[grid](
-            g2, u2, out, f, g2.stride(0), u2.stride(0), out.stride(0), ACT=act, BLOCK=block
-        )
+            g2, u2, out, f, g2.stride(0), u2.stride(0), out.stride(0), float(alpha),
+            float(limit), ACT=act, BLOCK=block,
+        )  # fmt: skip
     return out.reshape(*gate_up.shape[:-1], f)
 
 
@@ -580,6 +605,28 @@ def gelu_tanh_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torc
     layout and rounding as :func:`silu_mul` (the GELU in fp32 with torch's formula, ``tanh``
     from ``exp``, rounded to the dtype before the product)."""
     return _gated_act("gelu_tanh_mul", 1, gate_up, up)
+
+
+def clamped_swiglu_reference(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """The torch reference of :func:`clamped_swiglu` (gpt-oss's expert activation, as
+    ``unimem.models.gpt_oss`` computed it)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU ``(clamp(up, -l, l) + 1) * (g * sigmoid(g * alpha))`` with ``g
+    = min(gate, l)``, in one pass. ``gate``, ``up [..., F]`` of one shape and dtype (fp16 /
+    bf16 / fp32; float64 runs the reference; any row strides with a unit last one, e.g. the
+    two halves of a gate/up GEMM's output). Every torch op's result is rounded to the dtype
+    where the reference rounds it (the sigmoid's ``exp`` is the kernel's own: within an ulp).
+    Returns a new contiguous ``[..., F]``."""
+    return _gated_act("clamped_swiglu", 2, gate, up, float(alpha), float(limit))
 
 
 # ------------------------------------------------------------------- GDN gates
