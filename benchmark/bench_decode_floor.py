@@ -11,7 +11,9 @@ request ``--tokens`` (256) greedy tokens with EOS ignored (no stop tokens), prom
 
 - **tok/s**: the wave's generated tokens over its wall time (prefill included), static and
   unified; static == unified token for token is checked (a mismatch fails the run);
-- **wall ms/step**: the wave's wall time over its engine steps;
+- **wall ms/step**: the wave's wall time over its engine steps, and the host's share of it
+  outside its one wait for the previous step (``host_ms_per_step``: when it nears the GPU
+  step, the host, not the GPU, sets the pace);
 - **GPU ms/step, kernels per step and per layer, GPU busy fraction**: ``torch.profiler`` over
   ``--profile-steps`` (64) steady decode steps of a wave of ``c`` (static pools): the union of
   kernel intervals per step, the kernel count (memcpy / memset excluded) per step and over the
@@ -139,14 +141,32 @@ def build_engine(args, unified: bool):
 
 
 def run_wave(core, prompts: list[list[int]], tokens: int) -> dict:
-    """``prompts`` submitted together, run to the end; wall time, steps, outputs."""
+    """``prompts`` submitted together, run to the end; wall time, steps, outputs, and the
+    host's time per step outside its one wait for the previous step's results (the GPU runs
+    ahead of the host while that is shorter than a GPU step)."""
+    from unimem.engine.step_io import StagedResult
+
     sync(core)
     steps0 = core.steps
-    t0 = time.perf_counter()
-    reqs = [core.submit(p, tokens) for p in prompts]
-    core.run()
-    sync(core)
-    wall = time.perf_counter() - t0
+    waited = [0.0]
+    read = StagedResult.read
+
+    def timed_read(self):
+        t = time.perf_counter()
+        try:
+            return read(self)
+        finally:
+            waited[0] += time.perf_counter() - t
+
+    StagedResult.read = timed_read
+    try:
+        t0 = time.perf_counter()
+        reqs = [core.submit(p, tokens) for p in prompts]
+        core.run()
+        sync(core)
+        wall = time.perf_counter() - t0
+    finally:
+        StagedResult.read = read
     outs = [list(r.output) for r in reqs]
     if any(len(o) != tokens for o in outs):
         raise RuntimeError(f"a request stopped early: {[len(o) for o in outs]} of {tokens}")
@@ -156,6 +176,8 @@ def run_wave(core, prompts: list[list[int]], tokens: int) -> dict:
         "steps": steps,
         "tok_s": len(prompts) * tokens / wall,
         "wall_ms_per_step": 1e3 * wall / steps,
+        "host_ms_per_step": 1e3 * (wall - waited[0]) / steps,
+        "wait_ms_per_step": 1e3 * waited[0] / steps,
         "outputs": outs,
     }
 
@@ -562,7 +584,8 @@ def main(argv=None) -> int:
                 if mode == "static":
                     rows[c]["wall_ms_per_step"] = w["wall_ms_per_step"]
                 log(f"  {mode} c={c}: {w['tok_s']:.0f} tok/s, {w['wall_ms_per_step']:.3f} "
-                    f"ms/step wall ({w['steps']} steps)")  # fmt: skip
+                    f"ms/step wall, host {w['host_ms_per_step']:.3f} outside its wait "
+                    f"({w['steps']} steps)")  # fmt: skip
             if mode == "static" and cuda:
                 bwl = measure_bandwidth_and_launch()
                 result["device"] = bwl
