@@ -602,3 +602,30 @@ def test_clamped_swiglu_matches_reference(triton_backend, device, dtype):
         assert rel_err(y, y0) <= 1e-6
     else:
         assert_ulp(y, y0, 1, floor=2.0**-20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [640, 5376])  # Gemma 3 270M; 27B (the chunked path)
+def test_norm_add_rms_norm_gpu(d):
+    """Real widths on the GPU: within the bounds above of the reference, and a row's bits do
+    not depend on the batch (1 row vs 48)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(48, d, generator=g, device="cuda").to(BF16)
+    h = (torch.randn(48, d, generator=g, device="cuda") * 30).to(BF16)
+    pw = (torch.randn(d, generator=g, device="cuda") * 0.3).to(BF16)
+    nw = (torch.randn(d, generator=g, device="cuda") * 0.3).to(BF16)
+    s, y = fu.norm_add_rms_norm(x, h, pw, nw, EPS, zero_centered=True)
+    s0, y0 = fu.norm_add_rms_norm_reference(x, h, pw, nw, EPS, zero_centered=True)
+    assert_ulp(s.cpu(), s0.cpu(), 2, floor=2.0**-4)
+    assert rel_err(y, y0) <= 2e-2
+    s1, y1 = fu.norm_add_rms_norm(x[7:8], h[7:8], pw, nw, EPS, zero_centered=True)
+    assert torch.equal(s1, s[7:8]) and torch.equal(y1, y[7:8])
+
+
+@pytest.mark.gpu
+def test_clamped_swiglu_gpu():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = (torch.randn(48, 2 * 2880, generator=g, device="cuda") * 6).to(BF16)
+    gate, up = h.chunk(2, dim=-1)
+    y = fu.clamped_swiglu(gate, up, 1.702, 7.0)
+    assert_ulp(y.cpu(), fu.clamped_swiglu_reference(gate, up, 1.702, 7.0).cpu(), 1, 2.0**-20)

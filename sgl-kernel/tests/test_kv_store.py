@@ -276,3 +276,36 @@ def test_rope_store_kv_with_qk_norm(triton_backend, device, hq, hk, d, half, dty
     assert torch.equal(torch.nan_to_num(arena_b), torch.nan_to_num(arena_r))
     with pytest.raises(ValueError, match="q norm weight"):
         rope_store_kv(q, k, v, cos, sin, kf, vf, slots, qk_norm=(q_w[:4], k_w, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, hk, d, half, rot_dtype, q_stride", [
+    (4, 1, 256, 128, torch.bfloat16, 1),  # Gemma 3 270M
+    (16, 2, 256, 32, torch.float32, 2),  # Qwen3-Next: partial rotary, q beside its gate
+])  # fmt: skip
+def test_rope_store_kv_with_qk_norm_gpu(hq, hk, d, half, rot_dtype, q_stride):
+    """Real head shapes, 48 tokens, bf16: close to the reference, and a token's q and
+    cached K bits do not depend on the other tokens of the call."""
+    from unimem_kernel.kv_store import rope_store_kv, rope_store_kv_reference
+
+    gen = torch.Generator().manual_seed(2)
+    t, page_size, pages = 48, 16, 8
+    width = hq * q_stride * d + 2 * hk * d
+    proj = (torch.randn(t, width, generator=gen) * 3).to(torch.bfloat16).cuda()
+    q = proj[:, : hq * q_stride * d].view(t, hq, q_stride * d)[..., :d]
+    k = proj[:, hq * q_stride * d : hq * q_stride * d + hk * d].view(t, hk, d)
+    v = proj[:, hq * q_stride * d + hk * d :].view(t, hk, d)
+    w = (torch.randn(2, d, generator=gen) * 0.3).to(torch.bfloat16).cuda()
+    cos, sin = rope_tables(t, half, rot_dtype, "cuda", gen)
+    slots = (torch.arange(t, dtype=torch.int32) + page_size).cuda()
+    norm = (w[0], w[1], 1e-6)
+    _, kf, vf = arena_caches(pages, page_size, hk, d, d, torch.bfloat16, "cuda")
+    qf = rope_store_kv(q, k, v, cos, sin, kf, vf, slots, qk_norm=norm)
+    _, kr, vr = arena_caches(pages, page_size, hk, d, d, torch.bfloat16, "cuda")
+    qr = rope_store_kv_reference(q, k, v, cos, sin, kr, vr, slots, qk_norm=norm)
+    torch.testing.assert_close(qf.float(), qr.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kf[1:4].float(), kr[1:4].float(), rtol=2e-2, atol=2e-2)
+    _, k1, v1 = arena_caches(pages, page_size, hk, d, d, torch.bfloat16, "cuda")
+    q1 = rope_store_kv(q[5:6], k[5:6], v[5:6], cos[5:6], sin[5:6], k1, v1, slots[5:6],
+                       qk_norm=norm)  # fmt: skip
+    assert torch.equal(q1, qf[5:6]) and torch.equal(k1[1, 5], kf[1, 5])
