@@ -3,7 +3,7 @@
 #   MODEL=/path/to/model [GGUF=/path/to/model.gguf] [LLAMA_BIN=/tmp/llcpp/llama.cpp/build/bin] \
 #   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor"] bash benchmark/gpu_decode_floor.sh
 # tests: the GPU tests of the new fused kernels (post-norm + add + norm, q/k norms inside the
-#   RoPE + K/V store, gpt-oss's clamped SwiGLU) and of batch-invariant (deterministic) mode;
+#   RoPE + K/V store, gpt-oss's clamped SwiGLU) at real shapes (batch invariance included);
 # floor: benchmark/bench_decode_floor.py (static and unified waves of 1 / 8 / 48 x 256 tokens,
 #   profiler kernels per layer, GPU time against its floor, the synthetic model's kernels per
 #   layer, llama.cpp's batched-bench and server when GGUF and LLAMA_BIN are given, and
