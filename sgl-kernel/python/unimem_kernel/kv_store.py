@@ -34,6 +34,7 @@ import triton.language as tl
 
 from unimem_kernel import fused
 from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel.batch_invariant import bi_rms_norm
 from unimem_kernel.fused import (
     _rope_heads,
     _round,  # RNE to bf16 (the interpreter's own cast truncates)
@@ -326,7 +327,11 @@ def rope_store_kv(
     )
     if qk_norm is not None and (not fused_path or qk_norm[0].dtype == torch.float64):
         fused_path = False
-        q, k = qk_norm_reference(q, k, qk_norm)
+        if fused.use_triton(q) and q.dtype != torch.float64:  # one row-local launch each
+            q = bi_rms_norm(q, qk_norm[0], qk_norm[2], zero_centered=True)
+            k = bi_rms_norm(k, qk_norm[1], qk_norm[2], zero_centered=True)
+        else:
+            q, k = qk_norm_reference(q, k, qk_norm)
     if not fused_path:
         q_rot, k_rot = fused.rope_qk(q, k, cos, sin)
         store_kv_paged(k_rot, v, k_cache, v_cache, slots)
