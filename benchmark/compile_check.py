@@ -235,6 +235,16 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
         cos = torch.randn(t, rotary // 2, dtype=rot_dtype)
         fu.rope_qk(q, k, cos, torch.randn_like(cos))
 
+    def norm_add(next_norm: bool, d: int = 640):  # Gemma 3 270M's width; 5376: chunked
+        x = torch.randn(t, d, dtype=bf)
+        w = torch.randn(d, dtype=bf)
+        fu.norm_add_rms_norm(x, torch.randn_like(x), w, w if next_norm else None, EPS,
+                             zero_centered=True)  # fmt: skip
+
+    def clamped_swiglu():  # gpt-oss experts: the halves of the grouped gate/up product
+        h = torch.randn(t, 2 * FFN, dtype=bf)
+        fu.clamped_swiglu(h[:, :FFN], h[:, FFN:], 1.702, 7.0)
+
     def sigmoid_gate():
         # Qwen3-Next's gated attention: 16 heads of 256, the gate a slice of the q/gate product
         qg = torch.randn(t, 16, 512, dtype=bf)
@@ -254,6 +264,10 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
         ("rope_qk bf16 full", lambda: rope(bf, HEAD_DIM)),
         ("rope_qk fp32 partial 64/256", lambda: rope(f32, 64, 256)),
         ("sigmoid_gate (gated attention output)", sigmoid_gate),
+        ("norm_add_rms_norm (Gemma)", lambda: norm_add(True)),
+        ("norm_add_rms_norm last layer", lambda: norm_add(False)),
+        ("norm_add_rms_norm D=5376 (chunked)", lambda: norm_add(True, 5376)),
+        ("clamped_swiglu (gpt-oss)", clamped_swiglu),
     ]
 
 
@@ -274,7 +288,23 @@ def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
         vc = _slot_view(6, (page, KV_HEADS, HEAD_DIM), bf)
         kv_store.store_kv_paged(k, v, kc, vc, torch.arange(t, dtype=slot_dtype) + page)
 
-    def rope_store(half: int):  # the attention layers' RoPE + store (full / partial rotary)
+    def rope_store(half: int, norm: bool = False, rot=None, head_dim: int = HEAD_DIM, gate=False):
+        # the attention layers' RoPE + store (full / partial rotary; with the q/k norms;
+        # Gemma: bf16 tables; Qwen3-Next: q beside its gate)
+        if norm:
+            qd, kd = Q_HEADS * head_dim * (2 if gate else 1), KV_HEADS * head_dim
+            qkv = torch.randn(t, qd + 2 * kd, dtype=bf)
+            q = qkv[:, :qd].reshape(t, Q_HEADS, -1)[..., :head_dim]
+            k = qkv[:, qd : qd + kd].reshape(t, KV_HEADS, head_dim)
+            v = qkv[:, qd + kd :].reshape(t, KV_HEADS, head_dim)
+            kc = _slot_view(6, (page, KV_HEADS, head_dim), bf)
+            vc = _slot_view(6, (page, KV_HEADS, head_dim), bf)
+            cos = torch.randn(t, half, dtype=rot or torch.float32)
+            w = torch.randn(head_dim, dtype=bf)
+            kv_store.rope_store_kv(q, k, v, cos, torch.randn_like(cos), kc, vc,
+                                   torch.arange(t, dtype=torch.int32) + page,
+                                   qk_norm=(w, w, EPS))  # fmt: skip
+            return
         qd, kd = Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
         qkv = torch.randn(t, qd + 2 * kd, dtype=bf)
         q = qkv[:, :qd].reshape(t, Q_HEADS, HEAD_DIM)
@@ -290,6 +320,14 @@ def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
         ("store_kv_paged int64 slots", lambda: store(torch.int64)),
         ("rope_store_kv", lambda: rope_store(HEAD_DIM // 2)),
         ("rope_store_kv partial rotary", lambda: rope_store(HEAD_DIM // 8)),
+        (
+            "rope_store_kv q/k norms, bf16 tables (Gemma 3 270M)",
+            lambda: rope_store(128, True, torch.bfloat16, 256),
+        ),
+        (
+            "rope_store_kv q/k norms, partial, gated q (Qwen3-Next)",
+            lambda: rope_store(32, True, None, 256, True),
+        ),
     ]
 
 
@@ -622,6 +660,7 @@ def _gdn_chunked_launches() -> list[tuple[str, Callable[[], None]]]:
 _KERNELS = {
     "unimem_kernel.fused": (
         "_add_rms_norm_kernel",
+        "_norm_add_rms_norm_kernel",
         "_gated_act_kernel",
         "_gdn_gates_kernel",
         "_gated_rms_norm_kernel",

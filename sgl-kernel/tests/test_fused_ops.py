@@ -533,3 +533,99 @@ def test_the_switch_runs_the_references(monkeypatch):
     monkeypatch.setenv("UNIMEM_FUSED_OPS", "maybe")
     with pytest.raises(ValueError, match="UNIMEM_FUSED_OPS"):
         fused.use_triton(t)
+
+
+# ------------------------------------------------------------------- norm_add_rms_norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_norm_add_rms_norm_matches_reference(
+    triton_backend, device, dtype, zero_centered, chunk, monkeypatch
+):
+    """Post-norm -> add -> next norm in one pass against the reference (the norm, then
+    add_rms_norm_reference), in one chunk and walking a row in chunks of 16 (D = 37);
+    without a next weight only the sum comes back."""
+    if chunk is not None:
+        monkeypatch.setattr(fu, "_row_block", lambda d: chunk)
+    g = _gen(7)
+    wide = rand(g, 6, 50, dtype=dtype, device=device, scale=2.0)
+    x = wide[:, 5:42]  # strided rows, odd D = 37
+    delta = rand(g, 6, 37, dtype=dtype, device=device, scale=5.0)
+    pw = rand(g, 37, dtype=dtype, device=device) * 0.2
+    nw = rand(g, 37, dtype=dtype, device=device) * 0.2
+    s, y = fu.norm_add_rms_norm(x, delta, pw, nw, EPS, zero_centered=zero_centered)
+    s0, y0 = fu.norm_add_rms_norm_reference(x, delta, pw, nw, EPS, zero_centered=zero_centered)
+    if dtype == F32:
+        assert rel_err(s, s0) <= 1e-6 and rel_err(y, y0) <= 1e-5
+    else:  # the post-norm may differ by an ulp, then the sum by one
+        assert_ulp(s, s0, 2, floor=2.0**-7)
+        assert rel_err(y, y0) <= 2e-2
+    s1, none = fu.norm_add_rms_norm(x, delta, pw, None, EPS, zero_centered=zero_centered)
+    assert none is None and torch.equal(s1, s)
+    # a row alone equals the same row in a batch (row-local)
+    s2, y2 = fu.norm_add_rms_norm(x[2:3], delta[2:3], pw, nw, EPS, zero_centered=zero_centered)
+    assert torch.equal(s2, s[2:3]) and torch.equal(y2, y[2:3])
+
+
+def test_norm_add_rms_norm_reference_is_gemma_chain():
+    """The reference is, literally, Gemma's post-norm followed by add_rms_norm (float64)."""
+    g = _gen(8)
+    x, delta = rand(g, 3, 12, dtype=F64), rand(g, 3, 12, dtype=F64)
+    pw, nw = rand(g, 12, dtype=F64), rand(g, 12, dtype=F64)
+    s, y = fu.norm_add_rms_norm(x, delta, pw, nw, EPS, zero_centered=True)
+    n = delta * torch.rsqrt(delta.pow(2).mean(-1, keepdim=True) + EPS) * (1.0 + pw)
+    s0, y0 = fu.add_rms_norm_reference(x, n, nw, EPS, zero_centered=True)
+    assert torch.equal(s, s0) and torch.equal(y, y0)
+    with pytest.raises(ValueError, match="next_weight"):
+        fu.norm_add_rms_norm(x, delta, pw, nw[:5], EPS)
+
+
+# ------------------------------------------------------------------- clamped_swiglu
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamped_swiglu_matches_reference(triton_backend, device, dtype):
+    """gpt-oss's clamped SwiGLU over the two column halves of a gate/up product, values on
+    both sides of the clamp: bf16 within 1 ulp of the torch code (the sigmoid's exp), fp32
+    within 1e-6."""
+    g = _gen(9)
+    h = rand(g, 5, 2 * 24, dtype=dtype, device=device, scale=6.0)
+    gate, up = h.chunk(2, dim=-1)
+    y = fu.clamped_swiglu(gate, up, 1.702, 7.0)
+    y0 = fu.clamped_swiglu_reference(gate, up, 1.702, 7.0)
+    assert y.is_contiguous() and y.shape == (5, 24)
+    if dtype == F32:
+        assert rel_err(y, y0) <= 1e-6
+    else:
+        assert_ulp(y, y0, 1, floor=2.0**-20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [640, 5376])  # Gemma 3 270M; 27B (the chunked path)
+def test_norm_add_rms_norm_gpu(d):
+    """Real widths on the GPU: within the bounds above of the reference, and a row's bits do
+    not depend on the batch (1 row vs 48)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(48, d, generator=g, device="cuda").to(BF16)
+    h = (torch.randn(48, d, generator=g, device="cuda") * 30).to(BF16)
+    pw = (torch.randn(d, generator=g, device="cuda") * 0.3).to(BF16)
+    nw = (torch.randn(d, generator=g, device="cuda") * 0.3).to(BF16)
+    s, y = fu.norm_add_rms_norm(x, h, pw, nw, EPS, zero_centered=True)
+    s0, y0 = fu.norm_add_rms_norm_reference(x, h, pw, nw, EPS, zero_centered=True)
+    assert_ulp(s.cpu(), s0.cpu(), 2, floor=2.0**-4)
+    assert rel_err(y, y0) <= 2e-2
+    s1, y1 = fu.norm_add_rms_norm(x[7:8], h[7:8], pw, nw, EPS, zero_centered=True)
+    assert torch.equal(s1, s[7:8]) and torch.equal(y1, y[7:8])
+
+
+@pytest.mark.gpu
+def test_clamped_swiglu_gpu():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = (torch.randn(48, 2 * 2880, generator=g, device="cuda") * 6).to(BF16)
+    gate, up = h.chunk(2, dim=-1)
+    y = fu.clamped_swiglu(gate, up, 1.702, 7.0)
+    assert_ulp(y.cpu(), fu.clamped_swiglu_reference(gate, up, 1.702, 7.0).cpu(), 1, 2.0**-20)

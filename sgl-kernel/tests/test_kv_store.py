@@ -226,3 +226,86 @@ def test_rope_store_kv_gpu_verify_width():
     assert torch.equal(q_f, q_u)
     assert torch.equal(a_f.isnan(), a_u.isnan())
     assert torch.equal(torch.nan_to_num(a_f), torch.nan_to_num(a_u))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "hq, hk, d, half, dtype, rot_dtype, q_stride",
+    [
+        (2, 1, 16, 8, torch.bfloat16, torch.bfloat16, 1),  # Gemma: full rotary, bf16 tables
+        (3, 1, 32, 4, torch.bfloat16, torch.float32, 2),  # Qwen3-Next: partial, q beside gate
+        (2, 2, 16, 8, torch.float32, torch.float32, 1),
+    ],
+)
+def test_rope_store_kv_with_qk_norm(triton_backend, device, hq, hk, d, half, dtype, rot_dtype,
+                                    q_stride):  # fmt: skip
+    """q/k zero-centred norms, RoPE and the K/V store in one launch against the reference
+    (the norms, then rope_qk, then the store), with q read in place from a wider head view
+    (Qwen3-Next's ``[query | gate]``); sink rows zeros; poison elsewhere kept."""
+    from unimem_kernel.kv_store import rope_store_kv, rope_store_kv_reference
+
+    gen = torch.Generator().manual_seed(3 + d + half)
+    pages, page_size, t = 5, 4, 7
+    width = hq * q_stride * d + 2 * hk * d
+    proj = (torch.randn(t, width, generator=gen) * 3).to(dtype).to(device)
+    q = proj[:, : hq * q_stride * d].view(t, hq, q_stride * d)[..., :d]
+    k = proj[:, hq * q_stride * d : hq * q_stride * d + hk * d].view(t, hk, d)
+    v = proj[:, hq * q_stride * d + hk * d :].view(t, hk, d)
+    q_w = (torch.randn(d, generator=gen) * 0.3).to(dtype).to(device)
+    k_w = (torch.randn(d, generator=gen) * 0.3).to(dtype).to(device)
+    cos, sin = rope_tables(t, half, rot_dtype, device, gen)
+    slots = torch.tensor([4, 0, 9, 13, -1, 17, 6], dtype=torch.int32, device=device)
+    norm = (q_w, k_w, 1e-6)
+    arena_f, kf, vf = arena_caches(pages, page_size, hk, d, d, dtype, device)
+    q_fused = rope_store_kv(q, k, v, cos, sin, kf, vf, slots, qk_norm=norm)
+    arena_r, kr, vr = arena_caches(pages, page_size, hk, d, d, dtype, device)
+    q_ref = rope_store_kv_reference(q, k, v, cos, sin, kr, vr, slots, qk_norm=norm)
+    assert torch.equal(arena_f.isnan(), arena_r.isnan())
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_fused.float(), q_ref.float(), **tol)
+    torch.testing.assert_close(
+        torch.nan_to_num(arena_f.float()), torch.nan_to_num(arena_r.float()), **tol
+    )
+    assert not kf[0].float().nan_to_num(1.0).abs().sum(-1).sum(-1)[0]  # slot 0: zeros
+    # without the fused path (reference backend) the same call is the reference, exactly
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UNIMEM_KERNEL_BACKEND", "reference")
+        arena_b, kb, vb = arena_caches(pages, page_size, hk, d, d, dtype, device)
+        q_b = rope_store_kv(q, k, v, cos, sin, kb, vb, slots, qk_norm=norm)
+    assert torch.equal(q_b, q_ref)
+    assert torch.equal(torch.nan_to_num(arena_b), torch.nan_to_num(arena_r))
+    with pytest.raises(ValueError, match="q norm weight"):
+        rope_store_kv(q, k, v, cos, sin, kf, vf, slots, qk_norm=(q_w[:4], k_w, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, hk, d, half, rot_dtype, q_stride", [
+    (4, 1, 256, 128, torch.bfloat16, 1),  # Gemma 3 270M
+    (16, 2, 256, 32, torch.float32, 2),  # Qwen3-Next: partial rotary, q beside its gate
+])  # fmt: skip
+def test_rope_store_kv_with_qk_norm_gpu(hq, hk, d, half, rot_dtype, q_stride):
+    """Real head shapes, 48 tokens, bf16: close to the reference, and a token's q and
+    cached K bits do not depend on the other tokens of the call."""
+    from unimem_kernel.kv_store import rope_store_kv, rope_store_kv_reference
+
+    gen = torch.Generator().manual_seed(2)
+    t, page_size, pages = 48, 16, 8
+    width = hq * q_stride * d + 2 * hk * d
+    proj = (torch.randn(t, width, generator=gen) * 3).to(torch.bfloat16).cuda()
+    q = proj[:, : hq * q_stride * d].view(t, hq, q_stride * d)[..., :d]
+    k = proj[:, hq * q_stride * d : hq * q_stride * d + hk * d].view(t, hk, d)
+    v = proj[:, hq * q_stride * d + hk * d :].view(t, hk, d)
+    w = (torch.randn(2, d, generator=gen) * 0.3).to(torch.bfloat16).cuda()
+    cos, sin = rope_tables(t, half, rot_dtype, "cuda", gen)
+    slots = (torch.arange(t, dtype=torch.int32) + page_size).cuda()
+    norm = (w[0], w[1], 1e-6)
+    _, kf, vf = arena_caches(pages, page_size, hk, d, d, torch.bfloat16, "cuda")
+    qf = rope_store_kv(q, k, v, cos, sin, kf, vf, slots, qk_norm=norm)
+    _, kr, vr = arena_caches(pages, page_size, hk, d, d, torch.bfloat16, "cuda")
+    qr = rope_store_kv_reference(q, k, v, cos, sin, kr, vr, slots, qk_norm=norm)
+    torch.testing.assert_close(qf.float(), qr.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kf[1:4].float(), kr[1:4].float(), rtol=2e-2, atol=2e-2)
+    _, k1, v1 = arena_caches(pages, page_size, hk, d, d, torch.bfloat16, "cuda")
+    q1 = rope_store_kv(q[5:6], k[5:6], v[5:6], cos[5:6], sin[5:6], k1, v1, slots[5:6],
+                       qk_norm=norm)  # fmt: skip
+    assert torch.equal(q1, qf[5:6]) and torch.equal(k1[1, 5], kf[1, 5])

@@ -107,13 +107,17 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         *,
         swa: bool,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
-        """RoPE on ``q`` and ``k`` (``unimem_kernel.rope_qk``'s contract), then what
+        """RoPE on ``q`` and ``k`` (``unimem_kernel.rope_qk``'s contract; after their
+        zero-centred norms when ``qk_norm = (q_weight, k_weight, eps)``), then what
         :meth:`store_kv` does with the rotated ``k`` and ``v``, in one pass
         (:func:`~unimem_kernel.kv_store.rope_store_kv`: the rotated K goes straight into
         the cache). Returns the rotated ``q``. A backend that overrides :meth:`store_kv`
         must override this too."""
-        return rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots(swa))
+        return rope_store_kv(
+            q, k, v, cos, sin, k_cache, v_cache, meta.write_slots(swa), qk_norm=qk_norm
+        )
 
     @abstractmethod
     def attend(

@@ -137,10 +137,13 @@ class PagedContext(ForwardContext):
         self.runner.backend.store_kv(k, v, *caches, self.meta, swa=swa)
         return self._attend(layer_idx, q, caches, swa, sinks)
 
-    def rope_attention(self, layer_idx, q, k, v, cos, sin, *, sinks=None):
-        # RoPE and the K/V store in one launch: the rotated K is written only into the cache
+    def rope_attention(self, layer_idx, q, k, v, cos, sin, *, sinks=None, qk_norm=None):
+        # (the q/k norms,) RoPE and the K/V store in one launch: the rotated K is written
+        # only into the cache
         caches, swa = self._caches(layer_idx)
-        q = self.runner.backend.rope_store_kv(q, k, v, cos, sin, *caches, self.meta, swa=swa)
+        q = self.runner.backend.rope_store_kv(
+            q, k, v, cos, sin, *caches, self.meta, swa=swa, qk_norm=qk_norm
+        )
         return self._attend(layer_idx, q, caches, swa, sinks)
 
     def _caches(self, layer_idx: int) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:

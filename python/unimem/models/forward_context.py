@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from unimem.models.config import HybridConfig
+from unimem_kernel import bi_rms_norm, rope_qk
 from unimem_kernel import gdn_reference as gdn_ref
-from unimem_kernel import rope_qk
 
 
 class ForwardMode(str, enum.Enum):
@@ -119,12 +119,22 @@ class ForwardContext(ABC):
         sin: torch.Tensor,
         *,
         sinks: torch.Tensor | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """:meth:`attention` after RoPE on ``q`` and ``k`` (``unimem_kernel.rope_qk``:
         ``cos, sin [T, R/2]``, rotate-half over the first ``R`` dims of every head). The
         same result as ``attention(layer_idx, *rope_qk(q, k, cos, sin), v)``, which is what
         this default runs; a context that stores K into paged caches does both in one pass
-        (the rotated K is then written only into the cache)."""
+        (the rotated K is then written only into the cache).
+
+        ``qk_norm = (q_weight, k_weight, eps)``: q and k first go through their zero-centred
+        RMS norms over the head dim (``unimem_kernel.kv_store.qk_norm_reference``'s math;
+        Gemma's and Qwen3-Next's ``q_norm`` / ``k_norm``), fused into the same pass where
+        the context stores K into paged caches."""
+        if qk_norm is not None:
+            q_w, k_w, eps = qk_norm
+            q = bi_rms_norm(q, q_w, eps, zero_centered=True)
+            k = bi_rms_norm(k, k_w, eps, zero_centered=True)
         q, k = rope_qk(q, k, cos, sin)
         return self.attention(layer_idx, q, k, v, sinks=sinks)
 

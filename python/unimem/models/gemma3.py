@@ -44,6 +44,7 @@ from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.nn_ops import frozen_param
+from unimem.models.stacked_linear import StackedRows
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -56,7 +57,9 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, gelu_tanh_mul
+from unimem_kernel import add_rms_norm, bi_rms_norm, gelu_tanh_mul, norm_add_rms_norm
+from unimem_kernel.fused import records_autograd
+from unimem_kernel.fused import use_triton as fused_ops_on
 from unimem_kernel.rope_angles import rope_cos_sin
 
 __all__ = ["Gemma3ForCausalLM", "RopeSpec", "gemma_rms_norm", "text_config_of"]
@@ -74,10 +77,20 @@ _TEXT_PREFIXES = (
 )
 
 
+def _fused(*tensors: torch.Tensor) -> bool:
+    """Whether the step body takes the fused kernels (CUDA, ``UNIMEM_FUSED_OPS`` on, no
+    autograd, not float64); elsewhere the torch code below runs, unchanged."""
+    x = tensors[0]
+    return x.dtype != torch.float64 and fused_ops_on(x) and not records_autograd(*tensors)
+
+
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's zero-centred RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (1 + w)``
     with the normalisation and the product both in float32 (float64 for float64 inputs), one
-    cast back to ``x``'s dtype at the end."""
+    cast back to ``x``'s dtype at the end. Where the fused kernels run, one row-local launch
+    (:func:`unimem_kernel.bi_rms_norm`, ``zero_centered``: the same math)."""
+    if _fused(x, weight):
+        return bi_rms_norm(x, weight, eps, zero_centered=True)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = rms_normalize(x.to(acc), eps)
     return (y * (1.0 + weight.to(acc))).to(x.dtype)
@@ -181,6 +194,8 @@ class Gemma3Attention(nn.Module):
         self.o_proj = _Weight(d, c.n_q_heads * hd, dtype=dt, device=device)
         self.q_norm = _Weight(hd, dtype=dt, device=device)
         self.k_norm = _Weight(hd, dtype=dt, device=device)
+        # q, k and v as one GEMM (the parameters stay, as views of one stacked weight)
+        self.qkv = StackedRows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -192,12 +207,18 @@ class Gemma3Attention(nn.Module):
         """``h [T, d]`` (normed) -> attention output ``[T, d]``; ``rope``: cos/sin ``[T, D/2]``
         in the model dtype."""
         c, t, eps = self.c, h.shape[0], self.c.rms_eps
-        q = F.linear(h, self.q_proj.weight).view(t, c.n_q_heads, c.head_dim_k)
-        k = F.linear(h, self.k_proj.weight).view(t, c.n_kv_heads, c.head_dim_k)
-        v = F.linear(h, self.v_proj.weight).view(t, c.n_kv_heads, c.head_dim_v)
-        q = gemma_rms_norm(q, self.q_norm.weight, eps)
-        k = gemma_rms_norm(k, self.k_norm.weight, eps)
-        o = ctx.rope_attention(layer_idx, q, k, v, *rope)  # apply_rope on q and k, K/V stored
+        q, k, v = self.qkv.linear(h)  # column views of one GEMM's output
+        q = q.view(t, c.n_q_heads, c.head_dim_k)
+        k = k.view(t, c.n_kv_heads, c.head_dim_k)
+        v = v.view(t, c.n_kv_heads, c.head_dim_v)
+        if _fused(q, self.q_norm.weight):
+            # q_norm / k_norm, RoPE and the K/V store in one launch (paged contexts)
+            norms = (self.q_norm.weight, self.k_norm.weight, eps)
+            o = ctx.rope_attention(layer_idx, q, k, v, *rope, qk_norm=norms)
+        else:
+            q = gemma_rms_norm(q, self.q_norm.weight, eps)
+            k = gemma_rms_norm(k, self.k_norm.weight, eps)
+            o = ctx.rope_attention(layer_idx, q, k, v, *rope)  # apply_rope on q and k
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
         return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
 
@@ -215,10 +236,12 @@ class Gemma3MLP(nn.Module):
         self.gate_proj = _Weight(i, d, dtype=dt, device=device)
         self.up_proj = _Weight(i, d, dtype=dt, device=device)
         self.down_proj = _Weight(d, i, dtype=dt, device=device)
+        # gate and up as one GEMM (the parameters stay, as views of one stacked weight)
+        self.gate_up = StackedRows(self.gate_proj, self.up_proj)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        # gelu_tanh(gate) * up in one pass
-        act = gelu_tanh_mul(F.linear(h, self.gate_proj.weight), F.linear(h, self.up_proj.weight))
+        # gelu_tanh(gate) * up in one pass over the column views of the stacked GEMM
+        act = gelu_tanh_mul(*self.gate_up.linear(h))
         return row_parallel_linear(act, self.down_proj.weight, None, self.tp)
 
 
@@ -226,10 +249,12 @@ class Gemma3DecoderLayer(nn.Module):
     """Attention and MLP, each wrapped in a pre-norm and a post-norm (``1 + w`` RMSNorms)
     before its residual add.
 
-    Each residual add is fused with the pre-norm after it (:func:`unimem_kernel.add_rms_norm`):
-    the layer takes the stream ``x`` and its ``input_layernorm`` ``h`` (the previous layer's
-    fused add, or the model's) and returns the new stream with the next layer's
-    ``input_layernorm`` of it (``next_norm``; None for the last layer: ``(x, None)``)."""
+    Each post-norm, its residual add and the pre-norm after it are one launch where the fused
+    kernels run (:func:`unimem_kernel.norm_add_rms_norm`; elsewhere the post-norm, then
+    :func:`unimem_kernel.add_rms_norm`): the layer takes the stream ``x`` and its
+    ``input_layernorm`` ``h`` (the previous layer's fused chain, or the model's) and returns
+    the new stream with the next layer's ``input_layernorm`` of it (``next_norm``; None for
+    the last layer: ``(x, None)``)."""
 
     def __init__(
         self, c: HybridConfig, device: torch.device | str, tp: TensorParallel = SINGLE
@@ -257,12 +282,28 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         eps = self.eps
         h = self.self_attn(layer_idx, h, rope, ctx)
-        h = gemma_rms_norm(h, self.post_attention_layernorm.weight, eps)
-        x, h = add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, eps, zero_centered=True)
-        h = gemma_rms_norm(self.mlp(h), self.post_feedforward_layernorm.weight, eps)
-        if next_norm is None:
-            return x + h, None
-        return add_rms_norm(x, h, next_norm, eps, zero_centered=True)
+        x, h = _post_norm_add(
+            x, h, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight, eps
+        )
+        return _post_norm_add(
+            x, self.mlp(h), self.post_feedforward_layernorm.weight, next_norm, eps
+        )
+
+
+def _post_norm_add(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    post: torch.Tensor,
+    next_norm: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x + norm(h, post)`` and its norm by ``next_norm`` (None: the sum only)."""
+    if _fused(h, post):
+        return norm_add_rms_norm(x, h, post, next_norm, eps, zero_centered=True)
+    h = gemma_rms_norm(h, post, eps)
+    if next_norm is None:
+        return x + h, None
+    return add_rms_norm(x, h, next_norm, eps, zero_centered=True)
 
 
 class Gemma3TextModel(nn.Module):

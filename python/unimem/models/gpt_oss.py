@@ -55,7 +55,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm
+from unimem_kernel import add_rms_norm, clamped_swiglu
 from unimem_kernel.rope_angles import rope_cos_sin
 
 __all__ = ["GptOssForCausalLM", "dequantize_mxfp4", "rope_inv_freq", "rope_parameters"]
@@ -295,10 +295,10 @@ class GptOssExperts(nn.Module):
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with
-        ``g = min(gate, l)``; ``[M, I]`` in, ``[M, I]`` out, the input dtype."""
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        ``g = min(gate, l)``; ``[M, I]`` in, ``[M, I]`` out, the input dtype. One launch
+        where the fused kernels run (:func:`unimem_kernel.clamped_swiglu`), else its
+        reference (the torch code)."""
+        return clamped_swiglu(gate, up, self.alpha, self.limit)
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

@@ -187,10 +187,15 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv.linear(h)
         qg = qg.view(t, hq, 2 * dh)
         q, gate = qg[..., :dh], qg[..., dh:]
-        q = zero_centered_rms_norm(q, self.q_norm.weight, c.rms_eps)
-        k = zero_centered_rms_norm(k.view(t, hkv, dh), self.k_norm.weight, c.rms_eps)
-        v = v.view(t, hkv, dh)
-        o = ctx.rope_attention(layer_idx, q, k, v, *cos_sin)  # rotary.apply on q and k
+        k, v = k.view(t, hkv, dh), v.view(t, hkv, dh)
+        if q.dtype != torch.float64 and fused_ops_on(q) and not records_autograd(q):
+            # q_norm / k_norm, RoPE and the K/V store in one launch (paged contexts)
+            norms = (self.q_norm.weight, self.k_norm.weight, c.rms_eps)
+            o = ctx.rope_attention(layer_idx, q, k, v, *cos_sin, qk_norm=norms)
+        else:
+            q = zero_centered_rms_norm(q, self.q_norm.weight, c.rms_eps)
+            k = zero_centered_rms_norm(k, self.k_norm.weight, c.rms_eps)
+            o = ctx.rope_attention(layer_idx, q, k, v, *cos_sin)  # rotary.apply on q and k
         o = sigmoid_gate(o.reshape(t, hq, dh), gate)  # o * sigmoid(gate), the gate read in place
         return row_parallel_linear_lt(o, self.o_proj.weight, self.o_zero, self.tp)
 

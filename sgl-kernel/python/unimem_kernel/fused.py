@@ -58,12 +58,16 @@ def use_triton(t: torch.Tensor) -> bool:
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
+    "clamped_swiglu",
+    "clamped_swiglu_reference",
     "gated_rms_norm",
     "gated_rms_norm_reference",
     "gdn_gates",
     "gdn_gates_reference",
     "gelu_tanh_mul",
     "gelu_tanh_mul_reference",
+    "norm_add_rms_norm",
+    "norm_add_rms_norm_reference",
     "rope_qk",
     "rope_qk_reference",
     "sigmoid_gate",
@@ -300,6 +304,180 @@ def add_rms_norm(
     return s.reshape(x.shape), y.reshape(x.shape)
 
 
+# ------------------------------------------------------------------- norm + add + RMS norm
+
+
+@triton.jit
+def _norm_add_rms_norm_kernel(
+    x_ptr,
+    d_ptr,
+    pw_ptr,
+    nw_ptr,
+    s_ptr,
+    y_ptr,
+    D,
+    stride_x,
+    stride_d,
+    stride_s,
+    stride_y,
+    eps,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_NEXT: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    d_row = d_ptr + row * stride_d
+    s_row = s_ptr + row * stride_s
+    y_row = y_ptr + row * stride_y
+    dt = s_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:  # the whole row in one chunk: x and delta read once
+        m = cols < D
+        dv = tl.load(d_row + cols, mask=m, other=0.0).to(tl.float32)
+        rstd_d = tl.math.rsqrt(tl.sum(dv * dv, axis=0) / D + eps)
+        pw = tl.load(pw_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            pw = 1.0 + pw
+        dn = _round((dv * rstd_d) * pw, dt).to(tl.float32)  # the post-norm, rounded to x's dtype
+        xv = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        sv = _round(xv + dn, dt)
+        tl.store(s_row + cols, sv, mask=m)
+        if HAS_NEXT:
+            sf = sv.to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(sf * sf, axis=0) / D + eps)
+            nw = tl.load(nw_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                nw = 1.0 + nw
+            tl.store(y_row + cols, _round((sf * rstd) * nw, y_ptr.dtype.element_ty), mask=m)
+    else:
+        sq_d = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            m = start + cols < D
+            dv = tl.load(d_row + start + cols, mask=m, other=0.0).to(tl.float32)
+            sq_d += dv * dv
+        rstd_d = tl.math.rsqrt(tl.sum(sq_d, axis=0) / D + eps)
+        sq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            m = start + cols < D
+            dv = tl.load(d_row + start + cols, mask=m, other=0.0).to(tl.float32)
+            pw = tl.load(pw_ptr + start + cols, mask=m, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                pw = 1.0 + pw
+            dn = _round((dv * rstd_d) * pw, dt).to(tl.float32)
+            xv = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+            sv = _round(xv + dn, dt)
+            tl.store(s_row + start + cols, sv, mask=m)
+            sf = sv.to(tl.float32)
+            sq += sf * sf
+        if HAS_NEXT:
+            rstd = tl.math.rsqrt(tl.sum(sq, axis=0) / D + eps)
+            for start in range(0, D, BLOCK):
+                m = start + cols < D
+                dv = tl.load(d_row + start + cols, mask=m, other=0.0).to(tl.float32)
+                pw = tl.load(pw_ptr + start + cols, mask=m, other=0.0).to(tl.float32)
+                if ZERO_CENTERED:
+                    pw = 1.0 + pw
+                dn = _round((dv * rstd_d) * pw, dt).to(tl.float32)  # recomputed, same bits
+                xv = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+                sf = _round(xv + dn, dt).to(tl.float32)
+                nw = tl.load(nw_ptr + start + cols, mask=m, other=0.0).to(tl.float32)
+                if ZERO_CENTERED:
+                    nw = 1.0 + nw
+                tl.store(y_row + start + cols, _round((sf * rstd) * nw, y_ptr.dtype.element_ty),
+                         mask=m)  # fmt: skip
+
+
+def norm_add_rms_norm_reference(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    post_weight: torch.Tensor,
+    next_weight: torch.Tensor | None,
+    eps: float,
+    *,
+    zero_centered: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The torch reference of :func:`norm_add_rms_norm`: the RMS norm of ``delta`` (math in
+    fp32, cast back to its dtype; Gemma's ``gemma_rms_norm`` when ``zero_centered``), then
+    :func:`add_rms_norm_reference` with ``next_weight`` (or only the add when it is None)."""
+    acc = _acc(delta.dtype)
+    da = delta.to(acc)
+    y = da * torch.rsqrt(da.pow(2).mean(-1, keepdim=True) + eps)
+    w = (1.0 + post_weight.to(acc)) if zero_centered else post_weight.to(acc)
+    normed = (y * w).to(delta.dtype)
+    if next_weight is None:
+        return x + normed, None
+    return add_rms_norm_reference(x, normed, next_weight, eps, zero_centered=zero_centered)
+
+
+def norm_add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    post_weight: torch.Tensor,
+    next_weight: torch.Tensor | None,
+    eps: float,
+    *,
+    zero_centered: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A branch's post-norm, the residual add and the next pre-norm in one pass (Gemma's
+    ``post_attention_layernorm`` -> add -> ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm`` -> add -> the next layer's ``input_layernorm``).
+
+    Returns ``(new_x, normed)``: ``new_x = x + rms_norm(delta, post_weight)`` and ``normed =
+    rms_norm(new_x, next_weight)`` (None when ``next_weight`` is None: the last layer, whose
+    stream goes to the final norm of the logits rows only). Each norm is
+    ``v * rsqrt(mean(v^2) + eps) * w`` with the math in fp32 (``w`` the weight upcast, or
+    ``1 + weight`` when ``zero_centered``) and one rounding to ``x``'s dtype, the sum in
+    ``x``'s dtype, as :func:`norm_add_rms_norm_reference` computes them. ``x``, ``delta``
+    ``[..., D]`` of one shape and dtype (fp16, bf16, fp32; float64 runs the reference), the
+    weights ``[D]``. Both outputs are new contiguous tensors of ``x``'s shape. One program per
+    row with the fixed chunk :func:`_row_block` ``(D)`` (batch-invariant).
+    """
+    _check_float("x", x)
+    _check_float("delta", delta)
+    _check_float("post_weight", post_weight)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim")
+    if delta.shape != x.shape:
+        raise ValueError(f"delta must have x's shape {tuple(x.shape)}, got {tuple(delta.shape)}")
+    if delta.dtype != x.dtype:
+        raise ValueError(f"delta must have x's dtype {x.dtype}, got {delta.dtype}")
+    d = x.shape[-1]
+    for name, w in (("post_weight", post_weight), ("next_weight", next_weight)):
+        if w is None:
+            continue
+        _check_float(name, w)
+        if w.shape != (d,):
+            raise ValueError(f"{name} must have shape ({d},), got {tuple(w.shape)}")
+        _check_device(name, w, x, "x")
+    _check_device("delta", delta, x, "x")
+    if (
+        x.dtype == torch.float64
+        or post_weight.dtype == torch.float64
+        or (next_weight is not None and next_weight.dtype == torch.float64)
+        or not use_triton(x)
+        or records_autograd(x, delta, post_weight, next_weight)
+    ):
+        return norm_add_rms_norm_reference(
+            x, delta, post_weight, next_weight, eps, zero_centered=zero_centered
+        )
+    x2, d2 = _unit_stride_rows(x), _unit_stride_rows(delta)
+    rows = x2.shape[0]
+    s = torch.empty((rows, d), dtype=x.dtype, device=x.device)
+    has_next = next_weight is not None
+    y = torch.empty((rows, d) if has_next else (0, d), dtype=x.dtype, device=x.device)
+    if rows and d:
+        block = _row_block(d)
+        _norm_add_rms_norm_kernel[(rows,)](
+            x2, d2, post_weight, next_weight if has_next else post_weight, s, y, d,
+            x2.stride(0), d2.stride(0), s.stride(0), y.stride(0) if has_next else 0,
+            float(eps), ZERO_CENTERED=bool(zero_centered), HAS_NEXT=has_next,
+            SINGLE=d <= block, BLOCK=block,
+        )  # fmt: skip
+    return s.reshape(x.shape), (y.reshape(x.shape) if has_next else None)
+
+
 # ------------------------------------------------------------------- gated activations
 
 
@@ -312,24 +490,38 @@ def _gated_act_kernel(
     stride_g,
     stride_u,
     stride_o,
-    ACT: tl.constexpr,  # 0: silu, 1: gelu (tanh approximation)
+    alpha,
+    limit,
+    ACT: tl.constexpr,  # 0: silu, 1: gelu (tanh approximation), 2: gpt-oss's clamped SwiGLU
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < F_
+    dt = o_ptr.dtype.element_ty
     g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
-    if ACT == 0:
-        a = g / (1.0 + tl.exp(-g))  # torch's silu: x / (1 + exp(-x)) in fp32
+    if ACT == 2:
+        # (clamp(up, -l, l) + 1) * (g * sigmoid(g * alpha)), g = clamp(gate, max=l): every
+        # torch op's result rounded to the dtype, as the torch code rounds it
+        g = _round(tl.minimum(g, limit), dt).to(tl.float32)
+        u = _round(tl.minimum(tl.maximum(u, -limit), limit), dt).to(tl.float32)
+        t = _round(g * alpha, dt).to(tl.float32)
+        sg = _round(1.0 / (1.0 + tl.exp(-t)), dt).to(tl.float32)
+        gs = _round(g * sg, dt).to(tl.float32)
+        u1 = _round(u + 1.0, dt).to(tl.float32)
+        tl.store(o_ptr + row * stride_o + cols, _round(u1 * gs, dt), mask=m)
     else:
-        # torch's tanh GELU: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), with
-        # tanh(v) = 1 - 2 / (exp(2v) + 1) (no tanh in the interpreter)
-        inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
-        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-        a = 0.5 * g * (1.0 + th)
-    a = _round(a, o_ptr.dtype.element_ty).to(tl.float32)  # the activation is rounded first
-    tl.store(o_ptr + row * stride_o + cols, _round(a * u, o_ptr.dtype.element_ty), mask=m)
+        if ACT == 0:
+            a = g / (1.0 + tl.exp(-g))  # torch's silu: x / (1 + exp(-x)) in fp32
+        else:
+            # torch's tanh GELU: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))),
+            # with tanh(v) = 1 - 2 / (exp(2v) + 1) (no tanh in the interpreter)
+            inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+            th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+            a = 0.5 * g * (1.0 + th)
+        a = _round(a, dt).to(tl.float32)  # the activation is rounded first
+        tl.store(o_ptr + row * stride_o + cols, _round(a * u, dt), mask=m)
 
 
 def silu_mul_reference(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -350,7 +542,14 @@ def _gate_and_up(gate_up: torch.Tensor, up: torch.Tensor | None):
     return gate_up.chunk(2, dim=-1)
 
 
-def _gated_act(name: str, act: int, gate_up: torch.Tensor, up: torch.Tensor | None):
+def _gated_act(
+    name: str,
+    act: int,
+    gate_up: torch.Tensor,
+    up: torch.Tensor | None,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+):
     _check_float("gate_up", gate_up)
     if gate_up.dim() < 1:
         raise ValueError("gate_up must have at least one dim")
@@ -370,9 +569,10 @@ def _gated_act(name: str, act: int, gate_up: torch.Tensor, up: torch.Tensor | No
             raise ValueError(f"up must have gate_up's dtype {gate_up.dtype}, got {up.dtype}")
         _check_device("up", up, gate_up, "gate_up")
         f = gate_up.shape[-1]
-    reference = silu_mul_reference if act == 0 else gelu_tanh_mul_reference
     if gate_up.dtype == torch.float64 or not use_triton(gate_up) or records_autograd(gate_up, up):
-        return reference(gate_up, up)
+        if act == 2:
+            return clamped_swiglu_reference(gate_up, up, alpha, limit)
+        return (silu_mul_reference if act == 0 else gelu_tanh_mul_reference)(gate_up, up)
     gate, upv = _gate_and_up(gate_up, up)
     g2, u2 = _unit_stride_rows(gate), _unit_stride_rows(upv)
     rows = g2.shape[0]
@@ -381,8 +581,9 @@ def _gated_act(name: str, act: int, gate_up: torch.Tensor, up: torch.Tensor | No
         block = min(_ELEMENTWISE_BLOCK, next_pow2(f))
         grid = (rows, triton.cdiv(f, block))
         _gated_act_kernel[grid](
-            g2, u2, out, f, g2.stride(0), u2.stride(0), out.stride(0), ACT=act, BLOCK=block
-        )
+            g2, u2, out, f, g2.stride(0), u2.stride(0), out.stride(0), float(alpha),
+            float(limit), ACT=act, BLOCK=block,
+        )  # fmt: skip
     return out.reshape(*gate_up.shape[:-1], f)
 
 
@@ -404,6 +605,28 @@ def gelu_tanh_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torc
     layout and rounding as :func:`silu_mul` (the GELU in fp32 with torch's formula, ``tanh``
     from ``exp``, rounded to the dtype before the product)."""
     return _gated_act("gelu_tanh_mul", 1, gate_up, up)
+
+
+def clamped_swiglu_reference(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """The torch reference of :func:`clamped_swiglu` (gpt-oss's expert activation, as
+    ``unimem.models.gpt_oss`` computed it)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU ``(clamp(up, -l, l) + 1) * (g * sigmoid(g * alpha))`` with ``g
+    = min(gate, l)``, in one pass. ``gate``, ``up [..., F]`` of one shape and dtype (fp16 /
+    bf16 / fp32; float64 runs the reference; any row strides with a unit last one, e.g. the
+    two halves of a gate/up GEMM's output). Every torch op's result is rounded to the dtype
+    where the reference rounds it (the sigmoid's ``exp`` is the kernel's own: within an ulp).
+    Returns a new contiguous ``[..., F]``."""
+    return _gated_act("clamped_swiglu", 2, gate, up, float(alpha), float(limit))
 
 
 # ------------------------------------------------------------------- GDN gates
@@ -721,13 +944,22 @@ def _rope_heads(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     keep,
+    nw,
+    eps,
+    NORM: tl.constexpr,
 ):
     """Rotate-half over the first ``2 * HALF`` dims of ``n_heads`` head vectors of one token
     (head ``h`` at ``src + h * src_sh``, written to ``dst + h * dst_sh``), the rest copied;
     zeros in place of every result where ``keep`` (a scalar) is False. The heads form one
     ``[BH, BLOCK_R]`` tile; the arithmetic is elementwise, so a head's result does not depend
-    on the tile."""
+    on the tile.
+
+    With ``NORM``, each head vector is first replaced by its zero-centred RMS norm over all
+    ``D`` dims (``x * rsqrt(mean(x^2) + eps) * (1 + nw)`` in fp32, rounded to ``src``'s dtype:
+    Gemma's and Qwen3-Next's q/k norms); the sum of squares is the rotated halves' plus the
+    pass-through chunks', per head, in a fixed order (row-local)."""
     dt = dst.dtype.element_ty
+    xdt = src.dtype.element_ty
     rdt = c_row.dtype.element_ty  # the rotation dtype: each torch op's result rounds to it
     heads = tl.arange(0, BH)[:, None]
     hmask = heads < n_heads
@@ -736,8 +968,24 @@ def _rope_heads(
     m = hmask & cmask
     sp = src + heads * src_sh + cols
     dp = dst + heads * dst_sh + cols
-    x1 = _round(tl.load(sp, mask=m, other=0.0).to(tl.float32), rdt).to(tl.float32)
-    x2 = _round(tl.load(sp + HALF, mask=m, other=0.0).to(tl.float32), rdt).to(tl.float32)
+    x1 = tl.load(sp, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(sp + HALF, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.zeros((BH, 1), dtype=tl.float32)
+    if NORM:
+        sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if BLOCK_P > 0:
+            for start in range(2 * HALF, D, BLOCK_P):
+                pc = start + tl.arange(0, BLOCK_P)[None, :]
+                xp = tl.load(src + heads * src_sh + pc, mask=hmask & (pc < D), other=0.0)
+                xp = xp.to(tl.float32)
+                sq += tl.sum(xp * xp, axis=1)
+        rstd = tl.math.rsqrt(sq / D + eps)[:, None]
+        w1 = 1.0 + tl.load(nw + cols, mask=cmask, other=0.0).to(tl.float32)
+        w2 = 1.0 + tl.load(nw + HALF + cols, mask=cmask, other=0.0).to(tl.float32)
+        x1 = _round((x1 * rstd) * w1, xdt).to(tl.float32)
+        x2 = _round((x2 * rstd) * w2, xdt).to(tl.float32)
+    x1 = _round(x1, rdt).to(tl.float32)
+    x2 = _round(x2, rdt).to(tl.float32)
     c = tl.load(c_row + cols, mask=cmask, other=0.0).to(tl.float32)
     s = tl.load(s_row + cols, mask=cmask, other=0.0).to(tl.float32)
     x1c = _round(x1 * c, rdt).to(tl.float32)
@@ -753,6 +1001,9 @@ def _rope_heads(
             pc = start + tl.arange(0, BLOCK_P)[None, :]
             pm = hmask & (pc < D)
             x = tl.load(src + heads * src_sh + pc, mask=pm, other=0.0)
+            if NORM:
+                wp = 1.0 + tl.load(nw + pc, mask=pc < D, other=0.0).to(tl.float32)
+                x = _round((x.to(tl.float32) * rstd) * wp, xdt)
             tl.store(dst + heads * dst_sh + pc, tl.where(keep, x, 0.0).to(dt), mask=pm)
 
 
@@ -785,10 +1036,10 @@ def _rope_qk_kernel(
     s_row = sin_ptr + t * stride_s
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * HQ * D, D, HQ, c_row, s_row,
-                    D, HALF, BHQ, BLOCK_R, BLOCK_P, True)  # fmt: skip
+                    D, HALF, BHQ, BLOCK_R, BLOCK_P, True, c_row, 0.0, False)  # fmt: skip
     else:
         _rope_heads(k_ptr + t * stride_kt, stride_kh, ko_ptr + t * HK * D, D, HK, c_row, s_row,
-                    D, HALF, BHK, BLOCK_R, BLOCK_P, True)  # fmt: skip
+                    D, HALF, BHK, BLOCK_R, BLOCK_P, True, c_row, 0.0, False)  # fmt: skip
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -34,12 +34,19 @@ import triton.language as tl
 
 from unimem_kernel import fused
 from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel.batch_invariant import bi_rms_norm
 from unimem_kernel.fused import (
     _rope_heads,
     _round,  # RNE to bf16 (the interpreter's own cast truncates)
 )
 
-__all__ = ["rope_store_kv", "rope_store_kv_reference", "store_kv_paged", "store_kv_paged_reference"]
+__all__ = [
+    "qk_norm_reference",
+    "rope_store_kv",
+    "rope_store_kv_reference",
+    "store_kv_paged",
+    "store_kv_paged_reference",
+]
 
 
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # slices of the write window
@@ -197,6 +204,10 @@ def _rope_store_kernel(
     vc_sp,
     vc_so,
     vc_sh,
+    qw_ptr,  # [D] q norm weight (zero-centred), read only with NORM
+    kw_ptr,  # [D] k norm weight
+    eps,
+    NORM: tl.constexpr,
     DV: tl.constexpr,
     BHQ: tl.constexpr,
     BHK: tl.constexpr,
@@ -212,7 +223,7 @@ def _rope_store_kernel(
     s_row = sin_ptr + t * s_st
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr + t * q_st, q_sh, qo_ptr + t * HQ * D, D, HQ, c_row, s_row, D, HALF,
-                    BHQ, BLOCK_R, BLOCK_P, True)  # fmt: skip
+                    BHQ, BLOCK_R, BLOCK_P, True, qw_ptr, eps, NORM)  # fmt: skip
     else:
         slot = tl.maximum(tl.load(slots_ptr + t).to(tl.int64), 0)
         page = slot // page_size  # slot >= 0: truncation is floor here
@@ -220,7 +231,7 @@ def _rope_store_kernel(
         keep = page > 0  # the sink page receives zeros
         kc = kc_ptr + page * kc_sp + off * kc_so
         _rope_heads(k_ptr + t * k_st, k_sh, kc, kc_sh, HK, c_row, s_row, D, HALF, BHK, BLOCK_R,
-                    BLOCK_P, keep)  # fmt: skip
+                    BLOCK_P, keep, kw_ptr, eps, NORM)  # fmt: skip
         heads = tl.arange(0, BHK)[:, None]
         cols = tl.arange(0, BDV)[None, :]
         mv = (heads < HK) & (cols < DV)
@@ -228,6 +239,25 @@ def _rope_store_kernel(
         v = tl.load(v_ptr + t * v_st + heads * v_sh + cols, mask=live, other=0.0)
         vc = vc_ptr + page * vc_sp + off * vc_so + heads * vc_sh + cols
         tl.store(vc, _round(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=mv)
+
+
+def qk_norm_reference(
+    q: torch.Tensor, k: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` and ``k`` through their zero-centred RMS norms over the head dim (``x *
+    rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, float64 for float64, cast back once:
+    Gemma's and Qwen3-Next's ``q_norm`` / ``k_norm``); unchanged when ``qk_norm`` is None."""
+    if qk_norm is None:
+        return q, k
+    q_w, k_w, eps = qk_norm
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xa = x.to(acc)
+        y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+        return (y * (1.0 + w.to(acc))).to(x.dtype)
+
+    return norm(q, q_w), norm(k, k_w)
 
 
 def rope_store_kv_reference(
@@ -239,9 +269,13 @@ def rope_store_kv_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    *,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """The torch reference of :func:`rope_store_kv`: ``fused.rope_qk_reference`` then
-    :func:`store_kv_paged_reference` of the rotated K; returns the rotated q."""
+    """The torch reference of :func:`rope_store_kv`: :func:`qk_norm_reference` (when given),
+    ``fused.rope_qk_reference``, then :func:`store_kv_paged_reference` of the rotated K;
+    returns the rotated q."""
+    q, k = qk_norm_reference(q, k, qk_norm)
     q_rot, k_rot = fused.rope_qk_reference(q, k, cos, sin)
     store_kv_paged_reference(k_rot, v, k_cache, v_cache, slots)
     return q_rot
@@ -256,6 +290,8 @@ def rope_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    *,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """RoPE on ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (``unimem_kernel.rope_qk``'s contract:
     ``cos, sin [T, R/2]``, rotate-half over the first ``R`` dims), then ``k`` rotated and ``v
@@ -265,8 +301,19 @@ def rope_store_kv(
     One Triton launch (grid ``[T, 2]``: a token's query heads; its key and value heads) where
     ``rope_qk`` and the store would run Triton (CUDA, ``UNIMEM_FUSED_OPS`` on, no autograd)
     and the caches hold q's dtype; else ``rope_qk`` followed by :func:`store_kv_paged` (the
-    same results)."""
+    same results).
+
+    ``qk_norm = (q_weight [D], k_weight [D], eps)``: each q and k head is first replaced by
+    its zero-centred RMS norm over ``D`` (:func:`qk_norm_reference`: fp32 math, rounded to
+    q's dtype before the rotation), in the same launch; the norm's sum of squares is
+    row-local (one head of one token), so the result does not depend on the batch."""
     _check(k, v, k_cache, v_cache, slots)
+    if qk_norm is not None:
+        q_w, k_w, _ = qk_norm
+        d = q.shape[-1] if q.dim() else 0
+        for name, w in (("q norm weight", q_w), ("k norm weight", k_w)):
+            if not isinstance(w, torch.Tensor) or w.shape != (d,) or w.device != q.device:
+                raise ValueError(f"{name} must be a [{d}] tensor on {q.device}, got {w!r:.80}")
     if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q must be [T, Hq, D] with k's T and D, got {tuple(q.shape)}")
     fused.check_rope_args(q, k, cos, sin)
@@ -278,6 +325,13 @@ def rope_store_kv(
         and cos.dtype != torch.float64
         and not fused.records_autograd(q, k, v, cos, sin)
     )
+    if qk_norm is not None and (not fused_path or qk_norm[0].dtype == torch.float64):
+        fused_path = False
+        if fused.use_triton(q) and q.dtype != torch.float64:  # one row-local launch each
+            q = bi_rms_norm(q, qk_norm[0], qk_norm[2], zero_centered=True)
+            k = bi_rms_norm(k, qk_norm[1], qk_norm[2], zero_centered=True)
+        else:
+            q, k = qk_norm_reference(q, k, qk_norm)
     if not fused_path:
         q_rot, k_rot = fused.rope_qk(q, k, cos, sin)
         store_kv_paged(k_rot, v, k_cache, v_cache, slots)
@@ -293,12 +347,14 @@ def rope_store_kv(
     half = cos.shape[1]
     rest = d - 2 * half
     dv = v.shape[2]
+    norm_args = (c2, c2, 0.0) if qk_norm is None else (qk_norm[0], qk_norm[1], float(qk_norm[2]))
     _rope_store_kernel[(t, 2)](
         q2, k2, v2, c2, s2, qo, k_cache, v_cache, slots, k_cache.shape[1], hq, hk, d, half,
         q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1),
         c2.stride(0), s2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        DV=dv, BHQ=next_pow2(hq), BHK=next_pow2(hk), BLOCK_R=next_pow2(half),
+        *norm_args, NORM=qk_norm is not None, DV=dv, BHQ=next_pow2(hq), BHK=next_pow2(hk),
+        BLOCK_R=next_pow2(half),
         BLOCK_P=next_pow2(rest) if rest else 0, BDV=next_pow2(dv),
     )  # fmt: skip
     return qo

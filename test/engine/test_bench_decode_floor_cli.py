@@ -1,0 +1,42 @@
+"""benchmark/bench_decode_floor.py's dry run on the CPU (a tiny Gemma 3 checkpoint, waves of 1
+and 2 requests): it runs static and unified, checks them token for token and writes the
+issue's JSON schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "test" / "models"))
+
+import tiny_gemma3  # noqa: E402
+
+SCRIPT = ROOT / "benchmark" / "bench_decode_floor.py"
+
+
+def test_cpu_dry_run_writes_the_schema(tmp_path):
+    ckpt = tmp_path / "gemma"
+    tiny_gemma3.build(ckpt, num_hidden_layers=2,
+                      layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 6, 7, 8, 9], [11, 12, 13]]))
+    out = tmp_path / "out.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-path", str(ckpt), "--device", "cpu",
+         "--dtype", "float32", "--concurrency", "1,2", "--tokens", "3", "--page-size", "4",
+         "--prompts", str(prompts), "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert {"model", "gpu", "commit", "rows"} <= set(data) and not data["errors"]
+    assert [r["concurrency"] for r in data["rows"]] == [1, 2]
+    for r in data["rows"]:
+        for key in ("unimem_static_tok_s", "unimem_unified_tok_s", "llamacpp_engine_tok_s",
+                    "llamacpp_server_tok_s", "kernels_per_layer", "gpu_ms_per_step",
+                    "wall_ms_per_step"):  # fmt: skip
+            assert key in r
+        assert r["unimem_static_tok_s"] > 0 and r["static_equals_unified"]

@@ -1,0 +1,110 @@
+"""Kernel launches per decoder layer of one eager decode step (``benchmark/step_launches.py``),
+on the CPU with the Triton kernels forced through the interpreter, so that the count is the
+GPU path's: a tiny Gemma 3 checkpoint and the Qwen3-Next-shaped synthetic hybrid model (GDN,
+full and sliding attention, SwiGLU), each at most 12 launches per layer (the attention
+backend's call counts as one). A fusion that regresses into torch glue fails here.
+
+Also: the fused Gemma 3 step body (interpreter) decodes the same greedy tokens as its torch
+reference path, with log-probabilities within float32 rounding."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmark"))
+sys.path.insert(0, str(ROOT / "test" / "models"))
+
+import tiny_gemma3  # noqa: E402
+import tiny_tokenizer  # noqa: E402
+from step_launches import OUTSIDE, count_step_launches  # noqa: E402
+
+import unimem  # noqa: E402
+from unimem.attention.torch_backend import TorchReferenceBackend  # noqa: E402
+from unimem.engine.core import EngineCore  # noqa: E402
+from unimem.memory.static import StaticMemory  # noqa: E402
+from unimem.models.config import memory_spec  # noqa: E402
+from unimem.models.presets import preset  # noqa: E402
+from unimem.models.synthetic import HybridModel  # noqa: E402
+
+MAX_PER_LAYER = 12
+MAX_OUTSIDE = 24  # embedding, RoPE tables, first / final norm, LM head, pick, metadata, tail
+
+
+@pytest.fixture(scope="module")
+def gemma_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3_launches")
+    hf = tiny_gemma3.build(path, num_hidden_layers=2,
+                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    tiny_tokenizer.save(path, hf.config.vocab_size)
+    return path
+
+
+def _decoding(core, prompts, out_len=12):
+    for p in prompts:
+        core.submit(p, out_len)
+    for _ in range(4):  # prefill, then decode steps
+        core.step()
+    running = core.scheduler.running
+    assert len(running) == len(prompts) and all(r.output for r in running)  # decoding
+    return core
+
+
+def _check(counts, name):
+    per = counts.per_layer()
+    print(name, counts.summary())
+    assert per and all(n > 0 for n in per), per
+    assert max(per) <= MAX_PER_LAYER, f"{name}: {per} launches per layer\n{counts.summary()}"
+    assert counts.by_layer[OUTSIDE] <= MAX_OUTSIDE, counts.summary()
+
+
+def test_gemma3_decode_step_launches_per_layer(gemma_path, monkeypatch):
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    eng = unimem.Engine(model_path=str(gemma_path), device="cpu", dtype="float32", page_size=4)
+    core = _decoding(eng.core, [list(range(5, 14)), list(range(7, 17))])
+    counts = count_step_launches(core)
+    _check(counts, "gemma3")
+    # every norm is one launch: no torch reduction or elementwise op inside a layer
+    for i in range(2):
+        names = counts.layer_names(i)
+        assert set(names) <= {"aten.mm", "attention", "triton._rope_store_kernel",
+                              "triton._norm_add_rms_norm_kernel", "triton._gated_act_kernel",
+                              "triton._add_rms_norm_kernel"}, names  # fmt: skip
+
+
+def test_qwen3_next_shaped_synthetic_decode_step_launches_per_layer(monkeypatch):
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    cfg = dataclasses.replace(
+        preset("tiny"), dtype=torch.float32, d_model=64, n_q_heads=2, n_kv_heads=1,
+        head_dim_k=16, head_dim_v=16, ffn_dim=64, gdn_heads=2, gdn_head_dim_k=16,
+        gdn_head_dim_v=16, layer_pattern=("gdn", "swa", "gdn", "full"), window=8,
+    )  # fmt: skip
+    model = HybridModel(cfg, seed=0)
+    pool = StaticMemory(memory_spec(cfg, 4, ()), 16, 16, 2, 2, cfg.max_context, "cpu")
+    core = EngineCore(model, pool, TorchReferenceBackend(), 2, 8192, cuda_graphs=False)
+    counts = count_step_launches(_decoding(core, [list(range(5, 11)), list(range(9, 16))]))
+    _check(counts, "synthetic")
+
+
+def test_gemma3_fused_step_body_decodes_as_the_reference(gemma_path, monkeypatch):
+    prompts = [list(range(5, 14)), list(range(30, 41))]
+    outs = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", backend)
+        eng = unimem.Engine(model_path=str(gemma_path), device="cpu", dtype="float32",
+                            page_size=4)  # fmt: skip
+        outs[backend] = eng.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": 6, "temperature": 0.0},
+            return_logprob=True,
+        )
+    for ref, got in zip(outs["reference"], outs["triton"], strict=True):
+        assert got["output_ids"] == ref["output_ids"]
+        a = [lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]]
+        b = [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
