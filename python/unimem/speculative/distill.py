@@ -306,7 +306,8 @@ def copy_drafter(drafter: DsparkDrafter, **changes) -> DsparkDrafter:
     """A copy of ``drafter`` (same shared embedding and LM head) whose config has
     ``changes`` (e.g. ``dtype``, ``gamma``); weights are cast to the new config's dtype."""
     config = dataclasses.replace(drafter.config, **changes)
-    out = DsparkDrafter(config, drafter.embed, drafter.lm_head, seed=drafter.seed)
+    d2t = drafter.d2t if drafter.config.reduced else None
+    out = DsparkDrafter(config, drafter.embed, drafter.lm_head, seed=drafter.seed, d2t=d2t)
     for p, q in zip(out.parameters(), drafter.parameters(), strict=True):
         p.data = q.detach().to(config.dtype).clone()
     return out
