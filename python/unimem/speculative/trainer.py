@@ -318,7 +318,12 @@ def train_drafter(
                 torch.nn.utils.clip_grad_norm_(head, 1.0)
             opt.step()
             step += 1
-            entry = {"step": step, "loss": out.ce.item(), "bce": out.bce.item(), "lr": lr}
+            entry = {
+                "step": step,
+                "loss": out.ce.detach().item(),
+                "bce": out.bce.detach().item(),
+                "lr": lr,
+            }
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last_eval = evaluate()
                 entry["accept_length"] = last_eval
@@ -384,7 +389,7 @@ def _train_head(
         out.bce.backward()
         torch.nn.utils.clip_grad_norm_(head, 1.0)
         opt.step()
-        bce = float(out.bce)
+        bce = out.bce.detach().item()
     _log(log, f"confidence head: {cfg.head_steps} steps, last bce {bce:.4f}")
 
 
