@@ -4,7 +4,8 @@
    ``<bos>`` at temperature 1 (``--bos-prompts`` of ``--prompt-len`` tokens), plus the
    prompts of ``--train-prompts`` (its ``--train-split``, never the held-out one); each
    continued by the target through unimem's Engine, batched, greedy and sampled
-   (``--temperatures``, default 0, 0.7 and 1.0 in turn), ``--gen-len`` tokens. The held-out
+   (``--temperatures``, default 0, 0.7 and 1.0 in turn), ``--gen-len`` tokens, in rounds of
+   ``--gen-chunk`` prompts until all are done or ``--gen-time-budget`` is spent. The held-out
    prompts (``--eval-prompts``, ``--eval-split``) get greedy continuations: the yardstick,
    never trained on.
 2. **States**: the target's residual streams at the drafter's ``--target-layers``,
@@ -84,6 +85,13 @@ def parser() -> argparse.ArgumentParser:
         help="the generating engine's mem_fraction_static (the rest stays for training)",
     )
     g.add_argument("--max-running", type=int, default=None, help="the engine's batch limit")
+    g.add_argument("--gen-chunk", type=int, default=1024, help="prompts per generation round")
+    g.add_argument(
+        "--gen-time-budget",
+        type=float,
+        default=None,
+        help="seconds of generation at most (whole rounds; checked between them)",
+    )
     d = p.add_argument_group("drafter")
     d.add_argument("--draft-layers", type=int, default=2, help="draft layers (1-3 tried)")
     d.add_argument("--target-layers", type=_ints, default=None, help="e.g. 1,9,17")
@@ -127,21 +135,40 @@ def run(args: argparse.Namespace, log=print) -> dict:
         kwargs["max_running_requests"] = args.max_running
     engine = Engine(**kwargs)
     model = engine.model
-    prompts: list[list[int]] = []
-    if args.bos_prompts:
-        prompts += bos_prompts(engine, args.bos_prompts, args.prompt_len, seed=args.seed)
-    file_prompts = 0
+    file_p: list[list[int]] = []
     if args.train_prompts:
         texts = read_prompts(args.train_prompts, args.train_split)
-        enc = encode_prompts(engine, texts, args.max_prompt_len)
-        file_prompts = len(enc)
-        prompts += enc
-    if not prompts:
+        file_p = encode_prompts(engine, texts, args.max_prompt_len)
+    if not args.bos_prompts and not file_p:
         raise ValueError("no training prompts: give --bos-prompts > 0 or --train-prompts")
-    t_prompts = time.perf_counter()
-    seqs, lens = continuations(
-        engine, prompts, args.gen_len, temperatures=args.temperatures, seed=args.seed + 10**6
-    )
+    # rounds of --gen-chunk prompts (file prompts first), until done or --gen-time-budget
+    prompts: list[list[int]] = []
+    seqs: list[list[int]] = []
+    lens: list[int] = []
+    made_bos = 0
+    t_prompts = 0.0
+    while len(prompts) < len(file_p) + args.bos_prompts:
+        if args.gen_time_budget and time.perf_counter() - t0 > args.gen_time_budget:
+            log(f"data: --gen-time-budget reached after {len(prompts)} prompts")
+            break
+        t_round = time.perf_counter()
+        chunk = file_p[len(prompts) : len(prompts) + args.gen_chunk]
+        if len(chunk) < args.gen_chunk and made_bos < args.bos_prompts:
+            k = min(args.gen_chunk - len(chunk), args.bos_prompts - made_bos)
+            chunk += bos_prompts(engine, k, args.prompt_len, seed=args.seed + made_bos)
+            made_bos += k
+        t_prompts += time.perf_counter() - t_round
+        s_, l_ = continuations(
+            engine,
+            chunk,
+            args.gen_len,
+            temperatures=args.temperatures,
+            seed=args.seed + 10**6 + len(prompts),
+        )
+        prompts += chunk
+        seqs += s_
+        lens += l_
+    file_prompts = min(len(file_p), len(prompts))
     held_seqs = held_lens = None
     if args.eval_prompts:
         texts = read_prompts(args.eval_prompts, args.eval_split)[: args.eval_sequences]
@@ -152,7 +179,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     t_gen = time.perf_counter()
     generated = sum(len(s) - p for s, p in zip(seqs, lens, strict=True))
     log(
-        f"data: {len(prompts)} prompts ({args.bos_prompts} from <bos>, {file_prompts} from "
+        f"data: {len(prompts)} prompts ({made_bos} from <bos>, {file_prompts} from "
         f"file), {len(seqs)} continuations, {generated} generated tokens in "
         f"{t_gen - t0:.1f} s"
     )
@@ -209,13 +236,13 @@ def run(args: argparse.Namespace, log=print) -> dict:
     weights = (out / "model.safetensors").stat().st_size
     summary.update(
         prompts=len(prompts),
-        bos_prompts=args.bos_prompts,
+        bos_prompts=made_bos,
         file_prompts=file_prompts,
         sequences=len(seqs),
         generated_tokens=generated,
         heldout_sequences=len(held_seqs or []),
         seconds={
-            "prompts": t_prompts - t0,
+            "bos_prompts": t_prompts,
             "generation": t_gen - t0,
             "states": t_states - t_gen,
             "training": result.seconds,
