@@ -6,7 +6,8 @@
   ``U``'s extra row), and a control's reference outside the vocabulary is taken as is;
 - ``sample_pick`` hands its policy logits over the target's vocabulary, ``-inf`` off ``d2t``;
 - the checkpoint round trip keeps ``d2t``, and refuses a file without it;
-- greedy speculative output through the engine equals non-speculative output;
+- greedy speculative output through the engine equals non-speculative output, and
+  speculative sampling runs through it;
 - bad maps are refused by name.
 """
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.engine.core import EngineCore
+from unimem.engine.sampling import SamplingOptions
 from unimem.memory.static import StaticMemory
 from unimem.models.config import HybridConfig, memory_spec
 from unimem.models.forward_context import masked_attention
@@ -168,12 +170,15 @@ def test_engine_greedy_output_is_exact(mini):
     cfg = mini.config
     prompts = random_prompts(3, 8, 96, seed=9)
 
-    def run(chain):
+    def run(chain, sampling=None):
         lanes = chain.drafter.config.lanes() if chain else ()
         pool = StaticMemory(memory_spec(cfg, 16, lanes), 64, 64, 4, 4, cfg.max_context)
         eng = EngineCore(mini, pool, TorchReferenceBackend(), 4, 64, chain=chain)
-        reqs = [eng.submit(p, 12) for p in prompts]
+        reqs = [eng.submit(p, 12, sampling=sampling) for p in prompts]
         eng.run()
         return [r.output for r in reqs]
 
     assert run(DsparkChain(drafter, GAMMA)) == run(None)
+    # speculative sampling through the reduced vocabulary runs and stays in the vocabulary
+    outs = run(DsparkChain(drafter, GAMMA), SamplingOptions(temperature=0.8, seed=3))
+    assert all(len(o) == 12 and all(0 <= t < 96 for t in o) for o in outs)

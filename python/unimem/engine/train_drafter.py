@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shlex
 import sys
@@ -184,6 +185,9 @@ def run(args: argparse.Namespace, log=print) -> dict:
         f"{t_gen - t0:.1f} s"
     )
     engine.shutdown()  # the pool's memory goes back; the model stays (held here)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     c = model.config
     dc = draft_config_for(
         c,
