@@ -6,7 +6,8 @@ Checked: the picked tokens on fresh random logits (several vocabulary sizes, so 
 walks one or several blocks and a ragged last block), with and without the acceptance
 control's replacements (which must condition the next column), ties resolved to the first
 index as ``torch.argmax`` does, a row's picks independent of the other rows, and bad shapes
-refused by name; lane groups with a ragged last group (``bs`` not a multiple of ``LANES``),
+refused by name; ``u`` with rows past the candidates; lane groups with a ragged last group
+(``bs`` not a multiple of ``LANES``),
 several blocks per chunk and chunks past the vocabulary's end (``BLOCK_V`` and ``NSPLIT``
 lowered); the same picks as the previous kernel, bit for bit, ties and near-ties included.
 The bias is an fp32 dot over ``R`` in another order than torch's matmul, so the tests
@@ -190,14 +191,32 @@ def test_markov_pick_ties_and_row_independence(triton_backend, device):
         assert torch.equal(alone[0], got[b])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_markov_pick_u_with_rows_past_the_candidates(triton_backend, device):
+    """``u`` may have rows past ``V`` (a reduced draft vocabulary's out-of-vocabulary row):
+    an anchor or a taken reference there conditions the next column through that row."""
+    base, anchors, u, w = inputs(3, 4, 100, 8, torch.float32, device, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    u = torch.cat([u, torch.randn(1, 8, generator=gen).to(device) * 4])  # row 100
+    anchors = torch.tensor([100, 5, 100], device=device)
+    ref = torch.full((3, 4), 100, dtype=torch.int64, device=device)
+    take = torch.zeros(3, 4, dtype=torch.bool, device=device)
+    take[1, 1] = True
+    got = markov_pick(base, anchors, u, w, ref, take)
+    assert torch.equal(got, markov_pick_reference(base, anchors, u, w, ref, take))
+    assert int(got[1, 1]) == 100
+
+
 def test_markov_pick_refuses_bad_shapes():
     base, anchors, u, w = inputs(2, 3, 50, 4, torch.float32, "cpu", seed=0)
     with pytest.raises(ValueError, match="base"):
         markov_pick(base[0], anchors, u, w)
     with pytest.raises(ValueError, match="anchors"):
         markov_pick(base, anchors[:1], u, w)
-    with pytest.raises(ValueError, match="u and w"):
+    with pytest.raises(ValueError, match="u must be"):
         markov_pick(base, anchors, u, w[:, :2])
+    with pytest.raises(ValueError, match="u must be"):
+        markov_pick(base, anchors, u[:-1], w[:-1])
     with pytest.raises(ValueError, match="together"):
         markov_pick(base, anchors, u, w, ref=torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="ref and take"):

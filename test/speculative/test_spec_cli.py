@@ -21,12 +21,15 @@ from unimem.speculative.drafter import DsparkDrafter
 from unimem.validate.protocol import spec_mismatches
 
 
-def test_main_command_with_dspark_writes_the_report(tmp_path):
+def test_main_command_with_dspark_writes_the_report(tmp_path, capsys):
     out = tmp_path / "report.json"
     args = ["validate", "--requests", "3", "--input-len", "12", "--output-len", "7"]
     args += ["--spec", "dspark", "--gamma", "3", "--accept-rate", "0.7", "--max-running", "2"]
     assert main([*args, "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "ACCEPTANCE CONTROL ON (rate 0.7)" in table and "drafter: seeded, untrained" in table
     report = json.loads(out.read_text())
+    assert report["acceptance_control"] == {"on": True, "rate": 0.7}
     n = report["requests"]
     assert n == 3
     for key in ("exact_match", "verify_counts_match", "accept_lengths_match"):
@@ -37,6 +40,8 @@ def test_main_command_with_dspark_writes_the_report(tmp_path):
         assert 1.0 <= report[mode]["accept_length"] <= 4.0
     assert report["config"]["spec"] == "dspark" and report["config"]["gamma"] == 3
     assert "verify_steps" not in report["reference"]
+    assert main([*args[:-4], "--accept-rate", "0", "--max-running", "2"]) == 0
+    assert "acceptance control: off" in capsys.readouterr().out
 
 
 def test_bad_spec_flags_fail_at_start_up(capsys):

@@ -13,7 +13,9 @@ Construction loads the checkpoint (:func:`unimem.models.loader.load_checkpoint`)
 memory as SGLang does (:mod:`unimem.engine.pools`), and builds the step loop
 (:class:`~unimem.engine.core.EngineCore`): static pools, or with ``enable_unified_memory`` one
 arena of the same bytes; FA4 and CUDA graphs on a GPU for a 16-bit model; DSPARK chain
-speculation with ``speculative_algorithm="DSPARK"`` (per-request verify lengths with
+speculation with ``speculative_algorithm="DSPARK"`` (the drafter of
+``speculative_draft_model_path``, else the one shipped for the model, else a seeded untrained
+one: :attr:`Engine.drafter_path` says which; per-request verify lengths with
 ``speculative_verify_lengths="adaptive"``); the prefix cache unless ``disable_radix_cache``
 (:class:`~unimem.cache.PrefixCache` over the pool: a request resumes at the longest cached
 prefix of its prompt, ``meta_info.cached_tokens`` says how many tokens it skipped;
@@ -51,6 +53,7 @@ from unimem.models.tensor_parallel import SINGLE, full_config
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.shipped import shipped_drafter
 
 __all__ = ["Engine", "SamplingParams", "cache_stats"]
 
@@ -198,13 +201,18 @@ class Engine:
 
         chain = None
         lanes = ()
+        self.drafter_path: str | None = None
+        """The drafter checkpoint in use (given, or shipped for this model); None: none, or
+        the seeded untrained drafter."""
         if args.speculative_algorithm == "DSPARK":
             # the drafter is replicated on every rank: full tables, sized by the full model
             embed, lm_head = vocab_tables(self.model)
-            if args.speculative_draft_model_path is not None:
-                drafter = load_drafter(
-                    args.speculative_draft_model_path, self.model, shared=(embed, lm_head)
-                )
+            draft_path = args.speculative_draft_model_path or shipped_drafter(
+                args.model_path, self.model
+            )
+            self.drafter_path = None if draft_path is None else str(draft_path)
+            if draft_path is not None:
+                drafter = load_drafter(draft_path, self.model, shared=(embed, lm_head))
             else:
                 drafter = DsparkDrafter(
                     draft_config_for(full_config(config, tp)),
@@ -215,7 +223,7 @@ class Engine:
             if args.speculative_verify_lengths == "adaptive" and not drafter.config.confidence:
                 raise ValueError(
                     "speculative_verify_lengths adaptive needs a drafter with a confidence "
-                    f"head; the checkpoint {args.speculative_draft_model_path} has none "
+                    f"head; the checkpoint {draft_path} has none "
                     "(retrain it with python -m unimem.speculative.distill, or use fixed)"
                 )
             chain = DsparkChain(
@@ -284,7 +292,9 @@ class Engine:
         """Generate for one prompt (a string or a list of token ids: returns a dict) or a
         batch (a list of either: returns a list of dicts, in order). ``sampling_params``: one
         dict for all, or one per request. Each result has ``text``, ``output_ids`` and
-        ``meta_info`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
+        ``meta_info`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, with chain
+        speculation ``spec_verify_ct`` and ``spec_accept_length`` (committed tokens per verify
+        step),
         ``finish_reason`` as ``{"type": "stop", "matched": id}`` or ``{"type": "length",
         "length": n}``, and with ``return_logprob`` ``output_token_logprobs``: a
         ``(logprob, token_id, None)`` triple per output token)."""
@@ -367,6 +377,9 @@ class Engine:
             "cached_tokens": req.cached_tokens,
             "finish_reason": finish,
         }
+        if req.verify_steps:  # chain speculation (SGLang's name for the verify count)
+            meta["spec_verify_ct"] = req.verify_steps
+            meta["spec_accept_length"] = req.verified_tokens / req.verify_steps
         if return_logprob:
             meta["output_token_logprobs"] = [
                 (lp, tok, None) for lp, tok in zip(req.output_logprobs, req.output, strict=True)

@@ -4,8 +4,9 @@
 layers it reads, its layer hosts and shapes, window, Markov rank, the ``gamma`` it was trained
 for, dtype — by name, e.g. ``"float64"`` — and the target's ``vocab_size`` / ``d_model`` it
 fits) plus ``"format": "unimem-dspark-drafter"``. ``model.safetensors`` holds the drafter's own
-parameters by their module names (``fc``, ``layers.0.qkv_proj``, ``markov_u``, ...); the
-target's embedding and LM head, which the drafter shares, are never written.
+parameters by their module names (``fc``, ``layers.0.qkv_proj``, ``markov_u``, ...) and,
+for a reduced draft vocabulary, ``d2t`` (int64, draft id to target id); the target's
+embedding and LM head, which the drafter shares, are never written.
 
 :func:`load_drafter` rebuilds the drafter on a target and refuses, with a ``ValueError``
 naming the field or tensor, a checkpoint that does not fit it: a different ``vocab_size`` or
@@ -165,10 +166,22 @@ def load_drafter(
     embed, lm_head = shared or (target_model.embed_weight, target_model.lm_head_weight)
     if embed.device != dev:
         embed, lm_head = embed.to(dev), lm_head.to(dev)
-    drafter = DsparkDrafter(config, embed, lm_head)
-    params = dict(drafter.named_parameters())
     with safe_open(str(weights), framework="pt") as f:
-        names = set(f.keys())
+        d2t = None
+        stored = set(f.keys())
+        if config.reduced:
+            if "d2t" not in stored:
+                raise ValueError(
+                    f"drafter checkpoint {path}: missing tensor 'd2t' (the draft vocabulary "
+                    "map of a drafter with draft_vocab_size)"
+                )
+            d2t = f.get_tensor("d2t")
+        try:
+            drafter = DsparkDrafter(config, embed, lm_head, d2t=d2t)
+        except ValueError as e:
+            raise ValueError(f"drafter checkpoint {path}: {e}") from None
+        params = dict(drafter.named_parameters())
+        names = stored - ({"d2t"} if config.reduced else set())
         missing = sorted(set(params) - names)
         if missing:
             raise ValueError(f"drafter checkpoint {path}: missing tensor {missing[0]!r}")

@@ -28,6 +28,11 @@ schedule (anchor at the prompt's end, advance by accepted + 1) on held-out conti
 the engine's own number comes from ``python -m unimem validate --spec dspark --accept-rate 0
 --speculative-draft-model-path DIR``.
 
+For a real model, ``python -m unimem.engine.train_drafter`` trains on text the target writes
+(prompts it samples from ``<bos>``, continuations through the Engine, batched teacher-forced
+states, a reduced draft vocabulary, GPU-scale training): random-token prompts teach a drafter
+the target's continuations of noise, not of text.
+
 Devices: the ``tiny`` preset trains on one CPU core in minutes (defaults: ~4.5 min).
 ``--device cuda`` runs the same code (e.g. the ``small`` preset, float32 master weights);
 that path has not been run on a GPU yet.
@@ -306,7 +311,8 @@ def copy_drafter(drafter: DsparkDrafter, **changes) -> DsparkDrafter:
     """A copy of ``drafter`` (same shared embedding and LM head) whose config has
     ``changes`` (e.g. ``dtype``, ``gamma``); weights are cast to the new config's dtype."""
     config = dataclasses.replace(drafter.config, **changes)
-    out = DsparkDrafter(config, drafter.embed, drafter.lm_head, seed=drafter.seed)
+    d2t = drafter.d2t if drafter.config.reduced else None
+    out = DsparkDrafter(config, drafter.embed, drafter.lm_head, seed=drafter.seed, d2t=d2t)
     for p, q in zip(out.parameters(), drafter.parameters(), strict=True):
         p.data = q.detach().to(config.dtype).clone()
     return out

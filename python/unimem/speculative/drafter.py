@@ -10,11 +10,18 @@ One draft forward proposes ``gamma`` tokens for a request whose committed length
 * every draft layer attends causally over its **context** — positions ``< n``, whose K/V
   were injected from the target — and over the block itself. Block row ``i`` predicts the
   token at position ``n + i + 1``;
-* base logits: the draft's final norm, then the target's LM head (shared);
+* base logits: the draft's final norm, then the target's LM head (shared) — or, with a
+  reduced draft vocabulary (``DraftConfig.draft_vocab_size`` ``K``, as EAGLE-3), only its
+  rows ``d2t[0 .. K)``: the drafter scores ``K`` target tokens (``d2t`` maps draft id to
+  target id, e.g. the ``K`` most frequent tokens of the target's own text) and can never
+  propose another;
 * tokens are chosen left to right, each adding a low-rank Markov bias from the previous
   token: ``logits_i = base_i + V @ U[prev]`` with ``prev`` the anchor for ``i = 0`` —
   greedily (:meth:`DsparkDrafter.pick`), or by a column policy that samples and reports the
   distribution it drew from (:meth:`DsparkDrafter.sample_pick`, speculative sampling).
+  Under a reduced vocabulary the Markov tables are ``U [K + 1, R]`` (row ``K``: a previous
+  token outside the draft vocabulary) and ``W [K, R]``; tokens leave :meth:`pick` and
+  :meth:`sample_pick` as target ids.
 
 Context injection. After the target has run a position (prefill, or a committed verify row),
 the residual streams of the chosen ``target_layers`` at that position are concatenated,
@@ -88,6 +95,8 @@ class DraftConfig:
     size the drafter was trained for (None: untrained; recorded, not enforced — any block
     size runs). ``confidence``: the drafter has a confidence head (:meth:`DsparkDrafter.survival`;
     False for checkpoints written before it existed: their verify lengths stay fixed).
+    ``draft_vocab_size``: ``K`` for a reduced draft vocabulary (module docstring; None: the
+    target's whole vocabulary).
     """
 
     vocab_size: int
@@ -106,6 +115,7 @@ class DraftConfig:
     dtype: torch.dtype = torch.float64
     gamma: int | None = None
     confidence: bool = False
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layer_hosts", "target_layers"):
@@ -163,6 +173,22 @@ class DraftConfig:
             raise ValueError(f"DraftConfig.gamma must be None or an int >= 1, got {self.gamma!r}")
         if not isinstance(self.confidence, bool):
             raise ValueError(f"DraftConfig.confidence must be a bool, got {self.confidence!r}")
+        k = self.draft_vocab_size
+        if k is not None and (not _is_int(k) or not 1 <= k <= self.vocab_size):
+            raise ValueError(
+                f"DraftConfig.draft_vocab_size must be None or an int in [1, vocab_size = "
+                f"{self.vocab_size}], got {k!r}"
+            )
+
+    @property
+    def out_vocab(self) -> int:
+        """Columns of the base logits: ``draft_vocab_size`` or the target's vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the drafter scores a reduced draft vocabulary."""
+        return self.draft_vocab_size is not None
 
     @property
     def num_layers(self) -> int:
@@ -216,17 +242,26 @@ def draft_config_for(
     config: HybridConfig,
     num_layers: int = 2,
     markov_rank: int = 16,
+    *,
+    target_layers: Sequence[int] | None = None,
+    ffn_dim: int | None = None,
+    draft_vocab_size: int | None = None,
 ) -> DraftConfig:
     """A drafter for ``config``: ``num_layers`` layers alternating FULL and SWA hosts (only
     the kinds the target has), SWA window half the target's, the target's head shapes and
-    dtype, context from three target layers (low, middle, last), with a confidence head."""
+    dtype, context from three target layers (low, middle, last) unless ``target_layers``
+    names them, the target's MLP width unless ``ffn_dim``, the whole vocabulary unless
+    ``draft_vocab_size``, with a confidence head."""
     has = set(config.layer_pattern)
     kinds = [k for k in ("full", "swa") if k in has]
     if not kinds:
         raise ValueError("a DSPARK drafter needs a target with FULL or SWA layers to host it")
     hosts = tuple(kinds[j % len(kinds)] for j in range(num_layers))
     n = config.num_layers
-    targets = tuple(sorted({min(1, n - 1), n // 2, n - 1}))
+    if target_layers is None:
+        targets = tuple(sorted({min(1, n - 1), n // 2, n - 1}))
+    else:
+        targets = tuple(int(i) for i in target_layers)
     return DraftConfig(
         vocab_size=config.vocab_size,
         d_model=config.d_model,
@@ -236,13 +271,14 @@ def draft_config_for(
         n_kv_heads=config.n_kv_heads,
         head_dim_k=config.head_dim_k,
         head_dim_v=config.head_dim_v,
-        ffn_dim=config.ffn_dim,
+        ffn_dim=ffn_dim or config.ffn_dim,
         window=max(1, config.window // 2) if "swa" in hosts else None,
         markov_rank=markov_rank,
         rope_theta=config.rope_theta,
         rms_eps=config.rms_eps,
         dtype=config.dtype,
         confidence=True,
+        draft_vocab_size=draft_vocab_size,
     )
 
 
@@ -280,7 +316,10 @@ class DsparkDrafter(nn.Module):
     """The DSPARK block drafter (see the module docstring).
 
     ``embed [vocab, d_model]`` and ``lm_head [vocab, d_model]`` are the target's tensors,
-    shared (not copied, not registered as this module's parameters).
+    shared (not copied, not registered as this module's parameters). With a reduced draft
+    vocabulary, ``d2t [K]`` (distinct target ids; default ``0 .. K - 1``) is the map from
+    draft id to target id, a persistent buffer (saved with the weights), and the drafter
+    keeps its own gathered copy of the LM head's rows ``d2t`` (:attr:`head_weight`).
     """
 
     def __init__(
@@ -289,6 +328,7 @@ class DsparkDrafter(nn.Module):
         embed: torch.Tensor,
         lm_head: torch.Tensor,
         seed: int = 0,
+        d2t: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -305,17 +345,45 @@ class DsparkDrafter(nn.Module):
         self.ctx_norm = frozen_param(c.d_model)
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.final_norm = frozen_param(c.d_model)
-        self.markov_u = frozen_param(c.vocab_size, c.markov_rank)
-        self.markov_v = frozen_param(c.vocab_size, c.markov_rank)
+        k = c.out_vocab
+        self.markov_u = frozen_param(k + 1 if c.reduced else k, c.markov_rank)
+        self.markov_v = frozen_param(k, c.markov_rank)
         if c.confidence:  # survival head over [draft hidden ; embedding of the previous token]
             self.conf_w = frozen_param(2 * c.d_model)
             self.conf_b = frozen_param(1)
         self._init_weights(seed)
+        if c.reduced:
+            self._set_vocab_map(c, d2t, embed.device)
+        elif d2t is not None:
+            raise ValueError("d2t given for a drafter without DraftConfig.draft_vocab_size")
         self.to(device=embed.device)
         self.rope_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
         exps = torch.arange(0, c.head_dim_k, 2, dtype=torch.float64) / c.head_dim_k
         inv_freq = (c.rope_theta**-exps).to(self.rope_dtype).to(embed.device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _set_vocab_map(self, c: DraftConfig, d2t: torch.Tensor | None, dev) -> None:
+        """The reduced vocabulary's buffers: ``d2t [K]`` (persistent), ``t2d [vocab]`` (target
+        id to draft id, ``K`` outside), ``d2t_ext [K + 1]`` (``d2t`` and a 0 for row ``K``)
+        and ``head_rows [K, d_model]``, the LM head's rows ``d2t`` (not saved: the target's)."""
+        k = c.draft_vocab_size
+        if d2t is None:
+            d2t = torch.arange(k)
+        d2t = torch.as_tensor(d2t).to(device="cpu", dtype=torch.int64).reshape(-1)
+        if d2t.shape != (k,):
+            raise ValueError(f"d2t must have draft_vocab_size = {k} entries, got {d2t.numel()}")
+        if k and (int(d2t.min()) < 0 or int(d2t.max()) >= c.vocab_size):
+            raise ValueError(f"d2t holds ids outside the target vocabulary [0, {c.vocab_size})")
+        if torch.unique(d2t).numel() != k:
+            raise ValueError("d2t must hold distinct target ids")
+        t2d = torch.full((c.vocab_size,), k, dtype=torch.int64)
+        t2d[d2t] = torch.arange(k)
+        self.register_buffer("d2t", d2t.to(dev))
+        self.register_buffer("t2d", t2d.to(dev), persistent=False)
+        ext = torch.cat([d2t, torch.zeros(1, dtype=torch.int64)])
+        self.register_buffer("d2t_ext", ext.to(dev), persistent=False)
+        rows = self.lm_head[d2t.to(self.lm_head.device)].to(dev)
+        self.register_buffer("head_rows", rows, persistent=False)
 
     @property
     def embed(self) -> torch.Tensor:
@@ -324,6 +392,19 @@ class DsparkDrafter(nn.Module):
     @property
     def lm_head(self) -> torch.Tensor:
         return self._shared[1]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """``[out_vocab, d_model]``: the LM head rows the drafter scores (the shared LM head,
+        or its rows ``d2t``, gathered once into a non-persistent buffer)."""
+        return self.head_rows if self.config.reduced else self.lm_head
+
+    def to_draft(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Draft ids of target ``tokens`` (``draft_vocab_size`` outside the draft
+        vocabulary); the tokens themselves without a reduced vocabulary."""
+        if not self.config.reduced:
+            return tokens.long()
+        return self.t2d[tokens.long()]
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write this drafter as a directory: ``config.json`` (the :class:`DraftConfig`)
@@ -447,8 +528,8 @@ class DsparkDrafter(nn.Module):
             nxt = self.layers[j + 1].input_norm if j + 1 < len(self.layers) else self.final_norm
             x, h = add_rms_norm(x, layer.mlp_normed(h), nxt, c.rms_eps)
         out_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
-        logits = logits_matmul(h, self.lm_head.to(c.dtype), out_dtype)
-        return logits.reshape(bs, gamma, c.vocab_size), h.reshape(bs, gamma, c.d_model)
+        logits = logits_matmul(h, self.head_weight.to(c.dtype), out_dtype)
+        return logits.reshape(bs, gamma, c.out_vocab), h.reshape(bs, gamma, c.d_model)
 
     def survival_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Confidence head, before the sigmoid: ``w . [hidden ; embed(prev)] + b`` per drafted
@@ -476,9 +557,10 @@ class DsparkDrafter(nn.Module):
         return torch.sigmoid(self.survival_logits(hidden, prev)).float()
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
-        """``[..., vocab]``: ``V @ U[prev]`` for each previous token ``prev [...]`` (also
-        the training forward's bias, so not under ``no_grad``)."""
-        return markov_bias_reference(self.markov_u, self.markov_v, prev)
+        """``[..., out_vocab]``: ``V @ U[prev]`` for each previous target token ``prev [...]``
+        (its draft row under a reduced vocabulary; also the training forward's bias, so not
+        under ``no_grad``)."""
+        return markov_bias_reference(self.markov_u, self.markov_v, self.to_draft(prev))
 
     @torch.no_grad()
     def pick(
@@ -493,8 +575,19 @@ class DsparkDrafter(nn.Module):
         ``i - 1``; with an acceptance control's decisions (``ref``, ``take [bs, gamma]``),
         column ``i`` becomes ``ref[:, i]`` where ``take[:, i]`` before it conditions the next.
         On a GPU ``gamma + 1`` launches of one kernel (:func:`unimem_kernel.markov_pick`).
-        Returns ``[bs, gamma]`` int64."""
-        return markov_pick(base, anchors, self.markov_u, self.markov_v, ref, take)
+        ``base [bs, gamma, out_vocab]``; ``anchors``, ``ref`` and the result are target ids
+        (``[bs, gamma]`` int64), mapped through ``t2d`` / ``d2t`` under a reduced vocabulary
+        (a reference token outside it conditions the next column through row ``K``)."""
+        if not self.config.reduced:
+            return markov_pick(base, anchors, self.markov_u, self.markov_v, ref, take)
+        ref_d = None
+        if ref is not None:
+            ref_d = torch.where(take, self.t2d[ref.long().clamp(min=0)], 0)
+        out = markov_pick(base, self.to_draft(anchors), self.markov_u, self.markov_v, ref_d, take)
+        tokens = self.d2t_ext[out]
+        if ref is not None:
+            tokens = torch.where(take, ref.long(), tokens)
+        return tokens
 
     @torch.no_grad()
     def sample_pick(
@@ -504,11 +597,17 @@ class DsparkDrafter(nn.Module):
         sampling): column ``i``'s logits are ``base[:, i] + markov_bias(prev)`` (as in
         :meth:`pick`), ``choose(i, logits)`` returns the proposed tokens and the distribution
         they were drawn from, and the tokens condition the next column. Returns ``(tokens
-        [bs, gamma] int64, probs [bs, gamma, vocab])``."""
+        [bs, gamma] int64, probs [bs, gamma, vocab])``, over the target's vocabulary: under
+        a reduced vocabulary ``choose`` sees the column's logits scattered to the target ids
+        ``d2t`` (``-inf`` elsewhere), so it draws target ids with zero mass off ``d2t``."""
         prev = anchors.long()
         cols, dists = [], []
+        c = self.config
         for i in range(base.shape[1]):
             logits = base[:, i] + self.markov_bias(prev).to(base.dtype)
+            if c.reduced:
+                full = logits.new_full((logits.shape[0], c.vocab_size), float("-inf"))
+                logits = full.index_copy_(1, self.d2t, logits)
             tok, probs = choose(i, logits)
             cols.append(tok)
             dists.append(probs)

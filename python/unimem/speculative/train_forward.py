@@ -13,8 +13,10 @@ head, :meth:`~unimem.speculative.drafter.DsparkDrafter.markov_bias`):
   ``n .. n + gamma - 1``; in each layer a row at ``n + i`` attends the context at positions
   ``< n`` and the block rows ``<= i`` (for an SWA-hosted layer only keys within its window),
   softmax scale ``head_dim_k ** -0.5`` (as the draft runner's), one softmax over both;
-* base logits ``[B, A, gamma, vocab]`` (= ``block_logits``), and for the loss the Markov bias
-  of the teacher-forced previous token ``tokens[n + i]``;
+* base logits ``[B, A, gamma, out_vocab]`` (= ``block_logits``), and for the loss the Markov
+  bias of the teacher-forced previous token ``tokens[n + i]``; under a reduced draft
+  vocabulary the targets are draft ids and a target outside it adds no cross-entropy (it
+  still counts in the mean: the drafter cannot propose it);
 * the confidence head (a drafter with ``DraftConfig.confidence``): the survival logit of
   block row ``i`` from its final hidden state (detached: the head is a probe and does not
   shape the drafter) and the embedding of ``tokens[n + i]``, trained by binary cross-entropy
@@ -151,10 +153,10 @@ def block_forward_dense(
         x = x + F.linear(o.reshape(x.shape[0], -1), layer.o_proj)
         x = x + layer.mlp(x, c.rms_eps)
     h = rms_norm(x, drafter.final_norm, c.rms_eps)
-    logits = F.linear(h, drafter.lm_head.to(c.dtype))
+    logits = F.linear(h, drafter.head_weight.to(c.dtype))
     if logits.dtype != torch.float64:
         logits = logits.float()
-    return logits.reshape(b, a, gamma, c.vocab_size), h.reshape(b, a, gamma, c.d_model)
+    return logits.reshape(b, a, gamma, c.out_vocab), h.reshape(b, a, gamma, c.d_model)
 
 
 class DistillLoss(NamedTuple):
@@ -220,9 +222,16 @@ def distill_losses(
     valid = (tgt_pos[None] < lengths[:, None, None].to(tokens.device)) & (
         anchors[None, :, None] >= first_anchor[:, None, None].to(tokens.device)
     )
+    # under a reduced vocabulary a target outside it has no class: no cross-entropy term,
+    # and its draft is never accepted (the confidence target is 0)
+    target = drafter.to_draft(target)
+    in_vocab = target < logits.shape[-1]
     ce = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+        logits.reshape(-1, logits.shape[-1]),
+        target.clamp(max=logits.shape[-1] - 1).reshape(-1),
+        reduction="none",
     ).reshape(valid.shape)
+    ce = ce * in_vocab
     n = int(valid.sum())
     survival = accepted = None
     bce = ce.sum() * 0.0

@@ -86,6 +86,7 @@ from unimem.speculative.chain import VERIFY_LENGTHS, DsparkChain
 from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.control import AcceptanceControl, uniform_draws
 from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.shipped import shipped_drafter
 from unimem.validate.report import ProgressBar
 
 MB = 1 << 20
@@ -1004,8 +1005,11 @@ def _validate_dspark(
     )
     references = {rid: prompts[rid] + out for rid, out in res_ref.outputs.items()}
     shared = vocab_tables(model)  # full tables: the drafter is replicated on every rank
-    if cfg.speculative_draft_model_path is not None:
-        drafter = load_drafter(cfg.speculative_draft_model_path, model, shared=shared)
+    draft_path = cfg.speculative_draft_model_path
+    if draft_path is None and cfg.model_path is not None:
+        draft_path = shipped_drafter(cfg.model_path, model)
+    if draft_path is not None:
+        drafter = load_drafter(draft_path, model, shared=shared)
     else:
         drafter = DsparkDrafter(
             draft_config_for(full_config(model_cfg, model.tp)), *shared, seed=cfg.seed + 17
@@ -1048,6 +1052,8 @@ def _validate_dspark(
         "exact_match": len(prompts) - len(diffs),
         "mismatches": diffs,
         "verify_lengths": "adaptive" if chain_for().adaptive else "fixed",
+        "drafter": str(draft_path) if draft_path is not None else "seeded, untrained",
+        "acceptance_control": {"on": cfg.accept_rate > 0, "rate": cfg.accept_rate},
         "verify_counts_match": sum(
             res_s.verify_steps[r] == res_u.verify_steps.get(r) for r in rids
         ),

@@ -59,6 +59,17 @@ def format_table(report: dict) -> str:
             "the default with --device cuda, --disable-deterministic-inference turns it off)"
         )
     lines.append(f"exact match: {report['exact_match']}/{n} requests")
+    if "acceptance_control" in report:
+        ctl = report["acceptance_control"]
+        lines.append(f"drafter: {report['drafter']}")
+        if ctl["on"]:
+            lines.append(
+                f"ACCEPTANCE CONTROL ON (rate {ctl['rate']:g}): drafts are replaced by the "
+                "reference continuation at that rate, so accept lengths and speed-ups are the "
+                "control's, not the drafter's (--accept-rate 0 measures the drafter)"
+            )
+        else:
+            lines.append("acceptance control: off (accept lengths are the drafter's own)")
     if "control_expected_accept_length" in report:
         draws = report.get("control_draws_accept_length")
         of_draws = f", its draws for this seed {draws:.3f}" if draws is not None else ""

@@ -29,8 +29,10 @@ Grouping 8 lanes reads ``W`` 6 times per column (6 MB) for the same 6 MB of logi
 programs (not yet timed on the H200).
 
 Contract: ``base [bs, G, V]`` float32 (any strides, unit last), ``anchors [bs]`` integer
-token ids in ``[0, V)``, ``u, w [V, R]`` in one float dtype (unit last stride), optional
-``ref [bs, G]`` integer and ``take [bs, G]`` bool. Returns ``[bs, G]`` int64, freshly
+token ids in ``[0, U)``, ``u [U, R]`` (``U >= V``: rows past ``V`` serve previous tokens
+that are never candidates, e.g. a reduced draft vocabulary's out-of-vocabulary row) and
+``w [V, R]`` in one float dtype (unit last stride), optional ``ref [bs, G]`` integer in
+``[0, U)`` where ``take`` and ``take [bs, G]`` bool. Returns ``[bs, G]`` int64, freshly
 allocated (as are the ``[bs, G, NSPLIT]`` partials). Fixed grids, no host read: recorded
 inside the verify step's CUDA graph. A row's picks depend only on that row
 (batch-invariant). NaN logits are not supported (torch's argmax
@@ -250,10 +252,16 @@ def markov_pick(
     bs, g, v = base.shape
     if anchors.shape != (bs,):
         raise ValueError(f"anchors must be [bs = {bs}], got {tuple(anchors.shape)}")
-    if u.dim() != 2 or u.shape[0] != v or w.shape != u.shape or w.dtype != u.dtype:
+    if (
+        u.dim() != 2
+        or u.shape[0] < v
+        or w.dim() != 2
+        or w.shape != (v, u.shape[1])
+        or w.dtype != u.dtype
+    ):
         raise ValueError(
-            f"u and w must both be [V = {v}, R] of one dtype, got {tuple(u.shape)} {u.dtype} "
-            f"and {tuple(w.shape)} {w.dtype}"
+            f"u must be [>= V = {v}, R] and w [V, R] of one dtype, got {tuple(u.shape)} "
+            f"{u.dtype} and {tuple(w.shape)} {w.dtype}"
         )
     if (ref is None) != (take is None):
         raise ValueError("ref and take come together (the acceptance control's decisions)")

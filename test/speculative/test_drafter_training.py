@@ -1,0 +1,263 @@
+"""Training a drafter on text the target writes (a tiny Gemma 3 checkpoint, CPU, float32):
+
+- teacher-forced states (batched, one extend over whole sequences) equal the states captured
+  while generating;
+- a short training run on the target's own text — prompts it samples from ``<bos>`` at
+  temperature 1, greedy continuations — raises the held-out accept length well above the
+  untrained drafter's (a bound that fails if training does nothing), with a reduced draft
+  vocabulary; the confidence head is calibrated on held-out data;
+- a run stopped and resumed from its checkpoint directory continues where it stopped;
+- the most frequent tokens make the draft vocabulary; prompt files with splits;
+- the shipped drafter of a model is used by default by ``Engine`` (DSPARK), an explicit
+  drafter path wins, a drafter that does not fit is ignored;
+- slow tier: the whole command (``python -m unimem.engine.train_drafter``: Engine-written
+  data, training, checkpoint) and the engine's own accept length on held-out prompts
+  (no acceptance control) against the untrained drafter, outputs exact.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from unimem.models.loader import load_checkpoint
+from unimem.speculative import shipped
+from unimem.speculative.distill import Rollouts, greedy_rollouts
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem.speculative.prompt_sets import read_prompts
+from unimem.speculative.teacher_forcing import BatchedSequencesContext, teacher_forced_states
+from unimem.speculative.trainer import (
+    TrainConfig,
+    frequent_tokens,
+    offline_accept_lengths,
+    train_drafter,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+import tiny_gemma3  # noqa: E402
+import tiny_tokenizer  # noqa: E402
+
+GAMMA = 4
+BOS = 2
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-gemma"
+    tiny_gemma3.build(path, max_position_embeddings=512)
+    tiny_tokenizer.save(path, 500)
+    return path, load_checkpoint(path, dtype="float32").model
+
+
+@torch.no_grad()
+def _generate(model, prompts, gen_len, temperature, seed):
+    """Continuations of equal-length ``prompts`` by recomputing the whole batch each step
+    (small models only): greedy at temperature 0, else sampled."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.tensor(prompts)
+    for _ in range(gen_len):
+        b, s = seqs.shape
+        ctx = BatchedSequencesContext(model.config, b, s, (), model.device)
+        logits = model.forward_with_hidden(seqs.reshape(-1), ctx).logits.double()
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        seqs = torch.cat([seqs, nxt], dim=1)
+    return seqs.tolist()
+
+
+def _text(model, n, seed, prompt_len=8, gen_len=32):
+    """``n`` sequences the target writes: a prompt sampled from <bos> at temperature 1,
+    then a greedy continuation."""
+    prompts = _generate(model, [[BOS]] * n, prompt_len - 1, 1.0, seed)
+    return _generate(model, prompts, gen_len, 0.0, seed), [prompt_len] * n
+
+
+def test_teacher_forced_states_equal_captured_ones(gemma):
+    _, model = gemma
+    prompts = [[BOS, 5, 9, 30, 7], [BOS, 11, 12], [BOS, 40, 41, 42, 43, 44, 45]]
+    layers = (1, 3, 5)
+    cap = greedy_rollouts(model, prompts, 12, layers)
+    seqs = [cap.tokens[i, : int(cap.lengths[i])].tolist() for i in range(3)]
+    tf = teacher_forced_states(model, seqs, [len(p) for p in prompts], layers)
+    for i in range(3):
+        n = int(cap.lengths[i]) - 1  # captured: every position the target ran
+        for a, b in zip(cap.hidden, tf.hidden, strict=True):
+            torch.testing.assert_close(a[i, :n], b[i, :n], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="prompt length"):
+        teacher_forced_states(model, seqs, [0, 1, 1], layers)
+
+
+def test_training_on_the_targets_text_raises_the_accept_length(gemma, tmp_path):
+    _, model = gemma
+    seqs, lens = _text(model, 96, seed=1)
+    held_seqs, held_lens = _text(model, 8, seed=2)  # other prompts: never trained on
+    dc = draft_config_for(model.config, num_layers=1, draft_vocab_size=128)
+    train = teacher_forced_states(model, seqs[:88], lens[:88], dc.target_layers)
+    calib = teacher_forced_states(model, seqs[88:], lens[88:], dc.target_layers)
+    held = teacher_forced_states(model, held_seqs, held_lens, dc.target_layers)
+    d2t = frequent_tokens(train, 128, model.config.vocab_size)
+    start = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=17, d2t=d2t)
+    cfg = TrainConfig(
+        steps=100, batch=16, anchors_per_step=16, gamma=GAMMA, lr=1e-2, warmup=10,
+        eval_every=50, save_every=50, checkpoint_dir=str(tmp_path / "state"), head_steps=20,
+        progress=False,
+    )  # fmt: skip
+    result = train_drafter(start, train, held, cfg, calibration=calib)
+    assert result.steps_done == 100 and result.stopped_by == "steps"
+    assert result.accept_before < 1.3
+    assert result.accept_after > result.accept_before + 0.5, (
+        result.accept_before,
+        result.accept_after,
+    )
+    assert [h["step"] for h in result.history if "accept_length" in h] == [50, 100]
+    lrs = [h["lr"] for h in result.history]
+    assert lrs[4] < lrs[9] and lrs[-1] < 0.01 * max(lrs)  # warm-up, then cosine to ~0
+    d = result.drafter
+    assert d.config.gamma == GAMMA and torch.equal(d.d2t, d2t)
+    assert offline_accept_lengths(d, held, GAMMA) == pytest.approx(result.accept_after)
+    cal = result.calibration
+    assert cal is not None and cal.bce < 0.5 and abs(cal.mean_survival - cal.base_rate) < 0.25
+    assert (tmp_path / "state" / "train_state.pt").is_file()
+
+
+def test_resume_continues_where_it_stopped(gemma, tmp_path):
+    _, model = gemma
+    seqs, lens = _text(model, 8, seed=3, gen_len=12)
+    dc = draft_config_for(model.config, num_layers=1)
+    data = teacher_forced_states(model, seqs, lens, dc.target_layers)
+    start = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=17)
+    kw = dict(
+        batch=4, anchors_per_step=4, gamma=GAMMA, warmup=0, eval_every=100, save_every=2,
+        checkpoint_dir=str(tmp_path), head_steps=0, progress=False,
+    )  # fmt: skip
+    whole = train_drafter(start, data, None, TrainConfig(steps=6, **kw | {"checkpoint_dir": None}))
+    train_drafter(start, data, None, TrainConfig(steps=4, **kw))
+    logs = []
+    resumed = train_drafter(start, data, None, TrainConfig(steps=6, **kw), log=logs.append)
+    assert any("resumed" in m and "step 4" in m for m in logs)
+    assert [h["step"] for h in resumed.history] == [1, 2, 3, 4, 5, 6]
+    # the same batches as an uninterrupted run (the generator's state was saved); the
+    # learning rates differ only through the schedule's horizon (4 then 6 steps)
+    assert resumed.history[-1]["loss"] == pytest.approx(whole.history[-1]["loss"], rel=0.2)
+
+
+def test_frequent_tokens():
+    tokens = torch.tensor([[2, 9, 5, 5, 7, 0], [2, 3, 7, 5, 9, 9]])
+    data = Rollouts(tokens, [], torch.tensor([2, 1]), torch.tensor([5, 6]), ())
+    # continuations: [5, 5, 7] and [3, 7, 5, 9, 9]: 5 x3, 7 x2, 9 x2, 3 x1; then unseen ids
+    assert frequent_tokens(data, 6, 10).tolist() == [5, 7, 9, 3, 0, 1]
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        frequent_tokens(data, 11, 10)
+
+
+def test_prompt_files(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n\nsecond\\nline\n")
+    assert read_prompts(text) == ["first prompt", "second\nline"]
+    with pytest.raises(ValueError, match="no splits"):
+        read_prompts(text, "heldout")
+    jl = tmp_path / "p.jsonl"
+    rows = [{"text": "a", "split": "train"}, {"prompt": "b", "split": "heldout"}, "c"]
+    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert read_prompts(jl) == ["a", "b", "c"]
+    assert read_prompts(jl, "heldout") == ["b"]
+    with pytest.raises(ValueError, match="no prompts of split 'dev'"):
+        read_prompts(jl, "dev")
+    (tmp_path / "bad.jsonl").write_text('{"text": 3}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        read_prompts(tmp_path / "bad.jsonl")
+
+
+def test_model_key():
+    for name in (
+        "gemma-3-270m",
+        "/models/gemma-3-270m/",
+        "/x/gemma-3-270m-q4_k_m.gguf",
+        "Gemma-3-270M-BF16",
+    ):
+        assert shipped.model_key(name) == "gemma-3-270m", name
+
+
+def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch):
+    from unimem.engine.api import Engine
+
+    path, model = gemma
+    root = tmp_path / "drafters"
+    dc = draft_config_for(model.config, num_layers=1)
+    DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=5).save_pretrained(
+        root / path.name
+    )
+    monkeypatch.setattr(shipped, "DRAFTERS_DIR", root)
+    kw = dict(model_path=str(path), dtype="float32", max_total_tokens=512)
+    eng = Engine(speculative_algorithm="DSPARK", **kw)
+    assert eng.drafter_path == str(root / path.name)
+    out = eng.generate(input_ids=[BOS, 7, 8], sampling_params={"max_new_tokens": 6})
+    assert out["meta_info"]["spec_verify_ct"] >= 1 and out["meta_info"]["spec_accept_length"] >= 1
+    eng.shutdown()
+    other = tmp_path / "other"
+    DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=6).save_pretrained(other)
+    eng = Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=str(other), **kw)
+    assert eng.drafter_path == str(other)
+    eng.shutdown()
+    # a drafter of the same name that does not fit this model is not used
+    cfg_file = root / path.name / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "target_layers": [40]}))
+    eng = Engine(speculative_algorithm="DSPARK", **kw)
+    assert eng.drafter_path is None
+    eng.shutdown()
+
+
+@pytest.mark.slow
+def test_train_drafter_command_end_to_end(gemma, tmp_path):
+    from unimem.engine.api import Engine
+    from unimem.engine.train_drafter import main
+
+    path, _ = gemma
+    held = tmp_path / "held.jsonl"
+    rows = [
+        {"text": " ".join(f"w{(i * 7 + j * 13) % 400 + 4}" for j in range(6)), "split": s}
+        for i in range(12)
+        for s in ("heldout",)
+    ]
+    held.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "drafter"
+    argv = [
+        "--model-path", str(path), "--out", str(out), "--device", "cpu", "--dtype", "float32",
+        "--bos-prompts", "128", "--prompt-len", "8", "--gen-len", "32", "--temperatures", "0",
+        "--max-running", "64", "--eval-prompts", str(held), "--eval-split", "heldout",
+        "--draft-layers", "1", "--draft-vocab", "256", "--steps", "200", "--batch", "16",
+        "--anchors-per-step", "16", "--gamma", str(GAMMA), "--lr", "1e-2", "--warmup", "10",
+        "--eval-every", "100", "--head-steps", "20", "--no-progress",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["command"].startswith("python -m unimem.engine.train_drafter")
+    assert summary["accept_after"] > summary["accept_before"] + 0.5, summary
+    texts = read_prompts(held, "heldout")
+    kw = dict(model_path=str(path), dtype="float32", max_total_tokens=2048)
+    params = {"max_new_tokens": 32}
+
+    def run(**extra):
+        eng = Engine(**kw, **extra)
+        outs = eng.generate(prompt=texts, sampling_params=params)
+        eng.shutdown()
+        steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+        toks = sum(o["meta_info"].get("spec_accept_length", 0) * o["meta_info"].get(
+            "spec_verify_ct", 0) for o in outs)  # fmt: skip
+        return [o["output_ids"] for o in outs], (toks / steps if steps else None)
+
+    ref, _ = run()
+    untrained, acc_u = run(speculative_algorithm="DSPARK", speculative_num_draft_tokens=5)
+    trained, acc_t = run(
+        speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=5,
+        speculative_draft_model_path=str(out),
+    )
+    assert untrained == ref and trained == ref
+    assert acc_t > acc_u + 0.5, (acc_u, acc_t)
