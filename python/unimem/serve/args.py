@@ -20,6 +20,7 @@ from unimem.engine.args import (
     VERIFY_LENGTHS,
     EngineArgs,
 )
+from unimem.serve.data_parallel import ROUTER_POLICIES
 
 __all__ = ["CliError", "ServerOptions", "build_parser", "parse_args", "SGLANG_ONLY_FLAGS"]
 
@@ -37,11 +38,10 @@ DTYPES = {
 """SGLang's ``--dtype`` choices and the dtype each names."""
 
 SGLANG_ONLY_FLAGS = frozenset(
-    {f"--{name.replace('_', '-')}" for name in UNSUPPORTED_SGLANG_ARGS}
+    {f"--{name.replace('_', '-')}" for name in UNSUPPORTED_SGLANG_ARGS - {"dp_size"}}
     | {
         "--tp",
         "--dp",
-        "--data-parallel-size",
         "--pipeline-parallel-size",
         "--nnodes",
         "--node-rank",
@@ -105,13 +105,16 @@ class CliError(Exception):
 @dataclass(frozen=True)
 class ServerOptions:
     """The HTTP side's options: where to listen, the model name clients use (SGLang's default:
-    the model path), the API key (None: none needed) and the log level."""
+    the model path), the API key (None: none needed), the log level, and the data-parallel
+    replicas behind SGLang's router (:mod:`unimem.serve.data_parallel`)."""
 
     host: str
     port: int
     served_model_name: str
     api_key: str | None
     log_level: str
+    dp_size: int = 1
+    router_policy: str = "cache_aware"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -208,6 +211,21 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         help="unimem only, with --speculative-verify-lengths adaptive: tokens verified per "
         "step over the batch (default: no cut)",
     )
+    r.add_argument(
+        "--dp-size",
+        "--data-parallel-size",
+        dest="dp_size",
+        type=int,
+        default=1,
+        help="data parallelism: this many replicas (--tp-size GPUs each on CUDA) behind "
+        "SGLang's router on --host/--port (needs the [router] extra)",
+    )
+    r.add_argument(
+        "--router-policy",
+        choices=ROUTER_POLICIES,
+        default="cache_aware",
+        help="with --dp-size: how the router picks a replica",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host", default=DEFAULT_HOST)
     s.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -243,6 +261,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
     ns = build_parser().parse_args(argv)
     if not 1 <= ns.port <= 65535:
         raise CliError(f"--port must be in [1, 65535], got {ns.port}")
+    if ns.dp_size < 1:
+        raise CliError(f"--dp-size must be a positive integer, got {ns.dp_size}")
     if ns.api_key is not None and not ns.api_key:
         raise CliError("--api-key must not be empty")
     if ns.served_model_name is not None and not ns.served_model_name:
@@ -260,6 +280,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
         served_model_name=ns.served_model_name or ns.model_path,
         api_key=ns.api_key,
         log_level=ns.log_level,
+        dp_size=ns.dp_size,
+        router_policy=ns.router_policy,
     )
     return engine_args, options
 

@@ -135,6 +135,11 @@ def _main(argv: list[str] | None) -> int:
         format="[%(asctime)s] %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
     )
+    if options.dp_size > 1:
+        from unimem.serve import data_parallel
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return data_parallel.run(argv, engine_args, options, options.dp_size, options.router_policy)
     try:
         sock = _bind(options.host, options.port)
     except OSError as e:
