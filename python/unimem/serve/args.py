@@ -43,9 +43,6 @@ SGLANG_ONLY_FLAGS = frozenset(
         "--tp",
         "--dp",
         "--pipeline-parallel-size",
-        "--nnodes",
-        "--node-rank",
-        "--dist-init-addr",
         "--base-gpu-id",
         "--gpu-id-step",
         "--enable-dp-attention",
@@ -212,6 +209,16 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         "step over the batch (default: no cut)",
     )
     r.add_argument(
+        "--nnodes", type=int, default=1, help="with --tp-size: the ranks spread over N machines"
+    )
+    r.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="with --nnodes: this machine's index (node 0 serves HTTP; the others run ranks)",
+    )
+    r.add_argument("--dist-init-addr", help="with --nnodes: HOST:PORT of node 0's rank store")
+    r.add_argument(
         "--dp-size",
         "--data-parallel-size",
         dest="dp_size",
@@ -263,6 +270,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
         raise CliError(f"--port must be in [1, 65535], got {ns.port}")
     if ns.dp_size < 1:
         raise CliError(f"--dp-size must be a positive integer, got {ns.dp_size}")
+    if ns.dp_size > 1 and ns.nnodes > 1:
+        raise CliError("--dp-size with --nnodes is not supported: launch replicas per node")
     if ns.api_key is not None and not ns.api_key:
         raise CliError("--api-key must not be empty")
     if ns.served_model_name is not None and not ns.served_model_name:

@@ -125,6 +125,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _follower_node(args: EngineArgs) -> int:
+    """A node other than 0 of a multi-node launch: no HTTP server; its tensor-parallel ranks
+    follow rank 0 (on node 0, which serves) until it shuts down."""
+    topo = args.topology()
+    last = topo.first_rank + topo.local_size - 1
+    log.info(
+        "node %d of %d: ranks %d..%d following rank 0 at %s",
+        topo.node_rank,
+        topo.nnodes,
+        topo.first_rank,
+        last,
+        topo.dist_init_addr,
+    )
+    try:
+        _build_engine(args)
+    except (ValueError, OSError, RuntimeError) as e:
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    log.info("node %d: rank 0 shut down", topo.node_rank)
+    return 0
+
+
 def _main(argv: list[str] | None) -> int:
     try:
         engine_args, options = parse_args(argv)
@@ -135,6 +156,8 @@ def _main(argv: list[str] | None) -> int:
         format="[%(asctime)s] %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
     )
+    if engine_args.node_rank > 0:
+        return _follower_node(engine_args)
     if options.dp_size > 1:
         from unimem.serve import data_parallel
 
