@@ -25,7 +25,12 @@ import tiny_qwen3_next
 import tiny_tokenizer
 
 import unimem
-from unimem.serve.data_parallel import free_port
+from unimem.serve.data_parallel import (
+    free_port,
+    router_command,
+    stop_process,
+    wait_router_ready,
+)
 
 pytest.importorskip("sglang_router")
 
@@ -159,6 +164,38 @@ def test_openai_client_through_the_router(launch):
         for w in launch.workers()
     ]
     assert len(served) == 2 and all(n > 0 for n in served)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["cache_aware", "power_of_two", "random"])
+def test_every_router_policy_fronts_the_replicas(launch, policy):
+    """A second router (another policy) over the same replicas: completions, a stream, the
+    load it reads from every worker's ``/get_load``, ``/flush_cache`` fanned out."""
+    urls = [w["url"] for w in launch.workers()]
+    port = free_port()
+    router = subprocess.Popen(
+        router_command("127.0.0.1", port, urls, policy),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_router_ready(url, router, 2, 60)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for i in range(4):
+            out = client.completions.create(model=MODEL, prompt=f"w{i} w5", max_tokens=3)
+            assert out.usage.completion_tokens >= 1
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=3, stream=True
+        )
+        assert any(ch.choices and ch.choices[0].finish_reason for ch in chunks)
+        loads = httpx.get(url + "/get_loads", timeout=10).json()["workers"]
+        assert sorted(w["worker"] for w in loads) == sorted(urls)
+        assert all(w["load"] >= 0 for w in loads)  # every worker answered /get_load
+        flushed = httpx.post(url + "/flush_cache", timeout=10).json()
+        assert flushed["workers_flushed"] == 2, flushed
+    finally:
+        stop_process(router)
 
 
 @pytest.mark.slow
