@@ -16,12 +16,13 @@ whether it is found in a cache.
 
 Reported per policy: wall time, requests and output tokens per second, the prefix-cache hit
 rate over all prompt tokens (``cached_tokens`` / prompt tokens, from the responses' usage),
-and per worker: requests served, the cache's hit tokens over looked-up tokens, evictions.
+and per worker: requests served, the cache's hit tokens over looked-up tokens, evictions,
+flushes under memory pressure, retractions.
 
 Without ``--model-path`` a small random Qwen3-Next checkpoint (float32, word tokenizer) is
 built under the JSON's directory (``benchmark/make_checkpoint.py``'s architecture at a size
-for the CPU). All traffic stays on 127.0.0.1. Needs ``sglang-router`` (the ``[router]``
-extra); fails loudly without it.
+for the CPU). ``--device cuda``: worker i on GPU i (two GPUs needed). All traffic stays on
+127.0.0.1. Needs ``sglang-router`` (the ``[router]`` extra); fails loudly without it.
 """
 
 from __future__ import annotations
@@ -120,14 +121,16 @@ def run_policy(policy: str, model: Path, items, args, logdir: Path) -> dict:
 
     from unimem.serve.data_parallel import free_port, router_command, stop_process
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    flags = ["--dtype", "float32", "--page-size", str(args.page_size)]
+    flags = ["--device", args.device, "--dtype", args.dtype, "--page-size", str(args.page_size)]
     flags += ["--max-total-tokens", str(args.max_total_tokens)]
-    flags += ["--max-running-requests", str(args.concurrency)]
+    flags += ["--max-running-requests", str(args.max_running)]
     flags += ["--mamba-track-interval", str(args.page_size * 4), "--log-level", "warning"]
     procs, urls = [], []
     try:
         for i in range(2):
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            if args.device == "cuda":  # worker i on GPU i
+                env["CUDA_VISIBLE_DEVICES"] = str(i)
             port = free_port()
             cmd = [sys.executable, "-m", "unimem.launch_server", "--model-path", str(model)]
             cmd += ["--served-model-name", "m", "--port", str(port), *flags]
@@ -180,6 +183,8 @@ def run_policy(policy: str, model: Path, items, args, logdir: Path) -> dict:
                     "hit_tokens": pc.get("hit_tokens", 0),
                     "lookup_tokens": pc.get("lookup_tokens", 0),
                     "evictions": pc.get("evictions", 0),
+                    "pressure_flushes": pc.get("pressure_flushes", 0),
+                    "retractions": info["retractions"],
                 }
             )
         return {
@@ -206,18 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     ap.add_argument("--prefixes", type=int, default=8)
     ap.add_argument("--requests-per-prefix", type=int, default=64)
-    ap.add_argument("--prefix-len", type=int, default=192)
+    ap.add_argument("--prefix-len", type=int, default=384)
     ap.add_argument("--suffix-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-running", type=int, default=8, help="each worker's running requests")
     ap.add_argument(
         "--max-total-tokens",
         type=int,
-        default=1536,
+        default=2560,
         help="each worker's KV tokens (default: about half of the prefixes fit)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: GPU i each")
+    ap.add_argument("--dtype", default="float32", help="the workers' --dtype")
     args = ap.parse_args(argv)
     try:
         import sglang_router  # noqa: F401
@@ -228,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     logdir = out.parent / (out.stem + "_logs")
     logdir.mkdir(exist_ok=True)
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            print("error: --device cuda needs 2 GPUs (one per worker)", file=sys.stderr)
+            return 2
     model = Path(args.model_path) if args.model_path else build_checkpoint(logdir / "model")
     items = workload(args)
     print(
@@ -239,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         runs[policy] = r = run_policy(policy, model, items, args, logdir)
         per = ", ".join(
-            f"{w['requests']} req / hit {w['hit_rate']:.3f} / {w['evictions']} evictions"
+            f"{w['requests']} req / hit {w['hit_rate']:.3f} / {w['evictions']} evictions / "
+            f"{w['retractions']} retractions"
             for w in r["workers"]
         )
         print(
@@ -247,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['total_tok_s']:8.1f} tok/s  hit rate {r['hit_rate']:.3f}  workers: {per}"
         )
     report = {"config": vars(args), "model": str(model), "runs": runs}
+    if args.device == "cuda":
+        import torch
+
+        report["gpu"] = torch.cuda.get_device_name(0)
     if "cache_aware" in runs and "round_robin" in runs:
         ca, rr = runs["cache_aware"], runs["round_robin"]
         report["cache_aware_over_round_robin"] = {

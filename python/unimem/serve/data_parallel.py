@@ -21,9 +21,8 @@ What ``python -m unimem.launch_server --dp-size N ...`` does (SGLang's co-launch
 6. on SIGINT / SIGTERM stops the router, then the replicas (SIGTERM, then SIGKILL after a
    grace period), and exits 0.
 
-``--api-key`` is given to the replicas and to the router (which sends it to them); the
-router itself, like SGLang's, does not check clients' keys: bind the front to a private
-address or put an authenticating proxy in front.
+``--api-key`` is given to the replicas and to the router: clients present it to the router
+(``sglang-router`` 0.3.2 answers 401 without it) and the router presents it to the replicas.
 """
 
 from __future__ import annotations
@@ -102,8 +101,11 @@ def router_command(
     policy: str,
     api_key: str | None = None,
     log_level: str = "warn",
+    prometheus_port: int | None = None,
 ) -> list[str]:
-    """``python -m sglang_router.launch_router`` over ``worker_urls``."""
+    """``python -m sglang_router.launch_router`` over ``worker_urls``. The router's own
+    Prometheus exporter listens on 127.0.0.1:``prometheus_port`` (None: a free port; the
+    router's default, 29000, would collide between two routers on one machine)."""
     cmd = [
         sys.executable,
         "-m",
@@ -118,6 +120,10 @@ def router_command(
         str(HEALTH_CHECK_INTERVAL_S),
         "--log-level",
         log_level,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(prometheus_port or free_port()),
         "--worker-urls",
         *worker_urls,
     ]
