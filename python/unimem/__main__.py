@@ -202,6 +202,23 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         "each on cuda, gloo on cpu) on its shard of the model; rank 0 reports",
     )
     v.add_argument(
+        "--nnodes",
+        type=int,
+        default=d.nnodes,
+        help="with --tp-size: the ranks spread evenly over this many machines",
+    )
+    v.add_argument(
+        "--node-rank",
+        type=int,
+        default=d.node_rank,
+        help="with --nnodes: this machine's index (0 reports; the others run their ranks)",
+    )
+    v.add_argument(
+        "--dist-init-addr",
+        default=d.dist_init_addr,
+        help="with --nnodes: HOST:PORT of node 0, where the ranks meet",
+    )
+    v.add_argument(
         "--prefix-cache",
         choices=["on", "off"],
         default="on" if d.prefix_cache else "off",
@@ -277,6 +294,9 @@ def _main(argv: list[str] | None) -> int:
     except torch.OutOfMemoryError as e:
         print(f"error: out of device memory: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    if cfg.node_rank > 0:  # node 0 reports
+        print(f"node {cfg.node_rank}: ranks done")
+        return 0
     if args.json != "-":
         print(format_table(report))
     try:
@@ -399,6 +419,9 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         temperature=args.temperature,
         top_p=args.top_p,
         tp_size=args.tp_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
         verify_lengths=args.verify_lengths,
         verify_budget=args.speculative_verify_budget,
         deterministic=args.deterministic,

@@ -123,7 +123,12 @@ def test_deterministic_inference_flag():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--dp-size", "2"], "--dp-size is an SGLang flag"),
+        (["--dp-size", "0"], "--dp-size must be a positive integer"),
+        (["--dp-size", "2", "--nnodes", "2"], "--dp-size with --nnodes is not supported"),
+        (["--tp-size", "2", "--nnodes", "2"], "needs --dist-init-addr"),
+        (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "multiple of nnodes"),
+        (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "h"], "HOST:PORT"),
+        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size is an SGLang flag"),
         (["--tp-size", "0"], "--tp-size must be a positive int"),
         (["--tp=2"], "--tp is an SGLang flag"),
         (["--quantization", "fp8"], "--quantization is an SGLang flag"),
@@ -165,7 +170,7 @@ def test_bad_command_lines_name_the_problem(argv, message):
 
 
 def test_cli_errors_are_one_line_and_exit_2(tmp_path):
-    for argv in (["--dp-size", "2"], ["--page-size", "0"]):
+    for argv in (["--dp-size", "0"], ["--page-size", "0"]):
         r = subprocess.run(
             [
                 sys.executable,

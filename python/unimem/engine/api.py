@@ -136,13 +136,29 @@ class Engine:
             return
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda requested but no CUDA device is available")
-        self._ranks = RankProcesses(args.tp_size, args.device, _engine_rank, kwargs)
+        topo = args.topology()
+        self._ranks = RankProcesses(args.tp_size, args.device, _engine_rank, kwargs, topology=topo)
+        if topo.node_rank > 0:
+            self._follow_rank0(kwargs)
+            return
         try:
             self._build(args, self._ranks.groups)
         except BaseException:
             self._ranks.join()
             self._ranks = None
             raise
+
+    def _follow_rank0(self, kwargs: dict) -> None:
+        """On a node other than 0: run this node's first rank (the others are spawned)
+        until rank 0 shuts down; ``RuntimeError`` if a rank of this node failed."""
+        ranks, self._ranks = self._ranks, None
+        self.core = None
+        try:
+            _engine_rank(ranks.groups, kwargs)
+        finally:
+            failed = ranks.join()
+        if failed:
+            raise RuntimeError(f"tensor-parallel ranks of this node failed: {failed}")
 
     @classmethod
     def _on_rank(cls, args: EngineArgs, groups: TPGroups) -> Engine:
@@ -298,6 +314,8 @@ class Engine:
         ``finish_reason`` as ``{"type": "stop", "matched": id}`` or ``{"type": "length",
         "length": n}``, and with ``return_logprob`` ``output_token_logprobs``: a
         ``(logprob, token_id, None)`` triple per output token)."""
+        if self.core is None:
+            raise ValueError("this engine ran the ranks of node_rank > 0: generate on node 0")
         prompts, single = self._prompts(prompt, input_ids)
         params = self._params(sampling_params, len(prompts))
         for i, ids in enumerate(prompts):

@@ -81,7 +81,11 @@ class EngineArgs:
     is one (:mod:`unimem.speculative.shipped`), else a seeded untrained drafter (outputs stay
     exact; acceptance is low).
     ``tp_size``: tensor parallelism over that many processes (one GPU each on CUDA; gloo
-    on the CPU), see :mod:`unimem.engine.distributed`.
+    on the CPU), see :mod:`unimem.engine.distributed`. ``nnodes``, ``node_rank``,
+    ``dist_init_addr`` (SGLang's names): the ranks spread evenly over ``nnodes`` machines,
+    this one being ``node_rank``, meeting at rank 0's store on ``dist_init_addr``
+    (``HOST:PORT`` of node 0); an engine on a node other than 0 runs its ranks for rank 0
+    and returns when rank 0 shuts down.
     ``disable_radix_cache``: turn the prefix cache off (SGLang's meaning; on by default:
     :mod:`unimem.cache.prefix_cache`). ``mamba_track_interval``: tokens between the
     recurrent-state checkpoints of cached prefixes of a model with STATE layers (SGLang's
@@ -117,6 +121,9 @@ class EngineArgs:
     random_seed: int = 0
     skip_tokenizer_init: bool = False
     tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     disable_radix_cache: bool = False
     mamba_track_interval: int | None = None
     speculative_verify_lengths: str = "fixed"
@@ -134,6 +141,12 @@ class EngineArgs:
             if key not in known:
                 raise ValueError(f"unknown argument {key!r}")
         return cls(**kwargs)
+
+    def topology(self):
+        """The :class:`~unimem.engine.distributed.Topology` of the ranks."""
+        from unimem.engine.distributed import Topology
+
+        return Topology(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
 
     def __post_init__(self) -> None:
         if self.model_path is None:
@@ -155,6 +168,7 @@ class EngineArgs:
         ):
             _positive_int(name, getattr(self, name))
         _positive_int("tp_size", self.tp_size, allow_none=False)
+        self.topology()  # the nodes: ValueError naming the argument
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         frac = self.mem_fraction_static

@@ -28,6 +28,15 @@ compared over the control group (:func:`check_agreement`); a difference raises
 
 Processes (:class:`RankProcesses`): the caller is rank 0; ranks ``1..N-1`` are spawned with
 ``torch.multiprocessing`` (``spawn``) and run a function of their groups.
+
+Several nodes (:class:`Topology`: SGLang's ``nnodes``, ``node_rank``, ``dist_init_addr``):
+the ``N`` ranks are split evenly over the nodes, node ``k`` running ranks ``[k·N/nnodes,
+(k+1)·N/nnodes)`` (local GPU ``i`` for its ``i``-th rank); every rank meets at the store that
+rank 0 serves on ``dist_init_addr`` (``HOST:PORT``, an address of node 0 that the others
+reach). On node 0 the caller is rank 0, as on one node; on another node the caller is that
+node's first rank and runs what the other ranks run. The groups span every node, so the
+start-up error exchange (:meth:`TPGroups.agree`) and the agreement check work across nodes
+unchanged.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from unimem.models.tensor_parallel import TensorParallel
 
 __all__ = [
     "CHECK_ENV",
+    "Topology",
     "LeaderCore",
     "RankProcesses",
     "TPGroups",
@@ -84,6 +94,60 @@ def rank_device(device: str | torch.device, rank: int) -> torch.device:
     """The device of ``rank``: ``cuda:rank`` on GPUs (one GPU per rank), else the CPU."""
     device = torch.device(device)
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------- topology
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the ``size`` ranks run (module docstring): ``nnodes`` nodes of ``size //
+    nnodes`` ranks, this process on node ``node_rank``, the store of rank 0 at
+    ``dist_init_addr`` (``HOST:PORT``; None on one node: a free port of 127.0.0.1).
+    ``ValueError`` naming the argument for an impossible layout."""
+
+    size: int
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("size", "nnodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        rank = self.node_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.nnodes:
+            raise ValueError(f"node_rank must be an int in [0, nnodes={self.nnodes}), got {rank!r}")
+        if self.size % self.nnodes:
+            raise ValueError(
+                f"tp_size ({self.size}) must be a multiple of nnodes ({self.nnodes}): "
+                "every node runs the same number of ranks"
+            )
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0's store)")
+        if self.dist_init_addr is not None:
+            parse_addr(self.dist_init_addr)
+
+    @property
+    def local_size(self) -> int:
+        """Ranks on each node."""
+        return self.size // self.nnodes
+
+    @property
+    def first_rank(self) -> int:
+        """This node's first rank (the caller's)."""
+        return self.node_rank * self.local_size
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as ``(host, port)``; ``ValueError`` naming
+    ``dist_init_addr`` otherwise."""
+    host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"dist_init_addr must be HOST:PORT, got {addr!r}")
+    return host, int(port)
 
 
 # ---------------------------------------------------------------------- groups
@@ -176,13 +240,16 @@ def init_groups(
     host: str = "127.0.0.1",
     store: dist.TCPStore | None = None,
     namespace: str = "",
+    local_rank: int | None = None,
 ) -> TPGroups:
     """Join the ``size`` ranks meeting at ``host:port`` (rank 0 serves the store; it may pass
     the ``store`` it already serves): the device group (NCCL for a CUDA ``device``, else
     gloo) and the gloo control group. ``namespace``: a prefix of every key, shared by the
-    ranks of one group only (a stray process reaching the port cannot join them)."""
+    ranks of one group only (a stray process reaching the port cannot join them).
+    ``local_rank``: the rank's index on its node, which picks its GPU (default ``rank``: one
+    node)."""
     timeout = _timeout()
-    dev = rank_device(device, rank)
+    dev = rank_device(device, rank if local_rank is None else local_rank)
     if store is None:
         store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
     ns = f"{namespace}/" if namespace else ""
@@ -201,10 +268,20 @@ def init_groups(
 
 
 def _rank_main(
-    rank: int, size: int, port: int, namespace: str, device: str, fn: Callable, args: tuple
+    rank: int,
+    size: int,
+    port: int,
+    namespace: str,
+    device: str,
+    fn: Callable,
+    args: tuple,
+    host: str = "127.0.0.1",
+    local_rank: int | None = None,
 ) -> None:
     try:
-        groups = init_groups(rank, size, port, device, namespace=namespace)
+        groups = init_groups(
+            rank, size, port, device, host, namespace=namespace, local_rank=local_rank
+        )
         fn(groups, *args)
     except BaseException:
         traceback.print_exc(file=sys.stderr)
@@ -213,36 +290,52 @@ def _rank_main(
 
 
 class RankProcesses:
-    """Ranks ``1 .. size - 1`` as spawned processes, each running ``fn(groups, *args)``; the
-    caller joins as rank 0 (:attr:`groups`). ``fn`` and ``args`` must pickle (a module-level
-    function).
+    """This node's ranks but the first as spawned processes, each running ``fn(groups,
+    *args)``; the caller joins as the node's first rank (:attr:`groups`; rank 0 on node 0).
+    ``topology``: the nodes (default: all ``size`` ranks here). ``fn`` and ``args`` must
+    pickle (a module-level function).
 
-    Rank 0 serves the rendezvous store on a port the OS picks while it binds (no free-port
-    guess another process could take in between) and the ranks meet under a namespace of
-    their own, so concurrent groups on one host never join each other."""
+    On one node, rank 0 serves the rendezvous store on a port the OS picks while it binds (no
+    free-port guess another process could take in between) and the ranks meet under a
+    namespace of their own, so concurrent groups on one host never join each other. Across
+    nodes the ranks meet at ``dist_init_addr``, which every node is given, without a
+    namespace (nodes cannot share a random one)."""
 
-    def __init__(self, size: int, device: str, fn: Callable, *args) -> None:
-        if not isinstance(size, int) or size < 2:
+    def __init__(
+        self, size: int, device: str, fn: Callable, *args, topology: Topology | None = None
+    ) -> None:
+        topo = topology or Topology(size)
+        if not isinstance(size, int) or size < 2 or topo.size != size:
             raise ValueError(f"tp_size must be an int >= 2 to spawn ranks, got {size!r}")
-        if torch.device(device).type == "cuda" and torch.cuda.device_count() < size:
+        local = topo.local_size
+        if torch.device(device).type == "cuda" and torch.cuda.device_count() < local:
             raise ValueError(
-                f"tp_size {size} needs {size} GPUs, {torch.cuda.device_count()} visible"
+                f"tp_size {size} needs {local} GPUs on this node, "
+                f"{torch.cuda.device_count()} visible"
             )
-        host = "127.0.0.1"
-        store = dist.TCPStore(host, 0, size, True, timeout=_timeout(), wait_for_workers=False)
-        port, namespace = store.port, secrets.token_hex(8)
+        first = topo.first_rank
+        store = None
+        if topo.dist_init_addr is None:
+            host = "127.0.0.1"
+            store = dist.TCPStore(host, 0, size, True, timeout=_timeout(), wait_for_workers=False)
+            port, namespace = store.port, secrets.token_hex(8)
+        else:
+            (host, port), namespace = parse_addr(topo.dist_init_addr), ""
         ctx = torch.multiprocessing.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, size, port, namespace, device, fn, args),
+                args=(first + i, size, port, namespace, device, fn, args, host, i),
                 daemon=True,
             )
-            for r in range(1, size)
+            for i in range(1, local)
         ]
         for p in self.procs:
             p.start()
-        self.groups = init_groups(0, size, port, device, host, store=store, namespace=namespace)
+        self.topology = topo
+        self.groups = init_groups(
+            first, size, port, device, host, store=store, namespace=namespace, local_rank=0
+        )
 
     def join(self, timeout: float = 60.0) -> list[int]:
         """Wait for the ranks to exit; the ranks that failed (non-zero exit, or still running
@@ -258,10 +351,13 @@ class RankProcesses:
         return failed
 
 
-def run_ranks(size: int, fn: Callable, *args, device: str = "cpu"):
-    """Run ``fn(groups, *args)`` on ``size`` ranks (SPMD: the caller is rank 0, the others
-    are spawned) and return rank 0's result. ``RuntimeError`` if another rank failed."""
-    ranks = RankProcesses(size, device, fn, *args)
+def run_ranks(
+    size: int, fn: Callable, *args, device: str = "cpu", topology: Topology | None = None
+):
+    """Run ``fn(groups, *args)`` on ``size`` ranks (SPMD: the caller is this node's first
+    rank, the node's others are spawned) and return the caller's result (rank 0's on node
+    0). ``RuntimeError`` if another rank of this node failed."""
+    ranks = RankProcesses(size, device, fn, *args, topology=topology)
     try:
         result = fn(ranks.groups, *args)
     finally:

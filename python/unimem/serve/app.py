@@ -26,6 +26,7 @@ from unimem.serve.metrics import ServerMetrics
 from unimem.serve.native_api import native_router
 from unimem.serve.openai_api import openai_router
 from unimem.serve.protocol import ApiError, error_body
+from unimem.serve.router_compat import SGLangGauges, router_compat_router
 
 __all__ = ["build_app", "make_app"]
 
@@ -93,6 +94,9 @@ def build_app(serving: Serving, metrics: ServerMetrics) -> FastAPI:
     app.state.serving = serving  # the server's SIGTERM handler drains it
     app.include_router(openai_router(serving))
     app.include_router(native_router(serving, metrics))
+    app.include_router(router_compat_router(serving))  # what SGLang's router asks of a worker
+    labels = {"model_name": serving.options.served_model_name}
+    metrics.registry.register(SGLangGauges(serving, labels))
     if serving.options.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=serving.options.api_key)
     return app

@@ -20,6 +20,7 @@ from unimem.engine.args import (
     VERIFY_LENGTHS,
     EngineArgs,
 )
+from unimem.serve.data_parallel import ROUTER_POLICIES
 
 __all__ = ["CliError", "ServerOptions", "build_parser", "parse_args", "SGLANG_ONLY_FLAGS"]
 
@@ -37,15 +38,11 @@ DTYPES = {
 """SGLang's ``--dtype`` choices and the dtype each names."""
 
 SGLANG_ONLY_FLAGS = frozenset(
-    {f"--{name.replace('_', '-')}" for name in UNSUPPORTED_SGLANG_ARGS}
+    {f"--{name.replace('_', '-')}" for name in UNSUPPORTED_SGLANG_ARGS - {"dp_size"}}
     | {
         "--tp",
         "--dp",
-        "--data-parallel-size",
         "--pipeline-parallel-size",
-        "--nnodes",
-        "--node-rank",
-        "--dist-init-addr",
         "--base-gpu-id",
         "--gpu-id-step",
         "--enable-dp-attention",
@@ -106,7 +103,8 @@ class ServerOptions:
     """The HTTP side's options: where to listen, the model name clients use (SGLang's default:
     the model path), the API key (None: none needed), the log level, the chat template
     (``--chat-template``: a Jinja file or a known name; None: the tokenizer's), the drain
-    timeout on SIGTERM and the ``/health_generate`` timeout, in seconds."""
+    timeout on SIGTERM and the ``/health_generate`` timeout, in seconds, and the
+    data-parallel replicas behind SGLang's router (:mod:`unimem.serve.data_parallel`)."""
 
     host: str
     port: int
@@ -116,6 +114,8 @@ class ServerOptions:
     chat_template: str | None = None
     graceful_shutdown_timeout: float = 30.0
     health_generate_timeout: float = 20.0
+    dp_size: int = 1
+    router_policy: str = "cache_aware"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -223,6 +223,31 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         help="unimem only, with --speculative-verify-lengths adaptive: tokens verified per "
         "step over the batch (default: no cut)",
     )
+    r.add_argument(
+        "--nnodes", type=int, default=1, help="with --tp-size: the ranks spread over N machines"
+    )
+    r.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="with --nnodes: this machine's index (node 0 serves HTTP; the others run ranks)",
+    )
+    r.add_argument("--dist-init-addr", help="with --nnodes: HOST:PORT of node 0's rank store")
+    r.add_argument(
+        "--dp-size",
+        "--data-parallel-size",
+        dest="dp_size",
+        type=int,
+        default=1,
+        help="data parallelism: this many replicas (--tp-size GPUs each on CUDA) behind "
+        "SGLang's router on --host/--port (needs the [router] extra)",
+    )
+    r.add_argument(
+        "--router-policy",
+        choices=ROUTER_POLICIES,
+        default="cache_aware",
+        help="with --dp-size: how the router picks a replica",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host", default=DEFAULT_HOST)
     s.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -272,6 +297,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
     ns = build_parser().parse_args(argv)
     if not 1 <= ns.port <= 65535:
         raise CliError(f"--port must be in [1, 65535], got {ns.port}")
+    if ns.dp_size < 1:
+        raise CliError(f"--dp-size must be a positive integer, got {ns.dp_size}")
+    if ns.dp_size > 1 and ns.nnodes > 1:
+        raise CliError("--dp-size with --nnodes is not supported: launch replicas per node")
     if ns.api_key is not None and not ns.api_key:
         raise CliError("--api-key must not be empty")
     if ns.served_model_name is not None and not ns.served_model_name:
@@ -306,6 +335,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
         chat_template=chat_template,
         graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         health_generate_timeout=ns.health_generate_timeout,
+        dp_size=ns.dp_size,
+        router_policy=ns.router_policy,
     )
     return engine_args, options
 

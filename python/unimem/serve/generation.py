@@ -63,6 +63,8 @@ class GenParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    no_stop_trim: bool = False  # keep the matched stop string / stop token's text
+    skip_special_tokens: bool = True
     max_tokens_field: str = "max_tokens"  # how the request spelled it (errors name it)
     top_logprobs_field: str = "top_logprobs"
 
@@ -273,14 +275,28 @@ def _no_sink(delta: Delta) -> None:  # replaced by Generation before submission
 
 class Generation:
     """One submitted request (module docstring). ``http_request``: the Starlette request
-    (for disconnects; None: never polled). After the pieces: ``prompt_tokens``,
-    ``completion_tokens``, ``cached_tokens``, ``output_ids``."""
+    (for disconnects; None: never polled). ``params``: the request's :class:`GenParams`
+    (its ``no_stop_trim`` and ``skip_special_tokens`` shape the text). After the pieces:
+    ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``output_ids``."""
 
-    def __init__(self, serving: Serving, sub: Submission, stop: Sequence[str], http_request):
+    def __init__(
+        self,
+        serving: Serving,
+        sub: Submission,
+        stop: Sequence[str],
+        http_request,
+        params: GenParams | None = None,
+    ):
         self.serving = serving
         self.sub = sub
         self.http_request = http_request
-        self.detok = IncrementalDetokenizer(serving.tokenizer) if serving.tokenizer else None
+        params = params or GenParams()
+        self.no_stop_trim = params.no_stop_trim
+        self.detok = (
+            IncrementalDetokenizer(serving.tokenizer, params.skip_special_tokens)
+            if serving.tokenizer
+            else None
+        )
         self.stopper = StopMatcher(stop)
         self.prompt_tokens = len(sub.prompt)
         self.completion_tokens = 0
@@ -341,7 +357,8 @@ class Generation:
         text_ids = toks
         if reason == "stop" and self.output_ids and self.output_ids[-1] in self.sub.stop_token_ids:
             matched = self.output_ids[-1]
-            text_ids = toks[:-1] if toks else []
+            if not self.no_stop_trim:
+                text_ids = toks[:-1] if toks else []
         if reason is not None:
             self.cached_tokens = d.cached_tokens
         if self.detok is None:
@@ -353,6 +370,8 @@ class Generation:
         ready, stopped = self.stopper.push(text)
         if stopped:
             reason, matched = "stop", self.stopper.matched
+            if self.no_stop_trim:
+                ready += matched
         elif reason is not None:
             ready += self.stopper.flush()
         self.finish_reason = reason

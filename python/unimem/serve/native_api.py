@@ -4,11 +4,11 @@
 ``/generate`` takes ``text`` or ``input_ids`` (one prompt, or a list of them without
 ``stream``), ``sampling_params`` with SGLang's names (``max_new_tokens`` — default 128 —,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``,
-``ignore_eos``, ``n``), ``stream`` and ``return_logprob``; it answers ``{"text",
-"output_ids", "meta_info"}`` with ``meta_info.finish_reason`` as SGLang spells it
-(``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``). Streamed, each
-event carries the text and ids so far (SGLang's cumulative stream) and the last is
-``data: [DONE]``.
+``ignore_eos``, ``n``, ``no_stop_trim``, ``skip_special_tokens``), ``stream`` and
+``return_logprob``; it answers ``{"text", "output_ids", "meta_info"}`` with
+``meta_info.finish_reason`` as SGLang spells it (``{"type": "stop", "matched": ...}``,
+``{"type": "length", "length": n}``). Streamed, each event carries the text and ids so far
+(SGLang's cumulative stream) and the last is ``data: [DONE]``.
 
 ``/get_server_info`` includes the engine thread's snapshot (``used_bytes``, ``live_units``
 per kind, running / queued requests, the prefix cache's statistics under ``prefix_cache``,
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -31,6 +30,8 @@ from unimem.serve.generation import Generation, GenParams, Piece, Serving
 from unimem.serve.metrics import CONTENT_TYPE, ServerMetrics
 from unimem.serve.openai_api import SSE_HEADERS, read_json, sse
 from unimem.serve.protocol import ApiError, GenerateRequest, error_body, parse_body
+from unimem.serve.router_compat import model_info, server_info
+from unimem.serve.sglang_fields import refuse_sglang_unsupported
 
 __all__ = ["native_router"]
 
@@ -48,6 +49,8 @@ SAMPLING_KEYS = (
     "stop_token_ids",
     "ignore_eos",
     "n",
+    "no_stop_trim",
+    "skip_special_tokens",
 )
 
 HEALTH_POLL_S = 0.05
@@ -72,6 +75,11 @@ def _gen_params(raw: dict | None, where: str) -> GenParams:
     stop = (stop,) if isinstance(stop, str) else stop or ()
     ids = raw.get("stop_token_ids") or ()
     ignore = raw.get("ignore_eos", False)
+    for key in ("no_stop_trim", "skip_special_tokens"):
+        if not isinstance(raw.get(key, False), bool):
+            raise ApiError(400, f"{where}.{key} must be a bool", param=f"{where}.{key}")
+    p.no_stop_trim = raw.get("no_stop_trim", False)
+    p.skip_special_tokens = raw.get("skip_special_tokens", True)
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) for s in stop):
         raise ApiError(
             400, f"{where}.stop must be a string or a list of strings", param=f"{where}.stop"
@@ -108,6 +116,7 @@ def _result(
     lps: list[float],
     last: Piece,
     return_logprob: bool,
+    token_text=None,
 ) -> dict:
     meta = {
         "id": rid,
@@ -118,7 +127,10 @@ def _result(
         "e2e_latency": time.monotonic() - gen.arrival,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(lps, ids, strict=True)]
+        meta["output_token_logprobs"] = [
+            [lp, tok, token_text(tok) if token_text else None]
+            for lp, tok in zip(lps, ids, strict=True)
+        ]
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
@@ -143,6 +155,9 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
     @router.post("/generate")
     async def generate(request: Request):
         body = parse_body(GenerateRequest, await read_json(request))
+        serving.check_model(body.model)
+        refuse_sglang_unsupported(body)
+        text_of = serving.token_text if body.return_text_in_logprobs else None
         batch, field, single = prompts(body)
         if not batch:
             raise ApiError(400, f"{field} is empty", param=field)
@@ -160,7 +175,9 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
         if body.stream and not single:
             raise ApiError(400, "stream takes one prompt", param="stream")
         subs = [serving.prepare(ids, p, field) for ids, p in zip(batch, params, strict=True)]
-        gens = [Generation(serving, s, p.stop, request) for s, p in zip(subs, params, strict=True)]
+        gens = [
+            Generation(serving, s, p.stop, request, p) for s, p in zip(subs, params, strict=True)
+        ]
         rid = body.rid or uuid.uuid4().hex
         if not body.stream:
             outs = await asyncio.gather(*(g.collect() for g in gens))
@@ -173,6 +190,7 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
                     o.logprobs,
                     o,
                     body.return_logprob,
+                    text_of,
                 )
                 for i, (g, o) in enumerate(zip(gens, outs, strict=True))
             ]
@@ -190,7 +208,9 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
                     ids += piece.token_ids
                     lps += piece.logprobs
                     if piece.text or piece.token_ids or piece.finish_reason is not None:
-                        yield sse(_result(gen, rid, text, ids, lps, piece, body.return_logprob))
+                        yield sse(
+                            _result(gen, rid, text, ids, lps, piece, body.return_logprob, text_of)
+                        )
                     piece = await anext(it, None)
             except ApiError as e:
                 yield sse(error_body(e))
@@ -247,31 +267,11 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
 
     @router.get("/get_model_info")
     async def get_model_info():
-        args = serving.engine.args
-        return {
-            "model_path": args.model_path,
-            "tokenizer_path": args.tokenizer_path or args.model_path,
-            "served_model_name": serving.options.served_model_name,
-            "is_generation": True,
-            "context_length": serving.context_length,
-            "vocab_size": serving.vocab_size,
-        }
+        return model_info(serving)
 
     @router.get("/get_server_info")
     async def get_server_info():
-        e = serving.engine
-        opts = {k: v for k, v in asdict(serving.options).items() if k != "api_key"}
-        return {
-            "server_args": {**asdict(e.args), **opts},
-            "max_total_num_tokens": e.max_total_num_tokens,
-            "max_running_requests": e.max_running_requests,
-            "context_length": e.context_length,
-            "page_size": e.pool.page_size,
-            "enable_unified_memory": e.args.enable_unified_memory,
-            "attention_backend": e.backend_name,
-            "cuda_graphs": e.cuda_graphs,
-            **serving.loop.snapshot(),
-        }
+        return server_info(serving)
 
     @router.post("/flush_cache")
     async def flush_cache():

@@ -30,6 +30,7 @@ from unimem.serve.protocol import (
     parse_body,
     refuse_unsupported,
 )
+from unimem.serve.sglang_fields import refuse_sglang_unsupported
 
 __all__ = ["openai_router", "read_json", "sse"]
 
@@ -68,6 +69,8 @@ def _params(body, max_tokens: int | None, max_field: str) -> GenParams:
         ignore_eos=body.ignore_eos,
         n=body.n,
         seed=body.seed,
+        no_stop_trim=body.no_stop_trim,
+        skip_special_tokens=body.skip_special_tokens,
         max_tokens_field=max_field,
     )
     for name in ("temperature", "top_p", "top_k", "min_p"):
@@ -154,7 +157,7 @@ class _Route:
     ):
         s = self.serving
         sub = s.prepare(prompt, params, prompt_field)
-        gen = Generation(s, sub, params.stop, request)
+        gen = Generation(s, sub, params.stop, request, params)
         rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -223,6 +226,7 @@ def openai_router(serving: Serving) -> APIRouter:
         body = parse_body(CompletionRequest, await read_json(request))
         serving.check_model(body.model)
         refuse_unsupported(body)
+        refuse_sglang_unsupported(body)
         prompt = _completion_prompt(serving, body.prompt)
         lp = body.logprobs
         if lp is not None and lp not in (0, 1):
@@ -244,6 +248,7 @@ def openai_router(serving: Serving) -> APIRouter:
         body = parse_body(ChatCompletionRequest, await read_json(request))
         serving.check_model(body.model)
         refuse_unsupported(body)
+        refuse_sglang_unsupported(body)
         serving.require_tokenizer()
         prompt = _chat_prompt(serving, body)
         top = body.top_logprobs or 0
@@ -319,7 +324,11 @@ def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         text = tok.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=True
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
         )
     except Exception as e:  # a template may refuse a conversation (raise_exception)
         raise ApiError(

@@ -5,7 +5,9 @@ Unknown fields are refused (``extra="forbid"``: OpenAI answers "Unrecognized req
 supplied"), so a parameter a client relies on is never silently ignored. Fields OpenAI has
 and unimem does not implement are declared and refused with a 400 naming them when set to a
 non-default value (:func:`refuse_unsupported`). SGLang's extensions to the OpenAI bodies
-(``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``) are accepted, as SGLang and vLLM do.
+(``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``) are accepted, as SGLang and vLLM do,
+and so are the fields SGLang's router adds to every request it forwards
+(:mod:`unimem.serve.sglang_fields`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from unimem.serve.sglang_fields import (
+    SGLangChatFields,
+    SGLangCompletionFields,
+    SGLangGenerateFields,
+)
 
 __all__ = [
     "ApiError",
@@ -130,7 +138,7 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, SGLangCompletionFields):
     """``POST /v1/completions``. ``prompt``: a string or a list of token ids (a list of one
     of them is accepted too; batches are refused). ``logprobs``: 0 or 1 (the chosen token's
     log-probability; with 1 its top-1 alternative as well, under greedy decoding)."""
@@ -143,7 +151,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, SGLangChatFields):
     """``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template.
     ``max_completion_tokens`` is ``max_tokens``' newer name. ``logprobs`` with
     ``top_logprobs`` 0 or 1."""
@@ -158,7 +166,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_Body, SGLangGenerateFields):
     """SGLang's ``POST /generate``: ``text`` (a string or a list of them) or ``input_ids``
     (a list of ids or a list of such lists), ``sampling_params`` (SGLang's names),
     ``stream``, ``return_logprob``, ``rid`` (ignored beyond being echoed)."""

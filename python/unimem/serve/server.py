@@ -198,6 +198,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _follower_node(args: EngineArgs) -> int:
+    """A node other than 0 of a multi-node launch: no HTTP server; its tensor-parallel ranks
+    follow rank 0 (on node 0, which serves) until it shuts down."""
+    topo = args.topology()
+    last = topo.first_rank + topo.local_size - 1
+    log.info(
+        "node %d of %d: ranks %d..%d following rank 0 at %s",
+        topo.node_rank,
+        topo.nnodes,
+        topo.first_rank,
+        last,
+        topo.dist_init_addr,
+    )
+    try:
+        _build_engine(args)
+    except (ValueError, OSError, RuntimeError) as e:
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    log.info("node %d: rank 0 shut down", topo.node_rank)
+    return 0
+
+
 def _main(argv: list[str] | None) -> int:
     try:
         engine_args, options = parse_args(argv)
@@ -208,6 +229,13 @@ def _main(argv: list[str] | None) -> int:
         format="[%(asctime)s] %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
     )
+    if engine_args.node_rank > 0:
+        return _follower_node(engine_args)
+    if options.dp_size > 1:
+        from unimem.serve import data_parallel
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return data_parallel.run(argv, engine_args, options, options.dp_size, options.router_policy)
     try:
         sock = _bind(options.host, options.port)
     except OSError as e:

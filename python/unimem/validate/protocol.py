@@ -66,7 +66,13 @@ import torch
 
 from unimem.cache import PrefixCache
 from unimem.engine.core import EngineCore
-from unimem.engine.distributed import TPGroups, run_ranks, state_check_for, vocab_tables
+from unimem.engine.distributed import (
+    Topology,
+    TPGroups,
+    run_ranks,
+    state_check_for,
+    vocab_tables,
+)
 from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.layout import PageLayout, SlotLayout
@@ -122,9 +128,17 @@ class ValidateConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     verify_lengths: str = "fixed"
     verify_budget: int | None = None
     deterministic: str = "auto"
+
+    def topology(self) -> Topology:
+        """The nodes the ``tp_size`` ranks run on (``--nnodes``, ``--node-rank``,
+        ``--dist-init-addr``)."""
+        return Topology(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
 
     def __post_init__(self) -> None:
         if self.deterministic not in DETERMINISTIC_MODES:
@@ -138,6 +152,7 @@ class ValidateConfig:
             )
         for name in ("requests", "input_len", "output_len", "page_size", "max_running", "tp_size"):
             _check_count(name, getattr(self, name))
+        self.topology()
         _check_count("chunk_size", self.chunk_size)
         if self.arena_mb is not None and not (
             isinstance(self.arena_mb, (int, float))
@@ -659,9 +674,19 @@ def validate(
     the oracle's logit margin for at most this many speculative mismatches (the dense oracle
     is slow on long sequences; None: all). ``tp_size`` > 1: every rank (spawned here) runs
     the whole protocol on its shard of the model — the same inputs, so the same schedule —
-    and rank 0's report is returned; ``tp`` is the rank's groups when called on a rank."""
+    and rank 0's report is returned (on a node other than 0, ``nnodes`` > 1: the report of
+    the node's first rank, which ran the same schedule); ``tp`` is the rank's groups when
+    called on a rank."""
     if cfg.tp_size > 1 and tp is None:
-        return run_ranks(cfg.tp_size, _validate_rank, cfg, progress, max_margins, device=cfg.device)
+        return run_ranks(
+            cfg.tp_size,
+            _validate_rank,
+            cfg,
+            progress,
+            max_margins,
+            device=cfg.device,
+            topology=cfg.topology(),
+        )
     invariant = (
         batch_invariant.use_batch_invariant() if cfg.use_deterministic else contextlib.nullcontext()
     )
