@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from unimem.models import fp8_linear
 from unimem.models.base import CausalLM
+from unimem.models.quant_config import resolve_quantization
 from unimem.models.registry import model_class
 from unimem.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -194,9 +196,12 @@ def load_model(
     device: str | torch.device = "cpu",
     max_context: int | None = None,
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> CausalLM:
     """The model of checkpoint directory ``path`` (module docstring); with ``tp``, rank
-    ``tp.rank``'s shard of it, read from the shards' slices."""
+    ``tp.rank``'s shard of it, read from the shards' slices. FP8 linears (an FP8
+    checkpoint's, or all eligible ones with ``quantization="fp8"``) are set up by
+    :mod:`unimem.models.fp8_linear` (:mod:`unimem.models.quant_config` says which)."""
     root = Path(path)
     hf_config = load_hf_config(root)
     archs = getattr(hf_config, "architectures", None) or []
@@ -213,6 +218,10 @@ def load_model(
     )
     files = checkpoint_files(root)
     weights = iter_checkpoint(files, dev, cls.ignored_checkpoint_prefixes, model)
+    fp8 = resolve_quantization(hf_config, quantization)
+    if fp8 is not None:
+        names, _ = fp8_linear.prepare(model, fp8, files)
+        weights = fp8_linear.fp8_weight_stream(model, fp8, names, weights)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     load_weights_into(model, weights, tie, str(root))
     return model.eval()
@@ -254,11 +263,15 @@ def load_checkpoint(
     max_context: int | None = None,
     tokenizer_path: str | os.PathLike | None = None,
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> Checkpoint:
     """Model (rank ``tp.rank``'s shard), config, tokenizer (from ``tokenizer_path`` or
     ``path``) and EOS ids of a checkpoint directory."""
     root = Path(path)
-    model = load_model(root, dtype=dtype, device=device, max_context=max_context, tp=tp)
+    model = load_model(
+        root, dtype=dtype, device=device, max_context=max_context, tp=tp,
+        quantization=quantization,
+    )  # fmt: skip
     hf_config = load_hf_config(root)
     tokenizer = load_tokenizer(tokenizer_path or root)
     return Checkpoint(root, model, hf_config, tokenizer, eos_token_ids(root, hf_config, tokenizer))
