@@ -46,6 +46,7 @@ __all__ = [
     "is_fp8",
     "linear",
     "prepare",
+    "quantize_model_online",
     "dequantize",
     "quantize_blocks",
     "quantize_blockwise",
@@ -301,9 +302,42 @@ def fp8_weight_stream(
 def prepare(model: nn.Module, cfg: Fp8Config, files: Sequence[Path]) -> tuple[set[str], list[str]]:
     """Convert ``model``'s FP8 parameters (:func:`quantized_param_names` of the shards'
     names, :func:`convert_params`); returns the quantised names and the shards' keys."""
+    check_supported(model)
     keys = checkpoint_keys(files) if cfg.from_checkpoint else []
     names = quantized_param_names(model, cfg, keys)
-    if getattr(getattr(model, "tp", None), "size", 1) > 1:
-        raise ValueError("FP8 weights with tp_size > 1 are not supported")
     convert_params(model, names)
     return names, keys
+
+
+FP8_MODELS = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Gemma3ForCausalLM",
+    "HybridModel",
+)
+"""Model classes whose linears run through :func:`linear` / :func:`row_parallel` and whose
+experts take FP8 scales."""
+
+
+def check_supported(model: nn.Module) -> None:
+    """ValueError naming the model class when FP8 weights cannot run in it (or under
+    tensor parallelism)."""
+    name = type(model).__name__
+    if name not in FP8_MODELS:
+        raise ValueError(f"FP8 weights are not supported for {name} (only {', '.join(FP8_MODELS)})")
+    if getattr(getattr(model, "tp", None), "size", 1) > 1:
+        raise ValueError("FP8 weights with tp_size > 1 are not supported")
+
+
+def quantize_model_online(model: nn.Module, cfg: Fp8Config | None = None) -> set[str]:
+    """``--quantization fp8`` applied to a model whose weights are loaded already (any
+    loader; the synthetic presets): quantises :func:`quantized_param_names` (or, for a
+    synthetic model, :func:`synthetic_fp8_names`) in place. Returns the names."""
+    check_supported(model)
+    if type(model).__name__ == "HybridModel":
+        names = synthetic_fp8_names(model)
+    else:
+        names = quantized_param_names(model, cfg or Fp8Config(from_checkpoint=False), [])
+    quantize_in_place(model, names)
+    return names

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unimem.models import fp8_linear
 from unimem.models.base import CausalLM, ModelOutput, logits_dtype
 from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
@@ -52,7 +53,6 @@ from unimem.models.tensor_parallel import (
     local_config,
     parallel_embedding,
     parallel_logits,
-    row_parallel_linear,
     shard,
     vocab_shard,
 )
@@ -192,14 +192,14 @@ class Gemma3Attention(nn.Module):
         """``h [T, d]`` (normed) -> attention output ``[T, d]``; ``rope``: cos/sin ``[T, D/2]``
         in the model dtype."""
         c, t, eps = self.c, h.shape[0], self.c.rms_eps
-        q = F.linear(h, self.q_proj.weight).view(t, c.n_q_heads, c.head_dim_k)
-        k = F.linear(h, self.k_proj.weight).view(t, c.n_kv_heads, c.head_dim_k)
-        v = F.linear(h, self.v_proj.weight).view(t, c.n_kv_heads, c.head_dim_v)
+        q = fp8_linear.linear(h, self.q_proj).view(t, c.n_q_heads, c.head_dim_k)
+        k = fp8_linear.linear(h, self.k_proj).view(t, c.n_kv_heads, c.head_dim_k)
+        v = fp8_linear.linear(h, self.v_proj).view(t, c.n_kv_heads, c.head_dim_v)
         q = gemma_rms_norm(q, self.q_norm.weight, eps)
         k = gemma_rms_norm(k, self.k_norm.weight, eps)
         o = ctx.rope_attention(layer_idx, q, k, v, *rope)  # apply_rope on q and k, K/V stored
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
-        return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
+        return fp8_linear.row_parallel(o, self.o_proj, None, self.tp)
 
 
 class Gemma3MLP(nn.Module):
@@ -218,8 +218,8 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # gelu_tanh(gate) * up in one pass
-        act = gelu_tanh_mul(F.linear(h, self.gate_proj.weight), F.linear(h, self.up_proj.weight))
-        return row_parallel_linear(act, self.down_proj.weight, None, self.tp)
+        gate, up = fp8_linear.linear(h, self.gate_proj), fp8_linear.linear(h, self.up_proj)
+        return fp8_linear.row_parallel(gelu_tanh_mul(gate, up), self.down_proj, None, self.tp)
 
 
 class Gemma3DecoderLayer(nn.Module):
