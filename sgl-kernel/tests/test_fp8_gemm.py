@@ -120,3 +120,30 @@ def test_shape_errors_name_the_operand():
     xq, xs = fp8_quantize_groups_reference(torch.randn(2, 128))
     with pytest.raises(ValueError, match="scales must be"):
         fp8_gemm(xq, xs, wq, ws[:, :0], out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+def test_fp8_linear_and_grouped_replay_in_a_cuda_graph():
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(6)
+    wq, ws = (t.to(dev) for t in _weights(256, 512, gen))
+    gq, gs = (t.to(dev) for t in _weights(128, 512, gen, (4,)))
+    x = torch.randn(48, 512, generator=gen).bfloat16().to(dev)
+    offs = torch.tensor([10, 20, 30, 48], dtype=torch.int32, device=dev)
+    rows = torch.randperm(48, generator=gen).to(dev)
+    eager = (fp8_linear(x, wq, ws), fp8_grouped_linear(x, gq, gs, offs, rows))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile) outside the capture
+        fp8_linear(x, wq, ws), fp8_grouped_linear(x, gq, gs, offs, rows)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = (fp8_linear(x, wq, ws), fp8_grouped_linear(x, gq, gs, offs, rows))
+    x.copy_(torch.randn(48, 512, generator=gen).bfloat16().to(dev))
+    graph.replay()
+    torch.cuda.synchronize()
+    again = (fp8_linear(x, wq, ws), fp8_grouped_linear(x, gq, gs, offs, rows))
+    for a, b in zip(out, again, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(out[0], eager[0])

@@ -219,3 +219,29 @@ def test_engine_static_equals_unified(ckpts):
             # (batch composition moves float32 rounding, which can flip an activation across
             # an e4m3 boundary: log-probs within 5e-3, tokens equal)
             assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) < 5e-3
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_graphs_and_deterministic(ckpts):
+    """On CUDA (bf16, CUDA graphs): static == unified token for token; with deterministic
+    inference a request's tokens do not depend on its batch."""
+    _, dst = ckpts
+    prompts = [p.tolist() for p in _prompts(500)]
+    params = {"max_new_tokens": OUT, "ignore_eos": True}
+    base = dict(model_path=str(dst), device="cuda", dtype="bfloat16", page_size=4)
+    outs = []
+    for kw in (
+        dict(max_total_tokens=1024, max_running_requests=4),
+        dict(enable_unified_memory=True, max_total_tokens=1024, max_running_requests=4),
+    ):
+        engine = unimem.Engine(**base, **kw)
+        outs.append(
+            [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        )
+        engine.shutdown()
+    assert outs[0] == outs[1]
+    engine = unimem.Engine(**base, max_total_tokens=1024, enable_deterministic_inference=True)
+    batch = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    alone = engine.generate(input_ids=prompts[2], sampling_params=params)["output_ids"]
+    engine.shutdown()
+    assert alone == batch[2]
