@@ -27,6 +27,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from unimem.models.fp8_linear import weight_bytes
 from unimem.serve.generation import Generation, GenParams, Piece, Serving
 from unimem.serve.metrics import CONTENT_TYPE, ServerMetrics
 from unimem.serve.openai_api import SSE_HEADERS, read_json, sse
@@ -240,6 +241,7 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
             "enable_unified_memory": e.args.enable_unified_memory,
             "attention_backend": e.backend_name,
             "cuda_graphs": e.cuda_graphs,
+            "weight_bytes": weight_bytes(e.model),
             **serving.loop.snapshot(),
         }
 
