@@ -225,6 +225,7 @@ def convert_params(model: nn.Module, names: Iterable[str]) -> None:
         del old
     for stack in stacks_of(model):
         stack.regroup()
+    _release_cached_memory(model)
 
 
 def quantize_in_place(model: nn.Module, names: Iterable[str]) -> None:
@@ -241,6 +242,16 @@ def quantize_in_place(model: nn.Module, names: Iterable[str]) -> None:
         module.register_parameter(leaf + SCALE_SUFFIX, nn.Parameter(s, requires_grad=False))
     for stack in stacks_of(model):
         stack.regroup()
+    _release_cached_memory(model)
+
+
+def _release_cached_memory(model: nn.Module) -> None:
+    """Hand the freed model-dtype weights back to the driver (the engine sizes its pools
+    from ``torch.cuda.mem_get_info``, which counts the caching allocator's free blocks as
+    used)."""
+    p = next(model.parameters(), None)
+    if p is not None and p.is_cuda:
+        torch.cuda.empty_cache()
 
 
 SYNTHETIC_LINEARS = ("qkv_proj", "o_proj", "in_proj", "out_proj", "gate_up", "down")
