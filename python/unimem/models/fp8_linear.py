@@ -10,9 +10,11 @@ rows on the way in (:func:`expand_block_scales`), so the models' own re-layouts 
 (Qwen3-Next's per-key-head groups, stacked projections, per-expert pieces) apply to weights
 and scales alike and no row range depends on block alignment.
 
-Loading (:func:`prepare`, called by :func:`unimem.models.loader.load_model`):
-:func:`convert_params` replaces the chosen parameters (:func:`quantized_param_names`) by
-empty FP8 ones plus scales and re-stacks :class:`~unimem.models.stacked_linear.StackedRows`;
+Loading (:func:`prepare`, called by :func:`unimem.models.loader.load_model`): the model is
+built under :func:`deferred_weights` (parameters on the meta device) and :func:`materialize`
+allocates each parameter once — the chosen ones (:func:`quantized_param_names`) as empty FP8
+ones plus scales — and re-stacks :class:`~unimem.models.stacked_linear.StackedRows` (a model
+built normally is converted by :func:`convert_params`);
 :func:`fp8_weight_stream` wraps the checkpoint's ``(name, tensor)`` stream: block scales are
 expanded to rows (the weight's row count is taken from the weight, which may come before or
 after its scales), and with online quantisation each chosen bf16 weight is quantised
@@ -25,6 +27,7 @@ its scales). In batch-invariant mode the GEMM runs its fixed tile.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from unimem.models import batch_invariant
 from unimem.models.quant_config import Fp8Config
@@ -40,6 +44,8 @@ from unimem_kernel.fp8_gemm import FP8_DTYPE, FP8_MAX, GROUP, fp8_linear, num_gr
 __all__ = [
     "SCALE_SUFFIX",
     "convert_params",
+    "deferred_weights",
+    "materialize",
     "expand_block_scales",
     "fp8_matmul",
     "fp8_weight_stream",
@@ -310,13 +316,75 @@ def fp8_weight_stream(
         raise ValueError(f"tensor {next(iter(pending))}{SCALE_SUFFIX}: its weight is missing")
 
 
-def prepare(model: nn.Module, cfg: Fp8Config, files: Sequence[Path]) -> tuple[set[str], list[str]]:
-    """Convert ``model``'s FP8 parameters (:func:`quantized_param_names` of the shards'
-    names, :func:`convert_params`); returns the quantised names and the shards' keys."""
+class _EmptyOnMeta(TorchFunctionMode):
+    """``torch.empty`` allocates on the meta device (nothing else changes)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Build a model inside this block to get its parameters (every ``torch.empty`` tensor:
+    parameters and :class:`~unimem.models.stacked_linear.StackedRows` stacks) on the meta
+    device, with nothing allocated; computed buffers (rotary tables, zeros) are real.
+    :func:`materialize` then allocates each parameter once, FP8 where chosen — so an FP8
+    model's load never holds its model-dtype size."""
+    with _EmptyOnMeta():
+        yield
+
+
+def materialize(model: nn.Module, device: torch.device, quantized: Iterable[str]) -> None:
+    """Allocate every meta parameter of ``model`` (built under :func:`deferred_weights`)
+    empty on ``device``: those named in ``quantized`` in e4m3 with their ``<leaf>_scale_inv
+    [..., N, KG]`` float32 scales, the others in their dtype (tied parameters stay one);
+    then re-stack the :class:`~unimem.models.stacked_linear.StackedRows`. ValueError naming
+    a tensor still on the meta device afterwards."""
+    from unimem.models.stacked_linear import stacks_of
+
+    quantized = set(quantized)
+    new: dict[int, nn.Parameter] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for leaf, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            name = f"{path}.{leaf}" if path else leaf
+            if id(p) not in new:
+                fp8 = name in quantized
+                data = torch.empty(p.shape, dtype=FP8_DTYPE if fp8 else p.dtype, device=device)
+                new[id(p)] = nn.Parameter(data, requires_grad=False)
+                if fp8:
+                    scale = torch.empty(*p.shape[:-1], num_groups(p.shape[-1]), device=device)
+                    module.register_parameter(
+                        leaf + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False)
+                    )
+            setattr(module, leaf, new[id(p)])
+    for stack in stacks_of(model):
+        stack.regroup()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            raise ValueError(f"{name}: still on the meta device after materialising the model")
+
+
+def prepare(
+    model: nn.Module, cfg: Fp8Config, files: Sequence[Path], device: torch.device | None = None
+) -> tuple[set[str], list[str]]:
+    """Set up ``model``'s FP8 parameters (:func:`quantized_param_names` of the shards'
+    names): a model built under :func:`deferred_weights` is materialised on ``device``
+    (:func:`materialize`), a built one converted (:func:`convert_params`). Returns the
+    quantised names and the shards' keys."""
     check_supported(model)
     keys = checkpoint_keys(files) if cfg.from_checkpoint else []
     names = quantized_param_names(model, cfg, keys)
-    convert_params(model, names)
+    if any(p.is_meta for p in model.parameters()):
+        if device is None:
+            raise ValueError("prepare: a model built under deferred_weights() needs a device")
+        materialize(model, device, names)
+    else:
+        convert_params(model, names)
     return names, keys
 
 

@@ -20,6 +20,7 @@ wrong shape, a tensor the checkpoint lacks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -209,18 +210,20 @@ def load_model(
         raise CheckpointError(f"{root}/config.json names no architecture ('architectures')")
     cls = model_class(archs[0])
     dev = torch.device(device)
-    model = cls.from_hf_config(
-        hf_config,
-        dtype=resolve_dtype(dtype, hf_config, dev),
-        device=dev,
-        max_context=max_context,
-        tp=tp,
-    )
+    fp8 = resolve_quantization(hf_config, quantization)
+    # FP8: parameters allocated once, after the FP8 ones are known (never in bf16 first)
+    with fp8_linear.deferred_weights() if fp8 is not None else contextlib.nullcontext():
+        model = cls.from_hf_config(
+            hf_config,
+            dtype=resolve_dtype(dtype, hf_config, dev),
+            device=dev,
+            max_context=max_context,
+            tp=tp,
+        )
     files = checkpoint_files(root)
     weights = iter_checkpoint(files, dev, cls.ignored_checkpoint_prefixes, model)
-    fp8 = resolve_quantization(hf_config, quantization)
     if fp8 is not None:
-        names, _ = fp8_linear.prepare(model, fp8, files)
+        names, _ = fp8_linear.prepare(model, fp8, files, dev)
         weights = fp8_linear.fp8_weight_stream(model, fp8, names, weights)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     load_weights_into(model, weights, tie, str(root))
