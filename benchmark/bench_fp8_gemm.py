@@ -12,7 +12,8 @@ Shapes: ``bench_gemm_shapes.SHAPES`` (the ``small`` preset at ``--m`` rows). Var
 - ``fp8 block triton`` (``--gemm triton|both``): the engine's path, block-wise ``[128, 128]``
   weights with per-token-group (128) activation scales (:func:`unimem_kernel.fp8_linear`:
   the Triton quantisation launch + the Triton block-scaled GEMM), and ``gemm`` alone;
-  ``invariant``: the same with the batch-invariant tile;
+  ``invariant``: the same with the batch-invariant tile; ``fused_quant``: one launch that
+  quantises the activations in its loads (``UNIMEM_FP8_ACT_QUANT=fused``);
 - ``fp8 block scaled_mm`` (``--gemm scaled_mm|both``): ``torch._scaled_mm`` with the same
   scales (1 x 128 for A, 128 x 128 for B; the first scale layout the build accepts), after the
   same Triton activation quantisation; ``n/a`` with the error where the build has no
@@ -125,6 +126,8 @@ def measure_shape(m: int, name: str, g: torch.Generator, args) -> dict:
             ("fp8_block_triton_gemm",
              lambda: fp8_gemm(xq, xs, wq_b, ws_rows, out_dtype=torch.bfloat16)),
             ("fp8_block_triton_invariant", lambda: fp8_linear(a, wq_b, ws_rows, invariant=True)),
+            ("fp8_block_triton_fused_quant",
+             lambda: fp8_gemm(a, None, wq_b, ws_rows, out_dtype=torch.bfloat16)),
         ]  # fmt: skip
     if args.gemm in ("scaled_mm", "both"):
         smm = block_scaled_mm(xq, xs, wq_b, ws_block)

@@ -2,7 +2,7 @@
 # FP8 on one GPU (issue 43), in one device call, from the repository root:
 #   bash benchmark/gpu_fp8.sh [--out DIR] [--parts "P..."] [--model-path GEMMA] [--prompts FILE]
 #        [--big-layers N]
-# Parts (default: all, in this order; about 9 min in total on an H200 — split over two calls
+# Parts (default: all, in this order; about 11 min in total on an H200 — split over two calls
 # with --parts "tests gemm profile bench" and --parts "qwen3next gemma big" if a call is
 # limited to 10 min):
 #   tests     : the gpu-marked FP8 tests (Triton FP8 GEMMs vs their references and in a CUDA
@@ -12,11 +12,12 @@
 #               (_scaled_mm) vs block-scaled Triton (+ invariant tile) vs block-scaled
 #               _scaled_mm, and the grouped expert GEMM bf16 vs FP8 -> fp8_gemm.json
 #   profile   : benchmark/profile_step.py, the small preset's steady-state verify step (48
-#               requests, gamma 7, static pools) in bf16 and in FP8, with the kernel breakdown
-#               -> profile_small_{bf16,fp8}.json
+#               requests, gamma 7, static pools) in bf16, in FP8, and in FP8 with the
+#               activation quantisation fused into the GEMMs (UNIMEM_FP8_ACT_QUANT=fused), with
+#               the kernel breakdown -> profile_small_{bf16,fp8,fp8_fused}.json
 #   bench     : `python -m unimem bench` (the default: small preset, 48 x 512 -> 2048, DSPARK)
-#               in bf16 and with --quantization fp8 -> bench_bf16_h200.json, bench_fp8_h200.json
-#               (the latter is docs/results/bench_fp8_h200.json)
+#               in bf16, with --quantization fp8, and fp8 fused -> bench_bf16_h200.json,
+#               bench_fp8_h200.json (docs/results/bench_fp8_h200.json), bench_fp8_fused_h200.json
 #   qwen3next : make_checkpoint.py's Qwen3-Next `bench` checkpoint (2048 hidden, 24 layers,
 #               64 experts), `python -m unimem bench --model-path` 48 x 512 -> 512 in bf16 and
 #               --quantization fp8 -> qwen3next_{bf16,fp8}.json (ms/step in each)
@@ -81,15 +82,19 @@ for part in $parts; do
       run python3 benchmark/bench_fp8_gemm.py --m 48 384 --moe --json "$out/fp8_gemm.json" \
         || fail gemm ;;
     profile)
-      for q in bf16 fp8; do
-        flag=(); [ "$q" = fp8 ] && flag=(--quantization fp8)
-        run python3 benchmark/profile_step.py --memory static --steps 30 --replays 10 \
-          "${flag[@]}" --json "$out/profile_small_$q.json" || fail "profile $q"
+      for q in bf16 fp8 fp8_fused; do
+        flag=(); [ "$q" != bf16 ] && flag=(--quantization fp8)
+        act=separate; [ "$q" = fp8_fused ] && act=fused
+        UNIMEM_FP8_ACT_QUANT=$act run python3 benchmark/profile_step.py --memory static \
+          --steps 30 --replays 10 "${flag[@]}" --json "$out/profile_small_$q.json" \
+          || fail "profile $q"
       done ;;
     bench)
       run python3 -m unimem bench --json "$out/bench_bf16_h200.json" || fail "bench bf16"
       run python3 -m unimem bench --quantization fp8 --json "$out/bench_fp8_h200.json" \
-        || fail "bench fp8" ;;
+        || fail "bench fp8"
+      UNIMEM_FP8_ACT_QUANT=fused run python3 -m unimem bench --quantization fp8 \
+        --json "$out/bench_fp8_fused_h200.json" || fail "bench fp8 fused" ;;
     qwen3next)
       ck=/tmp/ckpt_qwen3_next_bench
       { [ -f "$ck/make_checkpoint.json" ] \

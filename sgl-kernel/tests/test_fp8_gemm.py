@@ -147,3 +147,22 @@ def test_fp8_linear_and_grouped_replay_in_a_cuda_graph():
     for a, b in zip(out, again, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(out[0], eager[0])
+
+
+@pytest.mark.gpu
+def test_fused_activation_quantization_gives_the_same_bits(monkeypatch):
+    """UNIMEM_FP8_ACT_QUANT=fused (the GEMM quantises the activations in its loads) gives
+    the bits of the separate quantisation launch, dense and grouped."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7)
+    wq, ws = (t.to(dev) for t in _weights(200, 384, gen))
+    gq, gs = (t.to(dev) for t in _weights(96, 384, gen, (3,)))
+    x = (torch.randn(37, 384, generator=gen) * 4).bfloat16().to(dev)
+    offs = torch.tensor([5, 5, 30], dtype=torch.int32, device=dev)
+    rows = torch.randperm(37, generator=gen).to(dev)
+    monkeypatch.setenv("UNIMEM_FP8_ACT_QUANT", "separate")
+    sep = (fp8_linear(x, wq, ws), fp8_grouped_linear(x, gq, gs, offs, rows))
+    monkeypatch.setenv("UNIMEM_FP8_ACT_QUANT", "fused")
+    fused = (fp8_linear(x, wq, ws), fp8_grouped_linear(x, gq, gs, offs, rows))
+    for a, b in zip(sep, fused, strict=True):
+        assert torch.equal(a, b)

@@ -24,6 +24,9 @@ this package; ``UNIMEM_KERNEL_BACKEND`` forces either):
   ``torch._grouped_mm``'s convention) times their expert's ``wq [E, N, K]``, optionally
   gathering ``x[rows]`` in the loads: the MoE layers' routed experts.
 
+``UNIMEM_FP8_ACT_QUANT=fused`` quantises the activations inside the GEMM's loads instead of
+in a launch of their own (the same values; one launch per product instead of two; GPU only).
+
 Tile choice: by the row count for speed, or one fixed tile (``invariant=True``,
 deterministic inference): each output element's arithmetic is then the same whatever the
 number of rows, so a row's result does not depend on the other rows (activation scales are
@@ -168,7 +171,8 @@ def _fp8_gemm_kernel(
     T, N, K, KG, E,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     GROUPED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FUSED_QUANT: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program (p, n): row tile p, column tile n. GROUPED: expert e < E owns rows
     # [offs[e-1], offs[e]), the tail [offs[E-1], T) is written as zeros; row tiles start at
@@ -214,9 +218,17 @@ def _fp8_gemm_kernel(
         kk = (g * BLOCK_K + rk).to(tl.int64)
         mask_k = kk < K
         a = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if FUSED_QUANT:
+            # a_ptr is the unquantised activation: quantise the group here, with the
+            # arithmetic of _quant_groups_kernel (so the same e4m3 values and scales)
+            xa = a.to(tl.float32)
+            sa = tl.maximum(tl.max(tl.abs(xa), axis=1), 1e-10) / 448.0
+            q = tl.minimum(tl.maximum(tl.div_rn(xa, sa[:, None]), -448.0), 448.0)
+            a = q.to(w_ptr.dtype.element_ty)
+        else:
+            sa = tl.load(as_ptr + src * stride_asm + g, mask=mask_m, other=0.0)
         w = tl.load(w_cols + kk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         part = tl.dot(a, w, out_dtype=tl.float32)
-        sa = tl.load(as_ptr + src * stride_asm + g, mask=mask_m, other=0.0)
         sw = tl.load(ws_ptr + we * stride_wse + rn * stride_wsn + g, mask=mask_n, other=0.0)
         acc += part * sa[:, None] * sw[None, :]
     if HAS_BIAS:
@@ -249,7 +261,7 @@ def _check_operands(xq, xs, wq, ws, grouped: bool) -> None:
 
 def fp8_gemm(
     xq: torch.Tensor,
-    xs: torch.Tensor,
+    xs: torch.Tensor | None,
     wq: torch.Tensor,
     ws: torch.Tensor,
     *,
@@ -263,8 +275,14 @@ def fp8_gemm(
     KG]``; dense ``wq [N, K]``, ``ws [N, KG]`` -> ``[M, N]``; grouped (``offs [E]`` int32)
     ``wq [E, N, K]``, ``ws [E, N, KG]`` -> ``[T, N]`` with ``T = M`` or, with ``rows [T]``
     (int64), product row ``i`` reading activation row ``rows[i]``. ``bias [N]`` (dense) or
-    ``[E, N]`` (grouped), added in float32. Rows past ``offs[-1]`` are zeros."""
+    ``[E, N]`` (grouped), added in float32. Rows past ``offs[-1]`` are zeros.
+
+    ``xs`` None: ``xq`` is the unquantised activation (float) and the GEMM quantises each
+    row group as it loads it, with :func:`fp8_quantize_groups`' arithmetic (the same values:
+    one launch instead of two). Triton only (the CPU interpreter's e4m3 cast truncates)."""
     grouped = offs is not None
+    if xs is None:
+        return _fp8_gemm_fused(xq, wq, ws, out_dtype, bias, offs, rows, invariant)
     _check_operands(xq, xs, wq, ws, grouped)
     if rows is not None and not grouped:
         raise ValueError("fp8_gemm: rows needs offs (a grouped call)")
@@ -290,11 +308,53 @@ def fp8_gemm(
         t, n, k, num_groups(k), e,
         xq.stride(0), xs.stride(0), wq.stride(0) if grouped else 0, wq.stride(-2),
         ws.stride(0) if grouped else 0, ws.stride(-2), out.stride(0),
-        GROUPED=grouped, GATHER=rows is not None, HAS_BIAS=bias is not None,
+        GROUPED=grouped, GATHER=rows is not None, HAS_BIAS=bias is not None, FUSED_QUANT=False,
         BLOCK_E=next_pow2(e + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def _fp8_gemm_fused(x, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tensor:
+    """:func:`fp8_gemm` with ``xs`` None (the activation quantised in the GEMM's loads)."""
+    grouped = offs is not None
+    k = x.shape[1]
+    t = rows.shape[0] if rows is not None else x.shape[0]
+    n = wq.shape[-2]
+    e = wq.shape[0] if grouped else 1
+    if wq.shape[-1] != k or ws.shape != (*wq.shape[:-1], num_groups(k)):
+        raise ValueError(
+            f"fp8 weight {tuple(wq.shape)} / scales {tuple(ws.shape)} do not fit K {k}"
+        )
+    out = torch.empty(t, n, dtype=out_dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = fp8_gemm_config(max(t // e, 1), invariant)
+    row_tiles = triton.cdiv(t, cfg.block_m) + (e + 1 if grouped else 0)
+    grid = (row_tiles, triton.cdiv(n, cfg.block_n))
+    _fp8_gemm_kernel[grid](
+        x, x, rows if rows is not None else x, wq, ws, offs if grouped else x,
+        bias if bias is not None else out, out,
+        t, n, k, num_groups(k), e,
+        x.stride(0), 0, wq.stride(0) if grouped else 0, wq.stride(-2),
+        ws.stride(0) if grouped else 0, ws.stride(-2), out.stride(0),
+        GROUPED=grouped, GATHER=rows is not None, HAS_BIAS=bias is not None, FUSED_QUANT=True,
+        BLOCK_E=next_pow2(e + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def fused_quantization(x: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` / :func:`fp8_grouped_linear` quantise ``x`` inside the GEMM
+    (``UNIMEM_FP8_ACT_QUANT=fused``) rather than in a launch of its own (``separate``, the
+    default); Triton on a GPU only (the interpreter's e4m3 cast truncates)."""
+    choice = os.environ.get("UNIMEM_FP8_ACT_QUANT", "separate")
+    if choice not in ("separate", "fused"):
+        raise ValueError(f"UNIMEM_FP8_ACT_QUANT must be separate or fused, got {choice!r}")
+    return choice == "fused" and use_triton(x) and not _interpreting()
 
 
 def _dense_reference(xq, xs, wq, ws) -> torch.Tensor:
@@ -357,6 +417,9 @@ def fp8_linear(
     :func:`fp8_gemm`. Returns ``[..., N]`` in ``x``'s dtype."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
+    if fused_quantization(x2):
+        y = fp8_gemm(x2, None, wq, ws, out_dtype=x.dtype, bias=bias, invariant=invariant)
+        return y.reshape(*x.shape[:-1], wq.shape[0])
     xq, xs = fp8_quantize_groups(x2)
     y = fp8_gemm(xq, xs, wq, ws, out_dtype=x.dtype, bias=bias, invariant=invariant)
     return y.reshape(*x.shape[:-1], wq.shape[0])
@@ -376,6 +439,10 @@ def fp8_grouped_linear(
     expert's FP8 weight ``wq[e] [N, K]`` transposed, ``e`` the expert owning row ``i`` by
     ``offs [E]`` (int32, non-decreasing, ``offs[-1] <= T``; rows past it are zeros).
     ``x [M, K]`` is quantised once per token (before the gather). Returns ``x``'s dtype."""
+    if fused_quantization(x):
+        return fp8_gemm(
+            x, None, wq, ws, out_dtype=x.dtype, bias=bias, offs=offs, rows=rows, invariant=invariant
+        )
     xq, xs = fp8_quantize_groups(x)
     return fp8_gemm(
         xq, xs, wq, ws, out_dtype=x.dtype, bias=bias, offs=offs, rows=rows, invariant=invariant
