@@ -91,8 +91,8 @@ for part in $parts; do
       done ;;
     bench)
       run python3 -m unimem bench --json "$out/bench_bf16_h200.json" || fail "bench bf16"
-      run python3 -m unimem bench --quantization fp8 --json "$out/bench_fp8_h200.json" \
-        || fail "bench fp8"
+      UNIMEM_FP8_ACT_QUANT=separate run python3 -m unimem bench --quantization fp8 \
+        --json "$out/bench_fp8_h200.json" || fail "bench fp8"
       UNIMEM_FP8_ACT_QUANT=fused run python3 -m unimem bench --quantization fp8 \
         --json "$out/bench_fp8_fused_h200.json" || fail "bench fp8 fused" ;;
     qwen3next)
