@@ -297,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from unimem.models.word_tokenizer import save_word_tokenizer
 
+    if args.fp8 and args.arch != "qwen3_next":
+        raise SystemExit("--fp8: only qwen3_next (gpt-oss ships MXFP4, and unimem's gpt-oss "
+                         "does not run FP8)")  # fmt: skip
     t0 = time.perf_counter()
     cfg = make_config(args.arch, args.size, args.layers)
     torch.manual_seed(args.seed)
