@@ -268,3 +268,32 @@ def test_online_fp8_other_architectures(arch, tmp_path):
     got, want = fp8.reference_forward(prompts), plain.reference_forward(prompts)
     agree = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(got, want, strict=True)])
     assert float(agree.float().mean()) >= 0.6
+
+
+def test_make_checkpoint_writes_the_80b_shape_layer_by_layer(tmp_path):
+    """benchmark/make_checkpoint.py's direct FP8 writer (the one the 80B-shaped GPU run
+    uses), on the tiny config: the hub layout, one shard per layer, and it loads."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from unimem.models.word_tokenizer import save_word_tokenizer
+
+    script = Path(__file__).resolve().parents[2] / "benchmark" / "make_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_checkpoint", script)
+    mc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mc)
+    cfg = tiny_qwen3_next.config()
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    mc.write_fp8_direct(meta, cfg, tmp_path, torch.device("cpu"), seed=0)
+    save_word_tokenizer(tmp_path, cfg.vocab_size)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == cfg.num_hidden_layers + 1
+    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in index["weight_map"]
+    model = load_model(tmp_path)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == FP8_DTYPE
+    assert model.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
+    assert torch.isfinite(model.reference_forward([torch.arange(12)])[0]).all()
