@@ -8,7 +8,19 @@ Shapes: ``bench_gemm_shapes.SHAPES`` (the ``small`` preset at ``--m`` rows). Var
   output channel of B ``[1, N]``, bf16 (LM head: float32) out;
 - ``fp8 tensor``: the same with one scale per operand;
 - ``quant``: the per-token activation quantisation a rowwise call needs (torch ops: amax,
-  divide, cast), timed alone, as the upper bound of what a fused quantisation costs.
+  divide, cast), timed alone, as the upper bound of what a fused quantisation costs;
+- ``fp8 block triton`` (``--gemm triton|both``): the engine's path, block-wise ``[128, 128]``
+  weights with per-token-group (128) activation scales (:func:`unimem_kernel.fp8_linear`:
+  the Triton quantisation launch + the Triton block-scaled GEMM), and ``gemm`` alone;
+  ``invariant``: the same with the batch-invariant tile; ``fused_quant``: one launch that
+  quantises the activations in its loads (``UNIMEM_FP8_ACT_QUANT=fused``);
+- ``fp8 block scaled_mm`` (``--gemm scaled_mm|both``): ``torch._scaled_mm`` with the same
+  scales (1 x 128 for A, 128 x 128 for B; the first scale layout the build accepts), after the
+  same Triton activation quantisation; ``n/a`` with the error where the build has no
+  block-wise scaling.
+With ``--moe``, the routed experts' grouped GEMM (``--experts`` experts of width
+``--moe-width``, top-``--topk`` routing of ``--m`` tokens): bf16
+(:func:`unimem_kernel.expert_linear`) against FP8 (:func:`unimem_kernel.fp8_grouped_linear`).
 
 Each time: ``--iters`` calls in one CUDA graph, the median of ``--repeats`` samples
 (``cuda_timing.graph_median_ms``); TFLOP/s = 2 M N K / time; ``rel`` = the largest |difference|
@@ -39,6 +51,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=40, help="calls per sample")
     ap.add_argument("--repeats", type=int, default=7, help="samples; the median is kept")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument(
+        "--gemm",
+        choices=["triton", "scaled_mm", "both"],
+        default="both",
+        help="which block-scaled FP8 GEMM(s) to time",
+    )
+    ap.add_argument("--moe", action="store_true", help="also the grouped expert GEMMs")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--moe-width", type=int, default=512)
+    ap.add_argument("--topk", type=int, default=8)
     return ap.parse_args(argv)
 
 
@@ -89,6 +111,105 @@ def measure_shape(m: int, name: str, g: torch.Generator, args) -> dict:
         except RuntimeError as e:  # a scaling mode this build does not have
             row[label] = {"error": str(e).splitlines()[0][:160]}
     row["quant_us"] = time_us(lambda: quant_rows(a))
+    if out == "fp32":  # the LM head stays bf16 in the FP8 models
+        return row
+    from unimem.models.fp8_linear import quantize_blocks, quantize_blockwise
+    from unimem_kernel.fp8_gemm import fp8_gemm, fp8_linear, fp8_quantize_groups
+
+    wq_b, ws_rows = quantize_blockwise(w)
+    _, ws_block = quantize_blocks(w)
+    xq, xs = fp8_quantize_groups(a)
+    variants = []
+    if args.gemm in ("triton", "both"):
+        variants += [
+            ("fp8_block_triton", lambda: fp8_linear(a, wq_b, ws_rows)),
+            ("fp8_block_triton_gemm",
+             lambda: fp8_gemm(xq, xs, wq_b, ws_rows, out_dtype=torch.bfloat16)),
+            ("fp8_block_triton_invariant", lambda: fp8_linear(a, wq_b, ws_rows, invariant=True)),
+            ("fp8_block_triton_fused_quant",
+             lambda: fp8_gemm(a, None, wq_b, ws_rows, out_dtype=torch.bfloat16)),
+        ]  # fmt: skip
+    if args.gemm in ("scaled_mm", "both"):
+        smm = block_scaled_mm(xq, xs, wq_b, ws_block)
+        if isinstance(smm, str):
+            row["fp8_block_scaled_mm"] = {"error": smm}
+        else:
+            variants += [
+                ("fp8_block_scaled_mm", lambda: smm(*fp8_quantize_groups(a))),
+                ("fp8_block_scaled_mm_gemm", lambda: smm(xq, xs)),
+            ]
+    for label, fn in variants:
+        y = fn().float()
+        rel = float((y - ref).abs().max() / ref.abs().max())
+        us = time_us(fn)
+        row[label] = {"us": us, "tflops": 2 * m * n * k / us / 1e6, "rel": rel}
+    return row
+
+
+def block_scaled_mm(xq, xs, wq, ws_block):
+    """``(xq, xs) -> bf16 [M, N]`` through ``torch._scaled_mm`` with 1 x 128 activation and
+    128 x 128 weight scales, in the first scale layout this torch build accepts (and that
+    matches the Triton kernel within 2 %); a string naming the errors otherwise."""
+    from unimem_kernel.fp8_gemm import fp8_gemm
+
+    want = fp8_gemm(xq, xs, wq, ws_rows_of(ws_block, wq.shape[0]), out_dtype=torch.float32)
+    b = wq.t()  # [K, N] column-major
+    layouts = {
+        "a outer-major, b [N/128, K/128]": (lambda s: s.t().contiguous().t(), lambda s: s),
+        "a outer-major, b [K/128, N/128] outer-major": (
+            lambda s: s.t().contiguous().t(), lambda s: s.t().contiguous()),
+        "a row-major, b [N/128, K/128]": (lambda s: s.contiguous(), lambda s: s),
+        "a row-major, b transposed view": (lambda s: s.contiguous(), lambda s: s.t()),
+    }  # fmt: skip
+    errors = []
+    for name, (fa, fb) in layouts.items():
+        sb = fb(ws_block)
+
+        def call(q, s, fa=fa, sb=sb):
+            return torch._scaled_mm(q, b, scale_a=fa(s), scale_b=sb, out_dtype=torch.bfloat16)
+
+        try:
+            y = call(xq, xs).float()
+        except (RuntimeError, ValueError) as e:
+            errors.append(f"{name}: {str(e).splitlines()[0][:120]}")
+            continue
+        rel = float((y - want).abs().max() / want.abs().max())
+        if rel < 0.02:
+            return call
+        errors.append(f"{name}: runs but differs (rel {rel:.2e})")
+    return "; ".join(errors)
+
+
+def ws_rows_of(ws_block: torch.Tensor, n: int) -> torch.Tensor:
+    from unimem.models.fp8_linear import expand_block_scales
+
+    return expand_block_scales(ws_block, n)
+
+
+def measure_moe(m: int, g: torch.Generator, args) -> dict:
+    """The routed experts' gate/up grouped GEMM at ``m`` tokens: bf16 vs FP8 (µs; ``rel``
+    against the bf16 product)."""
+    from unimem.models.fp8_linear import quantize_blockwise
+    from unimem_kernel import expert_linear, fp8_grouped_linear, moe_route
+
+    dev = g.device
+    e, i, d = args.experts, args.moe_width, 2048
+    x = torch.randn(m, d, generator=g, device=dev).bfloat16()
+    w = (torch.randn(e, 2 * i, d, generator=g, device=dev) / d**0.5).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g, device=dev)[: args.topk] for _ in range(m)])
+    route = moe_route(ids, e)
+    wq, ws = quantize_blockwise(w)
+    row: dict = {"m": m, "shape": f"moe_gate_up E{e} I{i} top{args.topk}"}
+    base = expert_linear(x, w, route.ends, route.token).float()
+    for label, fn in (
+        ("bf16", lambda: expert_linear(x, w, route.ends, route.token)),
+        ("fp8_block_triton", lambda: fp8_grouped_linear(x, wq, ws, route.ends, route.token)),
+    ):
+        y = fn().float()
+        us = 1e3 * graph_median_ms(fn, warmup=args.warmup, iters=args.iters, repeats=args.repeats)
+        rows = route.token.shape[0]
+        row[label] = {"us": us, "tflops": 2 * rows * 2 * i * d / us / 1e6,
+                      "rel": float((y - base).abs().max() / base.abs().max())}  # fmt: skip
     return row
 
 
@@ -108,7 +229,8 @@ def main(argv=None) -> int:
             row = measure_shape(m, name, g, args)
             rows.append(row)
             cells = []
-            for label in ("bf16", "fp8_rowwise", "fp8_tensor"):
+            labels = [k for k in row if isinstance(row[k], dict)]
+            for label in labels:
                 r = row[label]
                 cells.append(
                     f"{label} {r['us']:7.1f} ({r['tflops']:5.0f}, rel {r['rel']:.1e})"
@@ -116,6 +238,13 @@ def main(argv=None) -> int:
                     else f"{label} n/a ({r['error']})"
                 )
             print(f"M {m:5d} {name:8s} " + " | ".join(cells) + f" | quant {row['quant_us']:.1f}")
+    if args.moe:
+        for m in args.m:
+            row = measure_moe(m, g, args)
+            rows.append(row)
+            print(f"M {m:5d} {row['shape']}: " + " | ".join(
+                f"{k} {row[k]['us']:7.1f} ({row[k]['tflops']:5.0f}, rel {row[k]['rel']:.1e})"
+                for k in ("bf16", "fp8_block_triton")))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": props.name, "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -61,6 +61,7 @@ CATEGORIES = [
     ("GDN conv + delta rule", re.compile(r"_conv_kernel|_rule_kernel")),
     ("metadata + write window", re.compile(r"_metadata_kernel|_write_window_kernel")),
     ("state commit", re.compile(r"_commit")),
+    ("FP8 activation quantisation", re.compile(r"_quant_groups_kernel")),
     ("GEMM (projections, MLP, LM heads)", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),
 ]
 
@@ -376,11 +377,22 @@ def main() -> None:
         help="also time the GDN replay commit and the drafter's proposal in CUDA graphs, in "
         "sequence and forked onto two streams",
     )
+    ap.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        help="fp8: the preset's projections in block-wise FP8 (unimem.models.fp8_linear); "
+        "the drafter's tables stay bf16",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
     cfg = preset("small")
     model = HybridModel(cfg, seed=0, device=dev)
+    if args.quantization == "fp8":
+        from unimem.models.fp8_linear import quantize_model_online, weight_bytes
+
+        quantize_model_online(model)
+        print(f"FP8 projections: weights {weight_bytes(model) / 2**30:.2f} GiB")
     drafter = DsparkDrafter(
         draft_config_for(cfg), model.embed_weight, model.lm_head_weight, seed=17
     )
@@ -390,7 +402,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(dev)
     print(
         f"{gpu}: small preset, {args.requests} requests verifying, gamma {args.gamma}, "
-        f"page {args.page_size}, prompts {args.input_len}; steady state"
+        f"page {args.page_size}, prompts {args.input_len}; steady state; "
+        f"quantization {args.quantization or 'none (bf16)'}"
     )
     results = []
     runs = [(int(m), k) for m in args.split_kv_max_bs.split(",") for k in args.memory.split(",")]
@@ -442,7 +455,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "gamma": args.gamma, "page_size": args.page_size,
-                       "input_len": args.input_len, "runs": results}, f, indent=2)  # fmt: skip
+                       "input_len": args.input_len, "quantization": args.quantization,
+                       "runs": results}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

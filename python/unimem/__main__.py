@@ -132,6 +132,14 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         f"continuation with this probability (seeded; 0 = the raw drafter; default "
         f"{d.accept_rate})",
     )
+    v.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        default=None,
+        help="fp8: block-wise FP8 weights (quantised at load; the synthetic presets' "
+        "projections too) with per-token-group FP8 activations; an FP8 checkpoint runs in "
+        "FP8 without it",
+    )
     det = v.add_mutually_exclusive_group()
     det.add_argument(
         "--enable-deterministic-inference",
@@ -425,6 +433,7 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         verify_lengths=args.verify_lengths,
         verify_budget=args.speculative_verify_budget,
         deterministic=args.deterministic,
+        quantization=args.quantization,
     )
 
 

@@ -111,6 +111,13 @@ def test_prefix_cache_and_verify_length_flags():
     assert not engine.disable_radix_cache and engine.checkpoint_interval_pages == 64 // 16
 
 
+def test_quantization_flag():
+    engine, _ = parse_args(["--model-path", "/m", "--quantization", "fp8"])
+    assert engine.quantization == "fp8"
+    engine, _ = parse_args(["--model-path", "/m"])
+    assert engine.quantization is None
+
+
 def test_deterministic_inference_flag():
     engine, _ = parse_args(
         ["--model-path", "/m", "--device", "cuda", "--enable-deterministic-inference"]
@@ -131,7 +138,7 @@ def test_deterministic_inference_flag():
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size is an SGLang flag"),
         (["--tp-size", "0"], "--tp-size must be a positive int"),
         (["--tp=2"], "--tp is an SGLang flag"),
-        (["--quantization", "fp8"], "--quantization is an SGLang flag"),
+        (["--quantization", "awq"], "invalid choice: 'awq'"),
         (["--trust-remote-code"], "--trust-remote-code is an SGLang flag"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--page-size", "0"], "--page-size must be a positive int"),

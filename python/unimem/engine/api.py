@@ -190,6 +190,7 @@ class Engine:
                 max_context=args.context_length,
                 tokenizer_path=args.tokenizer_path,
                 tp=tp,
+                quantization=args.quantization,
             )
         except (ValueError, OSError) as e:
             error = e

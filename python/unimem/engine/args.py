@@ -31,7 +31,6 @@ UNSUPPORTED_SGLANG_ARGS = frozenset(
         "dp_size",
         "pp_size",
         "ep_size",
-        "quantization",
         "kv_cache_dtype",
         "lora_paths",
         "enable_lora",
@@ -48,6 +47,8 @@ UNSUPPORTED_SGLANG_ARGS = frozenset(
 """SGLang arguments unimem does not implement: passing one is an error naming it."""
 
 SPECULATIVE_ALGORITHMS = ("DSPARK",)
+QUANTIZATION_METHODS = ("fp8",)
+"""``quantization`` values (``unimem.models.quant_config.QUANTIZATION_METHODS``)."""
 VERIFY_LENGTHS = ("fixed", "adaptive")
 """``speculative_verify_lengths`` values (:class:`~unimem.speculative.chain.DsparkChain`)."""
 ATTENTION_BACKENDS = ("fa4", "torch")
@@ -99,6 +100,10 @@ class EngineArgs:
     ``enable_deterministic_inference`` (SGLang's name, CUDA only): batch-invariant kernels
     process-wide while the engine lives (:mod:`unimem.models.batch_invariant`), so that a
     request's tokens do not depend on the other requests, the batch bucket or the step kind.
+    ``quantization`` (SGLang's name): "fp8" quantises an unquantised checkpoint's linears
+    at load (block-wise FP8 weights, per-token-group activations); an FP8 checkpoint
+    (``quantization_config``) runs in FP8 with or without it
+    (:mod:`unimem.models.quant_config`).
     """
 
     model_path: str | None = None
@@ -129,6 +134,7 @@ class EngineArgs:
     speculative_verify_lengths: str = "fixed"
     speculative_verify_budget: int | None = None
     enable_deterministic_inference: bool = False
+    quantization: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -203,6 +209,11 @@ class EngineArgs:
             raise ValueError("speculative_num_draft_tokens needs speculative_algorithm DSPARK")
         elif self.speculative_draft_model_path is not None:
             raise ValueError("speculative_draft_model_path needs speculative_algorithm DSPARK")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS} (or unset), "
+                f"got {self.quantization!r}"
+            )
         self._check_verify_lengths()
         self._check_radix_cache()
         if self.cuda_graph_max_bs is not None and self.device != "cuda":

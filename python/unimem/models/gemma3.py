@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unimem.models import fp8_linear
 from unimem.models.base import CausalLM, ModelOutput, logits_dtype
 from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
@@ -53,7 +54,6 @@ from unimem.models.tensor_parallel import (
     local_config,
     parallel_embedding,
     parallel_logits,
-    row_parallel_linear,
     shard,
     vocab_shard,
 )
@@ -220,7 +220,7 @@ class Gemma3Attention(nn.Module):
             k = gemma_rms_norm(k, self.k_norm.weight, eps)
             o = ctx.rope_attention(layer_idx, q, k, v, *rope)  # apply_rope on q and k
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
-        return row_parallel_linear(o, self.o_proj.weight, None, self.tp)
+        return fp8_linear.row_parallel(o, self.o_proj, None, self.tp)
 
 
 class Gemma3MLP(nn.Module):
@@ -242,7 +242,7 @@ class Gemma3MLP(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # gelu_tanh(gate) * up in one pass over the column views of the stacked GEMM
         act = gelu_tanh_mul(*self.gate_up.linear(h))
-        return row_parallel_linear(act, self.down_proj.weight, None, self.tp)
+        return fp8_linear.row_parallel(act, self.down_proj, None, self.tp)
 
 
 class Gemma3DecoderLayer(nn.Module):

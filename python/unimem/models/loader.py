@@ -24,6 +24,7 @@ wrong shape, a tensor the checkpoint lacks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,8 +33,10 @@ from pathlib import Path
 
 import torch
 
+from unimem.models import fp8_linear
 from unimem.models.base import CausalLM
 from unimem.models.model_path import resolve_model_path
+from unimem.models.quant_config import resolve_quantization
 from unimem.models.registry import model_class
 from unimem.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -219,9 +222,12 @@ def load_model(
     device: str | torch.device = "cpu",
     max_context: int | None = None,
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> CausalLM:
     """The model of checkpoint directory ``path`` (module docstring); with ``tp``, rank
-    ``tp.rank``'s shard of it, read from the shards' slices."""
+    ``tp.rank``'s shard of it, read from the shards' slices. FP8 linears (an FP8
+    checkpoint's, or all eligible ones with ``quantization="fp8"``) are set up by
+    :mod:`unimem.models.fp8_linear` (:mod:`unimem.models.quant_config` says which)."""
     root = Path(resolve_model_path(path))
     hf_config = load_hf_config(root)
     archs = getattr(hf_config, "architectures", None) or []
@@ -229,15 +235,21 @@ def load_model(
         raise CheckpointError(f"{root}/config.json names no architecture ('architectures')")
     cls = model_class(archs[0])
     dev = torch.device(device)
-    model = cls.from_hf_config(
-        hf_config,
-        dtype=resolve_dtype(dtype, hf_config, dev),
-        device=dev,
-        max_context=max_context,
-        tp=tp,
-    )
+    fp8 = resolve_quantization(hf_config, quantization)
+    # FP8: parameters allocated once, after the FP8 ones are known (never in bf16 first)
+    with fp8_linear.deferred_weights() if fp8 is not None else contextlib.nullcontext():
+        model = cls.from_hf_config(
+            hf_config,
+            dtype=resolve_dtype(dtype, hf_config, dev),
+            device=dev,
+            max_context=max_context,
+            tp=tp,
+        )
     files = checkpoint_files(root)
     weights = iter_checkpoint(files, dev, cls.ignored_checkpoint_prefixes, model)
+    if fp8 is not None:
+        names, _ = fp8_linear.prepare(model, fp8, files, dev)
+        weights = fp8_linear.fp8_weight_stream(model, fp8, names, weights)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     load_weights_into(model, weights, tie, str(root))
     return model.eval()
@@ -279,12 +291,16 @@ def load_checkpoint(
     max_context: int | None = None,
     tokenizer_path: str | os.PathLike | None = None,
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> Checkpoint:
     """Model (rank ``tp.rank``'s shard), config, tokenizer (from ``tokenizer_path`` or
     ``path``) and EOS ids of a checkpoint directory."""
     root = Path(resolve_model_path(path))
     tokenizer_path = None if tokenizer_path is None else resolve_model_path(tokenizer_path)
-    model = load_model(root, dtype=dtype, device=device, max_context=max_context, tp=tp)
+    model = load_model(
+        root, dtype=dtype, device=device, max_context=max_context, tp=tp,
+        quantization=quantization,
+    )  # fmt: skip
     hf_config = load_hf_config(root)
     tokenizer = load_tokenizer(tokenizer_path or root)
     eos = eos_token_ids(root, hf_config, tokenizer)

@@ -24,7 +24,13 @@ from collections.abc import Callable
 import torch
 
 from unimem.models import batch_invariant
-from unimem_kernel import bi_grouped_linear, expert_linear, moe_combine, moe_route
+from unimem_kernel import (
+    bi_grouped_linear,
+    expert_linear,
+    fp8_grouped_linear,
+    moe_combine,
+    moe_route,
+)
 
 GatedAct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -72,6 +78,8 @@ def expert_mlp(
     b_down: torch.Tensor | None = None,
     shared: torch.Tensor | None = None,
     shared_gate_weight: torch.Tensor | None = None,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token.
 
@@ -81,12 +89,18 @@ def expert_mlp(
     :func:`grouped_mm_supported`, else :func:`expert_mlp_reference`. With ``shared [T, d]``
     (a shared expert's output) and ``shared_gate_weight [1, d]``, adds
     ``sigmoid(x @ shared_gate_weight^T) * shared`` in the same final pass
-    (:func:`unimem_kernel.moe_combine`).
+    (:func:`unimem_kernel.moe_combine`). FP8 experts: ``w_gate_up`` / ``w_down`` e4m3 with
+    per-row-group scales ``w_gate_up_scale [E, 2I, KG]`` / ``w_down_scale [E, d, KG']``
+    (:mod:`unimem.models.fp8_linear`); each projection is then one grouped FP8 launch
+    (:func:`unimem_kernel.fp8_grouped_linear`, the torch reference off CUDA).
     """
     _check(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down)
     if (shared is None) != (shared_gate_weight is None):
         raise ValueError("shared and shared_gate_weight go together")
-    if not grouped_mm_supported(x):
+    fp8 = w_gate_up_scale is not None
+    if fp8 != (w_down_scale is not None):
+        raise ValueError("w_gate_up_scale and w_down_scale go together")
+    if not fp8 and not grouped_mm_supported(x):
         return expert_mlp_reference(
             x, topk_ids, topk_weights, w_gate_up, w_down, act=act, b_gate_up=b_gate_up,
             b_down=b_down, shared=shared, shared_gate_weight=shared_gate_weight,
@@ -97,6 +111,9 @@ def expert_mlp(
     offs = route.ends
     invariant = batch_invariant.covers(x)
     grouped = _grouped_invariant if invariant else _grouped_vendor
+    if fp8:
+        scales = {id(w_gate_up): w_gate_up_scale, id(w_down): w_down_scale}
+        grouped = _grouped_fp8(scales, invariant)
     h = grouped(x, w_gate_up, offs, route.token)  # row i is token route.token[i]
     if b_gate_up is not None:
         h = h + b_gate_up[route.expert]
@@ -120,6 +137,17 @@ def _grouped_vendor(
     launch (:func:`unimem_kernel.expert_linear`: Triton tiles at decode/verify sizes, which
     read ``x[rows]`` in place; ``torch._grouped_mm`` for prefill)."""
     return expert_linear(x, w, offs, rows)
+
+
+def _grouped_fp8(scales: dict[int, torch.Tensor], invariant: bool) -> Callable:
+    """As :func:`_grouped_vendor` for FP8 weights: ``scales`` maps ``id(w)`` to ``w``'s
+    per-row-group scales (:func:`unimem_kernel.fp8_grouped_linear`; its invariant tile
+    under batch invariance)."""
+
+    def grouped(x, w, offs, rows=None):
+        return fp8_grouped_linear(x, w, scales[id(w)], offs, rows, invariant=invariant)
+
+    return grouped
 
 
 def _grouped_invariant(

@@ -202,13 +202,18 @@ class Qwen3NextForCausalLM(QwenHybridForCausalLM):
 
     def _load_special(self, pname, tensor, ckpt_name, params):
         c = self.config
-        if pname.endswith(".linear_attn.in_proj_qkvz.weight") and pname in params:
+        # (an FP8 weight's per-row scales, ``..._scale_inv``, take its row re-layout)
+        if pname.endswith((".in_proj_qkvz.weight", ".in_proj_qkvz.weight_scale_inv")) and (
+            pname in params
+        ):
             hk, h, dk, dv = c.gdn_key_heads, c.gdn_heads, c.gdn_head_dim_k, c.gdn_head_dim_v
             param = params[pname]
             _check_shape(param, tensor, ckpt_name)
             copy_param(param, qkvz_rows_to_contiguous(tensor, hk, h, dk, dv), ckpt_name)
             return {pname}
-        if pname.endswith(".linear_attn.in_proj_ba.weight") and pname in params:
+        if pname.endswith((".in_proj_ba.weight", ".in_proj_ba.weight_scale_inv")) and (
+            pname in params
+        ):
             param = params[pname]
             _check_shape(param, tensor, ckpt_name)
             relaid = ba_rows_to_contiguous(tensor, c.gdn_key_heads, c.gdn_heads)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unimem.models import fp8_linear
 from unimem.models.base import CausalLM, ModelOutput, logits_dtype
 from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
@@ -53,7 +54,6 @@ from unimem.models.tensor_parallel import (
     heads,
     parallel_embedding,
     parallel_logits,
-    row_parallel_linear_lt,
     shard,
     vocab_shard,
 )
@@ -197,7 +197,7 @@ class GatedAttention(nn.Module):
             k = zero_centered_rms_norm(k, self.k_norm.weight, c.rms_eps)
             o = ctx.rope_attention(layer_idx, q, k, v, *cos_sin)  # rotary.apply on q and k
         o = sigmoid_gate(o.reshape(t, hq, dh), gate)  # o * sigmoid(gate), the gate read in place
-        return row_parallel_linear_lt(o, self.o_proj.weight, self.o_zero, self.tp)
+        return fp8_linear.row_parallel(o, self.o_proj, self.o_zero, self.tp)
 
 
 class GdnMixer(nn.Module):
@@ -247,7 +247,7 @@ class GdnMixer(nn.Module):
         else:
             o = gated_rms_norm(o, self.norm.weight, z, c.rms_eps)
         o = o.reshape(t, -1)
-        return row_parallel_linear_lt(o, self.out_proj.weight, self.out_zero, self.tp)
+        return fp8_linear.row_parallel(o, self.out_proj, self.out_zero, self.tp)
 
 
 # ---------------------------------------------------------------------- MLPs
@@ -290,13 +290,13 @@ class DenseMlp(nn.Module):
 
     def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``down_proj(silu(gate) * up)`` of the gate and up projections' outputs."""
-        return F.linear(silu_mul(gate, up), self.down_proj.weight)
+        return fp8_linear.linear(silu_mul(gate, up), self.down_proj)
 
     def partial(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output (the output itself for size 1)."""
         if self.gate_up is not None:
             return self.down(*self.gate_up.linear(h))
-        return self.down(F.linear(h, self.gate_proj.weight), F.linear(h, self.up_proj.weight))
+        return self.down(fp8_linear.linear(h, self.gate_proj), fp8_linear.linear(h, self.up_proj))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.partial(h))
@@ -362,6 +362,8 @@ class SparseMoe(nn.Module):
             h, ids, weights, ex.gate_up_proj, ex.down_proj, act=silu_mul,
             shared=self.shared_expert.down(se_gate, se_up),
             shared_gate_weight=self.shared_expert_gate.weight,
+            w_gate_up_scale=getattr(ex, "gate_up_proj_scale_inv", None),
+            w_down_scale=getattr(ex, "down_proj_scale_inv", None),
         )  # fmt: skip
         return self.tp.all_reduce(out)
 
@@ -634,8 +636,9 @@ class QwenHybridForCausalLM(CausalLM):
         m = EXPERT_TENSOR.match(pname)
         if m is None:
             return None
-        base, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        base, e, proj, suffix = m.group(1), int(m.group(2)), m.group(3), m.group(4) or ""
         target = f"{base}.down_proj" if proj == "down" else f"{base}.gate_up_proj"
+        target += suffix  # an FP8 piece's scales go to the stacked scales (fp8_linear)
         param = params.get(target)
         if param is None or e >= param.shape[0]:
             raise ValueError(f"unexpected tensor {ckpt_name}")
@@ -700,7 +703,7 @@ def _mlp_shard(tp: TensorParallel, pname: str, shape: tuple[int, ...]) -> Shard 
 
 
 EXPERT_TENSOR = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?$"
 )
 """A per-expert checkpoint tensor (hub format): group 1 the experts' module path, 2 the
-expert index, 3 the projection."""
+expert index, 3 the projection, 4 ``_scale_inv`` for an FP8 weight's scales."""

@@ -23,13 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unimem.models import fp8_linear
+
 __all__ = ["StackedRows", "stacks_of"]
 
 
 class StackedRows:
     """The ``weight`` parameters of ``modules`` (each ``[N_i, K]``, one dtype and device) as
     row ranges of one tensor, in the order given. Not an ``nn.Module``: the stack is owned
-    by the parts' parameters (views of it), never registered twice."""
+    by the parts' parameters (views of it), never registered twice.
+
+    After some parts became FP8 (:func:`unimem.models.fp8_linear.convert_params`: an e4m3
+    ``weight`` with its ``weight_scale_inv [N_i, KG]``), :meth:`regroup` stacks consecutive
+    parts of one kind as one run (FP8 runs stack their scales too); :meth:`linear` then
+    runs one GEMM per run."""
 
     def __init__(self, *modules: nn.Module) -> None:
         if not modules:
@@ -44,40 +51,82 @@ class StackedRows:
                 )
         self.sizes = [w.shape[0] for w in weights]
         self._modules = modules
-        stack = torch.empty(sum(self.sizes), k, dtype=dtype, device=device)
-        row = 0
-        with torch.no_grad():
-            for m, w, n in zip(modules, weights, self.sizes, strict=True):
-                view = stack[row : row + n]
-                view.copy_(w)
-                m.weight = nn.Parameter(view, requires_grad=w.requires_grad)
-                row += n
-        self._stack: torch.Tensor | None = stack
+        self._runs: list[_Run] = [_Run(modules)]
+
+    def regroup(self) -> None:
+        """Re-stack as runs of consecutive parts that are all FP8 or all not (class
+        docstring); a no-op when every part is of one kind and still stacked."""
+        kinds = [_is_fp8(m) for m in self._modules]
+        runs, start = [], 0
+        for i in range(1, len(kinds) + 1):
+            if i == len(kinds) or kinds[i] != kinds[start]:
+                runs.append(_Run(self._modules[start:i]))
+                start = i
+        self._runs = runs
 
     def stacked(self) -> bool:
-        """Whether :meth:`linear` runs one GEMM (every part is still its row range of the
-        stack); False for good once a part was re-pointed."""
-        return self._intact()
+        """Whether :meth:`linear` runs one GEMM per run (every part is still its row range
+        of its run's stack); False for good once a part was re-pointed."""
+        return all(r.intact() for r in self._runs)
 
-    def _intact(self) -> bool:
-        stack = self._stack
-        if stack is None:
+    def linear(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``[linear(x, m) for m in modules]``: one GEMM per run over its stack (column views
+        of its ``[..., sum N_i]`` output) while the parts are views of it, else one each
+        (:func:`unimem.models.fp8_linear.linear`: F.linear, or the FP8 GEMM)."""
+        out: list[torch.Tensor] = []
+        for r in self._runs:
+            out += r.linear(x)
+        return out
+
+
+def _is_fp8(m: nn.Module) -> bool:
+    return getattr(m, "weight_scale_inv", None) is not None
+
+
+class _Run:
+    """Consecutive parts of one kind stacked (see :class:`StackedRows`)."""
+
+    def __init__(self, modules) -> None:
+        self.modules = tuple(modules)
+        self.fp8 = _is_fp8(self.modules[0])
+        self.sizes = [m.weight.shape[0] for m in self.modules]
+        names = ("weight", "weight_scale_inv") if self.fp8 else ("weight",)
+        self.stacks: list[torch.Tensor] | None = []
+        for name in names:
+            parts = [getattr(m, name) for m in self.modules]
+            stack = torch.empty(sum(self.sizes), *parts[0].shape[1:], dtype=parts[0].dtype,
+                                device=parts[0].device)  # fmt: skip
+            row = 0
+            with torch.no_grad():
+                for m, p, n in zip(self.modules, parts, self.sizes, strict=True):
+                    view = stack[row : row + n]
+                    view.copy_(p)
+                    setattr(m, name, nn.Parameter(view, requires_grad=p.requires_grad))
+                    row += n
+            self.stacks.append(stack)
+        self.names = names
+
+    def intact(self) -> bool:
+        if self.stacks is None:
             return False
-        base, row, step = stack.data_ptr(), 0, stack.stride(0) * stack.element_size()
-        for m, n in zip(self._modules, self.sizes, strict=True):
-            w = m.weight
-            if w.data_ptr() != base + row * step or w.shape != (n, stack.shape[1]):
-                self._stack = None  # drop the stale stack; the parts run one GEMM each
-                return False
-            row += n
+        for name, stack in zip(self.names, self.stacks, strict=True):
+            base, row, step = stack.data_ptr(), 0, stack.stride(0) * stack.element_size()
+            for m, n in zip(self.modules, self.sizes, strict=True):
+                w = getattr(m, name)
+                if w.data_ptr() != base + row * step or w.shape != (n, *stack.shape[1:]):
+                    self.stacks = None  # drop the stale stack; the parts run one GEMM each
+                    return False
+                row += n
         return True
 
     def linear(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """``[F.linear(x, m.weight) for m in modules]``: one GEMM over the stack (column views
-        of its ``[..., sum N_i]`` output) while the parts are views of it, else one each."""
-        if self._intact():
-            return list(F.linear(x, self._stack).split(self.sizes, dim=-1))
-        return [F.linear(x, m.weight) for m in self._modules]
+        if self.intact():
+            if self.fp8:
+                y = fp8_linear.fp8_matmul(x, self.stacks[0], self.stacks[1])
+            else:
+                y = F.linear(x, self.stacks[0])
+            return list(y.split(self.sizes, dim=-1))
+        return [fp8_linear.linear(x, m) for m in self.modules]
 
 
 def stacks_of(model: nn.Module) -> Iterator[StackedRows]:

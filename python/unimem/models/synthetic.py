@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unimem.models import fp8_linear
 from unimem.models.base import CausalLM, ModelOutput
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
@@ -49,8 +50,6 @@ from unimem.models.tensor_parallel import (
     local_config,
     parallel_embedding,
     parallel_logits,
-    row_parallel_linear,
-    row_parallel_linear_lt,
     shard,
     vocab_shard,
 )
@@ -80,15 +79,14 @@ class AttentionMixer(nn.Module):
         ctx: ForwardContext,
     ) -> torch.Tensor:
         c, t = self.c, h.shape[0]
-        qkv = F.linear(h, self.qkv_proj)
+        qkv = fp8_linear.linear(h, self, "qkv_proj")
         q, k, v = qkv.split([self.q_dim, self.k_dim, self.v_dim], dim=-1)
         q = q.reshape(t, c.n_q_heads, c.head_dim_k)
         k = k.reshape(t, c.n_kv_heads, c.head_dim_k)
         v = v.reshape(t, c.n_kv_heads, c.head_dim_v)  # strided views of the projection
         o = ctx.rope_attention(layer_idx, q, k, v, *rope)  # RoPE + K/V store in one pass
-        return row_parallel_linear(
-            o.reshape(t, c.n_q_heads * c.head_dim_v), self.o_proj, None, self.tp
-        )
+        o = o.reshape(t, c.n_q_heads * c.head_dim_v)
+        return fp8_linear.row_parallel(o, self, None, self.tp, "o_proj")
 
 
 class GdnMixer(nn.Module):
@@ -111,7 +109,7 @@ class GdnMixer(nn.Module):
     def forward(self, layer_idx: int, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         c, t = self.c, h.shape[0]
         sdt = c.state_dtype
-        mixed_qkv, z, b, a = F.linear(h, self.in_proj).split(self.split, dim=-1)
+        mixed_qkv, z, b, a = fp8_linear.linear(h, self, "in_proj").split(self.split, dim=-1)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias, sdt)
         # a column view of the projection: the GDN kernels read rows through its stride
         o = ctx.gdn(layer_idx, mixed_qkv, g, beta, conv_weight=self.conv_weight)
@@ -122,7 +120,7 @@ class GdnMixer(nn.Module):
             acc = torch.float64 if o.dtype == torch.float64 else torch.float32
             gated = rms_norm(o, self.norm, c.rms_eps).to(acc) * F.silu(z.to(acc))
             gated = gated.to(h.dtype).reshape(t, -1)
-        return row_parallel_linear(gated, self.out_proj, None, self.tp)
+        return fp8_linear.row_parallel(gated, self, None, self.tp, "out_proj")
 
 
 class Mlp(nn.Module):
@@ -140,8 +138,8 @@ class Mlp(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up over the fused [gate | up] projection, one pass
-        act = silu_mul(F.linear(h, self.gate_up))
-        return row_parallel_linear_lt(act, self.down, self.down_zero, self.tp)
+        act = silu_mul(fp8_linear.linear(h, self, "gate_up"))
+        return fp8_linear.row_parallel(act, self, self.down_zero, self.tp, "down")
 
 
 class HybridLayer(nn.Module):

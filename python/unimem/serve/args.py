@@ -207,6 +207,12 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         "other requests in its batch",
     )
     r.add_argument("--cuda-graph-max-bs", type=int)
+    r.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        help="fp8: quantise the linears at load (block-wise FP8 weights, per-token-group "
+        "activations); an FP8 checkpoint runs in FP8 without it",
+    )
     r.add_argument("--speculative-algorithm", type=str.upper, choices=("DSPARK",))
     r.add_argument("--speculative-num-draft-tokens", type=int)
     r.add_argument("--speculative-draft-model-path", help="a DSPARK drafter checkpoint")

@@ -33,6 +33,7 @@ from importlib import metadata
 from fastapi import APIRouter
 from prometheus_client.core import GaugeMetricFamily
 
+from unimem.models.fp8_linear import weight_bytes
 from unimem.serve.generation import Serving
 
 __all__ = ["SGLangGauges", "load_entry", "model_info", "router_compat_router", "server_info"]
@@ -67,6 +68,7 @@ def server_info(serving: Serving) -> dict:
         "enable_unified_memory": e.args.enable_unified_memory,
         "attention_backend": e.backend_name,
         "cuda_graphs": e.cuda_graphs,
+        "weight_bytes": weight_bytes(e.model),
         **serving.loop.snapshot(),
     }
 

@@ -80,7 +80,7 @@ from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import DraftLane, LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
-from unimem.models import batch_invariant
+from unimem.models import batch_invariant, fp8_linear
 from unimem.models.base import CausalLM
 from unimem.models.config import HybridConfig, memory_spec
 from unimem.models.loader import load_checkpoint, load_hf_config, resolve_dtype
@@ -134,6 +134,7 @@ class ValidateConfig:
     verify_lengths: str = "fixed"
     verify_budget: int | None = None
     deterministic: str = "auto"
+    quantization: str | None = None
 
     def topology(self) -> Topology:
         """The nodes the ``tp_size`` ranks run on (``--nnodes``, ``--node-rank``,
@@ -150,6 +151,8 @@ class ValidateConfig:
                 "--enable-deterministic-inference applies to --device cuda (CPU runs use "
                 "torch's own kernels; float64 runs are exact already)"
             )
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or unset, got {self.quantization!r}")
         for name in ("requests", "input_len", "output_len", "page_size", "max_running", "tp_size"):
             _check_count(name, getattr(self, name))
         self.topology()
@@ -693,6 +696,7 @@ def validate(
     with invariant:
         report = _validate(cfg, progress, max_margins, tp)
     report["deterministic_inference"] = cfg.use_deterministic
+    report["quantization"] = cfg.quantization
     return report
 
 
@@ -765,8 +769,12 @@ def build_model_and_prompts(
     if cfg.model_path is None:
         model_cfg = preset(cfg.preset)
         model = HybridModel(model_cfg, seed=cfg.seed, device=device, tp=shard)
+        if cfg.quantization == "fp8":
+            fp8_linear.quantize_model_online(model)
         return model, make_prompts(cfg, model_cfg.vocab_size)
-    ckpt = load_checkpoint(cfg.checkpoint_dir, dtype=cfg.dtype, device=device, tp=shard)
+    ckpt = load_checkpoint(
+        cfg.checkpoint_dir, dtype=cfg.dtype, device=device, tp=shard, quantization=cfg.quantization
+    )
     model = ckpt.model
     vocab = model.config.vocab_size
     if ckpt.tokenizer is not None:

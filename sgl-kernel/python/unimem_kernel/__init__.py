@@ -24,6 +24,14 @@ from unimem_kernel.expert_choice import router_topk, router_topk_reference
 from unimem_kernel.expert_combine import moe_combine, moe_combine_reference
 from unimem_kernel.expert_gemm import expert_gemm_config, expert_linear
 from unimem_kernel.expert_route import ExpertRoute, moe_route, moe_route_reference
+from unimem_kernel.fp8_gemm import (
+    fp8_gemm,
+    fp8_gemm_reference,
+    fp8_grouped_linear,
+    fp8_linear,
+    fp8_quantize_groups,
+    fp8_quantize_groups_reference,
+)
 from unimem_kernel.fused import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -94,6 +102,12 @@ from unimem_kernel.write_window import gather_write_window, gather_write_window_
 
 __all__ = [
     "ExpertRoute",
+    "fp8_gemm",
+    "fp8_gemm_reference",
+    "fp8_grouped_linear",
+    "fp8_linear",
+    "fp8_quantize_groups",
+    "fp8_quantize_groups_reference",
     "MatmulConfig",
     "StateCommitPlan",
     "add_rms_norm",
