@@ -16,6 +16,7 @@ Converted once into the user's cache (``--model-path gemma-3-270m``), then:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +112,32 @@ def test_tensors_match_transformers_decoder(checkpoint):
         stored = st.get_tensor("model.layers.3.post_feedforward_layernorm.weight")
         assert torch.equal(stored, dequantize(norm) - 1.0)
     assert seen == {"Q8_0", "Q4_K", "Q6_K"}
+
+
+@pytest.mark.slow
+def test_weights_and_config_match_transformers_gguf_loader(checkpoint):
+    """transformers' own GGUF path (``gguf_file=``; needs accelerate) gives the same tensors,
+    bit for bit, and the same model config where it sets a field."""
+    pytest.importorskip("accelerate")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    gguf_file = embedded_gguf("gemma-3-270m")[0]
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(Path(gguf_file).parent), gguf_file=Path(gguf_file).name, dtype=torch.float32
+    )
+    theirs = hf.state_dict()
+    ours = load_file(f"{checkpoint}/model.safetensors")
+    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied
+    for name, t in ours.items():
+        assert torch.equal(t, theirs[name]), name
+    cfg = json.loads(Path(checkpoint, "config.json").read_text())
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "sliding_window", "rms_norm_eps",
+                "max_position_embeddings", "vocab_size", "layer_types",
+                "query_pre_attn_scalar"):  # fmt: skip
+        assert cfg[key] == getattr(hf.config, key), key
+    assert cfg["rope_parameters"] == hf.config.rope_parameters
 
 
 def _validate(tmp_path, prompts: list[str], output_len: int, arena_mb=None) -> dict:
