@@ -32,7 +32,8 @@ request ``--tokens`` (256) greedy tokens with EOS ignored (no stop tokens), prom
   predicted over the wave's wall time);
 - with ``--compile``: the hand-fused Triton kernels against ``torch.compile`` (Inductor) of
   their torch references (the unfused step code), each timed on the GPU alone (CUDA graphs of
-  20 calls) at the model's shapes and 1, 8 and 48 rows.
+  20 calls) at the model's shapes and 1, 8 and 48 rows (post-norm + add + norm, GeGLU, q/k
+  norms + RoPE + K/V store, the greedy pick with its log-probability).
 
 Prompts: ``--prompts FILE`` (a ``.json`` list of token-id lists or of strings, or text with
 one prompt per line, encoded by the checkpoint's tokenizer); without it,
@@ -337,7 +338,7 @@ def compile_vs_fused(model, rows_list=(1, 8, 48)) -> dict:
     """Hand-fused Triton kernels against ``torch.compile`` of their torch references, GPU time
     per call (µs) at the model's shapes."""
     from unimem_kernel import fused as fu
-    from unimem_kernel import kv_store
+    from unimem_kernel import greedy_pick, kv_store
 
     cfg = model.config
     dt, dev = cfg.dtype, torch.device("cuda")
@@ -373,6 +374,7 @@ def compile_vs_fused(model, rows_list=(1, 8, 48)) -> dict:
     ref_chain = torch.compile(fu.norm_add_rms_norm_reference)
     ref_gelu = torch.compile(fu.gelu_tanh_mul_reference)
     ref_rope = torch.compile(kv_store.rope_store_kv_reference)
+    ref_pick = torch.compile(greedy_pick.greedy_logprob_reference)
     out = {}
     for rows in rows_list:
         x, h = rnd(rows, d), rnd(rows, d)
@@ -387,6 +389,7 @@ def compile_vs_fused(model, rows_list=(1, 8, 48)) -> dict:
         vc = torch.zeros_like(kc)
         slots = (torch.arange(rows, device=dev, dtype=torch.int32) + 1) * 16
         norms = (qw, kw, eps)
+        logits = torch.randn(rows, cfg.vocab_size, generator=gen, device=dev) * 8
         rope_args = (q, k, v, cos, sin, kc, vc, slots)
         cases = {
             "post_norm_add_norm": (
@@ -397,6 +400,10 @@ def compile_vs_fused(model, rows_list=(1, 8, 48)) -> dict:
             "qk_norm_rope_store": (
                 partial(kv_store.rope_store_kv, *rope_args, qk_norm=norms),
                 partial(ref_rope, *rope_args, qk_norm=norms),
+            ),
+            "greedy_logprob": (
+                partial(greedy_pick.greedy_logprob, logits),
+                partial(ref_pick, logits),
             ),
         }
         for name, (fused_fn, compiled_fn) in cases.items():

@@ -331,6 +331,16 @@ def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _greedy_pick_launches() -> list[tuple[str, Callable[[], None]]]:
+    """A greedy decode step's pick and log-probability (Gemma 3's 262 144-token vocabulary)."""
+    import torch
+
+    from unimem_kernel import greedy_pick
+
+    return [("greedy_logprob V=262144", lambda: greedy_pick.greedy_logprob(
+        torch.randn(4, 262144), torch.zeros(4, 8)[:, 0]))]  # fmt: skip
+
+
 def _greedy_accept_launches() -> list[tuple[str, Callable[[], None]]]:
     """The fixed verify's greedy accept (``small`` preset: 48 x 8 rows of 32 000)."""
     import torch
@@ -676,6 +686,7 @@ _KERNELS = {
     "unimem_kernel.gdn": ("_conv_kernel", "_conv_commit_kernel", "_rule_kernel"),
     "unimem_kernel.kv_store": ("_store_kv_kernel", "_rope_store_kernel"),
     "unimem_kernel.greedy_accept": ("_row_argmax_kernel", "_accept_kernel"),
+    "unimem_kernel.greedy_pick": ("_partial_kernel", "_combine_kernel"),
     "unimem_kernel.draft_pick": ("_markov_pick_kernel",),
     "unimem_kernel.expert_combine": ("_moe_combine_kernel",),
     "unimem_kernel.expert_route": ("_count_kernel", "_scan_kernel", "_place_kernel"),
@@ -691,6 +702,7 @@ _LAUNCHES = {
     "unimem_kernel.gdn": _gdn_launches,
     "unimem_kernel.kv_store": _kv_store_launches,
     "unimem_kernel.greedy_accept": _greedy_accept_launches,
+    "unimem_kernel.greedy_pick": _greedy_pick_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
     "unimem_kernel.expert_combine": _expert_combine_launches,
     "unimem_kernel.expert_route": _expert_route_launches,

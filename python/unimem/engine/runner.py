@@ -74,6 +74,7 @@ from unimem.speculative.verify_lengths import (
 from unimem_kernel import gdn as gdn_ops
 from unimem_kernel import gdn_reference
 from unimem_kernel.greedy_accept import greedy_verify_accept
+from unimem_kernel.greedy_pick import greedy_logprob
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
 GDN_REPLAY_COMMIT = True
@@ -455,9 +456,10 @@ class ModelRunner:
 
     @staticmethod
     def _pick(
-        logits: torch.Tensor, params: SamplingRows | None, positions: torch.Tensor
+        logits: torch.Tensor, params: SamplingRows | None, positions: torch.Tensor | None
     ) -> torch.Tensor:
-        """argmax (``params`` None: no lane samples) or :func:`sample` per lane."""
+        """argmax (``params`` None: no lane samples; ``positions`` unused) or :func:`sample`
+        per lane."""
         if params is None:
             return torch.argmax(logits, dim=-1)
         p = params
@@ -538,9 +540,16 @@ class ModelRunner:
             self, ForwardMode.DECODE, meta, self._state_slots(vslots), self._arange[:width]
         )
         logits = self.model.forward(input_ids, ctx)
+        if not draw and self.logprobs and logits.dtype == torch.float32:
+            # argmax and its log-probability in one pass, written into the step's outputs
+            sampled, _ = greedy_logprob(logits, self.out.logprobs[:width, 0])
+            self.state.commit(rows, seq_lens, sampled, sampled[:, None], self.out)
+            return
         params = self.sampling.read(rows) if draw else None
-        # the input token sits at index seq_lens; the sampled one at seq_lens + 1
-        sampled = self._pick(logits, params, seq_lens.long() + 1)
+        # the input token sits at index seq_lens; the sampled one at seq_lens + 1 (a sampling
+        # lane's position; greedy picks need none)
+        positions = seq_lens.long() + 1 if params is not None else None
+        sampled = self._pick(logits, params, positions)
         self.state.commit(rows, seq_lens, sampled, sampled[:, None], self.out)
         if self.logprobs:
             self.out.logprobs[:width, 0] = token_logprobs(logits, sampled)

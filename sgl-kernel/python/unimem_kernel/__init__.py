@@ -58,6 +58,7 @@ from unimem_kernel.gdn_chunked import (
     gated_delta_rule_extend_chunked_triton,
 )
 from unimem_kernel.greedy_accept import greedy_verify_accept, greedy_verify_accept_reference
+from unimem_kernel.greedy_pick import greedy_logprob, greedy_logprob_reference
 from unimem_kernel.id_ops import (
     bind_units,
     bind_units_reference,
@@ -155,6 +156,8 @@ __all__ = [
     "gdn_gates_reference",
     "gelu_tanh_mul",
     "gelu_tanh_mul_reference",
+    "greedy_logprob",
+    "greedy_logprob_reference",
     "greedy_verify_accept",
     "greedy_verify_accept_reference",
     "markov_pick",

@@ -1,0 +1,125 @@
+"""A greedy step's pick and its log-probability in one pass over the logits.
+
+``greedy_logprob(logits)`` returns, per row of ``logits [N, V]`` (float32: the engine's logits;
+other dtypes run the reference, whose ``logsumexp`` rounds to their dtype), the
+argmax token (the first index of the maximum, as ``torch.argmax``) and its log-probability
+``logits[token] - logsumexp(logits)`` in float32 — what a greedy decode step with log-probs
+computed with ``argmax``, ``gather``, ``logsumexp`` (itself several kernels) and a
+subtraction.
+
+Two launches with a grid that depends on ``V`` and ``N`` only: the first splits each row into
+fixed chunks of :data:`SPLIT` elements (a function of nothing but the constant) and keeps per
+chunk its maximum, the first index of it and ``sum(exp(x - max))`` (an online rescaled sum over
+blocks); the second combines a row's chunks in index order. A row's results therefore do not
+depend on the other rows (batch-invariant). The token is exact (``torch.argmax``'s, NaN
+aside: a NaN row's pick is unspecified); the log-probability agrees with torch's to float32
+rounding (``exp``/``log`` and the sum's order). ``greedy_logprob_reference`` is the torch code.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unimem_kernel._dispatch import next_pow2, use_triton
+
+__all__ = ["SPLIT", "greedy_logprob", "greedy_logprob_reference"]
+
+SPLIT = 4096
+"""Elements of a row per program of the first pass."""
+_BLOCK = 1024
+_BIG = 2**62
+
+
+@triton.jit
+def _partial_kernel(x_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_split,
+                    SPLIT_: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mv = tl.full((BLOCK,), float("-inf"), tl.float32)
+    sv = tl.zeros((BLOCK,), tl.float32)
+    iv = tl.zeros((BLOCK,), tl.int64)
+    start = sp.to(tl.int64) * SPLIT_
+    for off in range(0, SPLIT_, BLOCK):
+        idx = start + off + cols
+        x = tl.load(x_ptr + row * stride_x + idx, mask=idx < V, other=float("-inf"))
+        x = x.to(tl.float32)
+        new_m = tl.maximum(mv, x)
+        alpha = tl.where(mv == new_m, 1.0, tl.exp(mv - new_m))
+        e = tl.where(x == float("-inf"), 0.0, tl.exp(x - new_m))
+        sv = sv * alpha + e
+        iv = tl.where(x > mv, idx, iv)  # strictly greater: a lane keeps its first maximum
+        mv = new_m
+    m = tl.max(mv, axis=0)
+    s = tl.sum(sv * tl.where(mv == m, 1.0, tl.exp(mv - m)), axis=0)
+    i = tl.min(tl.where(mv == m, iv, 2**62), axis=0)
+    out = row * n_split + sp
+    tl.store(m_ptr + out, m)
+    tl.store(s_ptr + out, s)
+    tl.store(i_ptr + out, i)
+
+
+@triton.jit
+def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
+                    BS: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BS)
+    mask = k < n_split
+    m = tl.load(m_ptr + row * n_split + k, mask=mask, other=float("-inf"))
+    s = tl.load(s_ptr + row * n_split + k, mask=mask, other=0.0)
+    i = tl.load(i_ptr + row * n_split + k, mask=mask, other=2**62)
+    big_m = tl.max(m, axis=0)
+    total = tl.sum(s * tl.where(m == big_m, 1.0, tl.exp(m - big_m)), axis=0)
+    tok = tl.min(tl.where(m == big_m, i, 2**62), axis=0)  # chunks in index order: the first
+    lse = tl.log(total) + big_m
+    tl.store(tok_ptr + row, tok)
+    tl.store(lp_ptr + row * stride_lp, big_m - lse)
+
+
+def greedy_logprob_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of :func:`greedy_logprob`: ``argmax`` and
+    ``(logits[token] - logsumexp(logits)).float()``."""
+    tok = torch.argmax(logits, dim=-1)
+    chosen = logits.gather(1, tok[:, None])[:, 0]
+    return tok, (chosen - torch.logsumexp(logits, dim=-1)).float()
+
+
+def greedy_logprob(
+    logits: torch.Tensor, out_logprobs: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [N] int64, logprobs [N] float32)`` of ``logits [N, V]`` (module docstring).
+    ``out_logprobs``: an ``[N]`` float32 tensor (any stride, e.g. a column of the step's
+    output buffer) that receives the log-probabilities and is returned; else a new one.
+    Triton on CUDA for float32 logits (two launches), the reference otherwise."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
+    n, v = logits.shape
+    if out_logprobs is not None and (
+        out_logprobs.shape != (n,)
+        or out_logprobs.dtype != torch.float32
+        or out_logprobs.device != logits.device
+    ):
+        raise ValueError(f"out_logprobs must be a [{n}] float32 tensor on {logits.device}")
+    if v == 0:
+        raise ValueError("logits must have at least one column")
+    if logits.dtype != torch.float32 or not use_triton(logits):
+        tok, lp = greedy_logprob_reference(logits)
+        if out_logprobs is not None:
+            out_logprobs.copy_(lp)
+            lp = out_logprobs
+        return tok, lp
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    n_split = triton.cdiv(v, SPLIT)
+    m = torch.empty(n, n_split, dtype=torch.float32, device=x.device)
+    s = torch.empty_like(m)
+    i = torch.empty(n, n_split, dtype=torch.int64, device=x.device)
+    tok = torch.empty(n, dtype=torch.int64, device=x.device)
+    lp = out_logprobs if out_logprobs is not None else torch.empty(n, dtype=torch.float32,
+                                                                    device=x.device)  # fmt: skip
+    if n:
+        _partial_kernel[(n, n_split)](x, m, i, s, v, x.stride(0), n_split,
+                                      SPLIT_=SPLIT, BLOCK=_BLOCK)  # fmt: skip
+        _combine_kernel[(n,)](m, i, s, tok, lp, lp.stride(0), n_split, BS=next_pow2(n_split))
+    return tok, lp

@@ -1,0 +1,56 @@
+"""``unimem_kernel.greedy_pick.greedy_logprob``: the argmax token and its log-probability in
+one pass, against the torch reference (argmax, gather, logsumexp). The token is exact (ties
+to the first index, across chunk boundaries); the log-probability within float32 rounding;
+a row alone equals the same row in a batch. The chunk is lowered so that tiny rows span
+several chunks on the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_devices import DEVICES
+
+from unimem_kernel import greedy_pick as gp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_logprob_matches_reference(triton_backend, device, dtype, monkeypatch):
+    monkeypatch.setattr(gp, "SPLIT", 64)
+    monkeypatch.setattr(gp, "_BLOCK", 16)
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 300, generator=g) * 4).to(dtype).to(device)
+    logits[1, 70] = logits[1, 200] = logits[1].max() + 1  # a tie across chunks: the first
+    logits[2, :] = 0.5  # all equal: index 0
+    logits[3, 299] = 50.0  # the last column, in a partial chunk
+    out = torch.full((5, 3), -7.0, device=device)
+    tok, lp = gp.greedy_logprob(logits, out[:, 1])
+    tok0, lp0 = gp.greedy_logprob_reference(logits)
+    assert torch.equal(tok, tok0) and tok.dtype == torch.int64
+    assert tok[1] == 70 and tok[2] == 0 and tok[3] == 299
+    assert lp.data_ptr() == out[:, 1].data_ptr() and (out[:, 0] == -7.0).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(lp, lp0, rtol=1e-5, atol=1e-5)
+    else:  # other dtypes take the reference (its logsumexp rounds to their dtype)
+        assert torch.equal(lp, lp0)
+    t1, l1 = gp.greedy_logprob(logits[3:4])
+    assert torch.equal(t1, tok[3:4]) and torch.equal(l1, lp[3:4])
+
+
+def test_greedy_logprob_refuses_bad_input():
+    with pytest.raises(ValueError, match="logits"):
+        gp.greedy_logprob(torch.zeros(3))
+    with pytest.raises(ValueError, match="out_logprobs"):
+        gp.greedy_logprob(torch.zeros(2, 4), torch.zeros(3))
+
+
+@pytest.mark.gpu
+def test_greedy_logprob_gpu_gemma_vocab():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(48, 262144, generator=g, device="cuda") * 8
+    tok, lp = gp.greedy_logprob(logits)
+    tok0, lp0 = gp.greedy_logprob_reference(logits)
+    assert torch.equal(tok, tok0)
+    torch.testing.assert_close(lp, lp0, rtol=1e-5, atol=1e-5)
+    t1, l1 = gp.greedy_logprob(logits[17:18])
+    assert torch.equal(t1, tok[17:18]) and torch.equal(l1, lp[17:18])
