@@ -73,6 +73,7 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--bos-prompts", type=int, default=4096, help="prompts sampled from <bos>")
     g.add_argument("--prompt-len", type=int, default=32, help="tokens of a <bos> prompt")
+    g.add_argument("--bos-id", type=int, default=None, help="default: the tokenizer's")
     g.add_argument("--train-prompts", help="a prompt file (speculative.prompt_sets) to add")
     g.add_argument("--train-split", help="its split to use (a file with splits)")
     g.add_argument("--max-prompt-len", type=int, default=256, help="file prompts cut to this")
@@ -176,7 +177,9 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         chunk = file_p[len(prompts) : len(prompts) + args.gen_chunk]
         if len(chunk) < args.gen_chunk and made_bos < args.bos_prompts:
             k = min(args.gen_chunk - len(chunk), args.bos_prompts - made_bos)
-            chunk += bos_prompts(engine, k, args.prompt_len, seed=args.seed + made_bos)
+            chunk += bos_prompts(
+                engine, k, args.prompt_len, seed=args.seed + made_bos, bos=args.bos_id
+            )
             made_bos += k
         t_prompts += time.perf_counter() - t_round
         s_, l_ = continuations(
