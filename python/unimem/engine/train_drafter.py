@@ -301,7 +301,8 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
             "gamma": args.gamma,
         },
         weights_bytes=weights,
-        history=result.history,
+        # every evaluation and every 50th step: the file ships beside the drafter
+        history=[h for h in result.history if "accept_length" in h or h["step"] % 50 == 0],
     )
     with open(out / "training.json", "w") as f:
         json.dump(summary, f, indent=1)
