@@ -35,13 +35,21 @@ def bos_id(engine: Engine) -> int:
 
 
 def bos_prompts(
-    engine: Engine, n: int, length: int, *, seed: int = 0, temperature: float = 1.0
+    engine: Engine,
+    n: int,
+    length: int,
+    *,
+    seed: int = 0,
+    temperature: float = 1.0,
+    bos: int | None = None,
 ) -> list[list[int]]:
-    """``n`` prompts of ``length`` tokens after ``<bos>`` (``<bos>`` included), sampled from
-    the target at ``temperature`` with ``<eos>`` ignored; request ``i`` seeded ``seed + i``."""
+    """``n`` prompts of ``length`` tokens after ``<bos>`` (``<bos>`` included; ``bos``
+    overrides :func:`bos_id`), sampled from the target at ``temperature`` with ``<eos>``
+    ignored; request ``i`` seeded ``seed + i``."""
     if n < 1 or length < 1:
         raise ValueError(f"bos_prompts: need n >= 1 and length >= 1, got {n}, {length}")
-    bos = bos_id(engine)
+    if bos is None:
+        bos = bos_id(engine)
     params = [
         {
             "max_new_tokens": length,

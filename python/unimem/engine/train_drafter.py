@@ -30,18 +30,20 @@ import json
 import shlex
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from unimem.engine.api import Engine
 from unimem.engine.draft_data import bos_prompts, continuations, encode_prompts
+from unimem.models.base import CausalLM
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.speculative.prompt_sets import read_prompts
 from unimem.speculative.teacher_forcing import teacher_forced_states
 from unimem.speculative.trainer import TrainConfig, frequent_tokens, train_drafter
 
-__all__ = ["main", "parser", "run"]
+__all__ = ["TargetText", "generate", "main", "parser", "run", "train_on"]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -71,6 +73,7 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--bos-prompts", type=int, default=4096, help="prompts sampled from <bos>")
     g.add_argument("--prompt-len", type=int, default=32, help="tokens of a <bos> prompt")
+    g.add_argument("--bos-id", type=int, default=None, help="default: the tokenizer's")
     g.add_argument("--train-prompts", help="a prompt file (speculative.prompt_sets) to add")
     g.add_argument("--train-split", help="its split to use (a file with splits)")
     g.add_argument("--max-prompt-len", type=int, default=256, help="file prompts cut to this")
@@ -119,11 +122,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass
+class TargetText:
+    """What :func:`generate` returns: the target ``model`` (its engine shut down), the
+    training ``sequences`` (prompt + continuation) and ``prompt_lens``, the held-out ones
+    (empty without ``--eval-prompts``), and ``info`` (counts and seconds)."""
+
+    model: CausalLM
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    held_sequences: list[list[int]] = field(default_factory=list)
+    held_prompt_lens: list[int] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+
 def run(args: argparse.Namespace, log=print) -> dict:
     """The pipeline of the module docstring; returns the summary written to
     ``training.json``."""
+    return train_on(generate(args, log), args, log)
+
+
+def generate(args: argparse.Namespace, log=print) -> TargetText:
+    """Steps 1 of the module docstring: the target's text through its Engine."""
     t0 = time.perf_counter()
-    summary: dict = {"command": "python -m unimem.engine.train_drafter " + shlex.join(args.argv)}
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda given but no CUDA device is available")
     if args.bos_prompts < 0:
@@ -156,7 +177,9 @@ def run(args: argparse.Namespace, log=print) -> dict:
         chunk = file_p[len(prompts) : len(prompts) + args.gen_chunk]
         if len(chunk) < args.gen_chunk and made_bos < args.bos_prompts:
             k = min(args.gen_chunk - len(chunk), args.bos_prompts - made_bos)
-            chunk += bos_prompts(engine, k, args.prompt_len, seed=args.seed + made_bos)
+            chunk += bos_prompts(
+                engine, k, args.prompt_len, seed=args.seed + made_bos, bos=args.bos_id
+            )
             made_bos += k
         t_prompts += time.perf_counter() - t_round
         s_, l_ = continuations(
@@ -170,7 +193,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
         seqs += s_
         lens += l_
     file_prompts = min(len(file_p), len(prompts))
-    held_seqs = held_lens = None
+    held_seqs: list[list[int]] = []
+    held_lens: list[int] = []
     if args.eval_prompts:
         texts = read_prompts(args.eval_prompts, args.eval_split)[: args.eval_sequences]
         held_p = encode_prompts(engine, texts, args.max_prompt_len)
@@ -188,6 +212,25 @@ def run(args: argparse.Namespace, log=print) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    info = dict(
+        prompts=len(prompts),
+        bos_prompts=made_bos,
+        file_prompts=file_prompts,
+        sequences=len(seqs),
+        generated_tokens=generated,
+        heldout_sequences=len(held_seqs),
+        seconds={"bos_prompts": t_prompts, "generation": t_gen - t0},
+    )
+    return TargetText(model, seqs, lens, held_seqs, held_lens, info)
+
+
+def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
+    """Steps 2-5 of the module docstring on ``text``; returns the summary written to
+    ``training.json`` in ``args.out``."""
+    t_gen = time.perf_counter()
+    summary: dict = {"command": "python -m unimem.engine.train_drafter " + shlex.join(args.argv)}
+    model, seqs, lens = text.model, text.sequences, text.prompt_lens
+    held_seqs, held_lens = text.held_sequences, text.held_prompt_lens
     c = model.config
     dc = draft_config_for(
         c,
@@ -238,20 +281,12 @@ def run(args: argparse.Namespace, log=print) -> dict:
     out = Path(args.out)
     result.drafter.save_pretrained(out)
     weights = (out / "model.safetensors").stat().st_size
+    seconds = dict(text.info["seconds"])
+    seconds.update(states=t_states - t_gen, training=result.seconds)
+    seconds["total"] = seconds["generation"] + time.perf_counter() - t_gen
     summary.update(
-        prompts=len(prompts),
-        bos_prompts=made_bos,
-        file_prompts=file_prompts,
-        sequences=len(seqs),
-        generated_tokens=generated,
-        heldout_sequences=len(held_seqs or []),
-        seconds={
-            "bos_prompts": t_prompts,
-            "generation": t_gen - t0,
-            "states": t_states - t_gen,
-            "training": result.seconds,
-            "total": time.perf_counter() - t0,
-        },
+        {k: v for k, v in text.info.items() if k != "seconds"},
+        seconds=seconds,
         steps=result.steps_done,
         stopped_by=result.stopped_by,
         accept_before=result.accept_before,
@@ -266,7 +301,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
             "gamma": args.gamma,
         },
         weights_bytes=weights,
-        history=result.history,
+        # every evaluation and every 50th step: the file ships beside the drafter
+        history=[h for h in result.history if "accept_length" in h or h["step"] % 50 == 0],
     )
     with open(out / "training.json", "w") as f:
         json.dump(summary, f, indent=1)

@@ -262,6 +262,8 @@ def draft_config_for(
         targets = tuple(sorted({min(1, n - 1), n // 2, n - 1}))
     else:
         targets = tuple(int(i) for i in target_layers)
+        if any(not 0 <= i < n for i in targets):
+            raise ValueError(f"target_layers {targets} out of range for a target of {n} layers")
     return DraftConfig(
         vocab_size=config.vocab_size,
         d_model=config.d_model,

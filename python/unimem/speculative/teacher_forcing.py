@@ -137,6 +137,8 @@ def teacher_forced_states(
             raise ValueError(f"sequence {i}: prompt length {p} outside [1, {len(seq)})")
         if len(seq) > c.max_context:
             raise ValueError(f"sequence {i}: {len(seq)} tokens exceed the context {c.max_context}")
+    if any(not 0 <= i < c.num_layers for i in layers):
+        raise ValueError(f"layers {layers} out of range for a target of {c.num_layers} layers")
     if max_batch_tokens is None:
         max_batch_tokens = 4096 if torch.device(dev).type == "cpu" else 262_144
     n = len(sequences)

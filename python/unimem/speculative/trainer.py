@@ -9,7 +9,8 @@ teacher-forced previous token; the confidence head by binary cross-entropy, deta
 * ``batch`` sequences and ``anchors_per_step`` anchors per step, AdamW, gradient clipping
   (the confidence head on its own), learning rate: linear warm-up over ``warmup`` steps,
   then a cosine to zero over the run — the run's progress being the larger of
-  ``step / steps`` and ``elapsed / time_budget_s``, so a time-budgeted run still anneals;
+  ``step / steps`` and ``elapsed / time_budget_s`` (seconds of this process's training
+  loop, from after the first evaluation), so a time-budgeted run still anneals;
 * evaluation on held-out sequences every ``eval_every`` steps and at the end:
   :func:`offline_accept_lengths` (the engine's greedy chain schedule replayed offline, no
   acceptance control);
@@ -290,13 +291,14 @@ def train_drafter(
         result.accept_before = evaluate()
         if result.accept_before is not None:
             _log(log, f"held-out accept length before: {result.accept_before:.3f}")
+    t_loop = time.perf_counter()  # the time budget counts from here (after the first eval)
     bar = _Progress(cfg.steps, cfg.progress)
     for p in student.parameters():
         p.requires_grad_(True)
     last_eval = None
     try:
         while step < cfg.steps:
-            elapsed = time.perf_counter() - t0
+            elapsed = time.perf_counter() - t_loop
             if cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s:
                 result.stopped_by = "time"
                 break
