@@ -7,6 +7,7 @@ except where a test says why not (``test_engine_prefix_cache.py`` tests the cach
 from __future__ import annotations
 
 import importlib
+import logging
 
 import pytest
 import tiny_tokenizer
@@ -135,10 +136,15 @@ def test_bad_arguments_fail_before_anything_runs(checkpoint):
     engine.shutdown()
 
 
-def test_dspark_with_a_drafter_checkpoint(checkpoint, tmp_path):
+def test_dspark_with_a_drafter_checkpoint(checkpoint, tmp_path, caplog):
     from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
     _, path, prompts, expected = checkpoint
+    # no drafter given and none shipped: the engine says what the untrained one costs
+    with caplog.at_level(logging.WARNING, logger="unimem.engine.api"):
+        _engine(path, max_total_tokens=1024, speculative_algorithm="DSPARK").shutdown()
+    assert "UNTRAINED" in caplog.text and "slower than serving without DSPARK" in caplog.text
+    caplog.clear()
     plain = _engine(path, max_total_tokens=1024)
     model = plain.model
     drafter = DsparkDrafter(
@@ -157,6 +163,7 @@ def test_dspark_with_a_drafter_checkpoint(checkpoint, tmp_path):
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == [toks for toks, _ in expected]
     assert engine.core.chain.drafter.config.gamma is None  # an untrained drafter's record
+    assert "UNTRAINED" not in caplog.text  # a drafter was given: no warning
     engine.shutdown()
     with pytest.raises(ValueError, match="speculative_draft_model_path needs"):
         _engine(path, speculative_draft_model_path=str(tmp_path / "drafter"))

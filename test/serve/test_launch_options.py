@@ -1,10 +1,9 @@
 """Start-up options users reach for: ``--chat-template FILE|NAME``, the drain and
-``/health_generate`` timeouts, the DSPARK untrained-drafter warning (and the hook a model's
-shipped drafter goes through), and the README's CPU serve command parsing as written."""
+``/health_generate`` timeouts, and the README's CPU serve command parsing as written. (The
+DSPARK untrained-drafter warning is the engine's: test/models/test_engine_models.py.)"""
 
 from __future__ import annotations
 
-import logging
 import re
 import shlex
 from pathlib import Path
@@ -72,36 +71,6 @@ def test_shutdown_and_health_timeouts_are_flags():
         for bad in ("0", "-1", "nan", "inf"):
             with pytest.raises(CliError, match=f"{flag} must be a positive number"):
                 parse_args([*BASE, flag, bad])
-
-
-def test_dspark_without_a_drafter_warns_what_it_costs(caplog):
-    from unimem.serve import server
-
-    engine_args, _ = parse_args([*BASE, "--speculative-algorithm", "DSPARK"])
-    with caplog.at_level(logging.WARNING, logger="unimem.serve"):
-        assert server.resolve_drafter(engine_args) is engine_args
-    text = caplog.text
-    assert "UNTRAINED" in text and "slower than serving without DSPARK" in text
-    assert "--speculative-draft-model-path" in text
-    caplog.clear()
-    with_path, _ = parse_args(
-        [*BASE, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "/d"]
-    )
-    with caplog.at_level(logging.WARNING, logger="unimem.serve"):
-        server.resolve_drafter(with_path)
-    assert not caplog.text
-    no_spec, _ = parse_args(BASE)
-    with caplog.at_level(logging.WARNING, logger="unimem.serve"):
-        server.resolve_drafter(no_spec)
-    assert not caplog.text
-
-
-def test_a_shipped_drafter_is_picked_through_the_hook(monkeypatch):
-    from unimem.serve import server
-
-    monkeypatch.setattr(server, "shipped_drafter", lambda model_path: model_path + "/drafter")
-    engine_args, _ = parse_args([*BASE, "--speculative-algorithm", "DSPARK"])
-    assert server.resolve_drafter(engine_args).speculative_draft_model_path == "/m/drafter"
 
 
 def _readme_commands() -> list[tuple[str, str]]:

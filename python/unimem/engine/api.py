@@ -33,6 +33,7 @@ runs them together with continuous batching and returns one dict per request, in
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -53,9 +54,11 @@ from unimem.models.tensor_parallel import SINGLE, full_config
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.drafter import DsparkDrafter
-from unimem.speculative.shipped import shipped_drafter
+from unimem.speculative.shipped import shipped_drafter, untrained_drafter_warning
 
 __all__ = ["Engine", "SamplingParams", "cache_stats"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens``."""
@@ -231,6 +234,7 @@ class Engine:
             if draft_path is not None:
                 drafter = load_drafter(draft_path, self.model, shared=(embed, lm_head))
             else:
+                log.warning(untrained_drafter_warning(args.gamma))
                 drafter = DsparkDrafter(
                     draft_config_for(full_config(config, tp)),
                     embed,

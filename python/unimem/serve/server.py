@@ -25,7 +25,7 @@ from unimem.engine.args import EngineArgs
 from unimem.memory.spec import LayerKind
 from unimem.serve.args import CliError, ServerOptions, parse_args
 
-__all__ = ["capacity_line", "main", "resolve_drafter", "shipped_drafter"]
+__all__ = ["capacity_line", "main"]
 
 log = logging.getLogger("unimem.serve")
 
@@ -72,36 +72,6 @@ def capacity_line(engine) -> str:
         f"context_len={engine.context_length}, page_size={pool.page_size}, {memory}, "
         f"attention_backend={engine.backend_name}, cuda_graphs={engine.cuda_graphs}"
     )
-
-
-def shipped_drafter(model_path: str) -> str | None:
-    """The DSPARK drafter checkpoint shipped with the model at ``model_path``, if there is one:
-    the hook ``--speculative-algorithm DSPARK`` without ``--speculative-draft-model-path``
-    picks it up through. No model ships a trained drafter yet, so this returns None; a model
-    that ships one is recognized here (e.g. a drafter directory beside its weights)."""
-    return None
-
-
-def resolve_drafter(args: EngineArgs) -> EngineArgs:
-    """``args`` with the model's shipped drafter (:func:`shipped_drafter`) when DSPARK is on
-    and none is given; without one, a start-up warning says what the untrained drafter
-    costs."""
-    if args.speculative_algorithm != "DSPARK" or args.speculative_draft_model_path is not None:
-        return args
-    path = shipped_drafter(args.model_path)
-    if path is not None:
-        log.info("DSPARK: using the drafter shipped with the model: %s", path)
-        return EngineArgs.from_kwargs(**{**asdict(args), "speculative_draft_model_path": path})
-    log.warning(
-        "--speculative-algorithm DSPARK without --speculative-draft-model-path: the drafter "
-        "is UNTRAINED (random weights) and nearly every draft is rejected (accept length "
-        "about 1 token per step), so each step pays the drafter and a %d-token verify for "
-        "one token: slower than serving without DSPARK. Train a drafter (python -m "
-        "unimem.speculative.distill) and pass --speculative-draft-model-path, or leave "
-        "--speculative-algorithm out.",
-        args.gamma + 1,
-    )
-    return args
 
 
 def _build_engine(args: EngineArgs):
@@ -240,7 +210,6 @@ def _main(argv: list[str] | None) -> int:
         sock = _bind(options.host, options.port)
     except OSError as e:
         return _fail(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}")
-    engine_args = resolve_drafter(engine_args)
     try:
         engine = _build_engine(engine_args)
     except (ValueError, OSError) as e:

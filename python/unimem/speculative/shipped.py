@@ -22,7 +22,7 @@ from pathlib import Path
 from unimem.models.base import CausalLM
 from unimem.speculative.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_fits, read_config
 
-__all__ = ["DRAFTERS_DIR", "model_key", "shipped_drafter"]
+__all__ = ["DRAFTERS_DIR", "model_key", "shipped_drafter", "untrained_drafter_warning"]
 
 DRAFTERS_DIR = Path(__file__).resolve().parents[1] / "data" / "drafters"
 """Where the shipped drafters live (inside the package)."""
@@ -57,3 +57,17 @@ def shipped_drafter(
     except ValueError:
         return None
     return path
+
+
+def untrained_drafter_warning(gamma: int) -> str:
+    """What DSPARK with no trained drafter costs, said once at start-up by whoever builds the
+    engine (it falls back to a seeded, untrained drafter when neither a drafter path nor a
+    shipped drafter is there)."""
+    return (
+        "DSPARK without a trained drafter (no --speculative-draft-model-path, and none shipped "
+        "for this model): the drafter is UNTRAINED (random weights) and nearly every draft is "
+        "rejected (accept length about 1 token per step), so each step pays the drafter and a "
+        f"{gamma + 1}-token verify for one token: slower than serving without DSPARK. Train a "
+        "drafter (python -m unimem.engine.train_drafter) and pass "
+        "--speculative-draft-model-path, or leave --speculative-algorithm out."
+    )
