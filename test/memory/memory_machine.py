@@ -43,14 +43,14 @@ import pytest
 import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from pool_state import changed, pool_snapshot
-from specs import GEOMETRIES, F, S, T, geometry
+from specs import GEOMETRIES, F, S, T, geometry, minimal_arena
 
 from unimem.cache import PrefixCache
 from unimem.memory.band_plan import Side
 from unimem.memory.checks import check_unified
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import POISON_BYTE, SharedPrefix, pages_for
-from unimem.memory.unified import UnifiedMemory, minimal_arena_bytes
+from unimem.memory.unified import UnifiedMemory
 
 COUNTS: Counter = Counter()
 """Totals over every run of the machine in this process (see the module docstring)."""
@@ -93,9 +93,7 @@ class MemoryMachine(RuleBasedStateMachine):
         layout = MemoryLayout.build(spec)
         unit = layout.unit_bytes(F)
         # extra room in FULL pages, plus a few bytes: the band grids meet at other offsets
-        arena = (
-            minimal_arena_bytes(spec) + extra_units * unit + (jitter % unit if extra_units else 0)
-        )
+        arena = minimal_arena(name) + extra_units * unit + (jitter % unit if extra_units else 0)
         self.mem = UnifiedMemory(
             spec,
             arena,
@@ -219,7 +217,7 @@ class MemoryMachine(RuleBasedStateMachine):
     @rule(length=st.integers(1, 40), chunk=st.integers(1, 24))
     def admit(self, length, chunk):
         COUNTS["ops"] += 1
-        length = min(length, self.mem.max_context)
+        length = 1 + (length - 1) % self.mem.max_context  # spread over the context
         tokens = self._tokens(length)
         if self.cache is not None:
             self._cache_admit(tokens, chunk)
@@ -256,7 +254,7 @@ class MemoryMachine(RuleBasedStateMachine):
                 self.admit(n, n)
             return
         COUNTS["ops"] += 1
-        counts = [min(n, self.mem.max_context) for n in counts]
+        counts = [1 + (n - 1) % self.mem.max_context for n in counts]
         twin = copy.deepcopy(self.mem)
         singles = []
         for n in counts:

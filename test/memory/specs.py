@@ -124,3 +124,16 @@ def geometry(name: str) -> MemorySpec:
     if name not in _SPEC_CACHE:
         _SPEC_CACHE[name] = GEOMETRIES[name]()
     return _SPEC_CACHE[name]
+
+
+_MINIMAL: dict[str, int] = {}
+
+
+def minimal_arena(name: str) -> int:
+    """``minimal_arena_bytes`` of geometry ``name``, computed once (by the real planner, also
+    when a test later plants a fault in it)."""
+    if name not in _MINIMAL:
+        from unimem.memory.unified import minimal_arena_bytes
+
+        _MINIMAL[name] = minimal_arena_bytes(geometry(name))
+    return _MINIMAL[name]
