@@ -9,6 +9,11 @@ import sys
 __all__ = ["ProgressBar", "format_table", "passed", "write_json"]
 
 
+def _leak(summary: dict) -> str:
+    """``bytes/rows`` still held after a run (``0/0``: nothing leaked)."""
+    return f"{summary.get('leaked_bytes', 0)}/{summary.get('leaked_rows', 0)}"
+
+
 def format_table(report: dict) -> str:
     s, u = report["static"], report["unified"]
     rows = [
@@ -21,6 +26,7 @@ def format_table(report: dict) -> str:
         ("wall ms/step", f"{s['ms_per_step']:.3f}", f"{u['ms_per_step']:.3f}"),
         ("compactions", "-", u["compactions"]),
         ("retractions", "-", u["retractions"]),
+        ("leaked bytes/rows", _leak(s), _leak(u)),
     ]
     if "verify_steps" in s:
         rows += [
