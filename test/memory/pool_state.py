@@ -14,6 +14,8 @@ import enum
 
 import torch
 
+from unimem.memory.id_space import IdSpace
+
 _PLAIN = (int, float, str, bytes, bool, type(None), enum.Enum, torch.dtype, torch.device)
 
 
@@ -36,6 +38,9 @@ def _state(x: object, seen: dict[int, int]) -> object:
         return (type(x).__name__, tuple(_state(v, seen) for v in x))
     if isinstance(x, (set, frozenset)):
         return ("set", tuple(sorted(x, key=repr)))
+    if isinstance(x, IdSpace):  # the stack's entries above its height are not state
+        fields = dict(vars(x), free_stack=x.free_stack[: x.free])
+        return ("IdSpace", tuple((k, _state(v, seen)) for k, v in fields.items()))
     if hasattr(x, "__dict__"):
         return (type(x).__name__, _state(vars(x), seen))
     return ("repr", repr(x))
