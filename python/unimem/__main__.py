@@ -174,6 +174,15 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         "seeded drafter",
     )
     v.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --spec dspark and the seeded drafter: its layers, alternating FULL and SWA "
+        "hosts (an odd count makes FULL and SWA pages of unequal sizes; default "
+        f"{d.draft_layers})",
+    )
+    v.add_argument(
         "--verify-lengths",
         choices=["fixed", "adaptive"],
         default=None,
@@ -341,6 +350,7 @@ _NEEDS = (
     ("--cpu-threads", "cpu_threads", "--device cpu", lambda a: a.device == "cpu"),
     ("--top-p", "top_p", "--temperature > 0", lambda a: a.temperature > 0),
     ("--verify-lengths", "verify_lengths", "--spec dspark", lambda a: a.spec != "none"),
+    ("--draft-layers", "draft_layers", "--spec dspark", lambda a: a.spec != "none"),
     (
         "--speculative-verify-budget",
         "speculative_verify_budget",
@@ -377,6 +387,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         "dtype",
         "top_p",
         "verify_lengths",
+        "draft_layers",
     ):
         if getattr(args, attr) is None:
             setattr(args, attr, getattr(d, attr))
@@ -424,6 +435,7 @@ def _config(args: argparse.Namespace) -> ValidateConfig:
         prompts_file=args.prompts_file,
         oracle=args.oracle,
         speculative_draft_model_path=args.speculative_draft_model_path,
+        draft_layers=args.draft_layers,
         temperature=args.temperature,
         top_p=args.top_p,
         tp_size=args.tp_size,

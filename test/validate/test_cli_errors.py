@@ -58,6 +58,7 @@ def test_speculation_counts(capsys):
     _one_line_error(capsys, ["validate", "--cpu-threads", "0"], "--cpu-threads")
     argv = ["validate", "--prefix-cache", "on", "--checkpoint-interval", "0"]
     _one_line_error(capsys, argv, "checkpoint interval")
+    _one_line_error(capsys, ["validate", "--spec", "dspark", "--draft-layers", "0"], "draft")
 
 
 @pytest.mark.parametrize(
@@ -72,6 +73,7 @@ def test_speculation_counts(capsys):
         (["validate", "--oracle", "transformers"], "--model-path"),
         (["validate", "--prompts", "p.txt"], "--model-path"),
         (["bench", "--cpu-threads", "2"], "--device cpu"),
+        (["validate", "--draft-layers", "1"], "--spec dspark"),
     ],
 )
 def test_flags_that_need_another_flag(capsys, argv, needed):

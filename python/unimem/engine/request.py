@@ -58,7 +58,8 @@ class Request:
     ``stop_token_ids``: output tokens that end the request (EOS and the caller's stop ids);
     the stop token is kept as the last output token and ``finish_reason`` becomes "stop"
     (else "length" once ``max_new_tokens`` are out). ``output_logprobs`` holds each output
-    token's log-probability when the engine computes them.
+    token's log-probability when the engine computes them. ``error``: why the engine failed
+    the request (an internal fault met it; ``finish_reason`` is then "abort"), else None.
 
     One step late: ``kv_len`` and ``output`` are what the host has *read*; launched steps not
     read yet are ``inflight`` (oldest first), and the ``planned_*`` properties bound where the
@@ -88,6 +89,7 @@ class Request:
     stopped: bool = False
     aborted: bool = False
     output_logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
     sampling: SamplingOptions = GREEDY
     seed: int = 0
 

@@ -21,6 +21,10 @@ Policy (deterministic: the same requests and the same capacity give the same bat
   prompt and the output so far. After a retraction no request is admitted until one finishes
   (otherwise the retracted request would be readmitted at once and thrash).
 - Every step, SWA pages behind each request's window are retired (one launch).
+- An internal fault of the allocator (:class:`~unimem.memory.errors.InternalError`, raised
+  with the pool left as it was) fails only the request it met: admissions and the step's
+  grow are retried request by request, and the request whose call raises finishes at once
+  with ``error`` set (``finish_reason`` "abort"); the others continue.
 
 One step late (DESIGN §3.5). The engine launches step ``k + 1`` before it reads step ``k``'s
 results, so a request may have one step *in flight* (:class:`~unimem.engine.request.InFlight`)
@@ -62,7 +66,7 @@ from itertools import islice, repeat
 from typing import TYPE_CHECKING
 
 from unimem.engine.request import InFlight, Request, RequestStatus
-from unimem.memory.errors import require
+from unimem.memory.errors import InternalError, require
 from unimem.memory.pool import MemoryPool, RequestMemory, pages_for
 from unimem.memory.spec import LayerKind
 
@@ -177,13 +181,32 @@ class Scheduler:
             targets = [
                 (r.mem, r.planned_kv_max + n) for r, n in zip(batch.reqs, batch.lens, strict=True)
             ]
-            if self.pool.grow(targets):
-                return batch
+            try:
+                if self.pool.grow(targets):
+                    return batch
+            except InternalError:
+                self._grow_each(batch.reqs, targets)
+                continue
             if drain is not None and drain():
                 continue
             if self.cache is not None and self._evict_for(targets):
                 continue
             self._retract_newest()
+
+    def _grow_each(self, reqs: list[Request], targets: list) -> None:
+        """After a batch grow met an internal fault (nothing changed): grow the requests one
+        at a time and fail those whose own grow raises; the batch is planned again."""
+        for r, target in zip(reqs, targets, strict=True):
+            try:
+                self.pool.grow([target])
+            except InternalError as e:
+                self.fail(r, e)
+
+    def fail(self, req: Request, err: Exception) -> None:
+        """Finish ``req`` now because an internal fault met it: ``req.error`` names the fault
+        (``finish_reason`` "abort"); its memory comes back as on :meth:`abort`."""
+        req.error = f"internal error: {type(err).__name__}: {err}"
+        self.abort(req)
 
     def launched(self, batch: Batch) -> None:
         """Record that ``batch`` was launched (call right after the launch, before the next
@@ -329,7 +352,11 @@ class Scheduler:
             return
         while self.waiting and len(self.running) < self.max_running and not self._admission_paused:
             req = self.waiting[0]
-            adm = self.cache.admit(req.tokens[: self._extend_end(req)], self.chunk_size)
+            try:
+                adm = self.cache.admit(req.tokens[: self._extend_end(req)], self.chunk_size)
+            except InternalError as e:
+                self.fail(req, e)
+                continue
             if adm is None:
                 return
             self._start(self.waiting.popleft(), adm.mem, adm.prefix_tokens)
@@ -341,9 +368,29 @@ class Scheduler:
         if not self.waiting or room <= 0 or self._admission_paused:
             return
         reqs = list(islice(self.waiting, room))
-        mems = self.pool.admit_many([min(self._extend_len(r), self.chunk_size) for r in reqs])
+        counts = [min(self._extend_len(r), self.chunk_size) for r in reqs]
+        try:
+            mems = self.pool.admit_many(counts)
+        except InternalError:
+            self._admit_each(reqs, counts)
+            return
         for mem in mems:  # the first len(mems) waiting requests
             self._start(self.waiting.popleft(), mem, 0)
+
+    def _admit_each(self, reqs: list[Request], counts: list[int]) -> None:
+        """After ``admit_many`` met an internal fault (nothing admitted): the same admissions
+        one by one (the same outcome, by its contract); a request whose own admission raises
+        fails, and the next one is tried."""
+        for r, n in zip(reqs, counts, strict=True):
+            try:
+                mem = self.pool.admit(n)
+            except InternalError as e:
+                self.fail(r, e)
+                continue
+            if mem is None:
+                return
+            self.waiting.remove(r)
+            self._start(r, mem, 0)
 
     def _start(self, req: Request, mem: RequestMemory, prefix: int) -> None:
         req.mem = mem

@@ -34,8 +34,9 @@ class IdSpace:
         self.free_stack = torch.zeros(num_physical, dtype=torch.int32, device=device)
         self.free = 0
         # Source/destination pairs of the latest compaction (rows 0 and 1), allocated once:
-        # the caller's copy is queued before any later compaction can overwrite them.
-        self._moves = torch.empty((2, num_physical), dtype=torch.int32, device=device)
+        # the caller's copy is queued before any later compaction can overwrite them. Zeroed,
+        # so that two pools that made the same moves hold the same bytes.
+        self._moves = torch.zeros((2, num_physical), dtype=torch.int32, device=device)
 
     def push_range(self, lo: int, hi: int) -> torch.Tensor:
         """Push the fresh ids ``[lo, hi)``; returns the stack slice that now holds them."""

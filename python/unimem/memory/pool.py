@@ -433,10 +433,11 @@ class MemoryPool(ABC):
         (stopping at the first None) — the same rows, pages, slots and generations, the same
         request table, the same virtual-to-physical tables and free stacks, the same band
         moves (compactions and the units they move) and the same statistics. The admissions
-        are planned one by one on the host (:meth:`_plan_admissions`); runs of requests
-        that need no band move are bound together, one upload and one bind / zero launch per
-        kind for the run (the device pops the run's units from its free lists at once, in
-        the order the admits one by one would), instead of per request.
+        are planned one by one on the host (:meth:`_plan_admissions`); runs of requests whose
+        plans move no live unit (band extensions at most) are bound together, one upload and
+        one bind / zero launch per kind for the run (the device pops the run's units from its
+        free lists at once, each request getting the ids its own pop would), instead of per
+        request; a plan that compacts a band starts a new run.
 
         If an allocator step raises (:class:`~unimem.memory.errors.InternalError`), the
         requests this call admitted are released, their rows come back, and the error

@@ -20,6 +20,8 @@ and copies in stream order. No step ever reads the device.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -84,6 +86,63 @@ def _minimal_arena_bytes(kinds, unit_bytes, base, header, demands) -> int:
         else:
             lo = mid + 16
     return lo
+
+
+def _single_pop_order(height: int, events: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """For one free stack of ``height`` ids, and requests that each push ``events[r][0]`` fresh
+    ids (band extensions) and then pop ``events[r][1]``: if running every push first and then
+    one pop of all the requests' ids takes exactly the ids the requests' own pops would take,
+    the owner of each id of that one pop (bottom to top) as ``(request, index in its pop)``;
+    else None. A pop of ``m`` binds ``stack[top - m + i]`` to the ``i``-th id (``IdSpace.bind``).
+    Host only, linear in the ids popped (the stack below them is never listed)."""
+    total = sum(pop for _, pop in events)
+    base = max(0, height - total)  # labels: stack positions; those below never pop
+    stack = list(range(base, height))
+    batched = list(stack)
+    label = height
+    owner: dict[int, tuple[int, int]] = {}
+    for r, (push, pop) in enumerate(events):
+        fresh = list(range(label, label + push))
+        label += push
+        stack += fresh
+        batched += fresh
+        if pop > len(stack):
+            return None
+        for i, lab in enumerate(stack[len(stack) - pop :]):
+            owner[lab] = (r, i)
+        del stack[len(stack) - pop :]
+    top = batched[len(batched) - total :] if total else []
+    if set(top) != set(owner):
+        return None
+    return [owner[lab] for lab in top]
+
+
+class _AdmissionGroup:
+    """Consecutive admissions of ``admit_many`` served by one allocation: their band
+    extensions (``actions``, in order) and, per band, each request's pushes and pops on a
+    stack of ``heights[band]`` ids at the group's start."""
+
+    def __init__(self, heights: list[int]) -> None:
+        self.heights = heights
+        self.actions: list[Action] = []
+        self.events: list[list[tuple[int, int]]] = [[] for _ in heights]
+
+    def extend(self, plan: list[Action], pushes: list[int], pops: list[int]) -> bool:
+        """Add one request (its plan, and its pushes and pops per band) if one pop per band
+        still serves every request as its own pop would; False (unchanged) otherwise."""
+        trial = [ev + [(pushes[b], pops[b])] for b, ev in enumerate(self.events)]
+        if any(_single_pop_order(h, ev) is None for h, ev in zip(self.heights, trial, strict=True)):
+            return False
+        self.events = trial
+        self.actions += plan
+        return True
+
+    def order(self, band: int) -> list[tuple[int, int]]:
+        """``(request, index)`` of each id of the group's one pop of ``band``, in bind order."""
+        got = _single_pop_order(self.heights[band], self.events[band])
+        if got is None:
+            raise InternalError("admit_many: the group's pops no longer match")
+        return got
 
 
 def _geometry(lay: MemoryLayout) -> tuple[list[LayerKind], dict, dict, int]:
@@ -236,12 +295,14 @@ class UnifiedMemory(MemoryPool):
 
     def _plan_admissions(self, pages: list[int]) -> list[tuple[object, int]]:
         """Plan admissions one by one on a copy of the bands (each plan made on the state the
-        earlier admissions leave, their units taken off the free counts): a request whose
-        plan moves a band starts a new group; requests that need no move join the group
-        before them (their units are popped with it)."""
+        earlier admissions leave, their units taken off the free counts). A request whose plan
+        compacts a band starts a new group; the others join the group before them: its band
+        extensions run first, then one pop per kind binds, for every request, the ids its own
+        pop would have taken (:func:`_single_pop_order`)."""
         sim = self.bands.copy()
         pages_left, slots_left = self._vpages.free, self._vslots.free
         groups: list[tuple[object, int]] = []
+        group: _AdmissionGroup | None = None
         for n in pages:
             slots = 1 if self._has_state else 0
             if n > pages_left or slots > slots_left:
@@ -250,16 +311,28 @@ class UnifiedMemory(MemoryPool):
             plan = sim.plan(demands)
             if plan is None:
                 break
+            heights = [b.free for b in sim.bands]
             for act in plan:
                 sim.apply(act)
             for i, m in demands:
                 sim.bands[i].free -= m
             pages_left -= n
             slots_left -= slots
-            if plan or not groups:
-                groups.append((plan, 1))
-            else:
-                groups[-1] = (groups[-1][0], groups[-1][1] + 1)
+            pushes = [0] * len(sim.bands)
+            for act in plan:
+                if isinstance(act, Extend):
+                    pushes[act.band] += act.n
+            pops = [0] * len(sim.bands)
+            for i, m in demands:
+                pops[i] = m
+            joins = group is not None and not any(isinstance(a, Compact) for a in plan)
+            if joins and group.extend(plan, pushes, pops):
+                groups[-1] = (group, groups[-1][1] + 1)
+                continue
+            group = _AdmissionGroup(heights)
+            if not group.extend(plan, pushes, pops):
+                raise InternalError("admit_many: a single admission's pops do not fit its stack")
+            groups.append((group, 1))
         return groups
 
     def _alloc(
@@ -269,7 +342,13 @@ class UnifiedMemory(MemoryPool):
         if n_pages > self._vpages.free or n_slots > self._vslots.free:
             return None
         demands = self._demands(n_pages, n_slots)
-        if plan is None:
+        group = plan if isinstance(plan, _AdmissionGroup) else None
+        if group is not None:
+            heights = [self.spaces[k].free for k in self.kinds]
+            if heights != group.heights:
+                raise InternalError(f"admit_many: stacks {heights}, planned {group.heights}")
+            plan = group.actions
+        elif plan is None:
             plan = self.bands.plan(demands)
             if plan is None:
                 return None
@@ -290,22 +369,44 @@ class UnifiedMemory(MemoryPool):
             start = len(req.pages)
             rows += [req.row] * n
             cols += range(start, start + n)
-        order = bind_order(todo)
-        dev_vids = [vids[i] for i in order]
-        dev_rows = [rows[i] for i in order]
-        dev_cols = [cols[i] for i in order]
+        if group is None:  # one request, or a grow: popped per request in order
+            order = {k: bind_order(todo) for k in self.kinds if k is not LayerKind.STATE}
+            slot_order = list(range(n_slots))[::-1]
+        else:  # each request gets the ids of its own pop (the group's order)
+            firsts = list(itertools.accumulate((n for _, n in todo), initial=0))
+            order = {
+                k: [firsts[r] + i for r, i in group.order(self._band_index[k])]
+                for k in self.kinds
+                if k is not LayerKind.STATE
+            }
+            slot_order = (
+                [r for r, _ in group.order(self._band_index[LayerKind.STATE])] if n_slots else []
+            )
+        full = order.get(LayerKind.FULL, [])
+        swa = order.get(LayerKind.SWA, [])
         packed = upload_int32(
-            np.array(dev_vids + dev_rows + dev_cols + slots[::-1], dtype=np.int32), self.device
+            np.array(
+                [vids[i] for i in full]
+                + [rows[i] for i in full]
+                + [cols[i] for i in full]
+                + [vids[i] for i in swa]
+                + [slots[i] for i in slot_order],
+                dtype=np.int32,
+            ),
+            self.device,
         )
         if n_pages:
-            vdev = packed[:n_pages]
-            rdev = packed[n_pages : 2 * n_pages]
-            cdev = packed[2 * n_pages : 3 * n_pages]
-            self._bind(LayerKind.FULL, vdev, rdev, cdev)
+            self._bind(
+                LayerKind.FULL,
+                packed[:n_pages],
+                packed[n_pages : 2 * n_pages],
+                packed[2 * n_pages : 3 * n_pages],
+            )
             if LayerKind.SWA in self.spaces:
-                self._bind(LayerKind.SWA, vdev)
+                self._bind(LayerKind.SWA, packed[3 * n_pages : 4 * n_pages])
         if n_slots:
-            self._bind(LayerKind.STATE, packed[3 * n_pages :])
+            at = 4 * n_pages if LayerKind.SWA in self.spaces else 3 * n_pages
+            self._bind(LayerKind.STATE, packed[at : at + n_slots])
         at = 0
         for req, n in todo:
             req.pages += vids[at : at + n]

@@ -306,7 +306,10 @@ class EngineLoop:
                 reason = r.finish_reason if done else None
                 if done:
                     self._finished(h, reason, now)
-                self._outbox.append((h, Delta(toks, lps, reason, r.cached_tokens if done else 0)))
+                error = r.error if done else None  # an internal fault failed it
+                self._outbox.append(
+                    (h, Delta(toks, lps, reason, r.cached_tokens if done else 0, error))
+                )
             if not done:
                 still.append(h)
         self._active = still

@@ -125,6 +125,7 @@ class ValidateConfig:
     prompts_file: str | None = None
     oracle: str = "none"
     speculative_draft_model_path: str | None = None
+    draft_layers: int = 2
     temperature: float = 0.0
     top_p: float = 1.0
     tp_size: int = 1
@@ -230,6 +231,12 @@ class ValidateConfig:
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(
                 f"verify budget (--speculative-verify-budget) must be an int >= 1, got {b!r}"
+            )
+        _check_count("draft_layers", self.draft_layers)
+        if self.speculative_draft_model_path is not None and self.draft_layers != 2:
+            raise ValueError(
+                "--draft-layers applies to the seeded drafter, not to "
+                "--speculative-draft-model-path (its config.json gives its layers)"
             )
         draft = self.speculative_draft_model_path  # used with spec dspark only
         if draft is not None and not os.path.isfile(os.path.join(draft, "config.json")):
@@ -342,6 +349,11 @@ class RunResult:
     (compiles, allocations, retractions) show here."""
     series: StepSeries | None = None
     """What the run held, step by step (:class:`StepSeries`)."""
+    leaked_bytes: int = 0
+    """Bytes of units still held once every request finished (the prefix cache flushed
+    first): anything but 0 is a leak."""
+    leaked_rows: int = 0
+    """Request-table rows still taken once every request finished."""
 
     @property
     def accept_length(self) -> float:
@@ -360,6 +372,8 @@ class RunResult:
             # the run's wall time per engine step: how fast its steps ran, apart from how
             # many the run's token path needed (a throughput moves with both)
             "ms_per_step": 1e3 * self.seconds / self.steps if self.steps else 0.0,
+            "leaked_bytes": self.leaked_bytes,
+            "leaked_rows": self.leaked_rows,
         }
         if with_arena_stats:
             out["compactions"] = self.compactions
@@ -611,6 +625,10 @@ def run_one(
     slowest = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:5]
     if bar:
         bar.close()
+    cached = cache_stats(cache, done, engine.scheduler.cache_flushes) if cache is not None else None
+    if cache is not None:
+        cache.flush()  # what the cache held is not a leak; what stays held now is
+    rows = pool.req_to_token.shape[0] - 1
     return RunResult(
         outputs={r.rid: r.output for r in done},
         output_tokens=sum(len(r.output) for r in done),
@@ -625,11 +643,11 @@ def run_one(
         verified_tokens={r.rid: r.verified_tokens for r in done} if chain else {},
         verified_rows={r.rid: r.verified_rows for r in done} if chain else {},
         verify_batches=engine.scheduler.verify_batches,
-        prefix_cache=cache_stats(cache, done, engine.scheduler.cache_flushes)
-        if cache is not None
-        else None,
+        prefix_cache=cached,
         slowest_steps={i: round(gaps[i] * 1e3, 3) for i in slowest},
         series=series,
+        leaked_bytes=pool.used_bytes(),
+        leaked_rows=rows - pool.free_rows,
     )
 
 
@@ -1045,7 +1063,9 @@ def _validate_dspark(
         drafter = load_drafter(draft_path, model, shared=shared)
     else:
         drafter = DsparkDrafter(
-            draft_config_for(full_config(model_cfg, model.tp)), *shared, seed=cfg.seed + 17
+            draft_config_for(full_config(model_cfg, model.tp), num_layers=cfg.draft_layers),
+            *shared,
+            seed=cfg.seed + 17,
         )
     lanes = drafter.config.lanes()
     res_ctl = None

@@ -9,6 +9,11 @@ import sys
 __all__ = ["ProgressBar", "format_table", "passed", "write_json"]
 
 
+def _leak(summary: dict) -> str:
+    """``bytes/rows`` still held after a run (``0/0``: nothing leaked)."""
+    return f"{summary.get('leaked_bytes', 0)}/{summary.get('leaked_rows', 0)}"
+
+
 def format_table(report: dict) -> str:
     s, u = report["static"], report["unified"]
     rows = [
@@ -21,6 +26,7 @@ def format_table(report: dict) -> str:
         ("wall ms/step", f"{s['ms_per_step']:.3f}", f"{u['ms_per_step']:.3f}"),
         ("compactions", "-", u["compactions"]),
         ("retractions", "-", u["retractions"]),
+        ("leaked bytes/rows", _leak(s), _leak(u)),
     ]
     if "verify_steps" in s:
         rows += [
@@ -122,7 +128,8 @@ def format_table(report: dict) -> str:
 
 
 def passed(report: dict, spec_vs_reference: bool = True) -> bool:
-    """Whether every request matched: static vs unified output (and, with speculation, verify
+    """Whether every request matched and no run leaked memory (``leaked_bytes`` /
+    ``leaked_rows`` 0): static vs unified output (and, with speculation, verify
     counts and accept lengths; with the prefix cache, the cache-off output) and — with
     ``spec_vs_reference`` — the speculative output equals the non-speculative one wherever
     no near-tie explains a flip."""
@@ -135,6 +142,12 @@ def passed(report: dict, spec_vs_reference: bool = True) -> bool:
         "oracle_matches",
     )
     ok = all(report[k] == n for k in keys if k in report)
+    for run in ("reference", "static", "unified", "cache_off", "control_run"):
+        summary = report.get(run)
+        if isinstance(summary, dict) and (
+            summary.get("leaked_bytes", 0) or summary.get("leaked_rows", 0)
+        ):
+            ok = False  # memory still held after every request finished
     if spec_vs_reference and "spec_mismatches" in report:
         ok = ok and all(d["near_tie"] for d in report["spec_mismatches"])
     return ok
