@@ -89,8 +89,8 @@ def _quant_groups_kernel(
     mask = kk < K
     x = tl.load(x_ptr + m * stride_xm + kk, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    s = tl.maximum(amax, 1e-10) / 448.0
-    q = tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0)
+    s = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)  # IEEE division, as torch
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
     # (the interpreter's e4m3 cast truncates where the GPU's rounds to nearest even: under
     # the interpreter q_ptr is float32 and the caller casts with torch, which rounds as the GPU)
     tl.store(q_ptr + m * stride_qm + kk, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -224,8 +224,8 @@ def _fp8_gemm_kernel(
             # a_ptr is the unquantised activation: quantise the group here, with the
             # arithmetic of _quant_groups_kernel (so the same e4m3 values and scales)
             xa = a.to(tl.float32)
-            sa = tl.maximum(tl.max(tl.abs(xa), axis=1), 1e-10) / 448.0
-            q = tl.minimum(tl.maximum(tl.div_rn(xa, sa[:, None]), -448.0), 448.0)
+            sa = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xa), axis=1), 1e-10), 448.0)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(xa, sa[:, None]), -448.0), 448.0)
             a = q.to(w_ptr.dtype.element_ty)
         else:
             sa = tl.load(as_ptr + src * stride_asm + g, mask=mask_m, other=0.0)
