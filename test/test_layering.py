@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # lowest first; a module may import its own layer and those before it
 LAYERS = [
     "unimem_kernel",
+    "unimem.data",
     "unimem.memory",
     "unimem.attention",
     "unimem.cache",

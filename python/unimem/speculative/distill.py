@@ -487,7 +487,10 @@ def _parser() -> argparse.ArgumentParser:
         "write it as a drafter checkpoint directory",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model-path", help="the target: a HuggingFace checkpoint directory")
+    src.add_argument(
+        "--model-path",
+        help="the target: a HuggingFace checkpoint directory, a .gguf file or gemma-3-270m",
+    )
     src.add_argument("--preset", help="the target: a synthetic preset (tiny, small), seeded")
     p.add_argument("--out", required=True, help="the drafter checkpoint directory to write")
     p.add_argument(

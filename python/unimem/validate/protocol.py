@@ -78,6 +78,7 @@ from unimem.models import batch_invariant, fp8_linear
 from unimem.models.base import CausalLM
 from unimem.models.config import HybridConfig, memory_spec
 from unimem.models.loader import load_checkpoint, load_hf_config, resolve_dtype
+from unimem.models.model_path import resolve_model_path
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.models.tensor_parallel import SINGLE, full_config
@@ -155,7 +156,7 @@ class ValidateConfig:
         if self.prompts_file is not None and self.model_path is None:
             raise ValueError("--prompts needs --model-path (its tokenizer encodes them)")
         if self.model_path is not None and not os.path.isfile(
-            os.path.join(self.model_path, "config.json")
+            os.path.join(self.checkpoint_dir, "config.json")
         ):
             raise ValueError(f"--model-path {self.model_path}: no config.json there")
         if self.prompts_file is not None and not os.path.isfile(self.prompts_file):
@@ -248,12 +249,21 @@ class ValidateConfig:
         return "fa4" if self.device == "cuda" and sixteen_bit else "torch"
 
     @property
+    def checkpoint_dir(self) -> str | None:
+        """The checkpoint directory ``model_path`` names (a GGUF file or an embedded model's
+        name resolved, :func:`unimem.models.model_path.resolve_model_path`); None for a
+        preset."""
+        if self.model_path is None:
+            return None
+        return resolve_model_path(self.model_path)
+
+    @property
     def model_dtype(self) -> torch.dtype:
         """The dtype the model computes in: the preset's, or the checkpoint's resolved from
         ``dtype`` (:func:`unimem.models.loader.resolve_dtype`)."""
         if self.model_path is None:
             return preset(self.preset).dtype
-        hf_config = load_hf_config(self.model_path)
+        hf_config = load_hf_config(self.checkpoint_dir)
         return resolve_dtype(self.dtype, hf_config, torch.device(self.device))
 
     @property
@@ -676,6 +686,8 @@ def _validate(
             "--backend torch, a 16-bit preset (small) or --dtype bfloat16"
         )
     model, prompts = build_model_and_prompts(cfg, device, tp)
+    if cfg.prompts_file is not None:  # pools are sized for the longest prompt of the file
+        cfg = replace(cfg, input_len=max(len(p) for p in prompts))
     if cfg.spec == "dspark":
         report = _validate_dspark(cfg, model, prompts, progress, max_margins)
         report["gpu"] = gpu_name(device)
@@ -705,6 +717,21 @@ def _validate_rank(groups: TPGroups, cfg, progress, max_margins) -> dict:
     return validate(cfg, progress and groups.rank == 0, max_margins, tp=groups)
 
 
+def read_prompts_file(path: str) -> list[str]:
+    """The prompts of ``--prompts``: a ``.json`` file holds a list of strings (prompts may span
+    lines); any other file holds one prompt per non-empty line."""
+    if path.endswith(".json"):
+        import json
+
+        with open(path) as f:
+            prompts = json.load(f)
+        if not (isinstance(prompts, list) and all(isinstance(p, str) and p for p in prompts)):
+            raise ValueError(f"--prompts {path}: expected a JSON list of non-empty strings")
+        return prompts
+    with open(path) as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
 def build_model_and_prompts(
     cfg: ValidateConfig, device: torch.device, tp: TPGroups | None = None
 ) -> tuple[CausalLM, list[list[int]]]:
@@ -720,7 +747,7 @@ def build_model_and_prompts(
             fp8_linear.quantize_model_online(model)
         return model, make_prompts(cfg, model_cfg.vocab_size)
     ckpt = load_checkpoint(
-        cfg.model_path, dtype=cfg.dtype, device=device, tp=shard, quantization=cfg.quantization
+        cfg.checkpoint_dir, dtype=cfg.dtype, device=device, tp=shard, quantization=cfg.quantization
     )
     model = ckpt.model
     vocab = model.config.vocab_size
@@ -730,8 +757,7 @@ def build_model_and_prompts(
         return model, make_prompts(cfg, vocab)
     if ckpt.tokenizer is None:
         raise ValueError(f"--prompts: the checkpoint {cfg.model_path} has no tokenizer")
-    with open(cfg.prompts_file) as f:
-        lines = [line.rstrip("\n") for line in f if line.strip()]
+    lines = read_prompts_file(cfg.prompts_file)
     if len(lines) < cfg.requests:
         raise ValueError(f"--prompts has {len(lines)} prompts, --requests asks for {cfg.requests}")
     return model, [ckpt.tokenizer.encode(t) for t in lines[: cfg.requests]]
@@ -756,7 +782,7 @@ def _add_oracle(
 
     device = model.device
     hf = AutoModelForCausalLM.from_pretrained(
-        cfg.model_path, dtype=model.config.dtype, attn_implementation="eager"
+        cfg.checkpoint_dir, dtype=model.config.dtype, attn_implementation="eager"
     ).to(device)
     hf.eval()
     expected, hf_logprobs = {}, {}
@@ -765,7 +791,9 @@ def _add_oracle(
             out = hf.generate(
                 torch.tensor([ids], device=device),
                 max_new_tokens=cfg.output_len,
-                min_new_tokens=cfg.output_len,
+                # our runs ignore EOS (it may be the argmax and is kept); so here: no EOS
+                # stopping and no EOS suppression (min_new_tokens would mask it)
+                eos_token_id=None,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
