@@ -105,7 +105,10 @@ def fp8_quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     pad = torch.zeros(m, kg * GROUP, dtype=torch.float32, device=x.device)
     pad[:, :k] = xf
     amax = pad.view(m, kg, GROUP).abs().amax(dim=-1)
-    s = amax.clamp_min(SCALE_FLOOR) / FP8_MAX
+    # tensor / tensor: an IEEE division on every device (CUDA turns "/ python float" into a
+    # multiplication by the reciprocal, one ulp off in some groups; the kernel divides)
+    amax = amax.clamp_min(SCALE_FLOOR)
+    s = amax / torch.full_like(amax, FP8_MAX)
     q = (pad.view(m, kg, GROUP) / s[..., None]).clamp(-FP8_MAX, FP8_MAX)
     return q.view(m, kg * GROUP)[:, :k].to(FP8_DTYPE).contiguous(), s
 
