@@ -7,17 +7,23 @@ Shapes: ``bench_gemm_shapes.SHAPES`` (the ``small`` preset at ``--m`` rows). Var
 - ``fp8 rowwise``: ``torch._scaled_mm`` with float32 scales per row of A ``[M, 1]`` and per
   output channel of B ``[1, N]``, bf16 (LM head: float32) out;
 - ``fp8 tensor``: the same with one scale per operand;
-- ``quant``: the per-token activation quantisation a rowwise call needs (torch ops: amax,
-  divide, cast), timed alone, as the upper bound of what a fused quantisation costs;
+- ``torch quant``: the per-token activation quantisation a rowwise call needs as torch ops
+  (amax, divide, cast: several launches), timed alone; ``group quant``: the engine's one
+  Triton launch (:func:`unimem_kernel.fp8_quantize_groups`, per token and 128 columns);
 - ``fp8 block triton`` (``--gemm triton|both``): the engine's path, block-wise ``[128, 128]``
   weights with per-token-group (128) activation scales (:func:`unimem_kernel.fp8_linear`:
   the Triton quantisation launch + the Triton block-scaled GEMM), and ``gemm`` alone;
   ``invariant``: the same with the batch-invariant tile; ``fused_quant``: one launch that
   quantises the activations in its loads (``UNIMEM_FP8_ACT_QUANT=fused``);
-- ``fp8 block scaled_mm`` (``--gemm scaled_mm|both``): ``torch._scaled_mm`` with the same
-  scales (1 x 128 for A, 128 x 128 for B; the first scale layout the build accepts), after the
-  same Triton activation quantisation; ``n/a`` with the error where the build has no
-  block-wise scaling.
+- ``fp8 block scaled_mm`` (``--gemm scaled_mm|both``): cuBLASLt's block scaling through
+  ``torch._scaled_mm`` with the same scales, after the same Triton activation quantisation.
+  PyTorch (``ScaledBlas.cpp``: ``is_blockwise_1x128_scaling`` / ``_128x128``, checked on
+  ``a`` and on ``b.t()`` / ``scale_b.t()``) recognises the pair by shape and strides only:
+  ``scale_a`` ``[M, K/128]`` float32 M-major (strides ``(1, M)``: ``xs.t().contiguous().t()``)
+  and ``scale_b`` ``[K/128, N/128]`` whose transpose is the row-major ``[N/128, K/128]`` block
+  table (``ws_block.t()``, a view), with ``b = wq.t()``; the newer
+  ``torch.nn.functional.scaled_mm`` (explicit ``ScalingType.BlockWise1x128`` /
+  ``BlockWise128x128``) is tried too. ``n/a`` with the errors where neither runs.
 With ``--moe``, the routed experts' grouped GEMM (``--experts`` experts of width
 ``--moe-width``, top-``--topk`` routing of ``--m`` tokens): bf16
 (:func:`unimem_kernel.expert_linear`) against FP8 (:func:`unimem_kernel.fp8_grouped_linear`).
@@ -26,6 +32,15 @@ Each time: ``--iters`` calls in one CUDA graph, the median of ``--repeats`` samp
 (``cuda_timing.graph_median_ms``); TFLOP/s = 2 M N K / time; ``rel`` = the largest |difference|
 to the float32 product of the unquantised operands, relative to its largest |value|. ``--json
 PATH`` writes the rows. Needs CUDA (exits 2 with one line without it).
+
+``--sweep`` (instead of the table): for each ``--sweep-shapes`` shape at each ``--sweep-m``
+row count, times the Triton GEMM alone under every candidate tile (``BMxBN``, warps, stages,
+split-K; pruned by the row count), checks each against the reference, and writes the
+fastest per shape and row count as the tuned table ``unimem_kernel/fp8_gemm_configs.json``
+reads (``--sweep-out``; copy it there to use it), printing per row bf16, the default tile,
+the best tile and the quantisation launch; also the fastest single tile without split-K over
+all swept sizes (the candidate for the batch-invariant tile). ``--sweep-budget-s`` stops early
+(the table then holds what was swept).
 """
 
 from __future__ import annotations
@@ -58,6 +73,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="which block-scaled FP8 GEMM(s) to time",
     )
     ap.add_argument("--moe", action="store_true", help="also the grouped expert GEMMs")
+    ap.add_argument("--sweep", action="store_true", help="sweep the Triton GEMM's tiles")
+    ap.add_argument(
+        "--sweep-m",
+        type=int,
+        nargs="+",
+        default=[48, 384, 16, 128],
+        help="row counts, the most important first (the budget may stop later ones)",
+    )
+    ap.add_argument(
+        "--sweep-shapes", nargs="+", choices=list(SHAPES),
+        default=["qkv", "o_proj", "gdn_in", "gate_up", "down", "q3n_gdn_in", "q3n_out", "q3n_kv"],
+    )  # fmt: skip
+    ap.add_argument("--sweep-out", default="fp8_gemm_configs.json", help="tuned table path")
+    ap.add_argument("--sweep-budget-s", type=float, default=170.0)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--moe-width", type=int, default=512)
     ap.add_argument("--topk", type=int, default=8)
@@ -111,10 +140,12 @@ def measure_shape(m: int, name: str, g: torch.Generator, args) -> dict:
         except RuntimeError as e:  # a scaling mode this build does not have
             row[label] = {"error": str(e).splitlines()[0][:160]}
     row["quant_us"] = time_us(lambda: quant_rows(a))
-    if out == "fp32":  # the LM head stays bf16 in the FP8 models
-        return row
     from unimem.models.fp8_linear import quantize_blocks, quantize_blockwise
     from unimem_kernel.fp8_gemm import fp8_gemm, fp8_linear, fp8_quantize_groups
+
+    row["group_quant_us"] = time_us(lambda: fp8_quantize_groups(a))
+    if out == "fp32":  # the LM head stays bf16 in the FP8 models
+        return row
 
     wq_b, ws_rows = quantize_blockwise(w)
     _, ws_block = quantize_blocks(w)
@@ -154,27 +185,35 @@ def block_scaled_mm(xq, xs, wq, ws_block):
 
     want = fp8_gemm(xq, xs, wq, ws_rows_of(ws_block, wq.shape[0]), out_dtype=torch.float32)
     b = wq.t()  # [K, N] column-major
-    layouts = {
-        "a outer-major, b [N/128, K/128]": (lambda s: s.t().contiguous().t(), lambda s: s),
-        "a outer-major, b [K/128, N/128] outer-major": (
-            lambda s: s.t().contiguous().t(), lambda s: s.t().contiguous()),
-        "a row-major, b [N/128, K/128]": (lambda s: s.contiguous(), lambda s: s),
-        "a row-major, b transposed view": (lambda s: s.contiguous(), lambda s: s.t()),
-    }  # fmt: skip
+    sb = ws_block.contiguous().t()  # [K/128, N/128]; its transpose the row-major block table
+
+    def m_major(s):  # [M, K/128] with strides (1, M)
+        return s.t().contiguous().t()
+
+    def scaled_mm_v1(q, s):
+        return torch._scaled_mm(q, b, scale_a=m_major(s), scale_b=sb, out_dtype=torch.bfloat16)
+
+    def scaled_mm_v2(q, s):
+        from torch.nn.functional import ScalingType, scaled_mm
+
+        return scaled_mm(
+            q, b, m_major(s), ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
+            output_dtype=torch.bfloat16,
+        )  # fmt: skip
+
+    calls = {"torch._scaled_mm (a M-major, b block table transposed)": scaled_mm_v1}
+    if hasattr(torch.nn.functional, "scaled_mm"):
+        calls["torch.nn.functional.scaled_mm BlockWise1x128/128x128"] = scaled_mm_v2
     errors = []
-    for name, (fa, fb) in layouts.items():
-        sb = fb(ws_block)
-
-        def call(q, s, fa=fa, sb=sb):
-            return torch._scaled_mm(q, b, scale_a=fa(s), scale_b=sb, out_dtype=torch.bfloat16)
-
+    for name, call in calls.items():
         try:
             y = call(xq, xs).float()
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
             errors.append(f"{name}: {str(e).splitlines()[0][:120]}")
             continue
         rel = float((y - want).abs().max() / want.abs().max())
         if rel < 0.02:
+            print(f"block-scaled cuBLASLt through {name}")
             return call
         errors.append(f"{name}: runs but differs (rel {rel:.2e})")
     return "; ".join(errors)
@@ -223,6 +262,10 @@ def main(argv=None) -> int:
     print(f"GPU {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}")
     print(f"iters {args.iters} per CUDA graph, median of {args.repeats}; us per call (TFLOP/s)")
     g = torch.Generator(device=dev).manual_seed(0)
+    if args.sweep:
+        from bench_fp8_sweep import sweep
+
+        return sweep(args, g)
     rows = []
     for m in args.m:
         for name in args.shapes:
@@ -237,7 +280,9 @@ def main(argv=None) -> int:
                     if "us" in r
                     else f"{label} n/a ({r['error']})"
                 )
-            print(f"M {m:5d} {name:8s} " + " | ".join(cells) + f" | quant {row['quant_us']:.1f}")
+            print(f"M {m:5d} {name:8s} " + " | ".join(cells)
+                  + f" | torch quant {row['quant_us']:.1f} | group quant "
+                  f"{row['group_quant_us']:.1f}")  # fmt: skip
     if args.moe:
         for m in args.m:
             row = measure_moe(m, g, args)

@@ -2,12 +2,17 @@
 # FP8 on one GPU (issue 43), in one device call, from the repository root:
 #   bash benchmark/gpu_fp8.sh [--out DIR] [--parts "P..."] [--model-path GEMMA] [--prompts FILE]
 #        [--big-layers N]
-# Parts (default: all, in this order; about 11 min in total on an H200 — split over two calls
-# with --parts "tests gemm profile bench" and --parts "qwen3next gemma big" if a call is
-# limited to 10 min):
+# Parts (default: all, in this order). Estimated 15-20 min in total on an H200: with calls
+# limited to 10 min run three, same --out: --parts "tests gemm profile" (~7 min),
+# --parts "bench qwen3next" (~7 min), --parts "gemma big" (~6 min).
 #   tests     : the gpu-marked FP8 tests (Triton FP8 GEMMs vs their references and in a CUDA
 #               graph; a tiny FP8 Qwen3-Next on CUDA graphs, static == unified, deterministic
 #               alone == batched)
+#   sweep     : benchmark/bench_fp8_gemm.py --sweep (<= 3 min): the Triton FP8 GEMM's tiles
+#               (row/column tile, warps, stages, split-K) per shape at 48, 384, 16, 128 rows
+#               -> fp8_sweep.json and the tuned table fp8_gemm_configs.json, which is also
+#               installed into this working copy (unimem_kernel/) for the parts after it;
+#               commit it from --out to keep it
 #   gemm      : benchmark/bench_fp8_gemm.py at 48 and 384 rows: bf16 vs FP8 rowwise/tensor
 #               (_scaled_mm) vs block-scaled Triton (+ invariant tile) vs block-scaled
 #               _scaled_mm, and the grouped expert GEMM bf16 vs FP8 -> fp8_gemm.json
@@ -34,7 +39,7 @@
 # under `timeout $STEP_TIMEOUT` (default 420 s). Exit 1 if any part failed (named at the end).
 set -uo pipefail
 out=gpu-out
-parts="tests gemm profile bench qwen3next gemma big"
+parts="tests sweep gemm profile bench qwen3next gemma big"
 gemma=""
 prompts=""
 big_layers=24
@@ -78,6 +83,11 @@ for part in $parts; do
     tests)
       run python3 -m pytest -q -m gpu sgl-kernel/tests/test_fp8_gemm.py test/models/test_fp8.py \
         || fail tests ;;
+    sweep)
+      run python3 benchmark/bench_fp8_gemm.py --sweep --sweep-out "$out/fp8_gemm_configs.json" \
+        --json "$out/fp8_sweep.json" \
+        && cp "$out/fp8_gemm_configs.json" sgl-kernel/python/unimem_kernel/fp8_gemm_configs.json \
+        || fail sweep ;;
     gemm)
       run python3 benchmark/bench_fp8_gemm.py --m 48 384 --moe --json "$out/fp8_gemm.json" \
         || fail gemm ;;

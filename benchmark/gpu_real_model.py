@@ -160,7 +160,8 @@ def _reference_runs(ckpt, prompts, tok, n_new):
             g = hf.generate(
                 ids,
                 max_new_tokens=n_new,
-                min_new_tokens=n_new,
+                eos_token_id=None,  # EOS neither stops nor is masked, as with ignore_eos
+                pad_token_id=0,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
@@ -188,7 +189,9 @@ def _hf_bf16_runs(ckpt, prompts, tok, n_new):
     for p in prompts:
         ids = torch.tensor([tok.encode(p)], device="cuda")
         with torch.no_grad():
-            g = hf.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+            g = hf.generate(
+                ids, max_new_tokens=n_new, eos_token_id=None, pad_token_id=0, do_sample=False
+            )
         out.append(g[0, ids.shape[1] :].tolist())
     del hf
     torch.cuda.empty_cache()

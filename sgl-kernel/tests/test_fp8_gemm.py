@@ -11,7 +11,9 @@ from kernel_devices import DEVICES
 from unimem_kernel.fp8_gemm import (
     FP8_DTYPE,
     FP8_MAX,
+    Fp8GemmConfig,
     fp8_gemm,
+    fp8_gemm_config,
     fp8_gemm_reference,
     fp8_grouped_linear,
     fp8_linear,
@@ -34,6 +36,23 @@ def _weights(n: int, k: int, gen: torch.Generator, lead: tuple[int, ...] = ()):
 def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     k = q.shape[-1]
     return q.double() * s.double().repeat_interleave(128, dim=-1)[..., :k]
+
+
+def _kernel_quantized(x: torch.Tensor, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` quantised by the kernel under test (on the CPU): the GEMM tests compare the
+    GEMM alone against the reference on the same e4m3 operands (the quantisation itself is
+    compared bit for bit by the test below), so an activation rounding the other way never
+    hides, or excuses, a GEMM difference."""
+    q, s = fp8_quantize_groups(x.to(device))
+    return q.cpu(), s.cpu()
+
+
+def _assert_gemm_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """The kernel's product against the float32 reference on the same operands: only the
+    order (and, on tensor cores, the precision) of the float32 accumulation differs, plus one
+    rounding to ``y``'s dtype (one bf16 ulp: the interpreter's cast truncates)."""
+    rtol = 2**-7 if y.dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(y.cpu().float(), ref, rtol=rtol, atol=1e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -60,10 +79,15 @@ def test_dense_gemm_kernel_matches_reference(device, m, triton_backend):
     wq, ws = _weights(n, k, gen)
     bias = torch.randn(n, generator=gen).bfloat16()
     y = fp8_linear(x.to(device), wq.to(device), ws.to(device), bias.to(device))
-    xq, xs = fp8_quantize_groups_reference(x)
+    xq, xs = _kernel_quantized(x, device)
     ref = fp8_gemm_reference(xq, xs, wq, ws, out_dtype=torch.float32, bias=bias)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    torch.testing.assert_close(y.cpu().float(), ref, rtol=1e-2, atol=1e-2)
+    _assert_gemm_close(y, ref)
+    y32 = fp8_gemm(
+        xq.to(device), xs.to(device), wq.to(device), ws.to(device), out_dtype=torch.float32,
+        bias=bias.to(device),
+    )  # fmt: skip
+    _assert_gemm_close(y32, ref)
 
 
 def test_reference_is_the_dequantised_product():
@@ -92,10 +116,10 @@ def test_grouped_gemm_kernel_matches_reference(device, gather, triton_backend):
     y = fp8_grouped_linear(
         x.to(dev), wq.to(dev), ws.to(dev), offs.to(dev), None if rows is None else rows.to(dev)
     )
-    xq, xs = fp8_quantize_groups_reference(x)
+    xq, xs = _kernel_quantized(x, device)
     ref = fp8_gemm_reference(xq, xs, wq, ws, out_dtype=torch.float32, offs=offs, rows=rows)
     assert y.shape == (t, n)
-    torch.testing.assert_close(y.cpu().float(), ref, rtol=1e-2, atol=1e-2)
+    _assert_gemm_close(y, ref)
     assert torch.all(y[9:] == 0)
 
 
@@ -166,3 +190,48 @@ def test_fused_activation_quantization_gives_the_same_bits(monkeypatch):
     fused = (fp8_linear(x, wq, ws), fp8_grouped_linear(x, gq, gs, offs, rows))
     for a, b in zip(sep, fused, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", ["16x32,4,2,3", "64x64,4,3,1"])
+def test_forced_tiles_and_split_k_match_reference(device, spec, triton_backend, monkeypatch):
+    """Any tile (``UNIMEM_FP8_GEMM_CONFIG``), with split-K summing runs of groups in a second
+    launch (a partial last run, bias added once), gives the reference's product."""
+    monkeypatch.setenv("UNIMEM_FP8_GEMM_CONFIG", spec)
+    gen = torch.Generator().manual_seed(8)
+    k, n, m = 900, 40, 5  # 8 groups in 3 runs of 3, 3, 2 (the last group partial)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    wq, ws = _weights(n, k, gen)
+    bias = torch.randn(n, generator=gen).bfloat16()
+    xq, xs = _kernel_quantized(x, device)
+    ref = fp8_gemm_reference(xq, xs, wq, ws, out_dtype=torch.float32, bias=bias)
+    dev = torch.device(device)
+    y = fp8_gemm(
+        xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), out_dtype=torch.float32,
+        bias=bias.to(dev),
+    )  # fmt: skip
+    _assert_gemm_close(y, ref)
+
+
+def test_gemm_config_spec_round_trips_and_bad_specs_are_named(monkeypatch):
+    cfg = Fp8GemmConfig.parse("32x128,4,3,2")
+    assert cfg == Fp8GemmConfig(32, 128, 4, 3, 2) and Fp8GemmConfig.parse(cfg.spec()) == cfg
+    for bad in ("32x128,4,3", "48x64,4,3,1", "32x64,4,3,0"):
+        with pytest.raises(ValueError, match="fp8 GEMM config"):
+            Fp8GemmConfig.parse(bad)
+    monkeypatch.setenv("UNIMEM_FP8_GEMM_CONFIG", "32x128,4,3,2")
+    assert fp8_gemm_config(300) == cfg
+    assert fp8_gemm_config(300, invariant=True).split_k == 1
+
+
+def test_quantisation_is_a_multiply_by_the_ieee_reciprocal():
+    """``q = x * (448 / a)`` and ``s = a / 448`` with ``a`` the group's amax, both IEEE
+    divisions of float32 (so any device's torch and the kernels agree bit for bit)."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 256, generator=gen) * 7
+    q, s = fp8_quantize_groups_reference(x)
+    a = x.view(3, 2, 128).abs().amax(-1)
+    assert torch.equal(s, (a.double() / 448).float())
+    inv = (448 / a.double()).float()
+    want = (x.view(3, 2, 128) * inv[..., None]).clamp(-448, 448).to(FP8_DTYPE)
+    assert torch.equal(q.float(), want.view(3, 256).float())

@@ -222,10 +222,13 @@ def test_engine_static_equals_unified(ckpts):
 
 
 @pytest.mark.gpu
-def test_engine_on_cuda_graphs_and_deterministic(ckpts):
-    """On CUDA (bf16, CUDA graphs): static == unified token for token; with deterministic
-    inference a request's tokens do not depend on its batch."""
-    _, dst = ckpts
+def test_engine_on_cuda_graphs_and_deterministic(tmp_path):
+    """On CUDA (bf16, FA4 with CUDA graphs: attention heads of 128): static == unified token
+    for token; with deterministic inference a request's tokens do not depend on its batch."""
+    src, dst = tmp_path / "bf16", tmp_path / "fp8"
+    hf = tiny_qwen3_next.build(src, head_dim=128)
+    tiny_tokenizer.save(src, hf.config.vocab_size)
+    write_fp8_checkpoint(src, dst)
     prompts = [p.tolist() for p in _prompts(500)]
     params = {"max_new_tokens": OUT, "ignore_eos": True}
     base = dict(model_path=str(dst), device="cuda", dtype="bfloat16", page_size=4)

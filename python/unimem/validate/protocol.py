@@ -835,7 +835,9 @@ def _add_oracle(
             out = hf.generate(
                 torch.tensor([ids], device=device),
                 max_new_tokens=cfg.output_len,
-                min_new_tokens=cfg.output_len,
+                # our runs ignore EOS (it may be the argmax and is kept); so here: no EOS
+                # stopping and no EOS suppression (min_new_tokens would mask it)
+                eos_token_id=None,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,

@@ -3,8 +3,10 @@
 Scaling convention (the hub's block-wise FP8, DeepSeek-V3 / Qwen3-Next ``-FP8`` checkpoints):
 the reduction dim ``K`` is cut into groups of :data:`GROUP` (128) columns, ``KG =
 ceil(K / 128)`` of them (the last may be partial). An activation row ``x [K]`` is quantised
-per group (:func:`fp8_quantize_groups`): ``s = max(amax(|x_g|), SCALE_FLOOR) / 448``,
-``q_g = clamp(x_g / s, -448, 448)`` rounded to e4m3 (round to nearest even). A weight is
+per group (:func:`fp8_quantize_groups`): with ``a = max(amax(|x_g|), SCALE_FLOOR)``, the
+scale ``s = a / 448`` and ``q_g = clamp(x_g * (448 / a), -448, 448)`` rounded to e4m3 (round
+to nearest even): two IEEE divisions per group, one multiplication per element, the same
+float32 ops (so the same bits) in the kernels and in torch on any device. A weight is
 ``wq [N, K]`` e4m3 with ``ws [N, KG]`` float32: row ``n``'s group ``g`` holds ``wq[n, g] *
 ws[n, g]`` (a checkpoint's ``[128, 128]`` block scales expanded to rows, so any row
 permutation or row range of a weight keeps its scales). The product::
@@ -12,7 +14,9 @@ permutation or row range of a weight keeps its scales). The product::
     y[m, n] = sum_g  xs[m, g] * ws[n, g] * (sum_{k in g} xq[m, k] * wq[n, k])
 
 with the inner sum an FP8 tensor-core dot accumulated in float32 and the outer sum over
-``g`` in ascending order, in float32; ``y`` is cast to the output dtype once.
+``g`` in ascending order, in float32 (with split-K ``S``: over ``S`` consecutive runs of
+groups, each in ascending order, the run sums then added in ascending order); ``y`` is cast
+to the output dtype once.
 
 Ops (Triton kernel on CUDA, torch reference of the same semantics elsewhere, as every op of
 this package; ``UNIMEM_KERNEL_BACKEND`` forces either):
@@ -27,17 +31,25 @@ this package; ``UNIMEM_KERNEL_BACKEND`` forces either):
 ``UNIMEM_FP8_ACT_QUANT=fused`` quantises the activations inside the GEMM's loads instead of
 in a launch of their own (the same values; one launch per product instead of two; GPU only).
 
-Tile choice: by the row count for speed, or one fixed tile (``invariant=True``,
-deterministic inference): each output element's arithmetic is then the same whatever the
-number of rows, so a row's result does not depend on the other rows (activation scales are
-per row already). No split-K in either. Outputs are allocated with ``torch.empty`` and no
-device value is read on the host: every call is capturable in a CUDA graph.
+Tile choice (:func:`fp8_gemm_config`): by the row count (and, where the tuned table
+``fp8_gemm_configs.json`` beside this module names the GPU and the ``N x K`` shape, by
+that), with split-K for dense products whose few rows leave the GPU's SMs idle; or one fixed
+tile without split-K (``invariant=True``, deterministic inference): each output element's
+arithmetic is then the same whatever the number of rows, so a row's result does not depend
+on the other rows (activation scales are per row already). ``UNIMEM_FP8_GEMM_CONFIG=
+"BMxBN,warps,stages,splitk"`` forces one tile (sweeps). Outputs are allocated with
+``torch.empty`` (split-K partials too) and no device value is read on the host: every call
+is capturable in a CUDA graph. Split-K is deterministic (partials summed in a fixed order by a
+second launch, no atomics).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -81,20 +93,28 @@ def num_groups(k: int) -> int:
 
 @triton.jit
 def _quant_groups_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, BLOCK_K: tl.constexpr
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    m = tl.program_id(0).to(tl.int64)
+    # program (r, g): rows [r * BLOCK_R, ...) and column group g
+    rm = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     g = tl.program_id(1)
     kk = g * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = kk < K
-    x = tl.load(x_ptr + m * stride_xm + kk, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    s = tl.maximum(amax, 1e-10) / 448.0
-    q = tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0)
+    mask = (rm < M)[:, None] & (kk < K)[None, :]
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+    s = tl.math.div_rn(amax, 448.0)  # IEEE divisions, as torch's tensor / tensor
+    inv = tl.math.div_rn(448.0, amax)
+    q = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
     # (the interpreter's e4m3 cast truncates where the GPU's rounds to nearest even: under
     # the interpreter q_ptr is float32 and the caller casts with torch, which rounds as the GPU)
-    tl.store(q_ptr + m * stride_qm + kk, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + m * stride_sm + g, s)
+    tl.store(q_ptr + rm[:, None] * stride_qm + kk[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rm * stride_sm + g, s, mask=rm < M)
+
+
+QUANT_ROWS = 8
+"""Rows per program of the quantisation kernel."""
 
 
 def fp8_quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,9 +124,13 @@ def fp8_quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     xf = x.float()
     pad = torch.zeros(m, kg * GROUP, dtype=torch.float32, device=x.device)
     pad[:, :k] = xf
-    amax = pad.view(m, kg, GROUP).abs().amax(dim=-1)
-    s = amax.clamp_min(SCALE_FLOOR) / FP8_MAX
-    q = (pad.view(m, kg, GROUP) / s[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    amax = pad.view(m, kg, GROUP).abs().amax(dim=-1).clamp_min(SCALE_FLOOR)
+    # tensor / tensor: an IEEE division on every device (CUDA turns "/ python float" into a
+    # multiplication by a rounded reciprocal; the kernel divides)
+    top = torch.full_like(amax, FP8_MAX)
+    s = amax / top
+    inv = top / amax
+    q = (pad.view(m, kg, GROUP) * inv[..., None]).clamp(-FP8_MAX, FP8_MAX)
     return q.view(m, kg * GROUP)[:, :k].to(FP8_DTYPE).contiguous(), s
 
 
@@ -125,9 +149,10 @@ def fp8_quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.float32 if interp else FP8_DTYPE, device=x.device)
     s = torch.empty(m, kg, dtype=torch.float32, device=x.device)
     if m and k:
-        _quant_groups_kernel[(m, kg)](
-            x, q, s, k, x.stride(0), q.stride(0), s.stride(0), BLOCK_K=GROUP, num_warps=1
-        )
+        _quant_groups_kernel[(triton.cdiv(m, QUANT_ROWS), kg)](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+            BLOCK_R=QUANT_ROWS, BLOCK_K=GROUP, num_warps=4,
+        )  # fmt: skip
     return (q.to(FP8_DTYPE) if interp else q), s
 
 
@@ -136,31 +161,88 @@ def fp8_quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """A tile of the FP8 GEMM kernel (``BLOCK_K`` is always :data:`GROUP`)."""
+    """A tile of the FP8 GEMM kernel (``BLOCK_K`` is always :data:`GROUP`); ``split_k``
+    programs share each output tile's groups (dense products only; 1 for grouped ones)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
+
+    def spec(self) -> str:
+        """``"BMxBN,warps,stages,splitk"`` (the form ``UNIMEM_FP8_GEMM_CONFIG`` reads)."""
+        return (f"{self.block_m}x{self.block_n},{self.num_warps},{self.num_stages},"
+                f"{self.split_k}")  # fmt: skip
+
+    @classmethod
+    def parse(cls, spec: str) -> Fp8GemmConfig:
+        """The config of :meth:`spec`'s form; ValueError naming ``spec`` otherwise."""
+        try:
+            tile, warps, stages, split = spec.split(",")
+            bm, bn = tile.split("x")
+            cfg = cls(int(bm), int(bn), int(warps), int(stages), int(split))
+        except ValueError:
+            msg = f"fp8 GEMM config {spec!r} is not 'BMxBN,warps,stages,splitk'"
+            raise ValueError(msg) from None
+        for v in (cfg.block_m, cfg.block_n):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"fp8 GEMM config {spec!r}: tile sides are powers of 2 >= 16")
+        if cfg.split_k < 1:
+            raise ValueError(f"fp8 GEMM config {spec!r}: split-K is >= 1")
+        return cfg
 
 
 INVARIANT_CONFIG = Fp8GemmConfig(64, 64, 4, 4)
-"""The one tile of ``invariant=True``: independent of the row count."""
+"""The one tile of ``invariant=True``: independent of the row count, no split-K."""
 
-# Decode / verify steps have 1-512 rows: small tiles keep an H200's 132 SMs busy on the
-# narrow projections (N 2048 at 384 rows: 6 x 32 programs); prefill takes 128 x 128.
+# Decode / verify steps have 1-512 rows. The weight is the traffic there, so one row tile
+# should cover the rows (every extra row tile re-reads the weight), with wgmma's 64-row
+# minimum from 33 rows on; narrow outputs then leave SMs idle, which split-K fills (dense
+# only). Prefill takes 128 x 128. Tuned per GPU and shape by fp8_gemm_configs.json.
 _BY_ROWS = (
-    (32, Fp8GemmConfig(32, 64, 4, 4)),
-    (512, Fp8GemmConfig(64, 64, 4, 4)),
+    (16, Fp8GemmConfig(16, 64, 4, 4, 4)),
+    (32, Fp8GemmConfig(32, 64, 4, 4, 4)),
+    (64, Fp8GemmConfig(64, 64, 4, 4, 2)),
+    (512, Fp8GemmConfig(64, 128, 4, 3)),
     (1 << 62, Fp8GemmConfig(128, 128, 8, 3)),
 )
 
+TUNED_CONFIGS = Path(__file__).with_name("fp8_gemm_configs.json")
+"""``{gpu name: {"N,K": [[max_rows, "BMxBN,warps,stages,splitk"], ...]}}`` (ascending
+``max_rows``; written by ``benchmark/bench_fp8_gemm.py --sweep``)."""
 
-def fp8_gemm_config(rows_per_group: int, invariant: bool = False) -> Fp8GemmConfig:
+
+@functools.cache
+def _tuned(device_name: str) -> dict[str, list[tuple[int, Fp8GemmConfig]]]:
+    if not TUNED_CONFIGS.exists():
+        return {}
+    table = json.loads(TUNED_CONFIGS.read_text()).get(device_name, {})
+    return {shape: [(int(r), Fp8GemmConfig.parse(c)) for r, c in rows]
+            for shape, rows in table.items()}  # fmt: skip
+
+
+def fp8_gemm_config(
+    rows_per_group: int,
+    invariant: bool = False,
+    shape: tuple[int, int] | None = None,
+    device: torch.device | None = None,
+) -> Fp8GemmConfig:
     """The tile for ``rows_per_group`` rows per weight (the mean rows per expert for grouped
-    calls); :data:`INVARIANT_CONFIG` when ``invariant``."""
+    calls) of an ``N x K`` weight (``shape``) on ``device``: ``UNIMEM_FP8_GEMM_CONFIG`` if
+    set, else the tuned table's entry for this GPU and shape, else the default by rows;
+    :data:`INVARIANT_CONFIG` when ``invariant``."""
     if invariant:
         return INVARIANT_CONFIG
+    forced = os.environ.get("UNIMEM_FP8_GEMM_CONFIG")
+    if forced:
+        return Fp8GemmConfig.parse(forced)
+    if shape is not None and device is not None and device.type == "cuda":
+        for max_rows, cfg in _tuned(torch.cuda.get_device_name(device)).get(
+            f"{shape[0]},{shape[1]}", []
+        ):
+            if rows_per_group <= max_rows:
+                return cfg
     for max_rows, cfg in _BY_ROWS:
         if rows_per_group <= max_rows:
             return cfg
@@ -171,15 +253,17 @@ def fp8_gemm_config(rows_per_group: int, invariant: bool = False) -> Fp8GemmConf
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, rows_ptr, w_ptr, ws_ptr, offs_ptr, bias_ptr, out_ptr,
     T, N, K, KG, E,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
     GROUPED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
-    FUSED_QUANT: tl.constexpr, BLOCK_E: tl.constexpr,
+    FUSED_QUANT: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # Program (p, n): row tile p, column tile n. GROUPED: expert e < E owns rows
-    # [offs[e-1], offs[e]), the tail [offs[E-1], T) is written as zeros; row tiles start at
-    # each segment's first row and are numbered over all segments in order (found on the
-    # device from offs: no host reads). Otherwise one segment [0, T), weight 0.
+    # Program (p, n, s): row tile p, column tile n, run s of the groups (SPLIT_K > 1: dense
+    # only; the run's float32 partial goes to out_ptr + s * stride_os, bias added later).
+    # GROUPED: expert e < E owns rows [offs[e-1], offs[e]), the tail [offs[E-1], T) is
+    # written as zeros; row tiles start at each segment's first row and are numbered over all
+    # segments in order (found on the device from offs: no host reads). Otherwise one
+    # segment [0, T), weight 0.
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GROUPED:
@@ -216,7 +300,12 @@ def _fp8_gemm_kernel(
     a_rows = a_ptr + src[:, None] * stride_am
     w_cols = w_ptr + we * stride_we + rn[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, g_end):
+    g_lo = 0
+    if SPLIT_K > 1:
+        per_run = tl.cdiv(g_end, SPLIT_K)
+        g_lo = tl.program_id(2) * per_run
+        g_end = tl.minimum(g_lo + per_run, g_end)
+    for g in range(g_lo, g_end):
         kk = (g * BLOCK_K + rk).to(tl.int64)
         mask_k = kk < K
         a = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -224,8 +313,10 @@ def _fp8_gemm_kernel(
             # a_ptr is the unquantised activation: quantise the group here, with the
             # arithmetic of _quant_groups_kernel (so the same e4m3 values and scales)
             xa = a.to(tl.float32)
-            sa = tl.maximum(tl.max(tl.abs(xa), axis=1), 1e-10) / 448.0
-            q = tl.minimum(tl.maximum(tl.div_rn(xa, sa[:, None]), -448.0), 448.0)
+            amax = tl.maximum(tl.max(tl.abs(xa), axis=1), 1e-10)
+            sa = tl.math.div_rn(amax, 448.0)
+            inv = tl.math.div_rn(448.0, amax)
+            q = tl.minimum(tl.maximum(xa * inv[:, None], -448.0), 448.0)
             a = q.to(w_ptr.dtype.element_ty)
         else:
             sa = tl.load(as_ptr + src * stride_asm + g, mask=mask_m, other=0.0)
@@ -236,8 +327,24 @@ def _fp8_gemm_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + we * N + rn, mask=mask_n, other=0.0).to(tl.float32)
         acc += tl.where(g_end > 0, bias, 0.0)[None, :]
-    o = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    o = out_ptr + tl.program_id(2) * stride_os + rm[:, None] * stride_om + rn[None, :]
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(
+    part_ptr, bias_ptr, out_ptr, numel, N, stride_s,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # out = (part[0] + part[1] + ... + part[SPLIT_K - 1]) + bias, in that order, cast once
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < numel
+    acc = tl.load(part_ptr + i, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_s + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_operands(xq, xs, wq, ws, grouped: bool) -> None:
@@ -292,61 +399,60 @@ def fp8_gemm(
         return fp8_gemm_reference(
             xq, xs, wq, ws, out_dtype=out_dtype, bias=bias, offs=offs, rows=rows
         )
-    t = rows.shape[0] if rows is not None else xq.shape[0]
-    k = xq.shape[1]
-    n = wq.shape[-2]
-    e = wq.shape[0] if grouped else 1
-    out = torch.empty(t, n, dtype=out_dtype, device=xq.device)
-    if t == 0 or n == 0:
-        return out
     if xq.stride(1) != 1:
         xq = xq.contiguous()
-    cfg = fp8_gemm_config(max(t // e, 1), invariant)
+    return _launch(xq, xs, wq, ws, out_dtype, bias, offs, rows, invariant)
+
+
+def _launch(a, xs, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tensor:
+    """One :func:`_fp8_gemm_kernel` launch (``xs`` None: fused quantisation), plus the
+    ordered sum of the split-K partials when the tile splits K."""
+    grouped = offs is not None
+    t = rows.shape[0] if rows is not None else a.shape[0]
+    k = a.shape[1]
+    n = wq.shape[-2]
+    e = wq.shape[0] if grouped else 1
+    out = torch.empty(t, n, dtype=out_dtype, device=a.device)
+    if t == 0 or n == 0:
+        return out
+    kg = num_groups(k)
+    cfg = fp8_gemm_config(max(t // e, 1), invariant, (n, k), a.device)
+    split = 1 if grouped else max(1, min(cfg.split_k, kg))
+    dest = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=a.device)
     row_tiles = triton.cdiv(t, cfg.block_m) + (e + 1 if grouped else 0)
-    grid = (row_tiles, triton.cdiv(n, cfg.block_n))
+    grid = (row_tiles, triton.cdiv(n, cfg.block_n), split)
+    fused = xs is None
     _fp8_gemm_kernel[grid](
-        xq, xs, rows if rows is not None else xs, wq, ws, offs if grouped else xs,
-        bias if bias is not None else out, out,
-        t, n, k, num_groups(k), e,
-        xq.stride(0), xs.stride(0), wq.stride(0) if grouped else 0, wq.stride(-2),
-        ws.stride(0) if grouped else 0, ws.stride(-2), out.stride(0),
-        GROUPED=grouped, GATHER=rows is not None, HAS_BIAS=bias is not None, FUSED_QUANT=False,
-        BLOCK_E=next_pow2(e + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP,
+        a, a if fused else xs, rows if rows is not None else a, wq, ws, offs if grouped else a,
+        bias if bias is not None and split == 1 else out, dest,
+        t, n, k, kg, e,
+        a.stride(0), 0 if fused else xs.stride(0), wq.stride(0) if grouped else 0,
+        wq.stride(-2), ws.stride(0) if grouped else 0, ws.stride(-2), n,
+        t * n if split > 1 else 0,
+        GROUPED=grouped, GATHER=rows is not None, HAS_BIAS=bias is not None and split == 1,
+        FUSED_QUANT=fused, BLOCK_E=next_pow2(e + 1), SPLIT_K=split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(t * n, block),)](
+            dest, bias if bias is not None else dest, out, t * n, n, t * n,
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return out
 
 
 def _fp8_gemm_fused(x, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tensor:
     """:func:`fp8_gemm` with ``xs`` None (the activation quantised in the GEMM's loads)."""
-    grouped = offs is not None
     k = x.shape[1]
-    t = rows.shape[0] if rows is not None else x.shape[0]
-    n = wq.shape[-2]
-    e = wq.shape[0] if grouped else 1
     if wq.shape[-1] != k or ws.shape != (*wq.shape[:-1], num_groups(k)):
         raise ValueError(
             f"fp8 weight {tuple(wq.shape)} / scales {tuple(ws.shape)} do not fit K {k}"
         )
-    out = torch.empty(t, n, dtype=out_dtype, device=x.device)
-    if t == 0 or n == 0:
-        return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = fp8_gemm_config(max(t // e, 1), invariant)
-    row_tiles = triton.cdiv(t, cfg.block_m) + (e + 1 if grouped else 0)
-    grid = (row_tiles, triton.cdiv(n, cfg.block_n))
-    _fp8_gemm_kernel[grid](
-        x, x, rows if rows is not None else x, wq, ws, offs if grouped else x,
-        bias if bias is not None else out, out,
-        t, n, k, num_groups(k), e,
-        x.stride(0), 0, wq.stride(0) if grouped else 0, wq.stride(-2),
-        ws.stride(0) if grouped else 0, ws.stride(-2), out.stride(0),
-        GROUPED=grouped, GATHER=rows is not None, HAS_BIAS=bias is not None, FUSED_QUANT=True,
-        BLOCK_E=next_pow2(e + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return out
+    return _launch(x, None, wq, ws, out_dtype, bias, offs, rows, invariant)
 
 
 def fused_quantization(x: torch.Tensor) -> bool:
