@@ -43,3 +43,25 @@ def test_engine_applies_them(checkpoint):
         assert params.sampling.temperature == 0.7
     finally:
         engine.shutdown()
+
+
+def test_server_requests_start_from_them():
+    """The server's routes (OpenAI and SGLang-native) fill what a request leaves out from the
+    engine's defaults, as ``Engine.generate`` does."""
+    from unimem.serve.generation import DEFAULT_TEMPERATURE
+    from unimem.serve.native_api import _gen_params
+    from unimem.serve.openai_api import _params
+    from unimem.serve.protocol import CompletionRequest, parse_body
+
+    defaults = {"temperature": 0.7, "top_k": 5}
+    silent = _gen_params({"max_new_tokens": 3}, "sampling_params", defaults)
+    assert (silent.temperature, silent.top_k, silent.top_p) == (0.7, 5, 1.0)
+    greedy = _gen_params({"temperature": 0.0}, "sampling_params", defaults)
+    assert (greedy.temperature, greedy.top_k) == (0.0, 5)
+    body = parse_body(CompletionRequest, {"model": "m", "prompt": "x"})
+    openai_silent = _params(body, None, "max_tokens", defaults)
+    assert (openai_silent.temperature, openai_silent.top_k) == (0.7, 5)
+    body = parse_body(CompletionRequest, {"model": "m", "prompt": "x", "top_k": 2})
+    assert _params(body, None, "max_tokens", defaults).top_k == 2
+    # no checkpoint defaults: the server's own (OpenAI's temperature 1)
+    assert _gen_params({}, "sampling_params", {}).temperature == DEFAULT_TEMPERATURE

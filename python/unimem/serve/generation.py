@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from unimem.engine.sampling import SamplingOptions
@@ -43,6 +43,11 @@ DRAIN_POLL_S = 0.05
 
 RETRY_AFTER_S = 5
 """The ``Retry-After`` (seconds) of a 503 while the server shuts down."""
+
+
+SAMPLED_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
+"""The sampling parameters a checkpoint's generation config may set for requests silent on
+them."""
 
 
 @dataclass
@@ -67,6 +72,15 @@ class GenParams:
     skip_special_tokens: bool = True
     max_tokens_field: str = "max_tokens"  # how the request spelled it (errors name it)
     top_logprobs_field: str = "top_logprobs"
+
+    @classmethod
+    def with_defaults(cls, defaults: Mapping, **fields) -> GenParams:
+        """Parameters starting from the checkpoint's sampling defaults (``temperature``,
+        ``top_p``, ``top_k``, ``min_p`` of its ``generation_config.json``, as
+        :attr:`unimem.Engine.sampling_defaults` holds them), as SGLang does; the request's
+        own values are set on the result afterwards and win."""
+        known = {k: v for k, v in defaults.items() if k in SAMPLED_DEFAULT_KEYS and v is not None}
+        return cls(**known, **fields)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -57,7 +58,8 @@ HEALTH_POLL_S = 0.05
 """How often ``/health_generate`` looks for engine output."""
 
 
-def _gen_params(raw: dict | None, where: str) -> GenParams:
+def _gen_params(raw: dict | None, where: str, defaults: Mapping) -> GenParams:
+    """``sampling_params`` over ``defaults`` (the checkpoint's sampling defaults)."""
     raw = dict(raw or {})
     for key in raw:
         if key not in SAMPLING_KEYS:
@@ -67,7 +69,9 @@ def _gen_params(raw: dict | None, where: str) -> GenParams:
                 param=f"{where}.{key}",
                 code="unrecognized_argument",
             )
-    p = GenParams(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, max_tokens_field=f"{where}.max_new_tokens")
+    p = GenParams.with_defaults(
+        defaults, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, max_tokens_field=f"{where}.max_new_tokens"
+    )
     for key in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n"):
         if raw.get(key) is not None:
             setattr(p, key, raw[key])
@@ -161,7 +165,7 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
         batch, field, single = prompts(body)
         if not batch:
             raise ApiError(400, f"{field} is empty", param=field)
-        sp = body.sampling_params
+        sp, defaults = body.sampling_params, serving.engine.sampling_defaults
         if isinstance(sp, list):
             if len(sp) != len(batch):
                 raise ApiError(
@@ -169,9 +173,9 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
                     f"sampling_params has {len(sp)} entries for {len(batch)} prompts",
                     param="sampling_params",
                 )
-            params = [_gen_params(p, "sampling_params") for p in sp]
+            params = [_gen_params(p, "sampling_params", defaults) for p in sp]
         else:
-            params = [_gen_params(sp, "sampling_params")] * len(batch)
+            params = [_gen_params(sp, "sampling_params", defaults)] * len(batch)
         if body.stream and not single:
             raise ApiError(400, "stream takes one prompt", param="stream")
         subs = [serving.prepare(ids, p, field) for ids, p in zip(batch, params, strict=True)]

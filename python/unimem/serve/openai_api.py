@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -59,10 +59,12 @@ def sse(obj) -> str:
     return f"data: {data}\n\n"
 
 
-def _params(body, max_tokens: int | None, max_field: str) -> GenParams:
+def _params(body, max_tokens: int | None, max_field: str, defaults: Mapping) -> GenParams:
+    """The request's parameters over ``defaults`` (the checkpoint's sampling defaults)."""
     stop = body.stop
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    p = GenParams(
+    p = GenParams.with_defaults(
+        defaults,
         max_new_tokens=max_tokens,
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -236,7 +238,7 @@ def openai_router(serving: Serving) -> APIRouter:
                 param="logprobs",
                 code="unsupported_value",
             )
-        params = _params(body, body.max_tokens, "max_tokens")
+        params = _params(body, body.max_tokens, "max_tokens", serving.engine.sampling_defaults)
         params.top_logprobs = lp or 0
         params.top_logprobs_field = "logprobs"
         return await completions.run(
@@ -266,9 +268,14 @@ def openai_router(serving: Serving) -> APIRouter:
                 param="max_completion_tokens",
             )
         if body.max_completion_tokens is not None:
-            params = _params(body, body.max_completion_tokens, "max_completion_tokens")
+            params = _params(
+                body,
+                body.max_completion_tokens,
+                "max_completion_tokens",
+                serving.engine.sampling_defaults,
+            )
         else:
-            params = _params(body, body.max_tokens, "max_tokens")
+            params = _params(body, body.max_tokens, "max_tokens", serving.engine.sampling_defaults)
         params.top_logprobs = top
         return await chats.run(request, body, prompt, "messages", params, body.logprobs, top)
 
