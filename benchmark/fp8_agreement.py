@@ -11,7 +11,7 @@ with its tokenizer, generates ``--tokens`` greedy tokens per prompt with the bf1
 positions whose FP8 argmax equals the bf16 argmax (the goal: >= ``--goal``), the mean and
 max |log p_fp8(t) - log p_bf16(t)| of the bf16 token ``t``, and the mean over the whole
 distribution (sum_v p_bf16 |delta log p|). The FP8 model is quantised as ``--quantization
-fp8`` does (``quant_config.online_config``: for Gemma 3 the MLPs stay bf16); ``all_linears``
+fp8`` does (``quant_config.online_config``: for Gemma 3 gate/up/o stay bf16); ``all_linears``
 repeats the scores with every eligible linear in FP8 (the hub checkpoints' choice).
 ``--json`` writes it; exit 3 when the default's agreement is below the goal, 1 on an error.
 
