@@ -2,9 +2,10 @@
 # FP8 on one GPU (issue 43), in one device call, from the repository root:
 #   bash benchmark/gpu_fp8.sh [--out DIR] [--parts "P..."] [--model-path GEMMA] [--prompts FILE]
 #        [--big-layers N]
-# Parts (default: all, in this order). Estimated 15-20 min in total on an H200: with calls
-# limited to 10 min run three, same --out: --parts "tests gemm profile" (~7 min),
-# --parts "bench qwen3next" (~7 min), --parts "gemma big" (~6 min).
+# Parts (default: all, in this order). Estimated 18-23 min in total on an H200: with calls
+# limited to 10 min run three, same --out: --parts "tests sweep gemm profile" (~9 min),
+# --parts "bench qwen3next" (~7 min), --parts "gemma big" (~6 min). The sweep's table only
+# reaches later parts run in the same call (or once committed).
 #   tests     : the gpu-marked FP8 tests (Triton FP8 GEMMs vs their references and in a CUDA
 #               graph; a tiny FP8 Qwen3-Next on CUDA graphs, static == unified, deterministic
 #               alone == batched)

@@ -193,7 +193,7 @@ def test_fused_activation_quantization_gives_the_same_bits(monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("spec", ["16x32,4,2,3", "64x64,4,3,1"])
+@pytest.mark.parametrize("spec", ["16x32,4,2,3", "64x64,4,3,1", "16x16,4,2,0"])
 def test_forced_tiles_and_split_k_match_reference(device, spec, triton_backend, monkeypatch):
     """Any tile (``UNIMEM_FP8_GEMM_CONFIG``), with split-K summing runs of groups in a second
     launch (a partial last run, bias added once), gives the reference's product."""
@@ -216,7 +216,7 @@ def test_forced_tiles_and_split_k_match_reference(device, spec, triton_backend, 
 def test_gemm_config_spec_round_trips_and_bad_specs_are_named(monkeypatch):
     cfg = Fp8GemmConfig.parse("32x128,4,3,2")
     assert cfg == Fp8GemmConfig(32, 128, 4, 3, 2) and Fp8GemmConfig.parse(cfg.spec()) == cfg
-    for bad in ("32x128,4,3", "48x64,4,3,1", "32x64,4,3,0"):
+    for bad in ("32x128,4,3", "48x64,4,3,1", "32x64,4,3,-1"):
         with pytest.raises(ValueError, match="fp8 GEMM config"):
             Fp8GemmConfig.parse(bad)
     monkeypatch.setenv("UNIMEM_FP8_GEMM_CONFIG", "32x128,4,3,2")

@@ -38,7 +38,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from unimem.models import batch_invariant
-from unimem.models.quant_config import Fp8Config
+from unimem.models.quant_config import Fp8Config, online_config
 from unimem_kernel.fp8_gemm import FP8_DTYPE, FP8_MAX, GROUP, fp8_linear, num_groups
 
 __all__ = [
@@ -412,11 +412,12 @@ def check_supported(model: nn.Module) -> None:
 def quantize_model_online(model: nn.Module, cfg: Fp8Config | None = None) -> set[str]:
     """``--quantization fp8`` applied to a model whose weights are loaded already (any
     loader; the synthetic presets): quantises :func:`quantized_param_names` (or, for a
-    synthetic model, :func:`synthetic_fp8_names`) in place. Returns the names."""
+    synthetic model, :func:`synthetic_fp8_names`) in place, with ``cfg`` or the model
+    class's :func:`~unimem.models.quant_config.online_config`. Returns the names."""
     check_supported(model)
     if type(model).__name__ == "HybridModel":
         names = synthetic_fp8_names(model)
     else:
-        names = quantized_param_names(model, cfg or Fp8Config(from_checkpoint=False), [])
+        names = quantized_param_names(model, cfg or online_config(type(model).__name__), [])
     quantize_in_place(model, names)
     return names

@@ -235,7 +235,7 @@ def load_model(
         raise CheckpointError(f"{root}/config.json names no architecture ('architectures')")
     cls = model_class(archs[0])
     dev = torch.device(device)
-    fp8 = resolve_quantization(hf_config, quantization)
+    fp8 = resolve_quantization(hf_config, quantization, cls.__name__)
     # FP8: parameters allocated once, after the FP8 ones are known (never in bf16 first)
     with fp8_linear.deferred_weights() if fp8 is not None else contextlib.nullcontext():
         model = cls.from_hf_config(

@@ -162,7 +162,8 @@ def fp8_quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass(frozen=True)
 class Fp8GemmConfig:
     """A tile of the FP8 GEMM kernel (``BLOCK_K`` is always :data:`GROUP`); ``split_k``
-    programs share each output tile's groups (dense products only; 1 for grouped ones)."""
+    programs share each output tile's groups (dense products only; 1 for grouped ones; 0:
+    as many as bring the programs to two per SM, at most 8 and two groups per run)."""
 
     block_m: int
     block_n: int
@@ -188,8 +189,8 @@ class Fp8GemmConfig:
         for v in (cfg.block_m, cfg.block_n):
             if v < 16 or v & (v - 1):
                 raise ValueError(f"fp8 GEMM config {spec!r}: tile sides are powers of 2 >= 16")
-        if cfg.split_k < 1:
-            raise ValueError(f"fp8 GEMM config {spec!r}: split-K is >= 1")
+        if cfg.split_k < 0:
+            raise ValueError(f"fp8 GEMM config {spec!r}: split-K is >= 0 (0: automatic)")
         return cfg
 
 
@@ -201,9 +202,9 @@ INVARIANT_CONFIG = Fp8GemmConfig(64, 64, 4, 4)
 # minimum from 33 rows on; narrow outputs then leave SMs idle, which split-K fills (dense
 # only). Prefill takes 128 x 128. Tuned per GPU and shape by fp8_gemm_configs.json.
 _BY_ROWS = (
-    (16, Fp8GemmConfig(16, 64, 4, 4, 4)),
-    (32, Fp8GemmConfig(32, 64, 4, 4, 4)),
-    (64, Fp8GemmConfig(64, 64, 4, 4, 2)),
+    (16, Fp8GemmConfig(16, 64, 4, 4, 0)),
+    (32, Fp8GemmConfig(32, 64, 4, 4, 0)),
+    (64, Fp8GemmConfig(64, 64, 4, 4, 0)),
     (512, Fp8GemmConfig(64, 128, 4, 3)),
     (1 << 62, Fp8GemmConfig(128, 128, 8, 3)),
 )
@@ -404,6 +405,22 @@ def fp8_gemm(
     return _launch(xq, xs, wq, ws, out_dtype, bias, offs, rows, invariant)
 
 
+def _split_k(cfg: Fp8GemmConfig, t: int, n: int, kg: int, device: torch.device) -> int:
+    """The runs of groups a dense product of ``t x n`` outputs over ``kg`` groups uses."""
+    if cfg.split_k:
+        return max(1, min(cfg.split_k, kg))
+    tiles = triton.cdiv(t, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    sms = _sm_count(device)
+    return max(1, min(8, kg // 2, triton.cdiv(2 * sms, tiles)))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: exercise the split path on tiny shapes
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _launch(a, xs, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tensor:
     """One :func:`_fp8_gemm_kernel` launch (``xs`` None: fused quantisation), plus the
     ordered sum of the split-K partials when the tile splits K."""
@@ -417,7 +434,7 @@ def _launch(a, xs, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tens
         return out
     kg = num_groups(k)
     cfg = fp8_gemm_config(max(t // e, 1), invariant, (n, k), a.device)
-    split = 1 if grouped else max(1, min(cfg.split_k, kg))
+    split = 1 if grouped else _split_k(cfg, t, n, kg, a.device)
     dest = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=a.device)
     row_tiles = triton.cdiv(t, cfg.block_m) + (e + 1 if grouped else 0)
     grid = (row_tiles, triton.cdiv(n, cfg.block_n), split)
