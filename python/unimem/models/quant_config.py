@@ -82,6 +82,10 @@ class Fp8Config:
         return bool(ONLINE_LINEARS.search(param_name)) and not self.skips(param_name)
 
 
+MODEL_OWN_METHODS = ("mxfp4",)
+"""Quantisation methods a model family loads itself (dequantised at load), not FP8 linears."""
+
+
 def _get(cfg, key, default=None):
     if isinstance(cfg, dict):
         return cfg.get(key, default)
@@ -92,6 +96,8 @@ def checkpoint_fp8_config(hf_config) -> Fp8Config | None:
     """The checkpoint's FP8 config, None without ``quantization_config``; ValueError naming
     the field for a method or layout unimem does not load."""
     qc = getattr(hf_config, "quantization_config", None)
+    if qc is not None and _get(qc, "quant_method") in MODEL_OWN_METHODS:
+        return None  # the model's own loader handles it (gpt-oss's MXFP4 experts)
     if qc is None:
         return None
     method = _get(qc, "quant_method")
