@@ -139,13 +139,18 @@ class EngineLoop:
         self._post("submit", handle)
         return handle
 
-    def abort(self, handle: Handle, report_as: str | None = None) -> None:
+    def abort(self, handle: Handle, report_as: str | None = None) -> Future:
         """End ``handle``'s request between steps (its memory comes back); a no-op once it
         finished. ``report_as``: the finish reason the response reports and the metrics
-        count (a stop string ends a request as "stop"); default "abort". Returns at once."""
+        count (a stop string ends a request as "stop"); default "abort". Returns at once;
+        the future resolves (to None) once the engine thread has ended the request and
+        counted its finish, so a caller that awaits it answers only after the server's
+        counters and metrics include this request."""
         if report_as is not None:
             handle.finish_as = report_as
-        self._post("abort", handle)
+        done: Future = Future()
+        self._post("abort", (handle, done))
+        return done
 
     def relabel(self, engine_reason: str, reported: str) -> None:
         """Count one finished request as ``reported`` instead of ``engine_reason`` (a stop
@@ -214,6 +219,8 @@ class EngineLoop:
                     _send([(item, Delta(finish_reason="abort", error=reason, status=503))])
                 elif kind == "call":
                     item[1].set_exception(RuntimeError(reason))
+                elif kind == "abort":  # the shutdown path ends it (and counts it) anyway
+                    item[1].set_result(None)
                 return
             self._inbox.append((kind, item))
             self._cond.notify()
@@ -251,24 +258,34 @@ class EngineLoop:
             for k, item in pending:
                 if k == "call":
                     item[1].set_exception(RuntimeError(self.error))
+                elif k == "abort":
+                    item[1].set_result(None)
             self._active = []
             self._publish()
 
     def _handle(self, inbox: list[tuple[str, object]]) -> None:
-        for kind, item in inbox:
-            if kind == "submit":
-                self._submit(item)
-            elif kind == "abort":
-                self._abort(item)
-            else:
-                fn, fut = item
-                try:
-                    fut.set_result(fn(self.core))
-                except Exception as e:
-                    fut.set_exception(e)
-        if inbox:
-            self._emit()
-            self._publish()
+        aborted: list[Future] = []
+        try:
+            for kind, item in inbox:
+                if kind == "submit":
+                    self._submit(item)
+                elif kind == "abort":
+                    handle, done = item
+                    aborted.append(done)
+                    self._abort(handle)
+                else:
+                    fn, fut = item
+                    try:
+                        fut.set_result(fn(self.core))
+                    except Exception as e:
+                        fut.set_exception(e)
+            if inbox:
+                self._emit()  # counts the aborted requests' finish
+                self._publish()
+        finally:  # even when the engine broke: nobody waits on an abort forever
+            for done in aborted:
+                if not done.done():
+                    done.set_result(None)
 
     def _submit(self, h: Handle) -> None:
         s = h.sub

@@ -35,6 +35,9 @@ __all__ = ["GenParams", "Generation", "Piece", "Serving"]
 DISCONNECT_POLL_S = 0.5
 """How often a request waiting for tokens checks whether its client is still there."""
 
+ABORT_WAIT_S = 5.0
+"""Longest a stop-string response waits for the engine to end (and count) its request."""
+
 DEFAULT_TEMPERATURE = 1.0
 """OpenAI's and SGLang's default temperature when a request gives none."""
 
@@ -343,7 +346,10 @@ class Generation:
                 if piece.finish_reason == "stop" and isinstance(piece.matched, str):
                     # a stop string: end it in the engine, counted as the response reports it
                     if delta.finish_reason is None:
-                        self.serving.loop.abort(handle, report_as="stop")
+                        ended = self.serving.loop.abort(handle, report_as="stop")
+                        # answer once the server counts it: a client that reads the
+                        # metrics right after its response sees its own request there
+                        await asyncio.wait({asyncio.wrap_future(ended)}, timeout=ABORT_WAIT_S)
                     else:  # the engine had ended it already (and counted it) for another reason
                         self.serving.loop.relabel(delta.finish_reason, "stop")
                 yield piece
