@@ -1,0 +1,161 @@
+"""Every ``UNIMEM_*`` environment switch, in one registry.
+
+The switches live here, in the lowest package, so that kernels and the engine read them the
+same way: ``envs.get("UNIMEM_FUSED_OPS")`` returns the parsed value (the default when unset)
+and raises ``ValueError`` naming the switch and its accepted values when the environment
+holds something else. A switch is read at each call, not cached: tests and benchmarks set
+them per run. ``python -m unimem envs`` (or :func:`describe`) lists them with their docs.
+
+Adding a switch: one :class:`EnvSwitch` in :data:`SWITCHES`; nothing else reads
+``os.environ`` for a ``UNIMEM_*`` name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SWITCHES", "EnvSwitch", "describe", "get", "is_set"]
+
+
+@dataclass(frozen=True)
+class EnvSwitch:
+    """One switch: its name, default (the value when unset or empty), the accepted values
+    (``choices``; ``None``: any string that ``parse`` accepts), a parser from the string
+    to the value, and what it does."""
+
+    name: str
+    default: Any
+    doc: str
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] = str
+
+    def read(self) -> Any:
+        raw = os.environ.get(self.name, "")
+        if raw == "":
+            return self.default
+        if self.choices is not None and raw not in self.choices:
+            raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}, got {raw!r}")
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={raw!r} is not valid: {e}") from None
+
+
+def _flag(raw: str) -> bool:
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError("expected 1/0, true/false, on/off or yes/no")
+
+
+def _positive_float(raw: str) -> float:
+    v = float(raw)
+    if not v > 0:
+        raise ValueError("expected a positive number of seconds")
+    return v
+
+
+_ALL = (
+    # kernels (unimem_kernel)
+    EnvSwitch(
+        "UNIMEM_KERNEL_BACKEND",
+        "auto",
+        "Which implementation every op runs: auto (Triton on CUDA tensors, the torch "
+        "reference elsewhere), triton (also on the CPU: with TRITON_INTERPRET=1 the "
+        "interpreter, small sizes only) or reference (the torch reference everywhere).",
+        choices=("auto", "triton", "reference"),
+    ),
+    EnvSwitch(
+        "UNIMEM_FUSED_OPS",
+        "on",
+        "off: the fused norm/RoPE/activation ops run their torch reference even on CUDA "
+        "(to measure or bisect the fusion).",
+        choices=("on", "off"),
+    ),
+    EnvSwitch(
+        "UNIMEM_FP8_GEMM_CONFIG",
+        "",
+        "Force one FP8 GEMM tile for every shape (the Fp8GemmConfig.parse format); unset: "
+        "the tuned table, else the default by rows.",
+    ),
+    EnvSwitch(
+        "UNIMEM_FP8_ACT_QUANT",
+        "separate",
+        "Where FP8 activations are quantised: separate (a launch of its own) or fused "
+        "(inside the GEMM; Triton on a GPU only).",
+        choices=("separate", "fused"),
+    ),
+    EnvSwitch(
+        "UNIMEM_MOE_GEMM",
+        "auto",
+        "The grouped expert GEMM: auto (by rows per expert), triton (the project's tiles) "
+        "or vendor (torch._grouped_mm).",
+        choices=("auto", "triton", "vendor"),
+    ),
+    # models and engine (unimem)
+    EnvSwitch(
+        "UNIMEM_GDN_CHUNKED_PREFILL",
+        "auto",
+        "How Gated DeltaNet layers extend on prefill: auto (by cost), fla, triton "
+        "(the project's chunked kernel) or off (the recurrent kernel).",
+        choices=("auto", "fla", "triton", "off"),
+    ),
+    EnvSwitch(
+        "UNIMEM_CACHE_DIR",
+        "",
+        "Where converted GGUF checkpoints are cached; unset: $XDG_CACHE_HOME/unimem or "
+        "~/.cache/unimem.",
+    ),
+    EnvSwitch(
+        "UNIMEM_TP_CHECK_STATE",
+        False,
+        "1: after every step each tensor-parallel rank checks that its allocator state "
+        "equals rank 0's (debug; it synchronises).",
+        parse=_flag,
+    ),
+    EnvSwitch(
+        "UNIMEM_TP_TIMEOUT_S",
+        86400.0,
+        "Seconds a tensor-parallel collective may wait (idle ranks wait for rank 0's next "
+        "step in a broadcast).",
+        parse=_positive_float,
+    ),
+    EnvSwitch(
+        "UNIMEM_DP_START_TIMEOUT_S",
+        1800.0,
+        "Seconds `launch_server --dp-size N` waits for every replica to become healthy.",
+        parse=_positive_float,
+    ),
+)
+
+SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in _ALL}
+
+
+def _switch(name: str) -> EnvSwitch:
+    try:
+        return SWITCHES[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a registered UNIMEM_* switch (unimem_kernel.envs)") from None
+
+
+def get(name: str) -> Any:
+    """The parsed value of switch ``name`` now (its default when unset or empty)."""
+    return _switch(name).read()
+
+
+def is_set(name: str) -> bool:
+    """Whether the environment gives switch ``name`` a non-empty value."""
+    return os.environ.get(_switch(name).name, "") != ""
+
+
+def describe() -> str:
+    """Every switch, its default and its doc, one paragraph each (for ``unimem envs``)."""
+    lines = []
+    for s in _ALL:
+        choices = f" [{'|'.join(s.choices)}]" if s.choices else ""
+        lines.append(f"{s.name}{choices} (default {s.default!r})\n    {s.doc}")
+    return "\n".join(lines)
