@@ -12,7 +12,7 @@ signatures it compiles are the ones Triton's own JIT would specialise the launch
 The work runs in ``benchmark/compile_check.py``, in a subprocess with ``TRITON_INTERPRET``
 unset: under the interpreter ``@triton.jit`` returns interpreted functions, which cannot be
 compiled, and ``TRITON_INTERPRET`` must be unset before ``triton`` is imported. Skipped (with
-the reason) when the installed Triton cannot compile for CUDA here. About 15-20 s on 2 cores.
+the reason) when the installed Triton cannot compile for CUDA here.
 Register use and spills are not asserted (a performance matter, for the GPU benchmarks):
 ``python benchmark/compile_check.py`` prints them per variant.
 """
@@ -28,6 +28,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+
+# A compile check for a GPU target, not kernel semantics (the fast tier runs every kernel in the
+# interpreter): the slow tier, ``python3 -m pytest -q -m slow``.
+pytestmark = pytest.mark.slow
 
 _ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = _ROOT / "benchmark" / "compile_check.py"

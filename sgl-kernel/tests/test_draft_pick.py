@@ -247,9 +247,9 @@ def control(bs, g, v, device, seed):
     "block_v, nsplit, dtype, with_control",
     [
         # V 3000: 4 chunks of 768 = 3 blocks of 256, the last chunk's last block ragged
-        (256, 4, torch.float32, False),
-        (256, 4, torch.bfloat16, True),
-        # 16 chunks of one block of 256: 12 in the vocabulary, 4 past its end
+        pytest.param(256, 4, torch.float32, False, marks=pytest.mark.slow),
+        pytest.param(256, 4, torch.bfloat16, True, marks=pytest.mark.slow),
+        # 16 chunks of one block of 256: 12 in the vocabulary (the 12th ragged), 4 past its end
         (256, 16, torch.float32, True),
     ],
 )
@@ -281,6 +281,7 @@ def test_markov_pick_lane_groups_ragged(triton_backend, monkeypatch, device, blo
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow  # the kernel it replaced; the fast tier compares with the reference
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_markov_pick_equals_previous_kernel(triton_backend, device, dtype):
     """Bit for bit the previous one-lane-per-program kernel's picks: random logits, with the

@@ -354,7 +354,9 @@ def _ops(g, d, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16", marks=pytest.mark.slow)]
+)
 def test_a_row_alone_equals_it_inside_batches(triton_backend, device, dtype):
     g = _gen(12)
     d = 32

@@ -142,9 +142,9 @@ def check_rule(h, hk, dtype, device, c, *, block_v, seed, lens=None, precision="
 @pytest.mark.parametrize(
     "h, hk, dtype",
     [
-        pytest.param(2, 2, F32, id="h2-f32"),
+        pytest.param(2, 2, F32, id="h2-f32", marks=pytest.mark.slow),
         pytest.param(4, 2, F32, id="h4k2-f32"),
-        pytest.param(4, 1, BF16, id="h4k1-bf16"),
+        pytest.param(4, 1, BF16, id="h4k1-bf16", marks=pytest.mark.slow),
     ],
 )
 def test_chunked_rule_vs_recurrent_and_reference(h, hk, dtype):
@@ -200,7 +200,9 @@ def mixer_inputs(seed, h, hk, dtype, device, lens, dk=DK, dv=DV):
     return x, w, conv, g, beta
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16")])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16", marks=pytest.mark.slow)]
+)
 def test_mixer_chunked_prefill(dtype):
     """Extend through ``gdn_forward_triton``: chunked vs recurrent rule (same conv), and vs
     ``gdn_reference.gdn_forward`` on the live lanes."""

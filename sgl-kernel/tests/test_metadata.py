@@ -247,6 +247,7 @@ def test_decode_prefix_sum_in_chunks(device, monkeypatch):
     run_decode(device, 31, bs=11, page_size=16, width=3, swa_width=3, identity=False)
 
 
+@pytest.mark.slow  # the fast tier runs the chunked cumsum with a block of 4 (above)
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_large_batch(device):
     # bs past the default cumsum block (1024) with a one-column table

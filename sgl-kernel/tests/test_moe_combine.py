@@ -36,7 +36,9 @@ def _old_three_passes(y, order, w):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("t,k,d", [(1, 1, 8), (5, 2, 40), (9, 8, 96)])
+@pytest.mark.parametrize(
+    "t,k,d", [(1, 1, 8), (5, 2, 40), pytest.param(9, 8, 96, marks=pytest.mark.slow)]
+)
 def test_kernel_equals_reference_bitwise(monkeypatch, device, dtype, t, k, d):
     monkeypatch.setattr(mc_mod, "_BLOCK_D", 32)  # several column blocks at small d
     if device == "cpu":
@@ -77,7 +79,7 @@ def test_interpreter_or_gpu_strided_weights(monkeypatch, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("t,k,d", [(3, 2, 40), (9, 8, 96)])
+@pytest.mark.parametrize("t,k,d", [(3, 2, 40), pytest.param(9, 8, 96, marks=pytest.mark.slow)])
 def test_shared_expert_joins_the_pass(monkeypatch, device, dtype, t, k, d):
     # Qwen3-Next's block: routed + sigmoid(h @ w_gate^T) * shared, with d over two column
     # programs and the gate's dot product over several chunks

@@ -134,15 +134,16 @@ def test_reference_matches_naive_softmax(window, use_sinks):
 
 # ------------------------------------------------------------------ kernel vs reference
 
+SLOW = pytest.mark.slow
 CASES = [
     # lens, q_len, hq, hkv, dk, dv, dtype, window, sinks, split, programs
-    ([100, 37, 4], 4, 4, 2, 32, 32, torch.float32, None, False, 32, 2),
+    pytest.param(([100, 37, 4], 4, 4, 2, 32, 32, torch.float32, None, False, 32, 2), marks=SLOW),
     ([90, 45, 3], 3, 4, 2, 64, 32, torch.float32, 20, True, 16, 4),  # Dk != Dv
     ([77, 16, 1], 1, 6, 2, 32, 32, torch.float32, 7, False, 32, 3),  # decode, group 3
     ([98, 60, 4], 4, 4, 1, 64, 64, torch.bfloat16, None, True, 16, 2),  # group 4
-    ([70, 33, 3], 3, 4, 2, 32, 64, torch.float16, 33, False, 16, 8),  # idle programs
+    pytest.param(([70, 33, 3], 3, 4, 2, 32, 64, torch.float16, 33, False, 16, 8), marks=SLOW),
     ([60, 41, 17], 17, 2, 2, 32, 32, torch.float32, 25, True, 16, 2),  # 2 row tiles of 16
-]
+]  # case 4: idle programs. Cases 0 and 4 are the slow tier (the others span their paths).
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -278,9 +279,9 @@ def pattern_rows(device, *, n_keys, positions, widths, hq, hkv, d, page, dtype, 
 @pytest.mark.parametrize(
     "n_keys, first_pos, window, use_sinks, programs, widths",
     [
-        (80, 46, None, False, 3, (4, 3, 1)),
+        pytest.param(80, 46, None, False, 3, (4, 3, 1), marks=SLOW),
         (100, 78, 62, True, 3, (4, 3, 1)),
-        (80, 46, 30, False, 8, (4, 1)),
+        pytest.param(80, 46, 30, False, 8, (4, 1), marks=SLOW),
     ],
 )
 def test_pattern_independence_bitwise(
