@@ -46,8 +46,9 @@ HEADS = [
     pytest.param((4, 2), id="h4k2"),
     pytest.param((4, 1), id="h4k1", marks=pytest.mark.slow),
 ]
-# the mixer (two launches, three modes): grouped key heads only in the fast tier
-MIXER_HEADS = [
+# the costliest cases (the extend rule, the mixer's two launches): grouped key heads only in the
+# fast tier
+GROUPED_HEADS = [
     pytest.param((H, H), id="h2", marks=pytest.mark.slow),
     pytest.param((4, 4), id="h4", marks=pytest.mark.slow),
     pytest.param((4, 2), id="h4k2"),
@@ -361,7 +362,7 @@ def test_rule_verify(device, dtypes, t_len, heads):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES)
-@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("heads", GROUPED_HEADS)
 def test_rule_extend(device, dtypes, heads):
     """Ragged: zero tokens without an initial state (slot zeroed), one token, padded, 20 tokens
     without an initial state (longer than the reference's chunk of 8), 5 tokens from a state,
@@ -465,7 +466,7 @@ def run_mixer(mode, arena, ref, bounds, x, w, g, beta, slots_l, init_l, device, 
         pytest.param((F64, F64), id="f64"),
     ],
 )
-@pytest.mark.parametrize("heads", MIXER_HEADS)
+@pytest.mark.parametrize("heads", GROUPED_HEADS)
 def test_gdn_forward(device, mode, dtypes, heads):
     """conv + SiLU -> split -> L2 norm -> delta rule, two launches, against the reference
     (float64: the ``tiny`` preset's dtype, float64 arithmetic in both kernels). Grouped key

@@ -4,7 +4,8 @@ unsharded model, through static pools and through a unified arena small enough t
 with DSPARK chain speculation too; the ranks' allocator states agree after every step; each
 rank holds only its slices; a rank whose state differs is caught.
 
-One spawn for the module: every case runs in one SPMD call (:mod:`tp_checks`)."""
+One spawn for the module: every case runs in one SPMD call (:mod:`tp_checks`). The fast tier
+runs the checkpoints through the unified arena only; the slow tier adds their static pools."""
 
 from __future__ import annotations
 
@@ -19,24 +20,30 @@ from unimem.engine.distributed import run_ranks
 ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gpt_oss", "gemma3"]
 
 
-def _cases(paths: dict[str, str]) -> list[tuple[str, str, bool]]:
+def _cases(paths: dict[str, str], every_memory: bool) -> list[tuple[str, str, bool]]:
+    """The synthetic preset through both memories (and DSPARK), every architecture through the
+    unified arena (the one that compacts), and with ``every_memory`` through static pools too."""
     cases = [("synthetic", m, False) for m in ("static", "unified")]
     cases.append(("synthetic", "unified", True))
     for arch in ARCHS:
-        cases += [(paths[arch], m, False) for m in ("static", "unified")]
+        memories = ("static", "unified") if every_memory else ("unified",)
+        cases += [(paths[arch], m, False) for m in memories]
     cases.append((paths["gpt_oss"], "unified", True))
     return cases
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("fast"), pytest.param("every_memory", marks=pytest.mark.slow)],
+)
+def runs(request, tmp_path_factory):
     paths = {}
     for arch in ARCHS:
         path = tmp_path_factory.mktemp(arch)
         hf = importlib.import_module(f"tiny_{arch}").build(path)
         tiny_tokenizer.save(path, hf.config.vocab_size)
         paths[arch] = str(path)
-    cases = _cases(paths)
+    cases = _cases(paths, every_memory=request.param == "every_memory")
     tp2 = run_ranks(2, tp_checks.run_cases, cases)
     tp1 = tp_checks.run_cases(None, cases)
     return paths, cases, tp1, tp2

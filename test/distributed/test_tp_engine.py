@@ -98,16 +98,16 @@ def test_abort_reaches_every_rank(engines):
 def test_validate_tp2_static_equals_unified_with_compaction(checked):
     cfg = ValidateConfig(
         tp_size=2,
-        requests=8,
-        input_len=40,
-        output_len=16,
+        requests=4,
+        input_len=24,
+        output_len=8,
         arena_mb=0.4,
         max_running=4,
         page_size=4,
     )
     report = validate(cfg)
     assert report["config"]["tp_size"] == 2
-    assert report["exact_match"] == 8
+    assert report["exact_match"] == 4
     assert report["unified"]["compactions"] > 0
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "test" / "models"))
 
@@ -17,6 +19,7 @@ import tiny_gemma3  # noqa: E402
 SCRIPT = ROOT / "benchmark" / "bench_decode_floor.py"
 
 
+@pytest.mark.slow  # a benchmark tool's run in a subprocess
 def test_cpu_dry_run_writes_the_schema(tmp_path):
     ckpt = tmp_path / "gemma"
     tiny_gemma3.build(ckpt, num_hidden_layers=2,

@@ -46,10 +46,15 @@ def cpu_mode(monkeypatch):
 
 def test_a_request_alone_equals_it_among_others(cpu_mode):
     speculative = True  # DSPARK: prefill, verify steps, drafter GEMMs, the GDN commit
-    cfg = dataclasses.replace(preset("tiny"), dtype=torch.float32)
+    # the ``tiny`` preset's layer kinds at interpreter-friendly widths: every GEMM, row op and
+    # GDN kernel runs through the Triton interpreter
+    cfg = dataclasses.replace(preset("tiny"), dtype=torch.float32, d_model=32, ffn_dim=64,
+                              vocab_size=64, head_dim_k=16, head_dim_v=8,
+                              layer_pattern=("full", "gdn", "swa"), gdn_heads=2,
+                              gdn_head_dim_k=8, gdn_head_dim_v=16)  # fmt: skip
     model = HybridModel(cfg, seed=6)
     g = torch.Generator().manual_seed(7)
-    prompts = torch.randint(0, cfg.vocab_size, (3, 12), generator=g).tolist()
+    prompts = torch.randint(0, cfg.vocab_size, (3, 8), generator=g).tolist()
     lanes, drafter = (), None
     if speculative:
         drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)

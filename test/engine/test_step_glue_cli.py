@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmark" / "step_glue.py"
 
 
+@pytest.mark.slow  # a benchmark tool's run in a subprocess
 def test_lists_the_glue_of_a_verify_step_by_site():
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--preset", "tiny", "--requests", "2"],

@@ -64,6 +64,7 @@ def fp8_server(tmp_path_factory):
     assert rc == 0, log_path.read_text()
 
 
+@pytest.mark.slow  # a second server process; the FP8 engine runs in the fast tier (test_fp8.py)
 def test_fp8_checkpoint_is_served(fp8_server):
     engine = unimem.Engine(
         model_path=str(fp8_server.path), device="cpu", dtype="float32", page_size=4,
