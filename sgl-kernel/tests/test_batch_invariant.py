@@ -163,7 +163,7 @@ def test_grouped_matches_reference(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", SWEEP_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_rows_gathered_by_the_loads(triton_backend, device, dtype):
     """``rows=r`` reads ``x[r]`` in place: the same bits as the gathered copy (a MoE layer's
     pairs: each token's row repeated, in expert order), also with a tile configuration that
