@@ -77,6 +77,7 @@ def _args(argv):
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--concurrency", default="1,8,48")
+    p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--verify-budget", type=int, default=None, help="default: 4 per request")
     p.add_argument("--skip", default="", help="comma list of: lmhead,sampled,unified,adaptive")
     own, rest = argv, []
@@ -153,6 +154,8 @@ def _lm_head_bench(drafter_dir: str, gamma: int) -> list[dict]:
 def _engine(args, **kw):
     from unimem.engine.api import Engine
 
+    if args.mem_fraction_static is not None:
+        kw["mem_fraction_static"] = args.mem_fraction_static
     return Engine(model_path=args.model_path, device=args.device, **kw)
 
 
