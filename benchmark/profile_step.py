@@ -389,7 +389,8 @@ def main() -> None:
     cfg = preset("small")
     model = HybridModel(cfg, seed=0, device=dev)
     if args.quantization == "fp8":
-        from unimem.models.fp8_linear import quantize_model_online, weight_bytes
+        from unimem.models.fp8_convert import quantize_model_online
+        from unimem.models.fp8_linear import weight_bytes
 
         quantize_model_online(model)
         print(f"FP8 projections: weights {weight_bytes(model) / 2**30:.2f} GiB")

@@ -38,6 +38,7 @@ import torch
 from unimem.engine.api import Engine
 from unimem.engine.draft_data import bos_prompts, continuations, encode_prompts
 from unimem.models.base import CausalLM
+from unimem.speculative.checkpoint import save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.speculative.prompt_sets import read_prompts
 from unimem.speculative.teacher_forcing import teacher_forced_states
@@ -279,7 +280,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     )
     result = train_drafter(drafter, train, held, cfg, calibration=calib, log=log)
     out = Path(args.out)
-    result.drafter.save_pretrained(out)
+    save_drafter(result.drafter, out)
     weights = (out / "model.safetensors").stat().st_size
     seconds = dict(text.info["seconds"])
     seconds.update(states=t_states - t_gen, training=result.seconds)

@@ -52,7 +52,7 @@ import torch
 
 from unimem.models.base import CausalLM
 from unimem.models.forward_context import DenseCache, DenseContext, ForwardMode
-from unimem.speculative.checkpoint import load_drafter
+from unimem.speculative.checkpoint import load_drafter, save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.speculative.train_forward import block_logits_dense, distill_losses
 
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = distill(target, cfg, drafter=init, prompts=prompts, log=print)
-    result.drafter.save_pretrained(args.out)
+    save_drafter(result.drafter, args.out)
     print(
         f"wrote {args.out} ({result.seconds:.1f} s; loss {result.losses[0]:.4f} -> "
         f"{result.losses[-1]:.4f})"

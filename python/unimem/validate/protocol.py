@@ -80,7 +80,7 @@ from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import DraftLane, LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
-from unimem.models import batch_invariant, fp8_linear
+from unimem.models import batch_invariant, fp8_convert
 from unimem.models.base import CausalLM
 from unimem.models.config import HybridConfig, memory_spec
 from unimem.models.loader import load_checkpoint, load_hf_config, resolve_dtype
@@ -788,7 +788,7 @@ def build_model_and_prompts(
         model_cfg = preset(cfg.preset)
         model = HybridModel(model_cfg, seed=cfg.seed, device=device, tp=shard)
         if cfg.quantization == "fp8":
-            fp8_linear.quantize_model_online(model)
+            fp8_convert.quantize_model_online(model)
         return model, make_prompts(cfg, model_cfg.vocab_size)
     ckpt = load_checkpoint(
         cfg.checkpoint_dir, dtype=cfg.dtype, device=device, tp=shard, quantization=cfg.quantization
