@@ -59,12 +59,12 @@ only when an extend asks for it.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from unimem_kernel import envs
 from unimem_kernel import gdn as gdn_ops
 
 __all__ = [
@@ -126,9 +126,7 @@ def prefill_mode(device: torch.device) -> str:
     """The ``UNIMEM_GDN_CHUNKED_PREFILL`` mode (default ``auto``). ValueError naming the
     variable for an unknown value, or for ``fla`` on a GPU without fla installed: the engine
     calls this at start-up, so a bad setting fails there and not at the first prefill."""
-    mode = os.environ.get(PREFILL_ENV, "auto")
-    if mode not in PREFILL_MODES:
-        raise ValueError(f"{PREFILL_ENV} must be one of {PREFILL_MODES}, got {mode!r}")
+    mode = envs.get(PREFILL_ENV)
     if mode == "fla" and device.type == "cuda" and fla_chunk_rule() is None:
         raise ValueError(f"{PREFILL_ENV}=fla needs fla (pip install fla-core)")
     return mode
