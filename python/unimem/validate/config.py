@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unimem.engine.distributed import (
-    Topology,
-)
+from unimem.engine.distributed import Topology
 from unimem.engine.sampling import SamplingOptions
 from unimem.models.loader import load_hf_config, resolve_dtype
 from unimem.models.model_path import resolve_model_path

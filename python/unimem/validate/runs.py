@@ -18,9 +18,7 @@ import torch
 
 from unimem.cache import PrefixCache
 from unimem.engine.core import EngineCore
-from unimem.engine.distributed import (
-    state_check_for,
-)
+from unimem.engine.distributed import state_check_for
 from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import DraftLane, LayerKind
 from unimem.memory.static import StaticMemory

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from unimem.engine.distributed import (
-    TPGroups,
-)
+from unimem.engine.distributed import TPGroups
 from unimem.models import fp8_convert
 from unimem.models.base import CausalLM
 from unimem.models.loader import load_checkpoint
