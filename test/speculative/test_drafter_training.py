@@ -26,6 +26,7 @@ import torch
 
 from unimem.models.loader import load_checkpoint
 from unimem.speculative import shipped
+from unimem.speculative.checkpoint import save_drafter
 from unimem.speculative.distill import Rollouts, greedy_rollouts
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.speculative.prompt_sets import read_prompts
@@ -190,8 +191,8 @@ def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch
     path, model = gemma
     root = tmp_path / "drafters"
     dc = draft_config_for(model.config, num_layers=1)
-    DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=5).save_pretrained(
-        root / path.name
+    save_drafter(
+        DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=5), root / path.name
     )
     monkeypatch.setattr(shipped, "DRAFTERS_DIR", root)
     kw = dict(model_path=str(path), dtype="float32", max_total_tokens=512)
@@ -201,7 +202,7 @@ def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch
     assert out["meta_info"]["spec_verify_ct"] >= 1 and out["meta_info"]["spec_accept_length"] >= 1
     eng.shutdown()
     other = tmp_path / "other"
-    DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=6).save_pretrained(other)
+    save_drafter(DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=6), other)
     eng = Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=str(other), **kw)
     assert eng.drafter_path == str(other)
     eng.shutdown()
