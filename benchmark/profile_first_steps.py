@@ -30,9 +30,8 @@ import torch
 from profile_step import category
 
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.validate import protocol as P
 
 

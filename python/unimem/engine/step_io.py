@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from unimem.models.sampler import SamplingRows
 from unimem_kernel.lane_commit import commit_lanes
 
 __all__ = [
@@ -91,17 +92,6 @@ class DeviceRequestState:
             rows, seq_lens, next_tokens, tokens, self.seq_lens, self.next_tokens,
             out.tokens, out.counts, accepted, write_slots,
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class SamplingRows:
-    """Sampling parameters of a step's lanes (``[bs]`` device tensors each)."""
-
-    temperature: torch.Tensor  # float32
-    top_k: torch.Tensor  # int32, <= 0: off
-    top_p: torch.Tensor  # float32
-    min_p: torch.Tensor  # float32
-    seeds: torch.Tensor  # int64
 
 
 class DeviceSamplingState:

@@ -15,7 +15,8 @@ Implementations:
   zero-padded inputs followed by the token-by-token delta rule. Used by
   ``CausalLM.reference_forward`` as the oracle.
 
-The runner's paged contexts live with the runner and implement the same interface.
+The paged implementation over a memory pool, which the engine runs, is
+:class:`unimem.models.paged_context.PagedContext`.
 """
 
 from __future__ import annotations
