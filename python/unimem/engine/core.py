@@ -3,7 +3,7 @@
 :class:`~unimem.speculative.chain.DsparkChain`, a verified chain of up to ``gamma + 1`` tokens
 per step (greedy accept, or exact speculative sampling for temperature > 0).
 
-The step loop never waits for the step it just launched (DESIGN §1.4): sampled tokens and
+The step loop never waits for the step it just launched: sampled tokens and
 accepted lengths stay on the device, where the next step reads them, and reach the host
 through non-blocking copies into pinned memory. The host reads step ``k``'s results after it
 has launched step ``k + 1`` (the GPU is busy meanwhile) and plans with upper bounds until

@@ -1,5 +1,5 @@
 """Tensor parallelism across processes: one process per rank, torch.distributed groups, and
-one schedule for all ranks (DESIGN §12).
+one schedule for all ranks.
 
 Groups (:class:`TPGroups`, built by :func:`init_groups`). Every rank holds two groups over
 the same ranks: the *device group*, through which the model all-reduces and all-gathers its

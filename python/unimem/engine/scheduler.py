@@ -26,7 +26,7 @@ Policy (deterministic: the same requests and the same capacity give the same bat
   grow are retried request by request, and the request whose call raises finishes at once
   with ``error`` set (``finish_reason`` "abort"); the others continue.
 
-One step late (DESIGN §3.5). The engine launches step ``k + 1`` before it reads step ``k``'s
+One step late. The engine launches step ``k + 1`` before it reads step ``k``'s
 results, so a request may have one step *in flight* (:class:`~unimem.engine.request.InFlight`)
 when the next batch is planned. Planning then uses bounds: the request stands at most at
 ``planned_kv_max`` (a verify step commits ``1 .. gamma + 1`` tokens) and its pages are grown to

@@ -1,7 +1,7 @@
 """What a decode or verify step reads and writes besides the pool: capture-stable buffers.
 
 A step of the GPU path reads nothing from the host but the batch's lanes, and the host reads
-its results one step late (DESIGN §1.4, §3.5). Four small owners make that explicit:
+its results one step late. Four small owners make that explicit:
 
 - :class:`DeviceRequestState`: per request-table row, the request's committed length and its
   next input token (the pending token of a decode, the anchor of a verify), **on the device**.

@@ -27,7 +27,7 @@ What the mode does (process-wide, one switch):
 - FA4 runs with a fixed ``pack_gqa`` and ``num_splits = 1`` (the engine builds the backend).
 
 On the CPU nothing changes unless a test asks for the CPU key: float64 runs are exact already.
-Costs are measured in ``docs/benchmarks.md``.
+What it costs is in ``docs/results.md``.
 """
 
 from __future__ import annotations

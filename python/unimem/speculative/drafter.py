@@ -1,4 +1,4 @@
-"""A DSPARK-style block drafter whose K/V live in draft lanes of the target's pages (DESIGN §6).
+"""A DSPARK-style block drafter whose K/V live in draft lanes of the target's pages.
 
 One draft forward proposes ``gamma`` tokens for a request whose committed length is ``n``
 (its anchor — the last committed token, not yet run through the target — sits at position

@@ -280,10 +280,9 @@ def _marks(ax, s: dict, top: float, handles: dict) -> None:
 
 
 def capacity_figure(payload: dict, path: str) -> None:
-    """Draw the capacity benchmark's results (``benchmark/bench_capacity.py``'s JSON payload)
-    into ``path``: per mix, requests resident at once for SGLang's default static split, the
-    best static split and the unified arena (bars, counts on top), the byte-perfect ideal
-    arena as a dashed tick."""
+    """Draw the capacity benchmark's results (its JSON payload) into ``path``: per mix, requests
+    resident at once for SGLang's default static split, the best static split and the
+    unified arena (bars, counts on top), the byte-perfect ideal arena as a dashed tick."""
     fig = _figure(9.0, 5.4)
     ax = fig.subplots()
     results = payload["results"]
