@@ -172,7 +172,7 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         metavar="DIR",
         default=None,
         help="with --spec dspark: a drafter checkpoint directory (config.json, "
-        "model.safetensors; e.g. from python -m unimem.speculative.distill) instead of the "
+        "model.safetensors; e.g. from python -m unimem.training.distill) instead of the "
         "seeded drafter",
     )
     v.add_argument(

@@ -21,7 +21,8 @@ from unimem.models.forward_context import masked_attention
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter, save_drafter
-from unimem.speculative.distill import (
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem.training.distill import (
     DistillConfig,
     distill,
     greedy_rollouts,
@@ -29,8 +30,7 @@ from unimem.speculative.distill import (
     offline_accept_length,
     random_prompts,
 )
-from unimem.speculative.drafter import DsparkDrafter, draft_config_for
-from unimem.speculative.train_forward import block_logits_dense
+from unimem.training.train_forward import block_logits_dense
 from unimem.validate.protocol import ValidateConfig, validate
 
 GAMMA = 4

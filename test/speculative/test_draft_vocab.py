@@ -26,9 +26,9 @@ from unimem.models.forward_context import masked_attention
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter, save_drafter
-from unimem.speculative.distill import greedy_rollouts, random_prompts
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
-from unimem.speculative.train_forward import block_logits_dense, distill_losses
+from unimem.training.distill import greedy_rollouts, random_prompts
+from unimem.training.train_forward import block_logits_dense, distill_losses
 
 GAMMA = 4
 K = 40

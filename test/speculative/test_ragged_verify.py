@@ -42,20 +42,20 @@ from unimem.speculative import spec_sampling as ss
 from unimem.speculative.accept import greedy_accept
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
-from unimem.speculative.distill import (
-    DistillConfig,
-    confidence_calibration,
-    copy_drafter,
-    distill,
-    greedy_rollouts,
-    random_prompts,
-)
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.speculative.verify_lengths import (
     allocate_lengths,
     expected_tokens,
     packed_layout,
     packed_rows,
+)
+from unimem.training.distill import (
+    DistillConfig,
+    confidence_calibration,
+    copy_drafter,
+    distill,
+    greedy_rollouts,
+    random_prompts,
 )
 from unimem.validate.protocol import ValidateConfig, validate
 

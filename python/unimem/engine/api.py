@@ -244,7 +244,7 @@ class Engine:
                 raise ValueError(
                     "speculative_verify_lengths adaptive needs a drafter with a confidence "
                     f"head; the checkpoint {draft_path} has none "
-                    "(retrain it with python -m unimem.speculative.distill, or use fixed)"
+                    "(retrain it with python -m unimem.training.distill, or use fixed)"
                 )
             chain = DsparkChain(
                 drafter,

@@ -39,7 +39,7 @@ caller to store.
 
 Weights are drawn from per-tensor generators seeded by ``(seed, name)`` (as the target's), so
 the same seed gives the same drafter on every device. Inference only: the parameters do not
-require grad (distillation, :mod:`unimem.speculative.distill`, turns them on inside its loop).
+require grad (distillation, :mod:`unimem.training.distill`, turns them on inside its loop).
 A drafter is written as a directory by :func:`unimem.speculative.checkpoint.save_drafter`
 and read back onto a target by :func:`unimem.speculative.checkpoint.load_drafter`.
 """
