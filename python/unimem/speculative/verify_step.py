@@ -154,10 +154,13 @@ class VerifyStep:
         self._arange = torch.arange(max(max_tokens, max_bs * self.width), device=self.device)
         self.lens_override: torch.Tensor | None = None
         self.planned_lengths: list[int] | None = None
-        self.buffers: dict[int, GdnVerifyBuffers] = {}
+        self.records: dict[int, gdn_reference.VerifyRecord] = {}
+        self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._commit_plan: StateCommitPlan | None = None
         self._replay_plan: gdn_ops.ReplayCommitPlan | None = None
         self._init_gdn_buffers()
+        self.buffers: dict[int, GdnVerifyBuffers] = {**self.records, **self.scratch}
+        """Where each GDN layer of a verify writes: :attr:`records` or :attr:`scratch`."""
 
     def _init_gdn_buffers(self) -> None:
         """Per GDN layer, for ``max_bs`` lanes of ``width`` positions: with
@@ -169,7 +172,7 @@ class VerifyStep:
         scratches, dests = [], []
         for i, (conv, ssm) in sorted(self.layers.state.items()):
             if self.gdn_replay_commit:
-                self.buffers[i] = gdn_reference.VerifyRecord.empty(
+                self.records[i] = gdn_reference.VerifyRecord.empty(
                     self.max_bs, self.width, conv.shape[1], ssm.shape[1], conv.dtype, ssm.dtype,
                     self.device,
                 )  # fmt: skip
@@ -180,15 +183,15 @@ class VerifyStep:
 
             conv_scratch = zeros(*conv.shape[1:], dtype=conv.dtype)
             ssm_scratch = zeros(*ssm.shape[1:], dtype=ssm.dtype)
-            self.buffers[i] = (conv_scratch, ssm_scratch)
+            self.scratch[i] = (conv_scratch, ssm_scratch)
             scratches += [conv_scratch, ssm_scratch]
             dests += [conv, ssm]
         if scratches:
             self._commit_plan = StateCommitPlan(scratches, dests)
-        if self.gdn_replay_commit and self.buffers:
-            layers = sorted(self.buffers)
+        if self.records:
+            layers = sorted(self.records)
             self._replay_plan = gdn_ops.ReplayCommitPlan(
-                [self.buffers[i] for i in layers],
+                [self.records[i] for i in layers],
                 [self.layers.state[i][0] for i in layers],
                 [self.layers.state[i][1] for i in layers],
             )
