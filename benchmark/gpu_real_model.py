@@ -260,7 +260,9 @@ def part_throughput(ckpt, prompts, engine, n_new=256) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     params = {"max_new_tokens": n_new, "ignore_eos": True}
-    engine.generate(prompt=prompts[:4], sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    # warm-up with the measured batch itself: what a batch of this size compiles or captures
+    # on first use stays out of the timed call (as transformers' warm-up below)
+    engine.generate(prompt=prompts, sampling_params={"max_new_tokens": 16, "ignore_eos": True})
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = engine.generate(prompt=prompts, sampling_params=params)
