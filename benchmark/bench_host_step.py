@@ -60,8 +60,12 @@ class StubRunner(ModelRunner):
 
     PATTERNS = 16
 
-    def _init_verify_scratch(self, width: int) -> None:
-        """No GDN scratch: the stub verify step reads none."""
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_stub_outputs(self.width)
+
+    def _init_stub_outputs(self, width: int) -> None:
+        """The stub verify step's accept patterns and tokens."""
         g = torch.Generator().manual_seed(0)
         n = self.PATTERNS
         self._counts = torch.randint(1, width + 1, (n, self.max_bs), generator=g).int()

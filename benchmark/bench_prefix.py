@@ -23,9 +23,9 @@ from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.validate.protocol import (
     ValidateConfig,
-    _header,
     make_prompts,
     run_one,
+    sink_bytes,
     static_pool,
     unified_pool,
 )
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = HybridModel(model_cfg, seed=a.seed, device=device)
     prompts = make_prompts(on, model_cfg.vocab_size)
     s_on = static_pool(on, model_cfg, device)
-    arena = s_on.stats.capacity_bytes + _header(s_on)
+    arena = s_on.stats.capacity_bytes + sink_bytes(s_on)
     del s_on
     rows, outputs = [], {}
     for mode in ("static", "unified"):

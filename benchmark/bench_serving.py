@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative-draft-model-path",
         default=None,
-        help="a drafter checkpoint directory (python -m unimem.speculative.distill)",
+        help="a drafter checkpoint directory (python -m unimem.training.distill)",
     )
     p.add_argument("--max-total-tokens", type=_positive_int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)

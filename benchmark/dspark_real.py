@@ -5,7 +5,7 @@
         [--train-prompts PROMPTS.jsonl --train-split train] \\
         --json docs/results/dspark_real_h200.json
 
-1. **Train** (unless ``--drafter DIR`` is given): ``python -m unimem.engine.train_drafter``
+1. **Train** (unless ``--drafter DIR`` is given): ``python -m unimem.training.train_drafter``
    with this script's defaults (prompts sampled by the target from ``<bos>`` at temperature
    1 plus the training split of ``--train-prompts``, continuations by unimem's Engine at
    temperatures 0 / 0.7 / 1.0, teacher-forced states, bf16 training under a time budget,
@@ -93,7 +93,7 @@ def _fail(msg: str) -> None:
 
 
 def _train(args, rest) -> tuple[str, dict]:
-    from unimem.engine import train_drafter
+    from unimem.training import train_drafter
 
     argv = [
         "--model-path", args.model_path, "--out", args.drafter_out, "--device", args.device,
@@ -239,7 +239,7 @@ def main(argv: list[str]) -> int:
     if "lmhead" not in skip and args.device == "cuda":
         report["lm_head_bench"] = _lm_head_bench(drafter, args.gamma)
 
-    from unimem.speculative.prompt_sets import read_prompts
+    from unimem.training.prompt_sets import read_prompts
 
     texts = read_prompts(args.eval_prompts, args.eval_split)[: args.eval_requests]
     spec_kw = dict(

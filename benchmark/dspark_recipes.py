@@ -4,7 +4,7 @@
         --eval-prompts PROMPTS.jsonl --eval-split heldout \\
         --json docs/results/dspark_recipes_h200.json [--budget-each 25] [-- TRAIN FLAGS]
 
-Generates the training text once (``unimem.engine.train_drafter.generate``, the flags of
+Generates the training text once (``unimem.training.train_drafter.generate``, the flags of
 ``benchmark/dspark_real.py``'s defaults, overridable after ``--``), then trains one drafter
 per recipe for ``--budget-each`` seconds each (same data, same seed, no confidence head) and
 records its held-out offline accept length (greedy chain schedule, no acceptance control),
@@ -65,10 +65,10 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"dspark_recipes: error: unknown recipes {unknown}", file=sys.stderr)
         return 2
-    from unimem.engine import train_drafter
     from unimem.speculative.checkpoint import load_drafter
-    from unimem.speculative.teacher_forcing import teacher_forced_states
-    from unimem.speculative.trainer import offline_accept_lengths
+    from unimem.training import train_drafter
+    from unimem.training.teacher_forcing import teacher_forced_states
+    from unimem.training.trainer import offline_accept_lengths
 
     def targs(extra: list[str], out: str) -> argparse.Namespace:
         argv = [

@@ -6,7 +6,7 @@ whatever else the loader accepts), encodes the first ``--requests`` lines of ``-
 with its tokenizer, generates ``--tokens`` greedy tokens per prompt with the bf16 model
 (batched, :class:`~unimem.models.forward_context.DenseCache`), then runs every sequence
 (prompt + generated) through the bf16 model and through a second copy quantised online
-(:func:`unimem.models.fp8_linear.quantize_model_online`), each request alone
+(:func:`unimem.models.fp8_convert.quantize_model_online`), each request alone
 (``reference_forward``). At the ``--tokens`` generated positions it reports: the share of
 positions whose FP8 argmax equals the bf16 argmax (the goal: >= ``--goal``), the mean and
 max |log p_fp8(t) - log p_bf16(t)| of the bf16 token ``t``, and the mean over the whole
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
 
-    from unimem.models.fp8_linear import quantize_model_online, weight_bytes
+    from unimem.models.fp8_convert import quantize_model_online
+    from unimem.models.fp8_linear import weight_bytes
     from unimem.models.loader import load_checkpoint
 
     dev = torch.device(args.device)

@@ -36,7 +36,7 @@ for part in $parts; do
           test/speculative/test_spec_sampling.py test/engine/test_gpu_engine.py ;;
     distill)
       [ -f /tmp/drafter_small/config.json ] \
-        || run python3 -m unimem.speculative.distill --preset small --device cuda \
+        || run python3 -m unimem.training.distill --preset small --device cuda \
           --out /tmp/drafter_small --prompts 1024 --steps 400 --batch 16 --log-every 50 ;;
     drafted)
       # fixed gamma; adaptive lengths under a budget that cuts (96 rows per step for 48
@@ -57,7 +57,7 @@ for part in $parts; do
 from unimem.models.word_tokenizer import save_word_tokenizer; \
 save_word_tokenizer(sys.argv[1], 32000)" "$ck"
       [ -n "${CKPT_DRAFTER:-}" ] && { [ -f /tmp/drafter_ckpt_small/config.json ] \
-        || run python3 -m unimem.speculative.distill --model-path "$ck" --device cuda \
+        || run python3 -m unimem.training.distill --model-path "$ck" --device cuda \
           --out /tmp/drafter_ckpt_small --prompts 1024 --steps 400 --batch 16 --log-every 50; }
       true ;;
     serving|serving-spare|serving-binding)

@@ -99,7 +99,7 @@ import torch
 import torch.profiler as tp
 
 import profile_step
-from unimem.engine.draft_runner import draft_config_for
+from unimem.speculative.drafter import draft_config_for
 from unimem.models.loader import load_model
 from unimem.speculative.drafter import DsparkDrafter
 

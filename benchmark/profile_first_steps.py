@@ -30,9 +30,8 @@ import torch
 from profile_step import category
 
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.validate import protocol as P
 
 
@@ -61,9 +60,9 @@ def main() -> int:
         draft_config_for(model.config), model.embed_weight, model.lm_head_weight, seed=17
     )
     lanes = drafter.config.lanes()
-    P._warm_up(model, cfg, prompts, DsparkChain(drafter, cfg.gamma))
+    P.warm_up(model, cfg, prompts, DsparkChain(drafter, cfg.gamma))
     first = P.static_pool(cfg, model.config, dev, lanes)
-    default_bytes = first.stats.capacity_bytes + P._header(first)
+    default_bytes = first.stats.capacity_bytes + P.sink_bytes(first)
     del first
     print(f"{torch.cuda.get_device_name(dev)}: small preset, {len(prompts)} x {cfg.input_len} "
           f"prompts, chunk {cfg.chunk_size}, first {args.steps} steps")  # fmt: skip

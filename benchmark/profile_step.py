@@ -42,7 +42,6 @@ import triton
 
 from unimem.attention.fa4_backend import SPLIT_KV_MAX_BS, FA4Backend, split_kv_batch
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.step_io import StagedResult
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
@@ -51,7 +50,7 @@ from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 CATEGORIES = [
     (
@@ -200,7 +199,7 @@ def overlap_probe(runner, width: int, replays: int) -> dict[str, float]:
     ).int()
 
     def commit():
-        runner._commit_gdn(accepted, vslots, slots)
+        runner.verifier.commit_gdn(accepted, vslots, slots)
 
     def draft():
         runner.drafts.propose(rows, seq_lens, anchors, rids)
@@ -389,7 +388,8 @@ def main() -> None:
     cfg = preset("small")
     model = HybridModel(cfg, seed=0, device=dev)
     if args.quantization == "fp8":
-        from unimem.models.fp8_linear import quantize_model_online, weight_bytes
+        from unimem.models.fp8_convert import quantize_model_online
+        from unimem.models.fp8_linear import weight_bytes
 
         quantize_model_online(model)
         print(f"FP8 projections: weights {weight_bytes(model) / 2**30:.2f} GiB")

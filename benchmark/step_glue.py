@@ -31,14 +31,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.static import StaticMemory
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset, preset_names
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 # ops that launch nothing (views, allocation, metadata) or that are the model's GEMMs
 _SKIP = {

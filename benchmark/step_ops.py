@@ -29,14 +29,16 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from unimem.attention.torch_backend import TorchReferenceBackend  # noqa: E402
 from unimem.engine.core import EngineCore  # noqa: E402
-from unimem.engine.draft_runner import draft_config_for  # noqa: E402
 from unimem.memory.static import StaticMemory  # noqa: E402
 from unimem.models.config import memory_spec  # noqa: E402
 from unimem.models.presets import preset  # noqa: E402
 from unimem.models.synthetic import HybridModel  # noqa: E402
 from unimem.speculative.chain import DsparkChain  # noqa: E402
 from unimem.speculative.control import AcceptanceControl  # noqa: E402
-from unimem.speculative.drafter import DsparkDrafter  # noqa: E402
+from unimem.speculative.drafter import (
+    DsparkDrafter,  # noqa: E402
+    draft_config_for,  # noqa: E402
+)
 
 VIEWS = ("aten.view", "aten._unsafe_view", "aten.t.", "aten.slice", "aten.select",
          "aten.unsqueeze", "aten.squeeze", "aten.expand", "aten.as_strided", "aten.detach",

@@ -17,6 +17,7 @@ LAYERS = [
     "unimem.models",
     "unimem.speculative",
     "unimem.engine",
+    "unimem.training",
     "unimem.validate",
     "unimem.serve",
     "unimem.__main__",

@@ -1,5 +1,5 @@
-"""Command line: ``python -m unimem validate ...`` and ``python -m unimem bench ...`` (see
-``--help``).
+"""Command line: ``python -m unimem validate ...``, ``python -m unimem bench ...`` and
+``python -m unimem envs`` (every ``UNIMEM_*`` switch with its default and doc; see ``--help``).
 
 Errors a user can make — a count that is not positive, an arena size that is not a finite
 positive number, an output path (``--json``, ``--plot``) that cannot be written (checked
@@ -26,6 +26,7 @@ from unimem.validate.protocol import (
     validate,
 )
 from unimem.validate.report import format_table, passed, write_json
+from unimem_kernel import envs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
         "throughput ratio (defaults: small preset, 48 x 512 -> 2048 tokens, DSPARK gamma 7)",
     )
     _add_run_args(b, bench_config())
+    sub.add_parser("envs", help="list every UNIMEM_* environment switch, its default and doc")
     return p
 
 
@@ -170,7 +172,7 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         metavar="DIR",
         default=None,
         help="with --spec dspark: a drafter checkpoint directory (config.json, "
-        "model.safetensors; e.g. from python -m unimem.speculative.distill) instead of the "
+        "model.safetensors; e.g. from python -m unimem.training.distill) instead of the "
         "seeded drafter",
     )
     v.add_argument(
@@ -288,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "envs":
+        print(envs.describe())
+        return 0
     try:
         _check_flags(args)
         cfg = _config(args)

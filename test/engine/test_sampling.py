@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from unimem.attention.torch_backend import TorchReferenceBackend
-from unimem.engine import sampling as sampling_mod
 from unimem.engine.api import SamplingParams
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.sampling import (
     SamplingOptions,
     default_seed,
@@ -27,11 +25,12 @@ from unimem.engine.sampling import (
 )
 from unimem.engine.step_io import DeviceSamplingState
 from unimem.memory.unified import UnifiedMemory
+from unimem.models import sampler as sampling_mod
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 
 def _rows(n, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import unimem
-from unimem.models import fp8_linear
+from unimem.models import fp8_convert, fp8_linear
 from unimem.models.fp8_checkpoint import write_fp8_checkpoint
 from unimem.models.loader import load_model
 from unimem.models.quant_config import Fp8Config, resolve_quantization
@@ -180,12 +180,12 @@ def test_synthetic_preset_quantizes_in_place():
     from unimem.models.presets import preset
 
     model = HybridModel(preset("tiny"), seed=0)
-    names = fp8_linear.synthetic_fp8_names(model)
-    assert names and all(n.rsplit(".", 1)[1] in fp8_linear.SYNTHETIC_LINEARS for n in names)
+    names = fp8_convert.synthetic_fp8_names(model)
+    assert names and all(n.rsplit(".", 1)[1] in fp8_convert.SYNTHETIC_LINEARS for n in names)
     x = torch.randn(5, model.config.d_model, dtype=model.config.dtype)
     mlp = model.layers[0].mlp
     w = mlp.gate_up.detach().clone()
-    fp8_linear.quantize_in_place(model, names)
+    fp8_convert.quantize_in_place(model, names)
     assert mlp.gate_up.dtype == FP8_DTYPE
     y = fp8_linear.linear(x, mlp, "gate_up")
     ref = F.linear(x, w)

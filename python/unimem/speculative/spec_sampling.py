@@ -1,4 +1,4 @@
-"""Chain speculative sampling (temperature > 0), exact (DESIGN §6; docs/spec_decoding.md).
+"""Chain speculative sampling (temperature > 0), exact (docs/spec_decoding.md).
 
 A verify step of a sampled request holds, for ``gamma`` drafted tokens ``x_1 .. x_gamma``:
 

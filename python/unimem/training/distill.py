@@ -1,4 +1,4 @@
-"""Distil a DSPARK drafter from its target: ``python -m unimem.speculative.distill``.
+"""Distil a DSPARK drafter from its target: ``python -m unimem.training.distill``.
 
 Data: the target's own greedy continuations (``gen_len`` tokens) of prompts — random token
 ids drawn from the seed, or text lines encoded by the checkpoint's tokenizer — generated with
@@ -10,7 +10,7 @@ Objective: for every anchor ``n`` of a continuation (the prompt's last position 
 from the first generated token on, as at inference, where the first verify's anchor is the
 prefill's token), the drafter's block from ``n`` must predict ``tokens[n + 1 .. n + gamma]``:
 cross-entropy of the base logits plus the Markov bias of the teacher-forced previous token,
-computed by :mod:`unimem.speculative.train_forward` (the inference function, dense). Only the
+computed by :mod:`unimem.training.train_forward` (the inference function, dense). Only the
 drafter's own weights train (AdamW); the target, its embedding and LM head stay frozen. The
 drafter's parameters require grad only inside :func:`distill`'s loop.
 
@@ -28,7 +28,7 @@ schedule (anchor at the prompt's end, advance by accepted + 1) on held-out conti
 the engine's own number comes from ``python -m unimem validate --spec dspark --accept-rate 0
 --speculative-draft-model-path DIR``.
 
-For a real model, ``python -m unimem.engine.train_drafter`` trains on text the target writes
+For a real model, ``python -m unimem.training.train_drafter`` trains on text the target writes
 (prompts it samples from ``<bos>``, continuations through the Engine, batched teacher-forced
 states, a reduced draft vocabulary, GPU-scale training): random-token prompts teach a drafter
 the target's continuations of noise, not of text.
@@ -52,9 +52,9 @@ import torch
 
 from unimem.models.base import CausalLM
 from unimem.models.forward_context import DenseCache, DenseContext, ForwardMode
-from unimem.speculative.checkpoint import load_drafter
+from unimem.speculative.checkpoint import load_drafter, save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
-from unimem.speculative.train_forward import block_logits_dense, distill_losses
+from unimem.training.train_forward import block_logits_dense, distill_losses
 
 __all__ = [
     "DistillConfig",
@@ -488,7 +488,7 @@ def _log(log: Callable[[str], None] | None, msg: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     d = DistillConfig()
     p = argparse.ArgumentParser(
-        prog="python -m unimem.speculative.distill",
+        prog="python -m unimem.training.distill",
         description="train a DSPARK drafter on the target's own greedy continuations and "
         "write it as a drafter checkpoint directory",
     )
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = distill(target, cfg, drafter=init, prompts=prompts, log=print)
-    result.drafter.save_pretrained(args.out)
+    save_drafter(result.drafter, args.out)
     print(
         f"wrote {args.out} ({result.seconds:.1f} s; loss {result.losses[0]:.4f} -> "
         f"{result.losses[-1]:.4f})"

@@ -1,7 +1,7 @@
 """Drafter training at GPU scale, on sequences the target wrote (:mod:`.teacher_forcing`).
 
 :func:`train_drafter` trains a :class:`~unimem.speculative.drafter.DsparkDrafter` with the
-distillation objective of :mod:`unimem.speculative.train_forward` (the block of every
+distillation objective of :mod:`unimem.training.train_forward` (the block of every
 sampled anchor predicts the target's next ``gamma`` tokens; the Markov bias of the
 teacher-forced previous token; the confidence head by binary cross-entropy, detached):
 
@@ -38,14 +38,14 @@ from pathlib import Path
 
 import torch
 
-from unimem.speculative.distill import (
+from unimem.speculative.drafter import DsparkDrafter
+from unimem.training.distill import (
     Calibration,
     Rollouts,
     confidence_calibration,
     copy_drafter,
 )
-from unimem.speculative.drafter import DsparkDrafter
-from unimem.speculative.train_forward import block_logits_dense, distill_losses
+from unimem.training.train_forward import block_logits_dense, distill_losses
 
 __all__ = [
     "TrainConfig",
@@ -134,7 +134,7 @@ def offline_accept_lengths(
     drafter: DsparkDrafter, data: Rollouts, gamma: int, rows_per_pass: int = 16
 ) -> float:
     """Committed tokens per verify step of greedy chain speculation on ``data`` (as
-    :func:`unimem.speculative.distill.offline_accept_length`: the first anchor at each
+    :func:`unimem.training.distill.offline_accept_length`: the first anchor at each
     prompt's end, accept the longest matching prefix, advance by accepted + 1), with the
     drafts of every anchor computed in batched passes of ``rows_per_pass`` sequences and
     the replay on the host."""

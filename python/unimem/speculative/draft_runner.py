@@ -19,9 +19,6 @@ lanes of the target's own pages, reached through the pool's per-lane views.
   states, stored at a step's write slots — every token of a prefill, or only the committed
   rows of a verify (the other rows are redirected to the sink slot 0, which stores zeros:
   a fixed-shape, sync-free masked write).
-
-:func:`draft_config_for` (defined beside the drafter, re-exported here) is the default drafter
-shape for a target configuration.
 """
 
 from __future__ import annotations
@@ -32,16 +29,14 @@ import torch
 
 from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
-from unimem.engine.sampling import filtered_probs
-from unimem.engine.step_io import SamplingRows
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.models import batch_invariant
+from unimem.models.sampler import SamplingRows, filtered_probs
 from unimem.speculative import spec_sampling
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.drafter import draft_config_for
 
-__all__ = ["DraftRunner", "draft_config_for"]
+__all__ = ["DraftRunner"]
 
 DRAFT = spec_sampling.STREAM_DRAFT
 
@@ -121,7 +116,7 @@ class DraftRunner:
         """:meth:`propose` for a batch with sampled lanes: ``(tokens [bs, gamma] int64,
         q [bs, gamma, vocab] float32)``. A lane with temperature > 0 draws column ``i`` from
         ``q_i`` — the column's logits (Markov bias included) under the lane's temperature and
-        top-k / top-p / min-p (:func:`unimem.engine.sampling.filtered_probs`) — with the
+        top-k / top-p / min-p (:func:`unimem.models.sampler.filtered_probs`) — with the
         draft stream's noise at the token's position; a greedy lane picks exactly as
         :meth:`propose` (its ``q`` is the one-hot of its token). A draft the acceptance
         control replaces gets the point mass on the reference as its ``q``. With ``survival``:

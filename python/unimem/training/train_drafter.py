@@ -1,6 +1,6 @@
-"""Train a DSPARK drafter for a model in one command: ``python -m unimem.engine.train_drafter``.
+"""Train a DSPARK drafter for a model in one command: ``python -m unimem.training.train_drafter``.
 
-1. **Data** (:mod:`unimem.engine.draft_data`): prompts sampled from the target itself from
+1. **Data** (:mod:`unimem.training.draft_data`): prompts sampled from the target itself from
    ``<bos>`` at temperature 1 (``--bos-prompts`` of ``--prompt-len`` tokens), plus the
    prompts of ``--train-prompts`` (its ``--train-split``, never the held-out one); each
    continued by the target through unimem's Engine, batched, greedy and sampled
@@ -10,10 +10,10 @@
    never trained on.
 2. **States**: the target's residual streams at the drafter's ``--target-layers``,
    recomputed by batched teacher-forced passes over the finished sequences
-   (:mod:`unimem.speculative.teacher_forcing`).
+   (:mod:`unimem.training.teacher_forcing`).
 3. **Vocabulary**: with ``--draft-vocab K`` the drafter scores only the ``K`` target tokens
    most frequent in the training continuations (``d2t``, EAGLE-3's reduced vocabulary).
-4. **Training** (:mod:`unimem.speculative.trainer`): bf16 autocast on CUDA, warm-up and
+4. **Training** (:mod:`unimem.training.trainer`): bf16 autocast on CUDA, warm-up and
    cosine, held-out accept length during training, resumable (``--checkpoint-dir``),
    ``--time-budget`` seconds at most; then the confidence head on sequences held out of
    the drafter's own data.
@@ -36,12 +36,13 @@ from pathlib import Path
 import torch
 
 from unimem.engine.api import Engine
-from unimem.engine.draft_data import bos_prompts, continuations, encode_prompts
 from unimem.models.base import CausalLM
+from unimem.speculative.checkpoint import save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
-from unimem.speculative.prompt_sets import read_prompts
-from unimem.speculative.teacher_forcing import teacher_forced_states
-from unimem.speculative.trainer import TrainConfig, frequent_tokens, train_drafter
+from unimem.training.draft_data import bos_prompts, continuations, encode_prompts
+from unimem.training.prompt_sets import read_prompts
+from unimem.training.teacher_forcing import teacher_forced_states
+from unimem.training.trainer import TrainConfig, frequent_tokens, train_drafter
 
 __all__ = ["TargetText", "generate", "main", "parser", "run", "train_on"]
 
@@ -63,7 +64,7 @@ def _floats(text: str) -> tuple[float, ...]:
 def parser() -> argparse.ArgumentParser:
     t = TrainConfig()
     p = argparse.ArgumentParser(
-        prog="python -m unimem.engine.train_drafter", description=__doc__.split("\n")[0]
+        prog="python -m unimem.training.train_drafter", description=__doc__.split("\n")[0]
     )
     p.add_argument("--model-path", required=True, help="the target (as Engine's model_path)")
     p.add_argument("--out", required=True, help="the drafter checkpoint directory to write")
@@ -238,7 +239,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     """Steps 2-5 of the module docstring on ``text``; returns the summary written to
     ``training.json`` in ``args.out``."""
     t_gen = time.perf_counter()
-    summary: dict = {"command": "python -m unimem.engine.train_drafter " + shlex.join(args.argv)}
+    summary: dict = {"command": "python -m unimem.training.train_drafter " + shlex.join(args.argv)}
     model, seqs, lens = text.model, text.sequences, text.prompt_lens
     held_seqs, held_lens = text.held_sequences, text.held_prompt_lens
     c = model.config
@@ -289,7 +290,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     )
     result = train_drafter(drafter, train, held, cfg, calibration=calib, log=log)
     out = Path(args.out)
-    result.drafter.save_pretrained(out)
+    save_drafter(result.drafter, out)
     weights = (out / "model.safetensors").stat().st_size
     seconds = dict(text.info["seconds"])
     seconds.update(states=t_states - t_gen, training=result.seconds)

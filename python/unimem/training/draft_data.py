@@ -8,7 +8,7 @@
   (``<eos>`` ends one early), all in one batched ``Engine.generate`` (continuous batching
   over the engine's ``max_running_requests``). Returns whole sequences (prompt +
   continuation) and their prompt lengths, ready for
-  :func:`unimem.speculative.teacher_forcing.teacher_forced_states`.
+  :func:`unimem.training.teacher_forcing.teacher_forced_states`.
 * :func:`encode_prompts`: text prompts encoded by the engine's tokenizer, cut to a length.
 
 Every request is seeded (``seed + i``), so the same engine and arguments give the same text.

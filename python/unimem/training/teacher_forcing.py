@@ -13,7 +13,7 @@ padded at the end: a causal forward never lets a position see a later one, so th
 real positions do not depend on the padding. Models with GDN layers go through the dense
 reference context instead (one extend per sequence chunk, the recurrent state per request).
 
-:func:`teacher_forced_states` returns :class:`~unimem.speculative.distill.Rollouts`
+:func:`teacher_forced_states` returns :class:`~unimem.training.distill.Rollouts`
 (``tokens``, ``hidden`` for the layers asked, ``prompt_lens``, ``lengths``) on the target's
 device, the hidden states in the target's dtype.
 """
@@ -34,7 +34,7 @@ from unimem.models.forward_context import (
     ForwardMode,
     masked_attention,
 )
-from unimem.speculative.distill import Rollouts
+from unimem.training.distill import Rollouts
 
 __all__ = ["BatchedSequencesContext", "teacher_forced_states"]
 
