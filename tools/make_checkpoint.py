@@ -1,16 +1,17 @@
 """Build a random HuggingFace checkpoint of a real hybrid architecture for GPU runs.
 
-    python benchmark/make_checkpoint.py --arch qwen3_next|gpt_oss --out DIR [--size small|bench]
-        [--fp8] [--layers N]
-    python benchmark/make_checkpoint.py --arch qwen3_next --size 80b --fp8 --layers 24 --out DIR
+    python tools/make_checkpoint.py --arch qwen3_next|gpt_oss --out DIR [--size small|bench]
+        [--fp8] [--layers N] [--dtype bfloat16|float32]
+    python tools/make_checkpoint.py --arch qwen3_next --size 80b --fp8 --layers 24 --out DIR
+    python tools/make_checkpoint.py --arch qwen3_next --size tiny --dtype float32 --out DIR
 
 The config is transformers' own (``Qwen3NextConfig`` / ``GptOssConfig``) and the weights are
-transformers' own initialisation (``AutoModelForCausalLM.from_config`` in bfloat16, created
-directly on the GPU when there is one, so a multi-billion-parameter model initialises in
-seconds); ``save_pretrained`` writes ``config.json`` and safetensors shards, and a word-level
+transformers' own initialisation (``AutoModelForCausalLM.from_config`` in ``--dtype``,
+bfloat16 by default, created directly on the GPU when there is one);
+``save_pretrained`` writes ``config.json`` and safetensors shards, and a word-level
 tokenizer of the model's vocabulary is saved beside them (``unimem.models.word_tokenizer``: the
-server and ``benchmark/bench_serving.py`` need one; ``python -m unimem validate/bench
---model-path DIR`` draws random token prompts either way).
+server and ``python -m unimem bench serving`` / ``router`` need one; ``python -m unimem
+validate/bench --model-path DIR`` draws random token prompts either way).
 
 Sizes:
   qwen3_next bench: hidden 2048, 24 layers (full_attention_interval 4: 18 Gated DeltaNet +
@@ -21,6 +22,8 @@ Sizes:
     with sinks, 32 query / 8 KV heads of dim 64, 32 experts top-4 of width 1024 (clamped
     SwiGLU, biases), vocab 32000, YaRN RoPE as gpt-oss (theta 150000, factor 32 from 4096).
   small: the same architectures at ~50-100 M parameters (smoke tests).
+  qwen3_next tiny: 3 Gated DeltaNet + 1 full-attention layer, hidden 256, vocab 4096 (a
+    checkpoint two CPU servers run side by side: ``python -m unimem bench router``).
   qwen3_next 80b: Qwen3-Next-80B-A3B's shape (hidden 2048, 48 layers, 512 experts top-10 of
     width 512 with a shared expert of width 512, GDN 16 key / 32 value heads of dim 128,
     16 query / 2 KV heads of dim 256, vocab 151936); ``--layers`` keeps the first N layers
@@ -32,7 +35,7 @@ shared and routed experts per expert; ``quantization_config`` in ``config.json``
 ``small``/``bench`` the bf16 model is saved first and converted; for ``80b`` the tensors are
 drawn on the device layer by layer (norms as HF initialises them, projections
 ``randn / sqrt(fan_in)``), quantised there and written one shard per layer, never holding the
-bf16 model (a 40 B-parameter checkpoint writes in about a minute on an H200).
+bf16 model.
 Prints the total parameter count and the parameters active per token.
 """
 
@@ -125,6 +128,29 @@ SIZES = {
         moe_intermediate_size=256,
         shared_expert_intermediate_size=256,
         max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    ("qwen3_next", "tiny"): dict(
+        vocab_size=4096,
+        hidden_size=256,
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        intermediate_size=512,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     ),
@@ -286,11 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", required=True, choices=["qwen3_next", "gpt_oss"])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--size", default="bench", choices=["small", "bench", "80b"])
+    ap.add_argument("--size", default="bench", choices=["tiny", "small", "bench", "80b"])
     ap.add_argument("--layers", type=int, help="number of layers (default: the size's)")
     ap.add_argument("--fp8", action="store_true", help="write the hub's block-wise FP8 layout")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the weights' dtype (not with --fp8)",
+    )
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
@@ -315,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         write_fp8_direct(model, cfg, out, torch.device(args.device), args.seed)
     else:
         with torch.device(args.device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype))
         total, active = count_params(model, cfg, args.arch)
         t1 = time.perf_counter()
         if args.fp8:

@@ -28,8 +28,11 @@ the GPU, so the host has enqueued all of it before the GPU starts: the device ti
 the Python call, which the host spends out of its step budget (nothing in it waits for the
 GPU). Times are medians over ``--reps`` repetitions after ``--warmup`` untimed ones.
 
-``--device cpu`` runs the same protocol on the torch references at tiny sizes (preset
-``tiny``, bs 1 and 4): a logic check, not a measurement. ``--json PATH`` writes every row.
+``--device cpu`` (the default without CUDA) runs the same protocol on the torch references
+at tiny sizes (preset ``tiny``, bs 1 and 4): a logic check, not a measurement. ``--json PATH``
+writes every row.
+
+    python -m unimem bench allocator --json out.json
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,6 +50,7 @@ import torch
 import triton
 
 import unimem_kernel
+from unimem.bench.timing import wall_clock
 from unimem.memory.checks import check_unified
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import RequestMemory, pages_for
@@ -60,12 +64,17 @@ GiB = 1 << 30
 KERNEL_OPS = ("bind_units", "unbind_units", "compact_band", "copy_units", "fill_units")
 OPS = ("admit", "retire", "compact", "alloc", "free", "move")
 HOST_ONLY = {"admit"}
+PROG = "python -m unimem bench allocator"
 MAX_SLEEP_US = 50_000
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cuda", "cpu"],
+    )
     ap.add_argument("--preset", default=None, help="model preset (default: small; cpu: tiny)")
     ap.add_argument("--bs", type=int, nargs="+", default=None, help="default 1 48 256; cpu 1 4")
     ap.add_argument("--page-size", type=int, default=16)
@@ -182,9 +191,9 @@ class Timer:
             torch.cuda._sleep(int(st.sleep_us * self.cycles_per_us))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        t0 = time.perf_counter()
-        out = fn()
-        host_us = (time.perf_counter() - t0) * 1e6
+        with wall_clock() as watch:
+            out = fn()
+        host_us = watch.seconds * 1e6
         if gpu:
             end.record()
             st.events.append((start, end))
@@ -319,8 +328,8 @@ def arena_for(spec: MemorySpec, bs: int, context: int, page_size: int) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_allocator: no CUDA device (use --device cpu for a logic check)")
-        return 1
+        print(f"{PROG}: error: no CUDA device (--device cpu runs a logic check)", file=sys.stderr)
+        return 2
     dev = torch.device(args.device)
     cfg = preset(args.preset)
     spec = memory_spec(cfg, args.page_size)
@@ -408,7 +417,3 @@ def main(argv=None) -> int:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -39,7 +39,9 @@ Prints the device, budget, page size, unit sizes and, per mix, the counts with t
 behind them and the ratios unified/best and unified/default; ``--json PATH`` writes the results,
 ``--plot PATH`` draws them as grouped bars (:func:`unimem.validate.plot.capacity_figure`).
 Targets: unified >= 0.97x the best static split on every mix, >= 1.3x the default split on
-the skewed mixes.
+the skewed mixes; exit status 1 when the first is missed.
+
+    python -m unimem bench capacity --preset small --page-size 64 --budget-gb 2 --json out.json
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ import json
 import math
 import platform
 import random
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ from typing import Any
 import torch
 
 import unimem_kernel as uk
+from unimem.bench.timing import wall_clock
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
@@ -458,7 +460,20 @@ def measure_mix(
     0.05) and the exact optimum (:func:`exact_static_split`). The default split, both best
     splits and the unified arena are then counted on real pools on ``device``; the grid and
     exact counts must match their real runs. Run inside :func:`host_byte_ops`."""
-    t0 = time.perf_counter()
+    with wall_clock() as watch:
+        result = _measure_mix(spec, budget_bytes, mix, device, shares, ratios)
+    result.seconds = watch.seconds
+    return result
+
+
+def _measure_mix(
+    spec: MemorySpec,
+    budget_bytes: int,
+    mix: Mix,
+    device: str,
+    shares: Sequence[float] | None,
+    ratios: Sequence[float] | None,
+) -> MixResult:
     shares = grid(0.02, 0.90, 0.04) if shares is None else shares
     ratios = grid(0.05, 1.0, 0.05) if ratios is None else ratios
     max_requests = request_bound(spec, budget_bytes)
@@ -526,7 +541,6 @@ def measure_mix(
         seconds=0.0,
     )
     del pool
-    result.seconds = time.perf_counter() - t0
     return result
 
 
@@ -599,7 +613,9 @@ def format_table(results: Sequence[MixResult]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m unimem bench capacity", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--preset", default="small", help="model preset whose MemorySpec is used")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--budget-gb", type=float, default=2.0, help="byte budget, GiB")
@@ -627,7 +643,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> list[MixResult]:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     config = preset(args.preset)
     spec = memory_spec(config, args.page_size)
@@ -694,8 +710,4 @@ def main(argv: Sequence[str] | None = None) -> list[MixResult]:
         from unimem.validate.plot import capacity_figure
 
         capacity_figure(payload, args.plot)
-    return results
-
-
-if __name__ == "__main__":
-    main()
+    return 0 if ok_best else 1

@@ -21,7 +21,10 @@ Every step is timed (``EngineCore.step``: plan, grow, launch, stage, account the
 step; on the CPU nothing waits), then the same number of steps runs under cProfile. Prints
 ms per step (median, p90) and the top functions per memory kind; ``--json`` writes them.
 
-    python benchmark/bench_host_step.py --requests 48 --steps 200 --json out.json
+    python -m unimem bench step-profile --host-only --requests 48 --steps 200 --json out.json
+
+Runs on any machine (the CPU variant of the ``step-profile`` suite). It replaces the
+process's ``unimem_kernel.fill_units`` / ``copy_units``: run it in a process of its own.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import hashlib
 import json
 import pstats
 import statistics
-import time
 from types import SimpleNamespace
 
 import torch
@@ -41,6 +43,7 @@ import torch
 import unimem.engine.core as core_mod
 import unimem_kernel as uk
 from unimem.attention.torch_backend import TorchReferenceBackend
+from unimem.bench.timing import wall_clock
 from unimem.engine.core import EngineCore
 from unimem.engine.runner import ModelRunner
 from unimem.memory.layout import MemoryLayout
@@ -141,9 +144,9 @@ def measure(kind: str, args) -> dict:
     times = []
     out0 = sum(len(r.output) for r in sched.running)
     for _ in range(args.steps):
-        t = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t)
+        with wall_clock() as watch:
+            eng.step()
+        times.append(watch.seconds)
     tokens = sum(len(r.output) for r in sched.running) - out0
     assert len(sched.running) == args.requests, "a request finished: raise --output-len"
 
@@ -193,8 +196,11 @@ def measure(kind: str, args) -> dict:
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m unimem bench step-profile --host-only",
+        description=__doc__.split("\n\n")[0],
+    )
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=2048)
@@ -215,7 +221,7 @@ def main() -> None:
         help="unified arena size (default: the static pools' capacity)",
     )
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     _no_device_bytes()
     torch.set_num_threads(1)
     spec = memory_spec(preset("small"), args.page_size, draft_config_for(preset("small")).lanes())
@@ -245,7 +251,4 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": results}, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,7 @@
 """Kernel launches of one eager decode (or verify) step, per decoder layer, counted on the host.
 
-A step's GPU time at small batches is set by how many kernels it launches (each ~1.5–3 µs of
-GPU time, however little it does) as much as by the bytes it moves. This module counts them
+A step's GPU time at small batches is set by how many kernels it launches (each costs a
+fixed launch gap, however little it does) as much as by the bytes it moves. This module counts them
 without a GPU: every aten op that launches a kernel (``TorchDispatchMode``; views, ``empty``
 and other metadata ops launch nothing and are skipped) and every Triton kernel launch
 (``JITFunction.run`` / the interpreter's ``InterpretedFunction.run``), each attributed to the

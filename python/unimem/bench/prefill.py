@@ -10,8 +10,10 @@ requests, then the sampled tokens read back): the median of ``--repeats`` after 
 per mode and size (fla autotunes its kernels on first use). Prints the GPU, the settings and a
 table of ms and ratios against ``off``; ``--json PATH`` writes the rows.
 
-    python benchmark/bench_prefill.py --lens 4096 28000
-    python benchmark/bench_prefill.py --requests 1 4 16 --lens 512 1024 2048
+    python -m unimem bench prefill --lens 4096 28000
+    python -m unimem bench prefill --requests 1 4 16 --lens 512 1024 2048
+
+Needs a CUDA device (and ``fla-core`` for the ``fla`` mode).
 """
 
 from __future__ import annotations
@@ -20,22 +22,26 @@ import argparse
 import json
 import os
 import statistics
-import time
+import sys
 
 import torch
 
+from unimem.bench.timing import wall_clock
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+PROG = "python -m unimem bench prefill"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--lens", type=int, nargs="+", default=[4096, 28000])
     ap.add_argument("--requests", type=int, nargs="+", default=[1], help="prompts at once")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="off,fla", help="UNIMEM_GDN_CHUNKED_PREFILL values")
     ap.add_argument("--json", metavar="PATH")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_prefill: needs a CUDA device")
+        print(f"{PROG}: error: needs a CUDA device", file=sys.stderr)
         return 2
     from unimem.attention.fa4_backend import FA4Backend
     from unimem.engine.core import EngineCore
@@ -65,14 +71,12 @@ def main() -> int:
                 os.environ[PREFILL_ENV] = mode
                 samples = []
                 for i in range(args.repeats + 1):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for prompt in prompts:
-                        eng.submit(prompt, 1)
-                    eng.run()
-                    torch.cuda.synchronize()
+                    with wall_clock(dev) as watch:
+                        for prompt in prompts:
+                            eng.submit(prompt, 1)
+                        eng.run()
                     if i:  # the first is the warm-up
-                        samples.append((time.perf_counter() - t0) * 1e3)
+                        samples.append(watch.seconds * 1e3)
                 times[mode] = statistics.median(samples)
                 rows.append(
                     {"requests": requests, "len": length, "mode": mode, "ms": times[mode],
@@ -89,7 +93,3 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "chunk": args.chunk, "rows": rows}, f, indent=2)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -6,8 +6,10 @@ the same requests run four times (static / unified memory x cache off / on) and 
 the same outputs. The unified arena has the bytes of the static pools with the cache on
 (those have extra state slots for checkpoints) in both of its runs.
 
-    python benchmark/bench_prefix.py [--requests 16 --shared-prefix-len 256 --unique-len 32
-                                      --output-len 32] [--json out.json]
+    python -m unimem bench prefix [--requests 16 --shared-prefix-len 256 --unique-len 32
+                                   --output-len 32] [--json out.json]
+
+Exit status 1 when the four runs' outputs differ.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from unimem.validate.protocol import (
 )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m unimem bench prefix", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--requests", type=int, default=16)
@@ -122,8 +126,4 @@ def main(argv: list[str] | None = None) -> dict:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)
-    return report
-
-
-if __name__ == "__main__":
-    main()
+    return 0 if report["identical_outputs"] else 1

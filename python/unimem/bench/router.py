@@ -1,7 +1,7 @@
 """Prefix-cache locality behind SGLang's router: two unimem servers, ``cache_aware`` vs
 ``round_robin``, on a workload of shared prefixes.
 
-    python benchmark/bench_router.py --json OUT.json [--model-path DIR] [--prefixes 8]
+    python -m unimem bench router --model-path DIR --json OUT.json [--prefixes 8]
         [--requests-per-prefix 64] [--concurrency 16] [--policies cache_aware round_robin]
 
 For each policy it starts two fresh ``python -m unimem.launch_server`` workers on free ports
@@ -19,10 +19,11 @@ rate over all prompt tokens (``cached_tokens`` / prompt tokens, from the respons
 and per worker: requests served, the cache's hit tokens over looked-up tokens, evictions,
 flushes under memory pressure, retractions.
 
-Without ``--model-path`` a small random Qwen3-Next checkpoint (float32, word tokenizer) is
-built under the JSON's directory (``benchmark/make_checkpoint.py``'s architecture at a size
-for the CPU). ``--device cuda``: worker i on GPU i (two GPUs needed). All traffic stays on
-127.0.0.1. Needs ``sglang-router`` (the ``[router]`` extra); fails loudly without it.
+``--model-path`` is a checkpoint with a tokenizer; the small random Qwen3-Next one the
+CPU run uses is ``python tools/make_checkpoint.py --arch qwen3_next --size tiny --dtype
+float32 --out DIR``. ``--device cuda``: worker i on GPU i (two GPUs needed). All traffic
+stays on 127.0.0.1. Needs ``sglang-router`` (the ``[router]`` extra); ends with one line and
+status 2 without it.
 """
 
 from __future__ import annotations
@@ -37,46 +38,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from unimem.bench.timing import wall_clock
 
-
-def build_checkpoint(out: Path) -> Path:
-    """A small random Qwen3-Next checkpoint (3 Gated DeltaNet + 1 full-attention layer)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, str(HERE))
-    import make_checkpoint
-
-    from unimem.models.word_tokenizer import save_word_tokenizer
-
-    size = dict(make_checkpoint.SIZES[("qwen3_next", "small")])
-    size.update(
-        vocab_size=4096,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        intermediate_size=512,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        shared_expert_intermediate_size=256,
-        max_position_embeddings=4096,
-    )
-    make_checkpoint.SIZES[("qwen3_next", "router")] = size
-    cfg = make_checkpoint.make_config("qwen3_next", "router")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    save_word_tokenizer(out, cfg.vocab_size)
-    return out
+PROG = "python -m unimem bench router"
 
 
 def workload(args) -> list[tuple[int, str]]:
@@ -162,10 +126,9 @@ def run_policy(policy: str, model: Path, items, args, logdir: Path) -> dict:
             u = out.usage
             return u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens
 
-        t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+        with wall_clock() as watch, concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
             results = list(pool.map(one, items))
-        wall = time.perf_counter() - t0
+        wall = watch.seconds
         prompt = sum(r[0] for r in results)
         completion = sum(r[1] for r in results)
         cached = sum(r[2] for r in results)
@@ -205,9 +168,13 @@ def run_policy(policy: str, model: Path, items, args, logdir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="where to write the report")
-    ap.add_argument("--model-path", help="a checkpoint (default: build a small random one)")
+    ap.add_argument(
+        "--model-path",
+        required=True,
+        help="a checkpoint with a tokenizer (tools/make_checkpoint.py --size tiny builds one)",
+    )
     ap.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     ap.add_argument("--prefixes", type=int, default=8)
     ap.add_argument("--requests-per-prefix", type=int, default=64)
@@ -230,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import sglang_router  # noqa: F401
     except ImportError:
-        print("error: needs sglang-router: pip install 'unimem[router]'", file=sys.stderr)
+        print(f"{PROG}: error: needs sglang-router: pip install 'unimem[router]'", file=sys.stderr)
         return 2
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -240,9 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if torch.cuda.device_count() < 2:
-            print("error: --device cuda needs 2 GPUs (one per worker)", file=sys.stderr)
+            print(f"{PROG}: error: --device cuda needs 2 GPUs (one per worker)", file=sys.stderr)
             return 2
-    model = Path(args.model_path) if args.model_path else build_checkpoint(logdir / "model")
+    model = Path(args.model_path)
+    if not (model / "config.json").is_file():
+        print(f"{PROG}: error: --model-path {model}: no config.json", file=sys.stderr)
+        return 2
     items = workload(args)
     print(
         f"{len(items)} requests: {args.prefixes} prefixes x {args.requests_per_prefix}, "
@@ -275,7 +245,3 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report["cache_aware_over_round_robin"]))
     out.write_text(json.dumps(report, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Serving benchmark: the real server driven by a real load generator, static pools vs the
 unified arena side by side.
 
-For each memory mode the script starts ``python -m unimem.launch_server`` on a loopback port
+For each memory mode the suite starts ``python -m unimem.launch_server`` on a loopback port
 (same flags, plus ``--enable-unified-memory`` for the arena), runs GuideLLM
 (``pip install -e ".[bench]"``) against its ``/v1/completions`` at several concurrencies, reads
 the server's own counters (peak bytes, retractions, compactions) from ``/get_server_info``, and
@@ -21,8 +21,8 @@ greedy (``temperature`` 0: DSPARK verifies greedily) with a fixed output length
 
 CPU smoke test (a tiny checkpoint, a few seconds per level)::
 
-    python benchmark/make_checkpoint.py ...  # or any HF checkpoint directory
-    python benchmark/bench_serving.py --model-path CKPT --device cpu --dtype float32 \\
+    python tools/make_checkpoint.py ...  # or any HF checkpoint directory
+    python -m unimem bench serving --model-path CKPT --device cpu --dtype float32 \\
         --concurrency 1,4 --prompt-tokens 32 --output-tokens 16 --max-total-tokens 2048
 
 On a GPU, a budget that binds: ``--max-total-tokens`` below what the concurrency needs at
@@ -46,6 +46,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+PROG = "python -m unimem bench serving"
 MODES = ("static", "unified")
 START_TIMEOUT_S = 600
 
@@ -80,7 +81,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="bench_serving.py", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", help="the checkpoint directory to serve (required to run)")
     p.add_argument(
         "--replot",
@@ -537,10 +538,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{mode}] serving and loading ...", file=sys.stderr, flush=True)
                 results[mode] = run_mode(a, mode, work, prompts)
     except BenchError as e:
-        print(f"bench_serving.py: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("bench_serving.py: interrupted", file=sys.stderr)
+        print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     print(report(results))
     gpu = gpu_name(a.device)
@@ -554,7 +555,3 @@ def main(argv: list[str] | None = None) -> int:
 
 def _jsonable(d: dict) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,8 @@ steady state (every request verifying):
 1. **engine loop**: ``--steps`` engine steps, wall time per step, and the host's share — the
    time ``EngineCore.step`` spends outside its one wait for the previous step's results (plan,
    grow, launch, account). The GPU is never idle while host time < GPU time per step.
-2. **GPU per step**: back-to-back replays of the recorded verify step, timed by CUDA events.
+2. **GPU per step**: back-to-back replays of the recorded verify step
+   (:func:`unimem.bench.timing.median_ms` on the device).
 3. **kernel breakdown**: ``torch.profiler`` over a few replays; kernels grouped by what they
    do (GEMMs: every projection, MLP and the LM heads; attention: FA4; GDN: our Triton conv +
    delta rule; metadata: our fused builder + write window; state commit; the rest: norms,
@@ -21,7 +22,11 @@ steady state (every request verifying):
 Prints a table per memory kind (and the top kernels) and writes JSON (``--json``). Replays in
 parts 2-3 advance the device state past what the host read, so they come last.
 
-    python benchmark/profile_step.py --requests 48 --input-len 512 --json out.json
+    python -m unimem bench step-profile --requests 48 --input-len 512 --json out.json
+
+Needs a CUDA device. ``--host-only`` (first flag) runs the host's share of a step on any
+machine instead, the device work replaced by trivial stand-ins (:mod:`unimem.bench.host_step`;
+its flags follow).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import io
 import json
 import pstats
 import re
-import time
+import sys
 import warnings
 from collections import defaultdict
 
@@ -41,6 +46,7 @@ import torch
 import triton
 
 from unimem.attention.fa4_backend import SPLIT_KV_MAX_BS, FA4Backend, split_kv_batch
+from unimem.bench.timing import Stopwatch, median_ms, wall_clock
 from unimem.engine.core import EngineCore
 from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.step_io import StagedResult
@@ -99,27 +105,24 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
     torch.cuda.synchronize()
 
     # 1. engine loop, host share
-    waited = [0.0]
+    waited = Stopwatch()
     read = StagedResult.read
 
     def timed_read(self):
-        t = time.perf_counter()
-        out = read(self)
-        waited[0] += time.perf_counter() - t
-        return out
+        with wall_clock(into=waited):
+            return read(self)
 
     StagedResult.read = timed_read
     tokens0 = sum(len(r.output) for r in eng.scheduler.running)
     compiled0 = jit_cache_keys()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        eng.step()
-    eng.drain()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / args.steps
+    with wall_clock(dev) as watch:
+        for _ in range(args.steps):
+            eng.step()
+        eng.drain()
+    wall = watch.seconds / args.steps
     StagedResult.read = read
     tokens = sum(len(r.output) for r in eng.scheduler.running) - tokens0
-    host = wall - waited[0] / args.steps
+    host = wall - waited.seconds / args.steps
     compiles = new_compiles(compiled0, jit_cache_keys())
     host_top = profile_host(eng, args.steps, args.host_top) if args.host_top else []
 
@@ -127,14 +130,9 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
     runner = eng.runner
     bs = len(eng.scheduler.running)
     width = runner.graphs.bucket(bs)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runner.graphs.replay(width)
-    start.record()
-    for _ in range(args.replays):
-        runner.graphs.replay(width)
-    end.record()
-    torch.cuda.synchronize()
-    gpu_ms = start.elapsed_time(end) / args.replays
+    gpu_ms = median_ms(
+        lambda: runner.graphs.replay(width), warmup=1, iters=args.replays, repeats=1, device=dev
+    )
 
     # 3. kernel breakdown
     n_prof = 5
@@ -155,7 +153,6 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
             per_kernel_calls[evt.key[:160]] += evt.count / n_prof
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top_kernels]
     launch_sites = attribute_ops(runner, width, args.attribute) if args.attribute else []
-    overlap = overlap_probe(runner, width, args.replays) if args.overlap_probe else {}
     del eng, pool
     return {
         "memory": kind,
@@ -177,74 +174,7 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
         "host_top_functions": host_top,
         "steady_state_compiles": compiles,
         "torch_ops_by_launch_site": launch_sites,
-        "overlap_probe_ms": overlap,
     }
-
-
-def overlap_probe(runner, width: int, replays: int) -> dict[str, float]:
-    """What running the GDN replay commit beside the drafter would save: GPU ms of CUDA graphs
-    of ``width`` lanes (the lanes staged by the last launch; accepted counts drawn at random)
-    holding the commit alone, the drafter's proposal alone, both in sequence, and both forked
-    onto two streams (equal priority, and the drafter's stream at a higher priority). Runs
-    after every other measurement: it writes state slots and draft lanes."""
-    rows, vslots, rids = (
-        runner.lanes.rows(width),
-        runner.lanes.vslots(width),
-        runner.lanes.rids(width),
-    )
-    seq_lens, anchors = runner.state.read(rows)
-    slots = runner._state_slots(vslots)
-    gen = torch.Generator(device=rows.device).manual_seed(3)
-    accepted = torch.randint(
-        0, runner.chain.verify_width, (width,), generator=gen, device=rows.device
-    ).int()
-
-    def commit():
-        runner._commit_gdn(accepted, vslots, slots)
-
-    def draft():
-        runner.drafts.propose(rows, seq_lens, anchors, rids)
-
-    lo, hi = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)
-
-    def forked(draft_stream):
-        def run():
-            cur = torch.cuda.current_stream()
-            lo.wait_stream(cur)
-            draft_stream.wait_stream(cur)
-            with torch.cuda.stream(lo):
-                commit()
-            with torch.cuda.stream(draft_stream):
-                draft()
-            cur.wait_stream(lo)
-            cur.wait_stream(draft_stream)
-
-        return run
-
-    variants = {
-        "commit": commit,
-        "draft": draft,
-        "sequential": lambda: (commit(), draft()),
-        "forked": forked(torch.cuda.Stream(priority=0)),
-        "forked_draft_high_priority": forked(hi),
-    }
-    out = {}
-    with torch.inference_mode():
-        for name, fn in variants.items():
-            fn()  # first use outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            out[name] = start.elapsed_time(end) / replays
-    return out
 
 
 def attribute_ops(runner, width: int, top: int) -> list[dict]:
@@ -343,8 +273,16 @@ def profile_host(eng: EngineCore, steps: int, top: int) -> list[dict]:
     return rows[:top]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+PROG = "python -m unimem bench step-profile"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--host-only"]:
+        from unimem.bench import host_step
+
+        return host_step.main(argv[1:])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--gamma", type=int, default=7)
@@ -372,19 +310,20 @@ def main() -> None:
         help="also profile one eager verify step and list this many torch ops by launch site",
     )
     ap.add_argument(
-        "--overlap-probe",
-        action="store_true",
-        help="also time the GDN replay commit and the drafter's proposal in CUDA graphs, in "
-        "sequence and forked onto two streams",
-    )
-    ap.add_argument(
         "--quantization",
         choices=["fp8"],
         help="fp8: the preset's projections in block-wise FP8 (unimem.models.fp8_linear); "
         "the drafter's tables stay bf16",
     )
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            f"{PROG}: error: needs a CUDA device (--host-only measures the host's share on "
+            "the CPU)",
+            file=sys.stderr,
+        )
+        return 2
     dev = torch.device("cuda")
     cfg = preset("small")
     model = HybridModel(cfg, seed=0, device=dev)
@@ -436,10 +375,6 @@ def main() -> None:
             for f in r["host_top_functions"]:
                 print(f"    {f['own_us_per_step']:8.1f} {f['cum_us_per_step']:8.1f} "
                       f"{f['calls_per_step']:7.1f}  {f['function']}")  # fmt: skip
-        if r["overlap_probe_ms"]:
-            print("  overlap probe, GPU ms per graph replay:")
-            for name, ms in r["overlap_probe_ms"].items():
-                print(f"    {ms:7.3f}  {name}")
         if r["torch_ops_by_launch_site"]:
             print("  torch ops of one eager verify step by launch site (ms, calls):")
             for o in r["torch_ops_by_launch_site"]:
@@ -457,7 +392,4 @@ def main() -> None:
             json.dump({"gpu": gpu, "gamma": args.gamma, "page_size": args.page_size,
                        "input_len": args.input_len, "quantization": args.quantization,
                        "runs": results}, f, indent=2)  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()
+    return 0
