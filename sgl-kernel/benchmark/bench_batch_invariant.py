@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton
-from cuda_timing import median_ms
 
+from unimem.bench.timing import median_ms
 from unimem_kernel import bi_grouped_linear, bi_linear, matmul_config
 
 SHAPES = [(2048, 4096), (2048, 2048), (4096, 2048), (2048, 32000)]

@@ -1,21 +1,24 @@
 """FA4 decode / verify time reading KV through arena views vs a contiguous per-layer cache.
 
-The arena holds page envelopes laid out layer-major (DESIGN §3.2): for each of ``--layers``
-layers a contiguous ``[page_size, Hkv, D]`` K block then a V block, so one layer's view has a
-page stride of the whole envelope (``layers`` times one layer's K+V). The contiguous cache is
-``[num_pages, page_size, Hkv, D]`` per layer with the same page ids and the same bytes. Both run
-the same ``FA4Backend.attend`` (causal, paged, ``seqused_k``), captured in a CUDA graph and
-replayed, so the numbers are kernel time, not Python launch overhead. Sides alternate over
-``--rounds`` rounds; the median per side is reported with the ratio arena / contiguous.
+The arena holds page envelopes laid out layer-major (docs/architecture.md, "Units"): for each
+of ``--layers`` layers a contiguous ``[page_size, Hkv, D]`` K block then a V block, so one
+layer's view has a page stride of the whole envelope (``layers`` times one layer's K+V). The
+contiguous cache is ``[num_pages, page_size, Hkv, D]`` per layer with the same page ids and the
+same bytes. Both run the same ``FA4Backend.attend`` (causal, paged, ``seqused_k``), captured in
+a CUDA graph and replayed, so the numbers are kernel time, not Python launch overhead. Sides
+alternate over ``--rounds`` rounds; the median per side is reported with the ratio arena /
+contiguous.
 
-    python benchmark/bench_fa4_arena.py                      # bs 48/256, ctx 2048/8192, page 64
-    python benchmark/bench_fa4_arena.py --bs 48 --context 4096 --gamma 3 --page-size 128
+    python sgl-kernel/benchmark/bench_fa4_arena.py       # bs 48/256, ctx 2048/8192, page 64
+    python sgl-kernel/benchmark/bench_fa4_arena.py --bs 48 --context 4096 --gamma 3 \\
+        --page-size 128
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,10 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    if not torch.cuda.is_available():
+        print("bench_fa4_arena: needs a CUDA device (and flash-attn-4)", file=sys.stderr)
+        return 2
     from unimem.attention.fa4_backend import FA4Backend
     from unimem.attention.metadata import AttentionMetadata
 
@@ -115,6 +121,7 @@ def main(argv=None) -> None:
                 del graphs
             del arena, typed, k_arena, v_arena, k_contig, v_contig
             torch.cuda.empty_cache()
+    return 0
 
 
 def make_meta(cls, bs, ctx, q_len, ps, table, dev):
@@ -158,14 +165,11 @@ def capture(torch, backend, q, kc, vc, meta, window, scale, replays):
 
 
 def time_graph(torch, graph) -> float:
-    """Milliseconds of one replay, by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    """Milliseconds of one replay, by CUDA events (:mod:`unimem.bench.timing`)."""
+    from unimem.bench.timing import median_ms
+
+    return median_ms(graph.replay, warmup=0, iters=1, repeats=1, device="cuda")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,9 +29,9 @@ With ``--moe``, the routed experts' grouped GEMM (``--experts`` experts of width
 (:func:`unimem_kernel.expert_linear`) against FP8 (:func:`unimem_kernel.fp8_grouped_linear`).
 
 Each time: ``--iters`` calls in one CUDA graph, the median of ``--repeats`` samples
-(``cuda_timing.graph_median_ms``); TFLOP/s = 2 M N K / time; ``rel`` = the largest |difference|
-to the float32 product of the unquantised operands, relative to its largest |value|. ``--json
-PATH`` writes the rows. Needs CUDA (exits 2 with one line without it).
+(``unimem.bench.timing.graph_median_ms``); TFLOP/s = 2 M N K / time; ``rel`` = the largest
+|difference| to the float32 product of the unquantised operands, relative to its largest
+|value|. ``--json PATH`` writes the rows. Needs CUDA (exits 2 with one line without it).
 
 ``--sweep`` (instead of the table): for each ``--sweep-shapes`` shape at each ``--sweep-m``
 row count, times the Triton GEMM alone under every candidate tile (``BMxBN``, warps, stages,
@@ -52,7 +52,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from bench_gemm_shapes import SHAPES
-from cuda_timing import graph_median_ms
+
+from unimem.bench.timing import graph_median_ms
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

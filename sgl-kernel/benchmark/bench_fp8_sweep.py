@@ -12,7 +12,8 @@ import time
 import torch
 import torch.nn.functional as F
 from bench_gemm_shapes import SHAPES
-from cuda_timing import graph_median_ms
+
+from unimem.bench.timing import graph_median_ms
 
 SMS_WAVES = 4
 """Split-K is only tried while the programs fit in this many waves of the GPU's SMs."""

@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import torch
 import triton
-from cuda_timing import graph_median_ms, median_ms
 
+from unimem.bench.timing import graph_median_ms, median_ms
 from unimem_kernel import fused as fu
 
 

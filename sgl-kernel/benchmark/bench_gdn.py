@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -39,6 +38,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from unimem.bench.timing import graph_median_ms, median_ms
 from unimem_kernel import gdn
 
 H, DK, DV, KW = 16, 128, 128, 4
@@ -52,8 +52,10 @@ def parse_args(argv=None):
     ap.add_argument("--verify-tokens", type=int, default=4, help="tokens per verify (gamma+1)")
     ap.add_argument("--prefill-requests", type=int, nargs="+", default=[8])
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[512, 2048])
-    ap.add_argument("--per-graph", type=int, default=20, help="calls per captured graph")
-    ap.add_argument("--replays", type=int, default=20, help="graph replays per sample")
+    ap.add_argument("--per-graph", type=int, default=20, help="calls per time reported")
+    ap.add_argument(
+        "--replays", type=int, default=20, help="a sample's graph holds per-graph x replays calls"
+    )
     ap.add_argument("--prefill-iters", type=int, default=5, help="eager calls per sample")
     ap.add_argument("--repeats", type=int, default=7, help="samples; the median is kept")
     ap.add_argument("--sweep", action="store_true", help="also time other rule tiles")
@@ -105,48 +107,24 @@ def rule_inputs(n: int, device, gen):
 # ---------------------------------------------------------------------------------------------
 
 
-def median_us(step, iters: int, repeats: int, per_call: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            step()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (iters * per_call))
-    return statistics.median(samples)
-
-
 def graph_us(fn, args) -> tuple[float, str]:
-    """Per-call device time of ``fn`` inside a graph of ``--per-graph`` calls (falls back to
-    eager timing, flagged, if ``fn`` cannot be captured)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()  # compile and warm outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    """Per-call device time of ``fn`` replayed from a CUDA graph of ``--per-graph`` x
+    ``--replays`` calls (falls back to eager timing, flagged, if ``fn`` cannot be
+    captured)."""
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(args.per_graph):
-                fn()
+        ms = graph_median_ms(
+            fn, warmup=3, iters=args.per_graph * args.replays, repeats=args.repeats
+        )
+        return ms * 1e3, "graph"
     except RuntimeError as e:  # e.g. a kernel that syncs or allocates on the host
         torch.cuda.synchronize()
         print(f"  (capture failed, timed eagerly: {str(e).splitlines()[0][:80]})")
-        return median_us(fn, args.per_graph * args.replays, args.repeats, 1), "eager"
-    graph.replay()
-    torch.cuda.synchronize()
-    return median_us(graph.replay, args.replays, args.repeats, args.per_graph), "graph"
+        iters = args.per_graph * args.replays
+        return median_ms(fn, warmup=0, iters=iters, repeats=args.repeats) * 1e3, "eager"
 
 
 def eager_us(fn, args) -> tuple[float, str]:
-    fn()
-    torch.cuda.synchronize()
-    return median_us(fn, args.prefill_iters, args.repeats, 1), "eager"
+    return median_ms(fn, warmup=1, iters=args.prefill_iters, repeats=args.repeats) * 1e3, "eager"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,8 +10,9 @@ bitwise with the default tile's: the conv is per-element arithmetic, so a tile m
 bit.
 
 Each time: ``--iters`` calls in one CUDA graph, median of ``--repeats`` replays
-(``cuda_timing.graph_median_ms``); ``GB/s`` counts x read, y (and the record's x) written and
-the conv windows read (and, decode, written). ``--json PATH`` writes the rows. Needs CUDA.
+(``unimem.bench.timing.graph_median_ms``); ``GB/s`` counts x read, y (and the record's x)
+written and the conv windows read (and, decode, written). ``--json PATH`` writes the rows.
+Needs CUDA.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import sys
 
 import torch
 from bench_gdn import CONV_DIM, KW, arena_states
-from cuda_timing import graph_median_ms
 
+from unimem.bench.timing import graph_median_ms
 from unimem_kernel import gdn
 
 IN_PROJ = 8224  # the small preset's GDN in-projection width (mixed_qkv | z | b | a)

@@ -19,7 +19,8 @@ import argparse
 import json
 
 import torch
-from cuda_timing import median_ms
+
+from unimem.bench.timing import median_ms
 
 PRESETS = {"small": (16, 16), "qwen3-next": (32, 16)}  # (H, Hk)
 DK = DV = 128

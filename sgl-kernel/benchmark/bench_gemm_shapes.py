@@ -20,7 +20,7 @@ Variants per shape:
   ``+sum`` time includes that pass). Only for the shapes named by ``--split-shapes``.
 
 Each time: ``--iters`` calls recorded in one CUDA graph, CUDA events around a replay, the
-median of ``--repeats`` samples (``cuda_timing.graph_median_ms``); TFLOP/s = 2 M N K / time;
+median of ``--repeats`` samples (``unimem.bench.timing.graph_median_ms``); TFLOP/s = 2 M N K / time;
 ``rel`` = the largest |difference| to a float32 torch product, relative to its largest
 |value|. ``--json PATH`` writes the rows. Needs CUDA (exits 2 with one line without it).
 """
@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from cuda_timing import graph_median_ms
+
+from unimem.bench.timing import graph_median_ms
 
 SHAPES = {  # name: (K, N, out dtype)
     "qkv": (2048, 3072, "bf16"),
@@ -44,7 +45,7 @@ SHAPES = {  # name: (K, N, out dtype)
     "gate_up": (2048, 11264, "bf16"),
     "down": (5632, 2048, "bf16"),
     "lm_head": (2048, 32000, "fp32"),
-    # the Qwen3-Next `bench` checkpoint (benchmark/make_checkpoint.py): GDN in_proj_qkvz +
+    # the Qwen3-Next `bench` checkpoint (tools/make_checkpoint.py): GDN in_proj_qkvz +
     # in_proj_ba stacked; GDN out_proj and attention o_proj (both 4096 -> 2048); the gated
     # q_proj; k_proj / v_proj; router + shared expert gate / up stacked; shared expert down
     "q3n_gdn_in": (2048, 12352, "bf16"),

@@ -142,7 +142,8 @@ def main(argv=None) -> int:
         print("bench_step_ops: needs CUDA", file=sys.stderr)
         return 2
     import triton
-    from cuda_timing import graph_median_ms
+
+    from unimem.bench.timing import graph_median_ms
 
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
