@@ -15,7 +15,7 @@ fp8`` does (``quant_config.online_config``: for Gemma 3 gate/up/o stay bf16); ``
 repeats the scores with every eligible linear in FP8 (the hub checkpoints' choice).
 ``--json`` writes it; exit 3 when the default's agreement is below the goal, 1 on an error.
 
-    python benchmark/fp8_agreement.py --model-path DIR --prompts prompts.txt --json out.json
+    python tools/device/fp8_agreement.py --model-path DIR --prompts prompts.txt --json out.json
 """
 
 from __future__ import annotations

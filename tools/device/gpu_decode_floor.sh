@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 47 on one GPU, one device call, from the repository root:
 #   MODEL=/path/to/model [GGUF=/path/to/model.gguf] [LLAMA_BIN=/tmp/llcpp/llama.cpp/build/bin] \
-#   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor"] bash benchmark/gpu_decode_floor.sh
+#   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor"] bash tools/device/gpu_decode_floor.sh
 # tests: the GPU tests of the new fused kernels (post-norm + add + norm, q/k norms inside the
 #   RoPE + K/V store, gpt-oss's clamped SwiGLU) at real shapes (batch invariance included);
 # floor: benchmark/bench_decode_floor.py (static and unified waves of 1 / 8 / 48 x 256 tokens,
@@ -15,7 +15,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 log="$out/gpu_decode_floor.log"
 step_timeout=${STEP_TIMEOUT:-540}
-source benchmark/gpu_env.sh
+source tools/device/gpu_env.sh
 : "${MODEL:?set MODEL to the model (an HF directory or a .gguf)}"
 parts=${PARTS:-tests floor}
 status=0

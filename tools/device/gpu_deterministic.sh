@@ -2,11 +2,11 @@
 # The GPU proofs of deterministic inference (batch-invariant kernels), in one device call
 # after the FA4 bundle (and, for the checkpoint part, transformers) is installed. Run from the
 # repository root:
-#   PARTS="tests kernels pressure ckpt bench" bash benchmark/gpu_deterministic.sh
+#   PARTS="tests kernels pressure ckpt bench" bash tools/device/gpu_deterministic.sh
 # tests: the gpu tests of the batch-invariant kernels (GEMM, grouped GEMM, RMS norm,
 #   log-softmax), the GDN step kinds, the mode's switch, the engine (alone == batched ==
 #   retracted, DSPARK == decode) and the existing engine GPU tests (regressions);
-# kernels: benchmark/bench_batch_invariant.py (ours vs cuBLAS / torch._grouped_mm);
+# kernels: sgl-kernel/benchmark/bench_batch_invariant.py (ours vs cuBLAS / torch._grouped_mm);
 # pressure: `validate --device cuda` (deterministic by default) on the small preset with an
 #   arena that forces compaction and retraction, page 16 and page 64;
 # ckpt: the same on the small Qwen3-Next-architecture checkpoint (ARENA_CKPT MiB, default 24:
@@ -20,7 +20,7 @@ parts=${PARTS:-tests kernels pressure ckpt bench}
 step_timeout=${STEP_TIMEOUT:-400}
 log="$out/gpu_deterministic.log"
 status=0
-. benchmark/gpu_env.sh
+. tools/device/gpu_env.sh
 ck=/tmp/ckpt_qwen3_next_small
 pressure=(--device cuda --spec dspark --requests 24 --input-len 300 --output-len 200 --seed 5)
 gpu_banner
@@ -33,7 +33,7 @@ for part in $parts; do
         test/models/test_batch_invariant_mode.py test/engine/test_deterministic_gpu.py \
         test/engine/test_gpu_engine.py ;;
     kernels)
-      run python3 benchmark/bench_batch_invariant.py --json "$out/bench_batch_invariant_h200.json" ;;
+      run python3 sgl-kernel/benchmark/bench_batch_invariant.py --json "$out/bench_batch_invariant_h200.json" ;;
     pressure)
       run python3 -m unimem validate "${pressure[@]}" --preset small --page-size 16 \
         --arena-mb 60 --json "$out/validate_pressure_h200.json"
@@ -41,7 +41,7 @@ for part in $parts; do
         --arena-mb 60 --json "$out/validate_pressure_page64_h200.json" ;;
     ckpt)
       [ -f "$ck/config.json" ] \
-        || run python3 benchmark/make_checkpoint.py --arch qwen3_next --size small --out "$ck"
+        || run python3 tools/make_checkpoint.py --arch qwen3_next --size small --out "$ck"
       run python3 -m unimem validate "${pressure[@]}" --model-path "$ck" --page-size 64 \
         --arena-mb "${ARENA_CKPT:-24}" --json "$out/validate_pressure_qwen3_next_h200.json" ;;
     bench)

@@ -2,7 +2,7 @@
 # The GPU proofs of DSPARK sampling / adaptive verify, the serving benchmark and the bench
 # figure, in device calls. Run from the repository root after the FA4 bundle (and, for
 # serving, the server / GuideLLM wheels) are installed:
-#   PARTS="tests distill drafted ckpt serving" bash benchmark/gpu_dspark_serving.sh
+#   PARTS="tests distill drafted ckpt serving" bash tools/device/gpu_dspark_serving.sh
 # tests: the gpu tests of the sampling kernel, ragged write window, speculative sampling,
 #   ragged verify (graph replay == eager with lengths changing every step, the adaptive loop
 #   under sync-debug) and the engine (CUDA-graph steps, sampled steps);
@@ -11,7 +11,7 @@
 #   under a budget of VERIFY_BUDGET rows per step (default 96); the fixed run also draws the
 #   bench figure (--plot);
 # ckpt: the `small` Qwen3-Next-architecture checkpoint and a drafter distilled for it;
-# serving (or serving-spare, serving-binding: one of its two runs): benchmark/bench_serving.py on that checkpoint with DSPARK greedy, once with
+# serving (or serving-spare, serving-binding: one of its two runs): `python -m unimem bench serving` on that checkpoint with DSPARK greedy, once with
 #   memory to spare and once at a budget that binds (--max-total-tokens below what the
 #   concurrency needs at the static split).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 500) bounds each command.
@@ -22,7 +22,7 @@ parts=${PARTS:-tests distill drafted ckpt serving}
 step_timeout=${STEP_TIMEOUT:-500}
 log="$out/gpu_dspark_serving.log"
 status=0
-. benchmark/gpu_env.sh
+. tools/device/gpu_env.sh
 ck=/tmp/ckpt_qwen3_next_small
 gpu_banner
 for part in $parts; do
@@ -52,7 +52,7 @@ for part in $parts; do
       done ;;
     ckpt)
       [ -f "$ck/config.json" ] \
-        || run python3 benchmark/make_checkpoint.py --arch qwen3_next --size small --out "$ck"
+        || run python3 tools/make_checkpoint.py --arch qwen3_next --size small --out "$ck"
       [ -f "$ck/tokenizer.json" ] || run python3 -c "import sys; \
 from unimem.models.word_tokenizer import save_word_tokenizer; \
 save_word_tokenizer(sys.argv[1], 32000)" "$ck"
@@ -67,13 +67,13 @@ save_word_tokenizer(sys.argv[1], 32000)" "$ck"
       common=(--model-path "$ck" --device cuda --speculative-algorithm DSPARK "${draft[@]}"
         --page-size 64
         --max-running-requests 64 --prompt-tokens 256 --output-tokens 128)
-      [ "$part" = serving-binding ] || run python3 benchmark/bench_serving.py "${common[@]}" \
+      [ "$part" = serving-binding ] || run python3 -m unimem bench serving "${common[@]}" \
         --concurrency 1,8,32,64 \
         --json "$out/serving_spare_h200.json" --plot "$out/serving_spare_h200.png"
       [ "$part" = serving-spare ] && continue
       # 12 288 FULL tokens hold ~30 requests of 256 + 128 (+ lookahead) at the static split;
       # 64 concurrent requests need twice that.
-      run python3 benchmark/bench_serving.py "${common[@]}" --concurrency 16,32,64 \
+      run python3 -m unimem bench serving "${common[@]}" --concurrency 16,32,64 \
         --max-total-tokens 12288 \
         --json "$out/serving_binding_h200.json" --plot "$out/serving_binding_h200.png" ;;
     *) echo "unknown part $part"; false ;;

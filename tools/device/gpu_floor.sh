@@ -1,43 +1,39 @@
 #!/usr/bin/env bash
 # The GPU runs of "the verify step at the hardware floor", in one device call after the FA4
 # bundle is installed. Run from the repository root:
-#   PARTS="tests kernels profile bench" bash benchmark/gpu_floor.sh
+#   PARTS="tests kernels profile bench" bash tools/device/gpu_floor.sh
 # tests: the gpu tests of the fused model ops, the KV store (and RoPE + store), the drafter's
 #   pick, the greedy accept, the GDN replay commit (equal to the per-position-state commit;
 #   all layers in one launch), the chunked GDN prefill, GDN batch
 #   invariance, the MoE kernels (router, route, grouped GEMM, combine), the batch-invariant
 #   GEMMs and norms, and the engine (sync-debug loop, graph replay == eager);
-# kernels: benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces),
-#   benchmark/bench_gdn_commit.py (verify + commit, per-position states vs replay) and
-#   benchmark/bench_gdn_prefill.py (recurrent vs chunked GDN prefill at 4k / 32k tokens),
-#   benchmark/bench_gdn.py (conv and delta rule per step kind);
-# profile: benchmark/profile_step.py (where a verify step's time goes; the host's share, its
+# kernels: sgl-kernel/benchmark/bench_fused_ops.py (each fused op vs the torch chain it replaces),
+#   sgl-kernel/benchmark/bench_gdn_prefill.py (recurrent vs chunked GDN prefill at 4k / 32k tokens),
+#   sgl-kernel/benchmark/bench_gdn.py (conv and delta rule per step kind);
+# profile: `python -m unimem bench step-profile` (where a verify step's time goes; the host's
+#   share, its
 #   top functions and the torch ops of an eager step by launch site);
 #   with UNFUSED=1 also the same with UNIMEM_FUSED_OPS=off (the fused-vs-unfused comparison);
-# attribute: profile_step.py on static pools only, with the torch ops of an eager step by
+# attribute: step-profile on static pools only, with the torch ops of an eager step by
 #   launch site and the top kernels (the data for choosing what to fuse next);
-# sweep: bench_gdn_commit.py with a delta-rule tile sweep of the replay form and of decode
-#   (TILES);
-# explore: bench_pdl.py (programmatic dependent launch between small kernels),
-#   bench_verify_attention.py (the split-KV Triton verify attention against FA4; SPLITS and
+# sweep: bench_gdn.py's delta-rule tile sweep at the verify width (decode and verify);
+# explore: bench_verify_attention.py (the split-KV Triton verify attention against FA4; SPLITS and
 #   PROGRAMS sweep its split size and programs per KV head), bench_fused_ops.py;
 # splitkv: bench_verify_attention.py at few requests (SPLIT_BS, default 1 2 4 8 16 24) and
 #   contexts 512 .. 32k, split sizes 64/128 and 2..16 programs per (request, KV head): the
 #   data for choosing when decode/verify attention takes the split-KV kernel;
-# smallbatch: profile_step.py at 1 and 4 requests with 28k-token prompts and at 16 with 8k,
+# smallbatch: step-profile at 1 and 4 requests with 28k-token prompts and at 16 with 8k,
 #   FA4 against the split-KV kernel for decode/verify attention (--split-kv-max-bs 0,16);
 # flaprefill: bench_gdn.py's prefill rows at 4k and 32k tokens, 1 and 4 requests: our
 #   recurrent extend against fla's chunked kernel (with the slot gather/scatter it needs);
-# prefill: the GPU tests of the fla prefill path, benchmark/bench_prefill.py (time to first
+# prefill: the GPU tests of the fla prefill path, `python -m unimem bench prefill` (time to first
 #   token of one 4k / 28k prompt, recurrent vs fla) and bench_gdn.py's prefill rows at 512 ..
 #   2048 tokens (where fla starts to win);
-# overlap: profile_step.py with its overlap probe (the GDN replay commit and the drafter's
-#   proposal alone, in sequence, and forked onto two streams, in CUDA graphs);
-# fp8: benchmark/bench_fp8_gemm.py (the verify GEMM shapes in e4m3 against bf16);
-# rule: benchmark/bench_gdn_rule.py at the step tile (the delta rule against its state
-#   traffic, and the fused-bound rows: a replay commit folded into the next verify);
-# conv: benchmark/bench_gdn_conv.py (the GDN conv's tiles in decode and verify, bitwise checked)
-#   and benchmark/bench_gemm_shapes.py (the verify GEMM shapes: cuBLAS, cuBLASLt, zero bias);
+# fp8: sgl-kernel/benchmark/bench_fp8_gemm.py (the verify GEMM shapes in e4m3 against bf16);
+# conv: sgl-kernel/benchmark/bench_gdn_conv.py (the GDN conv's tiles in decode and verify, bitwise
+#   checked)
+#   and sgl-kernel/benchmark/bench_gemm_shapes.py (the verify GEMM shapes: cuBLAS, cuBLASLt, zero
+#   bias);
 # bench: `python -m unimem bench` (docs/results/bench_h200.json; BENCH_ARGS adds flags).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 400) bounds each command.
 set -uo pipefail
@@ -47,7 +43,7 @@ parts=${PARTS:-tests kernels profile bench}
 step_timeout=${STEP_TIMEOUT:-400}
 log="$out/gpu_floor.log"
 status=0
-. benchmark/gpu_env.sh
+. tools/device/gpu_env.sh
 gpu_banner
 for part in $parts; do
   say "$part"
@@ -64,64 +60,56 @@ for part in $parts; do
         test/engine/test_gpu_engine.py \
         test/speculative/test_ragged_verify_gpu.py test/models/test_logits_matmul.py ;;
     kernels)
-      run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json"
-      run python3 benchmark/bench_gdn_commit.py --json "$out/bench_gdn_commit_h200.json"
-      run python3 benchmark/bench_gdn_prefill.py --json "$out/bench_gdn_prefill_h200.json"
-      run python3 benchmark/bench_gdn.py --json "$out/bench_gdn_h200.json" ;;
+      run python3 sgl-kernel/benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json"
+      run python3 sgl-kernel/benchmark/bench_gdn_prefill.py --json "$out/bench_gdn_prefill_h200.json"
+      run python3 sgl-kernel/benchmark/bench_gdn.py --json "$out/bench_gdn_h200.json" ;;
     profile)
-      run python3 benchmark/profile_step.py --host-top 15 --attribute 40 --top-kernels 25 \
+      run python3 -m unimem bench step-profile --host-top 15 --attribute 40 --top-kernels 25 \
         --json "$out/profile_step_h200.json"
       if [ "${UNFUSED:-0}" = 1 ]; then
-        UNIMEM_FUSED_OPS=off run python3 benchmark/profile_step.py \
+        UNIMEM_FUSED_OPS=off run python3 -m unimem bench step-profile \
           --json "$out/profile_step_unfused_h200.json"
       fi ;;
     attribute)
-      run python3 benchmark/profile_step.py --memory static --attribute 80 --top-kernels 40 \
+      run python3 -m unimem bench step-profile --memory static --attribute 80 --top-kernels 40 \
         --json "$out/profile_attribute_h200.json" ;;
     sweep)
-      run python3 benchmark/bench_gdn_commit.py \
-        --tiles "${TILES:-64x4,16x1,16x2,32x1,32x2,32x4,64x2,64x8,128x4,128x8}" \
-        --json "$out/bench_gdn_commit_sweep_h200.json" ;;
+      run python3 sgl-kernel/benchmark/bench_gdn.py --bs 48 --verify-tokens 8 --sweep \
+        --prefill-lens 64 --prefill-requests 1 --no-fla --json "$out/bench_gdn_sweep_h200.json" ;;
     explore)
-      run python3 benchmark/bench_pdl.py --json "$out/bench_pdl_h200.json"
-      run python3 benchmark/bench_verify_attention.py --splits ${SPLITS:-64} \
+      run python3 sgl-kernel/benchmark/bench_verify_attention.py --splits ${SPLITS:-64} \
         --programs ${PROGRAMS:-4} --json "$out/bench_verify_attention_h200.json"
-      run python3 benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json" ;;
+      run python3 sgl-kernel/benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json" ;;
     splitkv)
       for bs in ${SPLIT_BS:-1 2 4 8 16 24}; do
-        run python3 benchmark/bench_verify_attention.py --bs "$bs" --q-len 8 1 --window 0 \
+        run python3 sgl-kernel/benchmark/bench_verify_attention.py --bs "$bs" --q-len 8 1 --window 0 \
           --context 512 2048 8192 32768 --splits 64 128 --programs 2 4 8 16 --repeats 3 \
           --json "$out/bench_verify_attention_bs${bs}_h200.json"
       done ;;
     smallbatch)
       for case in "1 28000" "4 28000" "16 8192"; do
         set -- $case
-        run python3 benchmark/profile_step.py --memory static --requests "$1" --input-len "$2" \
+        run python3 -m unimem bench step-profile --memory static --requests "$1" --input-len "$2" \
           --split-kv-max-bs 0,16 --top-kernels 12 --json "$out/profile_small_batch_${1}x${2}_h200.json"
       done ;;
     flaprefill)
       for reqs in 1 4; do
-        run python3 benchmark/bench_gdn.py --bs 1 --prefill-requests "$reqs" \
+        run python3 sgl-kernel/benchmark/bench_gdn.py --bs 1 --prefill-requests "$reqs" \
           --prefill-lens 4096 32768 --repeats 3 --prefill-iters 2 \
           --json "$out/bench_gdn_prefill_fla_r${reqs}_h200.json"
       done ;;
     prefill)
       run python3 -m pytest -q -p no:cacheprovider -m gpu test/models/test_gdn_prefill.py
-      run python3 benchmark/bench_prefill.py --lens 4096 28000 \
+      run python3 -m unimem bench prefill --lens 4096 28000 \
         --json "$out/bench_prefill_h200.json"
-      run python3 benchmark/bench_gdn.py --bs 1 --prefill-requests 1 \
+      run python3 sgl-kernel/benchmark/bench_gdn.py --bs 1 --prefill-requests 1 \
         --prefill-lens 256 512 1024 2048 --repeats 3 \
         --json "$out/bench_gdn_prefill_fla_short_h200.json" ;;
-    overlap)
-      run python3 benchmark/profile_step.py --memory static --steps 20 --overlap-probe \
-        --top-kernels 12 --json "$out/profile_overlap_h200.json" ;;
     fp8)
-      run python3 benchmark/bench_fp8_gemm.py --json "$out/bench_fp8_gemm_h200.json" ;;
-    rule)
-      run python3 benchmark/bench_gdn_rule.py --tiles 32x1 --json "$out/bench_gdn_rule_h200.json" ;;
+      run python3 sgl-kernel/benchmark/bench_fp8_gemm.py --json "$out/bench_fp8_gemm_h200.json" ;;
     conv)
-      run python3 benchmark/bench_gdn_conv.py --json "$out/bench_gdn_conv_h200.json"
-      run python3 benchmark/bench_gemm_shapes.py --no-tunable --split-shapes \
+      run python3 sgl-kernel/benchmark/bench_gdn_conv.py --json "$out/bench_gdn_conv_h200.json"
+      run python3 sgl-kernel/benchmark/bench_gemm_shapes.py --no-tunable --split-shapes \
         --json "$out/gemm_shapes_ltbias_h200.json" ;;
     bench)
       run python3 -m unimem bench ${BENCH_ARGS:-} --json "$out/bench_h200.json" ;;

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Real-architecture checkpoints on one GPU, in one device call (after the FA4 bundle and the
 # transformers wheels are installed). Run from the repository root:
-#   SIZE=small|bench PARTS="ckpt validate compact bench profile oracle" bash benchmark/gpu_models.sh ARCH...
+#   SIZE=small|bench PARTS="ckpt validate compact bench profile oracle" bash tools/device/gpu_models.sh ARCH...
 #   ARCH: qwen3_next gpt_oss (default: both)
-# ckpt: benchmark/make_checkpoint.py builds /tmp/ckpt_<arch>_<size> (kept while the machine
+# ckpt: tools/make_checkpoint.py builds /tmp/ckpt_<arch>_<size> (kept while the machine
 #   is; rebuilt only if missing);
 # validate: static vs unified (same bytes), DSPARK, 16 requests of 256 + 128 tokens;
 # compact: the same with a small arena, so that bands collide and compaction runs (sizes
@@ -14,7 +14,7 @@
 # bench: `python -m unimem bench` (48 requests of 512 + 512 tokens);
 # smallbatch: `python -m unimem bench` with 8 running of 16 requests of 2048 + 128 tokens
 #   (decode/verify attention through the split-KV kernel: static == unified);
-# profile: benchmark/profile_step.py's steady-state verify step on this checkpoint (static
+# profile: `python -m unimem bench step-profile`'s steady-state verify step on this checkpoint (static
 #   pools), every kernel's GPU time kept, grouped GEMMs (the routed experts) summed apart;
 #   ATTRIBUTE=N also lists the N largest (torch op, launch site) pairs of an eager step.
 # Output: $OUT (or ./gpu-out): <part>_<arch>_<size>.json and gpu_models_<size>.log.
@@ -23,7 +23,7 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python:$PWD/benchmark${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # FA4 (CuTe DSL) kernels compiled once per machine, not once per process
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
@@ -49,7 +49,7 @@ for arch in "${archs[@]}"; do
     case "$part" in
       ckpt)
         [ -f "$ck/config.json" ] && [ -f "$ck/make_checkpoint.json" ] \
-          || run python3 benchmark/make_checkpoint.py --arch "$arch" --size "$size" --out "$ck" ;;
+          || run python3 tools/make_checkpoint.py --arch "$arch" --size "$size" --out "$ck" ;;
       smallbatch)
         run python3 -m unimem bench "${common[@]}" --requests 16 --max-running 8 \
           --input-len 2048 --output-len 128 --page-size 64 \
@@ -98,7 +98,7 @@ from collections import defaultdict
 import torch
 import torch.profiler as tp
 
-import profile_step
+from unimem.bench import step_profile as profile_step
 from unimem.engine.draft_runner import draft_config_for
 from unimem.models.loader import load_model
 from unimem.speculative.drafter import DsparkDrafter
@@ -136,7 +136,7 @@ drafter = DsparkDrafter(draft_config_for(cfg), model.embed_weight, model.lm_head
 g = torch.Generator().manual_seed(1)
 args = types.SimpleNamespace(requests=48, input_len=512, gamma=7, page_size=64, steps=30,
                              replays=20, host_top=0, attribute=int(os.environ.get("ATTRIBUTE", 0)),
-                             top_kernels=15, overlap_probe=False)
+                             top_kernels=15)
 prompts = torch.randint(0, cfg.vocab_size, (args.requests, args.input_len), generator=g).tolist()
 r = profile_step.measure("static", profile_step.SPLIT_KV_MAX_BS, args, model, drafter, prompts)
 kernels = defaultdict(float)

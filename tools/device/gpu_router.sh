@@ -2,14 +2,14 @@
 # The GPU proofs of issue 44 on ONE host with 2 GPUs (nvidia-h200-x2), in one device call.
 # Needs the sglang-router wheel carried (pip install sglang_router-0.3.2-*.whl: the device
 # image has no internet) and the FA4 bundle as the other gpu_*.sh scripts.
-#   PARTS="ckpt dp multinode bench" bash benchmark/gpu_router.sh
+#   PARTS="ckpt dp multinode bench" bash tools/device/gpu_router.sh
 # ckpt: the `small` Qwen3-Next-architecture checkpoint (bf16) and its word tokenizer;
 # dp: python -m unimem.launch_server --dp-size 2 --device cuda (one GPU per replica) behind
 #   the router: a completion and a stream through it, every replica serving, SIGTERM stops all;
 # multinode: tensor parallel 2 as two "nodes" on this host (NCCL across the two processes):
 #   validate --tp-size 2 --nnodes 2, node 1 in the background; node 0 prints the report
 #   (static == unified, exact);
-# bench: benchmark/bench_router.py --device cuda (worker i on GPU i): cache_aware vs
+# bench: `python -m unimem bench router` --device cuda (worker i on GPU i): cache_aware vs
 #   round_robin, 8 prefixes x 64 requests -> $OUT/bench_router_h200.json.
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 500) bounds each command.
 set -uo pipefail
@@ -19,7 +19,7 @@ parts=${PARTS:-ckpt dp multinode bench}
 step_timeout=${STEP_TIMEOUT:-500}
 log="$out/gpu_router.log"
 status=0
-. benchmark/gpu_env.sh
+. tools/device/gpu_env.sh
 ck=/tmp/ckpt_qwen3_next_small
 gpu_banner
 python3 -c "import sglang_router" || { say "FAIL: sglang_router is not installed"; exit 1; }
@@ -30,7 +30,7 @@ for part in $parts; do
   case "$part" in
     ckpt)
       [ -f "$ck/config.json" ] \
-        || run python3 benchmark/make_checkpoint.py --arch qwen3_next --size small --out "$ck" ;;
+        || run python3 tools/make_checkpoint.py --arch qwen3_next --size small --out "$ck" ;;
     dp)
       port=31000
       python3 -m unimem.launch_server --model-path "$ck" --device cuda --dp-size 2 \
@@ -63,7 +63,7 @@ for part in $parts; do
         --node-rank 0 --json "$out/validate_two_nodes_h200.json" || status=1
       wait $node1 || { say "FAIL: node 1 exit status $?"; status=1; } ;;
     bench)
-      run python3 benchmark/bench_router.py --device cuda --dtype bfloat16 --model-path "$ck" \
+      run python3 -m unimem bench router --device cuda --dtype bfloat16 --model-path "$ck" \
         --json "$out/bench_router_h200.json" || status=1 ;;
   esac
 done
