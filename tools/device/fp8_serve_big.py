@@ -10,7 +10,8 @@ tok/s), and ``--requests`` requests at ``--concurrency`` at once (random-token p
 ``--prompt-tokens``; output tok/s over the wall time). Stops the server by its pid; writes
 ``--json``. Exits 1 with the server's log tail when anything fails.
 
-    python tools/device/fp8_serve_big.py --model-path DIR --json out.json -- --mem-fraction-static 0.9
+    python tools/device/fp8_serve_big.py --model-path DIR --json out.json \\
+        -- --mem-fraction-static 0.9
 """
 
 from __future__ import annotations
