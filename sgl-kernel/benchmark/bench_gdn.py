@@ -20,8 +20,8 @@ Decode and verify are timed as the engine runs them, inside CUDA graphs (``--per
 per graph, device-side time per call); prefill is timed eagerly (not captured; its launches
 are long). ``GB/s`` counts the state bytes a call must move (decode: SSM + conv state read and
 written; verify: states read, every position's states written to scratch), a roofline check
-against H200's ~4.8 TB/s. ``check`` is the largest relative difference of the candidate's
-output from ``rule``'s (``mixer``: from the torch reference, on the first call).
+against the device's memory bandwidth. ``check`` is the largest relative difference of the
+candidate's output from ``rule``'s (``mixer``: from the torch reference, on the first call).
 
 ``--sweep`` adds ``rule`` rows for other ``(block_v, num_warps)`` tiles. Prints the GPU,
 versions, sizes and a table; ``--json PATH`` writes the rows.

@@ -20,8 +20,8 @@ is the largest elementwise difference of ours vs FA4, relative to FA4's largest 
 tile's against the default tile's. ``--splits`` / ``--programs`` sweep our work split (keys
 per split, programs per (request, KV head)); defaults are the module's. FA4 is skipped (ours
 only) when ``flash_attn.cute`` does not import. Prints the GPU, the sizes and a table;
-``--json PATH`` writes the rows. Needs CUDA (prints one line and exits 2 without it). About
-a minute on an H200, most of it FA4's first compiles.
+``--json PATH`` writes the rows. Needs CUDA (prints one line and exits 2 without it); most of
+its time is FA4's first compiles.
 
     python sgl-kernel/benchmark/bench_verify_attention.py
     python sgl-kernel/benchmark/bench_verify_attention.py --q-len 8 --context 512 --programs 2 4 8

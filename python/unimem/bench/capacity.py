@@ -28,8 +28,8 @@ short, and neither touches a decision:
 
 - on CPU the two byte ops (``fill_units``: zero handed-out units; ``copy_units``: move units
   during compaction) run as per-unit numpy slice memsets/copies instead of the torch
-  reference, whose int64 index tensors cost ~40 s per GiB zeroed (the same bytes are written;
-  on CUDA the Triton kernels run as usual);
+  reference, whose int64 index tensors make zeroing gigabytes slow (the same bytes are
+  written; on CUDA the Triton kernels run as usual);
 - the grid sweep runs :class:`StaticMemory` on the ``meta`` device with its device writes
   skipped (:class:`MetaStaticMemory`; static admission is decided by host counts only, by
   design). The default split, the grid's best and the exact optimum are then re-run on real
