@@ -1,6 +1,6 @@
 """DSPARK on a real model, measured without the acceptance control, in one command (H200).
 
-    python3 benchmark/dspark_real.py --model-path gemma-3-270m \\
+    python3 tools/device/dspark_real.py --model-path gemma-3-270m \\
         --eval-prompts PROMPTS.jsonl --eval-split heldout \\
         [--train-prompts PROMPTS.jsonl --train-split train] \\
         --json docs/results/dspark_real_h200.json
@@ -116,8 +116,7 @@ def _train(args, rest) -> tuple[str, dict]:
 
 def _lm_head_bench(drafter_dir: str, gamma: int) -> list[dict]:
     """Base logits GEMM + Markov pick, reduced vs full vocabulary, at 1/8/48 requests."""
-    from cuda_timing import median_ms
-
+    from unimem.bench.timing import median_ms
     from unimem.models.tensor_parallel import logits_matmul
     from unimem_kernel import markov_pick
 
@@ -156,25 +155,21 @@ def _engine(args, **kw):
     return Engine(model_path=args.model_path, device=args.device, **kw)
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _run(engine, ids, conc, output_len, temperature) -> dict:
     """Waves of ``conc`` requests over ``ids``; tok/s over all, accept length, outputs."""
     params = [
         {"max_new_tokens": output_len, "ignore_eos": True, "temperature": temperature, "seed": i}
         for i in range(len(ids))
     ]
+    from unimem.bench.timing import wall_clock
+
     engine.generate(input_ids=ids[: min(2, len(ids))], sampling_params=params[:2])  # warm
-    _sync()
     outs = []
-    t0 = time.perf_counter()
-    for s in range(0, len(ids), conc):
-        outs += engine.generate(input_ids=ids[s : s + conc], sampling_params=params[s : s + conc])
-    _sync()
-    wall = time.perf_counter() - t0
+    with wall_clock(None) as watch:  # synchronises a CUDA device when there is one
+        for s in range(0, len(ids), conc):
+            wave = slice(s, s + conc)
+            outs += engine.generate(input_ids=ids[wave], sampling_params=params[wave])
+    wall = watch.seconds
     toks = sum(len(o["output_ids"]) for o in outs)
     steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
     committed = sum(

@@ -4,7 +4,7 @@
 #   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor"] bash tools/device/gpu_decode_floor.sh
 # tests: the GPU tests of the new fused kernels (post-norm + add + norm, q/k norms inside the
 #   RoPE + K/V store, gpt-oss's clamped SwiGLU) at real shapes (batch invariance included);
-# floor: benchmark/bench_decode_floor.py (static and unified waves of 1 / 8 / 48 x 256 tokens,
+# floor: `python -m unimem bench decode-floor` (static and unified waves of 1 / 8 / 48 x 256 tokens,
 #   profiler kernels per layer, GPU time against its floor, the synthetic model's kernels per
 #   layer, llama.cpp's batched-bench and server when GGUF and LLAMA_BIN are given, and
 #   torch.compile against the fused kernels with COMPILE=1).
@@ -31,7 +31,7 @@ for part in $parts; do
       [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
       [ -n "${GGUF:-}" ] && args+=(--gguf "$GGUF" --llama-bin "${LLAMA_BIN:-/tmp/llcpp/llama.cpp/build/bin}")
       [ -n "${COMPILE:-}" ] && args+=(--compile)
-      run python3 benchmark/bench_decode_floor.py "${args[@]}" || status=1
+      run python3 -m unimem bench decode-floor "${args[@]}" || status=1
       [ -z "${OUT:-}" ] && [ -f "$out/decode_floor.json" ] \
         && mkdir -p docs/results && cp "$out/decode_floor.json" docs/results/decode_floor_h200.json ;;
     *) say "unknown part $part"; status=1 ;;

@@ -1,6 +1,6 @@
 """Gemma 3 270M (Q4_K_M GGUF) on one GPU, in one command: validation, divergence, throughput.
 
-    python benchmark/gpu_real_model.py --json OUT.json [--model-path PATH]
+    python tools/device/gpu_real_model.py --json OUT.json [--model-path PATH]
 
 ``--model-path``: ``gemma-3-270m`` when its PyPI package is installed, else the GGUF at
 ``/tmp/unimem-gemma/gemma-3-270m-q4_k_m.gguf``, else give one (a ``.gguf`` or a directory).
@@ -33,7 +33,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "sgl-kernel" / "python")]
 
 DEVICE_GGUF = "/tmp/unimem-gemma/gemma-3-270m-q4_k_m.gguf"
@@ -260,12 +260,12 @@ def part_throughput(ckpt, prompts, engine, n_new=256) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     params = {"max_new_tokens": n_new, "ignore_eos": True}
+    from unimem.bench.timing import wall_clock
+
     engine.generate(prompt=prompts[:4], sampling_params={"max_new_tokens": 8, "ignore_eos": True})
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = engine.generate(prompt=prompts, sampling_params=params)
-    torch.cuda.synchronize()
-    ours_s = time.perf_counter() - t
+    with wall_clock("cuda") as watch:
+        outs = engine.generate(prompt=prompts, sampling_params=params)
+    ours_s = watch.seconds
     ours_tokens = sum(len(o["output_ids"]) for o in outs)
 
     tok = AutoTokenizer.from_pretrained(ckpt)
@@ -279,11 +279,9 @@ def part_throughput(ckpt, prompts, engine, n_new=256) -> dict:
     kw = dict(do_sample=False, pad_token_id=tok.pad_token_id)
     with torch.no_grad():
         hf.generate(**batch, max_new_tokens=8, min_new_tokens=8, **kw)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        g = hf.generate(**batch, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
-        torch.cuda.synchronize()
-    hf_s = time.perf_counter() - t
+        with wall_clock("cuda") as watch:
+            g = hf.generate(**batch, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
+    hf_s = watch.seconds
     hf_tokens = (g.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
     out = {
         "prompts": len(prompts),

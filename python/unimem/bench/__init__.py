@@ -30,6 +30,7 @@ SUITES: dict[str, tuple[str | None, str]] = {
     "step-profile": ("step_profile", "where a verify step's time goes (GPU; --host-only on CPU)"),
     "prefill": ("prefill", "time to first token of long prompts: recurrent GDN vs fla (GPU)"),
     "allocator": ("allocator", "launches, device and host time of the allocator's operations"),
+    "decode-floor": ("decode_floor", "a decode step against its floor and llama.cpp (GPU)"),
 }
 
 

@@ -1,6 +1,6 @@
 """A decode step at its floor: unimem against llama.cpp on one model, one GPU, one command.
 
-    python benchmark/bench_decode_floor.py --model-path MODEL --json OUT.json \\
+    python -m unimem bench decode-floor --model-path MODEL --json OUT.json \\
         [--prompts FILE] [--llama-bin DIR --gguf FILE] [--compile]
 
 ``MODEL`` is whatever ``unimem.Engine(model_path=...)`` resolves (an HF directory, or a
@@ -37,8 +37,7 @@ reports:
   norms + RoPE + K/V store, the greedy pick with its log-probability).
 
 Prompts: ``--prompts FILE`` (a ``.json`` list of token-id lists or of strings, or text with
-one prompt per line, encoded by the checkpoint's tokenizer); without it,
-``benchmark/prompts/*.txt`` / ``*.json`` of the repository if present, else 48 seeded random
+one prompt per line, encoded by the checkpoint's tokenizer); without it, 48 seeded random
 prompts of 16 token ids (said loudly). Fewer prompts than the largest wave are cycled.
 
 The JSON (``--json``) has the issue's schema (``model``, ``gpu``, ``commit``, ``rows``: one per
@@ -46,7 +45,8 @@ concurrency with ``unimem_static_tok_s``, ``unimem_unified_tok_s``, ``llamacpp_e
 ``llamacpp_server_tok_s``, ``kernels_per_layer``, ``gpu_ms_per_step``, ``wall_ms_per_step``)
 plus the details above. Any failure (a missing binary, a server that does not come up, a
 mismatch, an exception) ends with exit status 1 after the JSON is written with ``"errors"``.
-``--device cpu`` is a dry run of the unimem part (no profiler, floor or peers).
+``--device cpu`` is a dry run of the unimem part (no profiler, floor or peers); without
+CUDA, ``--device cuda`` ends with one line and status 2.
 """
 
 from __future__ import annotations
@@ -70,7 +70,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from unimem.bench.timing import Stopwatch, graph_median_ms, median_ms, wall_clock
+
+ROOT = Path(__file__).resolve().parents[3]
+"""The repository root, when run from a checkout (for the commit it records)."""
+PROG = "python -m unimem bench decode-floor"
 
 WARMUP_TOKENS = 16
 """Tokens per request of the untimed wave that precedes each timed wave."""
@@ -87,12 +91,7 @@ def load_prompts(args, tokenizer, vocab: int, n: int) -> tuple[list[list[int]], 
     """``n`` prompts as token ids and where they came from (module docstring)."""
     path = args.prompts
     if path is None:
-        found = sorted((ROOT / "benchmark" / "prompts").glob("*.json")) + sorted(
-            (ROOT / "benchmark" / "prompts").glob("*.txt")
-        )
-        path = str(found[0]) if found else None
-    if path is None:
-        log("WARNING: no prompt set (--prompts, benchmark/prompts/): 48 random 16-token prompts")
+        log("WARNING: no prompt set (--prompts): 48 random 16-token prompts")
         rng = random.Random(0)
         ids = [[rng.randrange(4, vocab) for _ in range(16)] for _ in range(max(n, 48))]
         return ids[:n] if n <= len(ids) else ids, "random 16-token ids (seed 0)"
@@ -151,25 +150,20 @@ def run_wave(core, prompts: list[list[int]], tokens: int) -> dict:
     ahead of the host while that is shorter than a GPU step)."""
     from unimem.engine.step_io import StagedResult
 
-    sync(core)
     steps0 = core.steps
-    waited = [0.0]
+    waited = Stopwatch()
     read = StagedResult.read
 
     def timed_read(self):
-        t = time.perf_counter()
-        try:
+        with wall_clock(into=waited):
             return read(self)
-        finally:
-            waited[0] += time.perf_counter() - t
 
     StagedResult.read = timed_read
     try:
-        t0 = time.perf_counter()
-        reqs = [core.submit(p, tokens) for p in prompts]
-        core.run()
-        sync(core)
-        wall = time.perf_counter() - t0
+        with wall_clock(core.runner.device) as watch:
+            reqs = [core.submit(p, tokens) for p in prompts]
+            core.run()
+        wall = watch.seconds
     finally:
         StagedResult.read = read
     outs = [list(r.output) for r in reqs]
@@ -181,8 +175,8 @@ def run_wave(core, prompts: list[list[int]], tokens: int) -> dict:
         "steps": steps,
         "tok_s": len(prompts) * tokens / wall,
         "wall_ms_per_step": 1e3 * wall / steps,
-        "host_ms_per_step": 1e3 * (wall - waited[0]) / steps,
-        "wait_ms_per_step": 1e3 * waited[0] / steps,
+        "host_ms_per_step": 1e3 * (wall - waited.seconds) / steps,
+        "wait_ms_per_step": 1e3 * waited.seconds / steps,
         "outputs": outs,
     }
 
@@ -210,11 +204,10 @@ def profile_decode(core, prompts: list[list[int]], steps: int, n_layers: int) ->
         core.step()
     sync(core)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            core.step()
-        sync(core)
-        wall = time.perf_counter() - t0
+        with wall_clock(core.runner.device) as watch:
+            for _ in range(steps):
+                core.step()
+        wall = watch.seconds
     core.run()
     kernels, spans = {}, []
     for e in prof.events():
@@ -275,37 +268,14 @@ def measure_bandwidth_and_launch() -> dict:
     """Device copy bandwidth (read + write bytes per second) and one tiny kernel's cost
     inside a CUDA graph (µs)."""
     n = 1 << 29
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    bw = 2 * n * 10 / (s.elapsed_time(e) / 1e3)
-    del a, b
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = partial(dst.copy_, src)
+    copy_ms = median_ms(copy, warmup=3, iters=10, repeats=1, device="cuda")
+    bw = 2 * n / (copy_ms / 1e3)
+    del src, dst, copy
     x = torch.zeros(1, device="cuda")
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x.add_(1)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(g):
-        for _ in range(256):
-            x.add_(1)
-    g.replay()
-    torch.cuda.synchronize()
-    s.record()
-    for _ in range(10):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    launch_us = s.elapsed_time(e) * 1e3 / (10 * 256)
+    launch_us = 1e3 * graph_median_ms(lambda: x.add_(1), warmup=1, iters=256, repeats=10)
     return {"copy_bandwidth_gb_s": bw / 1e9, "graph_kernel_us": launch_us}
 
 
@@ -354,26 +324,7 @@ def compile_vs_fused(model, rows_list=(1, 8, 48)) -> dict:
         return torch.randn(*shape, generator=gen, device=dev).to(dt)
 
     def gpu_us(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(20):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(10):
-            g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        return s.elapsed_time(e) * 1e3 / 200
+        return 1e3 * graph_median_ms(fn, warmup=2, iters=20, repeats=10)
 
     ref_chain = torch.compile(fu.norm_add_rms_norm_reference)
     ref_gelu = torch.compile(fu.gelu_tanh_mul_reference)
@@ -501,10 +452,9 @@ def llama_server(bin_dir: Path, gguf: str, prompts: list[list[int]], conc: list[
         one(prompts[0], 8)  # warm-up
         out = {}
         for c in conc:
-            t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(c) as ex:
+            with wall_clock() as watch, concurrent.futures.ThreadPoolExecutor(c) as ex:
                 done = list(ex.map(lambda p: one(p, tokens), prompts[:c]))
-            out[c] = sum(done) / (time.perf_counter() - t0)
+            out[c] = sum(done) / watch.seconds
             log(f"  llama-server c={c}: {out[c]:.0f} tok/s")
         return out
     finally:
@@ -528,7 +478,7 @@ def git_commit() -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--json", required=True, help="output JSON path")
     ap.add_argument("--prompts", default=None)
@@ -550,8 +500,8 @@ def main(argv=None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
-        print("error: --device cuda but no CUDA device", file=sys.stderr)
-        return 1
+        print(f"{PROG}: error: --device cuda but no CUDA device", file=sys.stderr)
+        return 2
     import triton
 
     result = {
@@ -705,7 +655,3 @@ def main(argv=None) -> int:
             print(e.strip().splitlines()[-1], file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
