@@ -1,4 +1,4 @@
-"""No module imports a package above it (DESIGN §2): walk every module's imports."""
+"""No module imports a package above it (docs/structures.md): walk every module's imports."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ LAYERS = [
     "unimem.training",
     "unimem.validate",
     "unimem.serve",
+    "unimem.bench",
     "unimem.__main__",
 ]
 

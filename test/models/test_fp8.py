@@ -10,7 +10,7 @@ scale gives differences of order 1): the loading, layouts and scales are right. 
 dequantised model with unquantised activations the difference is the activation quantisation
 itself (~2-3 % relative per GEMM input on this random model, compounded over 4 layers): mean
 |delta log-prob| <= 0.25 and top-1 agreement >= 70 % here (on real trained models
-benchmark/gpu_fp8.sh measures Gemma 3 270M)."""
+tools/device/gpu_fp8.sh measures Gemma 3 270M)."""
 
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def test_online_fp8_other_architectures(arch, tmp_path):
 
 
 def test_make_checkpoint_writes_the_80b_shape_layer_by_layer(tmp_path):
-    """benchmark/make_checkpoint.py's direct FP8 writer (the one the 80B-shaped GPU run
+    """tools/make_checkpoint.py's direct FP8 writer (the one the 80B-shaped GPU run
     uses), on the tiny config: the hub layout, one shard per layer, and it loads."""
     import importlib.util
     from pathlib import Path
@@ -286,7 +286,7 @@ def test_make_checkpoint_writes_the_80b_shape_layer_by_layer(tmp_path):
 
     from unimem.models.word_tokenizer import save_word_tokenizer
 
-    script = Path(__file__).resolve().parents[2] / "benchmark" / "make_checkpoint.py"
+    script = Path(__file__).resolve().parents[2] / "tools" / "make_checkpoint.py"
     spec = importlib.util.spec_from_file_location("make_checkpoint", script)
     mc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mc)

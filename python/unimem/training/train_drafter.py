@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--bos-prompts", type=int, default=4096, help="prompts sampled from <bos>")
     g.add_argument("--prompt-len", type=int, default=32, help="tokens of a <bos> prompt")
     g.add_argument("--bos-id", type=int, default=None, help="default: the tokenizer's")
-    g.add_argument("--train-prompts", help="a prompt file (speculative.prompt_sets) to add")
+    g.add_argument("--train-prompts", help="a prompt file (training.prompt_sets) to add")
     g.add_argument("--train-split", help="its split to use (a file with splits)")
     g.add_argument("--max-prompt-len", type=int, default=256, help="file prompts cut to this")
     g.add_argument("--eval-prompts", help="the held-out prompt file (never trained on)")
