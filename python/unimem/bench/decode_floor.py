@@ -71,6 +71,7 @@ from pathlib import Path
 import torch
 
 from unimem.bench.timing import Stopwatch, graph_median_ms, median_ms, wall_clock
+from unimem_kernel import envs
 
 ROOT = Path(__file__).resolve().parents[3]
 """The repository root, when run from a checkout (for the commit it records)."""
@@ -511,7 +512,7 @@ def main(argv=None) -> int:
         "settings": {
             "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
             "tokens": args.tokens, "concurrency": args.concurrency, "page_size": args.page_size,
-            "fused_ops": os.environ.get("UNIMEM_FUSED_OPS", "on"),
+            "fused_ops": envs.get("UNIMEM_FUSED_OPS"),
         },
         "rows": [],
         "errors": [],
