@@ -39,6 +39,7 @@ __all__ = [
     "filtered_probs",
     "gumbel_noise",
     "hash_uniform",
+    "THRESHOLD_CHUNK_ELEMENTS",
     "keep_threshold",
     "sample",
     "token_logprobs",
@@ -80,13 +81,40 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
 # ------------------------------------------------------------------- filters and sampling
 
 
+THRESHOLD_CHUNK_ELEMENTS = 1 << 24
+"""Logits per chunk of rows that :func:`keep_threshold` and :func:`filtered_probs` work on
+at once (64 rows of a 262 144-token vocabulary). The filters sort and scan whole rows, ~35
+bytes of temporaries per logit: over a verify step's ``bs x (gamma + 1)`` rows at once that
+is tens of GiB at the largest captured batch, memory the pools were sized without. In
+chunks it is ~0.6 GiB whatever the batch; rows are independent, so the result is the same."""
+
+
+def _row_chunks(n: int, vocab: int) -> list[slice]:
+    rows = max(1, THRESHOLD_CHUNK_ELEMENTS // max(vocab, 1))
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
 def keep_threshold(
     scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
     """Per row, the smallest scaled logit that top-k, then top-p (over the top-k
     renormalised probabilities: keep the smallest prefix of descending probability whose mass
     reaches ``top_p``), then min-p (probability at least ``min_p`` times the largest) keep;
-    the most likely token is always kept. ``scaled [N, V]`` float32 → ``[N]``."""
+    the most likely token is always kept. ``scaled [N, V]`` float32 → ``[N]``. Works on
+    chunks of rows (:data:`THRESHOLD_CHUNK_ELEMENTS`) so its temporaries stay bounded."""
+    n, vocab = scaled.shape
+    chunks = _row_chunks(n, vocab)
+    if len(chunks) == 1:
+        return _keep_threshold_rows(scaled, top_k, top_p, min_p)
+    out = torch.empty(n, dtype=scaled.dtype, device=scaled.device)
+    for c in chunks:
+        out[c] = _keep_threshold_rows(scaled[c], top_k[c], top_p[c], min_p[c])
+    return out
+
+
+def _keep_threshold_rows(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     n, vocab = scaled.shape
     desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
     probs = torch.softmax(desc, dim=-1)
@@ -114,14 +142,21 @@ def filtered_probs(
     ``softmax(logits / temperature)`` restricted to the tokens :func:`keep_threshold` keeps and
     renormalised (exact zeros elsewhere); a row with ``temperature == 0`` is the one-hot of
     ``argmax(logits)`` (greedy as a distribution). Speculative sampling's ``p`` and ``q``.
-    Fixed shapes, no host reads."""
-    live = temperature > 0
-    t = torch.where(live, temperature.float(), 1.0)
-    scaled = logits.float() / t[:, None]
-    cut = keep_threshold(scaled, top_k, top_p.float(), min_p.float())
-    probs = torch.softmax(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
-    onehot = torch.zeros_like(probs).scatter_(1, torch.argmax(logits, dim=-1)[:, None], 1.0)
-    return torch.where(live[:, None], probs, onehot)
+    Fixed shapes, no host reads; the temporaries are per chunk of rows
+    (:data:`THRESHOLD_CHUNK_ELEMENTS`), the result the only ``[N, V]`` allocation."""
+    n, vocab = logits.shape
+    out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
+    for c in _row_chunks(n, vocab):
+        x, temp = logits[c], temperature[c]
+        live = temp > 0
+        t = torch.where(live, temp.float(), 1.0)
+        scaled = x.float() / t[:, None]
+        cut = _keep_threshold_rows(scaled, top_k[c], top_p[c].float(), min_p[c].float())
+        scaled = torch.where(scaled >= cut[:, None], scaled, -math.inf)
+        probs = torch.softmax(scaled, dim=-1)
+        onehot = torch.zeros_like(probs).scatter_(1, torch.argmax(x, dim=-1)[:, None], 1.0)
+        out[c] = torch.where(live[:, None], probs, onehot)
+    return out
 
 
 def sample(
