@@ -58,10 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 from unimem_kernel.fused import _round
 
-__all__ = ["markov_pick", "markov_pick_reference"]
+__all__ = ["markov_pick", "markov_pick_reference", "markov_pick_triton"]
 
 _BLOCK_V = 512  # vocabulary entries per block: one block per program at V = 32 000
 _LANES = 8  # lanes per program, each W block read once for all of them
@@ -236,7 +236,7 @@ def markov_pick_reference(
     return torch.stack(cols, dim=1)
 
 
-def markov_pick(
+def markov_pick_triton(
     base: torch.Tensor,
     anchors: torch.Tensor,
     u: torch.Tensor,
@@ -244,39 +244,9 @@ def markov_pick(
     ref: torch.Tensor | None = None,
     take: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Greedy left-to-right pick of a drafted block (module docstring): ``[bs, G]`` int64.
-    Triton for float32 ``base`` on CUDA (or with ``UNIMEM_KERNEL_BACKEND=triton``), the
-    reference otherwise (float64, CPU)."""
-    if base.dim() != 3:
-        raise ValueError(f"base must be [bs, G, V], got {tuple(base.shape)}")
+    """Triton launcher of :func:`markov_pick` (arguments already checked; float32 ``base``):
+    one launch per column."""
     bs, g, v = base.shape
-    if anchors.shape != (bs,):
-        raise ValueError(f"anchors must be [bs = {bs}], got {tuple(anchors.shape)}")
-    if (
-        u.dim() != 2
-        or u.shape[0] < v
-        or w.dim() != 2
-        or w.shape != (v, u.shape[1])
-        or w.dtype != u.dtype
-    ):
-        raise ValueError(
-            f"u must be [>= V = {v}, R] and w [V, R] of one dtype, got {tuple(u.shape)} "
-            f"{u.dtype} and {tuple(w.shape)} {w.dtype}"
-        )
-    if (ref is None) != (take is None):
-        raise ValueError("ref and take come together (the acceptance control's decisions)")
-    if ref is not None and (ref.shape != (bs, g) or take.shape != (bs, g)):
-        raise ValueError(
-            f"ref and take must be [bs, G] = [{bs}, {g}], got {tuple(ref.shape)}, "
-            f"{tuple(take.shape)}"
-        )
-    if (
-        base.dtype != torch.float32
-        or not use_triton(base)
-        or torch.is_grad_enabled()
-        and (base.requires_grad or u.requires_grad or w.requires_grad)
-    ):
-        return markov_pick_reference(base, anchors, u, w, ref, take)
     out = torch.empty(bs, g, dtype=torch.int64, device=base.device)
     if bs == 0 or g == 0:
         return out
@@ -302,3 +272,71 @@ def markov_pick(
             num_warps=_NUM_WARPS,
         )  # fmt: skip
     return out
+
+
+def _check(
+    base: torch.Tensor,
+    anchors: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    ref: torch.Tensor | None = None,
+    take: torch.Tensor | None = None,
+) -> None:
+    if base.dim() != 3:
+        raise ValueError(f"base must be [bs, G, V], got {tuple(base.shape)}")
+    bs, g, v = base.shape
+    if anchors.shape != (bs,):
+        raise ValueError(f"anchors must be [bs = {bs}], got {tuple(anchors.shape)}")
+    if (
+        u.dim() != 2
+        or u.shape[0] < v
+        or w.dim() != 2
+        or w.shape != (v, u.shape[1])
+        or w.dtype != u.dtype
+    ):
+        raise ValueError(
+            f"u must be [>= V = {v}, R] and w [V, R] of one dtype, got {tuple(u.shape)} "
+            f"{u.dtype} and {tuple(w.shape)} {w.dtype}"
+        )
+    if (ref is None) != (take is None):
+        raise ValueError("ref and take come together (the acceptance control's decisions)")
+    if ref is not None and (ref.shape != (bs, g) or take.shape != (bs, g)):
+        raise ValueError(
+            f"ref and take must be [bs, G] = [{bs}, {g}], got {tuple(ref.shape)}, "
+            f"{tuple(take.shape)}"
+        )
+
+
+def _kernel_covers(
+    base: torch.Tensor,
+    anchors: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    ref: torch.Tensor | None = None,
+    take: torch.Tensor | None = None,
+) -> bool:
+    """float32 ``base``, and nothing autograd would record (the kernel has no backward)."""
+    if base.dtype != torch.float32:
+        return False
+    return not (torch.is_grad_enabled() and (base.requires_grad or u.requires_grad
+                                             or w.requires_grad))  # fmt: skip
+
+
+@kernel_op(
+    triton=markov_pick_triton,
+    reference=markov_pick_reference,
+    device_of="base",
+    check=_check,
+    triton_if=_kernel_covers,
+)
+def markov_pick(
+    base: torch.Tensor,
+    anchors: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    ref: torch.Tensor | None = None,
+    take: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Greedy left-to-right pick of a drafted block (module docstring): ``[bs, G]`` int64.
+    Triton for float32 ``base`` on CUDA, the reference otherwise (float64, CPU, autograd;
+    ``_dispatch.kernel_op``)."""

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["router_topk", "router_topk_reference"]
+__all__ = ["router_topk", "router_topk_reference", "router_topk_triton"]
 
 _MAX_EXPERTS = 4096
 
@@ -86,16 +86,12 @@ def router_topk_reference(
     return weights, ids
 
 
-def router_topk(
+def router_topk_triton(
     logits: torch.Tensor, k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [T, k] float32, ids [T, k] int64)`` of the router ``logits [T, E]`` (module
-    docstring): the Triton kernel where :func:`~unimem_kernel._dispatch.use_triton` says so
-    (CUDA) and the logits are not float64, else the reference. The outputs are new tensors."""
-    _check(logits, k)
+    """Triton launcher of :func:`router_topk` (arguments already checked; ``E <=
+    _MAX_EXPERTS``): one program per token."""
     t, e = logits.shape
-    if not use_triton(logits) or logits.dtype == torch.float64 or e > _MAX_EXPERTS:
-        return router_topk_reference(logits, k, renormalize)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
@@ -108,3 +104,26 @@ def router_topk(
         num_warps=4 if e > 512 else 1,
     )  # fmt: skip
     return weights, ids
+
+
+def _check_args(logits: torch.Tensor, k: int, renormalize: bool) -> None:
+    _check(logits, k)
+
+
+def _kernel_covers(logits: torch.Tensor, k: int, renormalize: bool) -> bool:
+    return logits.dtype != torch.float64 and logits.shape[1] <= _MAX_EXPERTS
+
+
+@kernel_op(
+    triton=router_topk_triton,
+    reference=router_topk_reference,
+    device_of="logits",
+    check=_check_args,
+    triton_if=_kernel_covers,
+)
+def router_topk(
+    logits: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k] float32, ids [T, k] int64)`` of the router ``logits [T, E]`` (module
+    docstring): the Triton kernel on CUDA (``_dispatch.kernel_op``) unless the logits are
+    float64 or ``E > _MAX_EXPERTS``, else the reference. The outputs are new tensors."""

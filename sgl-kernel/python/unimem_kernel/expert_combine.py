@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 from unimem_kernel.fused import _round  # RNE (the interpreter's own bf16 cast truncates)
 
-__all__ = ["moe_combine", "moe_combine_reference"]
+__all__ = ["moe_combine", "moe_combine_reference", "moe_combine_triton"]
 
 _BLOCK_D = 1024  # columns per program (d = 2048 at the Qwen3-Next bench sizes: 2 programs)
 
@@ -171,7 +171,7 @@ def moe_combine_reference(
     return out
 
 
-def moe_combine(
+def moe_combine_triton(
     y: torch.Tensor,
     order: torch.Tensor,
     weights: torch.Tensor,
@@ -181,27 +181,8 @@ def moe_combine(
     gate_input: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted sum over each token's ``k`` slots of the expert outputs ``y [T * k, d]``
-    (sorted by ``order``), as ``[T, d]`` in ``y``'s dtype: the Triton kernel where
-    :func:`~unimem_kernel._dispatch.use_triton` says so (CUDA), else the reference. Same
-    numbers, bitwise, on either path (float32 sums in slot order). ``inverse`` (optional,
-    ``[T * k]`` int64, ``inverse[order[i]] = i``: :func:`~unimem_kernel.moe_route` returns it)
-    saves the kernel path the scatter that computes it; it is trusted, not checked.
-
-    A sigmoid-gated shared expert (Qwen3-Next's) joins in the same pass when ``shared``
-    (its output ``[T, d]``), ``gate_input`` (the layer input ``[T, d]``) and ``gate_weight``
-    (``[d]`` or ``[1, d]``) are given: ``out = routed + sigmoid(gate_input @ gate_weight^T) *
-    shared``, each term rounded to ``y``'s dtype as torch's ops round it. The gate's dot
-    product is the kernel's own float32 sum, so that term agrees with the reference to
-    rounding, not bitwise (the routed sum stays bitwise)."""
-    t, k = _check(y, order, weights)
-    _check_shared(y, t, shared, gate_input, gate_weight)
-    if inverse is not None and inverse.shape != order.shape:
-        raise ValueError(f"inverse must be [{t * k}] like order, got {tuple(inverse.shape)}")
-    if not use_triton(y) or k == 0 or y.dtype == torch.float64:
-        return moe_combine_reference(
-            y, order, weights, shared=shared, gate_input=gate_input, gate_weight=gate_weight
-        )
+    """Triton launcher of :func:`moe_combine` (arguments already checked; ``k >= 1``)."""
+    t, k = weights.shape
     if y.stride(-1) != 1:
         y = y.contiguous()
     if weights.stride(-1) != 1:
@@ -229,3 +210,57 @@ def moe_combine(
         enable_fp_fusion=False,
     )  # fmt: skip
     return out
+
+
+def _check_combine(
+    y: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    inverse: torch.Tensor | None = None,
+    *,
+    shared: torch.Tensor | None = None,
+    gate_input: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
+) -> None:
+    t, k = _check(y, order, weights)
+    _check_shared(y, t, shared, gate_input, gate_weight)
+    if inverse is not None and inverse.shape != order.shape:
+        raise ValueError(f"inverse must be [{t * k}] like order, got {tuple(inverse.shape)}")
+
+
+def _kernel_covers(
+    y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, *args, **kwargs
+) -> bool:
+    return weights.shape[1] > 0 and y.dtype != torch.float64
+
+
+@kernel_op(
+    triton=moe_combine_triton,
+    reference=moe_combine_reference,
+    device_of="y",
+    check=_check_combine,
+    triton_if=_kernel_covers,
+)
+def moe_combine(
+    y: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    inverse: torch.Tensor | None = None,
+    *,
+    shared: torch.Tensor | None = None,
+    gate_input: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weighted sum over each token's ``k`` slots of the expert outputs ``y [T * k, d]``
+    (sorted by ``order``), as ``[T, d]`` in ``y``'s dtype: the Triton kernel on CUDA
+    (``_dispatch.kernel_op``; float64 and ``k = 0`` run the reference), else the reference. Same
+    numbers, bitwise, on either path (float32 sums in slot order). ``inverse`` (optional,
+    ``[T * k]`` int64, ``inverse[order[i]] = i``: :func:`~unimem_kernel.moe_route` returns it)
+    saves the kernel path the scatter that computes it; it is trusted, not checked.
+
+    A sigmoid-gated shared expert (Qwen3-Next's) joins in the same pass when ``shared``
+    (its output ``[T, d]``), ``gate_input`` (the layer input ``[T, d]``) and ``gate_weight``
+    (``[d]`` or ``[1, d]``) are given: ``out = routed + sigmoid(gate_input @ gate_weight^T) *
+    shared``, each term rounded to ``y``'s dtype as torch's ops round it. The gate's dot
+    product is the kernel's own float32 sum, so that term agrees with the reference to
+    rounding, not bitwise (the routed sum stays bitwise)."""

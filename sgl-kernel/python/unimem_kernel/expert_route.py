@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["ExpertRoute", "moe_route", "moe_route_reference"]
+__all__ = ["ExpertRoute", "moe_route", "moe_route_reference", "moe_route_triton"]
 
 _BLOCK = 128  # pairs per program of the count and place kernels ([BLOCK, BLOCK] rank compare)
 _SCAN_ELEMENTS = 16384  # histogram entries the scan holds at once (rows x padded experts)
@@ -175,14 +175,9 @@ def moe_route_reference(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute
     return ExpertRoute(order, inverse, order // max(k, 1), flat[order], ends)
 
 
-def moe_route(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
-    """Group the pairs of ``topk_ids [T, k]`` by expert (module docstring): the Triton kernels
-    where :func:`~unimem_kernel._dispatch.use_triton` says so (CUDA), else the reference;
-    identical outputs on either path. Allocates the five outputs and one ``[cdiv(P, 128), E]``
-    int32 scratch."""
-    _check(topk_ids, num_experts)
-    if not use_triton(topk_ids):
-        return moe_route_reference(topk_ids, num_experts)
+def moe_route_triton(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
+    """Triton launcher of :func:`moe_route` (arguments already checked): a count, an optional
+    scan and a place launch."""
     t, k = topk_ids.shape
     n = t * k
     dev = topk_ids.device
@@ -208,3 +203,12 @@ def moe_route(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
         num_warps=4,
     )  # fmt: skip
     return ExpertRoute(order, inverse, token, expert, ends)
+
+
+@kernel_op(
+    triton=moe_route_triton, reference=moe_route_reference, device_of="topk_ids", check=_check
+)
+def moe_route(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
+    """Group the pairs of ``topk_ids [T, k]`` by expert (module docstring): the Triton kernels
+    on CUDA, the reference elsewhere (``_dispatch.kernel_op``); identical outputs on either
+    path. Allocates the five outputs and one ``[cdiv(P, 128), E]`` int32 scratch."""

@@ -43,9 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["greedy_verify_accept", "greedy_verify_accept_reference"]
+__all__ = [
+    "greedy_verify_accept",
+    "greedy_verify_accept_reference",
+    "greedy_verify_accept_triton",
+]
 
 _BLOCK_V = 2048  # logits per block of the vocabulary sweep (read at call time; tests shrink it)
 _NSPLIT = 8  # at most this many vocabulary chunks per row: bs x W x 8 programs fill the GPU
@@ -165,16 +169,11 @@ def greedy_verify_accept_reference(
     return tokens, accepted, bonus
 
 
-def greedy_verify_accept(
+def greedy_verify_accept_triton(
     logits: torch.Tensor, draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(tokens [bs, W] int64, accepted [bs] int32, bonus [bs] int64)`` of a greedy verify
-    step (module docstring). Triton for float32 ``logits`` on CUDA (or with
-    ``UNIMEM_KERNEL_BACKEND=triton``), the reference otherwise (other float dtypes too: the
-    float64 CPU models)."""
-    _check(logits, draft)
-    if not use_triton(logits) or logits.dtype != torch.float32:
-        return greedy_verify_accept_reference(logits, draft)
+    """Triton launcher of :func:`greedy_verify_accept` (arguments already checked; float32
+    logits): a split row argmax, then the acceptance per lane."""
     bs, gamma = draft.shape
     w = gamma + 1
     rows, v = logits.shape
@@ -203,3 +202,18 @@ def greedy_verify_accept(
         W=w, WP=next_pow2(w), NSPLIT=nsplit, num_warps=1,
     )  # fmt: skip
     return tokens, accepted, bonus
+
+
+@kernel_op(
+    triton=greedy_verify_accept_triton,
+    reference=greedy_verify_accept_reference,
+    device_of="logits",
+    check=_check,
+    triton_if=lambda logits, draft: logits.dtype == torch.float32,
+)
+def greedy_verify_accept(
+    logits: torch.Tensor, draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tokens [bs, W] int64, accepted [bs] int32, bonus [bs] int64)`` of a greedy verify
+    step (module docstring). Triton for float32 ``logits`` on CUDA, the reference otherwise
+    (other float dtypes too: the float64 CPU models; ``_dispatch.kernel_op``)."""

@@ -12,15 +12,15 @@ holds (``phys_top``) because it decided every push and pop, and passes that coun
 plain int. Virtual ids may come from a second stack, ``virt_free``, managed the same way.
 
 Every op here is one launch, allocates nothing, and never reads device memory on the host.
-Each has a torch reference (``*_reference``) with identical semantics; the public function
-runs the Triton kernel on CUDA tensors and the reference otherwise (see ``_dispatch``).
+Each has a torch reference (``*_reference``) with identical semantics; the public op runs the
+Triton kernel on CUDA tensors and the reference otherwise (``_dispatch.kernel_op``).
 
 Request tables: ``req_to_token[R, ctx]`` (int32) holds one virtual token id per token,
 ``vtok = vpage * page_size + offset``. Ops that touch it address whole pages by
 ``(unit_rows[i], unit_cols[i])``: request row and page column (token ``col * page_size + o``).
 
 Each op below reads top-down: its Triton kernel, the launcher (``*_triton``, which tests call
-directly), the torch reference it must equal, and the public entry point.
+directly), the torch reference it must equal, and the public op.
 
 Kernel conventions:
 
@@ -30,8 +30,8 @@ Kernel conventions:
   first compile breaks the capture. Id-list pointers are
   not specialised on their 16-byte alignment either (``do_not_specialize_on_alignment``):
   callers pass slices of one packed upload, whose alignment changes with the counts, and an
-  unaligned variant compiled mid-run cost the H200's engine loop ~65 ms per new combination
-  (gathers of int32 ids gain nothing from it). ``page_size`` is a
+  unaligned variant would be compiled mid-run for each new combination (gathers of int32
+  ids gain nothing from the alignment). ``page_size`` is a
   ``constexpr``: one variant per page size, warmed eagerly by the caller.
 - Triton's ``//`` and ``%`` truncate toward zero, so ids are checked for ``>= 0`` explicitly
   before any division or gather; a masked lane never touches memory.
@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
 # Tile sizes. One program handles BLOCK_UNITS units (bind/unbind; fewer for big pages, so a
 # tile stays at about _TILE request-table entries), BLOCK_TOKENS tokens (translate) or sweeps
@@ -653,10 +653,11 @@ def compact_band_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# public entry points: Triton on CUDA tensors (or UNIMEM_KERNEL_BACKEND=triton), else reference
+# public ops (unimem_kernel._dispatch: Triton on CUDA tensors, the reference elsewhere)
 # ---------------------------------------------------------------------------------------------
 
 
+@kernel_op(triton=bind_units_triton, reference=bind_units_reference, device_of="v2p")
 def bind_units(
     v2p: torch.Tensor,
     p2v: torch.Tensor,
@@ -672,23 +673,9 @@ def bind_units(
     page_size: int = 1,
 ) -> None:
     """See ``bind_units_reference`` for the contract."""
-    impl = bind_units_triton if use_triton(v2p) else bind_units_reference
-    impl(
-        v2p,
-        p2v,
-        phys_free,
-        phys_top,
-        n,
-        vids,
-        virt_free=virt_free,
-        virt_top=virt_top,
-        req_to_token=req_to_token,
-        unit_rows=unit_rows,
-        unit_cols=unit_cols,
-        page_size=page_size,
-    )
 
 
+@kernel_op(triton=unbind_units_triton, reference=unbind_units_reference, device_of="v2p")
 def unbind_units(
     v2p: torch.Tensor,
     p2v: torch.Tensor,
@@ -704,37 +691,21 @@ def unbind_units(
     virt_top: int = 0,
 ) -> None:
     """See ``unbind_units_reference`` for the contract."""
-    impl = unbind_units_triton if use_triton(v2p) else unbind_units_reference
-    impl(
-        v2p,
-        p2v,
-        phys_free,
-        phys_top,
-        n,
-        vids=vids,
-        req_to_token=req_to_token,
-        unit_rows=unit_rows,
-        unit_cols=unit_cols,
-        page_size=page_size,
-        virt_free=virt_free,
-        virt_top=virt_top,
-    )
 
 
+@kernel_op(triton=translate_tokens_triton, reference=translate_tokens_reference, device_of="vtok")
 def translate_tokens(
     vtok: torch.Tensor, v2p: torch.Tensor, page_size: int, out: torch.Tensor
 ) -> None:
     """See ``translate_tokens_reference`` for the contract."""
-    impl = translate_tokens_triton if use_triton(vtok) else translate_tokens_reference
-    impl(vtok, v2p, page_size, out)
 
 
+@kernel_op(triton=translate_slots_triton, reference=translate_slots_reference, device_of="v")
 def translate_slots(v: torch.Tensor, v2p: torch.Tensor, out: torch.Tensor) -> None:
     """See ``translate_slots_reference`` for the contract."""
-    impl = translate_slots_triton if use_triton(v) else translate_slots_reference
-    impl(v, v2p, out)
 
 
+@kernel_op(triton=compact_band_triton, reference=compact_band_reference, device_of="p2v")
 def compact_band(
     v2p: torch.Tensor,
     p2v: torch.Tensor,
@@ -746,5 +717,3 @@ def compact_band(
     dst_out: torch.Tensor,
 ) -> None:
     """See ``compact_band_reference`` for the contract."""
-    impl = compact_band_triton if use_triton(p2v) else compact_band_reference
-    impl(v2p, p2v, phys_free, phys_top, region_lo, region_hi, src_out, dst_out)

@@ -28,10 +28,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 from unimem_kernel.fused import _INTERPRETED, _round
 
-__all__ = ["rope_cos_sin", "rope_cos_sin_reference"]
+__all__ = ["rope_cos_sin", "rope_cos_sin_reference", "rope_cos_sin_triton"]
 
 _BLOCK_T = 16  # positions per program
 
@@ -111,20 +111,15 @@ def rope_cos_sin_reference(
     return c.to(dt), s.to(dt)
 
 
-def rope_cos_sin(
+def rope_cos_sin_triton(
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
     factor: float | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin) [T, H]`` of ``positions[t] * inv_freq[j]`` (times ``factor`` when given),
-    in ``out_dtype`` (default ``inv_freq``'s) — module docstring. Triton for float32
-    ``inv_freq`` on CUDA (or with ``UNIMEM_KERNEL_BACKEND=triton``), the reference
-    otherwise."""
+    """Triton launcher of :func:`rope_cos_sin` (arguments already checked; float32
+    ``inv_freq``)."""
     out_dtype = inv_freq.dtype if out_dtype is None else out_dtype
-    _check(positions, inv_freq, out_dtype)
-    if not use_triton(positions) or inv_freq.dtype != torch.float32 or out_dtype == torch.float64:
-        return rope_cos_sin_reference(positions, inv_freq, factor, out_dtype)
     t, h = positions.shape[0], inv_freq.shape[0]
     cos = torch.empty(t, h, dtype=out_dtype, device=positions.device)
     sin = torch.empty_like(cos)
@@ -136,3 +131,39 @@ def rope_cos_sin(
         HAS_FACTOR=factor is not None, BLOCK_T=_BLOCK_T, BLOCK_H=next_pow2(h), num_warps=4,
     )  # fmt: skip
     return cos, sin
+
+
+def _check_args(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    factor: float | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> None:
+    _check(positions, inv_freq, inv_freq.dtype if out_dtype is None else out_dtype)
+
+
+def _kernel_covers(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    factor: float | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> bool:
+    return inv_freq.dtype == torch.float32 and out_dtype != torch.float64
+
+
+@kernel_op(
+    triton=rope_cos_sin_triton,
+    reference=rope_cos_sin_reference,
+    device_of="positions",
+    check=_check_args,
+    triton_if=_kernel_covers,
+)
+def rope_cos_sin(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    factor: float | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin) [T, H]`` of ``positions[t] * inv_freq[j]`` (times ``factor`` when given),
+    in ``out_dtype`` (default ``inv_freq``'s) — module docstring. Triton for float32
+    ``inv_freq`` on CUDA, the reference otherwise (``_dispatch.kernel_op``)."""

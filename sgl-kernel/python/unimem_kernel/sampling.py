@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import use_triton
+from unimem_kernel._dispatch import kernel_op
 
 __all__ = [
     "gumbel_argmax",
@@ -161,10 +161,9 @@ def gumbel_argmax_reference(
     return out
 
 
-def gumbel_argmax(
+def _check_draw(
     scaled: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """Triton on CUDA, the reference elsewhere (``unimem_kernel._dispatch``)."""
+) -> None:
     if scaled.dim() != 2 or scaled.stride(-1) != 1:
         raise ValueError(f"scaled must be [N, V] with contiguous rows, got {tuple(scaled.shape)}")
     n = scaled.shape[0]
@@ -175,6 +174,16 @@ def gumbel_argmax(
         raise ValueError("scaled and cut must be float32")
     if keys.dtype != torch.int64 or out.dtype != torch.int64:
         raise ValueError("keys and out must be int64")
-    if use_triton(scaled):
-        return gumbel_argmax_triton(scaled, cut, keys, out)
-    return gumbel_argmax_reference(scaled, cut, keys, out)
+
+
+@kernel_op(
+    triton=gumbel_argmax_triton,
+    reference=gumbel_argmax_reference,
+    device_of="scaled",
+    check=_check_draw,
+)
+def gumbel_argmax(
+    scaled: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """The draw of the module docstring into ``out``, returned. Triton on CUDA, the reference
+    elsewhere (``_dispatch.kernel_op``)."""

@@ -46,7 +46,7 @@ are int64 before they meet a pointer: slot offsets in big arenas exceed 2^31 byt
 checked for ``>= 0`` explicitly before any gather; a skipped lane touches no memory.
 
 Each op below reads top-down: the Triton kernels, the launchers (``*_triton``, which tests call
-directly), the torch references they must equal, and the public entry points.
+directly), the torch references they must equal, and the public ops.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
 # Bytes one program moves per block (a chunk); bigger blocks are split over programs.
 _CHUNK_BYTES = 16384
@@ -480,11 +480,23 @@ def commit_states_multi_reference(
         commit_states_reference(s, accepted, vslots, state_v2p, d)
 
 
+def _commit_states_multi_planned_reference(
+    plan: StateCommitPlan,
+    accepted: torch.Tensor,
+    vslots: torch.Tensor,
+    state_v2p: torch.Tensor | None,
+) -> None:
+    """``commit_states_multi_reference`` of ``plan``'s pairs (the reference side of
+    ``commit_states_multi``)."""
+    commit_states_multi_reference(plan.scratches, accepted, vslots, state_v2p, plan.dests)
+
+
 # ---------------------------------------------------------------------------------------------
-# public entry points: Triton on CUDA tensors (or UNIMEM_KERNEL_BACKEND=triton), else reference
+# public ops (unimem_kernel._dispatch: Triton on CUDA tensors, the reference elsewhere)
 # ---------------------------------------------------------------------------------------------
 
 
+@kernel_op(triton=commit_states_triton, reference=commit_states_reference, device_of="dest")
 def commit_states(
     scratch: torch.Tensor,
     accepted: torch.Tensor,
@@ -493,10 +505,13 @@ def commit_states(
     dest: torch.Tensor,
 ) -> None:
     """One launch; see ``commit_states_reference`` and the module docstring."""
-    impl = commit_states_triton if use_triton(dest) else commit_states_reference
-    impl(scratch, accepted, vslots, state_v2p, dest)
 
 
+@kernel_op(
+    triton=commit_states_multi_triton,
+    reference=_commit_states_multi_planned_reference,
+    device_of=lambda plan, *args, **kwargs: plan.dests[0],
+)
 def commit_states_multi(
     plan: StateCommitPlan,
     accepted: torch.Tensor,
@@ -504,7 +519,3 @@ def commit_states_multi(
     state_v2p: torch.Tensor | None,
 ) -> None:
     """Commit every pair of ``plan`` in one launch; per pair as ``commit_states``."""
-    if use_triton(plan.dests[0]):
-        commit_states_multi_triton(plan, accepted, vslots, state_v2p)
-    else:
-        commit_states_multi_reference(plan.scratches, accepted, vslots, state_v2p, plan.dests)
