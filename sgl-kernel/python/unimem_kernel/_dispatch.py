@@ -35,7 +35,7 @@ import torch
 
 from unimem_kernel import envs
 
-__all__ = ["OPS", "KernelOp", "kernel_op", "next_pow2", "use_triton"]
+__all__ = ["OPS", "KernelOp", "kernel_op", "next_pow2", "records_autograd", "use_triton"]
 
 
 def use_triton(t: torch.Tensor, switch: str | None = None) -> bool:
@@ -50,6 +50,14 @@ def use_triton(t: torch.Tensor, switch: str | None = None) -> bool:
     if choice == "auto":
         return t.is_cuda
     return choice == "triton"
+
+
+def records_autograd(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record an op over ``tensors`` (grad mode on and one of them
+    requires grad). The kernels have no backward, so an op's ``triton_if`` sends such calls
+    to its reference: a module that also trains (the drafter under distillation) calls the
+    same ops."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def next_pow2(n: int) -> int:
@@ -82,7 +90,8 @@ OPS: dict[str, KernelOp] = {}
 class KernelOp:
     """An op with a Triton side and a torch reference of one contract (module docstring).
     Calling it runs one side; :attr:`triton` and :attr:`reference` are the sides themselves,
-    :meth:`runs_triton` says which a call would take."""
+    :meth:`runs_triton` says which a call would take; ``check``, ``triton_if`` and
+    ``switch`` are the declaration's."""
 
     def __init__(
         self,
@@ -99,8 +108,8 @@ class KernelOp:
         self.name: str = face.__name__
         self._triton = _Side(triton)
         self._reference = _Side(reference)
-        self._check = check
-        self._triton_if = triton_if
+        self.check = check
+        self.triton_if = triton_if
         self.switch = switch
         if switch is not None and switch not in envs.SWITCHES:
             raise KeyError(f"{switch} is not a switch of unimem_kernel.envs")
@@ -124,11 +133,11 @@ class KernelOp:
         """Whether a call with these (checked) arguments runs the Triton side."""
         if not use_triton(self._device_of(*args, **kwargs), self.switch):
             return False
-        return self._triton_if is None or bool(self._triton_if(*args, **kwargs))
+        return self.triton_if is None or bool(self.triton_if(*args, **kwargs))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._check is not None:
-            self._check(*args, **kwargs)
+        if self.check is not None:
+            self.check(*args, **kwargs)
         side = self._triton if self.runs_triton(*args, **kwargs) else self._reference
         return side.get()(*args, **kwargs)
 

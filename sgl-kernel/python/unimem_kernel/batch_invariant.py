@@ -19,8 +19,8 @@ How invariance is obtained:
 - **Row ops** (:func:`bi_rms_norm`, :func:`bi_log_softmax`): one program per row, a fixed
   ``BLOCK`` over the last dim (a function of that dim only) walked in fixed chunk order.
 
-Every public op dispatches through :func:`unimem_kernel._dispatch.use_triton` (Triton on CUDA,
-or when forced; else the ``*_reference`` torch function of identical semantics). The
+Every public op is a ``_dispatch.kernel_op``: Triton on CUDA (or when forced), else the
+``*_reference`` torch function of identical semantics. The
 references compute in fp32 with torch's own kernels: they agree with the Triton kernels to
 rounding, not bitwise, and they are not batch-invariant themselves on CUDA. For float64
 inputs every op is its exact torch counterpart in float64 (the CPU oracle).
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
 __all__ = [
     "MatmulConfig",
@@ -124,7 +124,10 @@ def _resolve_out_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.
 
 
 def _check_matmul(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.dtype:
     if a.dim() != 2:
         raise ValueError(f"a must be 2-D [M, K], got shape {tuple(a.shape)}")
@@ -282,6 +285,18 @@ def bi_matmul_reference(
     return c.to(out_dtype or a.dtype)
 
 
+# float64 runs the reference (the CPU oracle's exact counterpart): the kernels cover the rest
+_A_NOT_FLOAT64 = lambda a, *args, **kwargs: a.dtype != torch.float64  # noqa: E731
+_X_NOT_FLOAT64 = lambda x, *args, **kwargs: x.dtype != torch.float64  # noqa: E731
+
+
+@kernel_op(
+    triton=bi_matmul_triton,
+    reference=bi_matmul_reference,
+    device_of="a",
+    check=_check_matmul,
+    triton_if=_A_NOT_FLOAT64,
+)
 def bi_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -298,10 +313,6 @@ def bi_matmul(
     one. Products accumulate in fp32 (fp32 inputs: exact ``ieee`` products, no TF32), over
     ``K`` in fixed ascending chunks with the tiles of :func:`matmul_config`.
     """
-    out_dtype = _check_matmul(a, b, bias, out_dtype)
-    if a.dtype == torch.float64 or not use_triton(a):
-        return bi_matmul_reference(a, b, bias, out_dtype)
-    return bi_matmul_triton(a, b, bias, out_dtype)
 
 
 def bi_linear_reference(
@@ -313,13 +324,16 @@ def bi_linear_reference(
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def bi_linear(
+def bi_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, batch-invariant: ``x [..., K]``, ``weight [N, K]`` (of
-    ``x``'s dtype), ``bias [N]`` or ``None``; returns a new ``[..., N]`` tensor of ``x``'s
-    dtype. It is :func:`bi_matmul` of ``x.reshape(-1, K)`` and ``weight.t()`` (a transposed
-    view, no copy), reshaped back."""
+    """The Triton kernel of :func:`bi_linear` (arguments already validated)."""
+    k = x.shape[-1]
+    y = bi_matmul_triton(x.reshape(-1, k), weight.t(), bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     if x.dim() < 1:
         raise ValueError("x must have at least one dim [..., K]")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
@@ -327,9 +341,23 @@ def bi_linear(
             f"weight must be [N, K = {x.shape[-1]}] for x {tuple(x.shape)}, "
             f"got {tuple(weight.shape)}"
         )
-    k = x.shape[-1]
-    y = bi_matmul(x.reshape(-1, k), weight.t(), bias)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    _check_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias, None)
+
+
+@kernel_op(
+    triton=bi_linear_triton,
+    reference=bi_linear_reference,
+    device_of="x",
+    check=_check_linear,
+    triton_if=_X_NOT_FLOAT64,
+)
+def bi_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, batch-invariant: ``x [..., K]``, ``weight [N, K]`` (of
+    ``x``'s dtype), ``bias [N]`` or ``None``; returns a new ``[..., N]`` tensor of ``x``'s
+    dtype. It is :func:`bi_matmul` of ``x.reshape(-1, K)`` and ``weight.t()`` (a transposed
+    view, no copy), reshaped back."""
 
 
 # ------------------------------------------------------------------- grouped GEMM: Triton
@@ -422,8 +450,9 @@ def bi_grouped_linear_triton(
     offs: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    config: MatmulConfig | None = None,
     rows: torch.Tensor | None = None,
+    *,
+    config: MatmulConfig | None = None,
     cols_fastest: bool = False,
 ) -> torch.Tensor:
     """The Triton kernel of :func:`bi_grouped_linear` (arguments already validated).
@@ -492,33 +521,14 @@ def bi_grouped_linear_reference(
     return out.copy_(y)
 
 
-def bi_grouped_linear(
+def _check_grouped(
     x: torch.Tensor,
     weight: torch.Tensor,
     offs: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Grouped ``x @ weight[e].T`` over rows sorted by expert, batch-invariant.
-
-    ``x [T, K]`` (fp16, bf16, fp32; float64 runs the reference), rows grouped by expert;
-    ``weight [E, N, K]`` of ``x``'s dtype, any strides; ``offs [E]`` int32 on ``x``'s device,
-    the cumulative END row of each expert (``torch._grouped_mm``'s convention: expert ``e``
-    owns rows ``offs[e-1] .. offs[e]``, expert 0 from row 0). The kernel assumes ``offs`` is
-    non-decreasing with ``offs[-1] <= T``; it never reads ``offs`` on the host (capturable).
-    Rows at or past ``offs[-1]`` belong to no expert and are written as zeros. ``bias
-    [E, N]`` (any float dtype, added in fp32 after the reduction) or ``None``. Returns ``out``
-    (``[T, N]`` of ``x``'s dtype, caller-owned, contiguous rows) or a new tensor.
-
-    A row's result depends only on the row and its expert's weight (and ``K``, ``N``): not on
-    ``T``, on how many rows the other experts own, or on the row's position in its segment.
-    ``bi_grouped_linear(xs, w, offs)`` replaces ``torch._grouped_mm(xs, w.transpose(-2, -1),
-    offs=offs)``. With ``rows`` (``[T]`` int32/int64 on ``x``'s device, values in
-    ``[0, x.shape[0])``, not checked on the device) the grouped rows are ``x[rows]``, read by
-    the kernel's loads (no gathered copy): ``bi_grouped_linear(x, w, offs, rows=r) ==
-    bi_grouped_linear(x[r], w, offs)``, bitwise.
-    """
+) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
     if weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -557,9 +567,42 @@ def bi_grouped_linear(
         if n and out.stride(1) != 1:
             raise ValueError("out must have contiguous rows (stride 1 along N)")
         _check_device("out", out, x, "x")
-    if x.dtype == torch.float64 or not use_triton(x):
-        return bi_grouped_linear_reference(x, weight, offs, bias, out, rows)
-    return bi_grouped_linear_triton(x, weight, offs, bias, out, rows=rows)
+
+
+@kernel_op(
+    triton=bi_grouped_linear_triton,
+    reference=bi_grouped_linear_reference,
+    device_of="x",
+    check=_check_grouped,
+    triton_if=_X_NOT_FLOAT64,
+)
+def bi_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped ``x @ weight[e].T`` over rows sorted by expert, batch-invariant.
+
+    ``x [T, K]`` (fp16, bf16, fp32; float64 runs the reference), rows grouped by expert;
+    ``weight [E, N, K]`` of ``x``'s dtype, any strides; ``offs [E]`` int32 on ``x``'s device,
+    the cumulative END row of each expert (``torch._grouped_mm``'s convention: expert ``e``
+    owns rows ``offs[e-1] .. offs[e]``, expert 0 from row 0). The kernel assumes ``offs`` is
+    non-decreasing with ``offs[-1] <= T``; it never reads ``offs`` on the host (capturable).
+    Rows at or past ``offs[-1]`` belong to no expert and are written as zeros. ``bias
+    [E, N]`` (any float dtype, added in fp32 after the reduction) or ``None``. Returns ``out``
+    (``[T, N]`` of ``x``'s dtype, caller-owned, contiguous rows) or a new tensor.
+
+    A row's result depends only on the row and its expert's weight (and ``K``, ``N``): not on
+    ``T``, on how many rows the other experts own, or on the row's position in its segment.
+    ``bi_grouped_linear(xs, w, offs)`` replaces ``torch._grouped_mm(xs, w.transpose(-2, -1),
+    offs=offs)``. With ``rows`` (``[T]`` int32/int64 on ``x``'s device, values in
+    ``[0, x.shape[0])``, not checked on the device) the grouped rows are ``x[rows]``, read by
+    the kernel's loads (no gathered copy): ``bi_grouped_linear(x, w, offs, rows=r) ==
+    bi_grouped_linear(x[r], w, offs)``, bitwise.
+    """
 
 
 # ------------------------------------------------------------------- row ops
@@ -633,6 +676,47 @@ def bi_rms_norm_reference(
     return (y * w).to(x.dtype)
 
 
+def bi_rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
+) -> torch.Tensor:
+    """The Triton kernel of :func:`bi_rms_norm` (arguments already validated)."""
+    d = x.shape[-1]
+    groups = _row_groups(x)
+    if groups is not None:
+        src, r, stride_g, stride_x = groups
+    else:  # rows of one stride (a copy only when they are not)
+        src = _rows(x, "x")
+        r, stride_g, stride_x = 1, src.stride(0), src.stride(0)
+    n = x.numel() // d if d else 0
+    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    if n and d:
+        _bi_rms_norm_kernel[(n,)](
+            src, weight, y, d, r, stride_g, stride_x, y.stride(0), float(eps),
+            ZERO_CENTERED=bool(zero_centered), BLOCK=_row_block(d),
+        )  # fmt: skip
+    return y.reshape(x.shape)
+
+
+def _check_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
+) -> None:
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim")
+    _check_float("x", x)
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
+    _check_float("weight", weight)
+    _check_device("weight", weight, x, "x")
+
+
+@kernel_op(
+    triton=bi_rms_norm_triton,
+    reference=bi_rms_norm_reference,
+    device_of="x",
+    check=_check_rms_norm,
+    triton_if=_X_NOT_FLOAT64,
+)
 def bi_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
 ) -> torch.Tensor:
@@ -649,30 +733,6 @@ def bi_rms_norm(
     ``x``'s shape and dtype, owned by the caller. One program per row; the sum of squares
     walks ``D`` in fixed chunks of :func:`_row_block` ``(D)`` elements.
     """
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dim")
-    _check_float("x", x)
-    d = x.shape[-1]
-    if weight.shape != (d,):
-        raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
-    _check_float("weight", weight)
-    _check_device("weight", weight, x, "x")
-    if x.dtype == torch.float64 or not use_triton(x):
-        return bi_rms_norm_reference(x, weight, eps, zero_centered=zero_centered)
-    groups = _row_groups(x)
-    if groups is not None:
-        src, r, stride_g, stride_x = groups
-    else:  # rows of one stride (a copy only when they are not)
-        src = _rows(x, "x")
-        r, stride_g, stride_x = 1, src.stride(0), src.stride(0)
-    n = x.numel() // d if d else 0
-    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
-    if n and d:
-        _bi_rms_norm_kernel[(n,)](
-            src, weight, y, d, r, stride_g, stride_x, y.stride(0), float(eps),
-            ZERO_CENTERED=bool(zero_centered), BLOCK=_row_block(d),
-        )  # fmt: skip
-    return y.reshape(x.shape)
 
 
 @triton.jit(do_not_specialize=["V"])
@@ -705,6 +765,30 @@ def bi_log_softmax_reference(x: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x.to(acc), dim=-1)
 
 
+def bi_log_softmax_triton(x: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel of :func:`bi_log_softmax` (arguments already validated)."""
+    x2 = _rows(x, "x")
+    y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    v = x2.shape[1]
+    if x2.shape[0] and v:
+        _bi_log_softmax_kernel[(x2.shape[0],)](
+            x2, y, v, x2.stride(0), y.stride(0), BLOCK=_row_block(v)
+        )
+    return y.reshape(x.shape)
+
+
+def _check_log_softmax(x: torch.Tensor) -> None:
+    _rows(x, "x")
+    _check_float("x", x)
+
+
+@kernel_op(
+    triton=bi_log_softmax_triton,
+    reference=bi_log_softmax_reference,
+    device_of="x",
+    check=_check_log_softmax,
+    triton_if=_X_NOT_FLOAT64,
+)
 def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
     """``log_softmax(x, dim=-1)`` computed in fp32, batch-invariant.
 
@@ -713,14 +797,3 @@ def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
     log(sum(exp(x - max)))`` per row, one program per row, the max and the sum of exponentials
     each walked over ``V`` in fixed chunks of :func:`_row_block` ``(V)`` elements.
     """
-    x2 = _rows(x, "x")
-    _check_float("x", x)
-    if x.dtype == torch.float64 or not use_triton(x):
-        return bi_log_softmax_reference(x)
-    y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-    v = x2.shape[1]
-    if x2.shape[0] and v:
-        _bi_log_softmax_kernel[(x2.shape[0],)](
-            x2, y, v, x2.stride(0), y.stride(0), BLOCK=_row_block(v)
-        )
-    return y.reshape(x.shape)

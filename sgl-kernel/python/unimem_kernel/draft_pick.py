@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from unimem_kernel._dispatch import kernel_op, next_pow2
-from unimem_kernel.fused import _round
+from unimem_kernel.rounding import round_rne
 
 __all__ = ["markov_pick", "markov_pick_reference", "markov_pick_triton"]
 
@@ -196,7 +196,7 @@ def _markov_pick_kernel(
             sums = ()
             for j in tl.static_range(LANES):  # the W block once, for every lane
                 sums = sums + (tl.sum(w * us[j][None, :], axis=1),)
-            bias = _round(_join_lanes(sums, LANES, BLOCK_V), bias_ty).to(tl.float32)
+            bias = round_rne(_join_lanes(sums, LANES, BLOCK_V), bias_ty).to(tl.float32)
             logit = tl.load(base_rows[None, :] + offs[:, None], mask=vmask[:, None],
                             other=float("-inf")) + bias  # fmt: skip
             logit = tl.where(vmask[:, None], logit, float("-inf"))

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from unimem_kernel._dispatch import kernel_op, next_pow2
-from unimem_kernel.fused import _round  # RNE (the interpreter's own bf16 cast truncates)
+from unimem_kernel.rounding import round_rne
 
 __all__ = ["moe_combine", "moe_combine_reference", "moe_combine_triton"]
 
@@ -75,7 +75,7 @@ def _moe_combine_kernel(
     ws = ()
     for j in tl.static_range(K):
         rows = rows + (tl.load(inv_ptr + t * K + j).to(tl.int64),)
-        ws = ws + (_round(tl.load(w_ptr + t * w_s + j).to(tl.float32), dt).to(tl.float32),)
+        ws = ws + (round_rne(tl.load(w_ptr + t * w_s + j).to(tl.float32), dt).to(tl.float32),)
     if HAS_SHARED:
         cols = tl.arange(0, BLOCK_D)
         dot = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -88,15 +88,15 @@ def _moe_combine_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):
         yv = tl.load(y_ptr + rows[j] * y_s + offs, mask=m, other=0.0).to(tl.float32)
-        acc += _round(yv * ws[j], dt).to(tl.float32)
-    out = _round(acc, out_ptr.dtype.element_ty)
+        acc += round_rne(yv * ws[j], dt).to(tl.float32)
+    out = round_rne(acc, out_ptr.dtype.element_ty)
     if HAS_SHARED:
         # the logit, its sigmoid, the gated shared output and the sum, each rounded as torch
         # rounds it
-        logit = _round(tl.sum(dot, axis=0), dt).to(tl.float32)
-        gate = _round(tl.sigmoid(logit), dt).to(tl.float32)
-        gated = _round(gate * sv, dt).to(tl.float32)
-        out = _round(out.to(tl.float32) + gated, out_ptr.dtype.element_ty)
+        logit = round_rne(tl.sum(dot, axis=0), dt).to(tl.float32)
+        gate = round_rne(tl.sigmoid(logit), dt).to(tl.float32)
+        gated = round_rne(gate * sv, dt).to(tl.float32)
+        out = round_rne(out.to(tl.float32) + gated, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * o_s + offs, out, mask=m)
 
 

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from unimem_kernel._dispatch import kernel_op, next_pow2
-from unimem_kernel.fused import _INTERPRETED, _round
+from unimem_kernel.rounding import INTERPRETED, round_rne
 
 __all__ = ["rope_cos_sin", "rope_cos_sin_reference", "rope_cos_sin_triton"]
 
@@ -39,7 +39,7 @@ _BLOCK_T = 16  # positions per program
 @triton.jit
 def _mul_rn(a, b):
     """``a * b`` in fp32, rounded once (never contracted into a later add)."""
-    if _INTERPRETED:
+    if INTERPRETED:
         return a * b
     return tl.inline_asm_elementwise(
         "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
@@ -67,7 +67,7 @@ def _rope_cos_sin_kernel(
     p = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.float32)
     f = tl.load(inv_ptr + j, mask=jmask, other=0.0)
     a = _mul_rn(p[:, None], f[None, :])
-    if _INTERPRETED:  # the interpreter has no libdevice: NumPy's cosine
+    if INTERPRETED:  # the interpreter has no libdevice: NumPy's cosine
         c = tl.cos(a)
         s = tl.sin(a)
     else:
@@ -79,8 +79,8 @@ def _rope_cos_sin_kernel(
         s = _mul_rn(s, fac)
     at = t.to(tl.int64)[:, None] * H + j[None, :]
     m = tmask[:, None] & jmask[None, :]
-    tl.store(cos_ptr + at, _round(c, cos_ptr.dtype.element_ty), mask=m)
-    tl.store(sin_ptr + at, _round(s, sin_ptr.dtype.element_ty), mask=m)
+    tl.store(cos_ptr + at, round_rne(c, cos_ptr.dtype.element_ty), mask=m)
+    tl.store(sin_ptr + at, round_rne(s, sin_ptr.dtype.element_ty), mask=m)
 
 
 def _check(positions: torch.Tensor, inv_freq: torch.Tensor, out_dtype: torch.dtype) -> None:
