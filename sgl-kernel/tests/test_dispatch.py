@@ -1,6 +1,6 @@
 """The one dispatch mechanism (``unimem_kernel._dispatch``): every op is registered with a
 Triton side and a reference that accept its arguments, no module dispatches by hand, and a
-call takes the side that the backend, the op's switch and its ``triton_if`` choose."""
+call takes the side that the backend, the op's switch and its check choose."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_every_op_is_registered_with_two_sides_that_take_its_arguments():
             assert all(got[n].default is not inspect.Parameter.empty for n in extra), (op, side)
         # the hooks take any call of the op: its required arguments only, or all of them
         required = [p for p in params if p.default is inspect.Parameter.empty]
-        hooks = [h for h in (op.check, op.triton_if) if h is not None]
+        hooks = [op.check] if op.check is not None else []
         for hook in hooks + [op.triton, op.reference]:
             sig = inspect.signature(hook)
             sig.bind(*[None for p in required if p.kind is _POSITIONAL],
@@ -69,9 +69,10 @@ def _toy_reference(x: torch.Tensor, scale: float = 1.0) -> str:
     return "reference"
 
 
-def _toy_check(x: torch.Tensor, scale: float = 1.0) -> None:
+def _toy_check(x: torch.Tensor, scale: float = 1.0) -> bool:
     if scale < 0:
         raise ValueError("scale must be >= 0")
+    return x.dtype != torch.float64
 
 
 def _toy_op(**options) -> KernelOp:
@@ -82,17 +83,14 @@ def _toy_op(**options) -> KernelOp:
 
 
 def test_a_call_takes_the_side_the_backend_switch_and_inputs_choose(monkeypatch):
-    op = _toy_op(
-        check=_toy_check, triton_if=lambda x, scale=1.0: x.dtype != torch.float64,
-        switch="UNIMEM_FUSED_OPS",
-    )  # fmt: skip
+    op = _toy_op(check=_toy_check, switch="UNIMEM_FUSED_OPS")
     x = torch.zeros(2)
     assert op.__doc__ == "A toy op." and list(inspect.signature(op).parameters) == ["x", "scale"]
     monkeypatch.delenv("UNIMEM_KERNEL_BACKEND", raising=False)
     assert op(x) == "reference"  # auto: CPU tensors take the reference
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
     assert op(x) == op(x=x) == op(x, 2.0) == "triton"
-    assert op(x.double()) == "reference"  # triton_if
+    assert op(x.double()) == "reference"  # the check: not covered
     monkeypatch.setenv("UNIMEM_FUSED_OPS", "off")
     assert op(x) == "reference"  # the switch
     monkeypatch.setenv("UNIMEM_FUSED_OPS", "on")

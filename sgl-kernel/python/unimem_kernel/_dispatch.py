@@ -7,16 +7,16 @@ states the op (its signature and docstring; its body is never run)::
 
     @kernel_op(triton=copy_units_triton, reference=copy_units_reference, device_of="buf")
     def copy_units(buf, base, unit_bytes, src, dst) -> None:
-        \"\"\"The contract both sides meet.\"\"\"
+        '''The contract both sides meet.'''
 
 The result is a :class:`KernelOp`, registered in :data:`OPS` under the op's name. A call
 
 1. runs ``check`` (when given) on the arguments: the contract's validation, whichever side
-   runs (it raises ``ValueError``);
-2. runs the Triton side when :func:`use_triton` accepts the op's main tensor (the argument
-   named by ``device_of``; with the op's ``switch``) and ``triton_if`` (when given: the
-   inputs the kernels cover, e.g. no float64, nothing autograd would record) holds, and the
-   reference otherwise.
+   runs (it raises ``ValueError``), which also says whether the kernels cover these inputs
+   (it returns False where they do not: float64, something autograd would record ...);
+2. runs the Triton side when the kernels cover the inputs and :func:`use_triton` accepts
+   the op's main tensor (the argument named by ``device_of``; with the op's ``switch``),
+   and the reference otherwise.
 
 Both sides receive the op's arguments unchanged, so both accept the op's signature (the Triton
 side may take further keyword arguments: tiles for tests and sweeps). Each side is looked up
@@ -54,7 +54,7 @@ def use_triton(t: torch.Tensor, switch: str | None = None) -> bool:
 
 def records_autograd(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd would record an op over ``tensors`` (grad mode on and one of them
-    requires grad). The kernels have no backward, so an op's ``triton_if`` sends such calls
+    requires grad). The kernels have no backward, so an op's ``check`` sends such calls
     to its reference: a module that also trains (the drafter under distillation) calls the
     same ops."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -90,8 +90,8 @@ OPS: dict[str, KernelOp] = {}
 class KernelOp:
     """An op with a Triton side and a torch reference of one contract (module docstring).
     Calling it runs one side; :attr:`triton` and :attr:`reference` are the sides themselves,
-    :meth:`runs_triton` says which a call would take; ``check``, ``triton_if`` and
-    ``switch`` are the declaration's."""
+    :meth:`runs_triton` says which a call would take; ``check`` and ``switch`` are the
+    declaration's."""
 
     def __init__(
         self,
@@ -100,8 +100,7 @@ class KernelOp:
         triton: Callable[..., Any],
         reference: Callable[..., Any],
         device_of: str | Callable[..., torch.Tensor],
-        check: Callable[..., Any] | None = None,
-        triton_if: Callable[..., bool] | None = None,
+        check: Callable[..., bool | None] | None = None,
         switch: str | None = None,
     ) -> None:
         functools.update_wrapper(self, face)
@@ -109,7 +108,6 @@ class KernelOp:
         self._triton = _Side(triton)
         self._reference = _Side(reference)
         self.check = check
-        self.triton_if = triton_if
         self.switch = switch
         if switch is not None and switch not in envs.SWITCHES:
             raise KeyError(f"{switch} is not a switch of unimem_kernel.envs")
@@ -130,14 +128,13 @@ class KernelOp:
         return self._reference.get()
 
     def runs_triton(self, *args: Any, **kwargs: Any) -> bool:
-        """Whether a call with these (checked) arguments runs the Triton side."""
-        if not use_triton(self._device_of(*args, **kwargs), self.switch):
+        """Whether a call with these arguments runs the Triton side (``check`` runs first: a
+        ValueError for arguments outside the contract)."""
+        if self.check is not None and self.check(*args, **kwargs) is False:
             return False
-        return self.triton_if is None or bool(self.triton_if(*args, **kwargs))
+        return use_triton(self._device_of(*args, **kwargs), self.switch)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.check is not None:
-            self.check(*args, **kwargs)
         side = self._triton if self.runs_triton(*args, **kwargs) else self._reference
         return side.get()(*args, **kwargs)
 
@@ -165,8 +162,7 @@ def kernel_op(
     triton: Callable[..., Any],
     reference: Callable[..., Any],
     device_of: str | Callable[..., torch.Tensor],
-    check: Callable[..., Any] | None = None,
-    triton_if: Callable[..., bool] | None = None,
+    check: Callable[..., bool | None] | None = None,
     switch: str | None = None,
 ) -> Callable[[Callable[..., Any]], KernelOp]:
     """Declare the op stated by the decorated function (its name, signature and docstring)
@@ -174,14 +170,14 @@ def kernel_op(
 
     ``device_of``: the name of the parameter whose device decides (or a function of the
     op's arguments returning that tensor); ``check``: a function of the op's arguments that
-    validates them; ``triton_if``: a function of the op's arguments, False where the
-    reference must run although the device would take the kernel; ``switch``: an on/off
-    switch of :mod:`unimem_kernel.envs` that, off, sends the op to its reference."""
+    validates them (ValueError) and returns False where the kernels do not cover them (the
+    reference runs; None or True: they do); ``switch``: an on/off switch of
+    :mod:`unimem_kernel.envs` that, off, sends the op to its reference."""
 
     def declare(face: Callable[..., Any]) -> KernelOp:
         op = KernelOp(
             face, triton=triton, reference=reference, device_of=device_of, check=check,
-            triton_if=triton_if, switch=switch,
+            switch=switch,
         )  # fmt: skip
         known = OPS.get(op.name)
         if known is not None and known.__module__ != op.__module__:

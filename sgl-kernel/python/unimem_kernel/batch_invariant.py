@@ -77,7 +77,7 @@ def matmul_config(dtype: torch.dtype, k: int, n: int) -> MatmulConfig:
     row count runs the same compiled kernel with the same reduction order.
 
     fp16/bf16: 128 x 128 output tiles, ``BLOCK_K`` 64, 8 warps, 3 stages (96 KiB of shared
-    memory for the pipelined A and B tiles, comfortably inside an H200 SM's 228 KiB); the
+    memory for the pipelined A and B tiles, within a Hopper SM's shared memory); the
     standard Hopper tensor-core tile, efficient for the prefill/verify row counts. For small
     ``n`` (under 4096 columns) the tile is 64 columns wide, so a decode step (one row tile)
     still spreads over at least 32 programs. fp32 (exact, ``ieee`` products, no TF32): 64 x 64
@@ -128,7 +128,9 @@ def _check_matmul(
     b: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-) -> torch.dtype:
+) -> bool:
+    """Validates a product's arguments; whether the kernels cover them (float64 runs the
+    reference: the CPU oracle's exact counterpart)."""
     if a.dim() != 2:
         raise ValueError(f"a must be 2-D [M, K], got shape {tuple(a.shape)}")
     if b.dim() != 2:
@@ -144,7 +146,8 @@ def _check_matmul(
             raise ValueError(f"bias must have shape ({b.shape[1]},), got {tuple(bias.shape)}")
         _check_float("bias", bias)
         _check_device("bias", bias, a, "a")
-    return _resolve_out_dtype(a, out_dtype)
+    _resolve_out_dtype(a, out_dtype)
+    return a.dtype != torch.float64
 
 
 # ------------------------------------------------------------------- GEMM: Triton
@@ -285,17 +288,11 @@ def bi_matmul_reference(
     return c.to(out_dtype or a.dtype)
 
 
-# float64 runs the reference (the CPU oracle's exact counterpart): the kernels cover the rest
-_A_NOT_FLOAT64 = lambda a, *args, **kwargs: a.dtype != torch.float64  # noqa: E731
-_X_NOT_FLOAT64 = lambda x, *args, **kwargs: x.dtype != torch.float64  # noqa: E731
-
-
 @kernel_op(
     triton=bi_matmul_triton,
     reference=bi_matmul_reference,
     device_of="a",
     check=_check_matmul,
-    triton_if=_A_NOT_FLOAT64,
 )
 def bi_matmul(
     a: torch.Tensor,
@@ -333,7 +330,7 @@ def bi_linear_triton(
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     if x.dim() < 1:
         raise ValueError("x must have at least one dim [..., K]")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
@@ -341,7 +338,7 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             f"weight must be [N, K = {x.shape[-1]}] for x {tuple(x.shape)}, "
             f"got {tuple(weight.shape)}"
         )
-    _check_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias, None)
+    return _check_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias, None)
 
 
 @kernel_op(
@@ -349,7 +346,6 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     reference=bi_linear_reference,
     device_of="x",
     check=_check_linear,
-    triton_if=_X_NOT_FLOAT64,
 )
 def bi_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -528,7 +524,7 @@ def _check_grouped(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
-) -> None:
+) -> bool:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
     if weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -567,6 +563,7 @@ def _check_grouped(
         if n and out.stride(1) != 1:
             raise ValueError("out must have contiguous rows (stride 1 along N)")
         _check_device("out", out, x, "x")
+    return x.dtype != torch.float64
 
 
 @kernel_op(
@@ -574,7 +571,6 @@ def _check_grouped(
     reference=bi_grouped_linear_reference,
     device_of="x",
     check=_check_grouped,
-    triton_if=_X_NOT_FLOAT64,
 )
 def bi_grouped_linear(
     x: torch.Tensor,
@@ -699,7 +695,7 @@ def bi_rms_norm_triton(
 
 def _check_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
-) -> None:
+) -> bool:
     if x.dim() < 1:
         raise ValueError("x must have at least one dim")
     _check_float("x", x)
@@ -708,6 +704,7 @@ def _check_rms_norm(
         raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
     _check_float("weight", weight)
     _check_device("weight", weight, x, "x")
+    return x.dtype != torch.float64
 
 
 @kernel_op(
@@ -715,7 +712,6 @@ def _check_rms_norm(
     reference=bi_rms_norm_reference,
     device_of="x",
     check=_check_rms_norm,
-    triton_if=_X_NOT_FLOAT64,
 )
 def bi_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
@@ -777,9 +773,10 @@ def bi_log_softmax_triton(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(x.shape)
 
 
-def _check_log_softmax(x: torch.Tensor) -> None:
+def _check_log_softmax(x: torch.Tensor) -> bool:
     _rows(x, "x")
     _check_float("x", x)
+    return x.dtype != torch.float64
 
 
 @kernel_op(
@@ -787,7 +784,6 @@ def _check_log_softmax(x: torch.Tensor) -> None:
     reference=bi_log_softmax_reference,
     device_of="x",
     check=_check_log_softmax,
-    triton_if=_X_NOT_FLOAT64,
 )
 def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
     """``log_softmax(x, dim=-1)`` computed in fp32, batch-invariant.

@@ -21,12 +21,11 @@ torch matmul's output is) and upcast to the logits' fp32; the lanes' logits then
 group. Ties keep the first index, within a chunk and across chunks (as ``torch.argmax``).
 Lanes past ``bs`` in the last group redo lane ``bs - 1`` and store nothing.
 
-Why groups (H200, bs 48 x G 7 x V 32 000, R 16, bf16 ``U``/``W``): one program per lane
-walking all ``G`` columns took 0.62 ms per step (too few programs); one program per (lane,
-chunk) with a launch per column took 9.6 us per launch (0.077 ms per step), its programs each
-re-reading their chunk of ``W`` for a single lane: 48 x 1 MB of ``W`` through L2 per column.
-Grouping 8 lanes reads ``W`` 6 times per column (6 MB) for the same 6 MB of logits, in 6 x 64
-programs (not yet timed on the H200).
+Why groups: one program per lane walking all ``G`` columns leaves too few programs to fill
+the GPU; one program per (lane, chunk) reads its chunk of ``W`` for a single lane, so ``W``
+passes through L2 ``bs`` times per column. A group of ``LANES`` lanes reads ``W`` ``bs /
+LANES`` times per column, in ``bs / LANES x NSPLIT`` programs (the layout was chosen by
+measurement: docs/decisions.md, the drafter's pick).
 
 Contract: ``base [bs, G, V]`` float32 (any strides, unit last), ``anchors [bs]`` integer
 token ids in ``[0, U)``, ``u [U, R]`` (``U >= V``: rows past ``V`` serve previous tokens
@@ -58,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import kernel_op, next_pow2
+from unimem_kernel._dispatch import kernel_op, next_pow2, records_autograd
 from unimem_kernel.rounding import round_rne
 
 __all__ = ["markov_pick", "markov_pick_reference", "markov_pick_triton"]
@@ -281,7 +280,7 @@ def _check(
     w: torch.Tensor,
     ref: torch.Tensor | None = None,
     take: torch.Tensor | None = None,
-) -> None:
+) -> bool:
     if base.dim() != 3:
         raise ValueError(f"base must be [bs, G, V], got {tuple(base.shape)}")
     bs, g, v = base.shape
@@ -305,21 +304,7 @@ def _check(
             f"ref and take must be [bs, G] = [{bs}, {g}], got {tuple(ref.shape)}, "
             f"{tuple(take.shape)}"
         )
-
-
-def _kernel_covers(
-    base: torch.Tensor,
-    anchors: torch.Tensor,
-    u: torch.Tensor,
-    w: torch.Tensor,
-    ref: torch.Tensor | None = None,
-    take: torch.Tensor | None = None,
-) -> bool:
-    """float32 ``base``, and nothing autograd would record (the kernel has no backward)."""
-    if base.dtype != torch.float32:
-        return False
-    return not (torch.is_grad_enabled() and (base.requires_grad or u.requires_grad
-                                             or w.requires_grad))  # fmt: skip
+    return base.dtype == torch.float32 and not records_autograd(base, u, w)
 
 
 @kernel_op(
@@ -327,7 +312,6 @@ def _kernel_covers(
     reference=markov_pick_reference,
     device_of="base",
     check=_check,
-    triton_if=_kernel_covers,
 )
 def markov_pick(
     base: torch.Tensor,

@@ -106,11 +106,8 @@ def router_topk_triton(
     return weights, ids
 
 
-def _check_args(logits: torch.Tensor, k: int, renormalize: bool) -> None:
+def _check_args(logits: torch.Tensor, k: int, renormalize: bool) -> bool:
     _check(logits, k)
-
-
-def _kernel_covers(logits: torch.Tensor, k: int, renormalize: bool) -> bool:
     return logits.dtype != torch.float64 and logits.shape[1] <= _MAX_EXPERTS
 
 
@@ -119,7 +116,6 @@ def _kernel_covers(logits: torch.Tensor, k: int, renormalize: bool) -> bool:
     reference=router_topk_reference,
     device_of="logits",
     check=_check_args,
-    triton_if=_kernel_covers,
 )
 def router_topk(
     logits: torch.Tensor, k: int, renormalize: bool

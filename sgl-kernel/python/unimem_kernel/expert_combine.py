@@ -41,7 +41,7 @@ from unimem_kernel.rounding import round_rne
 
 __all__ = ["moe_combine", "moe_combine_reference", "moe_combine_triton"]
 
-_BLOCK_D = 1024  # columns per program (d = 2048 at the Qwen3-Next bench sizes: 2 programs)
+_BLOCK_D = 1024  # columns per program
 
 
 @triton.jit
@@ -221,16 +221,11 @@ def _check_combine(
     shared: torch.Tensor | None = None,
     gate_input: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
-) -> None:
+) -> bool:
     t, k = _check(y, order, weights)
     _check_shared(y, t, shared, gate_input, gate_weight)
     if inverse is not None and inverse.shape != order.shape:
         raise ValueError(f"inverse must be [{t * k}] like order, got {tuple(inverse.shape)}")
-
-
-def _kernel_covers(
-    y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, *args, **kwargs
-) -> bool:
     return weights.shape[1] > 0 and y.dtype != torch.float64
 
 
@@ -239,7 +234,6 @@ def _kernel_covers(
     reference=moe_combine_reference,
     device_of="y",
     check=_check_combine,
-    triton_if=_kernel_covers,
 )
 def moe_combine(
     y: torch.Tensor,

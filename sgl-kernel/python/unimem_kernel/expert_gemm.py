@@ -89,7 +89,7 @@ def _has_tile(
     triton=expert_linear_triton,
     reference=expert_linear_reference,
     device_of="x",
-    triton_if=_has_tile,
+    check=_has_tile,
 )
 def expert_linear(
     x: torch.Tensor,

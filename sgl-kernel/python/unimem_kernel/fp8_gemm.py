@@ -225,7 +225,7 @@ _BY_ROWS = (
 
 TUNED_CONFIGS = Path(__file__).with_name("fp8_gemm_configs.json")
 """``{gpu name: {"N,K": [[max_rows, "BMxBN,warps,stages,splitk"], ...]}}`` (ascending
-``max_rows``; written by ``benchmark/bench_fp8_gemm.py --sweep``)."""
+``max_rows``; written by the FP8 GEMM micro-benchmark's sweep)."""
 
 
 @functools.cache

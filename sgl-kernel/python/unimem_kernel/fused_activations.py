@@ -117,29 +117,23 @@ def clamped_swiglu_reference(
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _check_gated(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> None:
+def _check_gated(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> bool:
     """``gate_up [..., 2F]`` (``[gate | up]``), or ``gate_up [..., F]`` and ``up`` of its
-    shape, dtype and device."""
+    shape, dtype and device; whether the kernel covers them (no float64, no autograd)."""
     check_float("gate_up", gate_up)
     if gate_up.dim() < 1:
         raise ValueError("gate_up must have at least one dim")
-    if up is None:
-        if gate_up.shape[-1] % 2:
+    if up is None and gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dim must be even ([gate | up]), got {gate_up.shape[-1]}")
+    if up is not None:
+        check_float("up", up)
+        if up.shape != gate_up.shape:
             raise ValueError(
-                f"gate_up's last dim must be even ([gate | up]), got {gate_up.shape[-1]}"
+                f"up must have gate_up's shape {tuple(gate_up.shape)}, got {tuple(up.shape)}"
             )
-        return
-    check_float("up", up)
-    if up.shape != gate_up.shape:
-        raise ValueError(
-            f"up must have gate_up's shape {tuple(gate_up.shape)}, got {tuple(up.shape)}"
-        )
-    if up.dtype != gate_up.dtype:
-        raise ValueError(f"up must have gate_up's dtype {gate_up.dtype}, got {up.dtype}")
-    check_device("up", up, gate_up, "gate_up")
-
-
-def _gated_covered(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> bool:
+        if up.dtype != gate_up.dtype:
+            raise ValueError(f"up must have gate_up's dtype {gate_up.dtype}, got {up.dtype}")
+        check_device("up", up, gate_up, "gate_up")
     return gate_up.dtype != torch.float64 and not records_autograd(gate_up, up)
 
 
@@ -188,7 +182,6 @@ def clamped_swiglu_triton(
     reference=silu_mul_reference,
     device_of="gate_up",
     check=_check_gated,
-    triton_if=_gated_covered,
     switch=FUSED_SWITCH,
 )
 def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,7 +201,6 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Ten
     reference=gelu_tanh_mul_reference,
     device_of="gate_up",
     check=_check_gated,
-    triton_if=_gated_covered,
     switch=FUSED_SWITCH,
 )
 def gelu_tanh_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -222,7 +214,6 @@ def gelu_tanh_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torc
     reference=clamped_swiglu_reference,
     device_of="gate",
     check=lambda gate, up, alpha, limit: _check_gated(gate, up),
-    triton_if=lambda gate, up, alpha, limit: _gated_covered(gate, up),
     switch=FUSED_SWITCH,
 )
 def clamped_swiglu(
@@ -325,7 +316,7 @@ def _check_gdn_gates(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     state_dtype: torch.dtype | None = None,
-) -> None:
+) -> bool:
     for name, t in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
         check_float(name, t)
     if a.dim() != 2:
@@ -341,15 +332,6 @@ def _check_gdn_gates(
     sdt = A_log.dtype if state_dtype is None else state_dtype
     if sdt not in FLOAT_DTYPES:
         raise ValueError(f"state_dtype must be a float dtype, got {sdt}")
-
-
-def _gdn_gates_covered(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state_dtype: torch.dtype | None = None,
-) -> bool:
     sdt = A_log.dtype if state_dtype is None else state_dtype
     return torch.float64 not in (sdt, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype)
 
@@ -359,7 +341,6 @@ def _gdn_gates_covered(
     reference=gdn_gates_reference,
     device_of="a",
     check=_check_gdn_gates,
-    triton_if=_gdn_gates_covered,
     switch=FUSED_SWITCH,
 )
 def gdn_gates(
@@ -420,6 +401,11 @@ def sigmoid_gate_reference(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
 
 
+def _check_gate(o: torch.Tensor, gate: torch.Tensor) -> bool:
+    check_heads_like(o, gate, "gate")
+    return o.dtype != torch.float64 and not records_autograd(o, gate)
+
+
 def sigmoid_gate_triton(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Triton launcher of :func:`sigmoid_gate` (arguments checked; no float64)."""
     o2, g2 = unit_last(o), unit_last(gate)
@@ -439,8 +425,7 @@ def sigmoid_gate_triton(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     triton=sigmoid_gate_triton,
     reference=sigmoid_gate_reference,
     device_of="o",
-    check=lambda o, gate: check_heads_like(o, gate, "gate"),
-    triton_if=lambda o, gate: o.dtype != torch.float64 and not records_autograd(o, gate),
+    check=_check_gate,
     switch=FUSED_SWITCH,
 )
 def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

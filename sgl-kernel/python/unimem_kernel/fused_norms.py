@@ -156,7 +156,7 @@ def _check_add_rms_norm(
     eps: float,
     *,
     zero_centered: bool = False,
-) -> None:
+) -> bool:
     check_float("x", x)
     check_float("delta", delta)
     check_float("weight", weight)
@@ -171,16 +171,6 @@ def _check_add_rms_norm(
         raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
     check_device("delta", delta, x, "x")
     check_device("weight", weight, x, "x")
-
-
-def _add_rms_norm_kernel_covers(
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    zero_centered: bool = False,
-) -> bool:
     return torch.float64 not in (x.dtype, weight.dtype) and not records_autograd(x, delta, weight)
 
 
@@ -189,7 +179,6 @@ def _add_rms_norm_kernel_covers(
     reference=add_rms_norm_reference,
     device_of="x",
     check=_check_add_rms_norm,
-    triton_if=_add_rms_norm_kernel_covers,
     switch=FUSED_SWITCH,
 )
 def add_rms_norm(
@@ -355,7 +344,7 @@ def _check_norm_add_rms_norm(
     eps: float,
     *,
     zero_centered: bool = False,
-) -> None:
+) -> bool:
     check_float("x", x)
     check_float("delta", delta)
     check_float("post_weight", post_weight)
@@ -374,17 +363,6 @@ def _check_norm_add_rms_norm(
             raise ValueError(f"{name} must have shape ({d},), got {tuple(w.shape)}")
         check_device(name, w, x, "x")
     check_device("delta", delta, x, "x")
-
-
-def _norm_add_rms_norm_kernel_covers(
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    post_weight: torch.Tensor,
-    next_weight: torch.Tensor | None,
-    eps: float,
-    *,
-    zero_centered: bool = False,
-) -> bool:
     if x.dtype == torch.float64 or post_weight.dtype == torch.float64:
         return False
     if next_weight is not None and next_weight.dtype == torch.float64:
@@ -397,7 +375,6 @@ def _norm_add_rms_norm_kernel_covers(
     reference=norm_add_rms_norm_reference,
     device_of="x",
     check=_check_norm_add_rms_norm,
-    triton_if=_norm_add_rms_norm_kernel_covers,
     switch=FUSED_SWITCH,
 )
 def norm_add_rms_norm(
@@ -527,23 +504,13 @@ def _check_gated_rms_norm(
     eps: float,
     *,
     round_before_weight: bool = False,
-) -> None:
+) -> bool:
     check_float("weight", weight)
     check_heads_like(o, z, "z")
     d = o.shape[2]
     if weight.shape != (d,):
         raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
     check_device("weight", weight, o, "o")
-
-
-def _gated_rms_norm_kernel_covers(
-    o: torch.Tensor,
-    weight: torch.Tensor,
-    z: torch.Tensor,
-    eps: float,
-    *,
-    round_before_weight: bool = False,
-) -> bool:
     if o.dtype == torch.float64 or weight.dtype == torch.float64:
         return False
     return not (round_before_weight and weight.dtype != o.dtype)
@@ -554,7 +521,6 @@ def _gated_rms_norm_kernel_covers(
     reference=gated_rms_norm_reference,
     device_of="o",
     check=_check_gated_rms_norm,
-    triton_if=_gated_rms_norm_kernel_covers,
     switch=FUSED_SWITCH,
 )
 def gated_rms_norm(

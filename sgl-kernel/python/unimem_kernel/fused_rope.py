@@ -201,7 +201,8 @@ def rope_qk_triton(
     return qo, ko
 
 
-def _rope_covered(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def _check_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    check_rope_args(q, k, cos, sin)
     if q.dtype == torch.float64 or cos.dtype == torch.float64:
         return False
     return not records_autograd(q, k, cos, sin)
@@ -211,8 +212,7 @@ def _rope_covered(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     triton=rope_qk_triton,
     reference=rope_qk_reference,
     device_of="q",
-    check=check_rope_args,
-    triton_if=_rope_covered,
+    check=_check_rope,
     switch=FUSED_SWITCH,
 )
 def rope_qk(

@@ -27,8 +27,7 @@ tile in float32 (float64 for float64 states) across the request's chunks. Per ch
 ``K, Q [C, Dk]``, ``V [C, BV]``, ``g``, ``beta``, builds ``G`` and ``A``, inverts ``I + A`` by
 forward substitution over the ``C`` rows (``C`` dependent steps on a ``[C, C]`` tile, no
 matmul), and the rest is ``tl.dot``. ``A``, ``T`` and ``W`` depend only on k, g and beta: every
-V block of a head recomputes them (``Dv / BV`` times; accepted for now, a split into a
-per-(request, key head, chunk) pre-pass is the obvious next step once measured).
+V block of a head recomputes them (``Dv / BV`` times).
 
 Rounding differs from the recurrent form (other summation order), so the engine uses this
 kernel only when asked (``UNIMEM_GDN_CHUNKED_PREFILL=triton``; the default ``auto`` and ``fla``

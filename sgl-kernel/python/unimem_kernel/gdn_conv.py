@@ -255,7 +255,7 @@ def _launch_conv(
     (verify); ``record_x [bs, T, D]`` (row-contiguous): the input rows (verify with a
     record); ``silu``: SiLU on the output before its rounding (the mixer's conv).
     ``block_d`` / ``block_t`` / ``num_warps`` override the tile (``_conv_blocks``; per-element
-    arithmetic: no result depends on them; ``benchmark/bench_gdn_conv.py`` sweeps them)."""
+    arithmetic: no result depends on them; the conv micro-benchmark sweeps them)."""
     bs = slots.shape[0]
     dim, kw = weight.shape
     if bs == 0 or dim == 0:

@@ -320,7 +320,7 @@ def gdn_replay_commit(
     triton=gdn_replay_commit_layers_triton,
     reference=_replay_commit_layer_by_layer,
     device_of=lambda plan, *args, **kwargs: plan.ssm_states[0],
-    triton_if=lambda plan, *args, **kwargs: plan.stacked,
+    check=lambda plan, *args, **kwargs: plan.stacked,
 )
 def gdn_replay_commit_layers(
     plan: ReplayCommitPlan,

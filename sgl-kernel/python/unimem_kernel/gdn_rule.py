@@ -12,7 +12,7 @@ select ragged rows, initial-state flags, output and final-state stores, the reco
 (stored by V block 0), the replay (lane ``b``'s tokens ``0 .. accepted[b]``, no output) and
 several layers in one launch (``RULE_LAYERS``: a ``ReplayCommitPlan``'s table of per-layer
 offsets); constexprs are only the shapes, the tile, the dtype, the per-position state stores
-of the old verify (``STORE_STATES``) and the mixer's L2 norm of q and k (``PREP``). The
+of a verify with scratches (``STORE_STATES``) and the mixer's L2 norm of q and k (``PREP``). The
 arguments that vary between step kinds without changing arithmetic (gate, slot, flag and
 table pointers; batch strides) are not specialised on, so that one tile is one binary.
 

@@ -11,8 +11,7 @@ small kernels (compare, cumprod, sum, gather); here it is two launches of fixed 
 1. ``_row_argmax_kernel``, ``rows x NSPLIT`` programs: program ``(r, s)`` scans the ``s``-th
    contiguous chunk of row ``r``'s vocabulary in blocks of ``BLOCK_V`` and writes its
    ``(max, first index)`` to the ``[rows, NSPLIT]`` partials. ``NSPLIT`` (up to 8) splits the
-   vocabulary so that ``rows x NSPLIT`` programs fill the GPU (48 x 8 rows of 32 000: 3 072
-   programs of 4 096 logits each).
+   vocabulary so that ``rows x NSPLIT`` programs fill the GPU.
 2. ``_accept_kernel``, ``bs`` programs: lane ``b`` reduces the partials of its ``W`` rows to
    their tokens, stores ``tokens[b]``, compares them with ``draft[b]`` and stores the accepted
    prefix length and the bonus token.
@@ -204,12 +203,16 @@ def greedy_verify_accept_triton(
     return tokens, accepted, bonus
 
 
+def _check_and_cover(logits: torch.Tensor, draft: torch.Tensor) -> bool:
+    _check(logits, draft)
+    return logits.dtype == torch.float32
+
+
 @kernel_op(
     triton=greedy_verify_accept_triton,
     reference=greedy_verify_accept_reference,
     device_of="logits",
-    check=_check,
-    triton_if=lambda logits, draft: logits.dtype == torch.float32,
+    check=_check_and_cover,
 )
 def greedy_verify_accept(
     logits: torch.Tensor, draft: torch.Tensor

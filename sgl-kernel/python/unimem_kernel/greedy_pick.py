@@ -114,7 +114,7 @@ def greedy_logprob_triton(
     return tok, lp
 
 
-def _check(logits: torch.Tensor, out_logprobs: torch.Tensor | None = None) -> None:
+def _check(logits: torch.Tensor, out_logprobs: torch.Tensor | None = None) -> bool:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
     n, v = logits.shape
@@ -126,6 +126,7 @@ def _check(logits: torch.Tensor, out_logprobs: torch.Tensor | None = None) -> No
         raise ValueError(f"out_logprobs must be a [{n}] float32 tensor on {logits.device}")
     if v == 0:
         raise ValueError("logits must have at least one column")
+    return logits.dtype == torch.float32
 
 
 @kernel_op(
@@ -133,7 +134,6 @@ def _check(logits: torch.Tensor, out_logprobs: torch.Tensor | None = None) -> No
     reference=greedy_logprob_reference,
     device_of="logits",
     check=_check,
-    triton_if=lambda logits, out_logprobs=None: logits.dtype == torch.float32,
 )
 def greedy_logprob(
     logits: torch.Tensor, out_logprobs: torch.Tensor | None = None

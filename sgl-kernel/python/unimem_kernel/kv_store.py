@@ -165,12 +165,22 @@ def store_kv_paged_triton(
     )  # fmt: skip
 
 
+def _check_store(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> bool:
+    _check(k, v, k_cache, v_cache, slots)
+    return k_cache.dtype != torch.float64
+
+
 @kernel_op(
     triton=store_kv_paged_triton,
     reference=store_kv_paged_reference,
     device_of="k_cache",
-    check=_check,
-    triton_if=lambda k, v, k_cache, v_cache, slots: k_cache.dtype != torch.float64,
+    check=_check_store,
 )
 def store_kv_paged(
     k: torch.Tensor,
@@ -372,7 +382,7 @@ def _check_rope_store(
     slots: torch.Tensor,
     *,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> None:
+) -> bool:
     _check(k, v, k_cache, v_cache, slots)
     if qk_norm is not None:
         q_w, k_w, _ = qk_norm
@@ -383,22 +393,6 @@ def _check_rope_store(
     if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q must be [T, Hq, D] with k's T and D, got {tuple(q.shape)}")
     check_rope_args(q, k, cos, sin)
-
-
-def _one_launch_covers(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    *,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> bool:
-    """q, k and the caches of one kernel dtype, no float64 rotation or norm weight, nothing
-    autograd would record."""
     return (
         q.dtype in KERNEL_DTYPES
         and q.dtype == k.dtype == k_cache.dtype
@@ -413,7 +407,6 @@ def _one_launch_covers(
     reference=_rope_store_kv_in_steps,
     device_of="q",
     check=_check_rope_store,
-    triton_if=_one_launch_covers,
     switch=FUSED_SWITCH,
 )
 def rope_store_kv(

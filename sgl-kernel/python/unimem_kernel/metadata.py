@@ -49,8 +49,8 @@ import triton.language as tl
 
 from unimem_kernel._dispatch import kernel_op, next_pow2
 
-# One column per thread, 128 columns per program: measured on H200 (bs 1..1024, page sizes
-# 16..128), many small programs beat fewer wide ones, since the op is bound by scattered loads.
+# One column per thread, 128 columns per program: many small programs beat fewer wide ones
+# (the op is bound by scattered loads; chosen by measurement, docs/decisions.md).
 _MAX_BLOCK_COLS = 128
 _MAX_BLOCK_BS = 1024
 

@@ -533,9 +533,10 @@ def _check_args(
     out: torch.Tensor | None = None,
     split_size: int | None = None,
     kv_programs: int | None = None,
-) -> None:
+) -> bool:
     _check(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, q_len, max_seqlen_k,
            scale, window, sinks, out)  # fmt: skip
+    return q.dtype != torch.float64
 
 
 @kernel_op(
@@ -543,7 +544,6 @@ def _check_args(
     reference=paged_verify_attention_reference,
     device_of="q",
     check=_check_args,
-    triton_if=lambda q, *args, **kwargs: q.dtype != torch.float64,
 )
 def paged_verify_attention(
     q: torch.Tensor,

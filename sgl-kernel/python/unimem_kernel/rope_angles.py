@@ -138,16 +138,8 @@ def _check_args(
     inv_freq: torch.Tensor,
     factor: float | None = None,
     out_dtype: torch.dtype | None = None,
-) -> None:
-    _check(positions, inv_freq, inv_freq.dtype if out_dtype is None else out_dtype)
-
-
-def _kernel_covers(
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    factor: float | None = None,
-    out_dtype: torch.dtype | None = None,
 ) -> bool:
+    _check(positions, inv_freq, inv_freq.dtype if out_dtype is None else out_dtype)
     return inv_freq.dtype == torch.float32 and out_dtype != torch.float64
 
 
@@ -156,7 +148,6 @@ def _kernel_covers(
     reference=rope_cos_sin_reference,
     device_of="positions",
     check=_check_args,
-    triton_if=_kernel_covers,
 )
 def rope_cos_sin(
     positions: torch.Tensor,

@@ -6,7 +6,7 @@ into a scratch buffer ``scratch[bs, T, *S]``; the persistent slot is not touched
 copies, for every lane ``b``, ``scratch[b, accepted[b]]`` into ``dest[phys]`` where ``phys`` is
 the physical slot of the request's virtual slot ``vslots[b]`` (``state_v2p[vslots[b]]``, or
 ``vslots[b]`` itself when ``state_v2p`` is None). Virtual-to-physical translation happens inside
-the copy kernel, so the whole commit is one launch (DESIGN.md §5).
+the copy kernel, so the whole commit is one launch.
 
 - ``accepted[b]``: index in ``[0, T)`` of the kept position, i.e. the number of accepted draft
   tokens (the state after the last committed token).
