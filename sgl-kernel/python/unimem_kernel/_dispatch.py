@@ -83,8 +83,8 @@ class _Side:
 
 
 OPS: dict[str, KernelOp] = {}
-"""Every op declared with :func:`kernel_op`, by name (an op's module registers it on import;
-``import unimem_kernel`` imports them all)."""
+"""Every op declared with :func:`kernel_op`, by name (an op's module registers it when it is
+imported)."""
 
 
 class KernelOp:
