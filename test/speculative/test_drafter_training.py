@@ -213,6 +213,23 @@ def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch
     eng.shutdown()
 
 
+def test_generation_budget_keeps_the_first_round_and_stops_between_rounds(gemma, tmp_path):
+    """``--gen-time-budget`` counts generation only: a budget already spent when the
+    first round starts (engine start-up can take longer than the budget on a GPU) still
+    yields that round's text, and no round starts after the budget is spent."""
+    from unimem.engine.train_drafter import generate, parser
+
+    path, _ = gemma
+    argv = [
+        "--model-path", str(path), "--out", str(tmp_path / "d"), "--device", "cpu",
+        "--dtype", "float32", "--bos-prompts", "12", "--gen-chunk", "4", "--prompt-len", "4",
+        "--gen-len", "6", "--temperatures", "0", "--gen-time-budget", "1e-9",
+    ]  # fmt: skip
+    text = generate(parser().parse_args(argv), log=lambda *_: None)
+    assert text.info["prompts"] == 4  # one round of --gen-chunk, then the budget stops it
+    assert 0 < len(text.sequences) == len(text.prompt_lens) <= 4
+
+
 @pytest.mark.slow
 def test_train_drafter_command_end_to_end(gemma, tmp_path):
     from unimem.engine.api import Engine

@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
         "--gen-time-budget",
         type=float,
         default=None,
-        help="seconds of generation at most (whole rounds; checked between them)",
+        help="seconds of generation at most, engine start-up excluded (whole rounds, checked "
+        "between them; the first round always runs)",
     )
     d = p.add_argument_group("drafter")
     d.add_argument("--draft-layers", type=int, default=2, help="draft layers (1-3 tried)")
@@ -163,15 +164,19 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         file_p = encode_prompts(engine, texts, args.max_prompt_len)
     if not args.bos_prompts and not file_p:
         raise ValueError("no training prompts: give --bos-prompts > 0 or --train-prompts")
-    # rounds of --gen-chunk prompts (file prompts first), until done or --gen-time-budget
+    # rounds of --gen-chunk prompts (file prompts first), until done or --gen-time-budget;
+    # the budget counts generation only (not the engine's start-up, which on a GPU includes
+    # kernel compilation and graph capture) and the first round always runs
     prompts: list[list[int]] = []
     seqs: list[list[int]] = []
     lens: list[int] = []
     made_bos = 0
     t_prompts = 0.0
+    t_rounds = time.perf_counter()
     while len(prompts) < len(file_p) + args.bos_prompts:
-        if args.gen_time_budget and time.perf_counter() - t0 > args.gen_time_budget:
-            log(f"data: --gen-time-budget reached after {len(prompts)} prompts")
+        spent = time.perf_counter() - t_rounds
+        if prompts and args.gen_time_budget and spent > args.gen_time_budget:
+            log(f"data: --gen-time-budget reached after {len(prompts)} prompts ({spent:.1f} s)")
             break
         t_round = time.perf_counter()
         chunk = file_p[len(prompts) : len(prompts) + args.gen_chunk]
@@ -192,6 +197,11 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         prompts += chunk
         seqs += s_
         lens += l_
+    if not seqs:
+        raise ValueError(
+            f"no training text: all {len(prompts)} continuations ended within 2 tokens "
+            "(raise --gen-len, or check the prompts and the model's EOS)"
+        )
     file_prompts = min(len(file_p), len(prompts))
     held_seqs: list[list[int]] = []
     held_lens: list[int] = []
