@@ -66,6 +66,7 @@ def _toy_triton(x: torch.Tensor, scale: float = 1.0, *, block: int = 4) -> str:
 
 
 def _toy_reference(x: torch.Tensor, scale: float = 1.0) -> str:
+    """A toy op."""
     return "reference"
 
 
@@ -76,16 +77,14 @@ def _toy_check(x: torch.Tensor, scale: float = 1.0) -> bool:
 
 
 def _toy_op(**options) -> KernelOp:
-    def toy(x: torch.Tensor, scale: float = 1.0) -> str:
-        """A toy op."""
-
-    return KernelOp(toy, triton=_toy_triton, reference=_toy_reference, device_of="x", **options)
+    return KernelOp("toy", triton=_toy_triton, reference=_toy_reference, device_of="x", **options)
 
 
 def test_a_call_takes_the_side_the_backend_switch_and_inputs_choose(monkeypatch):
     op = _toy_op(check=_toy_check, switch="UNIMEM_FUSED_OPS")
     x = torch.zeros(2)
-    assert op.__doc__ == "A toy op." and list(inspect.signature(op).parameters) == ["x", "scale"]
+    assert op.__name__ == "toy" and op.__doc__ == "A toy op."
+    assert list(inspect.signature(op).parameters) == ["x", "scale"]
     monkeypatch.delenv("UNIMEM_KERNEL_BACKEND", raising=False)
     assert op(x) == "reference"  # auto: CPU tensors take the reference
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
@@ -111,13 +110,10 @@ def test_a_side_replaced_in_its_module_takes_effect(monkeypatch):
 
 
 def test_declarations_are_checked():
-    def toy(x: torch.Tensor) -> None:
-        """A toy op."""
-
     with pytest.raises(TypeError, match="device_of"):
-        KernelOp(toy, triton=_toy_triton, reference=_toy_reference, device_of="y")
+        KernelOp("toy", triton=_toy_triton, reference=_toy_reference, device_of="y")
     with pytest.raises(TypeError, match="top level"):
-        KernelOp(toy, triton=lambda x: x, reference=_toy_reference, device_of="x")
+        KernelOp("toy", triton=lambda x: x, reference=_toy_reference, device_of="x")
     with pytest.raises(KeyError, match="UNIMEM_NOPE"):
-        KernelOp(toy, triton=_toy_triton, reference=_toy_reference, device_of="x",
+        KernelOp("toy", triton=_toy_triton, reference=_toy_reference, device_of="x",
                  switch="UNIMEM_NOPE")  # fmt: skip

@@ -2,14 +2,15 @@
 
 Every op of this package has two sides of one contract: a Triton side (``op_triton``, which
 launches the kernels) and a torch reference (``op_reference``: the oracle in tests and the
-path off CUDA). The public ``op`` is declared once with :func:`kernel_op`, on a function that
-states the op (its signature and docstring; its body is never run)::
+path off CUDA, whose signature and docstring state the contract). The public ``op`` is
+declared once, with :func:`kernel_op`::
 
-    @kernel_op(triton=copy_units_triton, reference=copy_units_reference, device_of="buf")
-    def copy_units(buf, base, unit_bytes, src, dst) -> None:
-        '''The contract both sides meet.'''
+    copy_units = kernel_op(
+        "copy_units", triton=copy_units_triton, reference=copy_units_reference, device_of="buf"
+    )
 
-The result is a :class:`KernelOp`, registered in :data:`OPS` under the op's name. A call
+The result is a :class:`KernelOp` with the reference's signature and docstring, registered
+in :data:`OPS` under the op's name. A call
 
 1. runs ``check`` (when given) on the arguments: the contract's validation, whichever side
    runs (it raises ``ValueError``), which also says whether the kernels cover these inputs
@@ -95,7 +96,7 @@ class KernelOp:
 
     def __init__(
         self,
-        face: Callable[..., Any],
+        name: str,
         *,
         triton: Callable[..., Any],
         reference: Callable[..., Any],
@@ -103,8 +104,8 @@ class KernelOp:
         check: Callable[..., bool | None] | None = None,
         switch: str | None = None,
     ) -> None:
-        functools.update_wrapper(self, face)
-        self.name: str = face.__name__
+        functools.update_wrapper(self, reference)
+        self.name = self.__name__ = self.__qualname__ = name
         self._triton = _Side(triton)
         self._reference = _Side(reference)
         self.check = check
@@ -115,7 +116,7 @@ class KernelOp:
         if callable(device_of):
             self._device_of = device_of
         else:
-            self._device_of = _argument_getter(face, device_of)
+            self._device_of = _argument_getter(reference, device_of)
 
     @property
     def triton(self) -> Callable[..., Any]:
@@ -158,15 +159,16 @@ def _argument_getter(face: Callable[..., Any], name: str) -> Callable[..., torch
 
 
 def kernel_op(
+    name: str,
     *,
     triton: Callable[..., Any],
     reference: Callable[..., Any],
     device_of: str | Callable[..., torch.Tensor],
     check: Callable[..., bool | None] | None = None,
     switch: str | None = None,
-) -> Callable[[Callable[..., Any]], KernelOp]:
-    """Declare the op stated by the decorated function (its name, signature and docstring)
-    as a :class:`KernelOp` over ``triton`` and ``reference`` and register it in :data:`OPS`.
+) -> KernelOp:
+    """The op ``name`` over ``triton`` and ``reference`` (a :class:`KernelOp` with the
+    reference's signature and docstring), registered in :data:`OPS`.
 
     ``device_of``: the name of the parameter whose device decides (or a function of the
     op's arguments returning that tensor); ``check``: a function of the op's arguments that
@@ -174,15 +176,12 @@ def kernel_op(
     reference runs; None or True: they do); ``switch``: an on/off switch of
     :mod:`unimem_kernel.envs` that, off, sends the op to its reference."""
 
-    def declare(face: Callable[..., Any]) -> KernelOp:
-        op = KernelOp(
-            face, triton=triton, reference=reference, device_of=device_of, check=check,
-            switch=switch,
-        )  # fmt: skip
-        known = OPS.get(op.name)
-        if known is not None and known.__module__ != op.__module__:
-            raise ValueError(f"kernel op {op.name} is declared in {known.__module__} too")
-        OPS[op.name] = op
-        return op
-
-    return declare
+    op = KernelOp(
+        name, triton=triton, reference=reference, device_of=device_of, check=check,
+        switch=switch,
+    )  # fmt: skip
+    known = OPS.get(name)
+    if known is not None and known.__module__ != op.__module__:
+        raise ValueError(f"kernel op {name} is declared in {known.__module__} too")
+    OPS[name] = op
+    return op

@@ -279,27 +279,6 @@ def bi_matmul_reference(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The torch reference of :func:`bi_matmul`: ``a @ b`` in fp32 (float64 for float64),
-    plus ``bias`` in that precision, cast to ``out_dtype`` (default ``a``'s dtype)."""
-    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    c = a.to(acc) @ b.to(acc)
-    if bias is not None:
-        c = c + bias.to(acc)
-    return c.to(out_dtype or a.dtype)
-
-
-@kernel_op(
-    triton=bi_matmul_triton,
-    reference=bi_matmul_reference,
-    device_of="a",
-    check=_check_matmul,
-)
-def bi_matmul(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
     """``a @ b (+ bias)``, batch-invariant: row ``i`` of the result is bitwise the same for
     any number of rows ``M`` and any position of the row in ``a``.
 
@@ -309,13 +288,32 @@ def bi_matmul(
     of ``out_dtype`` (default ``a``'s dtype), owned by the caller; ``M == 0`` gives an empty
     one. Products accumulate in fp32 (fp32 inputs: exact ``ieee`` products, no TF32), over
     ``K`` in fixed ascending chunks with the tiles of :func:`matmul_config`.
-    """
+
+    The reference: ``a @ b`` in fp32 (float64 for float64), plus ``bias`` in that precision,
+    cast to ``out_dtype``."""
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    c = a.to(acc) @ b.to(acc)
+    if bias is not None:
+        c = c + bias.to(acc)
+    return c.to(out_dtype or a.dtype)
+
+
+bi_matmul = kernel_op(
+    "bi_matmul",
+    triton=bi_matmul_triton,
+    reference=bi_matmul_reference,
+    device_of="a",
+    check=_check_matmul,
+)
 
 
 def bi_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The torch reference of :func:`bi_linear`."""
+    """``F.linear(x, weight, bias)``, batch-invariant: ``x [..., K]``, ``weight [N, K]`` (of
+    ``x``'s dtype), ``bias [N]`` or ``None``; returns a new ``[..., N]`` tensor of ``x``'s
+    dtype. It is :func:`bi_matmul` of ``x.reshape(-1, K)`` and ``weight.t()`` (a transposed
+    view, no copy), reshaped back."""
     k = x.shape[-1]
     y = bi_matmul_reference(x.reshape(-1, k), weight.t(), bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -341,19 +339,13 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _check_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias, None)
 
 
-@kernel_op(
+bi_linear = kernel_op(
+    "bi_linear",
     triton=bi_linear_triton,
     reference=bi_linear_reference,
     device_of="x",
     check=_check_linear,
 )
-def bi_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, batch-invariant: ``x [..., K]``, ``weight [N, K]`` (of
-    ``x``'s dtype), ``bias [N]`` or ``None``; returns a new ``[..., N]`` tensor of ``x``'s
-    dtype. It is :func:`bi_matmul` of ``x.reshape(-1, K)`` and ``weight.t()`` (a transposed
-    view, no copy), reshaped back."""
 
 
 # ------------------------------------------------------------------- grouped GEMM: Triton
@@ -495,9 +487,28 @@ def bi_grouped_linear_reference(
     out: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch reference of :func:`bi_grouped_linear`: per expert, ``x @ weight[e].T`` in
-    fp32 (float64 for float64) for all rows, kept on the rows the expert owns (no host reads
-    of ``offs``; costs ``E`` full GEMMs: meant for tests)."""
+    """Grouped ``x @ weight[e].T`` over rows sorted by expert, batch-invariant.
+
+    ``x [T, K]`` (fp16, bf16, fp32; float64 runs the reference), rows grouped by expert;
+    ``weight [E, N, K]`` of ``x``'s dtype, any strides; ``offs [E]`` int32 on ``x``'s device,
+    the cumulative END row of each expert (``torch._grouped_mm``'s convention: expert ``e``
+    owns rows ``offs[e-1] .. offs[e]``, expert 0 from row 0). The kernel assumes ``offs`` is
+    non-decreasing with ``offs[-1] <= T``; it never reads ``offs`` on the host (capturable).
+    Rows at or past ``offs[-1]`` belong to no expert and are written as zeros. ``bias
+    [E, N]`` (any float dtype, added in fp32 after the reduction) or ``None``. Returns ``out``
+    (``[T, N]`` of ``x``'s dtype, caller-owned, contiguous rows) or a new tensor.
+
+    A row's result depends only on the row and its expert's weight (and ``K``, ``N``): not on
+    ``T``, on how many rows the other experts own, or on the row's position in its segment.
+    ``bi_grouped_linear(xs, w, offs)`` replaces ``torch._grouped_mm(xs, w.transpose(-2, -1),
+    offs=offs)``. With ``rows`` (``[T]`` int32/int64 on ``x``'s device, values in
+    ``[0, x.shape[0])``, not checked on the device) the grouped rows are ``x[rows]``, read by
+    the kernel's loads (no gathered copy): ``bi_grouped_linear(x, w, offs, rows=r) ==
+    bi_grouped_linear(x[r], w, offs)``, bitwise.
+
+    The reference: per expert, ``x @ weight[e].T`` in fp32 (float64 for float64) for all rows,
+    kept on the rows the expert owns (no host reads of ``offs``; ``E`` full GEMMs: meant for
+    tests)."""
     if rows is not None:
         x = x[rows]
     t, k = x.shape
@@ -566,39 +577,13 @@ def _check_grouped(
     return x.dtype != torch.float64
 
 
-@kernel_op(
+bi_grouped_linear = kernel_op(
+    "bi_grouped_linear",
     triton=bi_grouped_linear_triton,
     reference=bi_grouped_linear_reference,
     device_of="x",
     check=_check_grouped,
 )
-def bi_grouped_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    offs: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Grouped ``x @ weight[e].T`` over rows sorted by expert, batch-invariant.
-
-    ``x [T, K]`` (fp16, bf16, fp32; float64 runs the reference), rows grouped by expert;
-    ``weight [E, N, K]`` of ``x``'s dtype, any strides; ``offs [E]`` int32 on ``x``'s device,
-    the cumulative END row of each expert (``torch._grouped_mm``'s convention: expert ``e``
-    owns rows ``offs[e-1] .. offs[e]``, expert 0 from row 0). The kernel assumes ``offs`` is
-    non-decreasing with ``offs[-1] <= T``; it never reads ``offs`` on the host (capturable).
-    Rows at or past ``offs[-1]`` belong to no expert and are written as zeros. ``bias
-    [E, N]`` (any float dtype, added in fp32 after the reduction) or ``None``. Returns ``out``
-    (``[T, N]`` of ``x``'s dtype, caller-owned, contiguous rows) or a new tensor.
-
-    A row's result depends only on the row and its expert's weight (and ``K``, ``N``): not on
-    ``T``, on how many rows the other experts own, or on the row's position in its segment.
-    ``bi_grouped_linear(xs, w, offs)`` replaces ``torch._grouped_mm(xs, w.transpose(-2, -1),
-    offs=offs)``. With ``rows`` (``[T]`` int32/int64 on ``x``'s device, values in
-    ``[0, x.shape[0])``, not checked on the device) the grouped rows are ``x[rows]``, read by
-    the kernel's loads (no gathered copy): ``bi_grouped_linear(x, w, offs, rows=r) ==
-    bi_grouped_linear(x[r], w, offs)``, bitwise.
-    """
 
 
 # ------------------------------------------------------------------- row ops
@@ -663,8 +648,21 @@ def _bi_rms_norm_kernel(
 def bi_rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
 ) -> torch.Tensor:
-    """The torch reference of :func:`bi_rms_norm` (``unimem.models.nn_ops.rms_norm``, or
-    ``qwen_common.zero_centered_rms_norm``'s arithmetic when ``zero_centered``)."""
+    """``x * rsqrt(mean(x^2) + eps) * w`` over the last dim, batch-invariant; ``w = weight``,
+    or ``1 + weight`` when ``zero_centered`` (Qwen3-Next's norms).
+
+    ``x [..., D]`` (fp16, bf16, fp32; float64 runs the reference; unit stride along ``D``).
+    Read in place when its rows sit at one stride, or at two: ``x [..., R, D]`` whose
+    leading dims flatten to one stride (row ``(g, r)`` at ``g * s_g + r * s_r``, e.g.
+    per-head norms of a head-split column range of a stacked q/k/v projection); any other
+    layout is copied first. ``weight [D]`` (any float dtype) on ``x``'s device, ``eps`` a
+    float. Math in fp32 (``x`` and ``weight`` upcast, ``1 + weight`` and the weight multiply
+    in fp32, then cast back), as ``unimem.models.nn_ops.rms_norm``. Returns a new tensor of
+    ``x``'s shape and dtype, owned by the caller. One program per row; the sum of squares
+    walks ``D`` in fixed chunks of :func:`_row_block` ``(D)`` elements.
+
+    The reference: ``unimem.models.nn_ops.rms_norm`` (or ``qwen_common.zero_centered_rms_norm``'s
+    arithmetic when ``zero_centered``)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xa = x.to(acc)
     y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
@@ -707,28 +705,13 @@ def _check_rms_norm(
     return x.dtype != torch.float64
 
 
-@kernel_op(
+bi_rms_norm = kernel_op(
+    "bi_rms_norm",
     triton=bi_rms_norm_triton,
     reference=bi_rms_norm_reference,
     device_of="x",
     check=_check_rms_norm,
 )
-def bi_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
-) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps) * w`` over the last dim, batch-invariant; ``w = weight``,
-    or ``1 + weight`` when ``zero_centered`` (Qwen3-Next's norms).
-
-    ``x [..., D]`` (fp16, bf16, fp32; float64 runs the reference; unit stride along ``D``).
-    Read in place when its rows sit at one stride, or at two: ``x [..., R, D]`` whose
-    leading dims flatten to one stride (row ``(g, r)`` at ``g * s_g + r * s_r``, e.g.
-    per-head norms of a head-split column range of a stacked q/k/v projection); any other
-    layout is copied first. ``weight [D]`` (any float dtype) on ``x``'s device, ``eps`` a
-    float. Math in fp32 (``x`` and ``weight`` upcast, ``1 + weight`` and the weight multiply
-    in fp32, then cast back), as ``unimem.models.nn_ops.rms_norm``. Returns a new tensor of
-    ``x``'s shape and dtype, owned by the caller. One program per row; the sum of squares
-    walks ``D`` in fixed chunks of :func:`_row_block` ``(D)`` elements.
-    """
 
 
 @triton.jit(do_not_specialize=["V"])
@@ -756,7 +739,12 @@ def _bi_log_softmax_kernel(x_ptr, y_ptr, V, stride_x, stride_y, BLOCK: tl.conste
 
 
 def bi_log_softmax_reference(x: torch.Tensor) -> torch.Tensor:
-    """The torch reference of :func:`bi_log_softmax`."""
+    """``log_softmax(x, dim=-1)`` computed in fp32, batch-invariant.
+
+    ``x [..., V]`` (fp16, bf16, fp32; float64 runs the reference). Returns a new float32
+    tensor of ``x``'s shape (float64 for float64 inputs), owned by the caller: ``x - max -
+    log(sum(exp(x - max)))`` per row, one program per row, the max and the sum of exponentials
+    each walked over ``V`` in fixed chunks of :func:`_row_block` ``(V)`` elements."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return torch.log_softmax(x.to(acc), dim=-1)
 
@@ -779,17 +767,10 @@ def _check_log_softmax(x: torch.Tensor) -> bool:
     return x.dtype != torch.float64
 
 
-@kernel_op(
+bi_log_softmax = kernel_op(
+    "bi_log_softmax",
     triton=bi_log_softmax_triton,
     reference=bi_log_softmax_reference,
     device_of="x",
     check=_check_log_softmax,
 )
-def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(x, dim=-1)`` computed in fp32, batch-invariant.
-
-    ``x [..., V]`` (fp16, bf16, fp32; float64 runs the reference). Returns a new float32
-    tensor of ``x``'s shape (float64 for float64 inputs), owned by the caller: ``x - max -
-    log(sum(exp(x - max)))`` per row, one program per row, the max and the sum of exponentials
-    each walked over ``V`` in fixed chunks of :func:`_row_block` ``(V)`` elements.
-    """

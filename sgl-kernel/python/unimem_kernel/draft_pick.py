@@ -222,7 +222,10 @@ def markov_pick_reference(
     ref: torch.Tensor | None = None,
     take: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch reference of :func:`markov_pick` (``DsparkDrafter.pick``'s loop)."""
+    """Greedy left-to-right pick of a drafted block (module docstring): ``[bs, G]`` int64. The
+    kernels take float32 ``base`` (float64 and autograd run the reference).
+
+    The reference: ``DsparkDrafter.pick``'s loop."""
     prev = anchors.long()
     cols = []
     for i in range(base.shape[1]):
@@ -307,20 +310,10 @@ def _check(
     return base.dtype == torch.float32 and not records_autograd(base, u, w)
 
 
-@kernel_op(
+markov_pick = kernel_op(
+    "markov_pick",
     triton=markov_pick_triton,
     reference=markov_pick_reference,
     device_of="base",
     check=_check,
 )
-def markov_pick(
-    base: torch.Tensor,
-    anchors: torch.Tensor,
-    u: torch.Tensor,
-    w: torch.Tensor,
-    ref: torch.Tensor | None = None,
-    take: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Greedy left-to-right pick of a drafted block (module docstring): ``[bs, G]`` int64.
-    Triton for float32 ``base`` on CUDA, the reference otherwise (float64, CPU, autograd;
-    ``_dispatch.kernel_op``)."""

@@ -76,7 +76,9 @@ def _check(logits: torch.Tensor, k: int) -> None:
 def router_topk_reference(
     logits: torch.Tensor, k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch code of the module docstring (float64 logits stay float64)."""
+    """``(weights [T, k] float32, ids [T, k] int64)`` of the router ``logits [T, E]`` (module
+    docstring; float64 logits stay float64 and run the reference, as ``E > _MAX_EXPERTS``
+    does). The outputs are new tensors."""
     _check(logits, k)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     probs = torch.softmax(logits.to(acc), dim=-1)
@@ -111,15 +113,10 @@ def _check_args(logits: torch.Tensor, k: int, renormalize: bool) -> bool:
     return logits.dtype != torch.float64 and logits.shape[1] <= _MAX_EXPERTS
 
 
-@kernel_op(
+router_topk = kernel_op(
+    "router_topk",
     triton=router_topk_triton,
     reference=router_topk_reference,
     device_of="logits",
     check=_check_args,
 )
-def router_topk(
-    logits: torch.Tensor, k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [T, k] float32, ids [T, k] int64)`` of the router ``logits [T, E]`` (module
-    docstring): the Triton kernel on CUDA (``_dispatch.kernel_op``) unless the logits are
-    float64 or ``E > _MAX_EXPERTS``, else the reference. The outputs are new tensors."""

@@ -150,10 +150,19 @@ def moe_combine_reference(
     gate_input: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch code of the module docstring's formula (``[T, d]`` in ``y``'s dtype), plus
-    ``sigmoid(gate_input @ gate_weight^T) * shared`` when a shared expert is given.
-    ``inverse`` is accepted for :func:`moe_combine`'s signature; the reference does not need
-    it."""
+    """Weighted sum over each token's ``k`` slots of the expert outputs ``y [T * k, d]``
+    (sorted by ``order``), as ``[T, d]`` in ``y``'s dtype (float64 and ``k = 0`` run the
+    reference). Same numbers, bitwise, on either side (float32 sums in slot order). ``inverse``
+    (optional, ``[T * k]`` int64, ``inverse[order[i]] = i``: :func:`~unimem_kernel.moe_route`
+    returns it) saves the kernel the scatter that computes it; it is trusted, not checked (the
+    reference does not need it).
+
+    A sigmoid-gated shared expert (Qwen3-Next's) joins in the same pass when ``shared``
+    (its output ``[T, d]``), ``gate_input`` (the layer input ``[T, d]``) and ``gate_weight``
+    (``[d]`` or ``[1, d]``) are given: ``out = routed + sigmoid(gate_input @ gate_weight^T) *
+    shared``, each term rounded to ``y``'s dtype as torch's ops round it. The gate's dot
+    product is the kernel's own float32 sum, so that term agrees with the reference to
+    rounding, not bitwise (the routed sum stays bitwise)."""
     t, k = _check(y, order, weights)
     _check_shared(y, t, shared, gate_input, gate_weight)
     if t == 0 or k == 0:
@@ -229,32 +238,10 @@ def _check_combine(
     return weights.shape[1] > 0 and y.dtype != torch.float64
 
 
-@kernel_op(
+moe_combine = kernel_op(
+    "moe_combine",
     triton=moe_combine_triton,
     reference=moe_combine_reference,
     device_of="y",
     check=_check_combine,
 )
-def moe_combine(
-    y: torch.Tensor,
-    order: torch.Tensor,
-    weights: torch.Tensor,
-    inverse: torch.Tensor | None = None,
-    *,
-    shared: torch.Tensor | None = None,
-    gate_input: torch.Tensor | None = None,
-    gate_weight: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Weighted sum over each token's ``k`` slots of the expert outputs ``y [T * k, d]``
-    (sorted by ``order``), as ``[T, d]`` in ``y``'s dtype: the Triton kernel on CUDA
-    (``_dispatch.kernel_op``; float64 and ``k = 0`` run the reference), else the reference. Same
-    numbers, bitwise, on either path (float32 sums in slot order). ``inverse`` (optional,
-    ``[T * k]`` int64, ``inverse[order[i]] = i``: :func:`~unimem_kernel.moe_route` returns it)
-    saves the kernel path the scatter that computes it; it is trusted, not checked.
-
-    A sigmoid-gated shared expert (Qwen3-Next's) joins in the same pass when ``shared``
-    (its output ``[T, d]``), ``gate_input`` (the layer input ``[T, d]``) and ``gate_weight``
-    (``[d]`` or ``[1, d]``) are given: ``out = routed + sigmoid(gate_input @ gate_weight^T) *
-    shared``, each term rounded to ``y``'s dtype as torch's ops round it. The gate's dot
-    product is the kernel's own float32 sum, so that term agrees with the reference to
-    rounding, not bitwise (the routed sum stays bitwise)."""

@@ -73,8 +73,13 @@ def expert_linear_reference(
     offs: torch.Tensor,
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``torch._grouped_mm`` (CUTLASS on the GPU) of ``x`` or ``x[rows]`` (gathered first):
-    the vendor path, and the reference off CUDA."""
+    """``[T, N]``: row ``i`` of ``a`` times ``weight[e] [N, K]`` transposed, ``e`` the expert
+    owning row ``i`` by ``offs [E]`` (int32, non-decreasing, ``offs[-1] == T``; not checked on
+    the device), where ``a = x`` or, with ``rows [T]`` (int64), ``a = x[rows]`` — read by the
+    Triton kernel's loads, gathered first for ``torch._grouped_mm``. The Triton kernel runs on
+    CUDA where :func:`expert_gemm_config` has a tile; elsewhere ``torch._grouped_mm`` (CUTLASS
+    on the GPU: the vendor path, and the reference off CUDA). The caller checks shapes (the
+    MoE layer)."""
     a = x if rows is None else x[rows]
     return torch._grouped_mm(a, weight.transpose(-2, -1), offs=offs)
 
@@ -85,21 +90,10 @@ def _has_tile(
     return expert_gemm_config(_rows_of(x, rows), weight.shape[0], x.dtype) is not None
 
 
-@kernel_op(
+expert_linear = kernel_op(
+    "expert_linear",
     triton=expert_linear_triton,
     reference=expert_linear_reference,
     device_of="x",
     check=_has_tile,
 )
-def expert_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    offs: torch.Tensor,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``[T, N]``: row ``i`` of ``a`` times ``weight[e] [N, K]`` transposed, ``e`` the expert
-    owning row ``i`` by ``offs [E]`` (int32, non-decreasing, ``offs[-1] == T``; not checked on
-    the device), where ``a = x`` or, with ``rows [T]`` (int64), ``a = x[rows]`` — read by the
-    Triton kernel's loads, gathered first for ``torch._grouped_mm``. The Triton kernel on CUDA
-    where :func:`expert_gemm_config` has a tile, ``torch._grouped_mm`` otherwise. The caller
-    checks shapes (the MoE layer)."""

@@ -157,8 +157,10 @@ def _check(topk_ids: torch.Tensor, num_experts: int) -> None:
 
 
 def moe_route_reference(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
-    """The torch code of the module docstring (raises on an expert id outside ``[0, E)``:
-    that check reads the ids on the host)."""
+    """Group the pairs of ``topk_ids [T, k]`` by expert (module docstring); identical outputs on
+    either side. The kernels allocate the five outputs and one ``[cdiv(P, 128), E]`` int32
+    scratch; the reference raises on an expert id outside ``[0, E)`` (that check reads the ids
+    on the host)."""
     _check(topk_ids, num_experts)
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
@@ -205,10 +207,10 @@ def moe_route_triton(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
     return ExpertRoute(order, inverse, token, expert, ends)
 
 
-@kernel_op(
-    triton=moe_route_triton, reference=moe_route_reference, device_of="topk_ids", check=_check
+moe_route = kernel_op(
+    "moe_route",
+    triton=moe_route_triton,
+    reference=moe_route_reference,
+    device_of="topk_ids",
+    check=_check,
 )
-def moe_route(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
-    """Group the pairs of ``topk_ids [T, k]`` by expert (module docstring): the Triton kernels
-    on CUDA, the reference elsewhere (``_dispatch.kernel_op``); identical outputs on either
-    path. Allocates the five outputs and one ``[cdiv(P, 128), E]`` int32 scratch."""

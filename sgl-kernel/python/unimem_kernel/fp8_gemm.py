@@ -121,7 +121,8 @@ QUANT_ROWS = 8
 
 
 def fp8_quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`fp8_quantize_groups`."""
+    """``x [M, K]`` (float, unit stride along ``K``) -> ``(xq [M, K] e4m3, xs [M, KG]
+    float32)``, per token and group of 128 columns (module docstring)."""
     m, k = x.shape
     kg = num_groups(k)
     xf = x.float()
@@ -159,15 +160,13 @@ def _check_quantize(x: torch.Tensor) -> None:
         raise ValueError(f"fp8_quantize_groups: x must be [M, K], got {tuple(x.shape)}")
 
 
-@kernel_op(
+fp8_quantize_groups = kernel_op(
+    "fp8_quantize_groups",
     triton=fp8_quantize_groups_triton,
     reference=fp8_quantize_groups_reference,
     device_of="x",
     check=_check_quantize,
 )
-def fp8_quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (float, unit stride along ``K``) -> ``(xq [M, K] e4m3, xs [M, KG]
-    float32)``, per token and group of 128 columns (module docstring)."""
 
 
 # ------------------------------------------------------------------- GEMM kernel
@@ -511,11 +510,22 @@ def fp8_gemm_reference(
     rows: torch.Tensor | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
-    """The torch reference of :func:`fp8_gemm`: per group, the float32 product of the
-    e4m3 values times both scales, summed over ascending groups (grouped: every expert's
-    product over all rows, kept on the rows it owns; no host read of ``offs``). ``xs``
-    None: ``xq`` is quantised first (:func:`fp8_quantize_groups_reference`); ``invariant``:
-    no effect (one arithmetic for every row count)."""
+    """The scaled product of quantised operands (module docstring): ``xq [M, K]``, ``xs [M,
+    KG]``; dense ``wq [N, K]``, ``ws [N, KG]`` -> ``[M, N]``; grouped (``offs [E]`` int32)
+    ``wq [E, N, K]``, ``ws [E, N, KG]`` -> ``[T, N]`` with ``T = M`` or, with ``rows [T]``
+    (int64), product row ``i`` reading activation row ``rows[i]``. ``bias [N]`` (dense) or
+    ``[E, N]`` (grouped), added in float32. Rows past ``offs[-1]`` are zeros.
+
+    ``xs`` None: ``xq`` is the unquantised activation (float) and the GEMM quantises each
+    row group as it loads it, with :func:`fp8_quantize_groups`' arithmetic (the same values:
+    one launch instead of two). Meant for the GPU: the CPU interpreter's e4m3 cast truncates
+    (:func:`fused_quantization` says when to use it). ``invariant``: one tile for every row
+    count (:data:`INVARIANT_CONFIG`).
+
+    The reference: per group, the float32 product of the e4m3 values times both scales,
+    summed over ascending groups (grouped: every expert's product over all rows, kept on the
+    rows it owns; no host read of ``offs``); ``xs`` None quantises first
+    (:func:`fp8_quantize_groups_reference`); ``invariant`` has no effect (one arithmetic)."""
     if xs is None:
         xq, xs = fp8_quantize_groups_reference(xq)
     if rows is not None:
@@ -538,29 +548,13 @@ def fp8_gemm_reference(
     return acc.to(out_dtype)
 
 
-@kernel_op(triton=fp8_gemm_triton, reference=fp8_gemm_reference, device_of="xq", check=_check_gemm)
-def fp8_gemm(
-    xq: torch.Tensor,
-    xs: torch.Tensor | None,
-    wq: torch.Tensor,
-    ws: torch.Tensor,
-    *,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    offs: torch.Tensor | None = None,
-    rows: torch.Tensor | None = None,
-    invariant: bool = False,
-) -> torch.Tensor:
-    """The scaled product of quantised operands (module docstring): ``xq [M, K]``, ``xs [M,
-    KG]``; dense ``wq [N, K]``, ``ws [N, KG]`` -> ``[M, N]``; grouped (``offs [E]`` int32)
-    ``wq [E, N, K]``, ``ws [E, N, KG]`` -> ``[T, N]`` with ``T = M`` or, with ``rows [T]``
-    (int64), product row ``i`` reading activation row ``rows[i]``. ``bias [N]`` (dense) or
-    ``[E, N]`` (grouped), added in float32. Rows past ``offs[-1]`` are zeros.
-
-    ``xs`` None: ``xq`` is the unquantised activation (float) and the GEMM quantises each
-    row group as it loads it, with :func:`fp8_quantize_groups`' arithmetic (the same values:
-    one launch instead of two; the reference quantises first). Meant for the GPU: the CPU
-    interpreter's e4m3 cast truncates (:func:`fused_quantization` says when to use it)."""
+fp8_gemm = kernel_op(
+    "fp8_gemm",
+    triton=fp8_gemm_triton,
+    reference=fp8_gemm_reference,
+    device_of="xq",
+    check=_check_gemm,
+)
 
 
 # ------------------------------------------------------------------- entry points

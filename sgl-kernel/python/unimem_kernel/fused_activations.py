@@ -90,13 +90,23 @@ def _gated_act_kernel(
 
 
 def silu_mul_reference(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference of :func:`silu_mul`: ``F.silu(gate) * up``."""
+    """SwiGLU's activation ``F.silu(gate) * up`` in one pass.
+
+    ``gate_up [..., 2F]`` holds ``[gate | up]`` (the fused gate/up projection; any row stride,
+    unit stride along the last dim preferred), or, with ``up`` given, ``gate_up`` is the gate
+    ``[..., F]`` and ``up`` has its shape and dtype. fp16 / bf16 / fp32 (float64 runs the
+    reference). Returns a new contiguous ``[..., F]`` in the input dtype, computed as torch
+    does: ``silu`` in fp32 rounded to the dtype, then the product in fp32 rounded to the dtype
+    (for fp32 both roundings are no-ops). The reference is that torch expression."""
     gate, up = _gate_and_up(gate_up, up)
     return F.silu(gate) * up
 
 
 def gelu_tanh_mul_reference(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference of :func:`gelu_tanh_mul`: ``F.gelu(gate, approximate="tanh") * up``."""
+    """GeGLU's activation ``F.gelu(gate, approximate="tanh") * up`` in one pass; arguments,
+    layout and rounding as :func:`silu_mul` (the GELU in fp32 with torch's formula, ``tanh``
+    from ``exp``, rounded to the dtype before the product). The reference is that torch
+    expression."""
     gate, up = _gate_and_up(gate_up, up)
     return F.gelu(gate, approximate="tanh") * up
 
@@ -110,8 +120,13 @@ def _gate_and_up(gate_up: torch.Tensor, up: torch.Tensor | None):
 def clamped_swiglu_reference(
     gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
 ) -> torch.Tensor:
-    """The torch reference of :func:`clamped_swiglu` (gpt-oss's expert activation, as
-    ``unimem.models.gpt_oss`` computed it)."""
+    """gpt-oss's clamped SwiGLU ``(clamp(up, -l, l) + 1) * (g * sigmoid(g * alpha))`` with ``g
+    = min(gate, l)``, in one pass. ``gate``, ``up [..., F]`` of one shape and dtype (fp16 /
+    bf16 / fp32; float64 runs the reference; any row strides with a unit last one, e.g. the
+    two halves of a gate/up GEMM's output). Every torch op's result is rounded to the dtype
+    where the reference rounds it (the sigmoid's ``exp`` is the kernel's own: within an ulp).
+    Returns a new contiguous ``[..., F]``. The reference is gpt-oss's expert activation as
+    ``unimem.models.gpt_oss`` computed it."""
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
@@ -177,54 +192,34 @@ def clamped_swiglu_triton(
     return _launch_gated(2, gate, up, float(alpha), float(limit))
 
 
-@kernel_op(
+silu_mul = kernel_op(
+    "silu_mul",
     triton=silu_mul_triton,
     reference=silu_mul_reference,
     device_of="gate_up",
     check=_check_gated,
     switch=FUSED_SWITCH,
 )
-def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU's activation ``F.silu(gate) * up`` in one pass.
-
-    ``gate_up [..., 2F]`` holds ``[gate | up]`` (the fused gate/up projection; any row stride,
-    unit stride along the last dim preferred), or, with ``up`` given, ``gate_up`` is the gate
-    ``[..., F]`` and ``up`` has its shape and dtype. fp16 / bf16 / fp32 (float64 runs the
-    reference). Returns a new contiguous ``[..., F]`` in the input dtype, computed as torch
-    does: ``silu`` in fp32 rounded to the dtype, then the product in fp32 rounded to the dtype
-    (for fp32 both roundings are no-ops).
-    """
 
 
-@kernel_op(
+gelu_tanh_mul = kernel_op(
+    "gelu_tanh_mul",
     triton=gelu_tanh_mul_triton,
     reference=gelu_tanh_mul_reference,
     device_of="gate_up",
     check=_check_gated,
     switch=FUSED_SWITCH,
 )
-def gelu_tanh_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """GeGLU's activation ``F.gelu(gate, approximate="tanh") * up`` in one pass; arguments,
-    layout and rounding as :func:`silu_mul` (the GELU in fp32 with torch's formula, ``tanh``
-    from ``exp``, rounded to the dtype before the product)."""
 
 
-@kernel_op(
+clamped_swiglu = kernel_op(
+    "clamped_swiglu",
     triton=clamped_swiglu_triton,
     reference=clamped_swiglu_reference,
     device_of="gate",
     check=lambda gate, up, alpha, limit: _check_gated(gate, up),
     switch=FUSED_SWITCH,
 )
-def clamped_swiglu(
-    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
-) -> torch.Tensor:
-    """gpt-oss's clamped SwiGLU ``(clamp(up, -l, l) + 1) * (g * sigmoid(g * alpha))`` with ``g
-    = min(gate, l)``, in one pass. ``gate``, ``up [..., F]`` of one shape and dtype (fp16 /
-    bf16 / fp32; float64 runs the reference; any row strides with a unit last one, e.g. the
-    two halves of a gate/up GEMM's output). Every torch op's result is rounded to the dtype
-    where the reference rounds it (the sigmoid's ``exp`` is the kernel's own: within an ulp).
-    Returns a new contiguous ``[..., F]``."""
 
 
 # ------------------------------------------------------------------- GDN gates
@@ -282,7 +277,15 @@ def gdn_gates_reference(
     dt_bias: torch.Tensor,
     state_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`gdn_gates` (the GDN mixers' code)."""
+    """The Gated DeltaNet gates in one pass: ``g = -exp(A_log) * softplus(a + dt_bias)`` and
+    ``beta = sigmoid(b)``, both ``[T, H]`` in the state dtype.
+
+    ``a, b [T, H]`` (any float dtype, any row stride: the column slices of the input
+    projection), ``A_log, dt_bias [H]``. ``state_dtype`` defaults to ``A_log``'s dtype. Every
+    operand is cast to the state dtype first and each torch op's result is rounded to it, as
+    the mixers' torch code (the reference) does (``softplus`` with torch's defaults: beta 1,
+    threshold 20, so ``x`` itself above 20). A float64 state dtype (or operand) runs the
+    reference. Returns new contiguous tensors."""
     sdt = A_log.dtype if state_dtype is None else state_dtype
     g = -A_log.to(sdt).exp() * F.softplus(a.to(sdt) + dt_bias.to(sdt))
     beta = torch.sigmoid(b.to(sdt))
@@ -336,30 +339,14 @@ def _check_gdn_gates(
     return torch.float64 not in (sdt, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype)
 
 
-@kernel_op(
+gdn_gates = kernel_op(
+    "gdn_gates",
     triton=gdn_gates_triton,
     reference=gdn_gates_reference,
     device_of="a",
     check=_check_gdn_gates,
     switch=FUSED_SWITCH,
 )
-def gdn_gates(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gated DeltaNet gates in one pass: ``g = -exp(A_log) * softplus(a + dt_bias)`` and
-    ``beta = sigmoid(b)``, both ``[T, H]`` in the state dtype.
-
-    ``a, b [T, H]`` (any float dtype, any row stride: the column slices of the input
-    projection), ``A_log, dt_bias [H]``. ``state_dtype`` defaults to ``A_log``'s dtype. Every
-    operand is cast to the state dtype first and each torch op's result is rounded to it, as
-    the mixers' torch code does (``softplus`` with torch's defaults: beta 1, threshold 20, so
-    ``x`` itself above 20). A float64 state dtype (or operand) runs the reference. Returns new
-    contiguous tensors.
-    """
 
 
 # ------------------------------------------------------------------- attention output gate
@@ -396,7 +383,16 @@ def _sigmoid_gate_kernel(
 
 
 def sigmoid_gate_reference(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The torch reference of :func:`sigmoid_gate` (``qwen_common.GatedAttention``'s code)."""
+    """Gated attention's output gate ``o * sigmoid(gate)``, flattened to ``[T, H * D]``.
+
+    ``o`` and ``gate`` are ``[T, H, D]`` of one dtype (fp16, bf16, fp32; float64 runs the
+    reference), any token and head strides with a unit last one — the gate is typically a
+    column slice of the stacked q/gate projection, read in place (the torch code copies it
+    to reshape it). Returns a new contiguous ``[T, H * D]`` in that dtype, computed as torch
+    does: ``sigmoid`` in fp32 (``1 / (1 + exp(-x))``) rounded to the dtype, then the product in
+    fp32 rounded to the dtype; the kernel's ``exp`` may differ from torch's in the last fp32
+    bit, so the gate agrees to rounding. Elementwise: batch-invariant. The reference is
+    ``qwen_common.GatedAttention``'s code."""
     t = o.shape[0]
     return o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
 
@@ -421,21 +417,11 @@ def sigmoid_gate_triton(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@kernel_op(
+sigmoid_gate = kernel_op(
+    "sigmoid_gate",
     triton=sigmoid_gate_triton,
     reference=sigmoid_gate_reference,
     device_of="o",
     check=_check_gate,
     switch=FUSED_SWITCH,
 )
-def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """Gated attention's output gate ``o * sigmoid(gate)``, flattened to ``[T, H * D]``.
-
-    ``o`` and ``gate`` are ``[T, H, D]`` of one dtype (fp16, bf16, fp32; float64 runs the
-    reference), any token and head strides with a unit last one — the gate is typically a
-    column slice of the stacked q/gate projection, read in place (the torch code copies it
-    to reshape it). Returns a new contiguous ``[T, H * D]`` in that dtype, computed as torch
-    does: ``sigmoid`` in fp32 (``1 / (1 + exp(-x))``) rounded to the dtype, then the product in
-    fp32 rounded to the dtype; the kernel's ``exp`` may differ from torch's in the last fp32
-    bit, so the gate agrees to rounding. Elementwise: batch-invariant.
-    """

@@ -116,8 +116,17 @@ def add_rms_norm_reference(
     *,
     zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`add_rms_norm`: ``x + delta``, then
-    ``unimem.models.nn_ops.rms_norm`` (or ``qwen_common.zero_centered_rms_norm``) of it."""
+    """The residual add and the next pre-norm in one pass: returns ``(new_x, normed)``.
+
+    ``new_x = x + delta`` in ``x``'s dtype (``x`` and ``delta`` ``[..., D]``, the same shape
+    and dtype: fp16, bf16, fp32, float64 runs the reference); ``normed`` is the RMS norm of
+    ``new_x`` over the last dim: ``new_x * rsqrt(mean(new_x^2) + eps) * w`` with the math in
+    fp32 (``w`` = ``weight [D]`` upcast, or ``1 + weight`` when ``zero_centered``, multiplied in
+    fp32) and one cast back to ``x``'s dtype, exactly as ``nn_ops.rms_norm`` /
+    ``qwen_common.zero_centered_rms_norm`` (the reference) compute it. Both outputs are new
+    tensors of ``x``'s shape (contiguous). One program per row, a fixed chunk of
+    :func:`_row_block` ``(D)``: a row's result does not depend on the other rows
+    (batch-invariant)."""
     new_x = x + delta
     acc = acc_dtype(new_x.dtype)
     xa = new_x.to(acc)
@@ -174,32 +183,14 @@ def _check_add_rms_norm(
     return torch.float64 not in (x.dtype, weight.dtype) and not records_autograd(x, delta, weight)
 
 
-@kernel_op(
+add_rms_norm = kernel_op(
+    "add_rms_norm",
     triton=add_rms_norm_triton,
     reference=add_rms_norm_reference,
     device_of="x",
     check=_check_add_rms_norm,
     switch=FUSED_SWITCH,
 )
-def add_rms_norm(
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    zero_centered: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and the next pre-norm in one pass: returns ``(new_x, normed)``.
-
-    ``new_x = x + delta`` in ``x``'s dtype (``x`` and ``delta`` ``[..., D]``, the same shape
-    and dtype: fp16, bf16, fp32, float64 runs the reference); ``normed`` is the RMS norm of
-    ``new_x`` over the last dim: ``new_x * rsqrt(mean(new_x^2) + eps) * w`` with the math in
-    fp32 (``w`` = ``weight [D]`` upcast, or ``1 + weight`` when ``zero_centered``, multiplied in
-    fp32) and one cast back to ``x``'s dtype, exactly as ``nn_ops.rms_norm`` /
-    ``qwen_common.zero_centered_rms_norm`` compute it. Both outputs are new tensors of ``x``'s
-    shape (contiguous). One program per row, a fixed chunk of :func:`_row_block` ``(D)``: a row's
-    result does not depend on the other rows (batch-invariant).
-    """
 
 
 # ------------------------------------------------------------------- norm + add + RMS norm
@@ -296,9 +287,19 @@ def norm_add_rms_norm_reference(
     *,
     zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The torch reference of :func:`norm_add_rms_norm`: the RMS norm of ``delta`` (math in
-    fp32, cast back to its dtype; Gemma's ``gemma_rms_norm`` when ``zero_centered``), then
-    :func:`add_rms_norm_reference` with ``next_weight`` (or only the add when it is None)."""
+    """A branch's post-norm, the residual add and the next pre-norm in one pass (Gemma's
+    ``post_attention_layernorm`` -> add -> ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm`` -> add -> the next layer's ``input_layernorm``).
+
+    Returns ``(new_x, normed)``: ``new_x = x + rms_norm(delta, post_weight)`` and ``normed =
+    rms_norm(new_x, next_weight)`` (None when ``next_weight`` is None: the last layer, whose
+    stream goes to the final norm of the logits rows only). Each norm is
+    ``v * rsqrt(mean(v^2) + eps) * w`` with the math in fp32 (``w`` the weight upcast, or
+    ``1 + weight`` when ``zero_centered``: Gemma's ``gemma_rms_norm``) and one rounding to
+    ``x``'s dtype, the sum in ``x``'s dtype. ``x``, ``delta`` ``[..., D]`` of one shape and dtype
+    (fp16, bf16, fp32; float64 runs the reference), the weights ``[D]``. Both outputs are new
+    contiguous tensors of ``x``'s shape. One program per row with the fixed chunk
+    :func:`_row_block` ``(D)`` (batch-invariant)."""
     acc = acc_dtype(delta.dtype)
     da = delta.to(acc)
     y = da * torch.rsqrt(da.pow(2).mean(-1, keepdim=True) + eps)
@@ -370,36 +371,14 @@ def _check_norm_add_rms_norm(
     return not records_autograd(x, delta, post_weight, next_weight)
 
 
-@kernel_op(
+norm_add_rms_norm = kernel_op(
+    "norm_add_rms_norm",
     triton=norm_add_rms_norm_triton,
     reference=norm_add_rms_norm_reference,
     device_of="x",
     check=_check_norm_add_rms_norm,
     switch=FUSED_SWITCH,
 )
-def norm_add_rms_norm(
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    post_weight: torch.Tensor,
-    next_weight: torch.Tensor | None,
-    eps: float,
-    *,
-    zero_centered: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A branch's post-norm, the residual add and the next pre-norm in one pass (Gemma's
-    ``post_attention_layernorm`` -> add -> ``pre_feedforward_layernorm`` and
-    ``post_feedforward_layernorm`` -> add -> the next layer's ``input_layernorm``).
-
-    Returns ``(new_x, normed)``: ``new_x = x + rms_norm(delta, post_weight)`` and ``normed =
-    rms_norm(new_x, next_weight)`` (None when ``next_weight`` is None: the last layer, whose
-    stream goes to the final norm of the logits rows only). Each norm is
-    ``v * rsqrt(mean(v^2) + eps) * w`` with the math in fp32 (``w`` the weight upcast, or
-    ``1 + weight`` when ``zero_centered``) and one rounding to ``x``'s dtype, the sum in
-    ``x``'s dtype, as :func:`norm_add_rms_norm_reference` computes them. ``x``, ``delta``
-    ``[..., D]`` of one shape and dtype (fp16, bf16, fp32; float64 runs the reference), the
-    weights ``[D]``. Both outputs are new contiguous tensors of ``x``'s shape. One program per
-    row with the fixed chunk :func:`_row_block` ``(D)`` (batch-invariant).
-    """
 
 
 # ------------------------------------------------------------------- GDN output norm
@@ -463,8 +442,22 @@ def gated_rms_norm_reference(
     *,
     round_before_weight: bool = False,
 ) -> torch.Tensor:
-    """The torch reference of :func:`gated_rms_norm` (``synthetic.GdnMixer`` /
-    ``qwen_common.gated_rms_norm``), reshaped to ``[T, H * D]``."""
+    """The GDN output norm ``rmsnorm(o) * weight * silu(z)`` per head, flattened.
+
+    ``o [T, H, D]`` (fp16, bf16, fp32; float64 runs the reference), ``weight [D]``, ``z [T, H,
+    D]`` (the gate, ``o``'s dtype; any strides with a unit last one, e.g. a reshaped column
+    slice of the input projection). Returns a new ``[T, H * D]`` in ``o``'s dtype. The norm
+    and the gate run in fp32. Two roundings, a flag selects:
+
+    - ``round_before_weight=False`` (``synthetic.GdnMixer``): ``nn_ops.rms_norm(o, weight)``
+      (the weight multiplied in fp32, one cast to the dtype), upcast, times ``silu(z)``;
+    - ``round_before_weight=True`` (``qwen_common.gated_rms_norm``, HuggingFace's
+      ``RMSNormGated``): the normalised ``o`` rounded to the dtype, times ``weight`` in the
+      dtype, upcast, times ``silu(z)``. With a ``weight`` dtype other than ``o``'s (torch would
+      promote) the reference runs.
+
+    One program per token (or per block of its heads), each head's row reduced on its own with
+    a fixed chunk over ``D``: row-local, whatever the number of tokens."""
     acc = acc_dtype(o.dtype)
     oa = o.to(acc)
     y = oa * torch.rsqrt(oa.pow(2).mean(-1, keepdim=True) + eps)
@@ -516,35 +509,11 @@ def _check_gated_rms_norm(
     return not (round_before_weight and weight.dtype != o.dtype)
 
 
-@kernel_op(
+gated_rms_norm = kernel_op(
+    "gated_rms_norm",
     triton=gated_rms_norm_triton,
     reference=gated_rms_norm_reference,
     device_of="o",
     check=_check_gated_rms_norm,
     switch=FUSED_SWITCH,
 )
-def gated_rms_norm(
-    o: torch.Tensor,
-    weight: torch.Tensor,
-    z: torch.Tensor,
-    eps: float,
-    *,
-    round_before_weight: bool = False,
-) -> torch.Tensor:
-    """The GDN output norm ``rmsnorm(o) * weight * silu(z)`` per head, flattened.
-
-    ``o [T, H, D]`` (fp16, bf16, fp32; float64 runs the reference), ``weight [D]``, ``z [T, H,
-    D]`` (the gate, ``o``'s dtype; any strides with a unit last one, e.g. a reshaped column
-    slice of the input projection). Returns a new ``[T, H * D]`` in ``o``'s dtype. The norm
-    and the gate run in fp32. Two roundings, a flag selects:
-
-    - ``round_before_weight=False`` (``synthetic.GdnMixer``): ``nn_ops.rms_norm(o, weight)``
-      (the weight multiplied in fp32, one cast to the dtype), upcast, times ``silu(z)``;
-    - ``round_before_weight=True`` (``qwen_common.gated_rms_norm``, HuggingFace's
-      ``RMSNormGated``): the normalised ``o`` rounded to the dtype, times ``weight`` in the
-      dtype, upcast, times ``silu(z)``. With a ``weight`` dtype other than ``o``'s (torch would
-      promote) the reference runs.
-
-    One program per token (or per block of its heads), each head's row reduced on its own with
-    a fixed chunk over ``D``: row-local, whatever the number of tokens.
-    """

@@ -149,8 +149,17 @@ def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 def rope_qk_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`rope_qk` (``nn_ops.apply_rope`` /
-    ``qwen_common.PartialRotary.apply`` on each of ``q`` and ``k``), contiguous results."""
+    """Rotate-half RoPE on ``q`` and ``k`` in one launch; returns new contiguous ``(q, k)``.
+
+    ``q [T, Hq, D]``, ``k [T, Hk, D]`` (the same dtype, fp16 / bf16 / fp32; any strides with a
+    unit last one, e.g. reshaped column slices of a fused qkv projection), ``cos, sin [T, R/2]``
+    in the rotation dtype (fp32, or bf16 / fp16 as Gemma and gpt-oss pass them: then every
+    product and sum is rounded to it, as torch's ops in that dtype are; float64 runs the
+    reference). The first ``R`` dims of every head are rotated (``R = D``: full rotary,
+    ``nn_ops.apply_rope``; ``R < D``: partial rotary, the other dims pass through unchanged,
+    ``qwen_common.PartialRotary``): ``[x1 * c - x2 * s, x2 * c + x1 * s]`` with ``x1, x2`` the
+    two halves of the rotated dims, computed in the rotation dtype and cast back to ``q``'s
+    dtype. The reference is those two models' code on each of ``q`` and ``k``."""
     return _partial_rope(q, cos, sin).contiguous(), _partial_rope(k, cos, sin).contiguous()
 
 
@@ -208,25 +217,11 @@ def _check_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     return not records_autograd(q, k, cos, sin)
 
 
-@kernel_op(
+rope_qk = kernel_op(
+    "rope_qk",
     triton=rope_qk_triton,
     reference=rope_qk_reference,
     device_of="q",
     check=_check_rope,
     switch=FUSED_SWITCH,
 )
-def rope_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE on ``q`` and ``k`` in one launch; returns new contiguous ``(q, k)``.
-
-    ``q [T, Hq, D]``, ``k [T, Hk, D]`` (the same dtype, fp16 / bf16 / fp32; any strides with a
-    unit last one, e.g. reshaped column slices of a fused qkv projection), ``cos, sin [T, R/2]``
-    in the rotation dtype (fp32, or bf16 / fp16 as Gemma and gpt-oss pass them: then every
-    product and sum is rounded to it, as torch's ops in that dtype are; float64 runs the
-    reference). The first ``R``
-    dims of every head are rotated (``R = D``: full rotary, ``nn_ops.apply_rope``; ``R < D``:
-    partial rotary, the other dims pass through unchanged, ``qwen_common.PartialRotary``):
-    ``[x1 * c - x2 * s, x2 * c + x1 * s]`` with ``x1, x2`` the two halves of the rotated dims,
-    computed in the rotation dtype and cast back to ``q``'s dtype.
-    """

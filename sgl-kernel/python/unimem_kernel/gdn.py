@@ -304,7 +304,14 @@ def gdn_forward_reference(
     record: gdn_reference.VerifyRecord | None = None,
     chunked_prefill: bool = False,
 ) -> torch.Tensor:
-    """``gdn_reference.gdn_forward`` with the op's arguments, into ``out`` (``conv_out``,
+    """The GDN mixer core (module docstring), drop-in for ``gdn_reference.gdn_forward``:
+    ``out``/``conv_out`` make the Triton side's decode and verify allocation-free; a device
+    ``cu_seqlens`` with ``max_seqlen`` spares its extend a host-to-device copy.
+    ``num_k_heads``: the key heads ``Hk`` (default ``H``). ``batch_invariant``: one tile
+    configuration for every step kind; ``chunked_prefill``: the Triton extend runs the chunked
+    kernel (:func:`gdn_forward_triton`).
+
+    The reference is ``gdn_reference.gdn_forward``, into ``out`` (``conv_out``,
     ``max_seqlen``, ``batch_invariant`` and ``chunked_prefill`` have no effect there: its
     extend is the chunked form at the default chunk size, exact to rounding in the float64
     CPU runs it serves)."""
@@ -316,36 +323,6 @@ def gdn_forward_reference(
     return into(out, result)
 
 
-@kernel_op(triton=gdn_forward_triton, reference=gdn_forward_reference, device_of="ssm_state")
-def gdn_forward(
-    mode: str,
-    mixed_qkv: torch.Tensor,
-    conv_weight: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-    slots: torch.Tensor,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    *,
-    conv_scratch: torch.Tensor | None = None,
-    ssm_scratch: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
-    num_k_heads: int | None = None,
-    out: torch.Tensor | None = None,
-    conv_out: torch.Tensor | None = None,
-    max_seqlen: int | None = None,
-    batch_invariant: bool = False,
-    record: gdn_reference.VerifyRecord | None = None,
-    chunked_prefill: bool = False,
-) -> torch.Tensor:
-    """The GDN mixer core, drop-in for ``gdn_reference.gdn_forward``: Triton on CUDA tensors
-    (``gdn_forward_triton``; ``out``/``conv_out`` make decode and verify allocation-free; a
-    device ``cu_seqlens`` with ``max_seqlen`` spares extend a host-to-device copy), the
-    reference otherwise (``conv_out`` and ``max_seqlen`` unused there; its extend runs the
-    chunked form at the default chunk size). ``num_k_heads``: the key heads ``Hk`` (default
-    ``H``), as ``gdn_reference.gdn_forward``. ``batch_invariant``: one tile configuration
-    for every step kind (``gdn_forward_triton``; the reference ignores it: its extend is the
-    chunked form, exact to rounding in the float64 CPU runs it serves). ``chunked_prefill``:
-    the Triton extend runs the chunked kernel (``gdn_forward_triton``; the reference's extend
-    is chunked anyway)."""
+gdn_forward = kernel_op(
+    "gdn_forward", triton=gdn_forward_triton, reference=gdn_forward_reference, device_of="ssm_state"
+)

@@ -308,11 +308,13 @@ def gated_delta_rule_extend_chunked_reference(
     out: torch.Tensor | None = None,
     prep: bool = False,
 ) -> torch.Tensor:
-    """torch reference of :func:`gated_delta_rule_extend_chunked_triton`, same semantics:
-    padded lanes (``slots < 0``) give zero rows and touch no slot; ``prep`` runs the L2 norm
-    of q, k in the state's dtype first; then
+    """The chunked-form extend of the gated delta rule (contract: module docstring; the Triton
+    side is :func:`gated_delta_rule_extend_chunked_triton`).
+
+    The reference: padded lanes (``slots < 0``) give zero rows and touch no slot; ``prep``
+    runs the L2 norm of q, k in the state's dtype first; then
     ``gdn_reference.gated_delta_rule_chunked`` per request (q, k expanded to the value heads
-    there). Reads ``cu_seqlens`` on the host."""
+    there). It reads ``cu_seqlens`` on the host."""
     del max_seqlen
     nk = q.shape[1]
     if num_k_heads is not None and num_k_heads != nk:
@@ -346,13 +348,9 @@ def gated_delta_rule_extend_chunked_reference(
     return out
 
 
-@kernel_op(
+gated_delta_rule_extend_chunked = kernel_op(
+    "gated_delta_rule_extend_chunked",
     triton=gated_delta_rule_extend_chunked_triton,
     reference=gated_delta_rule_extend_chunked_reference,
     device_of="ssm_state",
 )
-def gated_delta_rule_extend_chunked(
-    q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state=None, scale=None,
-    num_k_heads=None, chunk_size=DEFAULT_CHUNK, max_seqlen=None, *, out=None, prep=False,
-) -> torch.Tensor:  # fmt: skip
-    """Triton on CUDA (:func:`gated_delta_rule_extend_chunked_triton`), else the reference."""

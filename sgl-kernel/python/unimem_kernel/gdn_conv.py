@@ -405,7 +405,9 @@ def causal_conv1d_extend_reference(
     x, weight, conv_state, slots, cu_seqlens, has_initial_state=None, *, out=None,
     activation=None,
 ) -> torch.Tensor:  # fmt: skip
-    """``gdn_reference.causal_conv1d_extend`` with the op's arguments (into ``out``)."""
+    """The causal conv1d of the extend on arena slots (contract: :mod:`unimem_kernel.gdn`; the
+    Triton side: ``causal_conv1d_extend_triton``). The reference is
+    ``gdn_reference.causal_conv1d_extend``, into ``out``."""
     ref = gdn_reference.causal_conv1d_extend
     return into(out, ref(x, weight, conv_state, slots, cu_seqlens, has_initial_state, activation))
 
@@ -413,7 +415,9 @@ def causal_conv1d_extend_reference(
 def causal_conv1d_decode_reference(
     x, weight, conv_state, slots, *, out=None, activation=None
 ) -> torch.Tensor:
-    """``gdn_reference.causal_conv1d_decode`` with the op's arguments (into ``out``)."""
+    """The causal conv1d of a decode step on arena slots (contract: :mod:`unimem_kernel.gdn`;
+    the Triton side: ``causal_conv1d_decode_triton``). The reference is
+    ``gdn_reference.causal_conv1d_decode``, into ``out``."""
     ref = gdn_reference.causal_conv1d_decode
     return into(out, ref(x, weight, conv_state, slots, activation))
 
@@ -421,40 +425,32 @@ def causal_conv1d_decode_reference(
 def causal_conv1d_verify_reference(
     x, weight, conv_state, slots, state_scratch, *, out=None, activation=None
 ) -> torch.Tensor:
-    """``gdn_reference.causal_conv1d_verify`` with the op's arguments (into ``out``)."""
+    """The causal conv1d of a verify step on arena slots (contract: :mod:`unimem_kernel.gdn`;
+    the Triton side: ``causal_conv1d_verify_triton``). The reference is
+    ``gdn_reference.causal_conv1d_verify``, into ``out``."""
     ref = gdn_reference.causal_conv1d_verify
     return into(out, ref(x, weight, conv_state, slots, state_scratch, activation))
 
 
-@kernel_op(
+causal_conv1d_extend = kernel_op(
+    "causal_conv1d_extend",
     triton=causal_conv1d_extend_triton,
     reference=causal_conv1d_extend_reference,
     device_of="conv_state",
 )
-def causal_conv1d_extend(
-    x, weight, conv_state, slots, cu_seqlens, has_initial_state=None, *, out=None,
-    activation=None,
-) -> torch.Tensor:  # fmt: skip
-    """Triton on CUDA (see ``causal_conv1d_extend_triton``), else the reference."""
 
 
-@kernel_op(
+causal_conv1d_decode = kernel_op(
+    "causal_conv1d_decode",
     triton=causal_conv1d_decode_triton,
     reference=causal_conv1d_decode_reference,
     device_of="conv_state",
 )
-def causal_conv1d_decode(
-    x, weight, conv_state, slots, *, out=None, activation=None
-) -> torch.Tensor:
-    """Triton on CUDA (see ``causal_conv1d_decode_triton``), else the reference."""
 
 
-@kernel_op(
+causal_conv1d_verify = kernel_op(
+    "causal_conv1d_verify",
     triton=causal_conv1d_verify_triton,
     reference=causal_conv1d_verify_reference,
     device_of="conv_state",
 )
-def causal_conv1d_verify(
-    x, weight, conv_state, slots, state_scratch, *, out=None, activation=None
-) -> torch.Tensor:
-    """Triton on CUDA (see ``causal_conv1d_verify_triton``), else the reference."""

@@ -267,7 +267,11 @@ def _replay_commit_layer_by_layer(
     *,
     batch_invariant: bool = False,
 ) -> None:
-    """One :func:`gdn_replay_commit` per layer of ``plan`` (each an op of its own)."""
+    """:func:`gdn_replay_commit` of the first ``bs = len(slots)`` lanes of every layer of
+    ``plan``: on CUDA, when the plan is ``stacked``, one conv-window launch and one
+    delta-rule launch for all layers (``n_layers x bs`` lanes each:
+    ``gdn_replay_commit_layers_triton``), else (this function) one :func:`gdn_replay_commit`
+    per layer. The same results, bitwise; no allocation, no host read (capturable)."""
     bs = check_slots(slots, plan.ssm_states[0].device)
     for rec, conv, ssm in zip(plan.records, plan.conv_states, plan.ssm_states, strict=True):
         gdn_replay_commit(rec.lanes(bs), accepted, conv, ssm, slots, num_k_heads,
@@ -289,49 +293,28 @@ def gdn_replay_commit_reference(
     *,
     batch_invariant: bool = False,
 ) -> None:
-    """``gdn_reference.gdn_replay_commit`` with the op's arguments (``batch_invariant`` has no
-    effect there: one arithmetic)."""
+    """Commit of a verify run with a ``record`` (module docstring): bitwise the states the same
+    verify would have stored in its per-position scratches at entry ``accepted[b]`` (and
+    ``state_commit.commit_states`` copied), each side against itself. ``batch_invariant``: the
+    verify ran ``gdn_forward(batch_invariant=True)``, whose tiles the replay must use (the
+    Triton side: ``gdn_replay_commit_triton``). The reference is
+    ``gdn_reference.gdn_replay_commit`` (``batch_invariant`` has no effect there: one
+    arithmetic)."""
     gdn_reference.gdn_replay_commit(record, accepted, conv_state, ssm_state, slots, num_k_heads)
 
 
-@kernel_op(
+gdn_replay_commit = kernel_op(
+    "gdn_replay_commit",
     triton=gdn_replay_commit_triton,
     reference=gdn_replay_commit_reference,
     device_of="ssm_state",
 )
-def gdn_replay_commit(
-    record: gdn_reference.VerifyRecord,
-    accepted: torch.Tensor,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-    slots: torch.Tensor,
-    num_k_heads: int | None = None,
-    *,
-    batch_invariant: bool = False,
-) -> None:
-    """Commit of a verify run with a ``record``: Triton on CUDA (see
-    ``gdn_replay_commit_triton``), else the reference. Bitwise the states the same verify
-    would have stored in its per-position scratches at entry ``accepted[b]`` (and
-    ``state_commit.commit_states`` copied), each path against itself. ``batch_invariant``:
-    the verify ran ``gdn_forward(batch_invariant=True)``, whose tiles the replay must use."""
 
 
-@kernel_op(
+gdn_replay_commit_layers = kernel_op(
+    "gdn_replay_commit_layers",
     triton=gdn_replay_commit_layers_triton,
     reference=_replay_commit_layer_by_layer,
     device_of=lambda plan, *args, **kwargs: plan.ssm_states[0],
     check=lambda plan, *args, **kwargs: plan.stacked,
 )
-def gdn_replay_commit_layers(
-    plan: ReplayCommitPlan,
-    accepted: torch.Tensor,
-    slots: torch.Tensor,
-    num_k_heads: int | None = None,
-    *,
-    batch_invariant: bool = False,
-) -> None:
-    """:func:`gdn_replay_commit` of the first ``bs = len(slots)`` lanes of every layer of
-    ``plan``: on CUDA, when the plan is ``stacked``, one conv-window launch and one
-    delta-rule launch for all layers (``n_layers x bs`` lanes each), else one commit per
-    layer. The same results, bitwise, as one :func:`gdn_replay_commit` per layer; no
-    allocation, no host read (capturable)."""

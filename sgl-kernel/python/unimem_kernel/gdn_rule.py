@@ -591,14 +591,17 @@ def _mixer_rule(
 def gated_delta_rule_extend_reference(
     q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state=None, scale=None, *, out=None
 ) -> torch.Tensor:
-    """``gdn_reference.gated_delta_rule_extend`` (the chunked form) with the op's arguments
-    (into ``out``)."""
+    """The gated delta rule of the extend on arena slots (contract: :mod:`unimem_kernel.gdn`; the
+    Triton side: ``gated_delta_rule_extend_triton``, the recurrent form). The reference is
+    ``gdn_reference.gated_delta_rule_extend`` (the chunked form), into ``out``."""
     args = (q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state, scale)
     return into(out, gdn_reference.gated_delta_rule_extend(*args))
 
 
 def gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_state, slots, scale=None, *, out=None):
-    """``gdn_reference.gated_delta_rule_decode`` with the op's arguments (into ``out``)."""
+    """The gated delta rule of a decode step on arena slots (contract:
+    :mod:`unimem_kernel.gdn`; the Triton side: ``gated_delta_rule_decode_triton``). The
+    reference is ``gdn_reference.gated_delta_rule_decode``, into ``out``."""
     args = (q, k, v, g, beta, ssm_state, slots, scale)
     return into(out, gdn_reference.gated_delta_rule_decode(*args))
 
@@ -606,38 +609,32 @@ def gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_state, slots, scale=
 def gated_delta_rule_verify_reference(
     q, k, v, g, beta, ssm_state, slots, state_scratch, scale=None, *, out=None
 ) -> torch.Tensor:
-    """``gdn_reference.gated_delta_rule_verify`` with the op's arguments (into ``out``)."""
+    """The gated delta rule of a verify step on arena slots (contract:
+    :mod:`unimem_kernel.gdn`; the Triton side: ``gated_delta_rule_verify_triton``). The
+    reference is ``gdn_reference.gated_delta_rule_verify``, into ``out``."""
     args = (q, k, v, g, beta, ssm_state, slots, state_scratch, scale)
     return into(out, gdn_reference.gated_delta_rule_verify(*args))
 
 
-@kernel_op(
+gated_delta_rule_extend = kernel_op(
+    "gated_delta_rule_extend",
     triton=gated_delta_rule_extend_triton,
     reference=gated_delta_rule_extend_reference,
     device_of="ssm_state",
 )
-def gated_delta_rule_extend(
-    q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state=None, scale=None, *, out=None
-) -> torch.Tensor:
-    """Triton on CUDA (recurrent form, see ``gated_delta_rule_extend_triton``), else the
-    reference (chunked form)."""
 
 
-@kernel_op(
+gated_delta_rule_decode = kernel_op(
+    "gated_delta_rule_decode",
     triton=gated_delta_rule_decode_triton,
     reference=gated_delta_rule_decode_reference,
     device_of="ssm_state",
 )
-def gated_delta_rule_decode(q, k, v, g, beta, ssm_state, slots, scale=None, *, out=None):
-    """Triton on CUDA (see ``gated_delta_rule_decode_triton``), else the reference."""
 
 
-@kernel_op(
+gated_delta_rule_verify = kernel_op(
+    "gated_delta_rule_verify",
     triton=gated_delta_rule_verify_triton,
     reference=gated_delta_rule_verify_reference,
     device_of="ssm_state",
 )
-def gated_delta_rule_verify(
-    q, k, v, g, beta, ssm_state, slots, state_scratch, scale=None, *, out=None
-) -> torch.Tensor:
-    """Triton on CUDA (see ``gated_delta_rule_verify_triton``), else the reference."""

@@ -157,7 +157,9 @@ def _check(logits: torch.Tensor, draft: torch.Tensor) -> None:
 def greedy_verify_accept_reference(
     logits: torch.Tensor, draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`greedy_verify_accept` (any float ``logits``)."""
+    """``(tokens [bs, W] int64, accepted [bs] int32, bonus [bs] int64)`` of a greedy verify
+    step (module docstring). The kernels take float32 ``logits``; other float dtypes (the
+    float64 CPU models) run the reference."""
     bs, gamma = draft.shape
     tokens = torch.argmax(logits, dim=-1).reshape(bs, gamma + 1)
     miss = draft.long() != tokens[:, :gamma]
@@ -208,15 +210,10 @@ def _check_and_cover(logits: torch.Tensor, draft: torch.Tensor) -> bool:
     return logits.dtype == torch.float32
 
 
-@kernel_op(
+greedy_verify_accept = kernel_op(
+    "greedy_verify_accept",
     triton=greedy_verify_accept_triton,
     reference=greedy_verify_accept_reference,
     device_of="logits",
     check=_check_and_cover,
 )
-def greedy_verify_accept(
-    logits: torch.Tensor, draft: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(tokens [bs, W] int64, accepted [bs] int32, bonus [bs] int64)`` of a greedy verify
-    step (module docstring). Triton for float32 ``logits`` on CUDA, the reference otherwise
-    (other float dtypes too: the float64 CPU models; ``_dispatch.kernel_op``)."""

@@ -81,9 +81,11 @@ def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
 def greedy_logprob_reference(
     logits: torch.Tensor, out_logprobs: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`greedy_logprob`: ``argmax`` and
-    ``(logits[token] - logsumexp(logits)).float()`` (copied into ``out_logprobs`` when
-    given)."""
+    """``(tokens [N] int64, logprobs [N] float32)`` of ``logits [N, V]`` (module docstring).
+    ``out_logprobs``: an ``[N]`` float32 tensor (any stride, e.g. a column of the step's
+    output buffer) that receives the log-probabilities and is returned; else a new one. The
+    kernels (two launches) take float32 logits; the reference is ``argmax`` and
+    ``(logits[token] - logsumexp(logits)).float()``."""
     tok = torch.argmax(logits, dim=-1)
     chosen = logits.gather(1, tok[:, None])[:, 0]
     lp = (chosen - torch.logsumexp(logits, dim=-1)).float()
@@ -129,16 +131,10 @@ def _check(logits: torch.Tensor, out_logprobs: torch.Tensor | None = None) -> bo
     return logits.dtype == torch.float32
 
 
-@kernel_op(
+greedy_logprob = kernel_op(
+    "greedy_logprob",
     triton=greedy_logprob_triton,
     reference=greedy_logprob_reference,
     device_of="logits",
     check=_check,
 )
-def greedy_logprob(
-    logits: torch.Tensor, out_logprobs: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [N] int64, logprobs [N] float32)`` of ``logits [N, V]`` (module docstring).
-    ``out_logprobs``: an ``[N]`` float32 tensor (any stride, e.g. a column of the step's
-    output buffer) that receives the log-probabilities and is returned; else a new one.
-    Triton on CUDA for float32 logits (two launches), the reference otherwise."""

@@ -657,63 +657,32 @@ def compact_band_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@kernel_op(triton=bind_units_triton, reference=bind_units_reference, device_of="v2p")
-def bind_units(
-    v2p: torch.Tensor,
-    p2v: torch.Tensor,
-    phys_free: torch.Tensor,
-    phys_top: int,
-    n: int,
-    vids: torch.Tensor,
-    virt_free: torch.Tensor | None = None,
-    virt_top: int = 0,
-    req_to_token: torch.Tensor | None = None,
-    unit_rows: torch.Tensor | None = None,
-    unit_cols: torch.Tensor | None = None,
-    page_size: int = 1,
-) -> None:
-    """See ``bind_units_reference`` for the contract."""
+bind_units = kernel_op(
+    "bind_units", triton=bind_units_triton, reference=bind_units_reference, device_of="v2p"
+)
 
 
-@kernel_op(triton=unbind_units_triton, reference=unbind_units_reference, device_of="v2p")
-def unbind_units(
-    v2p: torch.Tensor,
-    p2v: torch.Tensor,
-    phys_free: torch.Tensor,
-    phys_top: int,
-    n: int,
-    vids: torch.Tensor | None = None,
-    req_to_token: torch.Tensor | None = None,
-    unit_rows: torch.Tensor | None = None,
-    unit_cols: torch.Tensor | None = None,
-    page_size: int = 1,
-    virt_free: torch.Tensor | None = None,
-    virt_top: int = 0,
-) -> None:
-    """See ``unbind_units_reference`` for the contract."""
+unbind_units = kernel_op(
+    "unbind_units", triton=unbind_units_triton, reference=unbind_units_reference, device_of="v2p"
+)
 
 
-@kernel_op(triton=translate_tokens_triton, reference=translate_tokens_reference, device_of="vtok")
-def translate_tokens(
-    vtok: torch.Tensor, v2p: torch.Tensor, page_size: int, out: torch.Tensor
-) -> None:
-    """See ``translate_tokens_reference`` for the contract."""
+translate_tokens = kernel_op(
+    "translate_tokens",
+    triton=translate_tokens_triton,
+    reference=translate_tokens_reference,
+    device_of="vtok",
+)
 
 
-@kernel_op(triton=translate_slots_triton, reference=translate_slots_reference, device_of="v")
-def translate_slots(v: torch.Tensor, v2p: torch.Tensor, out: torch.Tensor) -> None:
-    """See ``translate_slots_reference`` for the contract."""
+translate_slots = kernel_op(
+    "translate_slots",
+    triton=translate_slots_triton,
+    reference=translate_slots_reference,
+    device_of="v",
+)
 
 
-@kernel_op(triton=compact_band_triton, reference=compact_band_reference, device_of="p2v")
-def compact_band(
-    v2p: torch.Tensor,
-    p2v: torch.Tensor,
-    phys_free: torch.Tensor,
-    phys_top: int,
-    region_lo: int,
-    region_hi: int,
-    src_out: torch.Tensor,
-    dst_out: torch.Tensor,
-) -> None:
-    """See ``compact_band_reference`` for the contract."""
+compact_band = kernel_op(
+    "compact_band", triton=compact_band_triton, reference=compact_band_reference, device_of="p2v"
+)

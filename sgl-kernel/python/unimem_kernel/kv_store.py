@@ -101,8 +101,12 @@ def store_kv_paged_reference(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """The torch reference of :func:`store_kv_paged`: one ``index_put_`` per cache with
-    device index tensors (no host read; writes through any view strides)."""
+    """Write ``k[t] [H, Dk]`` and ``v[t] [H, Dv]`` into physical slot ``slots[t]`` of the
+    (strided) paged caches; slots in the sink page (``< page_size``, or negative) receive
+    zeros. ``k``/``v`` may be any strided views (e.g. column slices of a fused projection);
+    their dtype is cast to the caches' (module docstring). The kernel is one launch, grid
+    ``[T]``; the reference is one ``index_put_`` per cache with device index tensors (no host
+    read; writes through any view strides)."""
     page_size = k_cache.shape[1]
     s = slots.long().clamp_min(0)
     page = torch.div(s, page_size, rounding_mode="floor")
@@ -176,24 +180,13 @@ def _check_store(
     return k_cache.dtype != torch.float64
 
 
-@kernel_op(
+store_kv_paged = kernel_op(
+    "store_kv_paged",
     triton=store_kv_paged_triton,
     reference=store_kv_paged_reference,
     device_of="k_cache",
     check=_check_store,
 )
-def store_kv_paged(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
-    """Write ``k[t] [H, Dk]`` and ``v[t] [H, Dv]`` into physical slot ``slots[t]`` of the
-    (strided) paged caches; slots in the sink page (``< page_size``, or negative) receive
-    zeros. ``k``/``v`` may be any strided views (e.g. column slices of a fused projection);
-    their dtype is cast to the caches'. Triton on CUDA (one launch, grid ``[T]``), the
-    reference otherwise (module docstring)."""
 
 
 # ------------------------------------------------------------------ RoPE + store, one pass
@@ -356,10 +349,23 @@ def _rope_store_kv_in_steps(
     *,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """:func:`rope_store_kv` as its steps, each a kernel op of its own: the q/k norms
-    (``bi_rms_norm``, row-local, where the fused ops run Triton; else
-    :func:`qk_norm_reference`), ``rope_qk``, then :func:`store_kv_paged`. Off CUDA every step
-    is its reference, so this is :func:`rope_store_kv_reference`."""
+    """RoPE on ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (``unimem_kernel.rope_qk``'s contract:
+    ``cos, sin [T, R/2]``, rotate-half over the first ``R`` dims), then ``k`` rotated and ``v
+    [T, Hk, Dv]`` stored at ``slots`` as :func:`store_kv_paged` stores them. Returns the
+    rotated q (new, contiguous); the rotated K is written only into ``k_cache``.
+
+    One Triton launch (grid ``[T, 2]``: a token's query heads; its key and value heads,
+    ``rope_store_kv_triton``) where ``rope_qk`` and the store would run Triton (CUDA,
+    ``UNIMEM_FUSED_OPS`` on, no autograd) and the caches hold q's dtype; else (this function)
+    its steps, each an op of its own: the q/k norms (``bi_rms_norm`` where the fused ops run
+    Triton, else :func:`qk_norm_reference`), ``rope_qk``, then :func:`store_kv_paged` — the
+    same results; off CUDA every step is its reference, so this is
+    :func:`rope_store_kv_reference`.
+
+    ``qk_norm = (q_weight [D], k_weight [D], eps)``: each q and k head is first replaced by
+    its zero-centred RMS norm over ``D`` (:func:`qk_norm_reference`: fp32 math, rounded to
+    q's dtype before the rotation), in the same launch; the norm's sum of squares is
+    row-local (one head of one token), so the result does not depend on the batch."""
     if qk_norm is not None:
         if use_fused_triton(q) and q.dtype != torch.float64:  # one row-local launch each
             q = bi_rms_norm(q, qk_norm[0], qk_norm[2], zero_centered=True)
@@ -402,36 +408,11 @@ def _check_rope_store(
     )
 
 
-@kernel_op(
+rope_store_kv = kernel_op(
+    "rope_store_kv",
     triton=rope_store_kv_triton,
     reference=_rope_store_kv_in_steps,
     device_of="q",
     check=_check_rope_store,
     switch=FUSED_SWITCH,
 )
-def rope_store_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    *,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> torch.Tensor:
-    """RoPE on ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (``unimem_kernel.rope_qk``'s contract:
-    ``cos, sin [T, R/2]``, rotate-half over the first ``R`` dims), then ``k`` rotated and ``v
-    [T, Hk, Dv]`` stored at ``slots`` as :func:`store_kv_paged` stores them. Returns the
-    rotated q (new, contiguous); the rotated K is written only into ``k_cache``.
-
-    One Triton launch (grid ``[T, 2]``: a token's query heads; its key and value heads) where
-    ``rope_qk`` and the store would run Triton (CUDA, ``UNIMEM_FUSED_OPS`` on, no autograd)
-    and the caches hold q's dtype; else ``rope_qk`` followed by :func:`store_kv_paged` (the
-    same results).
-
-    ``qk_norm = (q_weight [D], k_weight [D], eps)``: each q and k head is first replaced by
-    its zero-centred RMS norm over ``D`` (:func:`qk_norm_reference`: fp32 math, rounded to
-    q's dtype before the rotation), in the same launch; the norm's sum of squares is
-    row-local (one head of one token), so the result does not depend on the batch."""

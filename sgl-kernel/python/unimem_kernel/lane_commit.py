@@ -176,7 +176,9 @@ def commit_lanes_reference(
     accepted: torch.Tensor | None = None,
     write_slots: Sequence[torch.Tensor] = (),
 ) -> list[torch.Tensor]:
-    """The torch reference of :func:`commit_lanes` (arguments already checked)."""
+    """Commit a step's lanes (module docstring): writes ``state_seq_lens``,
+    ``state_next_tokens``, ``out_tokens`` and ``out_counts`` in place and returns the
+    ``write_slots`` masked to each lane's committed rows."""
     bs, w = tokens.shape
     count = torch.ones_like(seq_lens) if accepted is None else accepted + 1
     idx = rows.long()
@@ -239,25 +241,10 @@ def _check_commit(
            out_counts, accepted, tuple(write_slots))  # fmt: skip
 
 
-@kernel_op(
+commit_lanes = kernel_op(
+    "commit_lanes",
     triton=commit_lanes_triton,
     reference=commit_lanes_reference,
     device_of="rows",
     check=_check_commit,
 )
-def commit_lanes(
-    rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    next_tokens: torch.Tensor,
-    tokens: torch.Tensor,
-    state_seq_lens: torch.Tensor,
-    state_next_tokens: torch.Tensor,
-    out_tokens: torch.Tensor,
-    out_counts: torch.Tensor,
-    accepted: torch.Tensor | None = None,
-    write_slots: Sequence[torch.Tensor] = (),
-) -> list[torch.Tensor]:
-    """Commit a step's lanes (module docstring): writes ``state_seq_lens``,
-    ``state_next_tokens``, ``out_tokens`` and ``out_counts`` in place and returns the
-    ``write_slots`` masked to each lane's committed rows. Triton on CUDA, the reference
-    elsewhere (``_dispatch.kernel_op``)."""

@@ -496,44 +496,17 @@ def build_extend_metadata_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@kernel_op(
+build_decode_metadata = kernel_op(
+    "build_decode_metadata",
     triton=build_decode_metadata_triton,
     reference=build_decode_metadata_reference,
     device_of="page_table",
 )
-def build_decode_metadata(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extra: int,
-    page_size: int,
-    full_v2p: torch.Tensor | None,
-    swa_v2p: torch.Tensor | None,
-    cache_seqlens: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    page_table: torch.Tensor,
-    swa_page_table: torch.Tensor | None,
-) -> None:
-    """One launch; see ``build_decode_metadata_reference`` for the contract."""
 
 
-@kernel_op(
+build_extend_metadata = kernel_op(
+    "build_extend_metadata",
     triton=build_extend_metadata_triton,
     reference=build_extend_metadata_reference,
     device_of="page_table",
 )
-def build_extend_metadata(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    page_size: int,
-    full_v2p: torch.Tensor | None,
-    swa_v2p: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    page_table: torch.Tensor,
-    swa_page_table: torch.Tensor | None,
-) -> None:
-    """One launch; see ``build_extend_metadata_reference`` for the contract."""

@@ -390,11 +390,17 @@ def paged_verify_attention_reference(
     split_size: int | None = None,
     kv_programs: int | None = None,
 ) -> torch.Tensor:
-    """The torch reference of :func:`paged_verify_attention` (module docstring): every page
-    of the table gathered (``[bs, W * page_size]`` keys), keys past ``cache_seqlens`` zeroed,
-    masked softmax in float32 (float64 for float64 inputs), GQA by grouping the query heads.
-    No host read. ``split_size`` and ``kv_programs`` (the kernel's work split) have no
-    effect here."""
+    """Paged attention of ``bs`` requests of ``q_len`` query rows each (module docstring);
+    returns ``o [bs * q_len, Hq, Dv]`` in q's dtype (``out`` when given).
+
+    The kernels: two launches, capturable (float64 runs the reference). ``split_size`` (keys
+    per split, default 64; rounded up to a multiple of the page size) and ``kv_programs``
+    (programs per row tile, default 4) set their work split; the output bits depend on them
+    (and on nothing of the request beyond each row's own keys), so keep them fixed where
+    outputs are compared. The reference gathers every page of the table (``[bs, W *
+    page_size]`` keys), zeroes keys past ``cache_seqlens`` and runs a masked softmax in float32
+    (float64 for float64 inputs), GQA by grouping the query heads; no host read; the work
+    split has no effect there."""
     _check(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, q_len, max_seqlen_k,
            scale, window, sinks, out)  # fmt: skip
     bs, w = page_table.shape
@@ -539,35 +545,10 @@ def _check_args(
     return q.dtype != torch.float64
 
 
-@kernel_op(
+paged_verify_attention = kernel_op(
+    "paged_verify_attention",
     triton=paged_verify_attention_triton,
     reference=paged_verify_attention_reference,
     device_of="q",
     check=_check_args,
 )
-def paged_verify_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    page_table: torch.Tensor,
-    *,
-    q_len: int,
-    max_seqlen_k: int,
-    scale: float,
-    window: int | None = None,
-    sinks: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    split_size: int | None = None,
-    kv_programs: int | None = None,
-) -> torch.Tensor:
-    """Paged attention of ``bs`` requests of ``q_len`` query rows each (module docstring);
-    returns ``o [bs * q_len, Hq, Dv]`` in q's dtype (``out`` when given).
-
-    Triton on CUDA (``_dispatch.kernel_op``): two launches, capturable. Float64 inputs and
-    the reference backend run :func:`paged_verify_attention_reference`.
-    ``split_size`` (keys per split, default 64; rounded up to a multiple of the page size)
-    and ``kv_programs`` (programs per row tile, default 4) set the work split; the output
-    bits depend on them (and on nothing of the request beyond each row's own keys), so keep
-    them fixed where outputs are compared."""

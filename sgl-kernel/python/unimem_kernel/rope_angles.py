@@ -102,7 +102,9 @@ def rope_cos_sin_reference(
     factor: float | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`rope_cos_sin`: the models' own formula."""
+    """``(cos, sin) [T, H]`` of ``positions[t] * inv_freq[j]`` (times ``factor`` when given),
+    in ``out_dtype`` (default ``inv_freq``'s) — module docstring. The kernel takes float32
+    ``inv_freq``; the reference is the models' own formula."""
     angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
     c, s = angles.cos(), angles.sin()
     if factor is not None:
@@ -143,18 +145,10 @@ def _check_args(
     return inv_freq.dtype == torch.float32 and out_dtype != torch.float64
 
 
-@kernel_op(
+rope_cos_sin = kernel_op(
+    "rope_cos_sin",
     triton=rope_cos_sin_triton,
     reference=rope_cos_sin_reference,
     device_of="positions",
     check=_check_args,
 )
-def rope_cos_sin(
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    factor: float | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin) [T, H]`` of ``positions[t] * inv_freq[j]`` (times ``factor`` when given),
-    in ``out_dtype`` (default ``inv_freq``'s) — module docstring. Triton for float32
-    ``inv_freq`` on CUDA, the reference otherwise (``_dispatch.kernel_op``)."""

@@ -154,7 +154,7 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 def gumbel_argmax_reference(
     scaled: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """The torch reference (module docstring); returns ``out``."""
+    """The draw of the module docstring into ``out``, returned."""
     noise = gumbel_noise(keys, scaled.shape[-1])
     scores = torch.where(scaled >= cut[:, None], scaled + noise, -math.inf)
     out.copy_(torch.argmax(scores, dim=-1))
@@ -176,14 +176,10 @@ def _check_draw(
         raise ValueError("keys and out must be int64")
 
 
-@kernel_op(
+gumbel_argmax = kernel_op(
+    "gumbel_argmax",
     triton=gumbel_argmax_triton,
     reference=gumbel_argmax_reference,
     device_of="scaled",
     check=_check_draw,
 )
-def gumbel_argmax(
-    scaled: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """The draw of the module docstring into ``out``, returned. Triton on CUDA, the reference
-    elsewhere (``_dispatch.kernel_op``)."""

@@ -486,8 +486,8 @@ def _commit_states_multi_planned_reference(
     vslots: torch.Tensor,
     state_v2p: torch.Tensor | None,
 ) -> None:
-    """``commit_states_multi_reference`` of ``plan``'s pairs (the reference side of
-    ``commit_states_multi``)."""
+    """Commit every pair of ``plan`` in one launch; per pair as ``commit_states`` (the
+    reference: ``commit_states_multi_reference`` of the plan's pairs)."""
     commit_states_multi_reference(plan.scratches, accepted, vslots, state_v2p, plan.dests)
 
 
@@ -496,26 +496,17 @@ def _commit_states_multi_planned_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@kernel_op(triton=commit_states_triton, reference=commit_states_reference, device_of="dest")
-def commit_states(
-    scratch: torch.Tensor,
-    accepted: torch.Tensor,
-    vslots: torch.Tensor,
-    state_v2p: torch.Tensor | None,
-    dest: torch.Tensor,
-) -> None:
-    """One launch; see ``commit_states_reference`` and the module docstring."""
+commit_states = kernel_op(
+    "commit_states",
+    triton=commit_states_triton,
+    reference=commit_states_reference,
+    device_of="dest",
+)
 
 
-@kernel_op(
+commit_states_multi = kernel_op(
+    "commit_states_multi",
     triton=commit_states_multi_triton,
     reference=_commit_states_multi_planned_reference,
     device_of=lambda plan, *args, **kwargs: plan.dests[0],
 )
-def commit_states_multi(
-    plan: StateCommitPlan,
-    accepted: torch.Tensor,
-    vslots: torch.Tensor,
-    state_v2p: torch.Tensor | None,
-) -> None:
-    """Commit every pair of ``plan`` in one launch; per pair as ``commit_states``."""

@@ -245,15 +245,11 @@ def fill_units_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@kernel_op(triton=copy_units_triton, reference=copy_units_reference, device_of="buf")
-def copy_units(
-    buf: torch.Tensor, base: int, unit_bytes: int, src: torch.Tensor, dst: torch.Tensor
-) -> None:
-    """See ``copy_units_reference`` for the contract."""
+copy_units = kernel_op(
+    "copy_units", triton=copy_units_triton, reference=copy_units_reference, device_of="buf"
+)
 
 
-@kernel_op(triton=fill_units_triton, reference=fill_units_reference, device_of="buf")
-def fill_units(
-    buf: torch.Tensor, base: int, unit_bytes: int, ids: torch.Tensor, byte_value: int
-) -> None:
-    """See ``fill_units_reference`` for the contract."""
+fill_units = kernel_op(
+    "fill_units", triton=fill_units_triton, reference=fill_units_reference, device_of="buf"
+)

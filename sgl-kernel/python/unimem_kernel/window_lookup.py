@@ -98,7 +98,8 @@ def window_lookup_reference(
     width: int,
     offset: int = 0,
 ) -> list[torch.Tensor]:
-    """The torch reference of :func:`window_lookup` (arguments already checked)."""
+    """Lane ``b``'s ``width`` cells of each table (a sequence of one or two) from
+    ``(rows[b], starts[b] + offset)`` (module docstring)."""
     n_rows, n_cols = tables[0].shape
     r = rows.long()[:, None]
     p = starts.long()[:, None] + offset + torch.arange(width, device=rows.device)[None, :]
@@ -141,19 +142,10 @@ def _check_lookup(
     _check(tuple(tables), rows, starts, width)
 
 
-@kernel_op(
+window_lookup = kernel_op(
+    "window_lookup",
     triton=window_lookup_triton,
     reference=window_lookup_reference,
     device_of="rows",
     check=_check_lookup,
 )
-def window_lookup(
-    tables: Sequence[torch.Tensor],
-    rows: torch.Tensor,
-    starts: torch.Tensor,
-    width: int,
-    offset: int = 0,
-) -> list[torch.Tensor]:
-    """Lane ``b``'s ``width`` cells of each table (a sequence of one or two) from
-    ``(rows[b], starts[b] + offset)`` (module docstring). Triton on CUDA, the reference
-    elsewhere (``_dispatch.kernel_op``)."""

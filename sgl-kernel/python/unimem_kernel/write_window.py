@@ -448,41 +448,17 @@ def gather_ragged_write_window_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@kernel_op(
+gather_write_window = kernel_op(
+    "gather_write_window",
     triton=gather_write_window_triton,
     reference=gather_write_window_reference,
     device_of="out_full",
 )
-def gather_write_window(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    width: int,
-    page_size: int,
-    full_v2p: torch.Tensor | None,
-    swa_v2p: torch.Tensor | None,
-    out_full: torch.Tensor,
-    out_swa: torch.Tensor | None,
-    out_positions: torch.Tensor,
-) -> None:
-    """One launch; see ``gather_write_window_reference`` for the contract."""
 
 
-@kernel_op(
+gather_ragged_write_window = kernel_op(
+    "gather_ragged_write_window",
     triton=gather_ragged_write_window_triton,
     reference=gather_ragged_write_window_reference,
     device_of="out_full",
 )
-def gather_ragged_write_window(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    page_size: int,
-    full_v2p: torch.Tensor | None,
-    swa_v2p: torch.Tensor | None,
-    out_full: torch.Tensor,
-    out_swa: torch.Tensor | None,
-    out_positions: torch.Tensor,
-) -> None:
-    """One launch; see ``gather_ragged_write_window_reference`` for the contract."""
