@@ -160,11 +160,16 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def _recording(module, *kernels: str) -> Iterator[dict[str, _Recorder]]:
-    recs = {k: _Recorder(getattr(module, k)) for k in kernels}
+def _recording(kernels: tuple[tuple[str, str], ...]) -> Iterator[dict[str, _Recorder]]:
+    """Every ``(module, kernel)`` replaced by a recorder in the module that defines it (where
+    its launchers look it up), by kernel name."""
+    import importlib
+
+    homes = {k: importlib.import_module(m) for m, k in kernels}
+    recs = {k: _Recorder(getattr(home, k)) for k, home in homes.items()}
     with contextlib.ExitStack() as stack:
         for k, r in recs.items():
-            stack.enter_context(mock.patch.object(module, k, r))
+            stack.enter_context(mock.patch.object(homes[k], k, r))
         yield recs
 
 
@@ -667,33 +672,46 @@ def _gdn_chunked_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _in(module: str, *kernels: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f"unimem_kernel.{module}", k) for k in kernels)
+
+
+# the kernels each group of launches records: (the module that defines it, its name)
 _KERNELS = {
     "unimem_kernel.fused": (
-        "_add_rms_norm_kernel",
-        "_norm_add_rms_norm_kernel",
-        "_gated_act_kernel",
-        "_gdn_gates_kernel",
-        "_gated_rms_norm_kernel",
-        "_rope_qk_kernel",
-        "_sigmoid_gate_kernel",
+        *_in(
+            "fused_norms",
+            "_add_rms_norm_kernel",
+            "_norm_add_rms_norm_kernel",
+            "_gated_rms_norm_kernel",
+        ),
+        *_in("fused_activations", "_gated_act_kernel", "_gdn_gates_kernel", "_sigmoid_gate_kernel"),
+        *_in("fused_rope", "_rope_qk_kernel"),
     ),
-    "unimem_kernel.batch_invariant": (
+    "unimem_kernel.batch_invariant": _in(
+        "batch_invariant",
         "_bi_matmul_kernel",
         "_bi_grouped_kernel",
         "_bi_rms_norm_kernel",
         "_bi_log_softmax_kernel",
     ),
-    "unimem_kernel.gdn": ("_conv_kernel", "_conv_commit_kernel", "_rule_kernel"),
-    "unimem_kernel.kv_store": ("_store_kv_kernel", "_rope_store_kernel"),
-    "unimem_kernel.greedy_accept": ("_row_argmax_kernel", "_accept_kernel"),
-    "unimem_kernel.greedy_pick": ("_partial_kernel", "_combine_kernel"),
-    "unimem_kernel.draft_pick": ("_markov_pick_kernel",),
-    "unimem_kernel.expert_combine": ("_moe_combine_kernel",),
-    "unimem_kernel.expert_route": ("_count_kernel", "_scan_kernel", "_place_kernel"),
-    "unimem_kernel.gdn_chunked": ("_chunked_rule_kernel",),
-    "unimem_kernel.lane_commit": ("_commit_lanes_kernel",),
-    "unimem_kernel.window_lookup": ("_window_lookup_kernel",),
-    "unimem_kernel.rope_angles": ("_rope_cos_sin_kernel",),
+    "unimem_kernel.gdn": (
+        *_in("gdn_conv", "_conv_kernel"),
+        *_in("gdn_replay", "_conv_commit_kernel"),
+        *_in("gdn_rule", "_rule_kernel"),
+    ),
+    "unimem_kernel.kv_store": _in("kv_store", "_store_kv_kernel", "_rope_store_kernel"),
+    "unimem_kernel.greedy_accept": _in("greedy_accept", "_row_argmax_kernel", "_accept_kernel"),
+    "unimem_kernel.greedy_pick": _in("greedy_pick", "_partial_kernel", "_combine_kernel"),
+    "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
+    "unimem_kernel.expert_combine": _in("expert_combine", "_moe_combine_kernel"),
+    "unimem_kernel.expert_route": _in(
+        "expert_route", "_count_kernel", "_scan_kernel", "_place_kernel"
+    ),
+    "unimem_kernel.gdn_chunked": _in("gdn_chunked", "_chunked_rule_kernel"),
+    "unimem_kernel.lane_commit": _in("lane_commit", "_commit_lanes_kernel"),
+    "unimem_kernel.window_lookup": _in("window_lookup", "_window_lookup_kernel"),
+    "unimem_kernel.rope_angles": _in("rope_angles", "_rope_cos_sin_kernel"),
 }
 
 _LAUNCHES = {
@@ -736,8 +754,6 @@ def variants(crosscheck: bool = False) -> list[Variant]:
     signature, constexprs, attributes and options) once, under the first launch's name.
     ``crosscheck``: also compare each launch's specialisation with Triton's own JIT's
     (``jit_mismatch`` says how they differ; ``"n/a"`` when this Triton's internals differ)."""
-    import importlib
-
     import torch
 
     os.environ["UNIMEM_KERNEL_BACKEND"] = "triton"
@@ -745,12 +761,13 @@ def variants(crosscheck: bool = False) -> list[Variant]:
     torch.manual_seed(0)
     out: list[Variant] = []
     seen: dict[tuple, Variant] = {}
-    for modname, kernels in _KERNELS.items():
-        module = importlib.import_module(modname)
-        for label, run in _LAUNCHES[modname]():
-            with _recording(module, *kernels) as recs:
+    for group, kernels in _KERNELS.items():
+        homes = {k: m for m, k in kernels}
+        for label, run in _LAUNCHES[group]():
+            with _recording(kernels) as recs:
                 run()
             for kname, rec in recs.items():
+                modname = homes[kname]
                 for args, kwargs in rec.calls:
                     sig, consts, attrs, options = specialize(rec.fn, args, kwargs)
                     mismatch = None
