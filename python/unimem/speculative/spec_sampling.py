@@ -136,9 +136,9 @@ def chain_accept(
     ``limit [bs]`` (optional; a ragged verify of ``limit + 1`` rows): the chain of request
     ``b`` is its first ``limit[b]`` drafts — drafts past it are never accepted and row
     ``limit[b]`` is the bonus draw from ``p`` (its ``q`` counts as 0), exactly the chain
-    accept of ``gamma = limit[b]``; rows of ``p`` past ``limit`` are never used. Only the one row a lane draws from
-    (its first rejection, or the bonus) is turned into a residual distribution: ``[bs, V]``
-    temporaries, not ``[bs, gamma + 1, V]``."""
+    accept of ``gamma = limit[b]``; rows of ``p`` past ``limit`` are never used. Only the
+    one row a lane draws from (its first rejection, or the bonus) becomes a residual
+    distribution: ``[bs, V]`` temporaries, not ``[bs, gamma + 1, V]``."""
     bs, gamma = draft.shape
     vocab = p.shape[-1]
     if q.shape != (bs, gamma, vocab) or p.shape != (bs, gamma + 1, vocab):
