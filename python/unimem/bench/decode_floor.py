@@ -459,11 +459,12 @@ def llama_server(bin_dir: Path, gguf: str, prompts: list[list[int]], conc: list[
             log(f"  llama-server c={c}: {out[c]:.0f} tok/s")
         return out
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:  # (a server that died on its own has nothing to stop)
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         logf.close()
 
 
