@@ -1,4 +1,4 @@
-"""No module imports a package above it (DESIGN §2): walk every module's imports."""
+"""No module imports a package above it (docs/structures.md): walk every module's imports."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ LAYERS = [
     "unimem.models",
     "unimem.speculative",
     "unimem.engine",
+    "unimem.training",
     "unimem.validate",
     "unimem.serve",
+    "unimem.bench",
     "unimem.__main__",
 ]
 

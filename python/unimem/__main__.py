@@ -1,5 +1,6 @@
-"""Command line: ``python -m unimem validate ...`` and ``python -m unimem bench ...`` (see
-``--help``).
+"""Command line: ``python -m unimem validate ...``, ``python -m unimem bench [SUITE] ...``
+(the suites are :mod:`unimem.bench`'s, ``e2e`` the default) and ``python -m unimem envs``
+(every ``UNIMEM_*`` switch with its default and doc); see ``--help``.
 
 Errors a user can make — a count that is not positive, an arena size that is not a finite
 positive number, an output path (``--json``, ``--plot``) that cannot be written (checked
@@ -16,6 +17,7 @@ import sys
 
 import torch
 
+from unimem.bench import DEFAULT_SUITE, SUITES, run_suite
 from unimem.models.presets import preset_names
 from unimem.validate.protocol import (
     BACKENDS,
@@ -26,6 +28,7 @@ from unimem.validate.protocol import (
     validate,
 )
 from unimem.validate.report import format_table, passed, write_json
+from unimem_kernel import envs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,11 +48,22 @@ def _parser() -> argparse.ArgumentParser:
     _add_run_args(v, ValidateConfig())
     b = sub.add_parser(
         "bench",
-        help="the validation protocol at serving sizes on one GPU, with the unified/static "
-        "throughput ratio (defaults: small preset, 48 x 512 -> 2048 tokens, DSPARK gamma 7)",
+        help="measurements: the validation protocol at serving sizes on one GPU, with the "
+        "unified/static throughput ratio (suite e2e, the default: small preset, 48 x 512 -> "
+        "2048 tokens, DSPARK gamma 7), or another suite",
+        usage="python -m unimem bench [SUITE] [FLAGS]",
+        description=_bench_suites_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_args(b, bench_config())
+    sub.add_parser("envs", help="list every UNIMEM_* environment switch, its default and doc")
     return p
+
+
+def _bench_suites_text() -> str:
+    lines = ["suites (python -m unimem bench SUITE --help for a suite's flags):"]
+    lines += [f"  {name:<14}{text}" for name, (_, text) in SUITES.items()]
+    return "\n".join(lines + ["", "The flags below are the e2e suite's."])
 
 
 def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
@@ -170,7 +184,7 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         metavar="DIR",
         default=None,
         help="with --spec dspark: a drafter checkpoint directory (config.json, "
-        "model.safetensors; e.g. from python -m unimem.speculative.distill) instead of the "
+        "model.safetensors; e.g. from python -m unimem.training.distill) instead of the "
         "seeded drafter",
     )
     v.add_argument(
@@ -279,7 +293,12 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in SUITES:
+            if argv[1] != DEFAULT_SUITE:
+                return run_suite(argv[1], argv[2:])
+            argv = ["bench", *argv[2:]]
         return _main(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -288,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "envs":
+        print(envs.describe())
+        return 0
     try:
         _check_flags(args)
         cfg = _config(args)

@@ -9,12 +9,12 @@ the ``small`` preset's sizes) with ``triton.compile`` for ``GPUTarget("cuda", 90
 cubin with Triton's bundled ``ptxas`` (to PTX without one). It also checks that the
 signatures it compiles are the ones Triton's own JIT would specialise the launches to.
 
-The work runs in ``benchmark/compile_check.py``, in a subprocess with ``TRITON_INTERPRET``
+The work runs in ``tools/compile_check.py``, in a subprocess with ``TRITON_INTERPRET``
 unset: under the interpreter ``@triton.jit`` returns interpreted functions, which cannot be
 compiled, and ``TRITON_INTERPRET`` must be unset before ``triton`` is imported. Skipped (with
 the reason) when the installed Triton cannot compile for CUDA here.
 Register use and spills are not asserted (a performance matter, for the GPU benchmarks):
-``python benchmark/compile_check.py`` prints them per variant.
+``python tools/compile_check.py`` prints them per variant.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.slow
 
 _ROOT = Path(__file__).resolve().parents[2]
-_SCRIPT = _ROOT / "benchmark" / "compile_check.py"
+_SCRIPT = _ROOT / "tools" / "compile_check.py"
 _CANNOT_COMPILE = 77  # compile_check.py's exit status when this Triton cannot compile here
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from kernel_devices import DEVICES, INTERPRET
 
 from unimem_kernel import fused as fu
+from unimem_kernel import fused_activations, fused_norms
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 DTYPES = [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16")]
@@ -89,7 +90,7 @@ def test_add_rms_norm_matches_reference(triton_backend, device, dtype, zero_cent
 
 def test_add_rms_norm_multi_chunk_path(triton_backend, monkeypatch):
     """Rows longer than the chunk walk it twice (the chunk lowered to 16: D = 37 is 3)."""
-    monkeypatch.setattr(fu, "_row_block", lambda d: 16)
+    monkeypatch.setattr(fused_norms, "_row_block", lambda d: 16)
     g = _gen(2)
     for dtype in (F32, BF16):
         x, delta = rand(g, 5, 37, dtype=dtype), rand(g, 5, 37, dtype=dtype)
@@ -102,7 +103,7 @@ def test_add_rms_norm_multi_chunk_path(triton_backend, monkeypatch):
         else:
             assert_ulp(y, y0, 1)
     # the same rows in one chunk give the same new_x and (to rounding) the same norm
-    monkeypatch.setattr(fu, "_row_block", lambda d: 64)
+    monkeypatch.setattr(fused_norms, "_row_block", lambda d: 64)
     s1, y1 = fu.add_rms_norm(x, delta, w, EPS)
     assert torch.equal(s1, s) and rel_err(y1, y0) <= 1e-2
 
@@ -244,7 +245,7 @@ def test_sigmoid_gate_matches_reference(triton_backend, monkeypatch, device, dty
     """``o * sigmoid(gate)`` with the gate a column slice of the stacked q/gate projection (as
     ``GatedAttention`` holds it): the kernel's ``exp`` against torch's, so bf16 within 1 ulp and
     fp32 within 1e-6; ``tile`` 32 gives each head its own program."""
-    monkeypatch.setattr(fu, "_SIGMOID_GATE_TILE", tile)
+    monkeypatch.setattr(fused_activations, "_SIGMOID_GATE_TILE", tile)
     g = _gen(21)
     t, h, d = 5, 3, 19
     o = rand(g, t, h, d, dtype=dtype, device=device)
@@ -551,7 +552,7 @@ def test_norm_add_rms_norm_matches_reference(
     add_rms_norm_reference), in one chunk and walking a row in chunks of 16 (D = 37);
     without a next weight only the sum comes back."""
     if chunk is not None:
-        monkeypatch.setattr(fu, "_row_block", lambda d: chunk)
+        monkeypatch.setattr(fused_norms, "_row_block", lambda d: chunk)
     g = _gen(7)
     wide = rand(g, 6, 50, dtype=dtype, device=device, scale=2.0)
     x = wide[:, 5:42]  # strided rows, odd D = 37

@@ -450,16 +450,15 @@ def _engine_states(monkeypatch, replay: bool):
     """A DSPARK engine run (``tiny`` preset, float64) through the Triton kernels: outputs and
     every GDN layer's SSM slot states after each verify commit."""
     from unimem.attention.torch_backend import TorchReferenceBackend
-    from unimem.engine import runner as runner_mod
     from unimem.engine.core import EngineCore
-    from unimem.engine.draft_runner import draft_config_for
     from unimem.memory.static import StaticMemory
     from unimem.models.config import memory_spec
     from unimem.models.presets import preset
     from unimem.models.synthetic import HybridModel
+    from unimem.speculative import verify_step as verify_mod
     from unimem.speculative.chain import DsparkChain
     from unimem.speculative.control import AcceptanceControl
-    from unimem.speculative.drafter import DsparkDrafter
+    from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
     # the ``tiny`` preset's layer kinds at interpreter-friendly widths
     cfg = dataclasses.replace(preset("tiny"), d_model=32, ffn_dim=64, vocab_size=64,
@@ -478,38 +477,39 @@ def _engine_states(monkeypatch, replay: bool):
     refs = {r.rid: p + r.output for r, p in zip(reqs, prompts, strict=True)}
     control = AcceptanceControl(0.6, 0, refs)
 
-    monkeypatch.setattr(runner_mod, "GDN_REPLAY_COMMIT", replay)
+    monkeypatch.setattr(verify_mod, "GDN_REPLAY_COMMIT", replay)
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
     spec = memory_spec(cfg, 16, draft_lanes=drafter.config.lanes())
     pool = StaticMemory(spec, 256, 256, 2, 2, cfg.max_context)
     eng = EngineCore(model, pool, TorchReferenceBackend(), 2, 64,
                      chain=DsparkChain(drafter, 3, control))  # fmt: skip
-    assert eng.runner.gdn_replay_commit is replay
+    verifier = eng.runner.verifier
+    assert verifier.gdn_replay_commit is replay
     snaps, counts = [], []
-    commit = eng.runner._commit_gdn
+    commit = verifier.commit_gdn
 
     def recording(accepted, vslots, slots):
         commit(accepted, vslots, slots)
         counts.extend(accepted.tolist())
-        for i in sorted({*eng.runner.verify_scratch, *eng.runner.verify_records}):
+        for i in sorted({*verifier.scratch, *verifier.records}):
             snaps.append(pool.state_cache(pool.spec.lane_of_layer(i))[1].clone())
 
-    eng.runner._commit_gdn = recording
+    verifier.commit_gdn = recording
     reqs = [eng.submit(p, 8) for p in prompts]
     eng.run()
     assert len(set(counts)) > 1, counts  # several accepted counts were committed
-    return [r.output for r in reqs], snaps, eng.runner
+    return [r.output for r in reqs], snaps, verifier
 
 
 def test_engine_dspark_replay_commit_bitwise(monkeypatch):
-    out_new, snaps_new, runner = _engine_states(monkeypatch, True)
-    out_old, snaps_old, runner_old = _engine_states(monkeypatch, False)
-    sizes = {i: rec.nbytes for i, rec in runner.verify_records.items()}
+    out_new, snaps_new, verifier = _engine_states(monkeypatch, True)
+    out_old, snaps_old, verifier_old = _engine_states(monkeypatch, False)
+    sizes = {i: rec.nbytes for i, rec in verifier.records.items()}
     sizes_old = {
         i: sum(t.numel() * t.element_size() for t in pair)
-        for i, pair in runner_old.verify_scratch.items()
+        for i, pair in verifier_old.scratch.items()
     }
-    assert not runner.verify_scratch and not runner_old.verify_records
+    assert not verifier.scratch and not verifier_old.records
     assert out_new == out_old
     assert len(snaps_new) == len(snaps_old) > 0
     for a, b in zip(snaps_new, snaps_old, strict=True):

@@ -280,14 +280,15 @@ def test_builder_runs_the_triton_kernels_on_cpu(monkeypatch):
     import unimem_kernel.metadata as metadata_ops
 
     launched = []
-    real = metadata_ops.use_triton
+    for name in ("build_decode_metadata_triton", "build_extend_metadata_triton"):
+        real = getattr(metadata_ops, name)
 
-    def spy(t):
-        launched.append(real(t))
-        return launched[-1]
+        def spy(*args, _real=real, _name=name, **kwargs):
+            launched.append(_name)
+            return _real(*args, **kwargs)
 
+        monkeypatch.setattr(metadata_ops, name, spy)
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
-    monkeypatch.setattr(metadata_ops, "use_triton", spy)
     test_same_buffers_every_call_tails_cleared_values_exact("cpu")
     test_static_and_unified_are_bit_identical_and_exact("cpu")
-    assert launched and all(launched)
+    assert set(launched) == {"build_decode_metadata_triton", "build_extend_metadata_triton"}

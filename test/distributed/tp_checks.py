@@ -13,7 +13,6 @@ import torch
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import TPGroups, check_agreement, vocab_tables
-from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.pools import plan_pools
 from unimem.models.config import memory_spec
 from unimem.models.loader import load_checkpoint
@@ -21,7 +20,7 @@ from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.models.tensor_parallel import SINGLE, full_config
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 OUT = 10
 GAMMA = 3

@@ -1,6 +1,6 @@
-"""benchmark/bench_decode_floor.py's dry run on the CPU (a tiny Gemma 3 checkpoint, waves of 1
-and 2 requests): it runs static and unified, checks them token for token and writes the
-issue's JSON schema."""
+"""``python -m unimem bench decode-floor``'s dry run on the CPU (a tiny Gemma 3 checkpoint,
+waves of 1 and 2 requests): it runs static and unified, checks them token for token and
+writes the issue's JSON schema."""
 
 from __future__ import annotations
 
@@ -9,17 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "test" / "models"))
 
 import tiny_gemma3  # noqa: E402
 
-SCRIPT = ROOT / "benchmark" / "bench_decode_floor.py"
 
-
-@pytest.mark.slow  # a benchmark tool's run in a subprocess
 def test_cpu_dry_run_writes_the_schema(tmp_path):
     ckpt = tmp_path / "gemma"
     tiny_gemma3.build(ckpt, num_hidden_layers=2,
@@ -28,8 +24,9 @@ def test_cpu_dry_run_writes_the_schema(tmp_path):
     prompts.write_text(json.dumps([[5, 6, 7, 8, 9], [11, 12, 13]]))
     out = tmp_path / "out.json"
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model-path", str(ckpt), "--device", "cpu",
-         "--dtype", "float32", "--concurrency", "1,2", "--tokens", "3", "--page-size", "4",
+        [sys.executable, "-m", "unimem", "bench", "decode-floor", "--model-path", str(ckpt),
+         "--device", "cpu", "--dtype", "float32", "--concurrency", "1,2", "--tokens", "3",
+         "--page-size", "4",
          "--prompts", str(prompts), "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

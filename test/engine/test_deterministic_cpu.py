@@ -17,14 +17,13 @@ import torch
 import unimem_kernel
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.unified import UnifiedMemory
 from unimem.models import batch_invariant
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 
 @pytest.fixture

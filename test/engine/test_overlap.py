@@ -11,13 +11,12 @@ import torch
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.cache import PrefixCache
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.unified import UnifiedMemory
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from unimem.attention.torch_backend import TorchReferenceBackend
-from unimem.engine import sampling as sampling_mod
 from unimem.engine.api import SamplingParams
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.sampling import (
     SamplingOptions,
     default_seed,
@@ -27,11 +25,12 @@ from unimem.engine.sampling import (
 )
 from unimem.engine.step_io import DeviceSamplingState
 from unimem.memory.unified import UnifiedMemory
+from unimem.models import sampler as sampling_mod
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 
 def _rows(n, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0):
@@ -421,3 +420,26 @@ def test_gpu_sampled_cuda_graph_decode_is_sync_free_and_equals_eager():
     greedy = run(True, [None] * 4, sync_debug=False)
     assert [graphed[i] for i in (0, 2)] == [greedy[i] for i in (0, 2)]
     assert all(graphed[i] != greedy[i] for i in (1, 3))
+
+
+def test_filters_in_row_chunks_equal_the_whole_batch(monkeypatch):
+    """keep_threshold and filtered_probs work on chunks of rows (their temporaries stay
+    bounded at any batch); the chunks change nothing, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    n, vocab = 23, 97
+    logits = torch.randn(n, vocab, generator=g) * 3
+    temperature = torch.rand(n, generator=g) + 0.1
+    temperature[::5] = 0.0  # greedy rows among them
+    top_k = torch.randint(-1, 40, (n,), generator=g, dtype=torch.int32)
+    top_p = torch.rand(n, generator=g).clamp(min=0.05)
+    top_p[::3] = 1.0
+    min_p = torch.rand(n, generator=g) * 0.2
+    scaled = logits / temperature.clamp(min=0.1)[:, None]
+    whole_cut = sampling_mod.keep_threshold(scaled, top_k, top_p, min_p)
+    whole_p = sampling_mod.filtered_probs(logits, temperature, top_k, top_p, min_p)
+    monkeypatch.setattr(sampling_mod, "THRESHOLD_CHUNK_ELEMENTS", 4 * vocab)  # chunks of 4 rows
+    assert len(sampling_mod._row_chunks(n, vocab)) == 6
+    assert torch.equal(sampling_mod.keep_threshold(scaled, top_k, top_p, min_p), whole_cut)
+    chunked_p = sampling_mod.filtered_probs(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(chunked_p, whole_p)
+    assert torch.allclose(chunked_p.sum(-1), torch.ones(n))

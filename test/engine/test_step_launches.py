@@ -1,4 +1,4 @@
-"""Kernel launches per decoder layer of one eager decode step (``benchmark/step_launches.py``),
+"""Kernel launches per decoder layer of one eager decode step (:mod:`unimem.bench.launches`),
 on the CPU with the Triton kernels forced through the interpreter, so that the count is the
 GPU path's: a tiny Gemma 3 checkpoint and the Qwen3-Next-shaped synthetic hybrid model (GDN,
 full and sliding attention, SwiGLU), each at most 12 launches per layer (the attention
@@ -17,15 +17,14 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmark"))
 sys.path.insert(0, str(ROOT / "test" / "models"))
 
 import tiny_gemma3  # noqa: E402
 import tiny_tokenizer  # noqa: E402
-from step_launches import OUTSIDE, count_step_launches  # noqa: E402
 
 import unimem  # noqa: E402
 from unimem.attention.torch_backend import TorchReferenceBackend  # noqa: E402
+from unimem.bench.launches import OUTSIDE, count_step_launches  # noqa: E402
 from unimem.engine.core import EngineCore  # noqa: E402
 from unimem.memory.static import StaticMemory  # noqa: E402
 from unimem.models.config import memory_spec  # noqa: E402

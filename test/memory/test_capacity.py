@@ -4,29 +4,13 @@ sweep, fast CPU byte ops) agree with the real code."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import unimem_kernel as uk
+from unimem.bench import capacity as bc
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_capacity.py"
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_capacity", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_capacity"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bc = _load_bench()
 
 SPEC = memory_spec(preset("tiny"), 16)  # window 16: a long request keeps 2 SWA pages
 BUDGET = 32 << 20

@@ -137,6 +137,7 @@ def test_bad_arguments_fail_before_anything_runs(checkpoint):
 
 
 def test_dspark_with_a_drafter_checkpoint(checkpoint, tmp_path, caplog):
+    from unimem.speculative.checkpoint import save_drafter
     from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
     _, path, prompts, expected = checkpoint
@@ -150,7 +151,7 @@ def test_dspark_with_a_drafter_checkpoint(checkpoint, tmp_path, caplog):
     drafter = DsparkDrafter(
         draft_config_for(model.config), model.embed_weight, model.lm_head_weight, seed=3
     )
-    drafter.save_pretrained(tmp_path / "drafter")
+    save_drafter(drafter, tmp_path / "drafter")
     plain.shutdown()
     engine = _engine(
         path,

@@ -170,14 +170,16 @@ def test_adaptive_verify_lengths_equal_fixed_through_the_engine(checkpoint, budg
 
 
 def test_adaptive_needs_a_drafter_with_a_confidence_head(checkpoint, tmp_path):
+    from unimem.speculative.checkpoint import save_drafter
     from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
     _, path, _, _ = checkpoint
     plain = _engine(path, max_total_tokens=1024)
     model = plain.model
     config = dataclasses.replace(draft_config_for(model.config), confidence=False)
-    DsparkDrafter(config, model.embed_weight, model.lm_head_weight, seed=3).save_pretrained(
-        tmp_path / "drafter"
+    save_drafter(
+        DsparkDrafter(config, model.embed_weight, model.lm_head_weight, seed=3),
+        tmp_path / "drafter",
     )
     plain.shutdown()
     spec = dict(

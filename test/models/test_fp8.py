@@ -10,7 +10,7 @@ scale gives differences of order 1): the loading, layouts and scales are right. 
 dequantised model with unquantised activations the difference is the activation quantisation
 itself (~2-3 % relative per GEMM input on this random model, compounded over 4 layers): mean
 |delta log-prob| <= 0.25 and top-1 agreement >= 70 % here (on real trained models
-benchmark/gpu_fp8.sh measures Gemma 3 270M)."""
+tools/device/gpu_fp8.sh measures Gemma 3 270M)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import unimem
-from unimem.models import fp8_linear
+from unimem.models import fp8_convert, fp8_linear
 from unimem.models.fp8_checkpoint import write_fp8_checkpoint
 from unimem.models.loader import load_model
 from unimem.models.quant_config import Fp8Config, resolve_quantization
@@ -180,12 +180,12 @@ def test_synthetic_preset_quantizes_in_place():
     from unimem.models.presets import preset
 
     model = HybridModel(preset("tiny"), seed=0)
-    names = fp8_linear.synthetic_fp8_names(model)
-    assert names and all(n.rsplit(".", 1)[1] in fp8_linear.SYNTHETIC_LINEARS for n in names)
+    names = fp8_convert.synthetic_fp8_names(model)
+    assert names and all(n.rsplit(".", 1)[1] in fp8_convert.SYNTHETIC_LINEARS for n in names)
     x = torch.randn(5, model.config.d_model, dtype=model.config.dtype)
     mlp = model.layers[0].mlp
     w = mlp.gate_up.detach().clone()
-    fp8_linear.quantize_in_place(model, names)
+    fp8_convert.quantize_in_place(model, names)
     assert mlp.gate_up.dtype == FP8_DTYPE
     y = fp8_linear.linear(x, mlp, "gate_up")
     ref = F.linear(x, w)
@@ -277,7 +277,7 @@ def test_online_fp8_other_architectures(arch, tmp_path):
 
 
 def test_make_checkpoint_writes_the_80b_shape_layer_by_layer(tmp_path):
-    """benchmark/make_checkpoint.py's direct FP8 writer (the one the 80B-shaped GPU run
+    """tools/make_checkpoint.py's direct FP8 writer (the one the 80B-shaped GPU run
     uses), on the tiny config: the hub layout, one shard per layer, and it loads."""
     import importlib.util
     from pathlib import Path
@@ -286,7 +286,7 @@ def test_make_checkpoint_writes_the_80b_shape_layer_by_layer(tmp_path):
 
     from unimem.models.word_tokenizer import save_word_tokenizer
 
-    script = Path(__file__).resolve().parents[2] / "benchmark" / "make_checkpoint.py"
+    script = Path(__file__).resolve().parents[2] / "tools" / "make_checkpoint.py"
     spec = importlib.util.spec_from_file_location("make_checkpoint", script)
     mc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mc)

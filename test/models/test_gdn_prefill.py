@@ -302,14 +302,13 @@ def test_engine_prefills_through_fla_static_equals_unified(monkeypatch, fla_call
     pytest.importorskip("flash_attn.cute", reason="FA4 not installed")
     from unimem.attention.fa4_backend import FA4Backend
     from unimem.engine.core import EngineCore
-    from unimem.engine.draft_runner import draft_config_for
     from unimem.memory.static import StaticMemory
     from unimem.memory.unified import UnifiedMemory
     from unimem.models.config import memory_spec
     from unimem.models.presets import preset
     from unimem.models.synthetic import HybridModel
     from unimem.speculative.chain import DsparkChain
-    from unimem.speculative.drafter import DsparkDrafter
+    from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
     monkeypatch.setenv(PREFILL_ENV, "fla")
     cfg = preset("gpu_test")

@@ -1,22 +1,21 @@
-"""benchmark/bench_serving.py without a server: its command-line errors (one line, exit 2)
-and the figure drawn from a run's JSON (--replot)."""
+"""``python -m unimem bench serving`` without a server: its command-line errors (one line,
+exit 2) and the figure drawn from a run's JSON (--replot)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmark" / "bench_serving.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "unimem", "bench", "serving", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

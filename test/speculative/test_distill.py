@@ -20,8 +20,9 @@ from unimem.models.config import HybridConfig, memory_spec
 from unimem.models.forward_context import masked_attention
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.checkpoint import load_drafter
-from unimem.speculative.distill import (
+from unimem.speculative.checkpoint import load_drafter, save_drafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem.training.distill import (
     DistillConfig,
     distill,
     greedy_rollouts,
@@ -29,8 +30,7 @@ from unimem.speculative.distill import (
     offline_accept_length,
     random_prompts,
 )
-from unimem.speculative.drafter import DsparkDrafter, draft_config_for
-from unimem.speculative.train_forward import block_logits_dense
+from unimem.training.train_forward import block_logits_dense
 from unimem.validate.protocol import ValidateConfig, validate
 
 GAMMA = 4
@@ -134,7 +134,7 @@ def test_distillation_lowers_the_loss_and_raises_the_accept_length(mini, tmp_pat
 
     # through the engine, on held-out prompts (another seed than the training prompts),
     # after a checkpoint round trip
-    drafter.save_pretrained(tmp_path / "d")
+    save_drafter(drafter, tmp_path / "d")
     distilled = load_drafter(tmp_path / "d", model)
     prompts = random_prompts(8, 16, cfg.vocab_size, seed=12345)
     ref, _ = _engine_run(model, prompts, 32)

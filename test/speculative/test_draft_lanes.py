@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from unimem.attention.backend import store_kv_paged
-from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.spec import LayerKind
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset
-from unimem.speculative.drafter import DraftConfig
+from unimem.speculative.drafter import DraftConfig, draft_config_for
 
 PAGE = 16
 

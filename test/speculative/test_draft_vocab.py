@@ -25,10 +25,10 @@ from unimem.models.config import HybridConfig, memory_spec
 from unimem.models.forward_context import masked_attention
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.checkpoint import load_drafter
-from unimem.speculative.distill import greedy_rollouts, random_prompts
+from unimem.speculative.checkpoint import load_drafter, save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
-from unimem.speculative.train_forward import block_logits_dense, distill_losses
+from unimem.training.distill import greedy_rollouts, random_prompts
+from unimem.training.train_forward import block_logits_dense, distill_losses
 
 GAMMA = 4
 K = 40
@@ -145,7 +145,7 @@ def test_sample_pick_sees_target_vocabulary(mini):
 
 def test_checkpoint_round_trip_and_errors(mini, tmp_path):
     drafter = _drafter(mini)
-    drafter.save_pretrained(tmp_path / "d")
+    save_drafter(drafter, tmp_path / "d")
     back = load_drafter(tmp_path / "d", mini)
     assert back.config.draft_vocab_size == K
     assert torch.equal(back.d2t, drafter.d2t)

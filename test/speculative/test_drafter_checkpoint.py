@@ -1,4 +1,4 @@
-"""DSPARK drafter checkpoints: ``save_pretrained`` -> ``load_drafter`` round trip and the load
+"""DSPARK drafter checkpoints: ``save_drafter`` -> ``load_drafter`` round trip and the load
 errors of a drafter that does not fit its target (each names the field or tensor)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from unimem.models.forward_context import masked_attention
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
-from unimem.speculative.checkpoint import load_drafter
+from unimem.speculative.checkpoint import load_drafter, save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 
@@ -66,7 +66,7 @@ def _proposals(drafter, n=24, gamma=5, bs=3, seed=0):
 def test_round_trip_gives_bit_identical_proposals(tiny, tmp_path):
     _, model = tiny
     drafter = _drafter(model, gamma=5)
-    drafter.save_pretrained(tmp_path / "d")
+    save_drafter(drafter, tmp_path / "d")
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
         "config.json",
         "model.safetensors",
@@ -95,7 +95,7 @@ def test_round_trip_gives_bit_identical_proposals(tiny, tmp_path):
 def test_config_json_names_the_fields(tiny, tmp_path):
     _, model = tiny
     drafter = _drafter(model)
-    drafter.save_pretrained(tmp_path)
+    save_drafter(drafter, tmp_path)
     d = json.loads((tmp_path / "config.json").read_text())
     assert d["format"] == "unimem-dspark-drafter"
     assert d["target_layers"] == [1, 3, 5]
@@ -108,7 +108,7 @@ def test_config_json_names_the_fields(tiny, tmp_path):
 def test_load_casts_to_the_requested_dtype(tiny, tmp_path):
     _, model = tiny
     drafter = _drafter(model)
-    drafter.save_pretrained(tmp_path)
+    save_drafter(drafter, tmp_path)
     loaded = load_drafter(tmp_path, model, dtype=torch.float32)
     assert loaded.config.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
@@ -145,7 +145,7 @@ _DROP = object()
 )
 def test_config_that_does_not_fit_fails_naming_the_field(tiny, tmp_path, changes, match):
     _, model = tiny
-    _drafter(model).save_pretrained(tmp_path)
+    save_drafter(_drafter(model), tmp_path)
     _edit_config(tmp_path, **changes)
     with pytest.raises(ValueError, match=match):
         load_drafter(tmp_path, model)
@@ -153,7 +153,7 @@ def test_config_that_does_not_fit_fails_naming_the_field(tiny, tmp_path, changes
 
 def test_shapes_that_do_not_fit_fail_naming_the_tensor(tiny, tmp_path):
     _, model = tiny
-    _drafter(model).save_pretrained(tmp_path)
+    save_drafter(_drafter(model), tmp_path)
     weights = tmp_path / "model.safetensors"
     good = load_file(str(weights))
 
@@ -183,6 +183,6 @@ def test_drafter_of_another_target_fails(tiny, tmp_path):
     cfg, model = tiny
     wide_cfg = dataclasses.replace(cfg, d_model=128, ffn_dim=256, vocab_size=300)
     wide = HybridModel(wide_cfg, seed=1)
-    _drafter(wide).save_pretrained(tmp_path)
+    save_drafter(_drafter(wide), tmp_path)
     with pytest.raises(ValueError, match="vocab_size 300 does not fit"):
         load_drafter(tmp_path, model)

@@ -10,7 +10,7 @@
 - the most frequent tokens make the draft vocabulary; prompt files with splits;
 - the shipped drafter of a model is used by default by ``Engine`` (DSPARK), an explicit
   drafter path wins, a drafter that does not fit is ignored;
-- slow tier: the whole command (``python -m unimem.engine.train_drafter``: Engine-written
+- slow tier: the whole command (``python -m unimem.training.train_drafter``: Engine-written
   data, training, checkpoint) and the engine's own accept length on held-out prompts
   (no acceptance control) against the untrained drafter, outputs exact.
 """
@@ -26,11 +26,12 @@ import torch
 
 from unimem.models.loader import load_checkpoint
 from unimem.speculative import shipped
-from unimem.speculative.distill import Rollouts, greedy_rollouts
+from unimem.speculative.checkpoint import save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
-from unimem.speculative.prompt_sets import read_prompts
-from unimem.speculative.teacher_forcing import BatchedSequencesContext, teacher_forced_states
-from unimem.speculative.trainer import (
+from unimem.training.distill import Rollouts, greedy_rollouts
+from unimem.training.prompt_sets import read_prompts
+from unimem.training.teacher_forcing import BatchedSequencesContext, teacher_forced_states
+from unimem.training.trainer import (
     TrainConfig,
     frequent_tokens,
     offline_accept_lengths,
@@ -190,8 +191,8 @@ def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch
     path, model = gemma
     root = tmp_path / "drafters"
     dc = draft_config_for(model.config, num_layers=1)
-    DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=5).save_pretrained(
-        root / path.name
+    save_drafter(
+        DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=5), root / path.name
     )
     monkeypatch.setattr(shipped, "DRAFTERS_DIR", root)
     kw = dict(model_path=str(path), dtype="float32", max_total_tokens=512)
@@ -201,7 +202,7 @@ def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch
     assert out["meta_info"]["spec_verify_ct"] >= 1 and out["meta_info"]["spec_accept_length"] >= 1
     eng.shutdown()
     other = tmp_path / "other"
-    DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=6).save_pretrained(other)
+    save_drafter(DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=6), other)
     eng = Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=str(other), **kw)
     assert eng.drafter_path == str(other)
     eng.shutdown()
@@ -213,10 +214,27 @@ def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch
     eng.shutdown()
 
 
+def test_generation_budget_keeps_the_first_round_and_stops_between_rounds(gemma, tmp_path):
+    """``--gen-time-budget`` counts generation only: a budget already spent when the
+    first round starts (engine start-up can take longer than the budget on a GPU) still
+    yields that round's text, and no round starts after the budget is spent."""
+    from unimem.training.train_drafter import generate, parser
+
+    path, _ = gemma
+    argv = [
+        "--model-path", str(path), "--out", str(tmp_path / "d"), "--device", "cpu",
+        "--dtype", "float32", "--bos-prompts", "12", "--gen-chunk", "4", "--prompt-len", "4",
+        "--gen-len", "6", "--temperatures", "0", "--gen-time-budget", "1e-9",
+    ]  # fmt: skip
+    text = generate(parser().parse_args(argv), log=lambda *_: None)
+    assert text.info["prompts"] == 4  # one round of --gen-chunk, then the budget stops it
+    assert 0 < len(text.sequences) == len(text.prompt_lens) <= 4
+
+
 @pytest.mark.slow
 def test_train_drafter_command_end_to_end(gemma, tmp_path):
     from unimem.engine.api import Engine
-    from unimem.engine.train_drafter import main
+    from unimem.training.train_drafter import main
 
     path, _ = gemma
     held = tmp_path / "held.jsonl"
@@ -237,7 +255,7 @@ def test_train_drafter_command_end_to_end(gemma, tmp_path):
     ]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads((out / "training.json").read_text())
-    assert summary["command"].startswith("python -m unimem.engine.train_drafter")
+    assert summary["command"].startswith("python -m unimem.training.train_drafter")
     assert summary["accept_after"] > summary["accept_before"] + 0.5, summary
     texts = read_prompts(held, "heldout")
     kw = dict(model_path=str(path), dtype="float32", max_total_tokens=2048)

@@ -31,7 +31,6 @@ from test_spec_sampling import ANCHOR, LANES, OUT, START, _chains, _filtered, _p
 from unimem.attention.metadata import MetadataBuilder
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.spec import LayerKind
 from unimem.memory.static import StaticMemory
@@ -42,21 +41,21 @@ from unimem.models.synthetic import HybridModel
 from unimem.speculative import spec_sampling as ss
 from unimem.speculative.accept import greedy_accept
 from unimem.speculative.chain import DsparkChain
-from unimem.speculative.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_drafter
-from unimem.speculative.distill import (
+from unimem.speculative.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem.speculative.verify_lengths import (
+    allocate_lengths,
+    expected_tokens,
+    packed_layout,
+    packed_rows,
+)
+from unimem.training.distill import (
     DistillConfig,
     confidence_calibration,
     copy_drafter,
     distill,
     greedy_rollouts,
     random_prompts,
-)
-from unimem.speculative.drafter import DsparkDrafter
-from unimem.speculative.verify_lengths import (
-    allocate_lengths,
-    expected_tokens,
-    packed_layout,
-    packed_rows,
 )
 from unimem.validate.protocol import ValidateConfig, validate
 
@@ -454,7 +453,7 @@ def test_sampled_adaptive_static_equals_unified(tiny):
 
 def test_confidence_head_round_trips_and_old_checkpoints_run_fixed(tiny, tmp_path):
     cfg, model, drafter = tiny
-    drafter.save_pretrained(tmp_path / "d")
+    save_drafter(drafter, tmp_path / "d")
     config = json.loads((tmp_path / "d" / CONFIG_NAME).read_text())
     assert config["confidence"] is True
     loaded = load_drafter(tmp_path / "d", model)

@@ -20,7 +20,6 @@ import torch
 
 from unimem.engine.core import EngineCore
 from unimem.engine.cuda_graphs import StepGraphs
-from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.spec import LayerKind
 from unimem.memory.static import StaticMemory
@@ -30,7 +29,7 @@ from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 pytestmark = pytest.mark.gpu
 

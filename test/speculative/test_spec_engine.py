@@ -17,7 +17,6 @@ import torch
 
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
 from unimem.models.config import memory_spec
@@ -26,7 +25,7 @@ from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.validate.protocol import ValidateConfig, validate
 
 # ------------------------------------------------------------------ the validation protocol

@@ -27,7 +27,6 @@ import torch
 from unimem.__main__ import main
 from unimem.attention.torch_backend import TorchReferenceBackend
 from unimem.engine.core import EngineCore
-from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.sampling import SamplingOptions, filtered_probs, sample
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
@@ -38,7 +37,7 @@ from unimem.speculative import spec_sampling as ss
 from unimem.speculative.accept import greedy_accept
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.validate.protocol import ValidateConfig
 from unimem.validate.report import format_table
 

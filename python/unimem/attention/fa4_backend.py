@@ -44,8 +44,8 @@ repository Dao-AILab/flash-attention holds the same files):
   ``window_size=(W - 1, 0)``; no window is ``(None, None)``.
 - Paged path choice: ``paged_kv_tma = page_size == tile_n``. On SM90 ``tile_n`` is 128 for head
   dim <= 128 (``_tile_size_fwd_sm90``), so page 128 loads pages by TMA and 16/64 take the
-  cp.async ``PagedKVManager`` path; both are supported on SM90 in this version (seen working
-  on H200: page sizes 16, 64, 128). SM90 asserts ``not is_split_kv``: keep ``num_splits=1``.
+  cp.async ``PagedKVManager`` path; both are supported on SM90 in this version (page sizes
+  16, 64 and 128 run). SM90 asserts ``not is_split_kv``: keep ``num_splits=1``.
 - Compile key (``_flash_attn_fwd``): dtype, head dims, GQA ratio, causal/local, which
   optional tensors are None (window *values* are runtime), tile sizes, split-KV, pack_gqa,
   arch, ``paged_kv_tma``, ``is_static_persistent`` (true when ``max_seqlen_q * Hq / Hkv``
@@ -55,21 +55,16 @@ repository Dao-AILab/flash-attention holds the same files):
 
 Split-KV for small decode/verify steps. FA4 on SM90 has no split-KV: one CTA per (request, KV
 head) walks all its keys, so with few requests it leaves most of the GPU idle and its time is one
-CTA's walk over the context (measured on the H200: ~13 µs at 520 keys and ~400 µs at 32k keys,
-the same for 1 or 16 requests). A step whose metadata is ``uniform_q`` (decode, verify and the
-drafter's block) with at most ``split_kv_max_bs`` requests and at most :data:`SPLIT_KV_MAX_Q`
-rows per request attends instead through :func:`unimem_kernel.paged_verify_attention`
-(splits of :data:`SPLIT_KV_KEYS` keys at absolute positions, :func:`split_kv_programs`
-programs per (request, KV head), a fixed merge order): 1.15-1.24x FA4 at 520 keys and
-4.5-6.3x at 32k keys with 1-4 requests, 0.96x (520 keys) to 1.38x (32k) at 16, slower from
-24 requests on
-(``docs/benchmarks.md``, "Split-KV verify attention against FA4"). Where FA4 catches up
-depends on the head layout too: at Qwen3-Next's (16 query / 2 KV heads of 256) 16 requests
-are 0.75x FA4 at 512 keys and at gpt-oss's (64 / 8 of 64) 0.65-0.73x at every context, so a
-step also needs ``batch x query heads x head dim`` <= :data:`SPLIT_KV_MAX_WORK` (the small
-preset's 16 x 16 x 128: up to 16 requests there, 8 for the other two). The choice depends on
-the step's batch size, so a row's bits can depend on its batch bucket: with ``invariant``
-(batch-invariant mode) every step takes FA4, as extend does, and rows do not.
+CTA's walk over the context, whatever the number of requests. A step whose metadata is
+``uniform_q`` (decode, verify and the drafter's block) with at most ``split_kv_max_bs``
+requests and at most :data:`SPLIT_KV_MAX_Q` rows per request attends instead through
+:func:`unimem_kernel.paged_verify_attention` (splits of :data:`SPLIT_KV_KEYS` keys at absolute
+positions, :func:`split_kv_programs` programs per (request, KV head), a fixed merge order).
+Where FA4 catches up depends on the batch size and the head layout, so a step also needs
+``batch x query heads x head dim`` <= :data:`SPLIT_KV_MAX_WORK`; both limits were chosen by
+measurement (``docs/decisions.md``). The choice depends on the step's batch size, so a row's
+bits can depend on its batch bucket: with ``invariant`` (batch-invariant mode) every step
+takes FA4, as extend does, and rows do not.
 
 Narrow query tile for short steps (SM90). FA4 sizes its query tile for prefill: 128 rows
 (192 at head dim 64) in two consumer warpgroups. A decode or verify step packs only
@@ -80,9 +75,7 @@ and each CTA carries a warpgroup that does no useful work. When those rows fit
 width for the head dim, run by one consumer warpgroup (``num_threads`` 256). FA4's public
 function takes no tile, so that call goes through ``flash_attn.cute.interface._flash_attn_fwd``
 (private; in 4.0.0b36 it takes ``tile_mn`` and ``num_threads`` and is what the public function
-calls). Measured on the H200 (48 requests of 520 keys, 8 query rows, page 64;
-``docs/benchmarks.md``, "Split-KV verify attention against FA4"): 27.9 -> 23.2 µs per call
-at 16 / 4 heads of 128, 23.3 -> 19.4 at 16 / 2 of 256, 41.7 -> 30.6 at 64 / 8 of 64. The tile
+calls); chosen by measurement at the three head layouts (``docs/decisions.md``). The tile
 decides which rows share a CTA, not how a row reduces its keys: its outputs equal the
 default tile's bit for bit (the GPU tests assert it at the three layouts), so batch-invariant
 mode takes it too and a row still gets the same bits in extend (default tile), decode and
@@ -122,20 +115,16 @@ __all__ = [
 
 SPLIT_KV_MAX_BS = 16
 """Default ``FA4Backend.split_kv_max_bs``: the largest decode/verify batch that attends through
-the split-KV kernel (faster than FA4 at every context measured up to 8 requests; at 16, 4 %
-slower at 520 keys and 6-38 % faster from 2k keys on; slower everywhere at 24: module
-docstring)."""
+the split-KV kernel (chosen by measurement against FA4, ``docs/decisions.md``)."""
 
 SPLIT_KV_MAX_WORK = 16 * 16 * 128
 """Most ``batch x query heads x head dim`` of a step that takes the split-KV kernel (with
-``split_kv_max_bs``). Measured on the H200 at 512-8k keys, 8 query rows per request (the
-kernel at its default programs against FA4): the small preset (16 / 4 x 128) is 0.96-1.38x at
-16 requests; Qwen3-Next's layout (16 / 2 x 256) 1.01-2.05x at 8 requests and 0.75-1.17x at
-16; gpt-oss's (64 / 8 x 64) 1.03-1.35x at 8 requests (4 programs, :func:`split_kv_programs`)
-and 0.65-0.73x at 16."""
+``split_kv_max_bs``): the small preset's 16 requests of 16 heads of 128, 8 requests at
+Qwen3-Next's and gpt-oss's head layouts (chosen by measurement against FA4,
+``docs/decisions.md``)."""
 
 SPLIT_KV_KEYS = 128
-"""Keys per split of the split-KV kernel (the best of 64 and 128 at 1-16 requests)."""
+"""Keys per split of the split-KV kernel (chosen by measurement, ``docs/decisions.md``)."""
 
 SPLIT_KV_MAX_Q = 16
 """Most query rows per request the split-KV path takes (a verify of up to 15 drafts)."""
@@ -151,10 +140,10 @@ def narrow_query_tile(
     """FA4's ``(tile_m, tile_n)`` for a step whose requests have at most ``max_seqlen_q`` query
     rows, or ``None`` for FA4's default tiles (module docstring). The narrow tile applies when
     the packed rows (``max_seqlen_q x q_heads / kv_heads``; GQA packing is FA4's default) fit
-    :data:`NARROW_TILE_ROWS` and the head dims are one of the measured layouts (``dk == dv``
-    in 64, 128, 256); its key tile is the one FA4 picks on SM90 for that head dim and masking
-    (128 up to head dim 128; 80, or 64 with a window, at 256 — 128 at 256 does not fit in
-    shared memory with one consumer warpgroup)."""
+    :data:`NARROW_TILE_ROWS` and the head dims are one of the layouts it was chosen at
+    (``dk == dv`` in 64, 128, 256); its key tile is the one FA4 picks on SM90 for that head
+    dim and masking (128 up to head dim 128; 80, or 64 with a window, at 256 — 128 at 256
+    does not fit in shared memory with one consumer warpgroup)."""
     if dk != dv or dk not in (64, 128, 256) or kv_heads < 1 or q_heads % kv_heads:
         return None
     if max_seqlen_q * (q_heads // kv_heads) > NARROW_TILE_ROWS:
@@ -190,14 +179,9 @@ def _narrow_tile_forward() -> Callable[..., object] | None:
 
 def split_kv_programs(bs: int, kv_heads: int) -> int:
     """Programs per (request, KV head) of the split-KV kernel for ``bs`` requests of
-    ``kv_heads`` KV heads: ``64 / bs``, at most ``256 / (bs * kv_heads)``, between 4 and 16 —
-    the best of 2 / 4 / 8 / 16 measured on the H200 over 512 to 8k keys (at 520 to 32k for
-    the small preset) in every layout measured:
-
-    - the small preset (4 KV heads): 16 up to 4 requests, 8 at 8, 4 from 16 on;
-    - Qwen3-Next's layout (2 KV heads of 256): 16 at 2 requests, 8 at 8;
-    - gpt-oss's (8 KV heads of 64): 8 at 4 requests and 4 at 8 (16 and 8 are 10-25 % slower
-      there); at 2 requests 16 (8 is 10 % faster at 512 keys, 15 % slower at 8k)."""
+    ``kv_heads`` KV heads: ``64 / bs``, at most ``256 / (bs * kv_heads)``, between 4 and 16
+    (chosen by measurement at the small preset's, Qwen3-Next's and gpt-oss's head layouts,
+    ``docs/decisions.md``)."""
     bs = max(bs, 1)
     return max(4, min(16, 64 // bs, 256 // (bs * max(kv_heads, 1))))
 

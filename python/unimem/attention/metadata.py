@@ -1,4 +1,4 @@
-"""Attention metadata for one step, built into capture-stable buffers (DESIGN §4).
+"""Attention metadata for one step, built into capture-stable buffers.
 
 ``AttentionMetadata`` is what every attention layer of a step reads: query and key lengths,
 their prefix sums, the physical FULL and SWA page tables, and where the step's new tokens are

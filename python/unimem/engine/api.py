@@ -42,7 +42,6 @@ from unimem.cache import PrefixCache
 from unimem.engine.args import EngineArgs
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
-from unimem.engine.draft_runner import draft_config_for
 from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
 from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
@@ -53,7 +52,7 @@ from unimem.models.loader import load_checkpoint
 from unimem.models.tensor_parallel import SINGLE, full_config
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter
-from unimem.speculative.drafter import DsparkDrafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.speculative.shipped import shipped_drafter, untrained_drafter_warning
 
 __all__ = ["Engine", "SamplingParams", "cache_stats"]
@@ -245,7 +244,7 @@ class Engine:
                 raise ValueError(
                     "speculative_verify_lengths adaptive needs a drafter with a confidence "
                     f"head; the checkpoint {draft_path} has none "
-                    "(retrain it with python -m unimem.speculative.distill, or use fixed)"
+                    "(retrain it with python -m unimem.training.distill, or use fixed)"
                 )
             chain = DsparkChain(
                 drafter,

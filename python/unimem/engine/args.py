@@ -78,7 +78,7 @@ class EngineArgs:
     ``gamma`` drafted tokens), as in SGLang's chain speculation.
     ``speculative_draft_model_path``: a DSPARK drafter checkpoint directory
     (:mod:`unimem.speculative.checkpoint`, e.g. from ``python -m
-    unimem.engine.train_drafter``); without it, the drafter shipped for this model if there
+    unimem.training.train_drafter``); without it, the drafter shipped for this model if there
     is one (:mod:`unimem.speculative.shipped`), else a seeded untrained drafter (outputs stay
     exact; acceptance is low).
     ``tp_size``: tensor parallelism over that many processes (one GPU each on CUDA; gloo

@@ -3,7 +3,7 @@
 :class:`~unimem.speculative.chain.DsparkChain`, a verified chain of up to ``gamma + 1`` tokens
 per step (greedy accept, or exact speculative sampling for temperature > 0).
 
-The step loop never waits for the step it just launched (DESIGN §1.4): sampled tokens and
+The step loop never waits for the step it just launched: sampled tokens and
 accepted lengths stay on the device, where the next step reads them, and reach the host
 through non-blocking copies into pinned memory. The host reads step ``k``'s results after it
 has launched step ``k + 1`` (the GPU is busy meanwhile) and plans with upper bounds until
@@ -17,13 +17,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
+from unimem.engine.batch import Batch
 from unimem.engine.request import Request
 from unimem.engine.runner import ModelRunner
 from unimem.engine.sampling import GREEDY, SamplingOptions, default_seed, seed_to_int64
-from unimem.engine.scheduler import Batch, Scheduler
+from unimem.engine.scheduler import Scheduler
 from unimem.engine.step_io import ResultRing, StagedResult
 from unimem.memory.pool import MemoryPool, pages_for
 from unimem.models.base import CausalLM
+from unimem.models.forward_context import ForwardMode
 from unimem.speculative.chain import DsparkChain
 
 
@@ -241,7 +243,7 @@ class EngineCore:
 
     def _account(self, batch: Batch, staged: StagedResult) -> None:
         tokens, counts, logprobs = staged.read()
-        if batch.mode == "verify":
+        if batch.mode is ForwardMode.VERIFY:
             committed = [row[:c] for row, c in zip(tokens, counts, strict=True)]
             lps = None
             if logprobs is not None:

@@ -14,7 +14,7 @@ Capture protocol, per bucket, largest first (one shared memory pool):
 
 1. pad every lane (``prepare(width)``);
 2. run the step eagerly once: every Triton kernel and every FA4 variant of this width
-   compiles here — a first compile inside a capture breaks it (DESIGN §9);
+   compiles here — a first compile inside a capture breaks it;
 3. record it under ``torch.cuda.graph``.
 
 The warm-up run reads and writes only the padding row and the sinks, so capturing is safe at

@@ -1,5 +1,5 @@
 """Tensor parallelism across processes: one process per rank, torch.distributed groups, and
-one schedule for all ranks (DESIGN §12).
+one schedule for all ranks.
 
 Groups (:class:`TPGroups`, built by :func:`init_groups`). Every rank holds two groups over
 the same ranks: the *device group*, through which the model all-reduces and all-gathers its
@@ -61,6 +61,7 @@ from unimem.memory.spec import LayerKind
 from unimem.memory.unified import UnifiedMemory
 from unimem.models.base import CausalLM
 from unimem.models.tensor_parallel import TensorParallel
+from unimem_kernel import envs
 
 __all__ = [
     "CHECK_ENV",
@@ -79,15 +80,15 @@ __all__ = [
 
 CHECK_ENV = "UNIMEM_TP_CHECK_STATE"
 """Set to ``1``: every rank checks after every step that its allocator state equals rank 0's
-(debug: it reads device tables, so it synchronises)."""
+(debug: it reads device tables, so it synchronises; :mod:`unimem_kernel.envs`)."""
 
 TIMEOUT_ENV = "UNIMEM_TP_TIMEOUT_S"
-"""Seconds a collective may wait (default one day: idle ranks wait for rank 0's next step
-in a broadcast)."""
+"""Seconds a collective may wait (:mod:`unimem_kernel.envs`; the default is a day: idle
+ranks wait for rank 0's next step in a broadcast)."""
 
 
 def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 86400)))
+    return datetime.timedelta(seconds=envs.get(TIMEOUT_ENV))
 
 
 def rank_device(device: str | torch.device, rank: int) -> torch.device:
@@ -379,7 +380,7 @@ class LeaderCore(EngineCore):
     def __init__(self, *args, groups: TPGroups, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.groups = groups
-        self.check_state = os.environ.get(CHECK_ENV) == "1"
+        self.check_state = envs.get(CHECK_ENV)
         self._ops: list[tuple] = []
         self._stopped = False
 
@@ -418,7 +419,7 @@ class LeaderCore(EngineCore):
 def follow(core: EngineCore, groups: TPGroups) -> None:
     """The loop of ranks other than 0: receive each step's submissions and aborts from rank
     0, replay them in order on ``core``, step — until rank 0 stops."""
-    check = os.environ.get(CHECK_ENV) == "1"
+    check = envs.get(CHECK_ENV)
     live: dict[int, Request] = {}
     while True:
         cmd, ops = groups.broadcast_object()
@@ -515,7 +516,7 @@ def state_check_for(model: CausalLM) -> Callable[[EngineCore], None] | None:
     groups = model.tp.comm
     if model.tp.size == 1 or not isinstance(groups, TPGroups):
         return None
-    if os.environ.get(CHECK_ENV) != "1":
+    if not envs.get(CHECK_ENV):
         return None
     return lambda core: check_agreement(core, groups)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from unimem.engine.sampling import GREEDY, SamplingOptions
 from unimem.memory.pool import RequestMemory
+from unimem.models.forward_context import ForwardMode
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class InFlight:
     step (before any later step), when the step may end on a prefix-cache anchor; -1 if
     none."""
 
-    mode: str
+    mode: ForwardMode
     tokens: int
     kv_min: int
     kv_max: int
@@ -179,8 +180,8 @@ class Request:
         """Whether a verify step is in flight (the request is past its extends)."""
         inflight = self.inflight
         if len(inflight) == 1:
-            return inflight[0].mode == "verify"
-        return any(f.mode == "verify" for f in inflight)
+            return inflight[0].mode is ForwardMode.VERIFY
+        return any(f.mode is ForwardMode.VERIFY for f in inflight)
 
     @property
     def planned_finished(self) -> bool:

@@ -26,7 +26,7 @@ Policy (deterministic: the same requests and the same capacity give the same bat
   grow are retried request by request, and the request whose call raises finishes at once
   with ``error`` set (``finish_reason`` "abort"); the others continue.
 
-One step late (DESIGN §3.5). The engine launches step ``k + 1`` before it reads step ``k``'s
+One step late. The engine launches step ``k + 1`` before it reads step ``k``'s
 results, so a request may have one step *in flight* (:class:`~unimem.engine.request.InFlight`)
 when the next batch is planned. Planning then uses bounds: the request stands at most at
 ``planned_kv_max`` (a verify step commits ``1 .. gamma + 1`` tokens) and its pages are grown to
@@ -61,41 +61,18 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import islice, repeat
 from typing import TYPE_CHECKING
 
+from unimem.engine.batch import Batch
 from unimem.engine.request import InFlight, Request, RequestStatus
 from unimem.memory.errors import InternalError, require
 from unimem.memory.pool import MemoryPool, RequestMemory, pages_for
 from unimem.memory.spec import LayerKind
+from unimem.models.forward_context import ForwardMode
 
 if TYPE_CHECKING:
     from unimem.cache import PrefixCache
-
-
-@dataclass
-class Batch:
-    """One forward: ``mode`` "extend", "decode" or "verify"; request ``reqs[i]`` consumes
-    ``lens[i]`` tokens (verify: its write window of ``gamma + 1`` tokens, of which the step
-    commits ``accepted + 1``).
-
-    ``starts[i]``: where an extend chunk starts (the request's ``kv_len`` once its in-flight
-    step is done; exact for extends). Decode and verify steps read the request's length and
-    next token from the device. ``samples[i]``: whether the step produces an output token for
-    request ``i`` (extend: the chunk reaches the end of the known tokens; decode and verify:
-    always). ``epochs``: the requests' epochs when the batch was launched."""
-
-    mode: str
-    reqs: list[Request]
-    lens: list[int]
-    starts: list[int] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-    epochs: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lens)
 
 
 class Scheduler:
@@ -215,17 +192,17 @@ class Scheduler:
         anchor point is copied now, in stream order before any later step can advance it
         (see :meth:`_insert`)."""
         batch.epochs = [r.epoch for r in batch.reqs]
-        if batch.mode == "verify" and not self._snapshots:
+        if batch.mode is ForwardMode.VERIFY and not self._snapshots:
             made = self._verify_inflight
             for r, n in zip(batch.reqs, batch.lens, strict=True):
                 step = made.get(n)
                 if step is None:
-                    step = made[n] = InFlight("verify", n, 1, n, 1)
+                    step = made[n] = InFlight(ForwardMode.VERIFY, n, 1, n, 1)
                 r.inflight.append(step)
             return
         for r, n, samples in zip(batch.reqs, batch.lens, batch.samples, strict=True):
-            if batch.mode == "verify":
-                step = InFlight("verify", n, 1, n, 1)
+            if batch.mode is ForwardMode.VERIFY:
+                step = InFlight(ForwardMode.VERIFY, n, 1, n, 1)
             else:
                 step = InFlight(batch.mode, n, n, n, int(samples))
                 r.primed = True
@@ -405,7 +382,7 @@ class Scheduler:
         active, prefill = [], []
         for r in self.running:
             inflight = r.inflight
-            if len(inflight) == 1 and inflight[0].mode == "verify":
+            if len(inflight) == 1 and inflight[0].mode is ForwardMode.VERIFY:
                 # the steady state, inline: not finished for sure, and past its extends
                 if len(r.output) + inflight[0].outputs_min < r.max_new_tokens:
                     active.append(r)
@@ -461,7 +438,7 @@ class Scheduler:
             starts.append(start)
             samples.append(start + n == r.planned_tokens)
             budget -= n
-        return Batch("extend", reqs, lens, starts, samples)
+        return Batch(ForwardMode.EXTEND, reqs, lens, starts, samples)
 
     def _extend_len(self, r: Request) -> int:
         """Tokens an extend of ``r`` has left to consume: up to the end of its tokens without
@@ -470,7 +447,7 @@ class Scheduler:
 
     def _decode_batch(self, reqs: list[Request]) -> Batch:
         n = 1 if self.gamma is None else self.gamma + 1
-        mode = "decode" if self.gamma is None else "verify"
+        mode = ForwardMode.DECODE if self.gamma is None else ForwardMode.VERIFY
         return Batch(mode, reqs, [n] * len(reqs), [], [True] * len(reqs))
 
     def _insert(self, stepped: list[tuple[Request, int]]) -> None:

@@ -1,7 +1,7 @@
 """What a decode or verify step reads and writes besides the pool: capture-stable buffers.
 
 A step of the GPU path reads nothing from the host but the batch's lanes, and the host reads
-its results one step late (DESIGN §1.4, §3.5). Four small owners make that explicit:
+its results one step late. Four small owners make that explicit:
 
 - :class:`DeviceRequestState`: per request-table row, the request's committed length and its
   next input token (the pending token of a decode, the anchor of a verify), **on the device**.
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from unimem.models.sampler import SamplingRows
 from unimem_kernel.lane_commit import commit_lanes
 
 __all__ = [
@@ -91,17 +92,6 @@ class DeviceRequestState:
             rows, seq_lens, next_tokens, tokens, self.seq_lens, self.next_tokens,
             out.tokens, out.counts, accepted, write_slots,
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class SamplingRows:
-    """Sampling parameters of a step's lanes (``[bs]`` device tensors each)."""
-
-    temperature: torch.Tensor  # float32
-    top_k: torch.Tensor  # int32, <= 0: off
-    top_p: torch.Tensor  # float32
-    min_p: torch.Tensor  # float32
-    seeds: torch.Tensor  # int64
 
 
 class DeviceSamplingState:

@@ -4,7 +4,7 @@ The arena is one byte range. Each unit kind (FULL pages, SWA pages, STATE slots)
 a contiguous range of unit ids ``[lo, hi)`` on its own grid — unit ``u`` of a band spans bytes
 ``[base + u * unit_bytes, base + (u + 1) * unit_bytes)``. Bands are kept in address order and
 never overlap. The lowest band grows up from the reserved header, the highest grows down from
-the arena end, and a middle band floats between them (DESIGN §3.3). The bytes no band covers
+the arena end, and a middle band floats between them. The bytes no band covers
 are gaps.
 
 A band's *free* count is the number of ids on its device free stack: the units of its extent

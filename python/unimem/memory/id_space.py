@@ -133,10 +133,9 @@ def warm_up_id_kernels(
 ) -> None:
     """Compile every variant of the id ops (:meth:`IdSpace.bind` / :meth:`IdSpace.unbind`
     with and without the request table, :meth:`IdSpace.compact`, the int32 state-slot
-    lookup ``translate_slots``) for ``page_sizes`` before
-    the first step, on a throwaway space and request table of ``req_dtype``. Without it the
-    first SWA retirement or compaction compiles mid-run (~65 ms of host time on the H200,
-    found in the steady state of ``benchmark/profile_step.py``). The kernels do not
+    lookup ``translate_slots``) for ``page_sizes`` before the first step, on a throwaway
+    space and request table of ``req_dtype``. Without it the first SWA retirement or
+    compaction compiles mid-run, inside a step of the serving loop. The kernels do not
     specialise on counts, strides or id-list alignment (``unimem_kernel.id_ops``), so these
     variants are the ones the pools launch. No-op off CUDA (the references run there)."""
     if device.type != "cuda":

@@ -1,4 +1,4 @@
-"""Where each lane's bytes live inside one unit (DESIGN §3.2).
+"""Where each lane's bytes live inside one unit.
 
 A **unit** is the fixed-size envelope the arena hands out: a KV page of one attention kind
 (FULL or SWA), or a state slot (STATE). A layout maps every lane of a :class:`MemorySpec`

@@ -1,4 +1,4 @@
-"""What one model asks of the memory: the declarative ``MemorySpec`` (DESIGN §3.1).
+"""What one model asks of the memory: the declarative ``MemorySpec``.
 
 A spec lists the target model's layers in model order — attention layers of kind FULL or
 SWA (sliding window), and recurrent STATE layers (conv state + SSM state) — plus the draft
@@ -228,7 +228,7 @@ class DraftLane:
 
 @dataclass(frozen=True)
 class MemorySpec:
-    """Everything one model needs from the memory (DESIGN §3.1).
+    """Everything one model needs from the memory.
 
     ``page_size``: tokens per KV page, a power of two >= 1. ``layers``: the target model's
     layers in model order (at least one). ``draft_lanes``: the drafter's layers, each hosted

@@ -1,4 +1,4 @@
-"""The static baseline: separate pools with a split fixed at start-up (DESIGN §3.7).
+"""The static baseline: separate pools with a split fixed at start-up.
 
 What serving engines do by default, and what the unified arena is measured against: one
 buffer of FULL pages, one of SWA pages and one of state slots, each sized at start-up. FULL

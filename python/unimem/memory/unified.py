@@ -1,6 +1,6 @@
 """The unified arena: every KV page and state slot of a hybrid model in one byte buffer.
 
-Geometry (DESIGN §3.3). The arena starts with a reserved header holding the sinks: FULL page
+Geometry. The arena starts with a reserved header holding the sinks: FULL page
 0 at byte 0 and SWA page 0 right after it, all zeros, never handed out — the FULL view's grid
 starts at byte 0 and the SWA view's at the end of the FULL sink, so unit 0 of each is its sink
 and every live unit lies above the header. Then the bands, in address order: STATE slots

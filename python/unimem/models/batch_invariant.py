@@ -27,18 +27,19 @@ What the mode does (process-wide, one switch):
 - FA4 runs with a fixed ``pack_gqa`` and ``num_splits = 1`` (the engine builds the backend).
 
 On the CPU nothing changes unless a test asks for the CPU key: float64 runs are exact already.
-Costs are measured in ``docs/benchmarks.md``.
+What it costs is in ``docs/results.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
+
+from unimem_kernel import envs
 
 __all__ = [
     "covers",
@@ -110,7 +111,7 @@ def enable(device_types: Sequence[str] = ("CUDA",)) -> None:
     keys = tuple(device_types)
     if not keys or any(k not in ("CUDA", "CPU") for k in keys):
         raise ValueError(f"device_types must be a non-empty subset of CUDA, CPU, got {keys!r}")
-    if os.environ.get("UNIMEM_FUSED_OPS") == "off":
+    if envs.get("UNIMEM_FUSED_OPS") == "off":
         # the fused residual-add + norm kernels are the models' row-local norms; their
         # references (what the switch selects) reduce with torch, which is not batch-invariant
         raise ValueError(

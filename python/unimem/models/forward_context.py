@@ -1,7 +1,7 @@
 """What the model sees of the memory during one forward: the ``ForwardContext`` interface,
 and two plain implementations that serve as oracles.
 
-The model (``model.py``) knows nothing of pages, pools or slots. For each batch it is handed
+The model knows nothing of pages, pools or slots. For each batch it is handed
 a context that says which positions its tokens sit at and which rows need logits, and that
 performs the two memory-touching operations of a hybrid model: attention over each
 request's K/V cache, and the GDN conv + delta rule over each request's recurrent state.
@@ -15,7 +15,8 @@ Implementations:
   zero-padded inputs followed by the token-by-token delta rule. Used by
   ``CausalLM.reference_forward`` as the oracle.
 
-The runner's paged contexts live with the runner and implement the same interface.
+The paged implementation over a memory pool, which the engine runs, is
+:class:`unimem.models.paged_context.PagedContext`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class ForwardMode(str, enum.Enum):
     """The same number ``T`` of tokens per request (speculative verify). K/V of the ``T``
     tokens are written to the cache's write window; GDN states after every position go to
     scratch and the persistent state is NOT advanced (a later commit picks the accepted
-    position, DESIGN §5). Logits for all tokens."""
+    position). Logits for all tokens."""
 
 
 class ForwardContext(ABC):

@@ -8,7 +8,7 @@ experts per expert) becomes ``name`` (``float8_e4m3fn``) plus ``name + "_scale_i
 other tensor passes unchanged. :func:`fp8_quantization_config` is the ``quantization_config``
 entry of ``config.json`` naming the linear modules left unconverted
 (``modules_to_not_convert``). :func:`write_fp8_checkpoint` converts a whole checkpoint
-directory (used by ``benchmark/make_checkpoint.py --fp8`` and the tests).
+directory (used by the checkpoint-writing tool with ``--fp8`` and by the tests).
 """
 
 from __future__ import annotations

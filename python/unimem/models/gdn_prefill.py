@@ -3,11 +3,8 @@
 An extend of ``L`` tokens through the recurrent delta rule (``unimem_kernel.gdn``) is ``L``
 dependent steps per (request, head, V block) on CUDA cores; fla's chunked (WY) kernel
 (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, the one SGLang's Qwen3-Next prefill
-uses) does ``L / 64`` steps of tensor-core matmuls. Measured on the H200 for one layer of the
-``small`` preset (``docs/benchmarks.md``, "Chunked GDN prefill"): one 32k-token prompt 16.5 ms
-recurrent vs 1.4 ms through fla, four of them 19.6 vs 4.0 ms, four of 4k tokens 2.5 vs 0.7 ms;
-through the whole engine the time to first token of one prompt drops 1.17x at 4k tokens and
-1.68x at 28k (``benchmark/bench_prefill.py``).
+uses) does ``L / 64`` steps of tensor-core matmuls, so long prompts prefill much faster
+through fla (``docs/decisions.md``).
 
 :func:`prefill_kernel` picks per extend step, from ``UNIMEM_GDN_CHUNKED_PREFILL``:
 
@@ -17,35 +14,30 @@ through the whole engine the time to first token of one prompt drops 1.17x at 4k
 - ``fla``: fla for every extend on a GPU (tests; an error if fla is missing);
 - ``off``: the recurrent kernel always;
 - ``triton``: our own chunked kernel (``unimem_kernel.gdn_chunked``: slower than fla, kept as
-  the measured alternative).
+  the alternative it is compared with).
 
-Why a cost estimate and not a token count. fla's path is ~17 launches per GDN layer, and its
-host time (1.1-1.8 ms a call on the H200's host, ``benchmark/bench_fla_host.py``) exceeds its
-GPU time up to ~8k tokens; the recurrent path is 3 launches (0.2-0.4 ms of host) whose GPU time
-grows with the longest chunk and, past a few dozen (request, head) pairs, with the requests.
-A prefill step launches every layer eagerly, so it runs at the pace of the slower of the two,
-and fla pays only where the recurrent kernel's GPU time is above fla's launches. Through the
-engine (``benchmark/bench_prefill.py --requests 1 4 16``, small preset, two runs on two
-machines, ``docs/benchmarks.md``): one prompt of 1 024-2 048 tokens took 15-21 ms recurrent
-and 24-32 ms through fla, 4 x 1 024 20-22 ms against 22-43; 16 prompts of 1 024-4 096 tokens
-and 4 of 3 072-4 096 ran 1.07-1.41x faster through fla, one 4 096-token prompt 1.0-1.55x (the
-host's speed decides).
+Why a cost estimate and not a token count. fla's path is many launches per GDN layer, and
+its host time exceeds its GPU time up to several thousand tokens; the recurrent path is 3
+launches whose GPU time grows with the longest chunk and, past a few dozen (request, head)
+pairs, with the requests. A prefill step launches every layer eagerly, so it runs at the pace
+of the slower of the two, and fla pays only where the recurrent kernel's GPU time is above
+fla's launches. The constants of the estimate were chosen by measurement
+(``docs/decisions.md``).
 
-Status: the default is ``auto``. On the H200 the fla path's GPU tests
-(``test/models/test_gdn_prefill.py``: outputs and states against the recurrent kernel on slot
-views at the ``small`` preset's and Qwen3-Next's head layouts, static == unified through the
-engine) pass.
+The fla path's GPU tests (``test/models/test_gdn_prefill.py``) compare its outputs and states
+with the recurrent kernel's on slot views at the ``small`` preset's and Qwen3-Next's head
+layouts, and static with unified through the engine.
 
-fla compiles and autotunes its kernels on first use (about a minute on a cold Triton cache; its
+fla compiles and autotunes its kernels on first use (long on a cold Triton cache; its
 autotuner times candidates with host synchronisations). :func:`warm_up_fla` runs that at
 engine start-up — the runner calls it when the mode can take fla — so no request's prefill
 pays it and no step of the serving loop synchronises for it.
 
 Batch-invariant mode (``--enable-deterministic-inference``) always takes the recurrent kernel:
 a token's state must be the same bits whether an extend, a decode or a verify computed it, and
-a chunked form rounds differently (bf16 outputs within ~6e-3 relative of the recurrent
-form's). Outside it, a request's prefill states differ from the recurrent form's by rounding
-only; static and unified runs take the same kernel for the same steps.
+a chunked form rounds differently from the recurrent form. Outside it, a request's prefill
+states differ from the recurrent form's by rounding only; static and unified runs take the same
+kernel for the same steps.
 
 :func:`gdn_extend_fla` is the extend half of ``unimem_kernel.gdn.gdn_forward`` with fla's rule:
 the causal conv runs our Triton kernel (the conv window is read from and written back to each
@@ -59,12 +51,12 @@ only when an extend asks for it.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from unimem_kernel import envs
 from unimem_kernel import gdn as gdn_ops
 
 __all__ = [
@@ -90,21 +82,18 @@ FLA_CHUNK = 64
 
 FLA_FIXED_US = 1300.0
 """What one GDN layer's extend through fla costs a prefill step at least, in µs: the host time
-of its ~17 launches (1.1-1.8 ms a call measured on the H200's host, ``bench_fla_host.py``; its
-GPU time is below that up to ~8k tokens), which a host-bound prefill step waits for. Taken
-near the low end: over a prefill of several steps the host runs ahead of the GPU and fla's
-smaller GPU time counts (at the crossing, 8 x 1 024 and 4 x 2 048 tokens a step, prefills of
-16 prompts ran 7-22 % faster through fla; one step of 4 x 2 048 was within 11 % either way)."""
+of its launches, which a host-bound prefill step waits for, taken near the low end (over a
+prefill of several steps the host runs ahead of the GPU and fla's smaller GPU time counts).
+Chosen by measurement (``docs/decisions.md``)."""
 
 RECURRENT_US_PER_TOKEN = 0.58
 """The recurrent extend's GPU µs per token of the longest chunk while its programs fit the GPU
-(one request of the ``small`` preset on the H200: 0.58 µs)."""
+(chosen by measurement, ``docs/decisions.md``)."""
 
 RECURRENT_PAIRS_KNEE = 56
 """(request, value head) pairs, counted in heads of 128 values, beyond which the recurrent
 extend's time per token grows in proportion: its one-warp programs (one per 32 values of a
-head) stop finding free issue slots (H200, ``small`` preset: 0.58 µs a token at 16 pairs,
-0.78 at 64, 2.57 at 256)."""
+head) stop finding free issue slots (chosen by measurement, ``docs/decisions.md``)."""
 
 _L2NORM_ROWS_PER_BUCKET = 65536
 """fla's L2-norm kernel autotunes per ``ceil(rows / 65 536)`` (``NB`` in
@@ -126,9 +115,7 @@ def prefill_mode(device: torch.device) -> str:
     """The ``UNIMEM_GDN_CHUNKED_PREFILL`` mode (default ``auto``). ValueError naming the
     variable for an unknown value, or for ``fla`` on a GPU without fla installed: the engine
     calls this at start-up, so a bad setting fails there and not at the first prefill."""
-    mode = os.environ.get(PREFILL_ENV, "auto")
-    if mode not in PREFILL_MODES:
-        raise ValueError(f"{PREFILL_ENV} must be one of {PREFILL_MODES}, got {mode!r}")
+    mode = envs.get(PREFILL_ENV)
     if mode == "fla" and device.type == "cuda" and fla_chunk_rule() is None:
         raise ValueError(f"{PREFILL_ENV}=fla needs fla (pip install fla-core)")
     return mode
@@ -138,7 +125,7 @@ def recurrent_extend_us(max_seqlen: int, requests: int, value_heads: int, head_v
     """Estimated GPU µs of one GDN layer's recurrent extend of ``requests`` chunks whose longest
     has ``max_seqlen`` tokens, with ``value_heads`` heads of ``head_v_dim`` values: the
     dependent token steps of the longest chunk, slowed in proportion once the pairs pass
-    :data:`RECURRENT_PAIRS_KNEE` (constants measured on the H200; module docstring)."""
+    :data:`RECURRENT_PAIRS_KNEE` (module docstring)."""
     pairs = requests * value_heads * head_v_dim / 128
     return max_seqlen * RECURRENT_US_PER_TOKEN * max(1.0, pairs / RECURRENT_PAIRS_KNEE)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from unimem.models import fp8_linear
+from unimem.models import fp8_convert
 from unimem.models.base import CausalLM
 from unimem.models.model_path import resolve_model_path
 from unimem.models.quant_config import resolve_quantization
@@ -227,7 +227,7 @@ def load_model(
     """The model of checkpoint directory ``path`` (module docstring); with ``tp``, rank
     ``tp.rank``'s shard of it, read from the shards' slices. FP8 linears (an FP8
     checkpoint's, or all eligible ones with ``quantization="fp8"``) are set up by
-    :mod:`unimem.models.fp8_linear` (:mod:`unimem.models.quant_config` says which)."""
+    :mod:`unimem.models.fp8_convert` (:mod:`unimem.models.quant_config` says which)."""
     root = Path(resolve_model_path(path))
     hf_config = load_hf_config(root)
     archs = getattr(hf_config, "architectures", None) or []
@@ -237,7 +237,7 @@ def load_model(
     dev = torch.device(device)
     fp8 = resolve_quantization(hf_config, quantization, cls.__name__)
     # FP8: parameters allocated once, after the FP8 ones are known (never in bf16 first)
-    with fp8_linear.deferred_weights() if fp8 is not None else contextlib.nullcontext():
+    with fp8_convert.deferred_weights() if fp8 is not None else contextlib.nullcontext():
         model = cls.from_hf_config(
             hf_config,
             dtype=resolve_dtype(dtype, hf_config, dev),
@@ -248,8 +248,8 @@ def load_model(
     files = checkpoint_files(root)
     weights = iter_checkpoint(files, dev, cls.ignored_checkpoint_prefixes, model)
     if fp8 is not None:
-        names, _ = fp8_linear.prepare(model, fp8, files, dev)
-        weights = fp8_linear.fp8_weight_stream(model, fp8, names, weights)
+        names, _ = fp8_convert.prepare(model, fp8, files, dev)
+        weights = fp8_convert.fp8_weight_stream(model, fp8, names, weights)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     load_weights_into(model, weights, tie, str(root))
     return model.eval()

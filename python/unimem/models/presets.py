@@ -36,7 +36,7 @@ def _tiny() -> HybridConfig:
 
 
 def _small() -> HybridConfig:
-    # One H200: ~0.9 B parameters in bf16. Symmetric head dims of 128, the best-supported
+    # One GPU: ~0.9 B parameters in bf16. Symmetric head dims of 128, the best-supported
     # shape of GPU attention kernels; GQA 4:1; 8 GDN, 4 SWA, 4 FULL layers.
     return HybridConfig(
         vocab_size=32000,
@@ -91,8 +91,8 @@ def preset_names() -> tuple[str, ...]:
 
 def preset(name: str) -> HybridConfig:
     """The named configuration: ``tiny`` (CPU, float64, 6 layers), ``gpu_test`` (bf16, 4 layers:
-    the GPU tests) or ``small`` (one H200,
-    bf16, 16 layers). Raises ``ValueError`` listing the valid names for an unknown one."""
+    the GPU tests) or ``small`` (one GPU, bf16, 16 layers). Raises ``ValueError`` listing the
+    valid names for an unknown one."""
     try:
         return _PRESETS[name]()
     except KeyError:

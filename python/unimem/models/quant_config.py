@@ -51,10 +51,9 @@ ONLINE_LINEARS = re.compile(
 
 ONLINE_KEPT: dict[str, tuple[str, ...]] = {"Gemma3ForCausalLM": ("gate_proj", "up_proj", "o_proj")}
 """Per model class, the module patterns (:attr:`Fp8Config.ignored`) that online FP8 keeps in
-the model dtype besides what :data:`ONLINE_LINEARS` leaves out, chosen by measurement
-(docs/fp8.md, Accuracy): Gemma 3 270M agrees with its float32 self on 96.9 % of greedy
-tokens with every linear in FP8 and on 98.3 % with gate/up/o kept (q/k/v/down in FP8, the
-most FP8 weight among the measured sets that reach the goal of 98 %)."""
+the model dtype besides what :data:`ONLINE_LINEARS` leaves out: the most FP8 weight whose
+greedy tokens still agree with the model's float32 self at the accuracy goal (chosen by
+measurement, ``docs/fp8.md`` and ``docs/decisions.md``)."""
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,12 @@
 
 A decoder layer often multiplies the same normed input by several weights (a GDN mixer's
 ``in_proj_qkvz`` and ``in_proj_ba``, a MoE block's router and its shared expert's gate and
-up projections). Narrow ones (64 router rows, 2 x 32 GDN gate rows) cost a whole GEMM
-launch each for almost no work (~10 us each on an H200 at 384 rows). :class:`StackedRows`
-allocates one ``[sum N_i, K]`` tensor, copies the weights in and re-points each module's
-``weight`` parameter to its row range (a view: the checkpoint names, the shapes and
-``named_parameters`` stay as they were, and a loader's in-place ``copy_`` fills the stack),
-so :meth:`StackedRows.linear` computes every product with one ``F.linear`` and returns
-column views of the result.
+up projections). Narrow ones (64 router rows, 2 x 32 GDN gate rows) would cost a whole GEMM
+launch each for almost no work. :class:`StackedRows` allocates one ``[sum N_i, K]`` tensor,
+copies the weights in and re-points each module's ``weight`` parameter to its row range (a
+view: the checkpoint names, the shapes and ``named_parameters`` stay as they were, and a
+loader's in-place ``copy_`` fills the stack), so :meth:`StackedRows.linear` computes every
+product with one ``F.linear`` and returns column views of the result.
 
 If a part stops being a view of the stack (the module was moved or cast, or a loader
 replaced ``.data``), :meth:`~StackedRows.linear` notices (a host-side pointer check, no
@@ -33,7 +32,7 @@ class StackedRows:
     row ranges of one tensor, in the order given. Not an ``nn.Module``: the stack is owned
     by the parts' parameters (views of it), never registered twice.
 
-    After some parts became FP8 (:func:`unimem.models.fp8_linear.convert_params`: an e4m3
+    After some parts became FP8 (:func:`unimem.models.fp8_convert.convert_params`: an e4m3
     ``weight`` with its ``weight_scale_inv [N_i, KG]``), :meth:`regroup` stacks consecutive
     parts of one kind as one run (FP8 runs stack their scales too); :meth:`linear` then
     runs one GEMM per run."""

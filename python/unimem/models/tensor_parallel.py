@@ -254,24 +254,19 @@ def row_parallel_linear(
 
 
 LT_ROUTE_SHAPES = frozenset({(5632, 2048), (4096, 2048)})
-"""``(K, N)`` of the projections measured faster through cuBLASLt's bias epilogue: the
-``small`` preset's MLP down projection (5632 -> 2048) and the Qwen3-Next GDN ``out_proj`` /
-attention ``o_proj`` (4096 -> 2048, the 80B-A3B's own shapes)."""
+"""``(K, N)`` of the projections that run through cuBLASLt's bias epilogue (chosen by
+measurement, ``docs/decisions.md``): the ``small`` preset's MLP down projection (5632 ->
+2048) and the Qwen3-Next GDN ``out_proj`` / attention ``o_proj`` (4096 -> 2048, the
+80B-A3B's own shapes)."""
 
 
 def lt_route(weight: torch.Tensor) -> bool:
     """Whether :func:`row_parallel_linear_lt` runs products by ``weight [N, K]`` (the rank's
-    shard) through cuBLASLt's bias epilogue: a measured shape (:data:`LT_ROUTE_SHAPES`).
+    shard) through cuBLASLt's bias epilogue: one of :data:`LT_ROUTE_SHAPES`.
 
-    The choice depends on the weight's shape only, never on the row count. Measured on the
-    H200 (torch 2.11 + cu130, ``benchmark/bench_gemm_shapes.py`` at 48 .. 768 rows,
-    docs/benchmarks.md), the epilogue route is 0.4-5 us faster at 160, 224, 320, 384 (a
-    48-request verify step) and 768 rows, up to 0.5 us slower at 192, 256 and 512, and up
-    to 2.2 us slower at 48 (a 48-request decode step); but the two libraries round
-    differently from each other, and a route chosen by rows made verify steps (384 rows)
-    round differently from decode steps (48 rows): the ``small`` bench's greedy speculative
-    run then matched its plain run on 0 of 48 requests, against 40 with one route at every
-    row count."""
+    The choice depends on the weight's shape only, never on the row count: the two libraries
+    round differently from each other, and a route chosen by rows would make verify steps
+    round differently from decode steps, so speculative outputs would drift from plain ones."""
     return (int(weight.shape[1]), int(weight.shape[0])) in LT_ROUTE_SHAPES
 
 

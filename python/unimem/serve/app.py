@@ -21,11 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unimem.serve.args import ServerOptions
 from unimem.serve.engine_loop import EngineLoop
+from unimem.serve.errors import ApiError, error_body
 from unimem.serve.generation import Serving
 from unimem.serve.metrics import ServerMetrics
 from unimem.serve.native_api import native_router
 from unimem.serve.openai_api import openai_router
-from unimem.serve.protocol import ApiError, error_body
 from unimem.serve.router_compat import SGLangGauges, router_compat_router
 
 __all__ = ["build_app", "make_app"]

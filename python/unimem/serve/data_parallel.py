@@ -41,6 +41,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from unimem_kernel import envs
+
 __all__ = [
     "ROUTER_POLICIES",
     "DataParallelError",
@@ -59,7 +61,6 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 DP_ONLY_FLAGS = ("--dp-size", "--data-parallel-size", "--router-policy", "--host", "--port")
 """Flags of the launcher that are not passed on to a replica (it gets its own address)."""
 
-START_TIMEOUT_S = float(os.environ.get("UNIMEM_DP_START_TIMEOUT_S", 1800))
 STOP_GRACE_S = 15.0
 POLL_S = 0.5
 HEALTH_CHECK_INTERVAL_S = 2
@@ -219,9 +220,12 @@ class Fleet:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+    def start(self, timeout: float | None = None) -> None:
         """Start the replicas, wait for them, start the router, wait for it; on any failure
-        stop what was started and raise :class:`DataParallelError`."""
+        stop what was started and raise :class:`DataParallelError`. ``timeout``: seconds
+        each may take to become healthy (None: ``UNIMEM_DP_START_TIMEOUT_S``)."""
+        if timeout is None:
+            timeout = envs.get("UNIMEM_DP_START_TIMEOUT_S")
         try:
             for i in range(self.dp_size):
                 port = free_port()

@@ -247,7 +247,6 @@ class EngineLoop:
                     return
                 busy = self.core.step()
                 self._emit()
-                self._publish()
         except Exception as e:  # a broken engine: fail every request, keep the process up
             log.exception("engine loop failed")
             with self._cond:
@@ -281,7 +280,6 @@ class EngineLoop:
                         fut.set_exception(e)
             if inbox:
                 self._emit()  # counts the aborted requests' finish
-                self._publish()
         finally:  # even when the engine broke: nobody waits on an abort forever
             for done in aborted:
                 if not done.done():
@@ -306,6 +304,8 @@ class EngineLoop:
         self.core.abort(h.req)
 
     def _emit(self) -> None:
+        """Turn the requests' new tokens and finishes into deltas, publish the load snapshot,
+        then send the deltas (in that order: see below)."""
         now = time.monotonic()
         still = []
         for h in self._active:
@@ -331,6 +331,9 @@ class EngineLoop:
                 still.append(h)
         self._active = still
         outbox, self._outbox = self._outbox, []
+        # the load snapshot first: a client that has its response reads a load that no
+        # longer counts its request
+        self._publish()
         _send(outbox)
 
     def _observe_tokens(self, h: Handle, n: int, now: float) -> None:

@@ -28,7 +28,7 @@ from unimem.engine.sampling import SamplingOptions
 from unimem.serve.args import ServerOptions
 from unimem.serve.detokenize import IncrementalDetokenizer, StopMatcher
 from unimem.serve.engine_loop import Delta, EngineLoop, Submission
-from unimem.serve.protocol import ApiError
+from unimem.serve.errors import ApiError
 
 __all__ = ["GenParams", "Generation", "Piece", "Serving"]
 

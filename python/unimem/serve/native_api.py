@@ -27,10 +27,11 @@ from collections.abc import Mapping
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from unimem.serve.errors import ApiError, error_body
 from unimem.serve.generation import Generation, GenParams, Piece, Serving
 from unimem.serve.metrics import CONTENT_TYPE, ServerMetrics
 from unimem.serve.openai_api import SSE_HEADERS, read_json, sse
-from unimem.serve.protocol import ApiError, GenerateRequest, error_body, parse_body
+from unimem.serve.protocol import GenerateRequest, parse_body
 from unimem.serve.router_compat import model_info, server_info
 from unimem.serve.sglang_fields import refuse_sglang_unsupported
 

@@ -20,13 +20,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from unimem.serve.chat_template import KNOWN_TEMPLATES
+from unimem.serve.errors import ApiError, error_body
 from unimem.serve.generation import Generation, GenParams, Piece, Serving
 from unimem.serve.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     check_unicode,
-    error_body,
     parse_body,
     refuse_unsupported,
 )

@@ -1,5 +1,4 @@
-"""Request bodies of the OpenAI routes and SGLang's ``/generate`` (pydantic), and the
-OpenAI error body.
+"""Request bodies of the OpenAI routes and SGLang's ``/generate`` (pydantic).
 
 Unknown fields are refused (``extra="forbid"``: OpenAI answers "Unrecognized request argument
 supplied"), so a parameter a client relies on is never silently ignored. Fields OpenAI has
@@ -7,7 +6,8 @@ and unimem does not implement are declared and refused with a 400 naming them wh
 non-default value (:func:`refuse_unsupported`). SGLang's extensions to the OpenAI bodies
 (``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``) are accepted, as SGLang and vLLM do,
 and so are the fields SGLang's router adds to every request it forwards
-(:mod:`unimem.serve.sglang_fields`).
+(:mod:`unimem.serve.sglang_fields`). A bad body is an :class:`~unimem.serve.errors.ApiError`
+(re-exported here with :func:`~unimem.serve.errors.error_body`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from unimem.serve.errors import DEFAULT_CODES, ApiError, error_body
 from unimem.serve.sglang_fields import (
     SGLangChatFields,
     SGLangCompletionFields,
@@ -35,56 +36,6 @@ __all__ = [
     "parse_body",
     "refuse_unsupported",
 ]
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI error body: ``status`` (400, 401, 404, 503, ...),
-    ``message``, the offending ``param`` and a machine-readable ``code`` (never None: without
-    one, the status's default code). ``headers``: extra response headers (``Retry-After``)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code or DEFAULT_CODES.get(
-            status, "invalid_request" if status < 500 else "server_error"
-        )
-        self.type = type or _error_type(status)
-        self.headers = headers
-
-
-DEFAULT_CODES = {
-    400: "invalid_value",
-    401: "invalid_api_key",
-    404: "not_found",
-    405: "method_not_allowed",
-    503: "service_unavailable",
-}
-"""The code of an error raised without one, by status (every error body carries a code)."""
-
-
-def _error_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status >= 500:
-        return "server_error" if status != 503 else "service_unavailable_error"
-    return "invalid_request_error"
-
-
-def error_body(err: ApiError) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}``: OpenAI's error shape."""
-    return {
-        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
-    }
 
 
 class _Body(BaseModel):

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from unimem.serve.errors import ApiError
+
 __all__ = [
     "SGLangChatFields",
     "SGLangCompletionFields",
@@ -79,8 +81,6 @@ _NEUTRAL_ONLY = ("return_hidden_states", "background", "return_bytes", "return_e
 
 def refuse_sglang_unsupported(body: BaseModel) -> None:
     """400 naming the first SGLang field set to a value unimem cannot honour."""
-    from unimem.serve.protocol import ApiError  # protocol builds its bodies from this module
-
     for name in _NEUTRAL_ONLY:
         if getattr(body, name, False):
             raise ApiError(

@@ -1,4 +1,4 @@
-"""Greedy acceptance of a drafted chain (DESIGN §6).
+"""Greedy acceptance of a drafted chain.
 
 A verify step feeds the target ``[anchor, d_1 .. d_gamma]``; row ``j`` of its logits predicts
 the token after row ``j``, so ``target_argmax[:, j]`` is the target's greedy choice for the

@@ -1,4 +1,4 @@
-"""Acceptance control: make accept lengths reproducible in tests and benchmarks (DESIGN §6).
+"""Acceptance control: make accept lengths reproducible in tests and benchmarks.
 
 A seeded drafter with random weights almost never agrees with the target, so every verify
 step would commit one token. The control replaces each drafted token by the *reference*

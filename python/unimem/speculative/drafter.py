@@ -1,4 +1,4 @@
-"""A DSPARK-style block drafter whose K/V live in draft lanes of the target's pages (DESIGN §6).
+"""A DSPARK-style block drafter whose K/V live in draft lanes of the target's pages.
 
 One draft forward proposes ``gamma`` tokens for a request whose committed length is ``n``
 (its anchor — the last committed token, not yet run through the target — sits at position
@@ -39,15 +39,14 @@ caller to store.
 
 Weights are drawn from per-tensor generators seeded by ``(seed, name)`` (as the target's), so
 the same seed gives the same drafter on every device. Inference only: the parameters do not
-require grad (distillation, :mod:`unimem.speculative.distill`, turns them on inside its loop).
-A drafter saves itself as a directory (:meth:`DsparkDrafter.save_pretrained`) that
-:func:`unimem.speculative.checkpoint.load_drafter` reads back onto a target.
+require grad (distillation, :mod:`unimem.training.distill`, turns them on inside its loop).
+A drafter is written as a directory by :func:`unimem.speculative.checkpoint.save_drafter`
+and read back onto a target by :func:`unimem.speculative.checkpoint.load_drafter`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -407,14 +406,6 @@ class DsparkDrafter(nn.Module):
         if not self.config.reduced:
             return tokens.long()
         return self.t2d[tokens.long()]
-
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write this drafter as a directory: ``config.json`` (the :class:`DraftConfig`)
-        and ``model.safetensors`` (its own weights only, not the target's shared embedding
-        and LM head). :func:`unimem.speculative.checkpoint.load_drafter` reads it back."""
-        from unimem.speculative.checkpoint import save_drafter
-
-        save_drafter(self, path)
 
     def _init_weights(self, seed: int) -> None:
         c = self.config

@@ -68,6 +68,6 @@ def untrained_drafter_warning(gamma: int) -> str:
         "for this model): the drafter is UNTRAINED (random weights) and nearly every draft is "
         "rejected (accept length about 1 token per step), so each step pays the drafter and a "
         f"{gamma + 1}-token verify for one token: slower than serving without DSPARK. Train a "
-        "drafter (python -m unimem.engine.train_drafter) and pass "
+        "drafter (python -m unimem.training.train_drafter) and pass "
         "--speculative-draft-model-path, or leave --speculative-algorithm out."
     )

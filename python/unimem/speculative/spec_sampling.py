@@ -1,4 +1,4 @@
-"""Chain speculative sampling (temperature > 0), exact (DESIGN §6; docs/spec_decoding.md).
+"""Chain speculative sampling (temperature > 0), exact (docs/spec_decoding.md).
 
 A verify step of a sampled request holds, for ``gamma`` drafted tokens ``x_1 .. x_gamma``:
 
@@ -136,7 +136,9 @@ def chain_accept(
     ``limit [bs]`` (optional; a ragged verify of ``limit + 1`` rows): the chain of request
     ``b`` is its first ``limit[b]`` drafts — drafts past it are never accepted and row
     ``limit[b]`` is the bonus draw from ``p`` (its ``q`` counts as 0), exactly the chain
-    accept of ``gamma = limit[b]``; rows of ``p`` past ``limit`` are never used."""
+    accept of ``gamma = limit[b]``; rows of ``p`` past ``limit`` are never used. Only the
+    one row a lane draws from (its first rejection, or the bonus) becomes a residual
+    distribution: ``[bs, V]`` temporaries, not ``[bs, gamma + 1, V]``."""
     bs, gamma = draft.shape
     vocab = p.shape[-1]
     if q.shape != (bs, gamma, vocab) or p.shape != (bs, gamma + 1, vocab):
@@ -151,16 +153,24 @@ def chain_accept(
     qx = q.gather(2, d[:, :, None])[:, :, 0].float()
     u = uniforms(stream_keys(seeds, positions[:, :gamma], STREAM_ACCEPT))
     ok = u * qx < px  # u < p / q without dividing (q(x) > 0 for a drawn x)
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # row gamma: the bonus, from p
-    if limit is not None:  # rows past the chain: never accepted; row limit is the bonus
-        in_chain = torch.arange(gamma + 1, device=draft.device)[None, :] < limit.long()[:, None]
-        ok = ok & in_chain[:, :gamma]
-        q_pad = q_pad * in_chain[:, :, None].to(q_pad.dtype)
+    if limit is not None:  # drafts past the chain are never accepted
+        ok = ok & (torch.arange(gamma, device=draft.device)[None, :] < limit.long()[:, None])
     accepted = ok.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
-    residual = residual_distribution(p, q_pad)
-    keys = stream_keys(seeds, positions, STREAM_RESIDUAL)
-    repl = draw(residual.reshape(-1, vocab), keys.reshape(-1)).reshape(bs, gamma + 1)
+    # the one draw a lane commits: from row `accepted` (the first rejection's residual, or
+    # the bonus from p where q counts as 0 -- past the drafts, or at a ragged chain's end);
+    # only that row is materialised, [bs, V], not the whole [bs, gamma + 1, V] chain
+    sel = accepted.long()
+    p_row = p.gather(1, sel[:, None, None].expand(bs, 1, vocab))[:, 0]
+    if gamma:
+        q_row = q.gather(1, sel.clamp(max=gamma - 1)[:, None, None].expand(bs, 1, vocab))[:, 0]
+    else:
+        q_row = torch.zeros_like(p_row)
+    end = torch.full_like(sel, gamma) if limit is None else limit.long()
+    q_row = q_row * (sel < end).to(q_row.dtype)[:, None]
+    residual = residual_distribution(p_row, q_row)
+    keys = stream_keys(seeds, positions, STREAM_RESIDUAL).gather(1, sel[:, None])[:, 0]
+    repl = draw(residual, keys)
     cols = torch.arange(gamma + 1, device=draft.device)[None, :]
     d_pad = torch.cat([d, torch.zeros_like(d[:, :1])], dim=1)
-    tokens = torch.where(cols < accepted.long()[:, None], d_pad, repl)
+    tokens = torch.where(cols < accepted.long()[:, None], d_pad, repl[:, None])
     return ChainSample(accepted, tokens)

@@ -3,7 +3,7 @@
 matplotlib is an optional extra (``pip install -e ".[plot]"``): it is imported only inside
 the functions here, which raise ``ValueError`` with a one-line message when it is missing
 (:func:`require_matplotlib`). Figures are drawn from plain data — a validation report (its
-``"series"``, :class:`~unimem.validate.protocol.StepSeries` as dicts) or the capacity
+``"series"``, :class:`~unimem.validate.series.StepSeries` as dicts) or the capacity
 benchmark's JSON payload — so a saved JSON can be drawn again.
 
 - :func:`memory_figure`: static pools and the unified arena side by side, bytes in use per
@@ -102,7 +102,7 @@ def _model_name(cfg: dict) -> str:
 
 
 def memory_figure(report: dict, path: str, title: str | None = None) -> None:
-    """Draw ``report``'s static and unified series (:mod:`unimem.validate.protocol`) into
+    """Draw ``report``'s static and unified series (:mod:`unimem.validate.series`) into
     ``path``. ``title``: the first title line (default: what was run, on which model)."""
     fig = _figure(13.0, 6.2)
     cfg, series = report["config"], report["series"]
@@ -280,10 +280,9 @@ def _marks(ax, s: dict, top: float, handles: dict) -> None:
 
 
 def capacity_figure(payload: dict, path: str) -> None:
-    """Draw the capacity benchmark's results (``benchmark/bench_capacity.py``'s JSON payload)
-    into ``path``: per mix, requests resident at once for SGLang's default static split, the
-    best static split and the unified arena (bars, counts on top), the byte-perfect ideal
-    arena as a dashed tick."""
+    """Draw the capacity benchmark's results (its JSON payload) into ``path``: per mix, requests
+    resident at once for SGLang's default static split, the best static split and the
+    unified arena (bars, counts on top), the byte-perfect ideal arena as a dashed tick."""
     fig = _figure(9.0, 5.4)
     ax = fig.subplots()
     results = payload["results"]

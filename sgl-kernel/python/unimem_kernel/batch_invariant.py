@@ -19,8 +19,8 @@ How invariance is obtained:
 - **Row ops** (:func:`bi_rms_norm`, :func:`bi_log_softmax`): one program per row, a fixed
   ``BLOCK`` over the last dim (a function of that dim only) walked in fixed chunk order.
 
-Every public op dispatches through :func:`unimem_kernel._dispatch.use_triton` (Triton on CUDA,
-or when forced; else the ``*_reference`` torch function of identical semantics). The
+Every public op is a ``_dispatch.kernel_op``: Triton on CUDA (or when forced), else the
+``*_reference`` torch function of identical semantics. The
 references compute in fp32 with torch's own kernels: they agree with the Triton kernels to
 rounding, not bitwise, and they are not batch-invariant themselves on CUDA. For float64
 inputs every op is its exact torch counterpart in float64 (the CPU oracle).
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
 __all__ = [
     "MatmulConfig",
@@ -77,7 +77,7 @@ def matmul_config(dtype: torch.dtype, k: int, n: int) -> MatmulConfig:
     row count runs the same compiled kernel with the same reduction order.
 
     fp16/bf16: 128 x 128 output tiles, ``BLOCK_K`` 64, 8 warps, 3 stages (96 KiB of shared
-    memory for the pipelined A and B tiles, comfortably inside an H200 SM's 228 KiB); the
+    memory for the pipelined A and B tiles, within a Hopper SM's shared memory); the
     standard Hopper tensor-core tile, efficient for the prefill/verify row counts. For small
     ``n`` (under 4096 columns) the tile is 64 columns wide, so a decode step (one row tile)
     still spreads over at least 32 programs. fp32 (exact, ``ieee`` products, no TF32): 64 x 64
@@ -124,8 +124,13 @@ def _resolve_out_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.
 
 
 def _check_matmul(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
-) -> torch.dtype:
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> bool:
+    """Validates a product's arguments; whether the kernels cover them (float64 runs the
+    reference: the CPU oracle's exact counterpart)."""
     if a.dim() != 2:
         raise ValueError(f"a must be 2-D [M, K], got shape {tuple(a.shape)}")
     if b.dim() != 2:
@@ -141,7 +146,8 @@ def _check_matmul(
             raise ValueError(f"bias must have shape ({b.shape[1]},), got {tuple(bias.shape)}")
         _check_float("bias", bias)
         _check_device("bias", bias, a, "a")
-    return _resolve_out_dtype(a, out_dtype)
+    _resolve_out_dtype(a, out_dtype)
+    return a.dtype != torch.float64
 
 
 # ------------------------------------------------------------------- GEMM: Triton
@@ -273,21 +279,6 @@ def bi_matmul_reference(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The torch reference of :func:`bi_matmul`: ``a @ b`` in fp32 (float64 for float64),
-    plus ``bias`` in that precision, cast to ``out_dtype`` (default ``a``'s dtype)."""
-    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    c = a.to(acc) @ b.to(acc)
-    if bias is not None:
-        c = c + bias.to(acc)
-    return c.to(out_dtype or a.dtype)
-
-
-def bi_matmul(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
     """``a @ b (+ bias)``, batch-invariant: row ``i`` of the result is bitwise the same for
     any number of rows ``M`` and any position of the row in ``a``.
 
@@ -297,29 +288,47 @@ def bi_matmul(
     of ``out_dtype`` (default ``a``'s dtype), owned by the caller; ``M == 0`` gives an empty
     one. Products accumulate in fp32 (fp32 inputs: exact ``ieee`` products, no TF32), over
     ``K`` in fixed ascending chunks with the tiles of :func:`matmul_config`.
-    """
-    out_dtype = _check_matmul(a, b, bias, out_dtype)
-    if a.dtype == torch.float64 or not use_triton(a):
-        return bi_matmul_reference(a, b, bias, out_dtype)
-    return bi_matmul_triton(a, b, bias, out_dtype)
+
+    The reference: ``a @ b`` in fp32 (float64 for float64), plus ``bias`` in that precision,
+    cast to ``out_dtype``."""
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    c = a.to(acc) @ b.to(acc)
+    if bias is not None:
+        c = c + bias.to(acc)
+    return c.to(out_dtype or a.dtype)
+
+
+bi_matmul = kernel_op(
+    "bi_matmul",
+    triton=bi_matmul_triton,
+    reference=bi_matmul_reference,
+    device_of="a",
+    check=_check_matmul,
+)
 
 
 def bi_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The torch reference of :func:`bi_linear`."""
-    k = x.shape[-1]
-    y = bi_matmul_reference(x.reshape(-1, k), weight.t(), bias)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def bi_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, batch-invariant: ``x [..., K]``, ``weight [N, K]`` (of
     ``x``'s dtype), ``bias [N]`` or ``None``; returns a new ``[..., N]`` tensor of ``x``'s
     dtype. It is :func:`bi_matmul` of ``x.reshape(-1, K)`` and ``weight.t()`` (a transposed
     view, no copy), reshaped back."""
+    k = x.shape[-1]
+    y = bi_matmul_reference(x.reshape(-1, k), weight.t(), bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def bi_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The Triton kernel of :func:`bi_linear` (arguments already validated)."""
+    k = x.shape[-1]
+    y = bi_matmul_triton(x.reshape(-1, k), weight.t(), bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     if x.dim() < 1:
         raise ValueError("x must have at least one dim [..., K]")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
@@ -327,9 +336,16 @@ def bi_linear(
             f"weight must be [N, K = {x.shape[-1]}] for x {tuple(x.shape)}, "
             f"got {tuple(weight.shape)}"
         )
-    k = x.shape[-1]
-    y = bi_matmul(x.reshape(-1, k), weight.t(), bias)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return _check_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias, None)
+
+
+bi_linear = kernel_op(
+    "bi_linear",
+    triton=bi_linear_triton,
+    reference=bi_linear_reference,
+    device_of="x",
+    check=_check_linear,
+)
 
 
 # ------------------------------------------------------------------- grouped GEMM: Triton
@@ -422,8 +438,9 @@ def bi_grouped_linear_triton(
     offs: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    config: MatmulConfig | None = None,
     rows: torch.Tensor | None = None,
+    *,
+    config: MatmulConfig | None = None,
     cols_fastest: bool = False,
 ) -> torch.Tensor:
     """The Triton kernel of :func:`bi_grouped_linear` (arguments already validated).
@@ -470,9 +487,28 @@ def bi_grouped_linear_reference(
     out: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch reference of :func:`bi_grouped_linear`: per expert, ``x @ weight[e].T`` in
-    fp32 (float64 for float64) for all rows, kept on the rows the expert owns (no host reads
-    of ``offs``; costs ``E`` full GEMMs: meant for tests)."""
+    """Grouped ``x @ weight[e].T`` over rows sorted by expert, batch-invariant.
+
+    ``x [T, K]`` (fp16, bf16, fp32; float64 runs the reference), rows grouped by expert;
+    ``weight [E, N, K]`` of ``x``'s dtype, any strides; ``offs [E]`` int32 on ``x``'s device,
+    the cumulative END row of each expert (``torch._grouped_mm``'s convention: expert ``e``
+    owns rows ``offs[e-1] .. offs[e]``, expert 0 from row 0). The kernel assumes ``offs`` is
+    non-decreasing with ``offs[-1] <= T``; it never reads ``offs`` on the host (capturable).
+    Rows at or past ``offs[-1]`` belong to no expert and are written as zeros. ``bias
+    [E, N]`` (any float dtype, added in fp32 after the reduction) or ``None``. Returns ``out``
+    (``[T, N]`` of ``x``'s dtype, caller-owned, contiguous rows) or a new tensor.
+
+    A row's result depends only on the row and its expert's weight (and ``K``, ``N``): not on
+    ``T``, on how many rows the other experts own, or on the row's position in its segment.
+    ``bi_grouped_linear(xs, w, offs)`` replaces ``torch._grouped_mm(xs, w.transpose(-2, -1),
+    offs=offs)``. With ``rows`` (``[T]`` int32/int64 on ``x``'s device, values in
+    ``[0, x.shape[0])``, not checked on the device) the grouped rows are ``x[rows]``, read by
+    the kernel's loads (no gathered copy): ``bi_grouped_linear(x, w, offs, rows=r) ==
+    bi_grouped_linear(x[r], w, offs)``, bitwise.
+
+    The reference: per expert, ``x @ weight[e].T`` in fp32 (float64 for float64) for all rows,
+    kept on the rows the expert owns (no host reads of ``offs``; ``E`` full GEMMs: meant for
+    tests)."""
     if rows is not None:
         x = x[rows]
     t, k = x.shape
@@ -492,33 +528,14 @@ def bi_grouped_linear_reference(
     return out.copy_(y)
 
 
-def bi_grouped_linear(
+def _check_grouped(
     x: torch.Tensor,
     weight: torch.Tensor,
     offs: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Grouped ``x @ weight[e].T`` over rows sorted by expert, batch-invariant.
-
-    ``x [T, K]`` (fp16, bf16, fp32; float64 runs the reference), rows grouped by expert;
-    ``weight [E, N, K]`` of ``x``'s dtype, any strides; ``offs [E]`` int32 on ``x``'s device,
-    the cumulative END row of each expert (``torch._grouped_mm``'s convention: expert ``e``
-    owns rows ``offs[e-1] .. offs[e]``, expert 0 from row 0). The kernel assumes ``offs`` is
-    non-decreasing with ``offs[-1] <= T``; it never reads ``offs`` on the host (capturable).
-    Rows at or past ``offs[-1]`` belong to no expert and are written as zeros. ``bias
-    [E, N]`` (any float dtype, added in fp32 after the reduction) or ``None``. Returns ``out``
-    (``[T, N]`` of ``x``'s dtype, caller-owned, contiguous rows) or a new tensor.
-
-    A row's result depends only on the row and its expert's weight (and ``K``, ``N``): not on
-    ``T``, on how many rows the other experts own, or on the row's position in its segment.
-    ``bi_grouped_linear(xs, w, offs)`` replaces ``torch._grouped_mm(xs, w.transpose(-2, -1),
-    offs=offs)``. With ``rows`` (``[T]`` int32/int64 on ``x``'s device, values in
-    ``[0, x.shape[0])``, not checked on the device) the grouped rows are ``x[rows]``, read by
-    the kernel's loads (no gathered copy): ``bi_grouped_linear(x, w, offs, rows=r) ==
-    bi_grouped_linear(x[r], w, offs)``, bitwise.
-    """
+) -> bool:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
     if weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -557,9 +574,16 @@ def bi_grouped_linear(
         if n and out.stride(1) != 1:
             raise ValueError("out must have contiguous rows (stride 1 along N)")
         _check_device("out", out, x, "x")
-    if x.dtype == torch.float64 or not use_triton(x):
-        return bi_grouped_linear_reference(x, weight, offs, bias, out, rows)
-    return bi_grouped_linear_triton(x, weight, offs, bias, out, rows=rows)
+    return x.dtype != torch.float64
+
+
+bi_grouped_linear = kernel_op(
+    "bi_grouped_linear",
+    triton=bi_grouped_linear_triton,
+    reference=bi_grouped_linear_reference,
+    device_of="x",
+    check=_check_grouped,
+)
 
 
 # ------------------------------------------------------------------- row ops
@@ -624,18 +648,6 @@ def _bi_rms_norm_kernel(
 def bi_rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
 ) -> torch.Tensor:
-    """The torch reference of :func:`bi_rms_norm` (``unimem.models.nn_ops.rms_norm``, or
-    ``qwen_common.zero_centered_rms_norm``'s arithmetic when ``zero_centered``)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xa = x.to(acc)
-    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
-    w = (1.0 + weight.to(acc)) if zero_centered else weight.to(acc)
-    return (y * w).to(x.dtype)
-
-
-def bi_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
-) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * w`` over the last dim, batch-invariant; ``w = weight``,
     or ``1 + weight`` when ``zero_centered`` (Qwen3-Next's norms).
 
@@ -648,17 +660,21 @@ def bi_rms_norm(
     in fp32, then cast back), as ``unimem.models.nn_ops.rms_norm``. Returns a new tensor of
     ``x``'s shape and dtype, owned by the caller. One program per row; the sum of squares
     walks ``D`` in fixed chunks of :func:`_row_block` ``(D)`` elements.
-    """
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dim")
-    _check_float("x", x)
+
+    The reference: ``unimem.models.nn_ops.rms_norm`` (or ``qwen_common.zero_centered_rms_norm``'s
+    arithmetic when ``zero_centered``)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xa = x.to(acc)
+    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    w = (1.0 + weight.to(acc)) if zero_centered else weight.to(acc)
+    return (y * w).to(x.dtype)
+
+
+def bi_rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
+) -> torch.Tensor:
+    """The Triton kernel of :func:`bi_rms_norm` (arguments already validated)."""
     d = x.shape[-1]
-    if weight.shape != (d,):
-        raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
-    _check_float("weight", weight)
-    _check_device("weight", weight, x, "x")
-    if x.dtype == torch.float64 or not use_triton(x):
-        return bi_rms_norm_reference(x, weight, eps, zero_centered=zero_centered)
     groups = _row_groups(x)
     if groups is not None:
         src, r, stride_g, stride_x = groups
@@ -673,6 +689,29 @@ def bi_rms_norm(
             ZERO_CENTERED=bool(zero_centered), BLOCK=_row_block(d),
         )  # fmt: skip
     return y.reshape(x.shape)
+
+
+def _check_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False
+) -> bool:
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim")
+    _check_float("x", x)
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
+    _check_float("weight", weight)
+    _check_device("weight", weight, x, "x")
+    return x.dtype != torch.float64
+
+
+bi_rms_norm = kernel_op(
+    "bi_rms_norm",
+    triton=bi_rms_norm_triton,
+    reference=bi_rms_norm_reference,
+    device_of="x",
+    check=_check_rms_norm,
+)
 
 
 @triton.jit(do_not_specialize=["V"])
@@ -700,23 +739,19 @@ def _bi_log_softmax_kernel(x_ptr, y_ptr, V, stride_x, stride_y, BLOCK: tl.conste
 
 
 def bi_log_softmax_reference(x: torch.Tensor) -> torch.Tensor:
-    """The torch reference of :func:`bi_log_softmax`."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.log_softmax(x.to(acc), dim=-1)
-
-
-def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
     """``log_softmax(x, dim=-1)`` computed in fp32, batch-invariant.
 
     ``x [..., V]`` (fp16, bf16, fp32; float64 runs the reference). Returns a new float32
     tensor of ``x``'s shape (float64 for float64 inputs), owned by the caller: ``x - max -
     log(sum(exp(x - max)))`` per row, one program per row, the max and the sum of exponentials
-    each walked over ``V`` in fixed chunks of :func:`_row_block` ``(V)`` elements.
-    """
+    each walked over ``V`` in fixed chunks of :func:`_row_block` ``(V)`` elements."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.log_softmax(x.to(acc), dim=-1)
+
+
+def bi_log_softmax_triton(x: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel of :func:`bi_log_softmax` (arguments already validated)."""
     x2 = _rows(x, "x")
-    _check_float("x", x)
-    if x.dtype == torch.float64 or not use_triton(x):
-        return bi_log_softmax_reference(x)
     y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
     v = x2.shape[1]
     if x2.shape[0] and v:
@@ -724,3 +759,18 @@ def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
             x2, y, v, x2.stride(0), y.stride(0), BLOCK=_row_block(v)
         )
     return y.reshape(x.shape)
+
+
+def _check_log_softmax(x: torch.Tensor) -> bool:
+    _rows(x, "x")
+    _check_float("x", x)
+    return x.dtype != torch.float64
+
+
+bi_log_softmax = kernel_op(
+    "bi_log_softmax",
+    triton=bi_log_softmax_triton,
+    reference=bi_log_softmax_reference,
+    device_of="x",
+    check=_check_log_softmax,
+)

@@ -21,12 +21,11 @@ torch matmul's output is) and upcast to the logits' fp32; the lanes' logits then
 group. Ties keep the first index, within a chunk and across chunks (as ``torch.argmax``).
 Lanes past ``bs`` in the last group redo lane ``bs - 1`` and store nothing.
 
-Why groups (H200, bs 48 x G 7 x V 32 000, R 16, bf16 ``U``/``W``): one program per lane
-walking all ``G`` columns took 0.62 ms per step (too few programs); one program per (lane,
-chunk) with a launch per column took 9.6 us per launch (0.077 ms per step), its programs each
-re-reading their chunk of ``W`` for a single lane: 48 x 1 MB of ``W`` through L2 per column.
-Grouping 8 lanes reads ``W`` 6 times per column (6 MB) for the same 6 MB of logits, in 6 x 64
-programs (not yet timed on the H200).
+Why groups: one program per lane walking all ``G`` columns leaves too few programs to fill
+the GPU; one program per (lane, chunk) reads its chunk of ``W`` for a single lane, so ``W``
+passes through L2 ``bs`` times per column. A group of ``LANES`` lanes reads ``W`` ``bs /
+LANES`` times per column, in ``bs / LANES x NSPLIT`` programs (the layout was chosen by
+measurement: docs/decisions.md, the drafter's pick).
 
 Contract: ``base [bs, G, V]`` float32 (any strides, unit last), ``anchors [bs]`` integer
 token ids in ``[0, U)``, ``u [U, R]`` (``U >= V``: rows past ``V`` serve previous tokens
@@ -58,10 +57,10 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
-from unimem_kernel.fused import _round
+from unimem_kernel._dispatch import kernel_op, next_pow2, records_autograd
+from unimem_kernel.rounding import round_rne
 
-__all__ = ["markov_pick", "markov_pick_reference"]
+__all__ = ["markov_pick", "markov_pick_reference", "markov_pick_triton"]
 
 _BLOCK_V = 512  # vocabulary entries per block: one block per program at V = 32 000
 _LANES = 8  # lanes per program, each W block read once for all of them
@@ -196,7 +195,7 @@ def _markov_pick_kernel(
             sums = ()
             for j in tl.static_range(LANES):  # the W block once, for every lane
                 sums = sums + (tl.sum(w * us[j][None, :], axis=1),)
-            bias = _round(_join_lanes(sums, LANES, BLOCK_V), bias_ty).to(tl.float32)
+            bias = round_rne(_join_lanes(sums, LANES, BLOCK_V), bias_ty).to(tl.float32)
             logit = tl.load(base_rows[None, :] + offs[:, None], mask=vmask[:, None],
                             other=float("-inf")) + bias  # fmt: skip
             logit = tl.where(vmask[:, None], logit, float("-inf"))
@@ -223,7 +222,10 @@ def markov_pick_reference(
     ref: torch.Tensor | None = None,
     take: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch reference of :func:`markov_pick` (``DsparkDrafter.pick``'s loop)."""
+    """Greedy left-to-right pick of a drafted block (module docstring): ``[bs, G]`` int64. The
+    kernels take float32 ``base`` (float64 and autograd run the reference).
+
+    The reference: ``DsparkDrafter.pick``'s loop."""
     prev = anchors.long()
     cols = []
     for i in range(base.shape[1]):
@@ -236,7 +238,7 @@ def markov_pick_reference(
     return torch.stack(cols, dim=1)
 
 
-def markov_pick(
+def markov_pick_triton(
     base: torch.Tensor,
     anchors: torch.Tensor,
     u: torch.Tensor,
@@ -244,39 +246,9 @@ def markov_pick(
     ref: torch.Tensor | None = None,
     take: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Greedy left-to-right pick of a drafted block (module docstring): ``[bs, G]`` int64.
-    Triton for float32 ``base`` on CUDA (or with ``UNIMEM_KERNEL_BACKEND=triton``), the
-    reference otherwise (float64, CPU)."""
-    if base.dim() != 3:
-        raise ValueError(f"base must be [bs, G, V], got {tuple(base.shape)}")
+    """Triton launcher of :func:`markov_pick` (arguments already checked; float32 ``base``):
+    one launch per column."""
     bs, g, v = base.shape
-    if anchors.shape != (bs,):
-        raise ValueError(f"anchors must be [bs = {bs}], got {tuple(anchors.shape)}")
-    if (
-        u.dim() != 2
-        or u.shape[0] < v
-        or w.dim() != 2
-        or w.shape != (v, u.shape[1])
-        or w.dtype != u.dtype
-    ):
-        raise ValueError(
-            f"u must be [>= V = {v}, R] and w [V, R] of one dtype, got {tuple(u.shape)} "
-            f"{u.dtype} and {tuple(w.shape)} {w.dtype}"
-        )
-    if (ref is None) != (take is None):
-        raise ValueError("ref and take come together (the acceptance control's decisions)")
-    if ref is not None and (ref.shape != (bs, g) or take.shape != (bs, g)):
-        raise ValueError(
-            f"ref and take must be [bs, G] = [{bs}, {g}], got {tuple(ref.shape)}, "
-            f"{tuple(take.shape)}"
-        )
-    if (
-        base.dtype != torch.float32
-        or not use_triton(base)
-        or torch.is_grad_enabled()
-        and (base.requires_grad or u.requires_grad or w.requires_grad)
-    ):
-        return markov_pick_reference(base, anchors, u, w, ref, take)
     out = torch.empty(bs, g, dtype=torch.int64, device=base.device)
     if bs == 0 or g == 0:
         return out
@@ -302,3 +274,46 @@ def markov_pick(
             num_warps=_NUM_WARPS,
         )  # fmt: skip
     return out
+
+
+def _check(
+    base: torch.Tensor,
+    anchors: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    ref: torch.Tensor | None = None,
+    take: torch.Tensor | None = None,
+) -> bool:
+    if base.dim() != 3:
+        raise ValueError(f"base must be [bs, G, V], got {tuple(base.shape)}")
+    bs, g, v = base.shape
+    if anchors.shape != (bs,):
+        raise ValueError(f"anchors must be [bs = {bs}], got {tuple(anchors.shape)}")
+    if (
+        u.dim() != 2
+        or u.shape[0] < v
+        or w.dim() != 2
+        or w.shape != (v, u.shape[1])
+        or w.dtype != u.dtype
+    ):
+        raise ValueError(
+            f"u must be [>= V = {v}, R] and w [V, R] of one dtype, got {tuple(u.shape)} "
+            f"{u.dtype} and {tuple(w.shape)} {w.dtype}"
+        )
+    if (ref is None) != (take is None):
+        raise ValueError("ref and take come together (the acceptance control's decisions)")
+    if ref is not None and (ref.shape != (bs, g) or take.shape != (bs, g)):
+        raise ValueError(
+            f"ref and take must be [bs, G] = [{bs}, {g}], got {tuple(ref.shape)}, "
+            f"{tuple(take.shape)}"
+        )
+    return base.dtype == torch.float32 and not records_autograd(base, u, w)
+
+
+markov_pick = kernel_op(
+    "markov_pick",
+    triton=markov_pick_triton,
+    reference=markov_pick_reference,
+    device_of="base",
+    check=_check,
+)

@@ -37,7 +37,9 @@ class EnvSwitch:
         if raw == "":
             return self.default
         if self.choices is not None and raw not in self.choices:
-            raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}, got {raw!r}")
+            *head, last = self.choices
+            accepted = f"{', '.join(head)} or {last}" if head else last
+            raise ValueError(f"{self.name} must be {accepted}, got {raw!r}")
         try:
             return self.parse(raw)
         except ValueError as e:

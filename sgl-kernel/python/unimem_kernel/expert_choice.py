@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["router_topk", "router_topk_reference"]
+__all__ = ["router_topk", "router_topk_reference", "router_topk_triton"]
 
 _MAX_EXPERTS = 4096
 
@@ -76,7 +76,9 @@ def _check(logits: torch.Tensor, k: int) -> None:
 def router_topk_reference(
     logits: torch.Tensor, k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch code of the module docstring (float64 logits stay float64)."""
+    """``(weights [T, k] float32, ids [T, k] int64)`` of the router ``logits [T, E]`` (module
+    docstring; float64 logits stay float64 and run the reference, as ``E > _MAX_EXPERTS``
+    does). The outputs are new tensors."""
     _check(logits, k)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     probs = torch.softmax(logits.to(acc), dim=-1)
@@ -86,16 +88,12 @@ def router_topk_reference(
     return weights, ids
 
 
-def router_topk(
+def router_topk_triton(
     logits: torch.Tensor, k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [T, k] float32, ids [T, k] int64)`` of the router ``logits [T, E]`` (module
-    docstring): the Triton kernel where :func:`~unimem_kernel._dispatch.use_triton` says so
-    (CUDA) and the logits are not float64, else the reference. The outputs are new tensors."""
-    _check(logits, k)
+    """Triton launcher of :func:`router_topk` (arguments already checked; ``E <=
+    _MAX_EXPERTS``): one program per token."""
     t, e = logits.shape
-    if not use_triton(logits) or logits.dtype == torch.float64 or e > _MAX_EXPERTS:
-        return router_topk_reference(logits, k, renormalize)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
@@ -108,3 +106,17 @@ def router_topk(
         num_warps=4 if e > 512 else 1,
     )  # fmt: skip
     return weights, ids
+
+
+def _check_args(logits: torch.Tensor, k: int, renormalize: bool) -> bool:
+    _check(logits, k)
+    return logits.dtype != torch.float64 and logits.shape[1] <= _MAX_EXPERTS
+
+
+router_topk = kernel_op(
+    "router_topk",
+    triton=router_topk_triton,
+    reference=router_topk_reference,
+    device_of="logits",
+    check=_check_args,
+)

@@ -36,12 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
-from unimem_kernel.fused import _round  # RNE (the interpreter's own bf16 cast truncates)
+from unimem_kernel._dispatch import kernel_op, next_pow2
+from unimem_kernel.rounding import round_rne
 
-__all__ = ["moe_combine", "moe_combine_reference"]
+__all__ = ["moe_combine", "moe_combine_reference", "moe_combine_triton"]
 
-_BLOCK_D = 1024  # columns per program (d = 2048 at the Qwen3-Next bench sizes: 2 programs)
+_BLOCK_D = 1024  # columns per program
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def _moe_combine_kernel(
     ws = ()
     for j in tl.static_range(K):
         rows = rows + (tl.load(inv_ptr + t * K + j).to(tl.int64),)
-        ws = ws + (_round(tl.load(w_ptr + t * w_s + j).to(tl.float32), dt).to(tl.float32),)
+        ws = ws + (round_rne(tl.load(w_ptr + t * w_s + j).to(tl.float32), dt).to(tl.float32),)
     if HAS_SHARED:
         cols = tl.arange(0, BLOCK_D)
         dot = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -88,15 +88,15 @@ def _moe_combine_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):
         yv = tl.load(y_ptr + rows[j] * y_s + offs, mask=m, other=0.0).to(tl.float32)
-        acc += _round(yv * ws[j], dt).to(tl.float32)
-    out = _round(acc, out_ptr.dtype.element_ty)
+        acc += round_rne(yv * ws[j], dt).to(tl.float32)
+    out = round_rne(acc, out_ptr.dtype.element_ty)
     if HAS_SHARED:
         # the logit, its sigmoid, the gated shared output and the sum, each rounded as torch
         # rounds it
-        logit = _round(tl.sum(dot, axis=0), dt).to(tl.float32)
-        gate = _round(tl.sigmoid(logit), dt).to(tl.float32)
-        gated = _round(gate * sv, dt).to(tl.float32)
-        out = _round(out.to(tl.float32) + gated, out_ptr.dtype.element_ty)
+        logit = round_rne(tl.sum(dot, axis=0), dt).to(tl.float32)
+        gate = round_rne(tl.sigmoid(logit), dt).to(tl.float32)
+        gated = round_rne(gate * sv, dt).to(tl.float32)
+        out = round_rne(out.to(tl.float32) + gated, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * o_s + offs, out, mask=m)
 
 
@@ -150,10 +150,19 @@ def moe_combine_reference(
     gate_input: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch code of the module docstring's formula (``[T, d]`` in ``y``'s dtype), plus
-    ``sigmoid(gate_input @ gate_weight^T) * shared`` when a shared expert is given.
-    ``inverse`` is accepted for :func:`moe_combine`'s signature; the reference does not need
-    it."""
+    """Weighted sum over each token's ``k`` slots of the expert outputs ``y [T * k, d]``
+    (sorted by ``order``), as ``[T, d]`` in ``y``'s dtype (float64 and ``k = 0`` run the
+    reference). Same numbers, bitwise, on either side (float32 sums in slot order). ``inverse``
+    (optional, ``[T * k]`` int64, ``inverse[order[i]] = i``: :func:`~unimem_kernel.moe_route`
+    returns it) saves the kernel the scatter that computes it; it is trusted, not checked (the
+    reference does not need it).
+
+    A sigmoid-gated shared expert (Qwen3-Next's) joins in the same pass when ``shared``
+    (its output ``[T, d]``), ``gate_input`` (the layer input ``[T, d]``) and ``gate_weight``
+    (``[d]`` or ``[1, d]``) are given: ``out = routed + sigmoid(gate_input @ gate_weight^T) *
+    shared``, each term rounded to ``y``'s dtype as torch's ops round it. The gate's dot
+    product is the kernel's own float32 sum, so that term agrees with the reference to
+    rounding, not bitwise (the routed sum stays bitwise)."""
     t, k = _check(y, order, weights)
     _check_shared(y, t, shared, gate_input, gate_weight)
     if t == 0 or k == 0:
@@ -171,7 +180,7 @@ def moe_combine_reference(
     return out
 
 
-def moe_combine(
+def moe_combine_triton(
     y: torch.Tensor,
     order: torch.Tensor,
     weights: torch.Tensor,
@@ -181,27 +190,8 @@ def moe_combine(
     gate_input: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted sum over each token's ``k`` slots of the expert outputs ``y [T * k, d]``
-    (sorted by ``order``), as ``[T, d]`` in ``y``'s dtype: the Triton kernel where
-    :func:`~unimem_kernel._dispatch.use_triton` says so (CUDA), else the reference. Same
-    numbers, bitwise, on either path (float32 sums in slot order). ``inverse`` (optional,
-    ``[T * k]`` int64, ``inverse[order[i]] = i``: :func:`~unimem_kernel.moe_route` returns it)
-    saves the kernel path the scatter that computes it; it is trusted, not checked.
-
-    A sigmoid-gated shared expert (Qwen3-Next's) joins in the same pass when ``shared``
-    (its output ``[T, d]``), ``gate_input`` (the layer input ``[T, d]``) and ``gate_weight``
-    (``[d]`` or ``[1, d]``) are given: ``out = routed + sigmoid(gate_input @ gate_weight^T) *
-    shared``, each term rounded to ``y``'s dtype as torch's ops round it. The gate's dot
-    product is the kernel's own float32 sum, so that term agrees with the reference to
-    rounding, not bitwise (the routed sum stays bitwise)."""
-    t, k = _check(y, order, weights)
-    _check_shared(y, t, shared, gate_input, gate_weight)
-    if inverse is not None and inverse.shape != order.shape:
-        raise ValueError(f"inverse must be [{t * k}] like order, got {tuple(inverse.shape)}")
-    if not use_triton(y) or k == 0 or y.dtype == torch.float64:
-        return moe_combine_reference(
-            y, order, weights, shared=shared, gate_input=gate_input, gate_weight=gate_weight
-        )
+    """Triton launcher of :func:`moe_combine` (arguments already checked; ``k >= 1``)."""
+    t, k = weights.shape
     if y.stride(-1) != 1:
         y = y.contiguous()
     if weights.stride(-1) != 1:
@@ -229,3 +219,29 @@ def moe_combine(
         enable_fp_fusion=False,
     )  # fmt: skip
     return out
+
+
+def _check_combine(
+    y: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    inverse: torch.Tensor | None = None,
+    *,
+    shared: torch.Tensor | None = None,
+    gate_input: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
+) -> bool:
+    t, k = _check(y, order, weights)
+    _check_shared(y, t, shared, gate_input, gate_weight)
+    if inverse is not None and inverse.shape != order.shape:
+        raise ValueError(f"inverse must be [{t * k}] like order, got {tuple(inverse.shape)}")
+    return weights.shape[1] > 0 and y.dtype != torch.float64
+
+
+moe_combine = kernel_op(
+    "moe_combine",
+    triton=moe_combine_triton,
+    reference=moe_combine_reference,
+    device_of="y",
+    check=_check_combine,
+)

@@ -11,7 +11,8 @@ tile covers a typical expert); with many rows per expert (prefill) ``torch._grou
 runs. The choice depends on the shapes only (host-known: capturable in CUDA graphs; one
 compiled kernel per tile and ``(K, N)``).
 
-``UNIMEM_MOE_GEMM=triton`` or ``vendor`` forces one path (``auto``, the default, chooses).
+``UNIMEM_MOE_GEMM=triton`` or ``vendor`` forces one path (``auto``, the default, chooses);
+``UNIMEM_KERNEL_BACKEND`` and the device decide as for every op (``_dispatch.kernel_op``).
 Either path keeps each row's result independent of the other rows' values; the two round
 differently, and neither is the batch-invariant configuration (deterministic inference uses
 :func:`unimem_kernel.bi_grouped_linear`, not this function).
@@ -19,21 +20,17 @@ differently, and neither is the batch-invariant configuration (deterministic inf
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from unimem_kernel._dispatch import use_triton
+from unimem_kernel import envs
+from unimem_kernel._dispatch import kernel_op
 from unimem_kernel.batch_invariant import MatmulConfig, bi_grouped_linear_triton
 
-__all__ = ["expert_gemm_config", "expert_linear"]
+__all__ = ["expert_gemm_config", "expert_linear", "expert_linear_reference", "expert_linear_triton"]
 
-_ENV = "UNIMEM_MOE_GEMM"
-# Tiles by mean rows per expert, measured on the H200 (benchmark/bench_moe_gemm.py, Qwen3-Next
-# bench sizes: 64 experts of width 512, d 2048; docs/benchmarks.md): up to 64 rows (a verify
-# step of 48 requests x 8 tokens is 48) the 64-row tile, 1.2-1.4x torch._grouped_mm; up to
-# 128 the 128-row tile (1.03-1.17x); above that torch._grouped_mm is faster (at 192 rows by
-# 1.1-1.35x, at 512 by 1.2-1.6x).
+# Tiles by mean rows per expert, chosen by measurement (docs/decisions.md, the MoE grouped
+# GEMM): up to 64 rows per expert (a verify step's typical expert) the 64-row tile, up to 128
+# the 128-row tile; above that torch._grouped_mm.
 _TILES = (
     (64, MatmulConfig(64, 128, 64, 4, 4, 1)),
     (128, MatmulConfig(128, 128, 64, 8, 3, 1)),
@@ -44,9 +41,7 @@ def expert_gemm_config(rows: int, num_experts: int, dtype: torch.dtype) -> Matmu
     """The Triton tile for a grouped GEMM of ``rows`` rows over ``num_experts`` experts, or
     ``None`` where ``torch._grouped_mm`` runs (module docstring). ``UNIMEM_MOE_GEMM=triton``
     takes the largest tile of the table beyond its row range."""
-    choice = os.environ.get(_ENV, "auto")
-    if choice not in ("auto", "triton", "vendor"):
-        raise ValueError(f"{_ENV} must be auto, triton or vendor, got {choice!r}")
+    choice = envs.get("UNIMEM_MOE_GEMM")
     if dtype not in (torch.bfloat16, torch.float16) or choice == "vendor":
         return None
     for max_rows, tile in _TILES:
@@ -55,7 +50,24 @@ def expert_gemm_config(rows: int, num_experts: int, dtype: torch.dtype) -> Matmu
     return _TILES[-1][1] if choice == "triton" else None
 
 
-def expert_linear(
+def _rows_of(x: torch.Tensor, rows: torch.Tensor | None) -> int:
+    return x.shape[0] if rows is None else rows.shape[0]
+
+
+def expert_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton grouped kernel with :func:`expert_gemm_config`'s tile (bf16 / fp16)."""
+    cfg = expert_gemm_config(_rows_of(x, rows), weight.shape[0], x.dtype)
+    if cfg is None:
+        raise ValueError(f"no Triton tile for {x.dtype} at these rows (expert_gemm_config)")
+    return bi_grouped_linear_triton(x, weight, offs, rows=rows, config=cfg)
+
+
+def expert_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
     offs: torch.Tensor,
@@ -64,11 +76,24 @@ def expert_linear(
     """``[T, N]``: row ``i`` of ``a`` times ``weight[e] [N, K]`` transposed, ``e`` the expert
     owning row ``i`` by ``offs [E]`` (int32, non-decreasing, ``offs[-1] == T``; not checked on
     the device), where ``a = x`` or, with ``rows [T]`` (int64), ``a = x[rows]`` — read by the
-    Triton kernel's loads, gathered first for ``torch._grouped_mm``. The caller checks shapes
-    (the MoE layer)."""
-    t = x.shape[0] if rows is None else rows.shape[0]
-    cfg = expert_gemm_config(t, weight.shape[0], x.dtype) if use_triton(x) else None
-    if cfg is None:
-        a = x if rows is None else x[rows]
-        return torch._grouped_mm(a, weight.transpose(-2, -1), offs=offs)
-    return bi_grouped_linear_triton(x, weight, offs, config=cfg, rows=rows)
+    Triton kernel's loads, gathered first for ``torch._grouped_mm``. The Triton kernel runs on
+    CUDA where :func:`expert_gemm_config` has a tile; elsewhere ``torch._grouped_mm`` (CUTLASS
+    on the GPU: the vendor path, and the reference off CUDA). The caller checks shapes (the
+    MoE layer)."""
+    a = x if rows is None else x[rows]
+    return torch._grouped_mm(a, weight.transpose(-2, -1), offs=offs)
+
+
+def _has_tile(
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None
+) -> bool:
+    return expert_gemm_config(_rows_of(x, rows), weight.shape[0], x.dtype) is not None
+
+
+expert_linear = kernel_op(
+    "expert_linear",
+    triton=expert_linear_triton,
+    reference=expert_linear_reference,
+    device_of="x",
+    check=_has_tile,
+)

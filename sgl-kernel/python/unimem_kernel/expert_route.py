@@ -22,8 +22,8 @@ every block and expert the first sorted row its pairs take, in place of the hist
 its expert, hence its sorted row; it writes all four permutation outputs). Where the
 histogram table is small (``_PLACE_SCAN_ELEMENTS``: a decode or verify step over up to ~64
 experts) the place kernel takes the scan's sums itself from the table and the scan kernel
-does not run: two launches (on the H200 at 384 tokens x top 8 of 64, 8.1 -> 4.3 µs; the
-place kernel's extra sums cost less than the scan's launch and its wait).
+does not run: two launches (the place kernel's extra sums cost less than the scan's launch
+and its wait).
 
 A pair's row depends only on the pairs before it, so the result is the stable order,
 deterministic and independent of scheduling. Grids depend on shapes only and nothing is read
@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["ExpertRoute", "moe_route", "moe_route_reference"]
+__all__ = ["ExpertRoute", "moe_route", "moe_route_reference", "moe_route_triton"]
 
 _BLOCK = 128  # pairs per program of the count and place kernels ([BLOCK, BLOCK] rank compare)
 _SCAN_ELEMENTS = 16384  # histogram entries the scan holds at once (rows x padded experts)
@@ -157,8 +157,10 @@ def _check(topk_ids: torch.Tensor, num_experts: int) -> None:
 
 
 def moe_route_reference(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
-    """The torch code of the module docstring (raises on an expert id outside ``[0, E)``:
-    that check reads the ids on the host)."""
+    """Group the pairs of ``topk_ids [T, k]`` by expert (module docstring); identical outputs on
+    either side. The kernels allocate the five outputs and one ``[cdiv(P, 128), E]`` int32
+    scratch; the reference raises on an expert id outside ``[0, E)`` (that check reads the ids
+    on the host)."""
     _check(topk_ids, num_experts)
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
@@ -175,14 +177,9 @@ def moe_route_reference(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute
     return ExpertRoute(order, inverse, order // max(k, 1), flat[order], ends)
 
 
-def moe_route(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
-    """Group the pairs of ``topk_ids [T, k]`` by expert (module docstring): the Triton kernels
-    where :func:`~unimem_kernel._dispatch.use_triton` says so (CUDA), else the reference;
-    identical outputs on either path. Allocates the five outputs and one ``[cdiv(P, 128), E]``
-    int32 scratch."""
-    _check(topk_ids, num_experts)
-    if not use_triton(topk_ids):
-        return moe_route_reference(topk_ids, num_experts)
+def moe_route_triton(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
+    """Triton launcher of :func:`moe_route` (arguments already checked): a count, an optional
+    scan and a place launch."""
     t, k = topk_ids.shape
     n = t * k
     dev = topk_ids.device
@@ -208,3 +205,12 @@ def moe_route(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
         num_warps=4,
     )  # fmt: skip
     return ExpertRoute(order, inverse, token, expert, ends)
+
+
+moe_route = kernel_op(
+    "moe_route",
+    triton=moe_route_triton,
+    reference=moe_route_reference,
+    device_of="topk_ids",
+    check=_check,
+)

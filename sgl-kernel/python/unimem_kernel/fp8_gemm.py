@@ -55,7 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel import envs
+from unimem_kernel._dispatch import kernel_op, next_pow2, use_triton
 
 __all__ = [
     "FP8_DTYPE",
@@ -66,10 +67,12 @@ __all__ = [
     "fp8_gemm",
     "fp8_gemm_config",
     "fp8_gemm_reference",
+    "fp8_gemm_triton",
     "fp8_grouped_linear",
     "fp8_linear",
     "fp8_quantize_groups",
     "fp8_quantize_groups_reference",
+    "fp8_quantize_groups_triton",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -118,7 +121,8 @@ QUANT_ROWS = 8
 
 
 def fp8_quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`fp8_quantize_groups`."""
+    """``x [M, K]`` (float, unit stride along ``K``) -> ``(xq [M, K] e4m3, xs [M, KG]
+    float32)``, per token and group of 128 columns (module docstring)."""
     m, k = x.shape
     kg = num_groups(k)
     xf = x.float()
@@ -134,13 +138,8 @@ def fp8_quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q.view(m, kg * GROUP)[:, :k].to(FP8_DTYPE).contiguous(), s
 
 
-def fp8_quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (float, unit stride along ``K``) -> ``(xq [M, K] e4m3, xs [M, KG]
-    float32)``, per token and group of 128 columns (module docstring)."""
-    if x.dim() != 2:
-        raise ValueError(f"fp8_quantize_groups: x must be [M, K], got {tuple(x.shape)}")
-    if not use_triton(x):
-        return fp8_quantize_groups_reference(x)
+def fp8_quantize_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of :func:`fp8_quantize_groups` (``x`` checked): one launch."""
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -154,6 +153,20 @@ def fp8_quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             BLOCK_R=QUANT_ROWS, BLOCK_K=GROUP, num_warps=4,
         )  # fmt: skip
     return (q.to(FP8_DTYPE) if interp else q), s
+
+
+def _check_quantize(x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"fp8_quantize_groups: x must be [M, K], got {tuple(x.shape)}")
+
+
+fp8_quantize_groups = kernel_op(
+    "fp8_quantize_groups",
+    triton=fp8_quantize_groups_triton,
+    reference=fp8_quantize_groups_reference,
+    device_of="x",
+    check=_check_quantize,
+)
 
 
 # ------------------------------------------------------------------- GEMM kernel
@@ -211,7 +224,7 @@ _BY_ROWS = (
 
 TUNED_CONFIGS = Path(__file__).with_name("fp8_gemm_configs.json")
 """``{gpu name: {"N,K": [[max_rows, "BMxBN,warps,stages,splitk"], ...]}}`` (ascending
-``max_rows``; written by ``benchmark/bench_fp8_gemm.py --sweep``)."""
+``max_rows``; written by the FP8 GEMM micro-benchmark's sweep)."""
 
 
 @functools.cache
@@ -235,7 +248,7 @@ def fp8_gemm_config(
     :data:`INVARIANT_CONFIG` when ``invariant``."""
     if invariant:
         return INVARIANT_CONFIG
-    forced = os.environ.get("UNIMEM_FP8_GEMM_CONFIG")
+    forced = envs.get("UNIMEM_FP8_GEMM_CONFIG")
     if forced:
         return Fp8GemmConfig.parse(forced)
     if shape is not None and device is not None and device.type == "cuda":
@@ -369,7 +382,7 @@ def _check_operands(xq, xs, wq, ws, grouped: bool) -> None:
         )
 
 
-def fp8_gemm(
+def fp8_gemm_triton(
     xq: torch.Tensor,
     xs: torch.Tensor | None,
     wq: torch.Tensor,
@@ -381,28 +394,36 @@ def fp8_gemm(
     rows: torch.Tensor | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
-    """The scaled product of quantised operands (module docstring): ``xq [M, K]``, ``xs [M,
-    KG]``; dense ``wq [N, K]``, ``ws [N, KG]`` -> ``[M, N]``; grouped (``offs [E]`` int32)
-    ``wq [E, N, K]``, ``ws [E, N, KG]`` -> ``[T, N]`` with ``T = M`` or, with ``rows [T]``
-    (int64), product row ``i`` reading activation row ``rows[i]``. ``bias [N]`` (dense) or
-    ``[E, N]`` (grouped), added in float32. Rows past ``offs[-1]`` are zeros.
-
-    ``xs`` None: ``xq`` is the unquantised activation (float) and the GEMM quantises each
-    row group as it loads it, with :func:`fp8_quantize_groups`' arithmetic (the same values:
-    one launch instead of two). Triton only (the CPU interpreter's e4m3 cast truncates)."""
-    grouped = offs is not None
-    if xs is None:
-        return _fp8_gemm_fused(xq, wq, ws, out_dtype, bias, offs, rows, invariant)
-    _check_operands(xq, xs, wq, ws, grouped)
-    if rows is not None and not grouped:
-        raise ValueError("fp8_gemm: rows needs offs (a grouped call)")
-    if not use_triton(xq):
-        return fp8_gemm_reference(
-            xq, xs, wq, ws, out_dtype=out_dtype, bias=bias, offs=offs, rows=rows
-        )
+    """Triton launcher of :func:`fp8_gemm` (arguments checked): one GEMM launch (``xs`` None:
+    quantising in its loads), plus the ordered sum of split-K partials when the tile splits
+    K."""
     if xq.stride(1) != 1:
         xq = xq.contiguous()
     return _launch(xq, xs, wq, ws, out_dtype, bias, offs, rows, invariant)
+
+
+def _check_gemm(
+    xq: torch.Tensor,
+    xs: torch.Tensor | None,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    offs: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    invariant: bool = False,
+) -> None:
+    if xs is None:
+        k = xq.shape[1]
+        if wq.shape[-1] != k or ws.shape != (*wq.shape[:-1], num_groups(k)):
+            raise ValueError(
+                f"fp8 weight {tuple(wq.shape)} / scales {tuple(ws.shape)} do not fit K {k}"
+            )
+        return
+    _check_operands(xq, xs, wq, ws, offs is not None)
+    if rows is not None and offs is None:
+        raise ValueError("fp8_gemm: rows needs offs (a grouped call)")
 
 
 def _split_k(cfg: Fp8GemmConfig, t: int, n: int, kg: int, device: torch.device) -> int:
@@ -460,26 +481,11 @@ def _launch(a, xs, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tens
     return out
 
 
-def _fp8_gemm_fused(x, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tensor:
-    """:func:`fp8_gemm` with ``xs`` None (the activation quantised in the GEMM's loads)."""
-    k = x.shape[1]
-    if wq.shape[-1] != k or ws.shape != (*wq.shape[:-1], num_groups(k)):
-        raise ValueError(
-            f"fp8 weight {tuple(wq.shape)} / scales {tuple(ws.shape)} do not fit K {k}"
-        )
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    return _launch(x, None, wq, ws, out_dtype, bias, offs, rows, invariant)
-
-
 def fused_quantization(x: torch.Tensor) -> bool:
     """Whether :func:`fp8_linear` / :func:`fp8_grouped_linear` quantise ``x`` inside the GEMM
     (``UNIMEM_FP8_ACT_QUANT=fused``) rather than in a launch of its own (``separate``, the
     default); Triton on a GPU only (the interpreter's e4m3 cast truncates)."""
-    choice = os.environ.get("UNIMEM_FP8_ACT_QUANT", "separate")
-    if choice not in ("separate", "fused"):
-        raise ValueError(f"UNIMEM_FP8_ACT_QUANT must be separate or fused, got {choice!r}")
-    return choice == "fused" and use_triton(x) and not _interpreting()
+    return envs.get("UNIMEM_FP8_ACT_QUANT") == "fused" and use_triton(x) and not _interpreting()
 
 
 def _dense_reference(xq, xs, wq, ws) -> torch.Tensor:
@@ -502,10 +508,26 @@ def fp8_gemm_reference(
     bias: torch.Tensor | None = None,
     offs: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """The torch reference of :func:`fp8_gemm`: per group, the float32 product of the
-    e4m3 values times both scales, summed over ascending groups (grouped: every expert's
-    product over all rows, kept on the rows it owns; no host read of ``offs``)."""
+    """The scaled product of quantised operands (module docstring): ``xq [M, K]``, ``xs [M,
+    KG]``; dense ``wq [N, K]``, ``ws [N, KG]`` -> ``[M, N]``; grouped (``offs [E]`` int32)
+    ``wq [E, N, K]``, ``ws [E, N, KG]`` -> ``[T, N]`` with ``T = M`` or, with ``rows [T]``
+    (int64), product row ``i`` reading activation row ``rows[i]``. ``bias [N]`` (dense) or
+    ``[E, N]`` (grouped), added in float32. Rows past ``offs[-1]`` are zeros.
+
+    ``xs`` None: ``xq`` is the unquantised activation (float) and the GEMM quantises each
+    row group as it loads it, with :func:`fp8_quantize_groups`' arithmetic (the same values:
+    one launch instead of two). Meant for the GPU: the CPU interpreter's e4m3 cast truncates
+    (:func:`fused_quantization` says when to use it). ``invariant``: one tile for every row
+    count (:data:`INVARIANT_CONFIG`).
+
+    The reference: per group, the float32 product of the e4m3 values times both scales,
+    summed over ascending groups (grouped: every expert's product over all rows, kept on the
+    rows it owns; no host read of ``offs``); ``xs`` None quantises first
+    (:func:`fp8_quantize_groups_reference`); ``invariant`` has no effect (one arithmetic)."""
+    if xs is None:
+        xq, xs = fp8_quantize_groups_reference(xq)
     if rows is not None:
         xq, xs = xq[rows], xs[rows]
     if offs is None:
@@ -524,6 +546,15 @@ def fp8_gemm_reference(
             part = part + bias[i].float()
         acc = torch.where((owner == i)[:, None], part, acc)
     return acc.to(out_dtype)
+
+
+fp8_gemm = kernel_op(
+    "fp8_gemm",
+    triton=fp8_gemm_triton,
+    reference=fp8_gemm_reference,
+    device_of="xq",
+    check=_check_gemm,
+)
 
 
 # ------------------------------------------------------------------- entry points

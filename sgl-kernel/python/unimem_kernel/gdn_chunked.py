@@ -1,6 +1,6 @@
 """Chunked (WY) gated delta rule for extend (prefill), in place on arena slots, in Triton.
 
-Same contract as the recurrent extend of :mod:`unimem_kernel.gdn`
+Same contract as the recurrent extend of :mod:`unimem_kernel.gdn_rule`
 (``gated_delta_rule_extend_triton`` and the extend branch of ``gdn_forward_triton``): ``q, k
 [T, Hk, Dk]`` read per key head (value head ``h`` reads key head ``h // (H // Hk)``, never
 expanded), ``v [T, H, Dv]``, ``g, beta [T, H]``, rows ragged by a device ``cu_seqlens [bs+1]``
@@ -27,8 +27,7 @@ tile in float32 (float64 for float64 states) across the request's chunks. Per ch
 ``K, Q [C, Dk]``, ``V [C, BV]``, ``g``, ``beta``, builds ``G`` and ``A``, inverts ``I + A`` by
 forward substitution over the ``C`` rows (``C`` dependent steps on a ``[C, C]`` tile, no
 matmul), and the rest is ``tl.dot``. ``A``, ``T`` and ``W`` depend only on k, g and beta: every
-V block of a head recomputes them (``Dv / BV`` times; accepted for now, a split into a
-per-(request, key head, chunk) pre-pass is the obvious next step once measured).
+V block of a head recomputes them (``Dv / BV`` times).
 
 Rounding differs from the recurrent form (other summation order), so the engine uses this
 kernel only when asked (``UNIMEM_GDN_CHUNKED_PREFILL=triton``; the default ``auto`` and ``fla``
@@ -48,17 +47,17 @@ import triton
 import triton.language as tl
 
 from unimem_kernel import gdn_reference
-from unimem_kernel._dispatch import next_pow2, use_triton
-from unimem_kernel.gdn import (
-    _MAX_GRID_YZ,
+from unimem_kernel._dispatch import kernel_op, next_pow2
+from unimem_kernel.gdn_common import (
     L2NORM_EPS,
-    _acc,
-    _check_rule,
-    _check_shape,
-    _check_slots,
-    _cu_seqlens,
-    _init_flags,
+    MAX_GRID_YZ,
+    check_shape,
+    check_slots,
+    cu_seqlens_on_device,
+    init_flags,
+    tl_acc,
 )
+from unimem_kernel.gdn_rule import check_rule
 
 DEFAULT_CHUNK = 16
 """Chunk length of the Triton kernel (``tl.dot`` needs >= 16 on the GPU)."""
@@ -243,7 +242,7 @@ def gated_delta_rule_extend_chunked_triton(
     num_warps: int | None = None,
     dot_precision: str = "ieee",
 ) -> torch.Tensor:
-    """Chunked-form Triton launcher with the contract of ``gdn.gated_delta_rule_extend_triton``
+    """Chunked-form Triton launcher with the contract of ``gated_delta_rule_extend_triton``
     (module docstring): one launch, grid ``(bs, H, cdiv(Dv, BV))``, no host read of a device
     tensor (``max_seqlen`` is accepted for symmetry; the grid does not depend on it).
     ``num_k_heads`` (default ``q.shape[1]``) must match q, k. ``prep``: the L2 norm of q, k
@@ -252,22 +251,22 @@ def gated_delta_rule_extend_chunked_triton(
     del max_seqlen
     if dot_precision not in _DOT_PRECISIONS:
         raise ValueError(f"dot_precision must be one of {_DOT_PRECISIONS}, got {dot_precision!r}")
-    _check_rule(q, k, v, g, beta, ssm_state, (q.shape[0],))
+    check_rule(q, k, v, g, beta, ssm_state, (q.shape[0],))
     _, h, dk, dv = ssm_state.shape
     nk = q.shape[1]
     if num_k_heads is not None and num_k_heads != nk:
         raise ValueError(f"num_k_heads {num_k_heads} != q's {nk} key heads")
     group = gdn_reference.check_heads(h, nk)
-    bs = _check_slots(slots, ssm_state.device)
-    cu, _ = _cu_seqlens(cu_seqlens, bs, ssm_state.device, 0)
-    init = _init_flags(has_initial_state, bs, ssm_state.device)
+    bs = check_slots(slots, ssm_state.device)
+    cu, _ = cu_seqlens_on_device(cu_seqlens, bs, ssm_state.device, 0)
+    init = init_flags(has_initial_state, bs, ssm_state.device)
     o = torch.empty_like(v) if out is None else out
-    _check_shape("out", o, v.shape)
+    check_shape("out", o, v.shape)
     cuda = ssm_state.is_cuda
     bk, bv, warps = _chunked_config(dk, dv, chunk_size, block_v, num_warps, cuda)
     if bs == 0 or h == 0 or dv == 0:
         return o
-    if h > _MAX_GRID_YZ or triton.cdiv(dv, bv) > _MAX_GRID_YZ:
+    if h > MAX_GRID_YZ or triton.cdiv(dv, bv) > MAX_GRID_YZ:
         raise ValueError(f"chunked delta rule grid too large: H={h}, Dv={dv}, block_v={bv}")
     _chunked_rule_kernel[(bs, h, triton.cdiv(dv, bv))](
         q, k, v, g, beta, o, ssm_state, slots, cu,
@@ -281,7 +280,7 @@ def gated_delta_rule_extend_chunked_triton(
         BK=bk,
         BV=bv,
         C=chunk_size,
-        ACC=_acc(ssm_state.dtype),
+        ACC=tl_acc(ssm_state.dtype),
         HAS_INIT=init is not None,
         PREP=prep,
         GROUP=group,
@@ -309,11 +308,13 @@ def gated_delta_rule_extend_chunked_reference(
     out: torch.Tensor | None = None,
     prep: bool = False,
 ) -> torch.Tensor:
-    """torch reference of :func:`gated_delta_rule_extend_chunked_triton`, same semantics:
-    padded lanes (``slots < 0``) give zero rows and touch no slot; ``prep`` runs the L2 norm
-    of q, k in the state's dtype first; then
+    """The chunked-form extend of the gated delta rule (contract: module docstring; the Triton
+    side is :func:`gated_delta_rule_extend_chunked_triton`).
+
+    The reference: padded lanes (``slots < 0``) give zero rows and touch no slot; ``prep``
+    runs the L2 norm of q, k in the state's dtype first; then
     ``gdn_reference.gated_delta_rule_chunked`` per request (q, k expanded to the value heads
-    there). Reads ``cu_seqlens`` on the host."""
+    there). It reads ``cu_seqlens`` on the host."""
     del max_seqlen
     nk = q.shape[1]
     if num_k_heads is not None and num_k_heads != nk:
@@ -347,13 +348,9 @@ def gated_delta_rule_extend_chunked_reference(
     return out
 
 
-def gated_delta_rule_extend_chunked(
-    q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state=None, scale=None,
-    num_k_heads=None, chunk_size=DEFAULT_CHUNK, max_seqlen=None, *, out=None, prep=False,
-) -> torch.Tensor:  # fmt: skip
-    """Triton on CUDA (:func:`gated_delta_rule_extend_chunked_triton`), else the reference."""
-    args = (q, k, v, g, beta, ssm_state, slots, cu_seqlens, has_initial_state, scale,
-            num_k_heads, chunk_size, max_seqlen)  # fmt: skip
-    if use_triton(ssm_state):
-        return gated_delta_rule_extend_chunked_triton(*args, out=out, prep=prep)
-    return gated_delta_rule_extend_chunked_reference(*args, out=out, prep=prep)
+gated_delta_rule_extend_chunked = kernel_op(
+    "gated_delta_rule_extend_chunked",
+    triton=gated_delta_rule_extend_chunked_triton,
+    reference=gated_delta_rule_extend_chunked_reference,
+    device_of="ssm_state",
+)

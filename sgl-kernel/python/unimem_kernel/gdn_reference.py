@@ -48,15 +48,15 @@ Three modes, as in the engine:
 * ``verify``: ``T`` tokens per request; the state after *every* position goes to caller-owned
   scratch (``[bs, T, ...]``, entry ``t`` = state after token ``t``) and the slot is NOT
   touched. Committing ``n`` accepted tokens means copying scratch entry ``n - 1`` into the
-  slot (DESIGN §5).
+  slot (``unimem_kernel.state_commit``).
 
   Or, with a :class:`VerifyRecord` in place of both scratches: the verify keeps only the
   step's own inputs — per token the conv input row ``x``, the conv output row ``y`` and the
   gates ``g``, ``beta`` — and the commit (:func:`gdn_replay_commit`) rebuilds each lane's
   conv window from its slot and ``x``, and re-runs the recurrence over the accepted tokens
   from the slot's SSM state, which the verify left untouched. Same committed states, bitwise,
-  in ~40x fewer bytes at the ``small`` sizes (bf16 rows against fp32 states and conv
-  windows) and no per-position state at all.
+  in far fewer bytes (rows in the model's dtype against fp32 states and conv windows) and
+  no per-position state at all.
 """
 
 from __future__ import annotations

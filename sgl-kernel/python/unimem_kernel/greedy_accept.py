@@ -11,8 +11,7 @@ small kernels (compare, cumprod, sum, gather); here it is two launches of fixed 
 1. ``_row_argmax_kernel``, ``rows x NSPLIT`` programs: program ``(r, s)`` scans the ``s``-th
    contiguous chunk of row ``r``'s vocabulary in blocks of ``BLOCK_V`` and writes its
    ``(max, first index)`` to the ``[rows, NSPLIT]`` partials. ``NSPLIT`` (up to 8) splits the
-   vocabulary so that ``rows x NSPLIT`` programs fill the GPU (48 x 8 rows of 32 000: 3 072
-   programs of 4 096 logits each).
+   vocabulary so that ``rows x NSPLIT`` programs fill the GPU.
 2. ``_accept_kernel``, ``bs`` programs: lane ``b`` reduces the partials of its ``W`` rows to
    their tokens, stores ``tokens[b]``, compares them with ``draft[b]`` and stores the accepted
    prefix length and the bonus token.
@@ -43,9 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["greedy_verify_accept", "greedy_verify_accept_reference"]
+__all__ = [
+    "greedy_verify_accept",
+    "greedy_verify_accept_reference",
+    "greedy_verify_accept_triton",
+]
 
 _BLOCK_V = 2048  # logits per block of the vocabulary sweep (read at call time; tests shrink it)
 _NSPLIT = 8  # at most this many vocabulary chunks per row: bs x W x 8 programs fill the GPU
@@ -154,7 +157,9 @@ def _check(logits: torch.Tensor, draft: torch.Tensor) -> None:
 def greedy_verify_accept_reference(
     logits: torch.Tensor, draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`greedy_verify_accept` (any float ``logits``)."""
+    """``(tokens [bs, W] int64, accepted [bs] int32, bonus [bs] int64)`` of a greedy verify
+    step (module docstring). The kernels take float32 ``logits``; other float dtypes (the
+    float64 CPU models) run the reference."""
     bs, gamma = draft.shape
     tokens = torch.argmax(logits, dim=-1).reshape(bs, gamma + 1)
     miss = draft.long() != tokens[:, :gamma]
@@ -165,16 +170,11 @@ def greedy_verify_accept_reference(
     return tokens, accepted, bonus
 
 
-def greedy_verify_accept(
+def greedy_verify_accept_triton(
     logits: torch.Tensor, draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(tokens [bs, W] int64, accepted [bs] int32, bonus [bs] int64)`` of a greedy verify
-    step (module docstring). Triton for float32 ``logits`` on CUDA (or with
-    ``UNIMEM_KERNEL_BACKEND=triton``), the reference otherwise (other float dtypes too: the
-    float64 CPU models)."""
-    _check(logits, draft)
-    if not use_triton(logits) or logits.dtype != torch.float32:
-        return greedy_verify_accept_reference(logits, draft)
+    """Triton launcher of :func:`greedy_verify_accept` (arguments already checked; float32
+    logits): a split row argmax, then the acceptance per lane."""
     bs, gamma = draft.shape
     w = gamma + 1
     rows, v = logits.shape
@@ -203,3 +203,17 @@ def greedy_verify_accept(
         W=w, WP=next_pow2(w), NSPLIT=nsplit, num_warps=1,
     )  # fmt: skip
     return tokens, accepted, bonus
+
+
+def _check_and_cover(logits: torch.Tensor, draft: torch.Tensor) -> bool:
+    _check(logits, draft)
+    return logits.dtype == torch.float32
+
+
+greedy_verify_accept = kernel_op(
+    "greedy_verify_accept",
+    triton=greedy_verify_accept_triton,
+    reference=greedy_verify_accept_reference,
+    device_of="logits",
+    check=_check_and_cover,
+)

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["SPLIT", "greedy_logprob", "greedy_logprob_reference"]
+__all__ = ["SPLIT", "greedy_logprob", "greedy_logprob_reference", "greedy_logprob_triton"]
 
 SPLIT = 4096
 """Elements of a row per program of the first pass."""
@@ -78,38 +78,29 @@ def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
     tl.store(lp_ptr + row * stride_lp, big_m - lse)
 
 
-def greedy_logprob_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`greedy_logprob`: ``argmax`` and
-    ``(logits[token] - logsumexp(logits)).float()``."""
-    tok = torch.argmax(logits, dim=-1)
-    chosen = logits.gather(1, tok[:, None])[:, 0]
-    return tok, (chosen - torch.logsumexp(logits, dim=-1)).float()
-
-
-def greedy_logprob(
+def greedy_logprob_reference(
     logits: torch.Tensor, out_logprobs: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [N] int64, logprobs [N] float32)`` of ``logits [N, V]`` (module docstring).
     ``out_logprobs``: an ``[N]`` float32 tensor (any stride, e.g. a column of the step's
-    output buffer) that receives the log-probabilities and is returned; else a new one.
-    Triton on CUDA for float32 logits (two launches), the reference otherwise."""
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
-    n, v = logits.shape
-    if out_logprobs is not None and (
-        out_logprobs.shape != (n,)
-        or out_logprobs.dtype != torch.float32
-        or out_logprobs.device != logits.device
-    ):
-        raise ValueError(f"out_logprobs must be a [{n}] float32 tensor on {logits.device}")
-    if v == 0:
-        raise ValueError("logits must have at least one column")
-    if logits.dtype != torch.float32 or not use_triton(logits):
-        tok, lp = greedy_logprob_reference(logits)
-        if out_logprobs is not None:
-            out_logprobs.copy_(lp)
-            lp = out_logprobs
+    output buffer) that receives the log-probabilities and is returned; else a new one. The
+    kernels (two launches) take float32 logits; the reference is ``argmax`` and
+    ``(logits[token] - logsumexp(logits)).float()``."""
+    tok = torch.argmax(logits, dim=-1)
+    chosen = logits.gather(1, tok[:, None])[:, 0]
+    lp = (chosen - torch.logsumexp(logits, dim=-1)).float()
+    if out_logprobs is None:
         return tok, lp
+    out_logprobs.copy_(lp)
+    return tok, out_logprobs
+
+
+def greedy_logprob_triton(
+    logits: torch.Tensor, out_logprobs: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of :func:`greedy_logprob` (arguments already checked; float32
+    logits): two launches."""
+    n, v = logits.shape
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n_split = triton.cdiv(v, SPLIT)
     m = torch.empty(n, n_split, dtype=torch.float32, device=x.device)
@@ -123,3 +114,27 @@ def greedy_logprob(
                                       SPLIT_=SPLIT, BLOCK=_BLOCK)  # fmt: skip
         _combine_kernel[(n,)](m, i, s, tok, lp, lp.stride(0), n_split, BS=next_pow2(n_split))
     return tok, lp
+
+
+def _check(logits: torch.Tensor, out_logprobs: torch.Tensor | None = None) -> bool:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
+    n, v = logits.shape
+    if out_logprobs is not None and (
+        out_logprobs.shape != (n,)
+        or out_logprobs.dtype != torch.float32
+        or out_logprobs.device != logits.device
+    ):
+        raise ValueError(f"out_logprobs must be a [{n}] float32 tensor on {logits.device}")
+    if v == 0:
+        raise ValueError("logits must have at least one column")
+    return logits.dtype == torch.float32
+
+
+greedy_logprob = kernel_op(
+    "greedy_logprob",
+    triton=greedy_logprob_triton,
+    reference=greedy_logprob_reference,
+    device_of="logits",
+    check=_check,
+)

@@ -12,15 +12,15 @@ holds (``phys_top``) because it decided every push and pop, and passes that coun
 plain int. Virtual ids may come from a second stack, ``virt_free``, managed the same way.
 
 Every op here is one launch, allocates nothing, and never reads device memory on the host.
-Each has a torch reference (``*_reference``) with identical semantics; the public function
-runs the Triton kernel on CUDA tensors and the reference otherwise (see ``_dispatch``).
+Each has a torch reference (``*_reference``) with identical semantics; the public op runs the
+Triton kernel on CUDA tensors and the reference otherwise (``_dispatch.kernel_op``).
 
 Request tables: ``req_to_token[R, ctx]`` (int32) holds one virtual token id per token,
 ``vtok = vpage * page_size + offset``. Ops that touch it address whole pages by
 ``(unit_rows[i], unit_cols[i])``: request row and page column (token ``col * page_size + o``).
 
 Each op below reads top-down: its Triton kernel, the launcher (``*_triton``, which tests call
-directly), the torch reference it must equal, and the public entry point.
+directly), the torch reference it must equal, and the public op.
 
 Kernel conventions:
 
@@ -30,8 +30,8 @@ Kernel conventions:
   first compile breaks the capture. Id-list pointers are
   not specialised on their 16-byte alignment either (``do_not_specialize_on_alignment``):
   callers pass slices of one packed upload, whose alignment changes with the counts, and an
-  unaligned variant compiled mid-run cost the H200's engine loop ~65 ms per new combination
-  (gathers of int32 ids gain nothing from it). ``page_size`` is a
+  unaligned variant would be compiled mid-run for each new combination (gathers of int32
+  ids gain nothing from the alignment). ``page_size`` is a
   ``constexpr``: one variant per page size, warmed eagerly by the caller.
 - Triton's ``//`` and ``%`` truncate toward zero, so ids are checked for ``>= 0`` explicitly
   before any division or gather; a masked lane never touches memory.
@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
 # Tile sizes. One program handles BLOCK_UNITS units (bind/unbind; fewer for big pages, so a
 # tile stays at about _TILE request-table entries), BLOCK_TOKENS tokens (translate) or sweeps
@@ -154,7 +154,7 @@ def bind_units_triton(
         stride_row, stride_tok, width = req.stride(0), req.stride(1), req.shape[1]
     else:  # placeholders, never touched (HAS_REQ is a constexpr); the table, not a slice of
         # ids, stands in for req_to_token: its pointer is specialised on alignment, a slice's
-        # alignment varies with the counts (a mid-run compile, seen on the H200)
+        # alignment varies with the counts (a variant would compile mid-run)
         req, rows, cols, stride_row, stride_tok, width = v2p, vids, vids, 0, 0, 0
     block_p = next_pow2(page_size) if has_req else 1
     block_u = max(1, min(_BLOCK_UNITS, _TILE // block_p))
@@ -568,8 +568,8 @@ def compact_band_triton(
 
     ``block`` (a power of two) is the chunk the program sweeps the stack and the region in;
     tests lower it to exercise the chunk loops at small sizes. Cost is linear in ``phys_top``
-    on one SM: on an H200 about 8 us for a 4K-entry stack, 30 us for 64K, 0.4 ms for 1M
-    (block 2048, 8 warps, the fastest of the block/warp combinations tried).
+    on one SM (the block and warps were chosen by measurement: docs/decisions.md,
+    compaction).
     """
     k = region_hi - region_lo
     if k <= 0:
@@ -653,98 +653,36 @@ def compact_band_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# public entry points: Triton on CUDA tensors (or UNIMEM_KERNEL_BACKEND=triton), else reference
+# public ops (unimem_kernel._dispatch: Triton on CUDA tensors, the reference elsewhere)
 # ---------------------------------------------------------------------------------------------
 
 
-def bind_units(
-    v2p: torch.Tensor,
-    p2v: torch.Tensor,
-    phys_free: torch.Tensor,
-    phys_top: int,
-    n: int,
-    vids: torch.Tensor,
-    virt_free: torch.Tensor | None = None,
-    virt_top: int = 0,
-    req_to_token: torch.Tensor | None = None,
-    unit_rows: torch.Tensor | None = None,
-    unit_cols: torch.Tensor | None = None,
-    page_size: int = 1,
-) -> None:
-    """See ``bind_units_reference`` for the contract."""
-    impl = bind_units_triton if use_triton(v2p) else bind_units_reference
-    impl(
-        v2p,
-        p2v,
-        phys_free,
-        phys_top,
-        n,
-        vids,
-        virt_free=virt_free,
-        virt_top=virt_top,
-        req_to_token=req_to_token,
-        unit_rows=unit_rows,
-        unit_cols=unit_cols,
-        page_size=page_size,
-    )
+bind_units = kernel_op(
+    "bind_units", triton=bind_units_triton, reference=bind_units_reference, device_of="v2p"
+)
 
 
-def unbind_units(
-    v2p: torch.Tensor,
-    p2v: torch.Tensor,
-    phys_free: torch.Tensor,
-    phys_top: int,
-    n: int,
-    vids: torch.Tensor | None = None,
-    req_to_token: torch.Tensor | None = None,
-    unit_rows: torch.Tensor | None = None,
-    unit_cols: torch.Tensor | None = None,
-    page_size: int = 1,
-    virt_free: torch.Tensor | None = None,
-    virt_top: int = 0,
-) -> None:
-    """See ``unbind_units_reference`` for the contract."""
-    impl = unbind_units_triton if use_triton(v2p) else unbind_units_reference
-    impl(
-        v2p,
-        p2v,
-        phys_free,
-        phys_top,
-        n,
-        vids=vids,
-        req_to_token=req_to_token,
-        unit_rows=unit_rows,
-        unit_cols=unit_cols,
-        page_size=page_size,
-        virt_free=virt_free,
-        virt_top=virt_top,
-    )
+unbind_units = kernel_op(
+    "unbind_units", triton=unbind_units_triton, reference=unbind_units_reference, device_of="v2p"
+)
 
 
-def translate_tokens(
-    vtok: torch.Tensor, v2p: torch.Tensor, page_size: int, out: torch.Tensor
-) -> None:
-    """See ``translate_tokens_reference`` for the contract."""
-    impl = translate_tokens_triton if use_triton(vtok) else translate_tokens_reference
-    impl(vtok, v2p, page_size, out)
+translate_tokens = kernel_op(
+    "translate_tokens",
+    triton=translate_tokens_triton,
+    reference=translate_tokens_reference,
+    device_of="vtok",
+)
 
 
-def translate_slots(v: torch.Tensor, v2p: torch.Tensor, out: torch.Tensor) -> None:
-    """See ``translate_slots_reference`` for the contract."""
-    impl = translate_slots_triton if use_triton(v) else translate_slots_reference
-    impl(v, v2p, out)
+translate_slots = kernel_op(
+    "translate_slots",
+    triton=translate_slots_triton,
+    reference=translate_slots_reference,
+    device_of="v",
+)
 
 
-def compact_band(
-    v2p: torch.Tensor,
-    p2v: torch.Tensor,
-    phys_free: torch.Tensor,
-    phys_top: int,
-    region_lo: int,
-    region_hi: int,
-    src_out: torch.Tensor,
-    dst_out: torch.Tensor,
-) -> None:
-    """See ``compact_band_reference`` for the contract."""
-    impl = compact_band_triton if use_triton(p2v) else compact_band_reference
-    impl(v2p, p2v, phys_free, phys_top, region_lo, region_hi, src_out, dst_out)
+compact_band = kernel_op(
+    "compact_band", triton=compact_band_triton, reference=compact_band_reference, device_of="p2v"
+)

@@ -32,20 +32,21 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel import fused
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2, records_autograd
 from unimem_kernel.batch_invariant import bi_rms_norm
-from unimem_kernel.fused import (
-    _rope_heads,
-    _round,  # RNE to bf16 (the interpreter's own cast truncates)
-)
+from unimem_kernel.fused_common import FUSED_SWITCH, KERNEL_DTYPES
+from unimem_kernel.fused_common import use_triton as use_fused_triton
+from unimem_kernel.fused_rope import check_rope_args, rope_heads, rope_qk, rope_qk_reference
+from unimem_kernel.rounding import round_rne
 
 __all__ = [
     "qk_norm_reference",
     "rope_store_kv",
     "rope_store_kv_reference",
     "store_kv_paged",
+    "rope_store_kv_triton",
     "store_kv_paged_reference",
+    "store_kv_paged_triton",
 ]
 
 
@@ -89,8 +90,8 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + t * v_st + offs_h * v_sh + offs_v, mask=mv & live_h, other=0.0)
     kc = kc_ptr + page * kc_sp + off * kc_so + offs_h * kc_sh + offs_k
     vc = vc_ptr + page * vc_sp + off * vc_so + offs_h * vc_sh + offs_v
-    tl.store(kc, _round(k.to(tl.float32), kc_ptr.dtype.element_ty), mask=mk)
-    tl.store(vc, _round(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=mv)
+    tl.store(kc, round_rne(k.to(tl.float32), kc_ptr.dtype.element_ty), mask=mk)
+    tl.store(vc, round_rne(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=mv)
 
 
 def store_kv_paged_reference(
@@ -100,8 +101,12 @@ def store_kv_paged_reference(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """The torch reference of :func:`store_kv_paged`: one ``index_put_`` per cache with
-    device index tensors (no host read; writes through any view strides)."""
+    """Write ``k[t] [H, Dk]`` and ``v[t] [H, Dv]`` into physical slot ``slots[t]`` of the
+    (strided) paged caches; slots in the sink page (``< page_size``, or negative) receive
+    zeros. ``k``/``v`` may be any strided views (e.g. column slices of a fused projection);
+    their dtype is cast to the caches' (module docstring). The kernel is one launch, grid
+    ``[T]``; the reference is one ``index_put_`` per cache with device index tensors (no host
+    read; writes through any view strides)."""
     page_size = k_cache.shape[1]
     s = slots.long().clamp_min(0)
     page = torch.div(s, page_size, rounding_mode="floor")
@@ -136,24 +141,17 @@ def _check(k, v, k_cache, v_cache, slots) -> None:
             raise ValueError(f"{name} is on {t.device}, k on {k.device}")
 
 
-def store_kv_paged(
+def store_kv_paged_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Write ``k[t] [H, Dk]`` and ``v[t] [H, Dv]`` into physical slot ``slots[t]`` of the
-    (strided) paged caches; slots in the sink page (``< page_size``, or negative) receive
-    zeros. ``k``/``v`` may be any strided views (e.g. column slices of a fused projection);
-    their dtype is cast to the caches'. Triton on CUDA (one launch, grid ``[T]``), the
-    reference otherwise (module docstring)."""
-    _check(k, v, k_cache, v_cache, slots)
+    """Triton launcher of :func:`store_kv_paged` (arguments checked): one launch, grid
+    ``[T]``."""
     t = k.shape[0]
     if t == 0:
-        return
-    if not use_triton(k_cache) or k_cache.dtype == torch.float64:
-        store_kv_paged_reference(k, v, k_cache, v_cache, slots)
         return
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -169,6 +167,26 @@ def store_kv_paged(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=h, DK=dk, DV=dv, BH=next_pow2(h), BDK=next_pow2(dk), BDV=next_pow2(dv),
     )  # fmt: skip
+
+
+def _check_store(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> bool:
+    _check(k, v, k_cache, v_cache, slots)
+    return k_cache.dtype != torch.float64
+
+
+store_kv_paged = kernel_op(
+    "store_kv_paged",
+    triton=store_kv_paged_triton,
+    reference=store_kv_paged_reference,
+    device_of="k_cache",
+    check=_check_store,
+)
 
 
 # ------------------------------------------------------------------ RoPE + store, one pass
@@ -222,7 +240,7 @@ def _rope_store_kernel(
     c_row = cos_ptr + t * c_st
     s_row = sin_ptr + t * s_st
     if tl.program_id(1) == 0:
-        _rope_heads(q_ptr + t * q_st, q_sh, qo_ptr + t * HQ * D, D, HQ, c_row, s_row, D, HALF,
+        rope_heads(q_ptr + t * q_st, q_sh, qo_ptr + t * HQ * D, D, HQ, c_row, s_row, D, HALF,
                     BHQ, BLOCK_R, BLOCK_P, True, qw_ptr, eps, NORM)  # fmt: skip
     else:
         slot = tl.maximum(tl.load(slots_ptr + t).to(tl.int64), 0)
@@ -230,7 +248,7 @@ def _rope_store_kernel(
         off = slot - page * page_size
         keep = page > 0  # the sink page receives zeros
         kc = kc_ptr + page * kc_sp + off * kc_so
-        _rope_heads(k_ptr + t * k_st, k_sh, kc, kc_sh, HK, c_row, s_row, D, HALF, BHK, BLOCK_R,
+        rope_heads(k_ptr + t * k_st, k_sh, kc, kc_sh, HK, c_row, s_row, D, HALF, BHK, BLOCK_R,
                     BLOCK_P, keep, kw_ptr, eps, NORM)  # fmt: skip
         heads = tl.arange(0, BHK)[:, None]
         cols = tl.arange(0, BDV)[None, :]
@@ -238,7 +256,7 @@ def _rope_store_kernel(
         live = mv & (cols < tl.where(keep, DV, 0))  # the scalar predicate as an integer bound
         v = tl.load(v_ptr + t * v_st + heads * v_sh + cols, mask=live, other=0.0)
         vc = vc_ptr + page * vc_sp + off * vc_so + heads * vc_sh + cols
-        tl.store(vc, _round(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=mv)
+        tl.store(vc, round_rne(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=mv)
 
 
 def qk_norm_reference(
@@ -273,15 +291,15 @@ def rope_store_kv_reference(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """The torch reference of :func:`rope_store_kv`: :func:`qk_norm_reference` (when given),
-    ``fused.rope_qk_reference``, then :func:`store_kv_paged_reference` of the rotated K;
+    ``rope_qk_reference``, then :func:`store_kv_paged_reference` of the rotated K;
     returns the rotated q."""
     q, k = qk_norm_reference(q, k, qk_norm)
-    q_rot, k_rot = fused.rope_qk_reference(q, k, cos, sin)
+    q_rot, k_rot = rope_qk_reference(q, k, cos, sin)
     store_kv_paged_reference(k_rot, v, k_cache, v_cache, slots)
     return q_rot
 
 
-def rope_store_kv(
+def rope_store_kv_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -293,49 +311,8 @@ def rope_store_kv(
     *,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """RoPE on ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (``unimem_kernel.rope_qk``'s contract:
-    ``cos, sin [T, R/2]``, rotate-half over the first ``R`` dims), then ``k`` rotated and ``v
-    [T, Hk, Dv]`` stored at ``slots`` as :func:`store_kv_paged` stores them. Returns the
-    rotated q (new, contiguous); the rotated K is written only into ``k_cache``.
-
-    One Triton launch (grid ``[T, 2]``: a token's query heads; its key and value heads) where
-    ``rope_qk`` and the store would run Triton (CUDA, ``UNIMEM_FUSED_OPS`` on, no autograd)
-    and the caches hold q's dtype; else ``rope_qk`` followed by :func:`store_kv_paged` (the
-    same results).
-
-    ``qk_norm = (q_weight [D], k_weight [D], eps)``: each q and k head is first replaced by
-    its zero-centred RMS norm over ``D`` (:func:`qk_norm_reference`: fp32 math, rounded to
-    q's dtype before the rotation), in the same launch; the norm's sum of squares is
-    row-local (one head of one token), so the result does not depend on the batch."""
-    _check(k, v, k_cache, v_cache, slots)
-    if qk_norm is not None:
-        q_w, k_w, _ = qk_norm
-        d = q.shape[-1] if q.dim() else 0
-        for name, w in (("q norm weight", q_w), ("k norm weight", k_w)):
-            if not isinstance(w, torch.Tensor) or w.shape != (d,) or w.device != q.device:
-                raise ValueError(f"{name} must be a [{d}] tensor on {q.device}, got {w!r:.80}")
-    if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q must be [T, Hq, D] with k's T and D, got {tuple(q.shape)}")
-    fused.check_rope_args(q, k, cos, sin)
-    fused_path = (
-        fused.use_triton(q)
-        and use_triton(k_cache)
-        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and q.dtype == k.dtype == k_cache.dtype
-        and cos.dtype != torch.float64
-        and not fused.records_autograd(q, k, v, cos, sin)
-    )
-    if qk_norm is not None and (not fused_path or qk_norm[0].dtype == torch.float64):
-        fused_path = False
-        if fused.use_triton(q) and q.dtype != torch.float64:  # one row-local launch each
-            q = bi_rms_norm(q, qk_norm[0], qk_norm[2], zero_centered=True)
-            k = bi_rms_norm(k, qk_norm[1], qk_norm[2], zero_centered=True)
-        else:
-            q, k = qk_norm_reference(q, k, qk_norm)
-    if not fused_path:
-        q_rot, k_rot = fused.rope_qk(q, k, cos, sin)
-        store_kv_paged(k_rot, v, k_cache, v_cache, slots)
-        return q_rot
+    """Triton launcher of :func:`rope_store_kv` (arguments checked; q, k and the caches of
+    one fp16 / bf16 / fp32 dtype): one launch, grid ``[T, 2]``."""
     t, hq, d = q.shape
     hk = k.shape[1]
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -358,3 +335,84 @@ def rope_store_kv(
         BLOCK_P=next_pow2(rest) if rest else 0, BDV=next_pow2(dv),
     )  # fmt: skip
     return qo
+
+
+def _rope_store_kv_in_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """RoPE on ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (``unimem_kernel.rope_qk``'s contract:
+    ``cos, sin [T, R/2]``, rotate-half over the first ``R`` dims), then ``k`` rotated and ``v
+    [T, Hk, Dv]`` stored at ``slots`` as :func:`store_kv_paged` stores them. Returns the
+    rotated q (new, contiguous); the rotated K is written only into ``k_cache``.
+
+    One Triton launch (grid ``[T, 2]``: a token's query heads; its key and value heads,
+    ``rope_store_kv_triton``) where ``rope_qk`` and the store would run Triton (CUDA,
+    ``UNIMEM_FUSED_OPS`` on, no autograd) and the caches hold q's dtype; else (this function)
+    its steps, each an op of its own: the q/k norms (``bi_rms_norm`` where the fused ops run
+    Triton, else :func:`qk_norm_reference`), ``rope_qk``, then :func:`store_kv_paged` — the
+    same results; off CUDA every step is its reference, so this is
+    :func:`rope_store_kv_reference`.
+
+    ``qk_norm = (q_weight [D], k_weight [D], eps)``: each q and k head is first replaced by
+    its zero-centred RMS norm over ``D`` (:func:`qk_norm_reference`: fp32 math, rounded to
+    q's dtype before the rotation), in the same launch; the norm's sum of squares is
+    row-local (one head of one token), so the result does not depend on the batch."""
+    if qk_norm is not None:
+        if use_fused_triton(q) and q.dtype != torch.float64:  # one row-local launch each
+            q = bi_rms_norm(q, qk_norm[0], qk_norm[2], zero_centered=True)
+            k = bi_rms_norm(k, qk_norm[1], qk_norm[2], zero_centered=True)
+        else:
+            q, k = qk_norm_reference(q, k, qk_norm)
+    q_rot, k_rot = rope_qk(q, k, cos, sin)
+    store_kv_paged(k_rot, v, k_cache, v_cache, slots)
+    return q_rot
+
+
+def _check_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> bool:
+    _check(k, v, k_cache, v_cache, slots)
+    if qk_norm is not None:
+        q_w, k_w, _ = qk_norm
+        d = q.shape[-1] if q.dim() else 0
+        for name, w in (("q norm weight", q_w), ("k norm weight", k_w)):
+            if not isinstance(w, torch.Tensor) or w.shape != (d,) or w.device != q.device:
+                raise ValueError(f"{name} must be a [{d}] tensor on {q.device}, got {w!r:.80}")
+    if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be [T, Hq, D] with k's T and D, got {tuple(q.shape)}")
+    check_rope_args(q, k, cos, sin)
+    return (
+        q.dtype in KERNEL_DTYPES
+        and q.dtype == k.dtype == k_cache.dtype
+        and cos.dtype != torch.float64
+        and (qk_norm is None or qk_norm[0].dtype != torch.float64)
+        and not records_autograd(q, k, v, cos, sin)
+    )
+
+
+rope_store_kv = kernel_op(
+    "rope_store_kv",
+    triton=rope_store_kv_triton,
+    reference=_rope_store_kv_in_steps,
+    device_of="q",
+    check=_check_rope_store,
+    switch=FUSED_SWITCH,
+)

@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["commit_lanes", "commit_lanes_reference"]
+__all__ = ["commit_lanes", "commit_lanes_reference", "commit_lanes_triton"]
 
 _MAX_SLOT_VECTORS = 2  # a verify step's FULL and SWA write slots
 
@@ -176,7 +176,9 @@ def commit_lanes_reference(
     accepted: torch.Tensor | None = None,
     write_slots: Sequence[torch.Tensor] = (),
 ) -> list[torch.Tensor]:
-    """The torch reference of :func:`commit_lanes` (arguments already checked)."""
+    """Commit a step's lanes (module docstring): writes ``state_seq_lens``,
+    ``state_next_tokens``, ``out_tokens`` and ``out_counts`` in place and returns the
+    ``write_slots`` masked to each lane's committed rows."""
     bs, w = tokens.shape
     count = torch.ones_like(seq_lens) if accepted is None else accepted + 1
     idx = rows.long()
@@ -190,7 +192,7 @@ def commit_lanes_reference(
     return [torch.where(keep, s, 0) for s in write_slots]
 
 
-def commit_lanes(
+def commit_lanes_triton(
     rows: torch.Tensor,
     seq_lens: torch.Tensor,
     next_tokens: torch.Tensor,
@@ -202,17 +204,9 @@ def commit_lanes(
     accepted: torch.Tensor | None = None,
     write_slots: Sequence[torch.Tensor] = (),
 ) -> list[torch.Tensor]:
-    """Commit a step's lanes (module docstring): writes ``state_seq_lens``,
-    ``state_next_tokens``, ``out_tokens`` and ``out_counts`` in place and returns the
-    ``write_slots`` masked to each lane's committed rows. Triton on CUDA (or with
-    ``UNIMEM_KERNEL_BACKEND=triton``), the reference otherwise."""
+    """Triton launcher of :func:`commit_lanes` (arguments already checked): one launch of
+    ``bs`` programs."""
     write_slots = tuple(write_slots)
-    _check(rows, seq_lens, next_tokens, tokens, state_seq_lens, state_next_tokens, out_tokens,
-           out_counts, accepted, write_slots)  # fmt: skip
-    if not use_triton(rows):
-        return commit_lanes_reference(rows, seq_lens, next_tokens, tokens, state_seq_lens,
-                                      state_next_tokens, out_tokens, out_counts, accepted,
-                                      write_slots)  # fmt: skip
     bs, w = tokens.shape
     kept = [torch.empty_like(s) for s in write_slots]
     if bs == 0:
@@ -229,3 +223,28 @@ def commit_lanes(
         num_warps=1,
     )  # fmt: skip
     return kept
+
+
+def _check_commit(
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    next_tokens: torch.Tensor,
+    tokens: torch.Tensor,
+    state_seq_lens: torch.Tensor,
+    state_next_tokens: torch.Tensor,
+    out_tokens: torch.Tensor,
+    out_counts: torch.Tensor,
+    accepted: torch.Tensor | None = None,
+    write_slots: Sequence[torch.Tensor] = (),
+) -> None:
+    _check(rows, seq_lens, next_tokens, tokens, state_seq_lens, state_next_tokens, out_tokens,
+           out_counts, accepted, tuple(write_slots))  # fmt: skip
+
+
+commit_lanes = kernel_op(
+    "commit_lanes",
+    triton=commit_lanes_triton,
+    reference=commit_lanes_reference,
+    device_of="rows",
+    check=_check_commit,
+)

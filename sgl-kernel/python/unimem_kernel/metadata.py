@@ -38,7 +38,7 @@ eagerly before capture (a first compile inside capture breaks it).
 
 The file reads top-down: the kernel, its launchers (``*_triton``, which tests call through
 ``UNIMEM_KERNEL_BACKEND=triton``), the torch references they must equal (``*_reference``, also
-the CPU implementation), and the public entry points.
+the CPU implementation), and the public ops (``_dispatch.kernel_op``).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-# One column per thread, 128 columns per program: measured on H200 (bs 1..1024, page sizes
-# 16..128), many small programs beat fewer wide ones, since the op is bound by scattered loads.
+# One column per thread, 128 columns per program: many small programs beat fewer wide ones
+# (the op is bound by scattered loads; chosen by measurement, docs/decisions.md).
 _MAX_BLOCK_COLS = 128
 _MAX_BLOCK_BS = 1024
 
@@ -492,52 +492,21 @@ def build_extend_metadata_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# public entry points: Triton on CUDA tensors, the reference otherwise
+# public ops (unimem_kernel._dispatch: Triton on CUDA tensors, the reference elsewhere)
 # ---------------------------------------------------------------------------------------------
 
 
-def build_decode_metadata(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extra: int,
-    page_size: int,
-    full_v2p: torch.Tensor | None,
-    swa_v2p: torch.Tensor | None,
-    cache_seqlens: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    page_table: torch.Tensor,
-    swa_page_table: torch.Tensor | None,
-) -> None:
-    """One launch; see ``build_decode_metadata_reference`` for the contract."""
-    impl = (
-        build_decode_metadata_triton if use_triton(page_table) else build_decode_metadata_reference
-    )
-    impl(
-        req_to_token, req_pool_indices, seq_lens, extra, page_size, full_v2p, swa_v2p,
-        cache_seqlens, cu_seqlens_k, page_table, swa_page_table,
-    )  # fmt: skip
+build_decode_metadata = kernel_op(
+    "build_decode_metadata",
+    triton=build_decode_metadata_triton,
+    reference=build_decode_metadata_reference,
+    device_of="page_table",
+)
 
 
-def build_extend_metadata(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    page_size: int,
-    full_v2p: torch.Tensor | None,
-    swa_v2p: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    page_table: torch.Tensor,
-    swa_page_table: torch.Tensor | None,
-) -> None:
-    """One launch; see ``build_extend_metadata_reference`` for the contract."""
-    impl = (
-        build_extend_metadata_triton if use_triton(page_table) else build_extend_metadata_reference
-    )
-    impl(
-        req_to_token, req_pool_indices, prefix_lens, extend_lens, page_size, full_v2p, swa_v2p,
-        cu_seqlens_q, cache_seqlens, cu_seqlens_k, page_table, swa_page_table,
-    )  # fmt: skip
+build_extend_metadata = kernel_op(
+    "build_extend_metadata",
+    triton=build_extend_metadata_triton,
+    reference=build_extend_metadata_reference,
+    device_of="page_table",
+)

@@ -79,9 +79,13 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["paged_verify_attention", "paged_verify_attention_reference"]
+__all__ = [
+    "paged_verify_attention",
+    "paged_verify_attention_reference",
+    "paged_verify_attention_triton",
+]
 
 _LOG2E = math.log2(math.e)
 _SPLIT = 64  # keys per split (rounded up to a multiple of the page size); read at call time
@@ -383,11 +387,20 @@ def paged_verify_attention_reference(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    split_size: int | None = None,
+    kv_programs: int | None = None,
 ) -> torch.Tensor:
-    """The torch reference of :func:`paged_verify_attention` (module docstring): every page
-    of the table gathered (``[bs, W * page_size]`` keys), keys past ``cache_seqlens`` zeroed,
-    masked softmax in float32 (float64 for float64 inputs), GQA by grouping the query heads.
-    No host read."""
+    """Paged attention of ``bs`` requests of ``q_len`` query rows each (module docstring);
+    returns ``o [bs * q_len, Hq, Dv]`` in q's dtype (``out`` when given).
+
+    The kernels: two launches, capturable (float64 runs the reference). ``split_size`` (keys
+    per split, default 64; rounded up to a multiple of the page size) and ``kv_programs``
+    (programs per row tile, default 4) set their work split; the output bits depend on them
+    (and on nothing of the request beyond each row's own keys), so keep them fixed where
+    outputs are compared. The reference gathers every page of the table (``[bs, W *
+    page_size]`` keys), zeroes keys past ``cache_seqlens`` and runs a masked softmax in float32
+    (float64 for float64 inputs), GQA by grouping the query heads; no host read; the work
+    split has no effect there."""
     _check(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, q_len, max_seqlen_k,
            scale, window, sinks, out)  # fmt: skip
     bs, w = page_table.shape
@@ -431,7 +444,7 @@ def paged_verify_attention_reference(
 # ------------------------------------------------------------------ the launcher
 
 
-def paged_verify_attention(
+def paged_verify_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -448,22 +461,8 @@ def paged_verify_attention(
     split_size: int | None = None,
     kv_programs: int | None = None,
 ) -> torch.Tensor:
-    """Paged attention of ``bs`` requests of ``q_len`` query rows each (module docstring);
-    returns ``o [bs * q_len, Hq, Dv]`` in q's dtype (``out`` when given).
-
-    Triton on CUDA (or with ``UNIMEM_KERNEL_BACKEND=triton``): two launches, capturable.
-    Float64 inputs and the reference backend run :func:`paged_verify_attention_reference`.
-    ``split_size`` (keys per split, default 64; rounded up to a multiple of the page size)
-    and ``kv_programs`` (programs per row tile, default 4) set the work split; the output
-    bits depend on them (and on nothing of the request beyond each row's own keys), so keep
-    them fixed where outputs are compared."""
-    _check(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, q_len, max_seqlen_k,
-           scale, window, sinks, out)  # fmt: skip
-    if not use_triton(q) or q.dtype == torch.float64:
-        return paged_verify_attention_reference(
-            q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, q_len=q_len,
-            max_seqlen_k=max_seqlen_k, scale=scale, window=window, sinks=sinks, out=out,
-        )  # fmt: skip
+    """Triton launcher of :func:`paged_verify_attention` (arguments already checked; not
+    float64): a split-KV launch and a combine launch."""
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dim must have unit stride")
     split_size = _SPLIT if split_size is None else split_size
@@ -522,3 +521,34 @@ def paged_verify_attention(
         num_warps=4,
     )  # fmt: skip
     return o
+
+
+def _check_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    q_len: int,
+    max_seqlen_k: int,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    split_size: int | None = None,
+    kv_programs: int | None = None,
+) -> bool:
+    _check(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, q_len, max_seqlen_k,
+           scale, window, sinks, out)  # fmt: skip
+    return q.dtype != torch.float64
+
+
+paged_verify_attention = kernel_op(
+    "paged_verify_attention",
+    triton=paged_verify_attention_triton,
+    reference=paged_verify_attention_reference,
+    device_of="q",
+    check=_check_args,
+)

@@ -28,10 +28,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from unimem_kernel._dispatch import next_pow2, use_triton
-from unimem_kernel.fused import _INTERPRETED, _round
+from unimem_kernel._dispatch import kernel_op, next_pow2
+from unimem_kernel.rounding import INTERPRETED, round_rne
 
-__all__ = ["rope_cos_sin", "rope_cos_sin_reference"]
+__all__ = ["rope_cos_sin", "rope_cos_sin_reference", "rope_cos_sin_triton"]
 
 _BLOCK_T = 16  # positions per program
 
@@ -39,7 +39,7 @@ _BLOCK_T = 16  # positions per program
 @triton.jit
 def _mul_rn(a, b):
     """``a * b`` in fp32, rounded once (never contracted into a later add)."""
-    if _INTERPRETED:
+    if INTERPRETED:
         return a * b
     return tl.inline_asm_elementwise(
         "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
@@ -67,7 +67,7 @@ def _rope_cos_sin_kernel(
     p = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.float32)
     f = tl.load(inv_ptr + j, mask=jmask, other=0.0)
     a = _mul_rn(p[:, None], f[None, :])
-    if _INTERPRETED:  # the interpreter has no libdevice: NumPy's cosine
+    if INTERPRETED:  # the interpreter has no libdevice: NumPy's cosine
         c = tl.cos(a)
         s = tl.sin(a)
     else:
@@ -79,8 +79,8 @@ def _rope_cos_sin_kernel(
         s = _mul_rn(s, fac)
     at = t.to(tl.int64)[:, None] * H + j[None, :]
     m = tmask[:, None] & jmask[None, :]
-    tl.store(cos_ptr + at, _round(c, cos_ptr.dtype.element_ty), mask=m)
-    tl.store(sin_ptr + at, _round(s, sin_ptr.dtype.element_ty), mask=m)
+    tl.store(cos_ptr + at, round_rne(c, cos_ptr.dtype.element_ty), mask=m)
+    tl.store(sin_ptr + at, round_rne(s, sin_ptr.dtype.element_ty), mask=m)
 
 
 def _check(positions: torch.Tensor, inv_freq: torch.Tensor, out_dtype: torch.dtype) -> None:
@@ -102,7 +102,9 @@ def rope_cos_sin_reference(
     factor: float | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`rope_cos_sin`: the models' own formula."""
+    """``(cos, sin) [T, H]`` of ``positions[t] * inv_freq[j]`` (times ``factor`` when given),
+    in ``out_dtype`` (default ``inv_freq``'s) — module docstring. The kernel takes float32
+    ``inv_freq``; the reference is the models' own formula."""
     angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
     c, s = angles.cos(), angles.sin()
     if factor is not None:
@@ -111,20 +113,15 @@ def rope_cos_sin_reference(
     return c.to(dt), s.to(dt)
 
 
-def rope_cos_sin(
+def rope_cos_sin_triton(
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
     factor: float | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin) [T, H]`` of ``positions[t] * inv_freq[j]`` (times ``factor`` when given),
-    in ``out_dtype`` (default ``inv_freq``'s) — module docstring. Triton for float32
-    ``inv_freq`` on CUDA (or with ``UNIMEM_KERNEL_BACKEND=triton``), the reference
-    otherwise."""
+    """Triton launcher of :func:`rope_cos_sin` (arguments already checked; float32
+    ``inv_freq``)."""
     out_dtype = inv_freq.dtype if out_dtype is None else out_dtype
-    _check(positions, inv_freq, out_dtype)
-    if not use_triton(positions) or inv_freq.dtype != torch.float32 or out_dtype == torch.float64:
-        return rope_cos_sin_reference(positions, inv_freq, factor, out_dtype)
     t, h = positions.shape[0], inv_freq.shape[0]
     cos = torch.empty(t, h, dtype=out_dtype, device=positions.device)
     sin = torch.empty_like(cos)
@@ -136,3 +133,22 @@ def rope_cos_sin(
         HAS_FACTOR=factor is not None, BLOCK_T=_BLOCK_T, BLOCK_H=next_pow2(h), num_warps=4,
     )  # fmt: skip
     return cos, sin
+
+
+def _check_args(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    factor: float | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> bool:
+    _check(positions, inv_freq, inv_freq.dtype if out_dtype is None else out_dtype)
+    return inv_freq.dtype == torch.float32 and out_dtype != torch.float64
+
+
+rope_cos_sin = kernel_op(
+    "rope_cos_sin",
+    triton=rope_cos_sin_triton,
+    reference=rope_cos_sin_reference,
+    device_of="positions",
+    check=_check_args,
+)

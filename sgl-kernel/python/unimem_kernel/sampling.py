@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import use_triton
+from unimem_kernel._dispatch import kernel_op
 
 __all__ = [
     "gumbel_argmax",
@@ -154,17 +154,16 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 def gumbel_argmax_reference(
     scaled: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """The torch reference (module docstring); returns ``out``."""
+    """The draw of the module docstring into ``out``, returned."""
     noise = gumbel_noise(keys, scaled.shape[-1])
     scores = torch.where(scaled >= cut[:, None], scaled + noise, -math.inf)
     out.copy_(torch.argmax(scores, dim=-1))
     return out
 
 
-def gumbel_argmax(
+def _check_draw(
     scaled: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """Triton on CUDA, the reference elsewhere (``unimem_kernel._dispatch``)."""
+) -> None:
     if scaled.dim() != 2 or scaled.stride(-1) != 1:
         raise ValueError(f"scaled must be [N, V] with contiguous rows, got {tuple(scaled.shape)}")
     n = scaled.shape[0]
@@ -175,6 +174,12 @@ def gumbel_argmax(
         raise ValueError("scaled and cut must be float32")
     if keys.dtype != torch.int64 or out.dtype != torch.int64:
         raise ValueError("keys and out must be int64")
-    if use_triton(scaled):
-        return gumbel_argmax_triton(scaled, cut, keys, out)
-    return gumbel_argmax_reference(scaled, cut, keys, out)
+
+
+gumbel_argmax = kernel_op(
+    "gumbel_argmax",
+    triton=gumbel_argmax_triton,
+    reference=gumbel_argmax_reference,
+    device_of="scaled",
+    check=_check_draw,
+)

@@ -6,7 +6,7 @@ into a scratch buffer ``scratch[bs, T, *S]``; the persistent slot is not touched
 copies, for every lane ``b``, ``scratch[b, accepted[b]]`` into ``dest[phys]`` where ``phys`` is
 the physical slot of the request's virtual slot ``vslots[b]`` (``state_v2p[vslots[b]]``, or
 ``vslots[b]`` itself when ``state_v2p`` is None). Virtual-to-physical translation happens inside
-the copy kernel, so the whole commit is one launch (DESIGN.md §5).
+the copy kernel, so the whole commit is one launch.
 
 - ``accepted[b]``: index in ``[0, T)`` of the kept position, i.e. the number of accepted draft
   tokens (the state after the last committed token).
@@ -46,7 +46,7 @@ are int64 before they meet a pointer: slot offsets in big arenas exceed 2^31 byt
 checked for ``>= 0`` explicitly before any gather; a skipped lane touches no memory.
 
 Each op below reads top-down: the Triton kernels, the launchers (``*_triton``, which tests call
-directly), the torch references they must equal, and the public entry points.
+directly), the torch references they must equal, and the public ops.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
 # Bytes one program moves per block (a chunk); bigger blocks are split over programs.
 _CHUNK_BYTES = 16384
@@ -480,31 +480,33 @@ def commit_states_multi_reference(
         commit_states_reference(s, accepted, vslots, state_v2p, d)
 
 
-# ---------------------------------------------------------------------------------------------
-# public entry points: Triton on CUDA tensors (or UNIMEM_KERNEL_BACKEND=triton), else reference
-# ---------------------------------------------------------------------------------------------
-
-
-def commit_states(
-    scratch: torch.Tensor,
-    accepted: torch.Tensor,
-    vslots: torch.Tensor,
-    state_v2p: torch.Tensor | None,
-    dest: torch.Tensor,
-) -> None:
-    """One launch; see ``commit_states_reference`` and the module docstring."""
-    impl = commit_states_triton if use_triton(dest) else commit_states_reference
-    impl(scratch, accepted, vslots, state_v2p, dest)
-
-
-def commit_states_multi(
+def _commit_states_multi_planned_reference(
     plan: StateCommitPlan,
     accepted: torch.Tensor,
     vslots: torch.Tensor,
     state_v2p: torch.Tensor | None,
 ) -> None:
-    """Commit every pair of ``plan`` in one launch; per pair as ``commit_states``."""
-    if use_triton(plan.dests[0]):
-        commit_states_multi_triton(plan, accepted, vslots, state_v2p)
-    else:
-        commit_states_multi_reference(plan.scratches, accepted, vslots, state_v2p, plan.dests)
+    """Commit every pair of ``plan`` in one launch; per pair as ``commit_states`` (the
+    reference: ``commit_states_multi_reference`` of the plan's pairs)."""
+    commit_states_multi_reference(plan.scratches, accepted, vslots, state_v2p, plan.dests)
+
+
+# ---------------------------------------------------------------------------------------------
+# public ops (unimem_kernel._dispatch: Triton on CUDA tensors, the reference elsewhere)
+# ---------------------------------------------------------------------------------------------
+
+
+commit_states = kernel_op(
+    "commit_states",
+    triton=commit_states_triton,
+    reference=commit_states_reference,
+    device_of="dest",
+)
+
+
+commit_states_multi = kernel_op(
+    "commit_states_multi",
+    triton=commit_states_multi_triton,
+    reference=_commit_states_multi_planned_reference,
+    device_of=lambda plan, *args, **kwargs: plan.dests[0],
+)

@@ -7,7 +7,7 @@ multiples of 16 (the arena itself is 16-byte aligned), so kernels may move 16-by
 Offsets are int64 everywhere: arenas exceed 2^31 bytes. Negative ids are padding and skipped.
 
 Each op below reads top-down: its Triton kernel, the launcher (``*_triton``, which tests call
-directly), the torch reference it must equal, and the public entry point.
+directly), the torch reference it must equal, and the public op (``_dispatch.kernel_op``).
 
 How the kernels move bytes:
 
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
 # Bytes one program moves per unit (a chunk); units above this are split across programs.
 _CHUNK_BYTES = 16384
@@ -241,21 +241,15 @@ def fill_units_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# public entry points: Triton on CUDA tensors (or UNIMEM_KERNEL_BACKEND=triton), else reference
+# public ops (unimem_kernel._dispatch: Triton on CUDA tensors, the reference elsewhere)
 # ---------------------------------------------------------------------------------------------
 
 
-def copy_units(
-    buf: torch.Tensor, base: int, unit_bytes: int, src: torch.Tensor, dst: torch.Tensor
-) -> None:
-    """See ``copy_units_reference`` for the contract."""
-    impl = copy_units_triton if use_triton(buf) else copy_units_reference
-    impl(buf, base, unit_bytes, src, dst)
+copy_units = kernel_op(
+    "copy_units", triton=copy_units_triton, reference=copy_units_reference, device_of="buf"
+)
 
 
-def fill_units(
-    buf: torch.Tensor, base: int, unit_bytes: int, ids: torch.Tensor, byte_value: int
-) -> None:
-    """See ``fill_units_reference`` for the contract."""
-    impl = fill_units_triton if use_triton(buf) else fill_units_reference
-    impl(buf, base, unit_bytes, ids, byte_value)
+fill_units = kernel_op(
+    "fill_units", triton=fill_units_triton, reference=fill_units_reference, device_of="buf"
+)

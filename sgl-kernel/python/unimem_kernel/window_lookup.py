@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["window_lookup", "window_lookup_reference"]
+__all__ = ["window_lookup", "window_lookup_reference", "window_lookup_triton"]
 
 _MAX_TABLES = 2
 _DTYPES = (torch.int32, torch.int64, torch.uint8, torch.bool)
@@ -98,7 +98,8 @@ def window_lookup_reference(
     width: int,
     offset: int = 0,
 ) -> list[torch.Tensor]:
-    """The torch reference of :func:`window_lookup` (arguments already checked)."""
+    """Lane ``b``'s ``width`` cells of each table (a sequence of one or two) from
+    ``(rows[b], starts[b] + offset)`` (module docstring)."""
     n_rows, n_cols = tables[0].shape
     r = rows.long()[:, None]
     p = starts.long()[:, None] + offset + torch.arange(width, device=rows.device)[None, :]
@@ -107,20 +108,16 @@ def window_lookup_reference(
     return [t[r, p] for t in tables]
 
 
-def window_lookup(
+def window_lookup_triton(
     tables: Sequence[torch.Tensor],
     rows: torch.Tensor,
     starts: torch.Tensor,
     width: int,
     offset: int = 0,
 ) -> list[torch.Tensor]:
-    """Lane ``b``'s ``width`` cells of each table from ``(rows[b], starts[b] + offset)``
-    (module docstring). Triton on CUDA (or with ``UNIMEM_KERNEL_BACKEND=triton``), the
-    reference otherwise."""
+    """Triton launcher of :func:`window_lookup` (arguments already checked): one launch, one
+    program per lane."""
     tables = tuple(tables)
-    _check(tables, rows, starts, width)
-    if not use_triton(rows):
-        return window_lookup_reference(tables, rows, starts, width, offset)
     bs = rows.shape[0]
     outs = [torch.empty(bs, width, dtype=t.dtype, device=t.device) for t in tables]
     if bs == 0 or width == 0:
@@ -133,3 +130,22 @@ def window_lookup(
         int(offset), WIDTH=width, WP=next_pow2(width), N_TABLES=len(tables), num_warps=1,
     )  # fmt: skip
     return outs
+
+
+def _check_lookup(
+    tables: Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    width: int,
+    offset: int = 0,
+) -> None:
+    _check(tuple(tables), rows, starts, width)
+
+
+window_lookup = kernel_op(
+    "window_lookup",
+    triton=window_lookup_triton,
+    reference=window_lookup_reference,
+    device_of="rows",
+    check=_check_lookup,
+)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import next_pow2, use_triton
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
 _MAX_BLOCK = 128  # one entry per thread: many small programs (see metadata.py)
 
@@ -444,46 +444,21 @@ def gather_ragged_write_window_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# public entry point: Triton on CUDA tensors, the reference otherwise
+# public ops (unimem_kernel._dispatch: Triton on CUDA tensors, the reference elsewhere)
 # ---------------------------------------------------------------------------------------------
 
 
-def gather_write_window(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    width: int,
-    page_size: int,
-    full_v2p: torch.Tensor | None,
-    swa_v2p: torch.Tensor | None,
-    out_full: torch.Tensor,
-    out_swa: torch.Tensor | None,
-    out_positions: torch.Tensor,
-) -> None:
-    """One launch; see ``gather_write_window_reference`` for the contract."""
-    impl = gather_write_window_triton if use_triton(out_full) else gather_write_window_reference
-    impl(
-        req_to_token, req_pool_indices, seq_lens, width, page_size, full_v2p, swa_v2p,
-        out_full, out_swa, out_positions,
-    )  # fmt: skip
+gather_write_window = kernel_op(
+    "gather_write_window",
+    triton=gather_write_window_triton,
+    reference=gather_write_window_reference,
+    device_of="out_full",
+)
 
 
-def gather_ragged_write_window(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    page_size: int,
-    full_v2p: torch.Tensor | None,
-    swa_v2p: torch.Tensor | None,
-    out_full: torch.Tensor,
-    out_swa: torch.Tensor | None,
-    out_positions: torch.Tensor,
-) -> None:
-    """One launch; see ``gather_ragged_write_window_reference`` for the contract."""
-    triton_ok = use_triton(out_full)
-    impl = gather_ragged_write_window_triton if triton_ok else gather_ragged_write_window_reference
-    impl(
-        req_to_token, req_pool_indices, seq_lens, cu_seqlens_q, page_size, full_v2p, swa_v2p,
-        out_full, out_swa, out_positions,
-    )  # fmt: skip
+gather_ragged_write_window = kernel_op(
+    "gather_ragged_write_window",
+    triton=gather_ragged_write_window_triton,
+    reference=gather_ragged_write_window_reference,
+    device_of="out_full",
+)

@@ -33,6 +33,7 @@ from unimem.models.gguf import gemma3
 from unimem.models.gguf.dequant import dequantize
 from unimem.models.gguf.reader import GGUFError, GGUFFile, read_gguf
 from unimem.models.gguf.tokenizer import build_tokenizer
+from unimem_kernel import envs
 
 __all__ = ["CONVERTER_VERSION", "cache_root", "convert_gguf", "converted_checkpoint", "file_key"]
 
@@ -43,7 +44,7 @@ PROVENANCE_FILE = "unimem_gguf.json"
 
 def cache_root() -> Path:
     """Where converted checkpoints are kept (module docstring)."""
-    env = os.environ.get("UNIMEM_CACHE_DIR")
+    env = envs.get("UNIMEM_CACHE_DIR")
     if env:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -1,0 +1,557 @@
+"""Serving benchmark: the real server driven by a real load generator, static pools vs the
+unified arena side by side.
+
+For each memory mode the suite starts ``python -m unimem.launch_server`` on a loopback port
+(same flags, plus ``--enable-unified-memory`` for the arena), runs GuideLLM
+(``pip install -e ".[bench]"``) against its ``/v1/completions`` at several concurrencies, reads
+the server's own counters (peak bytes, retractions, compactions) from ``/get_server_info``, and
+stops the server by its pid. It prints output throughput, TTFT and ITL p50/p99 per
+concurrency for both modes and the unified/static ratios; ``--json`` writes them, ``--plot
+PATH.png`` draws throughput and latency vs concurrency (matplotlib is imported only then).
+
+Why GuideLLM: it installs from PyPI with pip alone (pure Python; genai-perf needs Triton's
+``perf_analyzer`` binary, aiperf pulls in a Kubernetes client, a dashboard stack and an
+older prometheus-client), targets any OpenAI-compatible endpoint, streams and measures TTFT
+and ITL per request, runs fixed-concurrency sweeps in one invocation, and takes its prompts
+from a local JSONL file with its tokenizer loaded from the checkpoint directory, so nothing
+is downloaded at run time. The prompts are random token ids of the checkpoint's vocabulary
+decoded to text (this works for any tokenizer, the tiny test ones included); requests are
+greedy (``temperature`` 0: DSPARK verifies greedily) with a fixed output length
+(``ignore_eos``).
+
+CPU smoke test (a tiny checkpoint, a few seconds per level)::
+
+    python tools/make_checkpoint.py ...  # or any HF checkpoint directory
+    python -m unimem bench serving --model-path CKPT --device cpu --dtype float32 \\
+        --concurrency 1,4 --prompt-tokens 32 --output-tokens 16 --max-total-tokens 2048
+
+On a GPU, a budget that binds: ``--max-total-tokens`` below what the concurrency needs at
+the static split, so the static pools queue or retract while the arena re-splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PROG = "python -m unimem bench serving"
+MODES = ("static", "unified")
+START_TIMEOUT_S = 600
+
+
+class BenchError(Exception):
+    """A command-line or run error: one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise BenchError(message)
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", help="the checkpoint directory to serve (required to run)")
+    p.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="do not run: draw --plot from an earlier run's --json output",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", type=_positive_ints, default=[1, 4, 16, 64])
+    p.add_argument(
+        "--requests",
+        type=_positive_int,
+        default=None,
+        help="requests per concurrency level (default: 4 x concurrency, >= 16)",
+    )
+    p.add_argument("--prompt-tokens", type=_positive_int, default=256)
+    p.add_argument("--output-tokens", type=_positive_int, default=128)
+    p.add_argument(
+        "--max-seconds", type=_positive_int, default=600, help="time limit per concurrency level"
+    )
+    p.add_argument(
+        "--modes", default="static,unified", help="comma-separated subset of static,unified"
+    )
+    p.add_argument("--speculative-algorithm", choices=("DSPARK",), default=None)
+    p.add_argument("--speculative-num-draft-tokens", type=_positive_int, default=None)
+    p.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="a drafter checkpoint directory (python -m unimem.training.distill)",
+    )
+    p.add_argument("--max-total-tokens", type=_positive_int, default=None)
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--max-running-requests", type=_positive_int, default=None)
+    p.add_argument("--page-size", type=_positive_int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--plot", type=Path, default=None, help="draw them here (PNG)")
+    return p
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise BenchError(f"--modes must be a subset of {','.join(MODES)}, got {a.modes!r}")
+    a.modes = modes
+    frac = a.mem_fraction_static
+    if frac is not None and not (math.isfinite(frac) and 0 < frac < 1):
+        raise BenchError(f"--mem-fraction-static must be in (0, 1), got {frac}")
+    if a.speculative_num_draft_tokens is not None and a.speculative_algorithm is None:
+        raise BenchError("--speculative-num-draft-tokens needs --speculative-algorithm DSPARK")
+    draft = a.speculative_draft_model_path
+    if draft is not None:
+        if a.speculative_algorithm is None:
+            raise BenchError("--speculative-draft-model-path needs --speculative-algorithm DSPARK")
+        if not (Path(draft) / "config.json").is_file():
+            raise BenchError(f"{draft}: no config.json (not a drafter checkpoint directory)")
+    if a.model_path is None:
+        raise BenchError("--model-path is required")
+    if not (Path(a.model_path) / "config.json").is_file():
+        raise BenchError(f"{a.model_path}: no config.json (not a checkpoint directory)")
+    for path in (a.json, a.plot):  # checked before the run, not after it
+        if path is not None:
+            _check_writable(path)
+    if a.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise BenchError("--plot needs matplotlib (pip install -e '.[bench]')") from None
+    try:
+        import guidellm  # noqa: F401
+    except ImportError:
+        raise BenchError("the load generator is missing: pip install -e '.[bench]'") from None
+
+
+def _check_writable(path: Path) -> None:
+    parent = path.resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise BenchError(f"{path}: cannot write there")
+    if path.exists() and (path.is_dir() or not os.access(path, os.W_OK)):
+        raise BenchError(f"{path}: cannot write there")
+
+
+# ---------------------------------------------------------------------- the prompts
+
+
+def write_prompts(a: argparse.Namespace, path: Path, count: int) -> None:
+    """``count`` prompts of random vocabulary tokens decoded to text (JSONL with GuideLLM's
+    column names)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model_path)
+    special = set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in special]
+    rng = random.Random(a.seed)
+    with path.open("w") as f:
+        for _ in range(count):
+            ids = [rng.choice(vocab) for _ in range(a.prompt_tokens)]
+            row = {
+                "prompt": tok.decode(ids),
+                "prompt_tokens_count": a.prompt_tokens,
+                "output_tokens_count": a.output_tokens,
+            }
+            f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------- the server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except OSError:
+        return 0, b""
+
+
+def server_command(a: argparse.Namespace, mode: str, port: int) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "unimem.launch_server",
+        "--model-path",
+        a.model_path,
+        "--port",
+        str(port),
+        "--dtype",
+        a.dtype,
+        "--log-level",
+        "warning",
+    ]
+    if a.device:
+        cmd += ["--device", a.device]
+    if mode == "unified":
+        cmd.append("--enable-unified-memory")
+    for flag in (
+        "speculative_algorithm",
+        "speculative_num_draft_tokens",
+        "speculative_draft_model_path",
+        "max_total_tokens",
+        "mem_fraction_static",
+        "max_running_requests",
+        "page_size",
+    ):
+        value = getattr(a, flag)
+        if value is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(value)]
+    return cmd
+
+
+class Server:
+    """The server in a subprocess, stopped by its pid (SIGTERM, then wait)."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        with log_path.open("w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while _get(self.url + "/health", 2)[0] != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
+                raise BenchError(f"the server did not start: {tail[0]}")
+            time.sleep(0.5)
+
+    def info(self) -> dict:
+        status, body = _get(self.url + "/get_server_info")
+        return json.loads(body) if status == 200 else {}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------- the load
+
+
+def scenario(a: argparse.Namespace, url: str, model: str, prompts: Path, out: Path) -> dict:
+    """GuideLLM's scenario: one sub-benchmark per concurrency, greedy fixed-length requests."""
+    per_level = [a.requests or max(16, 4 * c) for c in a.concurrency]
+    return {
+        "spec": {
+            "backend": {
+                "kind": "openai_http",
+                "target": url,
+                "model": model,
+                "request_format": "/v1/completions",
+                "http2": False,
+                "extras": {"body": {"temperature": 0}},
+            },
+            "profile": {"kind": "concurrent", "streams": a.concurrency[0]},
+            "tokenizer": {"kind": "huggingface_auto", "model": a.model_path},
+            "data": [{"kind": "json_file", "path": str(prompts)}],
+            "constraints": [{"kind": "max_duration", "seconds": a.max_seconds}],
+            "outputs": [{"kind": "json", "path": str(out)}],
+        },
+        "benchmarks": [
+            {
+                "profile.streams": c,
+                "constraints": [
+                    {"kind": "max_requests", "count": n},
+                    {"kind": "max_duration", "seconds": a.max_seconds},
+                ],
+            }
+            for c, n in zip(a.concurrency, per_level, strict=True)
+        ],
+    }
+
+
+def _pct(metric: dict, p: str) -> float:
+    return metric["successful"]["percentiles"][p]
+
+
+def parse_results(path: Path) -> list[dict]:
+    """Per concurrency: output tok/s, TTFT and ITL p50/p99 (ms), requests ok / failed."""
+    rows = []
+    for b in json.loads(path.read_text())["benchmarks"]:
+        m = b["metrics"]
+        totals = m["request_totals"]
+        rows.append(
+            {
+                "concurrency": b["config"]["strategy"]["streams"],
+                "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
+                "ttft_p50_ms": _pct(m["time_to_first_token_ms"], "p50"),
+                "ttft_p99_ms": _pct(m["time_to_first_token_ms"], "p99"),
+                "itl_p50_ms": _pct(m["inter_token_latency_ms"], "p50"),
+                "itl_p99_ms": _pct(m["inter_token_latency_ms"], "p99"),
+                "requests_ok": totals["successful"],
+                "requests_failed": totals["errored"] + totals["incomplete"],
+            }
+        )
+    return rows
+
+
+def warm_up(a: argparse.Namespace, url: str, model: str, prompts: Path) -> None:
+    """Untimed requests before the measured levels: one alone, then a burst as wide as the
+    largest concurrency, each of the benchmark's prompt and output lengths, so that kernels
+    compiled on first use (prefill shapes, Triton autotuning) are not charged to the first
+    level's latency."""
+    texts = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
+
+    def one(i: int) -> None:
+        body = {
+            "model": model,
+            "prompt": texts[i % len(texts)],
+            "max_tokens": a.output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        req = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=START_TIMEOUT_S) as r:
+            if r.status != 200:
+                raise BenchError(f"warm-up request answered {r.status}")
+
+    try:
+        one(0)
+        width = max(a.concurrency)
+        with ThreadPoolExecutor(width) as pool:
+            list(pool.map(one, range(width)))
+    except OSError as e:
+        raise BenchError(f"warm-up request failed: {e}") from None
+
+
+def run_mode(a: argparse.Namespace, mode: str, work: Path, prompts: Path) -> dict:
+    port = _free_port()
+    server = Server(server_command(a, mode, port), port, work / f"server_{mode}.log")
+    try:
+        model = json.loads(_get(server.url + "/v1/models")[1])["data"][0]["id"]
+        warm_up(a, server.url, model, prompts)
+        out = work / f"guidellm_{mode}.json"
+        scn = work / f"scenario_{mode}.json"
+        scn.write_text(json.dumps(scenario(a, server.url, model, prompts, out)))
+        log = work / f"guidellm_{mode}.log"
+        with log.open("w") as f:
+            rc = subprocess.call(
+                [sys.executable, "-m", "guidellm", "run", "-c", str(scn), "--disable-console"],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+        if rc != 0 or not out.exists():
+            tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
+            raise BenchError(f"guidellm failed on the {mode} server: {tail[0]}")
+        info = server.info()
+    finally:
+        server.stop()
+    keys = (
+        "max_total_num_tokens",
+        "max_running_requests",
+        "capacity_bytes",
+        "peak_bytes",
+        "retractions",
+        "compactions",
+    )
+    return {"levels": parse_results(out), "server": {k: info.get(k) for k in keys}}
+
+
+# ---------------------------------------------------------------------- report
+
+
+def report(results: dict) -> str:
+    modes = list(results)
+    lines = []
+    head = f"{'conc':>5}"
+    for m in modes:
+        head += f" | {m + ' tok/s':>14} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15}"
+    if len(modes) == 2:
+        head += f" | {'tok/s ratio':>11} {'TTFT p50 ratio':>14}"
+    lines.append(head)
+    lines.append("-" * len(head))
+    levels = [r["concurrency"] for r in results[modes[0]]["levels"]]
+    for i, c in enumerate(levels):
+        row = f"{c:>5}"
+        for m in modes:
+            r = results[m]["levels"][i]
+            ttft = f"{r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f}"
+            itl = f"{r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f}"
+            fail = f" ({r['requests_failed']} failed)" if r["requests_failed"] else ""
+            row += f" | {r['output_tok_s']:>14.1f} {ttft:>17} {itl:>15}{fail}"
+        if len(modes) == 2:
+            s, u = (results[m]["levels"][i] for m in modes)
+            tput = u["output_tok_s"] / s["output_tok_s"] if s["output_tok_s"] else float("nan")
+            ttft = u["ttft_p50_ms"] / s["ttft_p50_ms"] if s["ttft_p50_ms"] else float("nan")
+            row += f" | {tput:>11.3f} {ttft:>14.3f}"
+        lines.append(row)
+    for m in modes:
+        s = results[m]["server"]
+        lines.append(
+            f"{m}: max_total_num_tokens={s['max_total_num_tokens']} "
+            f"max_running_requests={s['max_running_requests']} capacity_bytes="
+            f"{s['capacity_bytes']} peak_bytes={s['peak_bytes']} "
+            f"retractions={s['retractions']} compactions={s['compactions']}"
+        )
+    return "\n".join(lines)
+
+
+def title(args: dict, gpu: str | None) -> str:
+    """The figure's title: model, sizes, speculation, memory budget, machine."""
+    spec = args.get("speculative_algorithm") or "no speculation"
+    if args.get("speculative_algorithm"):
+        drafter = args.get("speculative_draft_model_path")
+        spec += f" (drafter {Path(drafter).name})" if drafter else " (seeded drafter)"
+    budget = (
+        f"--max-total-tokens {args['max_total_tokens']}"
+        if args.get("max_total_tokens")
+        else "default memory"
+    )
+    return (
+        f"unimem serving, static pools vs unified arena: {Path(args['model_path']).name}, "
+        f"{args['prompt_tokens']} + {args['output_tokens']} tokens, {spec}, {budget}, "
+        f"at most {args.get('max_running_requests') or 'default'} running | {gpu or 'CPU'}"
+    )
+
+
+def plot(results: dict, path: Path, args: dict, gpu: str | None) -> None:
+    """Three panels against concurrency: output throughput, TTFT p50/p99, ITL p50/p99."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import (
+        FixedLocator,
+        LogLocator,
+        NullFormatter,
+        NullLocator,
+        ScalarFormatter,
+    )
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    colors = {"static": "tab:blue", "unified": "tab:orange"}
+    conc = []
+    for mode, res in results.items():
+        conc = [r["concurrency"] for r in res["levels"]]
+        c = colors[mode]
+        axes[0].plot(conc, [r["output_tok_s"] for r in res["levels"]], "o-", color=c, label=mode)
+        for ax, key in ((axes[1], "ttft"), (axes[2], "itl")):
+            for pct, style in (("p50", "o-"), ("p99", "s:")):
+                ys = [r[f"{key}_{pct}_ms"] for r in res["levels"]]
+                ax.plot(conc, ys, style, color=c, label=f"{mode} {pct}")
+    axes[0].set(ylabel="output tokens / s", title="Output throughput")
+    axes[0].set_ylim(bottom=0)
+    axes[1].set(ylabel="time to first token (ms)", title="TTFT", yscale="log")
+    axes[2].set(ylabel="inter-token latency (ms)", title="ITL", yscale="log")
+    for ax in axes[1:]:  # plain numbers at 1, 2, 5 x 10^k on the log latency axes
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator(conc))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xlabel("concurrent requests")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title(args, gpu), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def gpu_name(device: str | None) -> str | None:
+    """The GPU the server ran on (this process sees the same devices), or None on CPU."""
+    if device == "cpu":
+        return None
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+def replot(src: Path, dst: Path) -> int:
+    """Draw a figure from an earlier run's ``--json`` output."""
+    d = json.loads(src.read_text())
+    plot(d["results"], dst, d["args"], d.get("gpu"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a = build_parser().parse_args(argv)
+        if a.replot is not None:
+            if a.plot is None:
+                raise BenchError("--replot needs --plot PATH.png")
+            if not a.replot.is_file():
+                raise BenchError(f"--replot {a.replot}: no such file")
+            _check_writable(a.plot)
+            return replot(a.replot, a.plot)
+        _check_args(a)
+        results = {}
+        with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
+            work = Path(tmp)
+            prompts = work / "prompts.jsonl"
+            total = sum(a.requests or max(16, 4 * c) for c in a.concurrency)
+            write_prompts(a, prompts, max(total, 64))
+            for mode in a.modes:
+                print(f"[{mode}] serving and loading ...", file=sys.stderr, flush=True)
+                results[mode] = run_mode(a, mode, work, prompts)
+    except BenchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    print(report(results))
+    gpu = gpu_name(a.device)
+    args = _jsonable(vars(a))
+    if a.json is not None:
+        a.json.write_text(json.dumps({"args": args, "gpu": gpu, "results": results}, indent=1))
+    if a.plot is not None:
+        plot(results, a.plot, args, gpu)
+    return 0
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}

@@ -1,0 +1,182 @@
+"""The on-device sampler of a step: logits to tokens, one row per lane, from per-row
+parameter tensors (:class:`SamplingRows`).
+
+:func:`sample`:
+
+1. rows with ``temperature == 0`` take ``argmax(logits)`` — bit-identical to greedy decoding;
+2. the others: ``logits / temperature``, then top-k, top-p (on the top-k renormalised
+   distribution), then min-p (relative to the most likely token); the most likely token is
+   always kept. Filters keep every token whose scaled logit is at least the cut-off value of
+   the last kept rank, so tokens tied at the cut-off are kept together;
+3. a token is drawn by the Gumbel-max trick: ``argmax(filtered + g)`` with ``g =
+   -log(-log(u))`` and ``u`` from a counter-based hash of ``(seed, position, vocab index)``
+   (:func:`unimem_kernel.sampling.gumbel_argmax`: one fused Triton kernel on CUDA — noise,
+   mask and argmax without materialising the noise — and its torch reference elsewhere).
+
+The noise depends only on the request's seed, the position of the token it samples (its index
+in prompt + output) and the vocabulary index — never on a generator's state, the batch, its
+bucket or the neighbouring lanes — so a request's tokens for a fixed seed do not depend on how
+it was batched, and a retracted request that recomputes samples the same tokens again.
+
+:func:`sample` has fixed shapes, reads nothing back on the host and never indexes by a mask,
+so it can be recorded in a CUDA graph (sorting with ``torch.sort`` is data-independent in
+shape). :func:`filtered_probs` is the distribution it draws from (speculative sampling's
+``p`` and ``q``). :func:`token_logprobs` is the chosen token's log-probability under the
+*unfiltered*, untempered distribution (SGLang's raw logprob).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import unimem_kernel.sampling as kernel
+
+__all__ = [
+    "SamplingRows",
+    "filtered_probs",
+    "gumbel_noise",
+    "hash_uniform",
+    "THRESHOLD_CHUNK_ELEMENTS",
+    "keep_threshold",
+    "sample",
+    "token_logprobs",
+]
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """Sampling parameters of a step's lanes (``[bs]`` device tensors each)."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int32, <= 0: off
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    seeds: torch.Tensor  # int64
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[i, tokens[i]]`` per row (float32): ``logits [N, V]``,
+    ``tokens [N]`` int64."""
+    chosen = logits.gather(1, tokens[:, None].long())[:, 0]
+    return (chosen - torch.logsumexp(logits, dim=-1)).float()
+
+
+# ------------------------------------------------------------------- counter-based noise
+
+
+def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``u [N, vocab]`` float32 in ``(0, 1)``: a pure function of ``(seeds[n],
+    positions[n], v)`` (:func:`unimem_kernel.sampling.hash_uniform` of the row keys)."""
+    return kernel.hash_uniform(kernel.row_keys(seeds, positions), vocab)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise ``-log(-log(u))`` of :func:`hash_uniform`, ``[N, vocab]``."""
+    return kernel.gumbel_noise(kernel.row_keys(seeds, positions), vocab)
+
+
+# ------------------------------------------------------------------- filters and sampling
+
+
+THRESHOLD_CHUNK_ELEMENTS = 1 << 24
+"""Logits per chunk of rows that :func:`keep_threshold` and :func:`filtered_probs` work on
+at once (64 rows of a 262 144-token vocabulary). The filters sort and scan whole rows, ~35
+bytes of temporaries per logit: over a verify step's ``bs x (gamma + 1)`` rows at once that
+is tens of GiB at the largest captured batch, memory the pools were sized without. In
+chunks it is ~0.6 GiB whatever the batch; rows are independent, so the result is the same."""
+
+
+def _row_chunks(n: int, vocab: int) -> list[slice]:
+    rows = max(1, THRESHOLD_CHUNK_ELEMENTS // max(vocab, 1))
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
+def keep_threshold(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Per row, the smallest scaled logit that top-k, then top-p (over the top-k
+    renormalised probabilities: keep the smallest prefix of descending probability whose mass
+    reaches ``top_p``), then min-p (probability at least ``min_p`` times the largest) keep;
+    the most likely token is always kept. ``scaled [N, V]`` float32 → ``[N]``. Works on
+    chunks of rows (:data:`THRESHOLD_CHUNK_ELEMENTS`) so its temporaries stay bounded."""
+    n, vocab = scaled.shape
+    chunks = _row_chunks(n, vocab)
+    if len(chunks) == 1:
+        return _keep_threshold_rows(scaled, top_k, top_p, min_p)
+    out = torch.empty(n, dtype=scaled.dtype, device=scaled.device)
+    for c in chunks:
+        out[c] = _keep_threshold_rows(scaled[c], top_k[c], top_p[c], min_p[c])
+    return out
+
+
+def _keep_threshold_rows(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    n, vocab = scaled.shape
+    desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(desc, dim=-1)
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
+    k = torch.where(top_k[:, None] > 0, top_k[:, None].long(), vocab)
+    keep = ranks < k
+    pk = probs * keep
+    before = torch.cumsum(pk, dim=-1) - pk  # mass of higher-ranked kept tokens
+    total = pk.sum(dim=-1, keepdim=True)
+    keep &= (before < top_p[:, None] * total) | (top_p[:, None] >= 1.0)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep |= ranks == 0
+    last = keep.sum(dim=-1, keepdim=True) - 1  # kept ranks form a prefix
+    return desc.gather(1, last)[:, 0]
+
+
+def filtered_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """``[N, V]`` float32: per row the distribution :func:`sample` draws from —
+    ``softmax(logits / temperature)`` restricted to the tokens :func:`keep_threshold` keeps and
+    renormalised (exact zeros elsewhere); a row with ``temperature == 0`` is the one-hot of
+    ``argmax(logits)`` (greedy as a distribution). Speculative sampling's ``p`` and ``q``.
+    Fixed shapes, no host reads; the temporaries are per chunk of rows
+    (:data:`THRESHOLD_CHUNK_ELEMENTS`), the result the only ``[N, V]`` allocation."""
+    n, vocab = logits.shape
+    out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
+    for c in _row_chunks(n, vocab):
+        x, temp = logits[c], temperature[c]
+        live = temp > 0
+        t = torch.where(live, temp.float(), 1.0)
+        scaled = x.float() / t[:, None]
+        cut = _keep_threshold_rows(scaled, top_k[c], top_p[c].float(), min_p[c].float())
+        scaled = torch.where(scaled >= cut[:, None], scaled, -math.inf)
+        probs = torch.softmax(scaled, dim=-1)
+        onehot = torch.zeros_like(probs).scatter_(1, torch.argmax(x, dim=-1)[:, None], 1.0)
+        out[c] = torch.where(live[:, None], probs, onehot)
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of ``logits [N, V]`` (int64 ``[N]``), from per-row ``temperature``,
+    ``top_k``, ``top_p``, ``min_p``, ``seeds`` (int64) and ``positions`` (the index of the
+    token being sampled in its request's prompt + output). Module docstring for the
+    semantics; fixed shapes, no host reads."""
+    greedy = torch.argmax(logits, dim=-1)
+    live = temperature > 0
+    t = torch.where(live, temperature.float(), 1.0)
+    scaled = logits.float() / t[:, None]
+    cut = keep_threshold(scaled, top_k, top_p.float(), min_p.float())
+    keys = kernel.row_keys(seeds, positions)
+    drawn = kernel.gumbel_argmax(scaled, cut.contiguous(), keys, torch.empty_like(greedy))
+    return torch.where(live, drawn, greedy)

@@ -1,0 +1,403 @@
+"""The verify half of a DSPARK chain step over a pool: draft, target verify, accept, commit.
+
+For every lane (each lane's anchor is its row's next token, its committed length its row's
+length, its pages cover ``length + gamma + 1`` tokens — the scheduler reserved them), all on
+the device with no host read, so the step is recorded in a CUDA graph:
+
+1. write window: the verify metadata gathers and translates the ``gamma + 1`` write slots
+   per request (one launch);
+2. draft: ``gamma`` tokens per request (:class:`~unimem.speculative.draft_runner.DraftRunner`:
+   block K/V into the draft lanes); lanes with temperature > 0 sample them and keep their
+   distributions;
+3. target verify of ``[anchor, d_1 .. d_gamma]``
+   (:class:`~unimem.models.paged_context.PagedContext`): K/V into the write window, each GDN
+   layer's record of the step's inputs (or its states after every position) into this
+   step's buffers, the persistent state untouched; hidden states of the drafter's target
+   layers captured;
+4. accept: greedy (bit-identical to a greedy batch), and speculative sampling for the lanes
+   with temperature > 0 (:mod:`unimem.speculative.spec_sampling`);
+5. commit: every GDN layer's state after row ``accepted`` into the request's slot, the
+   caller's request state (the row advanced by ``accepted + 1``, its next anchor the last
+   committed token; :data:`CommitRows`), and the drafter's context K/V of the committed
+   rows only.
+
+Nothing is freed (rejected rows are overwritten next step). With an adaptive chain
+(:attr:`~unimem.speculative.chain.DsparkChain.adaptive`) the verify is *ragged*: each lane's
+length ``1 .. gamma + 1`` is chosen on the device from the drafter's confidence head under the
+step's row budget, and the lanes' windows are packed back to back in a fixed number of rows
+per batch width (:mod:`unimem.speculative.verify_lengths`).
+
+The step knows the engine only through values: the lanes' device tensors
+(:class:`VerifyLanes`), their sampling parameters, and the commit callable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from unimem.attention.backend import AttentionBackend
+from unimem.attention.metadata import MetadataBuilder
+from unimem.memory.pool import MemoryPool
+from unimem.memory.staging import upload_int32
+from unimem.models.base import CausalLM
+from unimem.models.batch_invariant import gdn_batch_invariant
+from unimem.models.forward_context import ForwardMode
+from unimem.models.paged_context import GdnVerifyBuffers, PackedLanes, PagedContext, PagedLayers
+from unimem.models.sampler import SamplingRows, filtered_probs, token_logprobs
+from unimem.speculative import spec_sampling
+from unimem.speculative.accept import greedy_accept
+from unimem.speculative.chain import DsparkChain
+from unimem.speculative.draft_runner import DraftRunner
+from unimem.speculative.verify_lengths import allocate_lengths, packed_layout, packed_rows
+from unimem_kernel import gdn as gdn_ops
+from unimem_kernel import gdn_reference
+from unimem_kernel.greedy_accept import greedy_verify_accept
+from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
+
+__all__ = ["GDN_REPLAY_COMMIT", "CommitRows", "VerifyLanes", "VerifyResult", "VerifyStep"]
+
+GDN_REPLAY_COMMIT = True
+"""Default of :class:`VerifyStep`'s ``gdn_replay_commit``: a verify keeps per GDN layer only
+the step's inputs (a :class:`~unimem_kernel.gdn_reference.VerifyRecord`: conv input and
+output rows, gates), no state, and the commit rebuilds each lane's conv window and re-runs
+the recurrence over its accepted tokens from its slot (:func:`unimem_kernel.gdn.
+gdn_replay_commit`, the verify's own kernel: the committed state is bitwise the verify's
+state after the last accepted token). False: the states after every position go to scratch
+and the commit copies the accepted ones (:func:`~unimem_kernel.state_commit.
+commit_states_multi`; on a GPU that verify is a separately compiled kernel, so its states
+agree with the replay's to a few ulps)."""
+
+
+class VerifyLanes(NamedTuple):
+    """A verify step's lanes, ``[width]`` device tensors: request-table ``rows`` (0 for padded
+    lanes), virtual state slots ``vslots`` (-1 padded), acceptance-control keys ``rids``, the
+    committed ``seq_lens`` (int32) and ``anchors`` (int64, the token at ``seq_lens``), and
+    ``state_slots``: the physical state slots (-1 padded; None without GDN layers)."""
+
+    rows: torch.Tensor
+    vslots: torch.Tensor
+    rids: torch.Tensor
+    seq_lens: torch.Tensor
+    anchors: torch.Tensor
+    state_slots: torch.Tensor | None
+
+
+CommitRows = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], Sequence[torch.Tensor]
+]
+"""``commit(bonus [W], tokens [W, gamma + 1], accepted [W] int32, write_slots)``: the caller
+commits lane ``b``'s ``tokens[b, :accepted[b] + 1]`` and advances its row to ``seq_lens[b] +
+accepted[b] + 1`` with ``bonus[b]`` as its next token; returns ``write_slots`` (``[W *
+(gamma + 1)]`` each) with the rows past each lane's committed prefix sent to the sink slot 0
+(:meth:`unimem.engine.step_io.DeviceRequestState.commit`)."""
+
+
+class VerifyResult(NamedTuple):
+    """What a verify step leaves for the caller besides what it committed: ``lengths [W]``
+    int32, the rows each lane verified (a ragged step; None for a fixed one), and
+    ``logprobs [W, gamma + 1]`` float32, each committed-row token's log-probability under the
+    target's raw distribution (None unless asked for)."""
+
+    lengths: torch.Tensor | None
+    logprobs: torch.Tensor | None
+
+
+class VerifyStep:
+    """The verify step of ``chain`` for ``model`` over ``pool`` (module docstring).
+
+    ``builder``: the caller's metadata builder (its buffers are capture-stable; the step
+    builds its verify metadata in them); ``layers``: ``pool``'s views of the model's layers.
+    ``max_bs`` lanes, ``max_tokens`` rows per step at most. ``gdn_replay_commit`` (default
+    :data:`GDN_REPLAY_COMMIT`): how a verify's GDN states are committed, replayed from the
+    step's recorded inputs (True) or copied from per-position state scratch (False); the
+    record is much smaller than the scratch. ``logprobs``: also return each verified
+    token's log-probability.
+
+    Two test hooks replace the confidence allocation of a ragged step: :attr:`lens_override`
+    (a ``[max_bs]`` int32 device tensor, read by the step on the device like any other
+    state) and :attr:`planned_lengths` (host ints for the next eager step, which then builds
+    its metadata by the eager ``extend`` builder with exactly ``sum(lengths)`` rows — the
+    host-planned oracle the device-planned, fixed-row step is compared with)."""
+
+    def __init__(
+        self,
+        chain: DsparkChain,
+        model: CausalLM,
+        pool: MemoryPool,
+        backend: AttentionBackend,
+        builder: MetadataBuilder,
+        layers: PagedLayers,
+        max_bs: int,
+        max_tokens: int,
+        *,
+        gdn_replay_commit: bool | None = None,
+        logprobs: bool = False,
+    ) -> None:
+        self.chain = chain
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.builder = builder
+        self.layers = layers
+        self.max_bs = max_bs
+        self.logprobs = logprobs
+        self.gdn_replay_commit = (
+            GDN_REPLAY_COMMIT if gdn_replay_commit is None else gdn_replay_commit
+        )
+        self.device = pool.device
+        self.width = chain.verify_width
+        self.drafts = DraftRunner(chain, pool, backend, max_bs)
+        self._arange = torch.arange(max(max_tokens, max_bs * self.width), device=self.device)
+        self.lens_override: torch.Tensor | None = None
+        self.planned_lengths: list[int] | None = None
+        self.records: dict[int, gdn_reference.VerifyRecord] = {}
+        self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._commit_plan: StateCommitPlan | None = None
+        self._replay_plan: gdn_ops.ReplayCommitPlan | None = None
+        self._init_gdn_buffers()
+        self.buffers: dict[int, GdnVerifyBuffers] = {**self.records, **self.scratch}
+        """Where each GDN layer of a verify writes: :attr:`records` or :attr:`scratch`."""
+
+    def _init_gdn_buffers(self) -> None:
+        """Per GDN layer, for ``max_bs`` lanes of ``width`` positions: with
+        ``gdn_replay_commit`` a :class:`~unimem_kernel.gdn_reference.VerifyRecord` (conv
+        inputs and outputs in the conv state's dtype, gates in the rule's dtype) and one
+        replay plan over every layer; without it the conv window and the SSM state after every
+        position (the states' dtypes) and one commit plan moving the kept entries into the
+        pool's state views."""
+        scratches, dests = [], []
+        for i, (conv, ssm) in sorted(self.layers.state.items()):
+            if self.gdn_replay_commit:
+                self.records[i] = gdn_reference.VerifyRecord.empty(
+                    self.max_bs, self.width, conv.shape[1], ssm.shape[1], conv.dtype, ssm.dtype,
+                    self.device,
+                )  # fmt: skip
+                continue
+
+            def zeros(*shape, dtype):
+                return torch.zeros(self.max_bs, self.width, *shape, dtype=dtype, device=self.device)
+
+            conv_scratch = zeros(*conv.shape[1:], dtype=conv.dtype)
+            ssm_scratch = zeros(*ssm.shape[1:], dtype=ssm.dtype)
+            self.scratch[i] = (conv_scratch, ssm_scratch)
+            scratches += [conv_scratch, ssm_scratch]
+            dests += [conv, ssm]
+        if scratches:
+            self._commit_plan = StateCommitPlan(scratches, dests)
+        if self.records:
+            layers = sorted(self.records)
+            self._replay_plan = gdn_ops.ReplayCommitPlan(
+                [self.records[i] for i in layers],
+                [self.layers.state[i][0] for i in layers],
+                [self.layers.state[i][1] for i in layers],
+            )
+
+    def commit_gdn(
+        self, accepted: torch.Tensor, vslots: torch.Tensor, slots: torch.Tensor | None
+    ) -> None:
+        """Every GDN layer's conv and SSM state after position ``accepted`` into the lanes'
+        slots: with ``gdn_replay_commit`` from the layers' records, one conv-window launch
+        and one delta-rule launch for all layers (``slots``: the verify's physical slots, -1
+        for padded lanes; :class:`~unimem_kernel.gdn.ReplayCommitPlan`), else one copy
+        launch for every layer (virtual slots ``vslots``, translated in the kernel)."""
+        if self._commit_plan is not None:
+            commit_states_multi(self._commit_plan, accepted, vslots, self.pool.state_v2p)
+        if self._replay_plan is not None:
+            ssm = self._replay_plan.ssm_states[0]
+            gdn_ops.gdn_replay_commit_layers(
+                self._replay_plan, accepted, slots, self.model.config.gdn_key_heads,
+                batch_invariant=gdn_batch_invariant(ssm),
+            )  # fmt: skip
+
+    def run(
+        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows
+    ) -> VerifyResult:
+        """One chain step for every lane of ``lanes`` (module docstring); ``params``: the
+        lanes' sampling parameters when some lane samples (None: all greedy). Device inputs
+        only (capturable)."""
+        if self.chain.adaptive:
+            return self._ragged(lanes, params, commit)
+        return self._fixed(lanes, params, commit)
+
+    def _context(self, meta, lanes, rows: int, packed: PackedLanes | None = None) -> PagedContext:
+        """The target verify's forward context over ``rows`` rows of ``meta``."""
+        return PagedContext(
+            ForwardMode.VERIFY, meta, self.layers, self.backend, lanes.state_slots,
+            self._arange[:rows], capture=self.drafts.target_layers, packed=packed,
+            verify_buffers=self.buffers,
+        )  # fmt: skip
+
+    def _fixed(
+        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows
+    ) -> VerifyResult:
+        """``gamma + 1`` rows for every lane (module docstring, steps 1-5)."""
+        gamma, vw = self.chain.gamma, self.width
+        rows, seq_lens, anchors = lanes.rows, lanes.seq_lens, lanes.anchors
+        width = rows.shape[0]
+        pool = self.pool
+        meta = self.builder.verify(
+            pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p, gamma=gamma
+        )
+        q = None
+        if params is None:
+            draft = self.drafts.propose(rows, seq_lens, anchors, lanes.rids)
+        else:
+            draft, q = self.drafts.propose_sampled(rows, seq_lens, anchors, lanes.rids, params)
+        input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
+        ctx = self._context(meta, lanes, width * vw)
+        logits = self.model.forward(input_ids, ctx)
+        # the rows' argmax, the accepted prefix and the bonus token in two launches
+        tokens, accepted, bonus = greedy_verify_accept(logits, draft)
+        if params is not None:
+            accepted, tokens = self._sampled_accept(
+                logits, draft, q, tokens, accepted, seq_lens, params
+            )
+            bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
+        self.commit_gdn(accepted, lanes.vslots, lanes.state_slots)
+        swa_slots = meta.swa_write_slots
+        slots = (meta.full_write_slots,) + (() if swa_slots is None else (swa_slots,))
+        full, *swa = commit(bonus, tokens, accepted, slots)
+        # the drafter's context K/V of the committed rows only (the others write the sink)
+        committed = dataclasses.replace(
+            meta, full_write_slots=full, swa_write_slots=swa[0] if swa else None
+        )
+        self.drafts.write_context(ctx.hidden, committed)
+        logprobs = None
+        if self.logprobs:
+            logprobs = token_logprobs(logits, tokens.reshape(-1)).reshape(width, vw)
+        return VerifyResult(None, logprobs)
+
+    def _ragged(
+        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows
+    ) -> VerifyResult:
+        """The verify step with per-lane lengths ``L_b`` in ``1 .. gamma + 1``, packed
+        (``docs/spec_decoding.md``, "Adaptive verify lengths"). Every shape depends on the
+        lanes' width alone:
+
+        1. draft ``gamma`` tokens per lane as the fixed step, with the confidence head's
+           survival of each;
+        2. lengths: :func:`allocate_lengths` of the survivals under :func:`packed_rows`
+           ``(width, gamma + 1, budget)`` rows (padded lanes: 1 row); the packed layout
+           (``cu_seqlens_q`` etc.) on the device;
+        3. metadata: :meth:`MetadataBuilder.verify_ragged` from the live FULL/SWA tables (the
+           extend metadata kernel and a ragged write window; padding rows write the sink);
+        4. target forward of the packed rows (attention varlen, GDN into the uniform
+           record, :class:`~unimem.models.paged_context.PagedContext`);
+        5. accept on the uniform ``[width, gamma + 1]`` view of the logits, at most ``L_b -
+           1`` drafts (greedy; speculative sampling on the truncated chains for sampled
+           lanes);
+        6. commit as the fixed step (GDN states after row ``accepted`` of the uniform
+           record; drafter context for the committed packed rows), and return the lengths.
+        """
+        vw = self.width
+        rows, seq_lens, anchors = lanes.rows, lanes.seq_lens, lanes.anchors
+        width = rows.shape[0]
+        pool = self.pool
+        q = None
+        if params is None:
+            draft, surv = self.drafts.propose(rows, seq_lens, anchors, lanes.rids, survival=True)
+        else:
+            draft, q, surv = self.drafts.propose_sampled(
+                rows, seq_lens, anchors, lanes.rids, params, survival=True
+            )
+        planned, self.planned_lengths = self.planned_lengths, None
+        live = rows > 0
+        if planned is not None:  # the host-planned oracle (eager only: width == bs)
+            planned = list(planned[:width])
+            n_rows = sum(planned)
+            lengths = upload_int32(list(planned), self.device)
+            meta = self.builder.extend(
+                pool.req_to_token,
+                rows,
+                seq_lens,
+                lengths,
+                pool.full_v2p,
+                pool.swa_v2p,
+                num_tokens=n_rows,
+                max_seqlen_q=max(planned),
+            )
+        else:
+            n_rows = packed_rows(width, vw, self.chain.verify_budget)
+            if self.lens_override is not None:
+                lengths = torch.where(live, self.lens_override[:width], 1)
+                lengths = lengths.to(torch.int32)
+            else:
+                lengths = allocate_lengths(surv, live, n_rows)
+            meta = self.builder.verify_ragged(
+                pool.req_to_token,
+                rows,
+                seq_lens,
+                lengths,
+                pool.full_v2p,
+                pool.swa_v2p,
+                num_tokens=n_rows,
+                max_seqlen_q=vw,
+            )
+        packed = packed_layout(lengths, n_rows, vw)
+        uniform_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
+        input_ids = torch.cat([uniform_ids, uniform_ids.new_zeros(1)])[packed.uniform_index]
+        lanes_of_rows = PackedLanes(packed.valid, packed.uniform_index, vw)
+        ctx = self._context(meta, lanes, n_rows, lanes_of_rows)
+        logits = self.model.forward(input_ids, ctx)
+        # the packed row of (lane b, column j): cu[b] + min(j, L_b - 1) (columns past a lane's
+        # length repeat its last row; the accept never reads them)
+        cols = torch.minimum(self._arange[:vw][None, :], lengths.long()[:, None] - 1)
+        src = (packed.cu_seqlens[:-1].long()[:, None] + cols).reshape(-1)
+        tokens = torch.argmax(logits, dim=-1)[src].reshape(width, vw)
+        limit = lengths - 1
+        accepted, bonus = greedy_accept(draft, tokens, limit)
+        uniform_logits = None
+        if params is not None or self.logprobs:
+            uniform_logits = logits[src]
+        if params is not None:
+            accepted, tokens = self._sampled_accept(
+                uniform_logits, draft, q, tokens, accepted, seq_lens, params, limit
+            )
+            bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
+        self.commit_gdn(accepted, lanes.vslots, lanes.state_slots)
+        keep = packed.valid & (packed.offset <= accepted.long()[packed.lane])
+        self.drafts.write_context(ctx.hidden, meta, keep)
+        commit(bonus, tokens, accepted, ())
+        logprobs = None
+        if self.logprobs:
+            logprobs = token_logprobs(uniform_logits, tokens.reshape(-1)).reshape(width, vw)
+        return VerifyResult(lengths, logprobs)
+
+    def _sampled_accept(
+        self,
+        logits: torch.Tensor,
+        draft: torch.Tensor,
+        q: torch.Tensor,
+        target: torch.Tensor,
+        greedy_accepted: torch.Tensor,
+        seq_lens: torch.Tensor,
+        params: SamplingRows,
+        limit: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative sampling (:func:`unimem.speculative.spec_sampling.chain_accept`) for
+        the lanes with temperature > 0: the target's filtered distributions ``p`` over the
+        ``gamma + 1`` rows (``[bs, gamma + 1, V]``, materialised), each row's token at
+        position ``seq_len + 1 + j``. Greedy lanes keep ``greedy_accepted`` and ``target``.
+        ``limit [bs]``: a ragged verify's chain lengths (:func:`spec_sampling.chain_accept`).
+        Returns ``(accepted [bs] int32, tokens [bs, gamma + 1])``."""
+        width, vw = target.shape
+
+        def rows(x: torch.Tensor) -> torch.Tensor:  # a lane's parameter for each of its rows
+            return x[:, None].expand(width, vw).reshape(-1)
+
+        p = filtered_probs(
+            logits,
+            rows(params.temperature),
+            rows(params.top_k),
+            rows(params.top_p),
+            rows(params.min_p),
+        ).reshape(width, vw, -1)
+        positions = seq_lens.long()[:, None] + 1 + self._arange[:vw][None, :]
+        s = spec_sampling.chain_accept(draft, q, p, params.seeds, positions, limit)
+        live = params.temperature > 0
+        accepted = torch.where(live, s.accepted, greedy_accepted)
+        return accepted, torch.where(live[:, None], s.tokens, target)

@@ -1,0 +1,180 @@
+"""The target's residual streams over whole token sequences, in batched teacher-forced passes.
+
+A drafter trains on the hidden states of its ``target_layers`` at every position of the
+sequences the target wrote. Capturing them while generating costs a decode step per token;
+recomputing them afterwards is one extend forward over many whole sequences at once.
+
+:class:`BatchedSequencesContext` is that forward's :class:`~unimem.models.forward_context.
+ForwardContext`: ``B`` sequences of one length ``S`` extended from an empty cache, attention
+as one masked ``scaled_dot_product_attention`` over ``[B, H, S, D]`` (causal, the layer's
+sliding window, GQA; a sink logit per head joins the softmax as in
+:func:`~unimem.models.forward_context.masked_attention`). Sequences of different lengths are
+padded at the end: a causal forward never lets a position see a later one, so the states of
+real positions do not depend on the padding. Models with GDN layers go through the dense
+reference context instead (one extend per sequence chunk, the recurrent state per request).
+
+:func:`teacher_forced_states` returns :class:`~unimem.training.distill.Rollouts`
+(``tokens``, ``hidden`` for the layers asked, ``prompt_lens``, ``lengths``) on the target's
+device, the hidden states in the target's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from unimem.models.base import CausalLM
+from unimem.models.config import HybridConfig
+from unimem.models.forward_context import (
+    DenseCache,
+    DenseContext,
+    ForwardContext,
+    ForwardMode,
+    masked_attention,
+)
+from unimem.training.distill import Rollouts
+
+__all__ = ["BatchedSequencesContext", "teacher_forced_states"]
+
+
+class BatchedSequencesContext(ForwardContext):
+    """``batch`` sequences of ``length`` tokens each, one extend from an empty cache (module
+    docstring). Records the residual streams of ``layers`` (``captured[i] [B * S, d]``).
+    Logits only for each sequence's last row. No GDN layers (``gdn`` raises)."""
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        batch: int,
+        length: int,
+        layers: Sequence[int],
+        device: torch.device | str,
+    ) -> None:
+        dev = torch.device(device)
+        positions = torch.arange(length, device=dev).repeat(batch)
+        cu = torch.arange(batch + 1, device=dev, dtype=torch.int64) * length
+        super().__init__(ForwardMode.EXTEND, positions, cu, cu[1:] - 1)
+        self.config = config
+        self.batch, self.length = batch, length
+        self.layers = set(layers)
+        self.captured: dict[int, torch.Tensor] = {}
+
+    def attention(self, layer_idx, q, k, v, *, sinks=None):
+        c, b, s = self.config, self.batch, self.length
+        window = c.layer_window(layer_idx)
+        if sinks is not None:  # rare: the reference math, one sequence at a time
+            pos = self.positions[:s]
+            out = [
+                masked_attention(
+                    q[i * s : (i + 1) * s],
+                    k[i * s : (i + 1) * s],
+                    v[i * s : (i + 1) * s],
+                    pos,
+                    pos,
+                    window,
+                    c.attention_scale,
+                    sinks,
+                )
+                for i in range(b)
+            ]
+            return torch.cat(out)
+        qq = q.reshape(b, s, *q.shape[1:]).transpose(1, 2)
+        kk = k.reshape(b, s, *k.shape[1:]).transpose(1, 2)
+        vv = v.reshape(b, s, *v.shape[1:]).transpose(1, 2)
+        group = qq.shape[1] // kk.shape[1]
+        if group > 1:
+            kk = kk.repeat_interleave(group, dim=1)
+            vv = vv.repeat_interleave(group, dim=1)
+        pos = torch.arange(s, device=q.device)
+        dist = pos[:, None] - pos[None, :]
+        mask = dist >= 0
+        if window is not None:
+            mask &= dist < window
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=c.attention_scale)
+        return o.transpose(1, 2).reshape(b * s, q.shape[1], v.shape[-1])
+
+    def gdn(self, layer_idx, mixed_qkv, g, beta, *, conv_weight):
+        raise NotImplementedError("BatchedSequencesContext: no GDN layers (use DenseContext)")
+
+    def capture_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        if layer_idx in self.layers:
+            self.captured[layer_idx] = hidden.clone()
+
+
+class _DenseCapture(DenseContext):
+    def __init__(self, cache, slots, num_tokens, layers):
+        super().__init__(cache, slots, num_tokens, ForwardMode.EXTEND)
+        self.layers = set(layers)
+        self.captured: dict[int, torch.Tensor] = {}
+
+    def capture_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        if layer_idx in self.layers:
+            self.captured[layer_idx] = hidden.clone()
+
+
+@torch.no_grad()
+def teacher_forced_states(
+    model: CausalLM,
+    sequences: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    layers: Sequence[int],
+    *,
+    max_batch_tokens: int | None = None,
+) -> Rollouts:
+    """The residual streams after ``layers`` at every position of every sequence (module
+    docstring), ``max_batch_tokens`` padded tokens per forward (default: 4096 on the CPU,
+    262 144 on a GPU). ``prompt_lens[i]``: where sequence ``i``'s continuation starts (the
+    first anchor a drafter trains on). ``ValueError`` for an empty sequence, a prompt length
+    outside ``[1, len)``, or a sequence past the target's context."""
+    c, dev = model.config, model.device
+    layers = tuple(layers)
+    if len(sequences) != len(prompt_lens) or not sequences:
+        raise ValueError("teacher_forced_states: need as many prompt lengths as sequences (>0)")
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+        if not 1 <= p < len(seq):
+            raise ValueError(f"sequence {i}: prompt length {p} outside [1, {len(seq)})")
+        if len(seq) > c.max_context:
+            raise ValueError(f"sequence {i}: {len(seq)} tokens exceed the context {c.max_context}")
+    if any(not 0 <= i < c.num_layers for i in layers):
+        raise ValueError(f"layers {layers} out of range for a target of {c.num_layers} layers")
+    if max_batch_tokens is None:
+        max_batch_tokens = 4096 if torch.device(dev).type == "cpu" else 262_144
+    n = len(sequences)
+    longest = max(len(s) for s in sequences)
+    tokens = torch.zeros(n, longest, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        tokens[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+    tokens = tokens.to(dev)
+    hidden = [torch.zeros(n, longest, c.d_model, dtype=c.dtype, device=dev) for _ in layers]
+    lens = torch.tensor([len(s) for s in sequences])
+    order = torch.argsort(lens, descending=True).tolist()  # similar lengths share a batch
+    batched = not c.gdn_layers
+    start = 0
+    while start < n:
+        width = len(sequences[order[start]])
+        rows = max(1, max_batch_tokens // width)
+        idx = order[start : start + rows]
+        start += len(idx)
+        if batched:
+            ctx = BatchedSequencesContext(c, len(idx), width, layers, dev)
+            ids = tokens[torch.tensor(idx, device=dev), :width].reshape(-1)
+            model.forward_with_hidden(ids, ctx)
+            for h, i in zip(hidden, layers, strict=True):
+                h[torch.tensor(idx, device=dev), :width] = ctx.captured[i].reshape(
+                    len(idx), width, -1
+                )
+            continue
+        cache = DenseCache(c, len(idx), dev)
+        slots = [cache.alloc() for _ in idx]
+        counts = [len(sequences[r]) for r in idx]
+        ids = torch.cat([tokens[r, : len(sequences[r])] for r in idx])
+        ctx = _DenseCapture(cache, slots, counts, layers)
+        model.forward_with_hidden(ids, ctx)
+        offset = 0
+        for r, m in zip(idx, counts, strict=True):
+            for h, i in zip(hidden, layers, strict=True):
+                h[r, :m] = ctx.captured[i][offset : offset + m]
+            offset += m
+    return Rollouts(tokens, hidden, torch.tensor(list(prompt_lens)), lens, layers)

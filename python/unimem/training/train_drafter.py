@@ -1,0 +1,338 @@
+"""Train a DSPARK drafter for a model in one command: ``python -m unimem.training.train_drafter``.
+
+1. **Data** (:mod:`unimem.training.draft_data`): prompts sampled from the target itself from
+   ``<bos>`` at temperature 1 (``--bos-prompts`` of ``--prompt-len`` tokens), plus the
+   prompts of ``--train-prompts`` (its ``--train-split``, never the held-out one); each
+   continued by the target through unimem's Engine, batched, greedy and sampled
+   (``--temperatures``, default 0, 0.7 and 1.0 in turn), ``--gen-len`` tokens, in rounds of
+   ``--gen-chunk`` prompts until all are done or ``--gen-time-budget`` is spent. The held-out
+   prompts (``--eval-prompts``, ``--eval-split``) get greedy continuations: the yardstick,
+   never trained on.
+2. **States**: the target's residual streams at the drafter's ``--target-layers``,
+   recomputed by batched teacher-forced passes over the finished sequences
+   (:mod:`unimem.training.teacher_forcing`).
+3. **Vocabulary**: with ``--draft-vocab K`` the drafter scores only the ``K`` target tokens
+   most frequent in the training continuations (``d2t``, EAGLE-3's reduced vocabulary).
+4. **Training** (:mod:`unimem.training.trainer`): bf16 autocast on CUDA, warm-up and
+   cosine, held-out accept length during training, resumable (``--checkpoint-dir``),
+   ``--time-budget`` seconds at most; then the confidence head on sequences held out of
+   the drafter's own data.
+5. **Output**: the drafter checkpoint directory ``--out`` (``config.json``,
+   ``model.safetensors``) and ``training.json`` beside them (the command line, the data
+   sizes, the phases' seconds, accept lengths before/after, the head's calibration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from unimem.engine.api import Engine
+from unimem.models.base import CausalLM
+from unimem.speculative.checkpoint import save_drafter
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem.training.draft_data import bos_prompts, continuations, encode_prompts
+from unimem.training.prompt_sets import read_prompts
+from unimem.training.teacher_forcing import teacher_forced_states
+from unimem.training.trainer import TrainConfig, frequent_tokens, train_drafter
+
+__all__ = ["TargetText", "generate", "main", "parser", "run", "train_on"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers, comma-separated: {text!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    t = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m unimem.training.train_drafter", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model-path", required=True, help="the target (as Engine's model_path)")
+    p.add_argument("--out", required=True, help="the drafter checkpoint directory to write")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("data")
+    g.add_argument("--bos-prompts", type=int, default=4096, help="prompts sampled from <bos>")
+    g.add_argument("--prompt-len", type=int, default=32, help="tokens of a <bos> prompt")
+    g.add_argument("--bos-id", type=int, default=None, help="default: the tokenizer's")
+    g.add_argument("--train-prompts", help="a prompt file (training.prompt_sets) to add")
+    g.add_argument("--train-split", help="its split to use (a file with splits)")
+    g.add_argument("--max-prompt-len", type=int, default=256, help="file prompts cut to this")
+    g.add_argument("--eval-prompts", help="the held-out prompt file (never trained on)")
+    g.add_argument("--eval-split", help="its held-out split (a file with splits)")
+    g.add_argument("--eval-sequences", type=int, default=64, help="held-out prompts used")
+    g.add_argument("--gen-len", type=int, default=160, help="continuation tokens")
+    g.add_argument("--temperatures", type=_floats, default=(0.0, 0.7, 1.0))
+    g.add_argument(
+        "--gen-mem-fraction",
+        type=float,
+        default=0.4,
+        help="the generating engine's mem_fraction_static (the rest stays for training)",
+    )
+    g.add_argument("--max-running", type=int, default=None, help="the engine's batch limit")
+    g.add_argument("--gen-chunk", type=int, default=1024, help="prompts per generation round")
+    g.add_argument(
+        "--gen-time-budget",
+        type=float,
+        default=None,
+        help="seconds of generation at most, engine start-up excluded (whole rounds, checked "
+        "between them; the first round always runs)",
+    )
+    d = p.add_argument_group("drafter")
+    d.add_argument("--draft-layers", type=int, default=2, help="draft layers (1-3 tried)")
+    d.add_argument("--target-layers", type=_ints, default=None, help="e.g. 1,9,17")
+    d.add_argument("--markov-rank", type=int, default=16)
+    d.add_argument("--draft-ffn-dim", type=int, default=None, help="default: the target's")
+    d.add_argument(
+        "--draft-vocab", type=int, default=32768, help="reduced draft vocabulary (0: full)"
+    )
+    d.add_argument("--init", help="start from this drafter checkpoint")
+    r = p.add_argument_group("training")
+    r.add_argument("--gamma", type=int, default=t.gamma)
+    r.add_argument("--steps", type=int, default=t.steps)
+    r.add_argument("--batch", type=int, default=t.batch)
+    r.add_argument("--anchors-per-step", type=int, default=t.anchors_per_step)
+    r.add_argument("--lr", type=float, default=t.lr)
+    r.add_argument("--warmup", type=int, default=t.warmup)
+    r.add_argument("--eval-every", type=int, default=t.eval_every)
+    r.add_argument("--save-every", type=int, default=t.save_every)
+    r.add_argument("--checkpoint-dir", help="resumable training state (continued if present)")
+    r.add_argument("--time-budget", type=float, default=None, help="training seconds at most")
+    r.add_argument("--head-steps", type=int, default=t.head_steps)
+    r.add_argument("--no-bf16", action="store_true", help="train in float32 on CUDA too")
+    r.add_argument("--no-progress", action="store_true")
+    return p
+
+
+@dataclass
+class TargetText:
+    """What :func:`generate` returns: the target ``model`` (its engine shut down), the
+    training ``sequences`` (prompt + continuation) and ``prompt_lens``, the held-out ones
+    (empty without ``--eval-prompts``), and ``info`` (counts and seconds)."""
+
+    model: CausalLM
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    held_sequences: list[list[int]] = field(default_factory=list)
+    held_prompt_lens: list[int] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+
+def run(args: argparse.Namespace, log=print) -> dict:
+    """The pipeline of the module docstring; returns the summary written to
+    ``training.json``."""
+    return train_on(generate(args, log), args, log)
+
+
+def generate(args: argparse.Namespace, log=print) -> TargetText:
+    """Steps 1 of the module docstring: the target's text through its Engine."""
+    t0 = time.perf_counter()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda given but no CUDA device is available")
+    if args.bos_prompts < 0:
+        raise ValueError(f"--bos-prompts must be >= 0, got {args.bos_prompts}")
+    kwargs = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
+    kwargs["random_seed"] = args.seed
+    if args.device == "cuda":
+        kwargs["mem_fraction_static"] = args.gen_mem_fraction
+    if args.max_running:
+        kwargs["max_running_requests"] = args.max_running
+    engine = Engine(**kwargs)
+    model = engine.model
+    file_p: list[list[int]] = []
+    if args.train_prompts:
+        texts = read_prompts(args.train_prompts, args.train_split)
+        file_p = encode_prompts(engine, texts, args.max_prompt_len)
+    if not args.bos_prompts and not file_p:
+        raise ValueError("no training prompts: give --bos-prompts > 0 or --train-prompts")
+    # rounds of --gen-chunk prompts (file prompts first), until done or --gen-time-budget;
+    # the budget counts generation only (not the engine's start-up, which on a GPU includes
+    # kernel compilation and graph capture) and the first round always runs
+    prompts: list[list[int]] = []
+    seqs: list[list[int]] = []
+    lens: list[int] = []
+    made_bos = 0
+    t_prompts = 0.0
+    t_rounds = time.perf_counter()
+    while len(prompts) < len(file_p) + args.bos_prompts:
+        spent = time.perf_counter() - t_rounds
+        if prompts and args.gen_time_budget and spent > args.gen_time_budget:
+            log(f"data: --gen-time-budget reached after {len(prompts)} prompts ({spent:.1f} s)")
+            break
+        t_round = time.perf_counter()
+        chunk = file_p[len(prompts) : len(prompts) + args.gen_chunk]
+        if len(chunk) < args.gen_chunk and made_bos < args.bos_prompts:
+            k = min(args.gen_chunk - len(chunk), args.bos_prompts - made_bos)
+            chunk += bos_prompts(
+                engine, k, args.prompt_len, seed=args.seed + made_bos, bos=args.bos_id
+            )
+            made_bos += k
+        t_prompts += time.perf_counter() - t_round
+        s_, l_ = continuations(
+            engine,
+            chunk,
+            args.gen_len,
+            temperatures=args.temperatures,
+            seed=args.seed + 10**6 + len(prompts),
+        )
+        prompts += chunk
+        seqs += s_
+        lens += l_
+    if not seqs:
+        raise ValueError(
+            f"no training text: all {len(prompts)} continuations ended within 2 tokens "
+            "(raise --gen-len, or check the prompts and the model's EOS)"
+        )
+    file_prompts = min(len(file_p), len(prompts))
+    held_seqs: list[list[int]] = []
+    held_lens: list[int] = []
+    if args.eval_prompts:
+        texts = read_prompts(args.eval_prompts, args.eval_split)[: args.eval_sequences]
+        held_p = encode_prompts(engine, texts, args.max_prompt_len)
+        held_seqs, held_lens = continuations(
+            engine, held_p, args.gen_len, temperatures=(0.0,), seed=args.seed + 2 * 10**6
+        )
+    t_gen = time.perf_counter()
+    generated = sum(len(s) - p for s, p in zip(seqs, lens, strict=True))
+    log(
+        f"data: {len(prompts)} prompts ({made_bos} from <bos>, {file_prompts} from "
+        f"file), {len(seqs)} continuations, {generated} generated tokens in "
+        f"{t_gen - t0:.1f} s"
+    )
+    engine.shutdown()  # the pool's memory goes back; the model stays (held here)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    info = dict(
+        prompts=len(prompts),
+        bos_prompts=made_bos,
+        file_prompts=file_prompts,
+        sequences=len(seqs),
+        generated_tokens=generated,
+        heldout_sequences=len(held_seqs),
+        seconds={"bos_prompts": t_prompts, "generation": t_gen - t0},
+    )
+    return TargetText(model, seqs, lens, held_seqs, held_lens, info)
+
+
+def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
+    """Steps 2-5 of the module docstring on ``text``; returns the summary written to
+    ``training.json`` in ``args.out``."""
+    t_gen = time.perf_counter()
+    summary: dict = {"command": "python -m unimem.training.train_drafter " + shlex.join(args.argv)}
+    model, seqs, lens = text.model, text.sequences, text.prompt_lens
+    held_seqs, held_lens = text.held_sequences, text.held_prompt_lens
+    c = model.config
+    dc = draft_config_for(
+        c,
+        num_layers=args.draft_layers,
+        markov_rank=args.markov_rank,
+        target_layers=args.target_layers,
+        ffn_dim=args.draft_ffn_dim,
+        draft_vocab_size=args.draft_vocab or None,
+    )
+    # the last sixteenth of the training sequences calibrates the confidence head only
+    cut = max(1, len(seqs) // 16) if len(seqs) > 1 and args.head_steps else 0
+    train_seqs, train_lens = seqs[: len(seqs) - cut], lens[: len(seqs) - cut]
+    train = teacher_forced_states(model, train_seqs, train_lens, dc.target_layers)
+    calib = None
+    if cut:
+        calib = teacher_forced_states(model, seqs[-cut:], lens[-cut:], dc.target_layers)
+    held = None
+    if held_seqs:
+        held = teacher_forced_states(model, held_seqs, held_lens, dc.target_layers)
+    t_states = time.perf_counter()
+    log(f"states: {len(train)} + {cut} + {len(held or [])} sequences in {t_states - t_gen:.1f} s")
+    if args.init:
+        from unimem.speculative.checkpoint import load_drafter
+
+        drafter = load_drafter(args.init, model)
+    else:
+        d2t = frequent_tokens(train, dc.draft_vocab_size, c.vocab_size) if dc.reduced else None
+        drafter = DsparkDrafter(
+            dc, model.embed_weight, model.lm_head_weight, seed=args.seed + 17, d2t=d2t
+        )
+    cfg = TrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        anchors_per_step=args.anchors_per_step,
+        gamma=args.gamma,
+        lr=args.lr,
+        warmup=args.warmup,
+        bf16=not args.no_bf16,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        checkpoint_dir=args.checkpoint_dir,
+        time_budget_s=args.time_budget,
+        head_steps=args.head_steps,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    result = train_drafter(drafter, train, held, cfg, calibration=calib, log=log)
+    out = Path(args.out)
+    save_drafter(result.drafter, out)
+    weights = (out / "model.safetensors").stat().st_size
+    seconds = dict(text.info["seconds"])
+    seconds.update(states=t_states - t_gen, training=result.seconds)
+    seconds["total"] = seconds["generation"] + time.perf_counter() - t_gen
+    summary.update(
+        {k: v for k, v in text.info.items() if k != "seconds"},
+        seconds=seconds,
+        steps=result.steps_done,
+        stopped_by=result.stopped_by,
+        accept_before=result.accept_before,
+        accept_after=result.accept_after,
+        calibration=None if result.calibration is None else vars(result.calibration),
+        draft_config={
+            "layers": dc.num_layers,
+            "target_layers": list(dc.target_layers),
+            "markov_rank": dc.markov_rank,
+            "ffn_dim": dc.ffn_dim,
+            "draft_vocab_size": dc.draft_vocab_size,
+            "gamma": args.gamma,
+        },
+        weights_bytes=weights,
+        # every evaluation and every 50th step: the file ships beside the drafter
+        history=[h for h in result.history if "accept_length" in h or h["step"] % 50 == 0],
+    )
+    with open(out / "training.json", "w") as f:
+        json.dump(summary, f, indent=1)
+        f.write("\n")
+    log(f"wrote {out} ({weights / 2**20:.1f} MiB weights) in {summary['seconds']['total']:.1f} s")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    args.argv = argv
+    try:
+        run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

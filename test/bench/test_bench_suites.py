@@ -1,0 +1,89 @@
+"""``python -m unimem bench SUITE``: every registered suite is reachable and documented, the
+default suite is still the end-to-end one, GPU-only suites end with one line and status 2 on
+a machine without CUDA, and the CPU variants run (tiny sizes, a few seconds each)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from unimem.bench import DEFAULT_SUITE, SUITES
+
+
+def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "unimem", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_every_suite_has_a_main_and_a_line_in_the_help():
+    out = _bench("--help")
+    assert out.returncode == 0, out.stderr
+    for name, (module, text) in SUITES.items():
+        assert f"  {name}" in out.stdout and text in out.stdout
+        if module is not None:
+            assert callable(importlib.import_module(f"unimem.bench.{module}").main)
+    assert SUITES[DEFAULT_SUITE][0] is None  # e2e: the validation protocol's own parser
+
+
+def test_the_default_suite_is_the_end_to_end_bench():
+    """``bench FLAGS`` and ``bench e2e FLAGS`` reach the same parser and checks."""
+    plain, named = _bench("--requests", "0"), _bench("e2e", "--requests", "0")
+    assert plain.returncode == named.returncode == 2
+    assert plain.stderr == named.stderr and "--requests" in plain.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+@pytest.mark.parametrize("suite", ["step-profile", "prefill"])
+def test_gpu_only_suites_end_with_one_line_without_cuda(suite):
+    out = _bench(suite)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUDA" in lines[0] and suite in lines[0], out.stderr
+
+
+def test_step_profile_host_only_runs_on_the_cpu(tmp_path):
+    path = tmp_path / "host.json"
+    out = _bench(
+        "step-profile", "--host-only", "--requests", "2", "--steps", "4", "--warmup", "1",
+        "--output-len", "128", "--no-profile", "--json", str(path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["memory"] for r in runs] == ["static", "unified"]
+    # the same host work over both memories: same tokens per step, same steps timed
+    assert runs[0]["tokens_per_step"] == runs[1]["tokens_per_step"] > 0
+    assert all(r["median_ms"] > 0 and r["steps"] == 4 for r in runs)
+
+
+def test_prefix_suite_runs_four_identical_runs(tmp_path):
+    path = tmp_path / "prefix.json"
+    out = _bench(
+        "prefix", "--requests", "3", "--shared-prefix-len", "32", "--unique-len", "8",
+        "--output-len", "4", "--json", str(path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(path.read_text())
+    assert report["identical_outputs"]
+    cached = [r for r in report["runs"] if r["cache"] == "on"]
+    assert len(report["runs"]) == 4 and len(cached) == 2
+
+
+def test_allocator_suite_checks_its_logic_on_the_cpu(tmp_path):
+    path = tmp_path / "alloc.json"
+    out = _bench(
+        "allocator", "--device", "cpu", "--bs", "1", "--reps", "1", "--warmup", "1",
+        "--json", str(path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"admit", "retire", "compact", "alloc", "free", "move"}
+    assert all(r["host_us"] > 0 for r in rows)

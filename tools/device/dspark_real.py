@@ -1,0 +1,317 @@
+"""DSPARK on a real model, measured without the acceptance control, in one command (H200).
+
+    python3 tools/device/dspark_real.py --model-path gemma-3-270m \\
+        --eval-prompts PROMPTS.jsonl --eval-split heldout \\
+        [--train-prompts PROMPTS.jsonl --train-split train] \\
+        --json docs/results/dspark_real_h200.json
+
+1. **Train** (unless ``--drafter DIR`` is given): ``python -m unimem.training.train_drafter``
+   with this script's defaults (prompts sampled by the target from ``<bos>`` at temperature
+   1 plus the training split of ``--train-prompts``, continuations by unimem's Engine at
+   temperatures 0 / 0.7 / 1.0, teacher-forced states, bf16 training under a time budget,
+   held-out accept length, confidence head) into ``--drafter-out`` (default: the
+   package's shipped-drafter directory for the model, so that the result is what
+   ``--speculative-algorithm DSPARK`` loads by default once committed). Any
+   ``train_drafter`` flag given after ``--`` overrides a default
+   (e.g. ``-- --draft-layers 1 --draft-vocab 0``).
+2. **LM-head cost**: the drafter's base-logits GEMM and Markov pick over the reduced draft
+   vocabulary vs the full one, at the block sizes of 1 / 8 / 48 requests (CUDA events).
+3. **End to end** on the held-out prompts (never trained on; ``ignore_eos``, the same
+   ``--output-len`` tokens for every run), DSPARK at gamma ``--gamma`` with the trained
+   drafter and no acceptance control (the Engine has none) against no speculation, at
+   1 / 8 / 48 concurrent requests (waves of that many ``Engine.generate`` requests):
+   tok/s, ratio, DSPARK's accept length; greedy, and DSPARK sampled at temperature 0.7;
+   static == unified memory token for token (greedy, 48); adaptive verify lengths (the
+   confidence head under ``--verify-budget`` rows) against fixed gamma at 48.
+
+Prints the GPU, sizes and settings; writes everything to ``--json``. Fails loudly (non-zero
+exit, the reason on stderr) without CUDA, without the prompt files, or when the held-out
+prompts would be trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_TRAIN = [
+    "--bos-prompts", "6144", "--prompt-len", "24", "--gen-len", "128",
+    "--gen-chunk", "1024", "--gen-time-budget", "90",
+    "--draft-layers", "2", "--draft-ffn-dim", "1024", "--draft-vocab", "32768",
+    "--markov-rank", "16", "--gamma", "7",
+    "--steps", "4000", "--batch", "64", "--anchors-per-step", "48", "--lr", "2e-3",
+    "--warmup", "100", "--time-budget", "120", "--eval-every", "500", "--save-every", "500",
+    "--head-steps", "300", "--eval-sequences", "48",
+]  # fmt: skip
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: a dry run of the whole script on a small model (no LM-head timing)",
+    )
+    p.add_argument("--eval-prompts", required=True, help="the held-out prompt file")
+    p.add_argument("--eval-split", help="its held-out split (a .jsonl with splits)")
+    p.add_argument("--train-prompts", help="a prompt file to train on (its --train-split)")
+    p.add_argument("--train-split")
+    p.add_argument("--drafter", help="evaluate this drafter (skip training)")
+    p.add_argument(
+        "--drafter-out",
+        help="where the trained drafter goes (default: the package's shipped-drafter "
+        "directory for this model, python/unimem/data/drafters/<model key>)",
+    )
+    p.add_argument("--checkpoint-dir", help="resumable training state (continued if present)")
+    p.add_argument("--json", required=True, help="where the results go")
+    p.add_argument("--gamma", type=int, default=7)
+    p.add_argument("--eval-requests", type=int, default=48)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-prompt-len", type=int, default=256)
+    p.add_argument("--concurrency", default="1,8,48")
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--verify-budget", type=int, default=None, help="default: 4 per request")
+    p.add_argument("--skip", default="", help="comma list of: lmhead,sampled,unified,adaptive")
+    own, rest = argv, []
+    if "--" in argv:
+        i = argv.index("--")
+        own, rest = argv[:i], argv[i + 1 :]
+    return p.parse_args(own), rest
+
+
+def _fail(msg: str) -> None:
+    print(f"dspark_real: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _train(args, rest) -> tuple[str, dict]:
+    from unimem.training import train_drafter
+
+    argv = [
+        "--model-path", args.model_path, "--out", args.drafter_out, "--device", args.device,
+        "--eval-prompts", args.eval_prompts, "--max-prompt-len", str(args.max_prompt_len),
+        *DEFAULT_TRAIN,
+    ]  # fmt: skip
+    if args.checkpoint_dir:
+        argv += ["--checkpoint-dir", args.checkpoint_dir]
+    if args.eval_split:
+        argv += ["--eval-split", args.eval_split]
+    if args.train_prompts:
+        argv += ["--train-prompts", args.train_prompts]
+        if args.train_split:
+            argv += ["--train-split", args.train_split]
+    argv += ["--gamma", str(args.gamma), *rest]
+    targs = train_drafter.parser().parse_args(argv)
+    targs.argv = argv
+    print("train_drafter", " ".join(argv), flush=True)
+    return args.drafter_out, train_drafter.run(targs)
+
+
+def _lm_head_bench(drafter_dir: str, gamma: int) -> list[dict]:
+    """Base logits GEMM + Markov pick, reduced vs full vocabulary, at 1/8/48 requests."""
+    from unimem.bench.timing import median_ms
+    from unimem.models.tensor_parallel import logits_matmul
+    from unimem_kernel import markov_pick
+
+    cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
+    v, d, r = cfg["vocab_size"], cfg["d_model"], cfg["markov_rank"]
+    k = cfg.get("draft_vocab_size") or v
+    dev, dt = "cuda", torch.bfloat16
+    out = []
+    for bs in (1, 8, 48):
+        h = torch.randn(bs * gamma, d, device=dev, dtype=dt)
+        anchors = torch.randint(0, min(k, v), (bs,), device=dev)
+        for rows in sorted({k, v}):
+            w = torch.randn(rows, d, device=dev, dtype=dt) * 0.05
+            u = torch.randn(rows + 1, r, device=dev, dtype=dt)
+            mw = torch.randn(rows, r, device=dev, dtype=dt) * 0.25
+
+            def head(h=h, w=w):
+                return logits_matmul(h, w, torch.float32)
+
+            base = head().reshape(bs, gamma, rows)
+            gemm = median_ms(head, warmup=5, iters=50, repeats=5)
+            pick = median_ms(
+                lambda base=base, u=u, mw=mw, a=anchors: markov_pick(base, a, u, mw),
+                warmup=5,
+                iters=50,
+                repeats=5,
+            )
+            out.append({"requests": bs, "rows": rows, "logits_ms": gemm, "pick_ms": pick})
+            print(f"lm head bs {bs:2d} rows {rows:6d}: logits {gemm:.4f} ms, pick {pick:.4f} ms")
+    return out
+
+
+def _engine(args, **kw):
+    from unimem.engine.api import Engine
+
+    if args.mem_fraction_static is not None:
+        kw["mem_fraction_static"] = args.mem_fraction_static
+    return Engine(model_path=args.model_path, device=args.device, **kw)
+
+
+def _run(engine, ids, conc, output_len, temperature) -> dict:
+    """Waves of ``conc`` requests over ``ids``; tok/s over all, accept length, outputs."""
+    params = [
+        {"max_new_tokens": output_len, "ignore_eos": True, "temperature": temperature, "seed": i}
+        for i in range(len(ids))
+    ]
+    from unimem.bench.timing import wall_clock
+
+    engine.generate(input_ids=ids[: min(2, len(ids))], sampling_params=params[:2])  # warm
+    outs = []
+    with wall_clock(None) as watch:  # synchronises a CUDA device when there is one
+        for s in range(0, len(ids), conc):
+            wave = slice(s, s + conc)
+            outs += engine.generate(input_ids=ids[wave], sampling_params=params[wave])
+    wall = watch.seconds
+    toks = sum(len(o["output_ids"]) for o in outs)
+    steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    committed = sum(
+        o["meta_info"].get("spec_accept_length", 0) * o["meta_info"].get("spec_verify_ct", 0)
+        for o in outs
+    )
+    res = {"concurrency": conc, "tokens": toks, "seconds": wall, "tok_s": toks / wall}
+    if steps:
+        res["accept_length"] = committed / steps
+    return res, [o["output_ids"] for o in outs]
+
+
+def main(argv: list[str]) -> int:
+    args, rest = _args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        _fail("no CUDA device")
+    for path in filter(None, (args.eval_prompts, args.train_prompts)):
+        if not Path(path).is_file():
+            _fail(f"prompt file {path} does not exist")
+    same_file = args.train_prompts and (
+        Path(args.train_prompts).resolve() == Path(args.eval_prompts).resolve()
+    )
+    if same_file and (
+        not args.train_split or not args.eval_split or args.train_split == args.eval_split
+    ):
+        _fail("the training prompts would include the held-out prompts: name both splits")
+    if args.drafter_out is None:
+        from unimem.speculative.shipped import model_key
+
+        args.drafter_out = f"python/unimem/data/drafters/{model_key(args.model_path)}"
+    skip = set(filter(None, args.skip.split(",")))
+    concs = [int(c) for c in args.concurrency.split(",")]
+    report: dict = {
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none (cpu dry run)",
+        "torch": torch.__version__,
+        "settings": vars(args) | {"train_overrides": rest},
+        "acceptance_control": "off (Engine has none: every accepted draft is the drafter's)",
+    }
+    print(json.dumps(report, indent=1), flush=True)
+    t0 = time.perf_counter()
+    if args.drafter:
+        drafter = args.drafter
+    else:
+        drafter, summary = _train(args, rest)
+        report["training"] = summary
+    gc.collect()  # the training's copy of the target goes before the engines load theirs
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    drafter_bytes = sum(f.stat().st_size for f in Path(drafter).iterdir() if f.is_file())
+    report["drafter"] = {"path": drafter, "bytes": drafter_bytes}
+    print(f"drafter {drafter}: {drafter_bytes / 2**20:.2f} MiB ({time.perf_counter() - t0:.0f} s)")
+    if drafter_bytes > 20 * 10**6:
+        print(
+            f"WARNING: the drafter is {drafter_bytes / 1e6:.1f} MB, over the 20 MB limit for "
+            "shipping it in the repository (fewer layers, a smaller --draft-ffn-dim or "
+            "--draft-vocab)",
+            flush=True,
+        )
+    if "lmhead" not in skip and args.device == "cuda":
+        report["lm_head_bench"] = _lm_head_bench(drafter, args.gamma)
+
+    from unimem.training.prompt_sets import read_prompts
+
+    texts = read_prompts(args.eval_prompts, args.eval_split)[: args.eval_requests]
+    spec_kw = dict(
+        speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=args.gamma + 1,
+        speculative_draft_model_path=drafter,
+    )
+    e2e: dict = {"requests": len(texts), "output_len": args.output_len, "gamma": args.gamma}
+    runs: dict = {}
+    eng = _engine(args)
+    ids = [eng.tokenizer.encode(t)[: args.max_prompt_len] for t in texts]
+    e2e["prompt_tokens"] = sum(len(i) for i in ids)
+    for c in concs:
+        runs[("none", c)] = _run(eng, ids, c, args.output_len, 0.0)
+        print("no spec", runs[("none", c)][0], flush=True)
+    eng.shutdown()
+    eng = _engine(args, **spec_kw)
+    for c in concs:
+        runs[("dspark", c)] = _run(eng, ids, c, args.output_len, 0.0)
+        print("dspark", runs[("dspark", c)][0], flush=True)
+    if "sampled" not in skip:
+        e2e["dspark_temperature_0.7"] = _run(eng, ids, max(concs), args.output_len, 0.7)[0]
+        print("dspark t=0.7", e2e["dspark_temperature_0.7"], flush=True)
+    eng.shutdown()
+    e2e["greedy"] = [
+        {
+            "concurrency": c,
+            "none": runs[("none", c)][0],
+            "dspark": runs[("dspark", c)][0],
+            "speedup": runs[("dspark", c)][0]["tok_s"] / runs[("none", c)][0]["tok_s"],
+            "spec_equals_nonspec": sum(
+                a == b for a, b in zip(runs[("dspark", c)][1], runs[("none", c)][1], strict=True)
+            ),
+        }
+        for c in concs
+    ]
+    big = max(concs)
+    if "unified" not in skip:
+        eng = _engine(args, enable_unified_memory=True, **spec_kw)
+        uni, outs = _run(eng, ids, big, args.output_len, 0.0)
+        eng.shutdown()
+        e2e["unified"] = uni | {
+            "static_equals_unified": sum(
+                a == b for a, b in zip(outs, runs[("dspark", big)][1], strict=True)
+            )
+        }
+        print("unified", e2e["unified"], flush=True)
+    if "adaptive" not in skip:
+        budget = args.verify_budget or 4 * big
+        eng = _engine(
+            args,
+            speculative_verify_lengths="adaptive",
+            speculative_verify_budget=budget,
+            **spec_kw,
+        )
+        ada = _run(eng, ids, big, args.output_len, 0.0)[0]
+        eng.shutdown()
+        e2e["adaptive"] = ada | {
+            "verify_budget": budget,
+            "vs_fixed": ada["tok_s"] / runs[("dspark", big)][0]["tok_s"],
+        }
+        print("adaptive", e2e["adaptive"], flush=True)
+    report["end_to_end"] = e2e
+    report["seconds"] = time.perf_counter() - t0
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    for row in e2e["greedy"]:
+        print(
+            f"concurrency {row['concurrency']:3d}: none {row['none']['tok_s']:9.1f} tok/s, "
+            f"dspark {row['dspark']['tok_s']:9.1f} tok/s ({row['speedup']:.2f}x), accept "
+            f"{row['dspark'].get('accept_length', float('nan')):.3f}"
+        )
+    print(f"wrote {args.json} ({report['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 47 on one GPU, one device call, from the repository root:
+#   MODEL=/path/to/model [GGUF=/path/to/model.gguf] [LLAMA_BIN=/tmp/llcpp/llama.cpp/build/bin] \
+#   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor"] bash tools/device/gpu_decode_floor.sh
+# tests: the GPU tests of the new fused kernels (post-norm + add + norm, q/k norms inside the
+#   RoPE + K/V store, gpt-oss's clamped SwiGLU) at real shapes (batch invariance included);
+# floor: `python -m unimem bench decode-floor` (static and unified waves of 1 / 8 / 48 x 256 tokens,
+#   profiler kernels per layer, GPU time against its floor, the synthetic model's kernels per
+#   layer, llama.cpp's batched-bench and server when GGUF and LLAMA_BIN are given, and
+#   torch.compile against the fused kernels with COMPILE=1).
+# Output: $OUT (or ./gpu-out): decode_floor.json and gpu_decode_floor.log; also copied to
+# docs/results/decode_floor_h200.json when OUT is not given. Exit 1 if any part failed.
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+log="$out/gpu_decode_floor.log"
+step_timeout=${STEP_TIMEOUT:-540}
+source tools/device/gpu_env.sh
+: "${MODEL:?set MODEL to the model (an HF directory or a .gguf)}"
+parts=${PARTS:-tests floor}
+status=0
+gpu_banner
+for part in $parts; do
+  say "$part"
+  case "$part" in
+    tests)
+      run python3 -m pytest -q -m gpu sgl-kernel/tests/test_fused_ops.py \
+        sgl-kernel/tests/test_kv_store.py -k "norm_add or qk_norm or clamped" || status=1 ;;
+    floor)
+      args=(--model-path "$MODEL" --json "$out/decode_floor.json")
+      [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
+      [ -n "${GGUF:-}" ] && args+=(--gguf "$GGUF" --llama-bin "${LLAMA_BIN:-/tmp/llcpp/llama.cpp/build/bin}")
+      [ -n "${COMPILE:-}" ] && args+=(--compile)
+      run python3 -m unimem bench decode-floor "${args[@]}" || status=1
+      [ -z "${OUT:-}" ] && [ -f "$out/decode_floor.json" ] \
+        && mkdir -p docs/results && cp "$out/decode_floor.json" docs/results/decode_floor_h200.json ;;
+    *) say "unknown part $part"; status=1 ;;
+  esac
+done
+say "done, status $status"
+exit $status

@@ -1,0 +1,15 @@
+# Sourced by the tools/device/gpu_*.sh scripts (from the repository root): the environment of a
+# device call and the two helpers each part uses. Needs $log (the script's log file) and
+# $step_timeout (seconds per command) set before `run` is called.
+#   say MSG...  : a timestamped marker line, printed and appended to $log
+#   run CMD...  : CMD under `timeout $step_timeout`, output printed and appended to $log
+export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# FA4 (CuTe DSL) kernels compiled once per machine, not once per process
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
+say() { echo "=== $(date -u +%H:%M:%S) $*" | tee -a "$log"; }
+run() { timeout "$step_timeout" "$@" 2>&1 | tee -a "$log"; }
+gpu_banner() {
+  python3 -c "import torch, triton; print(torch.__version__, triton.__version__, \
+torch.cuda.get_device_name())" 2>&1 | tee -a "$log"
+}

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# FP8 on one GPU (issue 43), in one device call, from the repository root:
+#   bash tools/device/gpu_fp8.sh [--out DIR] [--parts "P..."] [--model-path GEMMA] [--prompts FILE]
+#        [--big-layers N]
+# Parts (default: all, in this order). Estimated 18-23 min in total on an H200: with calls
+# limited to 10 min run three, same --out: --parts "tests sweep gemm profile" (~9 min),
+# --parts "bench qwen3next" (~7 min), --parts "gemma big" (~6 min). The sweep's table only
+# reaches later parts run in the same call (or once committed).
+#   tests     : the gpu-marked FP8 tests (Triton FP8 GEMMs vs their references and in a CUDA
+#               graph; a tiny FP8 Qwen3-Next on CUDA graphs, static == unified, deterministic
+#               alone == batched)
+#   sweep     : sgl-kernel/benchmark/bench_fp8_gemm.py --sweep (<= 3 min): the Triton FP8 GEMM's tiles
+#               (row/column tile, warps, stages, split-K) per shape at 48, 384, 16, 128 rows
+#               -> fp8_sweep.json and the tuned table fp8_gemm_configs.json, which is also
+#               installed into this working copy (unimem_kernel/) for the parts after it;
+#               commit it from --out to keep it
+#   gemm      : sgl-kernel/benchmark/bench_fp8_gemm.py at 48 and 384 rows: bf16 vs FP8 rowwise/tensor
+#               (_scaled_mm) vs block-scaled Triton (+ invariant tile) vs block-scaled
+#               _scaled_mm, and the grouped expert GEMM bf16 vs FP8 -> fp8_gemm.json
+#   profile   : `python -m unimem bench step-profile`, the small preset's steady-state verify step (48
+#               requests, gamma 7, static pools) in bf16, in FP8, and in FP8 with the
+#               activation quantisation fused into the GEMMs (UNIMEM_FP8_ACT_QUANT=fused), with
+#               the kernel breakdown -> profile_small_{bf16,fp8,fp8_fused}.json
+#   bench     : `python -m unimem bench` (the default: small preset, 48 x 512 -> 2048, DSPARK)
+#               in bf16, with --quantization fp8, and fp8 fused -> bench_bf16_h200.json,
+#               bench_fp8_h200.json (docs/results/bench_fp8_h200.json), bench_fp8_fused_h200.json
+#   qwen3next : make_checkpoint.py's Qwen3-Next `bench` checkpoint (2048 hidden, 24 layers,
+#               64 experts), `python -m unimem bench --model-path` 48 x 512 -> 512 in bf16 and
+#               --quantization fp8 -> qwen3next_{bf16,fp8}.json (ms/step in each)
+#   gemma     : tools/device/fp8_agreement.py on --model-path (Gemma 3 270M; the GGUF loader of
+#               branch gguf) with --prompts (>= 24 lines), 128 tokens each: top-1 agreement
+#               (goal >= 98 %) and mean |delta log-prob| -> gemma_fp8_agreement.json
+#   big       : the Qwen3-Next-80B shape (hidden 2048, 512 experts) with --big-layers layers
+#               (default 24: ~40 GB of FP8 shards, the disk holds 64 GB) written FP8 by
+#               make_checkpoint.py on the GPU, then served by launch_server
+#               (tools/device/fp8_serve_big.py): load time, weight bytes, single-stream and
+#               32-concurrent decode throughput -> big_fp8_serve.json; the shards are deleted
+#               afterwards
+# Output: --out (default ./gpu-out): the JSON files above and gpu_fp8.log. Every command runs
+# under `timeout $STEP_TIMEOUT` (default 420 s). Exit 1 if any part failed (named at the end).
+set -uo pipefail
+out=gpu-out
+parts="tests sweep gemm profile bench qwen3next gemma big"
+gemma=""
+prompts=""
+big_layers=24
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out=$2; shift 2 ;;
+    --parts) parts=$2; shift 2 ;;
+    --model-path) gemma=$2; shift 2 ;;
+    --prompts) prompts=$2; shift 2 ;;
+    --big-layers) big_layers=$2; shift 2 ;;
+    *) echo "gpu_fp8.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+log="$out/gpu_fp8.log"
+step_timeout=${STEP_TIMEOUT:-420}
+# shellcheck source=tools/device/gpu_env.sh
+source tools/device/gpu_env.sh
+failed=()
+fail() { say "FAILED: $1"; failed+=("$1"); }
+
+gpu_banner
+python3 - <<'EOF' 2>&1 | tee -a "$log" || { echo "gpu_fp8.sh: environment incomplete" >&2; exit 1; }
+import torch, triton, safetensors, transformers, httpx, fastapi  # noqa: F401
+assert torch.cuda.is_available(), "no CUDA device"
+cap = torch.cuda.get_device_capability()
+assert cap >= (8, 9), f"FP8 tensor cores need sm_89+, got sm_{cap[0]}{cap[1]}"
+print("torch", torch.__version__, "triton", triton.__version__, "transformers",
+      transformers.__version__, "sm", cap, torch.cuda.get_device_name())
+EOF
+for part in $parts; do
+  case "$part" in
+    gemma) [ -n "$gemma" ] && [ -n "$prompts" ] && [ -f "$prompts" ] \
+      || { echo "gpu_fp8.sh: part gemma needs --model-path and --prompts FILE" >&2; exit 2; } ;;
+  esac
+done
+
+for part in $parts; do
+  say "part $part"
+  case "$part" in
+    tests)
+      run python3 -m pytest -q -m gpu sgl-kernel/tests/test_fp8_gemm.py test/models/test_fp8.py \
+        || fail tests ;;
+    sweep)
+      run python3 sgl-kernel/benchmark/bench_fp8_gemm.py --sweep --sweep-out "$out/fp8_gemm_configs.json" \
+        --json "$out/fp8_sweep.json" \
+        && cp "$out/fp8_gemm_configs.json" sgl-kernel/python/unimem_kernel/fp8_gemm_configs.json \
+        || fail sweep ;;
+    gemm)
+      run python3 sgl-kernel/benchmark/bench_fp8_gemm.py --m 48 384 --moe --json "$out/fp8_gemm.json" \
+        || fail gemm ;;
+    profile)
+      for q in bf16 fp8 fp8_fused; do
+        flag=(); [ "$q" != bf16 ] && flag=(--quantization fp8)
+        act=separate; [ "$q" = fp8_fused ] && act=fused
+        UNIMEM_FP8_ACT_QUANT=$act run python3 -m unimem bench step-profile --memory static \
+          --steps 30 --replays 10 "${flag[@]}" --json "$out/profile_small_$q.json" \
+          || fail "profile $q"
+      done ;;
+    bench)
+      run python3 -m unimem bench --json "$out/bench_bf16_h200.json" || fail "bench bf16"
+      UNIMEM_FP8_ACT_QUANT=separate run python3 -m unimem bench --quantization fp8 \
+        --json "$out/bench_fp8_h200.json" || fail "bench fp8"
+      UNIMEM_FP8_ACT_QUANT=fused run python3 -m unimem bench --quantization fp8 \
+        --json "$out/bench_fp8_fused_h200.json" || fail "bench fp8 fused" ;;
+    qwen3next)
+      ck=/tmp/ckpt_qwen3_next_bench
+      { [ -f "$ck/make_checkpoint.json" ] \
+        || run python3 tools/make_checkpoint.py --arch qwen3_next --size bench --out "$ck"; } \
+        || { fail "qwen3next checkpoint"; continue; }
+      for q in bf16 fp8; do
+        flag=(); [ "$q" = fp8 ] && flag=(--quantization fp8)
+        run python3 -m unimem bench --model-path "$ck" --requests 48 --input-len 512 \
+          --output-len 512 --page-size 64 "${flag[@]}" --json "$out/qwen3next_$q.json" \
+          || fail "qwen3next $q"
+      done ;;
+    gemma)
+      run python3 tools/device/fp8_agreement.py --model-path "$gemma" --prompts "$prompts" \
+        --requests 24 --tokens 128 --json "$out/gemma_fp8_agreement.json"
+      rc=$?
+      [ "$rc" = 0 ] || fail "gemma (exit $rc; 3 = agreement below the goal)" ;;
+    big)
+      ck=/tmp/ckpt_qwen3_next_80b_fp8_l$big_layers
+      need=$(( big_layers * 1700 + 1500 ))  # MB: ~1.66 GB of FP8 per layer + bf16 tables
+      avail=$(df -Pm /tmp | awk 'NR == 2 {print $4}')
+      if [ ! -f "$ck/make_checkpoint.json" ] && [ "$avail" -lt "$need" ]; then
+        fail "big: $avail MB free in /tmp, $need MB needed for $big_layers layers"
+        continue
+      fi
+      { [ -f "$ck/make_checkpoint.json" ] \
+        || run python3 tools/make_checkpoint.py --arch qwen3_next --size 80b --fp8 \
+          --layers "$big_layers" --out "$ck"; } || { fail "big checkpoint"; continue; }
+      run cat "$ck/make_checkpoint.json"
+      run python3 tools/device/fp8_serve_big.py --model-path "$ck" --vocab 151936 \
+        --requests 64 --concurrency 32 --prompt-tokens 256 --output-tokens 128 \
+        --json "$out/big_fp8_serve.json" -- --quantization fp8 --mem-fraction-static 0.88 \
+        --max-running-requests 64 --page-size 64 || fail "big serve"
+      rm -rf "$ck" ;;
+    *) fail "unknown part $part" ;;
+  esac
+done
+say "done; failed parts: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]
