@@ -501,6 +501,7 @@ def _engine_states(monkeypatch, replay: bool):
     return [r.output for r in reqs], snaps, verifier
 
 
+@pytest.mark.slow  # the fast tier: the two commits per layer above, and the engine's (references)
 def test_engine_dspark_replay_commit_bitwise(monkeypatch):
     out_new, snaps_new, verifier = _engine_states(monkeypatch, True)
     out_old, snaps_old, verifier_old = _engine_states(monkeypatch, False)

@@ -42,7 +42,7 @@ def test_the_default_suite_is_the_end_to_end_bench():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
-@pytest.mark.parametrize("suite", ["step-profile", "prefill"])
+@pytest.mark.parametrize("suite", ["step-profile", pytest.param("prefill", marks=pytest.mark.slow)])
 def test_gpu_only_suites_end_with_one_line_without_cuda(suite):
     out = _bench(suite)
     assert out.returncode == 2

@@ -5,7 +5,7 @@ with DSPARK chain speculation too; the ranks' allocator states agree after every
 rank holds only its slices; a rank whose state differs is caught.
 
 One spawn for the module: every case runs in one SPMD call (:mod:`tp_checks`). The fast tier
-runs the checkpoints through the unified arena only; the slow tier adds their static pools."""
+runs a slice of the cases (:func:`_fast_cases`); the slow tier runs them all."""
 
 from __future__ import annotations
 
@@ -20,30 +20,43 @@ from unimem.engine.distributed import run_ranks
 ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gpt_oss", "gemma3"]
 
 
-def _cases(paths: dict[str, str], every_memory: bool) -> list[tuple[str, str, bool]]:
-    """The synthetic preset through both memories (and DSPARK), every architecture through the
-    unified arena (the one that compacts), and with ``every_memory`` through static pools too."""
+def _cases(paths: dict[str, str]) -> list[tuple[str, str, bool]]:
+    """The synthetic preset through both memories (and DSPARK); every checkpoint in ``paths``
+    through both memories, gpt-oss's with DSPARK too."""
     cases = [("synthetic", m, False) for m in ("static", "unified")]
     cases.append(("synthetic", "unified", True))
     for arch in ARCHS:
-        memories = ("static", "unified") if every_memory else ("unified",)
-        cases += [(paths[arch], m, False) for m in memories]
-    cases.append((paths["gpt_oss"], "unified", True))
+        if arch in paths:
+            cases += [(paths[arch], m, False) for m in ("static", "unified")]
+    if "gpt_oss" in paths:
+        cases.append((paths["gpt_oss"], "unified", True))
     return cases
+
+
+def _fast_cases(paths: dict[str, str]) -> list[tuple[str, str, bool]]:
+    """The fast tier's slice of :func:`_cases`: the synthetic preset's cases, Qwen3-Next
+    (grouped GDN key heads) through the unified arena and gpt-oss (MoE, sinks) with DSPARK."""
+    synthetic = _cases({})
+    return [
+        *synthetic,
+        (paths["qwen3_next"], "unified", False),
+        (paths["gpt_oss"], "unified", True),
+    ]
 
 
 @pytest.fixture(
     scope="module",
-    params=[pytest.param("fast"), pytest.param("every_memory", marks=pytest.mark.slow)],
+    params=[pytest.param("fast"), pytest.param("every_case", marks=pytest.mark.slow)],
 )
 def runs(request, tmp_path_factory):
+    fast = request.param == "fast"
     paths = {}
-    for arch in ARCHS:
+    for arch in ("qwen3_next", "gpt_oss") if fast else ARCHS:
         path = tmp_path_factory.mktemp(arch)
         hf = importlib.import_module(f"tiny_{arch}").build(path)
         tiny_tokenizer.save(path, hf.config.vocab_size)
         paths[arch] = str(path)
-    cases = _cases(paths, every_memory=request.param == "every_memory")
+    cases = _fast_cases(paths) if fast else _cases(paths)
     tp2 = run_ranks(2, tp_checks.run_cases, cases)
     tp1 = tp_checks.run_cases(None, cases)
     return paths, cases, tp1, tp2

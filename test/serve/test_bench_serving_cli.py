@@ -37,9 +37,18 @@ def _level(c: int, tok_s: float) -> dict:
     [
         ((), "--model-path is required"),
         (("--model-path", "/nonexistent"), "no config.json"),
-        (("--replot", "/nonexistent.json", "--plot", "/tmp/x.png"), "no such file"),
-        (("--replot", "/nonexistent.json"), "--replot needs --plot"),
-        (("--model-path", "x", "--concurrency", "0"), "concurrency"),
+        # one process each: the other messages are the slow tier
+        pytest.param(
+            ("--replot", "/nonexistent.json", "--plot", "/tmp/x.png"),
+            "no such file",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ("--replot", "/nonexistent.json"), "--replot needs --plot", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            ("--model-path", "x", "--concurrency", "0"), "concurrency", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_errors_are_one_line_and_exit_2(args, message):

@@ -506,6 +506,7 @@ def _mini() -> HybridConfig:
     )
 
 
+@pytest.mark.slow  # a training run; the head's round trip and its use stay in the fast tier
 def test_distillation_improves_the_confidence_heads_calibration():
     """Held-out (prompts of another seed than the training ones), on the distilled drafter's
     own survival targets: its trained head has a lower binary cross-entropy and expected

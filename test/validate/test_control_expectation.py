@@ -32,7 +32,9 @@ def _simulate(rate: float, gamma: int, tokens: int, requests: int, seed: int) ->
     return counted / steps
 
 
-@pytest.mark.parametrize("rate, gamma", [(0.8, 7), (0.5, 3), (0.95, 4)])
+@pytest.mark.parametrize(
+    "rate, gamma", [(0.8, 7), (0.5, 3), pytest.param(0.95, 4, marks=pytest.mark.slow)]
+)
 def test_closed_form_matches_a_simulation_for_finite_outputs(rate, gamma):
     want = control_expected_accept_length(rate, gamma)
     assert want == pytest.approx(sum(rate**i for i in range(gamma + 1)))
