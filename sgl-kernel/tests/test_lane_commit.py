@@ -94,7 +94,9 @@ def assert_same_writes(got_args, got_kept, want_args, want_kept):
         (16, 3, torch.int32, ()),
     ],
 )
-def test_verify_step_matches_reference_and_former_code(device, bs, w, rows_dtype, slot_dtypes):
+def test_verify_step_matches_reference_and_former_code(
+    triton_backend, device, bs, w, rows_dtype, slot_dtypes
+):
     a = step(bs, w, device, seed=bs, rows_dtype=rows_dtype, slot_dtypes=slot_dtypes)
     ref, old = clone(a), clone(a)
     got_kept = commit_lanes(**a)
@@ -112,7 +114,7 @@ def test_verify_step_matches_reference_and_former_code(device, bs, w, rows_dtype
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_step_commits_one_token(device):
+def test_decode_step_commits_one_token(triton_backend, device):
     a = step(9, 1, device, seed=3, verify=False, slot_dtypes=())
     ref, old = clone(a), clone(a)
     kept = commit_lanes(**a)
@@ -123,7 +125,7 @@ def test_decode_step_commits_one_token(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_empty_step_writes_nothing(device):
+def test_empty_step_writes_nothing(triton_backend, device):
     a = step(0, 4, device, seed=4)
     before = clone(a)
     kept = commit_lanes(**a)

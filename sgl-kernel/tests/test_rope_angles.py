@@ -43,7 +43,7 @@ def compare(got, want, exact):
         (10_000.0, 256, None, torch.float16),
     ],
 )
-def test_matches_the_model_formula(device, theta, rotary, factor, out_dtype):
+def test_matches_the_model_formula(triton_backend, device, theta, rotary, factor, out_dtype):
     gen = torch.Generator().manual_seed(rotary)
     positions = torch.randint(0, 40_000, (45,), generator=gen).to(device)
     inv = inv_freq(theta, rotary).to(device)
@@ -86,7 +86,7 @@ def test_inside_a_cuda_graph():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_shapes_and_dtypes(device):
+def test_shapes_and_dtypes(triton_backend, device):
     inv = inv_freq(10_000.0, 32).to(device)
     for t in (0, 1, 17):
         pos = torch.arange(t, dtype=torch.int32, device=device)

@@ -58,14 +58,14 @@ def check(ts, rows, starts, width, offset, device):
         ((torch.uint8, torch.int64), 1, 0, torch.int32),
     ],
 )
-def test_matches_reference(device, dtypes, width, offset, idx_dtype):
+def test_matches_reference(triton_backend, device, dtypes, width, offset, idx_dtype):
     ts = tables(6, 11, dtypes, seed=width)
     rows, starts = lanes(40, 6, 11, seed=offset + 9, dtype=idx_dtype)
     check(ts, rows, starts, width, offset, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_out_of_range_cells_read_the_fallback(device):
+def test_out_of_range_cells_read_the_fallback(triton_backend, device):
     (t,) = tables(3, 5, (torch.int64,), seed=1)
     t[0, 4] = -1  # the fallback cell
     rows = torch.tensor([1, -1, 3, 2])
@@ -78,7 +78,7 @@ def test_out_of_range_cells_read_the_fallback(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_empty_lookups(device):
+def test_empty_lookups(triton_backend, device):
     ts = tables(2, 3, (torch.int64, torch.bool), seed=2)
     rows, starts = lanes(0, 2, 3, seed=3)
     check(ts, rows, starts, 4, 0, device)
