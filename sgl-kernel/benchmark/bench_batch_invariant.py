@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from unimem.bench.timing import median_ms
 from unimem_kernel import bi_grouped_linear, bi_linear, matmul_config
+from unimem_kernel.timing import median_ms
 
 SHAPES = [(2048, 4096), (2048, 2048), (4096, 2048), (2048, 32000)]
 

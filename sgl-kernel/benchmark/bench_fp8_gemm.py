@@ -29,7 +29,7 @@ With ``--moe``, the routed experts' grouped GEMM (``--experts`` experts of width
 (:func:`unimem_kernel.expert_linear`) against FP8 (:func:`unimem_kernel.fp8_grouped_linear`).
 
 Each time: ``--iters`` calls in one CUDA graph, the median of ``--repeats`` samples
-(``unimem.bench.timing.graph_median_ms``); TFLOP/s = 2 M N K / time; ``rel`` = the largest
+(``unimem_kernel.timing.graph_median_ms``); TFLOP/s = 2 M N K / time; ``rel`` = the largest
 |difference| to the float32 product of the unquantised operands, relative to its largest
 |value|. ``--json PATH`` writes the rows. Needs CUDA (exits 2 with one line without it).
 
@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from bench_gemm_shapes import SHAPES
 
-from unimem.bench.timing import graph_median_ms
+from unimem_kernel.timing import graph_median_ms
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -141,8 +141,13 @@ def measure_shape(m: int, name: str, g: torch.Generator, args) -> dict:
         except RuntimeError as e:  # a scaling mode this build does not have
             row[label] = {"error": str(e).splitlines()[0][:160]}
     row["quant_us"] = time_us(lambda: quant_rows(a))
-    from unimem.models.fp8_linear import quantize_blocks, quantize_blockwise
-    from unimem_kernel.fp8_gemm import fp8_gemm, fp8_linear, fp8_quantize_groups
+    from unimem_kernel.fp8_gemm import (
+        fp8_gemm,
+        fp8_linear,
+        fp8_quantize_groups,
+        quantize_blocks,
+        quantize_blockwise,
+    )
 
     row["group_quant_us"] = time_us(lambda: fp8_quantize_groups(a))
     if out == "fp32":  # the LM head stays bf16 in the FP8 models
@@ -221,7 +226,7 @@ def block_scaled_mm(xq, xs, wq, ws_block):
 
 
 def ws_rows_of(ws_block: torch.Tensor, n: int) -> torch.Tensor:
-    from unimem.models.fp8_linear import expand_block_scales
+    from unimem_kernel.fp8_gemm import expand_block_scales
 
     return expand_block_scales(ws_block, n)
 
@@ -229,8 +234,8 @@ def ws_rows_of(ws_block: torch.Tensor, n: int) -> torch.Tensor:
 def measure_moe(m: int, g: torch.Generator, args) -> dict:
     """The routed experts' gate/up grouped GEMM at ``m`` tokens: bf16 vs FP8 (µs; ``rel``
     against the bf16 product)."""
-    from unimem.models.fp8_linear import quantize_blockwise
     from unimem_kernel import expert_linear, fp8_grouped_linear, moe_route
+    from unimem_kernel.fp8_gemm import quantize_blockwise
 
     dev = g.device
     e, i, d = args.experts, args.moe_width, 2048

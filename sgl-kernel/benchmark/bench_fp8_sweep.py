@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from bench_gemm_shapes import SHAPES
 
-from unimem.bench.timing import graph_median_ms
+from unimem_kernel.timing import graph_median_ms
 
 SMS_WAVES = 4
 """Split-K is only tried while the programs fit in this many waves of the GPU's SMs."""
@@ -54,13 +54,13 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[str]:
 
 def sweep(args, g: torch.Generator) -> int:
     """Run the sweep (module docstring); 0, or 1 when a tile gives a wrong product."""
-    from unimem.models.fp8_linear import quantize_blockwise
     from unimem_kernel.fp8_gemm import (
         Fp8GemmConfig,
         fp8_gemm,
         fp8_gemm_config,
         fp8_gemm_reference,
         fp8_quantize_groups,
+        quantize_blockwise,
     )
 
     dev = g.device

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 import triton
 
-from unimem.bench.timing import graph_median_ms, median_ms
 from unimem_kernel import fused as fu
+from unimem_kernel.timing import graph_median_ms, median_ms
 
 
 def parse_args(argv=None) -> argparse.Namespace:

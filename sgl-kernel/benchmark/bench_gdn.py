@@ -38,8 +38,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from unimem.bench.timing import graph_median_ms, median_ms
 from unimem_kernel import gdn
+from unimem_kernel.timing import graph_median_ms, median_ms
 
 H, DK, DV, KW = 16, 128, 128, 4
 CONV_DIM = H * (2 * DK + DV)

@@ -10,7 +10,7 @@ bitwise with the default tile's: the conv is per-element arithmetic, so a tile m
 bit.
 
 Each time: ``--iters`` calls in one CUDA graph, median of ``--repeats`` replays
-(``unimem.bench.timing.graph_median_ms``); ``GB/s`` counts x read, y (and the record's x)
+(``unimem_kernel.timing.graph_median_ms``); ``GB/s`` counts x read, y (and the record's x)
 written and the conv windows read (and, decode, written). ``--json PATH`` writes the rows.
 Needs CUDA.
 """
@@ -24,8 +24,8 @@ import sys
 import torch
 from bench_gdn import CONV_DIM, KW, arena_states
 
-from unimem.bench.timing import graph_median_ms
 from unimem_kernel import gdn
+from unimem_kernel.timing import graph_median_ms
 
 IN_PROJ = 8224  # the small preset's GDN in-projection width (mixed_qkv | z | b | a)
 

@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from unimem.bench.timing import median_ms
+from unimem_kernel.timing import median_ms
 
 PRESETS = {"small": (16, 16), "qwen3-next": (32, 16)}  # (H, Hk)
 DK = DV = 128

@@ -20,7 +20,8 @@ Variants per shape:
   ``+sum`` time includes that pass). Only for the shapes named by ``--split-shapes``.
 
 Each time: ``--iters`` calls recorded in one CUDA graph, CUDA events around a replay, the
-median of ``--repeats`` samples (``unimem.bench.timing.graph_median_ms``); TFLOP/s = 2 M N K / time;
+median of ``--repeats`` samples (``unimem_kernel.timing.graph_median_ms``); TFLOP/s =
+2 M N K / time;
 ``rel`` = the largest |difference| to a float32 torch product, relative to its largest
 |value|. ``--json PATH`` writes the rows. Needs CUDA (exits 2 with one line without it).
 """
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from unimem.bench.timing import graph_median_ms
+from unimem_kernel.timing import graph_median_ms
 
 SHAPES = {  # name: (K, N, out dtype)
     "qkv": (2048, 3072, "bf16"),

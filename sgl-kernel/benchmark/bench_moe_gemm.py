@@ -10,7 +10,7 @@ pairs): the gate/up projection ``[P, d] x [E, 2I, d]`` and the down projection `
 counts (e.g. prefill chunks) to see where each path wins.
 
 Each time: ``--iters`` calls in one CUDA graph, CUDA events around a replay, median of
-``--repeats`` (``unimem.bench.timing.graph_median_ms``); ``--launch-orders`` adds each Triton tile
+``--repeats`` (``unimem_kernel.timing.graph_median_ms``); ``--launch-orders`` adds each Triton tile
 with its column tiles launched first (the same bits, another order over the weights); GB/s =
 the experts' weight bytes / time (the floor of this regime: every expert's weights are read
 once); ``rel`` = the largest |difference| to the float32 per-expert product relative to its
@@ -27,9 +27,9 @@ import sys
 import torch
 import triton
 
-from unimem.bench.timing import graph_median_ms
 from unimem_kernel import moe_route
 from unimem_kernel.batch_invariant import MatmulConfig, bi_grouped_linear_triton
+from unimem_kernel.timing import graph_median_ms
 
 # (BM, BN, BK, warps, stages); group_m is unused by the grouped kernel
 CONFIGS = [

@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    from unimem.bench.timing import graph_median_ms
+    from unimem_kernel.timing import graph_median_ms
 
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "

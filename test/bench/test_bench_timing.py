@@ -1,4 +1,4 @@
-"""unimem.bench.timing on the CPU: medians of per-call samples, wall-clock blocks that add
+"""unimem_kernel.timing on the CPU: medians of per-call samples, wall-clock blocks that add
 up, and the CUDA-graph timer refusing to run without CUDA."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from unimem.bench.timing import Stopwatch, graph_median_ms, median_ms, wall_clock
+from unimem_kernel.timing import Stopwatch, graph_median_ms, median_ms, wall_clock
 
 
 def test_median_ms_is_the_time_per_call_after_the_warmup():

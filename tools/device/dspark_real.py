@@ -117,9 +117,9 @@ def _train(args, rest) -> tuple[str, dict]:
 
 def _lm_head_bench(drafter_dir: str, gamma: int) -> list[dict]:
     """Base logits GEMM + Markov pick, reduced vs full vocabulary, at 1/8/48 requests."""
-    from unimem.bench.timing import median_ms
     from unimem.models.tensor_parallel import logits_matmul
     from unimem_kernel import markov_pick
+    from unimem_kernel.timing import median_ms
 
     cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
     v, d, r = cfg["vocab_size"], cfg["d_model"], cfg["markov_rank"]
@@ -164,7 +164,7 @@ def _run(engine, ids, conc, output_len, temperature) -> dict:
         {"max_new_tokens": output_len, "ignore_eos": True, "temperature": temperature, "seed": i}
         for i in range(len(ids))
     ]
-    from unimem.bench.timing import wall_clock
+    from unimem_kernel.timing import wall_clock
 
     engine.generate(input_ids=ids[: min(2, len(ids))], sampling_params=params[:2])  # warm
     outs = []

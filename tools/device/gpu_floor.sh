@@ -17,9 +17,9 @@
 # attribute: step-profile on static pools only, with the torch ops of an eager step by
 #   launch site and the top kernels (the data for choosing what to fuse next);
 # sweep: bench_gdn.py's delta-rule tile sweep at the verify width (decode and verify);
-# explore: bench_verify_attention.py (the split-KV Triton verify attention against FA4; SPLITS and
+# explore: python -m unimem.bench.verify_attention (the split-KV Triton verify attention against FA4; SPLITS and
 #   PROGRAMS sweep its split size and programs per KV head), bench_fused_ops.py;
-# splitkv: bench_verify_attention.py at few requests (SPLIT_BS, default 1 2 4 8 16 24) and
+# splitkv: unimem.bench.verify_attention at few requests (SPLIT_BS, default 1 2 4 8 16 24) and
 #   contexts 512 .. 32k, split sizes 64/128 and 2..16 programs per (request, KV head): the
 #   data for choosing when decode/verify attention takes the split-KV kernel;
 # smallbatch: step-profile at 1 and 4 requests with 28k-token prompts and at 16 with 8k,
@@ -77,12 +77,12 @@ for part in $parts; do
       run python3 sgl-kernel/benchmark/bench_gdn.py --bs 48 --verify-tokens 8 --sweep \
         --prefill-lens 64 --prefill-requests 1 --no-fla --json "$out/bench_gdn_sweep_h200.json" ;;
     explore)
-      run python3 sgl-kernel/benchmark/bench_verify_attention.py --splits ${SPLITS:-64} \
+      run python3 -m unimem.bench.verify_attention --splits ${SPLITS:-64} \
         --programs ${PROGRAMS:-4} --json "$out/bench_verify_attention_h200.json"
       run python3 sgl-kernel/benchmark/bench_fused_ops.py --json "$out/bench_fused_ops_h200.json" ;;
     splitkv)
       for bs in ${SPLIT_BS:-1 2 4 8 16 24}; do
-        run python3 sgl-kernel/benchmark/bench_verify_attention.py --bs "$bs" --q-len 8 1 --window 0 \
+        run python3 -m unimem.bench.verify_attention --bs "$bs" --q-len 8 1 --window 0 \
           --context 512 2048 8192 32768 --splits 64 128 --programs 2 4 8 16 --repeats 3 \
           --json "$out/bench_verify_attention_bs${bs}_h200.json"
       done ;;

@@ -260,7 +260,7 @@ def part_throughput(ckpt, prompts, engine, n_new=256) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     params = {"max_new_tokens": n_new, "ignore_eos": True}
-    from unimem.bench.timing import wall_clock
+    from unimem_kernel.timing import wall_clock
 
     # warm-up with the measured batch itself: what a batch of this size compiles or captures
     # on first use stays out of the timed call (as transformers' warm-up below)

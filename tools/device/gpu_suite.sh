@@ -26,7 +26,7 @@ for part in "${parts[@]}"; do
              | tee "$out/bench_allocator.txt" ;;
     metadata) python3 sgl-kernel/benchmark/bench_metadata.py --json "$out/bench_metadata.json" 2>&1 \
              | tee "$out/bench_metadata.txt" ;;
-    fa4) python3 sgl-kernel/benchmark/bench_fa4_arena.py --json "$out/bench_fa4_arena.json" 2>&1 \
+    fa4) python3 -m unimem.bench.fa4_arena --json "$out/bench_fa4_arena.json" 2>&1 \
              | tee "$out/bench_fa4_arena.txt" ;;
     gdn) python3 sgl-kernel/benchmark/bench_gdn.py --json "$out/bench_gdn.json" 2>&1 \
              | tee "$out/bench_gdn.txt" ;;

@@ -50,7 +50,6 @@ import torch
 import triton
 
 import unimem_kernel
-from unimem.bench.timing import wall_clock
 from unimem.memory.checks import check_unified
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import RequestMemory, pages_for
@@ -58,6 +57,7 @@ from unimem.memory.spec import LayerKind, MemorySpec
 from unimem.memory.unified import UnifiedMemory
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset
+from unimem_kernel.timing import wall_clock
 
 SWA = LayerKind.SWA
 GiB = 1 << 30

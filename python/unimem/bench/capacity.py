@@ -60,7 +60,6 @@ from typing import Any
 import torch
 
 import unimem_kernel as uk
-from unimem.bench.timing import wall_clock
 from unimem.memory.layout import MemoryLayout
 from unimem.memory.pool import MemoryPool, pages_for
 from unimem.memory.spec import LayerKind, MemorySpec
@@ -68,6 +67,7 @@ from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset
+from unimem_kernel.timing import wall_clock
 
 GIB = 1 << 30
 MIB = 1 << 20

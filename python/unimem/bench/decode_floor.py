@@ -70,8 +70,8 @@ from pathlib import Path
 
 import torch
 
-from unimem.bench.timing import Stopwatch, graph_median_ms, median_ms, wall_clock
 from unimem_kernel import envs
+from unimem_kernel.timing import Stopwatch, graph_median_ms, median_ms, wall_clock
 
 ROOT = Path(__file__).resolve().parents[3]
 """The repository root, when run from a checkout (for the commit it records)."""

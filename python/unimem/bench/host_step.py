@@ -43,7 +43,6 @@ import torch
 import unimem.engine.core as core_mod
 import unimem_kernel as uk
 from unimem.attention.torch_backend import TorchReferenceBackend
-from unimem.bench.timing import wall_clock
 from unimem.engine.core import EngineCore
 from unimem.engine.runner import ModelRunner
 from unimem.memory.layout import MemoryLayout
@@ -53,6 +52,7 @@ from unimem.memory.unified import UnifiedMemory
 from unimem.models.config import memory_spec
 from unimem.models.presets import preset
 from unimem.speculative.drafter import draft_config_for
+from unimem_kernel.timing import wall_clock
 
 TOKEN = 7
 """The token every stub step outputs (no stop tokens are set)."""

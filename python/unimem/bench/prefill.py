@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from unimem.bench.timing import wall_clock
+from unimem_kernel.timing import wall_clock
 
 PROG = "python -m unimem bench prefill"
 

@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from unimem.bench.timing import wall_clock
+from unimem_kernel.timing import wall_clock
 
 PROG = "python -m unimem bench router"
 

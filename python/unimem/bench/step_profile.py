@@ -9,7 +9,7 @@ steady state (every request verifying):
    time ``EngineCore.step`` spends outside its one wait for the previous step's results (plan,
    grow, launch, account). The GPU is never idle while host time < GPU time per step.
 2. **GPU per step**: back-to-back replays of the recorded verify step
-   (:func:`unimem.bench.timing.median_ms` on the device).
+   (:func:`unimem_kernel.timing.median_ms` on the device).
 3. **kernel breakdown**: ``torch.profiler`` over a few replays; kernels grouped by what they
    do (GEMMs: every projection, MLP and the LM heads; attention: FA4; GDN: our Triton conv +
    delta rule; metadata: our fused builder + write window; state commit; the rest: norms,
@@ -46,7 +46,6 @@ import torch
 import triton
 
 from unimem.attention.fa4_backend import SPLIT_KV_MAX_BS, FA4Backend, split_kv_batch
-from unimem.bench.timing import Stopwatch, median_ms, wall_clock
 from unimem.engine.core import EngineCore
 from unimem.engine.step_io import StagedResult
 from unimem.memory.static import StaticMemory
@@ -57,6 +56,7 @@ from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.control import AcceptanceControl
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem_kernel.timing import Stopwatch, median_ms, wall_clock
 
 CATEGORIES = [
     (

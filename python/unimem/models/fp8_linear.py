@@ -24,7 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from unimem.models import batch_invariant
-from unimem_kernel.fp8_gemm import FP8_DTYPE, FP8_MAX, GROUP, fp8_linear, num_groups
+from unimem_kernel.fp8_gemm import (  # the weight format's functions are pure tensor ops
+    dequantize,
+    expand_block_scales,
+    fp8_linear,
+    quantize_blocks,
+    quantize_blockwise,
+)
 
 __all__ = [
     "SCALE_SUFFIX",
@@ -85,45 +91,6 @@ def row_parallel(
 
 
 # ------------------------------------------------------------------ weight format
-
-
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [..., N, K]`` -> ``(q [..., N, K] e4m3, scale [..., NB, KG] float32)``: one scale
-    per 128 x 128 block, ``amax / 448`` (the hub's FP8 checkpoint layout), ``q = w / scale``
-    rounded to e4m3."""
-    *lead, n, k = w.shape
-    nb, kg = (n + GROUP - 1) // GROUP, num_groups(k)
-    pad = torch.zeros(*lead, nb * GROUP, kg * GROUP, dtype=torch.float32, device=w.device)
-    pad[..., :n, :k] = w.float()
-    blocks = pad.view(*lead, nb, GROUP, kg, GROUP)
-    s = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-10) / FP8_MAX  # [..., NB, KG]
-    q = (blocks / s[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    q = q.view(*lead, nb * GROUP, kg * GROUP)[..., :n, :k].to(FP8_DTYPE).contiguous()
-    return q, s
-
-
-def quantize_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_blocks` with the scales expanded to rows (``[..., N, KG]``)."""
-    q, s = quantize_blocks(w)
-    return q, expand_block_scales(s, w.shape[-2])
-
-
-def dequantize(q: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
-    """``q [..., N, K]`` times its per-row-group scales ``[..., N, KG]``, float32."""
-    k = q.shape[-1]
-    return q.float() * row_scales.repeat_interleave(GROUP, dim=-1)[..., :k]
-
-
-def expand_block_scales(block_scales: torch.Tensor, n: int) -> torch.Tensor:
-    """``[..., NB, KB]`` block scales of a weight with ``n`` rows -> ``[..., n, KB]`` float32
-    (row ``r`` takes block row ``r // 128``); ValueError if ``NB != ceil(n / 128)``."""
-    nb = block_scales.shape[-2]
-    if nb != (n + GROUP - 1) // GROUP:
-        raise ValueError(
-            f"{nb} block rows of scales do not cover a weight of {n} rows in blocks of {GROUP}"
-        )
-    rows = block_scales.float().repeat_interleave(GROUP, dim=-2)
-    return rows[..., :n, :].contiguous()
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -64,6 +64,8 @@ __all__ = [
     "GROUP",
     "SCALE_FLOOR",
     "Fp8GemmConfig",
+    "dequantize",
+    "expand_block_scales",
     "fp8_gemm",
     "fp8_gemm_config",
     "fp8_gemm_reference",
@@ -73,6 +75,8 @@ __all__ = [
     "fp8_quantize_groups",
     "fp8_quantize_groups_reference",
     "fp8_quantize_groups_triton",
+    "quantize_blocks",
+    "quantize_blockwise",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -603,3 +607,46 @@ def fp8_grouped_linear(
     return fp8_gemm(
         xq, xs, wq, ws, out_dtype=x.dtype, bias=bias, offs=offs, rows=rows, invariant=invariant
     )
+
+
+# ------------------------------------------------------------------ the weight format
+# (block-wise e4m3 with a float32 scale per 128 x 128 block, the hub's FP8 checkpoints)
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., N, K]`` -> ``(q [..., N, K] e4m3, scale [..., NB, KG] float32)``: one scale
+    per 128 x 128 block, ``amax / 448`` (the hub's FP8 checkpoint layout), ``q = w / scale``
+    rounded to e4m3."""
+    *lead, n, k = w.shape
+    nb, kg = (n + GROUP - 1) // GROUP, num_groups(k)
+    pad = torch.zeros(*lead, nb * GROUP, kg * GROUP, dtype=torch.float32, device=w.device)
+    pad[..., :n, :k] = w.float()
+    blocks = pad.view(*lead, nb, GROUP, kg, GROUP)
+    s = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-10) / FP8_MAX  # [..., NB, KG]
+    q = (blocks / s[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.view(*lead, nb * GROUP, kg * GROUP)[..., :n, :k].to(FP8_DTYPE).contiguous()
+    return q, s
+
+
+def quantize_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blocks` with the scales expanded to rows (``[..., N, KG]``)."""
+    q, s = quantize_blocks(w)
+    return q, expand_block_scales(s, w.shape[-2])
+
+
+def dequantize(q: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    """``q [..., N, K]`` times its per-row-group scales ``[..., N, KG]``, float32."""
+    k = q.shape[-1]
+    return q.float() * row_scales.repeat_interleave(GROUP, dim=-1)[..., :k]
+
+
+def expand_block_scales(block_scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``[..., NB, KB]`` block scales of a weight with ``n`` rows -> ``[..., n, KB]`` float32
+    (row ``r`` takes block row ``r // 128``); ValueError if ``NB != ceil(n / 128)``."""
+    nb = block_scales.shape[-2]
+    if nb != (n + GROUP - 1) // GROUP:
+        raise ValueError(
+            f"{nb} block rows of scales do not cover a weight of {n} rows in blocks of {GROUP}"
+        )
+    rows = block_scales.float().repeat_interleave(GROUP, dim=-2)
+    return rows[..., :n, :].contiguous()

@@ -9,8 +9,8 @@ a CUDA graph and replayed, so the numbers are kernel time, not Python launch ove
 alternate over ``--rounds`` rounds; the median per side is reported with the ratio arena /
 contiguous.
 
-    python sgl-kernel/benchmark/bench_fa4_arena.py       # bs 48/256, ctx 2048/8192, page 64
-    python sgl-kernel/benchmark/bench_fa4_arena.py --bs 48 --context 4096 --gamma 3 \\
+    python -m unimem.bench.fa4_arena       # bs 48/256, ctx 2048/8192, page 64
+    python -m unimem.bench.fa4_arena --bs 48 --context 4096 --gamma 3 \\
         --page-size 128
 """
 
@@ -165,8 +165,8 @@ def capture(torch, backend, q, kc, vc, meta, window, scale, replays):
 
 
 def time_graph(torch, graph) -> float:
-    """Milliseconds of one replay, by CUDA events (:mod:`unimem.bench.timing`)."""
-    from unimem.bench.timing import median_ms
+    """Milliseconds of one replay, by CUDA events (:mod:`unimem_kernel.timing`)."""
+    from unimem_kernel.timing import median_ms
 
     return median_ms(graph.replay, warmup=0, iters=1, repeats=1, device="cuda")
 

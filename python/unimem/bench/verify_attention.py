@@ -10,7 +10,7 @@ Rows: ``q_len`` 8 (a DSPARK verify, gamma 7) and 1
 (decode) x contexts 512, 1024, 2048, 4096 x window None and 512.
 
 Each side is timed as the engine runs it: ``--iters`` calls recorded in one CUDA graph,
-CUDA events around a replay, the median of ``--repeats`` replays (``unimem.bench.timing``), in
+CUDA events around a replay, the median of ``--repeats`` replays (``unimem_kernel.timing``), in
 microseconds per call. ``fa4n us``: FA4 with the backend's narrow query tile
 (``fa4_backend.narrow_query_tile``: 64 rows, one consumer warpgroup) where the step's packed
 rows fit it, as ``FA4Backend`` runs such steps on SM90. ``GB/s`` is the K/V bytes the step
@@ -23,8 +23,8 @@ only) when ``flash_attn.cute`` does not import. Prints the GPU, the sizes and a 
 ``--json PATH`` writes the rows. Needs CUDA (prints one line and exits 2 without it); most of
 its time is FA4's first compiles.
 
-    python sgl-kernel/benchmark/bench_verify_attention.py
-    python sgl-kernel/benchmark/bench_verify_attention.py --q-len 8 --context 512 --programs 2 4 8
+    python -m unimem.bench.verify_attention
+    python -m unimem.bench.verify_attention --q-len 8 --context 512 --programs 2 4 8
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    from unimem.bench.timing import graph_median_ms
     from unimem_kernel import paged_attention as pa
+    from unimem_kernel.timing import graph_median_ms
 
     fa4 = fa4_fwd = None
     if not args.no_fa4:
