@@ -94,6 +94,23 @@ def _row_chunks(n: int, vocab: int) -> list[slice]:
     return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
+def _over_row_chunks(fn, first: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    """``fn`` of the rows of ``first [N, V]`` and the per-row ``rest``, one chunk of rows
+    (:data:`THRESHOLD_CHUNK_ELEMENTS`) at a time, the results written into one output; a
+    single chunk is ``fn`` itself, with no copy."""
+    n, vocab = first.shape
+    chunks = _row_chunks(n, vocab)
+    if len(chunks) == 1:
+        return fn(first, *rest)
+    out = None
+    for c in chunks:
+        part = fn(first[c], *(t[c] for t in rest))
+        if out is None:
+            out = part.new_empty((n, *part.shape[1:]))
+        out[c] = part
+    return out
+
+
 def keep_threshold(
     scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -102,14 +119,7 @@ def keep_threshold(
     reaches ``top_p``), then min-p (probability at least ``min_p`` times the largest) keep;
     the most likely token is always kept. ``scaled [N, V]`` float32 → ``[N]``. Works on
     chunks of rows (:data:`THRESHOLD_CHUNK_ELEMENTS`) so its temporaries stay bounded."""
-    n, vocab = scaled.shape
-    chunks = _row_chunks(n, vocab)
-    if len(chunks) == 1:
-        return _keep_threshold_rows(scaled, top_k, top_p, min_p)
-    out = torch.empty(n, dtype=scaled.dtype, device=scaled.device)
-    for c in chunks:
-        out[c] = _keep_threshold_rows(scaled[c], top_k[c], top_p[c], min_p[c])
-    return out
+    return _over_row_chunks(_keep_threshold_rows, scaled, top_k, top_p, min_p)
 
 
 def _keep_threshold_rows(
@@ -144,19 +154,17 @@ def filtered_probs(
     ``argmax(logits)`` (greedy as a distribution). Speculative sampling's ``p`` and ``q``.
     Fixed shapes, no host reads; the temporaries are per chunk of rows
     (:data:`THRESHOLD_CHUNK_ELEMENTS`), the result the only ``[N, V]`` allocation."""
-    n, vocab = logits.shape
-    out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
-    for c in _row_chunks(n, vocab):
-        x, temp = logits[c], temperature[c]
-        live = temp > 0
-        t = torch.where(live, temp.float(), 1.0)
-        scaled = x.float() / t[:, None]
-        cut = _keep_threshold_rows(scaled, top_k[c], top_p[c].float(), min_p[c].float())
-        scaled = torch.where(scaled >= cut[:, None], scaled, -math.inf)
-        probs = torch.softmax(scaled, dim=-1)
-        onehot = torch.zeros_like(probs).scatter_(1, torch.argmax(x, dim=-1)[:, None], 1.0)
-        out[c] = torch.where(live[:, None], probs, onehot)
-    return out
+    return _over_row_chunks(_filtered_rows, logits, temperature, top_k, top_p, min_p)
+
+
+def _filtered_rows(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    live = temperature > 0
+    t = torch.where(live, temperature.float(), 1.0)
+    scaled = logits.float() / t[:, None]
+    cut = _keep_threshold_rows(scaled, top_k, top_p.float(), min_p.float())
+    probs = torch.softmax(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
+    onehot = torch.zeros_like(probs).scatter_(1, torch.argmax(logits, dim=-1)[:, None], 1.0)
+    return torch.where(live[:, None], probs, onehot)
 
 
 def sample(
