@@ -276,6 +276,34 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
+    """Gemma 3 270M's small-batch layer body: q/k/v with post-norm + add + norm in front,
+    gate/up with GeGLU behind, the plain o / down projections (bf16, 1 and 16 rows)."""
+    import torch
+
+    from unimem_kernel import norm_gemv
+
+    bf = torch.bfloat16
+
+    def call(rows: int, n: int, k: int, mode: int, act=None):
+        x = torch.randn(rows, k, dtype=bf)
+        w = torch.randn(n, k, dtype=bf)
+        nw = torch.randn(k, dtype=bf) if mode else None
+        kw = {"delta": torch.randn(rows, k, dtype=bf), "post_weight": nw} if mode == 2 else {}
+        norm_gemv.norm_linear(x, w, nw, EPS, zero_centered=True, act=act, **kw)
+
+    return [
+        (f"norm_linear {name} rows {rows}", lambda a=args, r=rows: call(r, *a))
+        for name, args in (
+            ("qkv", (1536, 640, 2)),
+            ("first qkv", (1536, 640, 1)),
+            ("gate_up", (4096, 640, 2, "gelu_tanh")),
+            ("down", (640, 2048, 0)),
+        )
+        for rows in (1, 16)
+    ]
+
+
 def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
     """The KV store of every attention layer (target and draft)."""
     import torch
@@ -701,6 +729,7 @@ _KERNELS = {
         *_in("gdn_rule", "_rule_kernel"),
     ),
     "unimem_kernel.kv_store": _in("kv_store", "_store_kv_kernel", "_rope_store_kernel"),
+    "unimem_kernel.norm_gemv": _in("norm_gemv", "_norm_linear_kernel"),
     "unimem_kernel.greedy_accept": _in("greedy_accept", "_row_argmax_kernel", "_accept_kernel"),
     "unimem_kernel.greedy_pick": _in("greedy_pick", "_partial_kernel", "_combine_kernel"),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
@@ -719,6 +748,7 @@ _LAUNCHES = {
     "unimem_kernel.batch_invariant": _bi_launches,
     "unimem_kernel.gdn": _gdn_launches,
     "unimem_kernel.kv_store": _kv_store_launches,
+    "unimem_kernel.norm_gemv": _norm_gemv_launches,
     "unimem_kernel.greedy_accept": _greedy_accept_launches,
     "unimem_kernel.greedy_pick": _greedy_pick_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,

@@ -95,6 +95,7 @@ def _failures(rows: list[dict], kernels: tuple[str, ...]) -> str:
             (
                 "_store_kv_kernel",
                 "_rope_store_kernel",
+                "_norm_linear_kernel",
                 "_markov_pick_kernel",
                 "_moe_combine_kernel",
                 "_count_kernel",

@@ -62,18 +62,26 @@ def _check(counts, name):
     assert counts.by_layer[OUTSIDE] <= MAX_OUTSIDE, counts.summary()
 
 
-def test_gemma3_decode_step_launches_per_layer(gemma_path, monkeypatch):
+@pytest.mark.parametrize("body", ["small", "layered"])
+def test_gemma3_decode_step_launches_per_layer(gemma_path, monkeypatch, body):
+    """The small-batch body (norm_linear): q/k/v, RoPE + K/V store, attention, o, gate/up,
+    down — 6 launches a layer; the layer-by-layer body (UNIMEM_NORM_LINEAR_ROWS=0): every
+    norm one launch, no torch reduction or elementwise op inside a layer."""
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", "16" if body == "small" else "0")
     eng = unimem.Engine(model_path=str(gemma_path), device="cpu", dtype="float32", page_size=4)
     core = _decoding(eng.core, [list(range(5, 14)), list(range(7, 17))])
     counts = count_step_launches(core)
     _check(counts, "gemma3")
-    # every norm is one launch: no torch reduction or elementwise op inside a layer
     for i in range(2):
         names = counts.layer_names(i)
-        assert set(names) <= {"aten.mm", "attention", "triton._rope_store_kernel",
-                              "triton._norm_add_rms_norm_kernel", "triton._gated_act_kernel",
-                              "triton._add_rms_norm_kernel"}, names  # fmt: skip
+        if body == "small":
+            assert names == {"attention": 1, "triton._norm_linear_kernel": 4,
+                             "triton._rope_store_kernel": 1}, names  # fmt: skip
+        else:
+            assert set(names) <= {"aten.mm", "attention", "triton._rope_store_kernel",
+                                  "triton._norm_add_rms_norm_kernel", "triton._gated_act_kernel",
+                                  "triton._add_rms_norm_kernel"}, names  # fmt: skip
 
 
 def test_qwen3_next_shaped_synthetic_decode_step_launches_per_layer(monkeypatch):

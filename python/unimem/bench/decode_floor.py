@@ -210,13 +210,14 @@ def profile_decode(core, prompts: list[list[int]], steps: int, n_layers: int) ->
                 core.step()
         wall = watch.seconds
     core.run()
-    kernels, spans = {}, []
+    kernels, spans, kernel_us = {}, [], {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA:
             continue
         spans.append((e.time_range.start, e.time_range.end))
         if not re.match(r"(?i)memcpy|memset", e.name):
             kernels[e.name] = kernels.get(e.name, 0) + 1
+            kernel_us[e.name] = kernel_us.get(e.name, 0.0) + e.time_range.end - e.time_range.start
     spans.sort()
     busy, end = 0.0, float("-inf")
     for s, t in spans:
@@ -234,6 +235,10 @@ def profile_decode(core, prompts: list[list[int]], steps: int, n_layers: int) ->
         "profiled_wall_ms_per_step": 1e3 * wall / steps,
         "gpu_busy_fraction_profiled": (busy / 1e6) / wall,
         "top_kernels_per_step": {k: round(v / steps, 2) for k, v in top},
+        "top_kernel_us_per_step": {
+            k[:120]: round(v / steps, 2)
+            for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])[:25]
+        },
     }
 
 
@@ -514,6 +519,8 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
             "tokens": args.tokens, "concurrency": args.concurrency, "page_size": args.page_size,
             "fused_ops": envs.get("UNIMEM_FUSED_OPS"),
+            "norm_linear_rows": envs.get("UNIMEM_NORM_LINEAR_ROWS"),
+            "norm_linear_plain": envs.get("UNIMEM_NORM_LINEAR_PLAIN"),
         },
         "rows": [],
         "errors": [],
@@ -576,6 +583,8 @@ def main(argv=None) -> int:
                         f"{p['gpu_ms_per_step']:.3f} ms/step, floor {floor_ms:.3f} ms "
                         f"(x{p['floor_ratio']:.2f}), busy {p['gpu_busy_fraction']:.2f} "
                         f"(profiled {p['gpu_busy_fraction_profiled']:.2f})")  # fmt: skip
+                    for name, t_us in list(p["top_kernel_us_per_step"].items())[:10]:
+                        log(f"    {t_us:8.1f} us/step  {name[:90]}")
                 if args.compile:
                     log("torch.compile (Inductor) vs the fused kernels")
                     result["compile_vs_fused"] = compile_vs_fused(eng.model)

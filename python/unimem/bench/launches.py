@@ -5,8 +5,8 @@ fixed launch gap, however little it does) as much as by the bytes it moves. This
 without a GPU: every aten op that launches a kernel (``TorchDispatchMode``; views, ``empty``
 and other metadata ops launch nothing and are skipped) and every Triton kernel launch
 (``JITFunction.run`` / the interpreter's ``InterpretedFunction.run``), each attributed to the
-decoder layer whose ``forward`` is on the Python stack (a frame whose ``self`` is one of the
-model's layers), or to the step's body outside the layers (embedding, RoPE tables, final
+decoder layer whose method is on the Python stack (a frame whose ``self`` is one of the
+model's layers: its ``forward``, or another body such as Gemma 3's ``forward_small``), or to the step's body outside the layers (embedding, RoPE tables, final
 norm, LM head, sampling, metadata, the step's tail).
 
 The attention backend's ``attend`` counts as **one** launch whatever it runs: the CPU
@@ -94,11 +94,9 @@ class _Counter:
     def layer(self) -> int:
         f = sys._getframe(2)
         while f is not None:
-            if f.f_code.co_name == "forward":
-                owner = f.f_locals.get("self")
-                i = self.layer_of.get(id(owner))
-                if i is not None:
-                    return i
+            i = self.layer_of.get(id(f.f_locals.get("self")))
+            if i is not None:  # a method of a layer (forward, or another body of it)
+                return i
             f = f.f_back
         return OUTSIDE
 

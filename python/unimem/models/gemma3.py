@@ -25,6 +25,13 @@ Architecture (``d`` = hidden size), numerics as in transformers' ``modeling_gemm
   to the model dtype and the rotation runs in the model dtype, as HF does;
 * MLP: GeGLU with the tanh-approximated GELU, ``down(gelu_tanh(gate(x)) * up(x))``.
 
+Small batches (decode and short verify steps of at most ``UNIMEM_NORM_LINEAR_ROWS`` rows on
+the fused kernels, outside deterministic mode) run each layer in five launches around the
+attention: a post-norm, its residual add and the next pre-norm go in front of the q/k/v and
+the gate/up projections and GeGLU behind the latter (:func:`unimem_kernel.norm_linear`), so
+a layer's stream is materialised by the next layer's first launch (the drafter's hidden
+capture follows it there). The math and its roundings are the unfused chain's.
+
 Attention-logit softcapping (``attn_logit_softcapping``) cannot be expressed through
 ``ctx.attention`` and is refused at :meth:`Gemma3ForCausalLM.from_hf_config`.
 """
@@ -38,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unimem.models import fp8_linear
+from unimem.models import batch_invariant, fp8_linear
 from unimem.models.base import CausalLM, ModelOutput, logits_dtype
 from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
@@ -57,9 +64,17 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, bi_rms_norm, gelu_tanh_mul, norm_add_rms_norm
+from unimem_kernel import (
+    add_rms_norm,
+    bi_rms_norm,
+    envs,
+    gelu_tanh_mul,
+    norm_add_rms_norm,
+    norm_linear,
+)
 from unimem_kernel.fused import records_autograd
 from unimem_kernel.fused import use_triton as fused_ops_on
+from unimem_kernel.norm_gemv import MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from unimem_kernel.rope_angles import rope_cos_sin
 
 __all__ = ["Gemma3ForCausalLM", "RopeSpec", "gemma_rms_norm", "text_config_of"]
@@ -206,8 +221,22 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         """``h [T, d]`` (normed) -> attention output ``[T, d]``; ``rope``: cos/sin ``[T, D/2]``
         in the model dtype."""
-        c, t, eps = self.c, h.shape[0], self.c.rms_eps
-        q, k, v = self.qkv.linear(h)  # column views of one GEMM's output
+        o = self.attend(layer_idx, self.qkv.linear(h), rope, ctx)
+        return fp8_linear.row_parallel(o, self.o_proj, None, self.tp)
+
+    def attend(
+        self,
+        layer_idx: int,
+        qkv: list[torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """q/k norms, RoPE, the K/V store and attention over the q, k, v projections
+        (``qkv``: ``[T, Hq*D]``, ``[T, Hkv*D]`` twice, column views of one GEMM's output
+        allowed) -> ``[T, Hq*Dv]``, before ``o_proj``."""
+        c, eps = self.c, self.c.rms_eps
+        q, k, v = qkv
+        t = q.shape[0]
         q = q.view(t, c.n_q_heads, c.head_dim_k)
         k = k.view(t, c.n_kv_heads, c.head_dim_k)
         v = v.view(t, c.n_kv_heads, c.head_dim_v)
@@ -219,8 +248,7 @@ class Gemma3Attention(nn.Module):
             q = gemma_rms_norm(q, self.q_norm.weight, eps)
             k = gemma_rms_norm(k, self.k_norm.weight, eps)
             o = ctx.rope_attention(layer_idx, q, k, v, *rope)  # apply_rope on q and k
-        o = o.reshape(t, c.n_q_heads * c.head_dim_v)
-        return fp8_linear.row_parallel(o, self.o_proj, None, self.tp)
+        return o.reshape(t, c.n_q_heads * c.head_dim_v)
 
 
 class Gemma3MLP(nn.Module):
@@ -288,6 +316,46 @@ class Gemma3DecoderLayer(nn.Module):
         return _post_norm_add(
             x, self.mlp(h), self.post_feedforward_layernorm.weight, next_norm, eps
         )
+
+    def forward_small(
+        self,
+        layer_idx: int,
+        x: torch.Tensor,
+        pending: tuple[torch.Tensor, torch.Tensor] | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer in :func:`unimem_kernel.norm_linear` launches (small batches, see
+        :meth:`Gemma3ForCausalLM.takes_norm_linear`). ``x``: the stream before the previous
+        layer's MLP branch was added; ``pending``: that branch's output and its
+        ``post_feedforward_layernorm`` weight (None for the first layer: ``x`` is the
+        embedding). Returns ``(x_in, x_mid, mlp_out)``: the stream entering this layer (now
+        materialised), the stream after its attention branch, and its MLP output before
+        ``post_feedforward_layernorm`` (the next layer's ``pending``)."""
+        eps, attn, mlp = self.eps, self.self_attn, self.mlp
+        delta, post = pending if pending is not None else (None, None)
+        stream, qkv = norm_linear(
+            x, attn.qkv.single_weight(), self.input_layernorm.weight, eps,
+            delta=delta, post_weight=post, zero_centered=True,
+        )  # fmt: skip
+        x_in = x if stream is None else stream
+        o = attn.attend(layer_idx, list(qkv.split(attn.qkv.sizes, dim=-1)), rope, ctx)
+        a = _small_linear(o, attn.o_proj, attn.tp, eps)
+        x_mid, act = norm_linear(
+            x_in, mlp.gate_up.single_weight(), self.pre_feedforward_layernorm.weight, eps,
+            delta=a, post_weight=self.post_attention_layernorm.weight, zero_centered=True,
+            act="gelu_tanh",
+        )  # fmt: skip
+        return x_in, x_mid, _small_linear(act, mlp.down_proj, mlp.tp, eps)
+
+
+def _small_linear(x: torch.Tensor, proj: nn.Module, tp: TensorParallel, eps: float):
+    """A row-parallel projection with no norm in front, in a small batch: one plain
+    :func:`unimem_kernel.norm_linear` launch on one rank (``UNIMEM_NORM_LINEAR_PLAIN``), else
+    the vendor GEMM and the all-reduce."""
+    if tp.size == 1 and envs.get("UNIMEM_NORM_LINEAR_PLAIN"):
+        return norm_linear(x, proj.weight, None, eps)[1]
+    return fp8_linear.row_parallel(x, proj, None, tp)
 
 
 def _post_norm_add(
@@ -518,11 +586,24 @@ class Gemma3ForCausalLM(CausalLM):
         x = x * self.embed_scale
         layers = self.model.layers
         n = len(layers)
-        h = gemma_rms_norm(x, layers[0].input_layernorm.weight, c.rms_eps) if n else None
-        for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].input_layernorm.weight if i + 1 < n else None
-            x, h = layer(i, x, h, ropes[c.layer_pattern[i]], ctx, next_norm)
-            ctx.capture_hidden(i, x)
+        if self.takes_norm_linear(x):
+            pending = None
+            for i, layer in enumerate(layers):
+                x_in, x, mlp_out = layer.forward_small(
+                    i, x, pending, ropes[c.layer_pattern[i]], ctx
+                )
+                if i:
+                    ctx.capture_hidden(i - 1, x_in)
+                pending = (mlp_out, layer.post_feedforward_layernorm.weight)
+            if n:
+                x = _post_norm_add(x, *pending, None, c.rms_eps)[0]
+                ctx.capture_hidden(n - 1, x)
+        else:
+            h = gemma_rms_norm(x, layers[0].input_layernorm.weight, c.rms_eps) if n else None
+            for i, layer in enumerate(layers):
+                next_norm = layers[i + 1].input_layernorm.weight if i + 1 < n else None
+                x, h = layer(i, x, h, ropes[c.layer_pattern[i]], ctx, next_norm)
+                ctx.capture_hidden(i, x)
         hidden = gemma_rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
         logits = parallel_logits(
             hidden, self.lm_head.weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
@@ -531,6 +612,20 @@ class Gemma3ForCausalLM(CausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return ModelOutput(logits, hidden)
+
+    def takes_norm_linear(self, x: torch.Tensor) -> bool:
+        """Whether a step of ``x [T, d]`` runs its layers in :func:`unimem_kernel.norm_linear`
+        launches: at most ``UNIMEM_NORM_LINEAR_ROWS`` rows, the fused kernels on (``_fused``),
+        not batch-invariant mode (the vendor GEMM of larger batches rounds differently), and
+        every layer's q/k/v and gate/up weights one 16/32-bit stack (not FP8)."""
+        rows = min(envs.get("UNIMEM_NORM_LINEAR_ROWS"), NORM_LINEAR_MAX_ROWS)
+        if x.shape[0] > rows or batch_invariant.enabled() or not _fused(x):
+            return False
+        return all(
+            layer.self_attn.qkv.single_weight() is not None
+            and layer.mlp.gate_up.single_weight() is not None
+            for layer in self.model.layers
+        )
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -68,6 +68,17 @@ class StackedRows:
         of its run's stack); False for good once a part was re-pointed."""
         return all(r.intact() for r in self._runs)
 
+    def single_weight(self) -> torch.Tensor | None:
+        """The ``[sum N_i, K]`` stack when every part is a row range of one 16/32-bit stack
+        (one run, not FP8, intact), else None: what a kernel that takes the whole stacked
+        weight (:func:`unimem_kernel.norm_linear`) may multiply by."""
+        if len(self._runs) != 1:
+            return None
+        run = self._runs[0]
+        if run.fp8 or not run.intact():
+            return None
+        return run.stacks[0]
+
     def linear(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``[linear(x, m) for m in modules]``: one GEMM per run over its stack (column views
         of its ``[..., sum N_i]`` output) while the parts are views of it, else one each

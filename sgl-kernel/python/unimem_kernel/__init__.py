@@ -84,6 +84,7 @@ from unimem_kernel.metadata import (
     build_extend_metadata,
     build_extend_metadata_reference,
 )
+from unimem_kernel.norm_gemv import norm_linear, norm_linear_reference
 from unimem_kernel.rope_angles import rope_cos_sin, rope_cos_sin_reference
 from unimem_kernel.state_commit import (
     StateCommitPlan,
@@ -169,6 +170,8 @@ __all__ = [
     "moe_route_reference",
     "norm_add_rms_norm",
     "norm_add_rms_norm_reference",
+    "norm_linear",
+    "norm_linear_reference",
     "rope_cos_sin",
     "rope_cos_sin_reference",
     "rope_qk",

@@ -61,6 +61,13 @@ def _positive_float(raw: str) -> float:
     return v
 
 
+def _rows_limit(raw: str) -> int:
+    v = int(raw)
+    if not 0 <= v <= 64:
+        raise ValueError("expected a row count from 0 to 64")
+    return v
+
+
 _ALL = (
     # kernels (unimem_kernel)
     EnvSwitch(
@@ -92,6 +99,12 @@ _ALL = (
         choices=("separate", "fused"),
     ),
     EnvSwitch(
+        "UNIMEM_NORM_LINEAR_CONFIG",
+        "",
+        "Force one norm_linear tile for every shape ('BN,BK,warps,stages'); unset: the "
+        "tuned table, else the default.",
+    ),
+    EnvSwitch(
         "UNIMEM_MOE_GEMM",
         "auto",
         "The grouped expert GEMM: auto (by rows per expert), triton (the project's tiles) "
@@ -105,6 +118,20 @@ _ALL = (
         "How Gated DeltaNet layers extend on prefill: auto (by cost), fla, triton "
         "(the project's chunked kernel) or off (the recurrent kernel).",
         choices=("auto", "fla", "triton", "off"),
+    ),
+    EnvSwitch(
+        "UNIMEM_NORM_LINEAR_ROWS",
+        16,
+        "Steps of at most this many rows run a layer's norms, projections and gated "
+        "activation as norm_linear launches (Gemma 3; 0: never; at most 64).",
+        parse=_rows_limit,
+    ),
+    EnvSwitch(
+        "UNIMEM_NORM_LINEAR_PLAIN",
+        True,
+        "Whether those steps also take norm_linear for the projections with no norm in "
+        "front (attention output, MLP down); off: the vendor GEMM.",
+        parse=_flag,
     ),
     EnvSwitch(
         "UNIMEM_CACHE_DIR",
