@@ -22,7 +22,8 @@
    1 / 8 / 48 concurrent requests (waves of that many ``Engine.generate`` requests):
    tok/s, ratio, DSPARK's accept length; greedy, and DSPARK sampled at temperature 0.7;
    static == unified memory token for token (greedy, 48); adaptive verify lengths (the
-   confidence head under ``--verify-budget`` rows) against fixed gamma at 48.
+   confidence head under ``--verify-budget`` rows) against fixed gamma at 48; under
+   ``--enable-deterministic-inference``, DSPARK == no speculation token for token at 48.
 
 Prints the GPU, sizes and settings; writes everything to ``--json``. Fails loudly (non-zero
 exit, the reason on stderr) without CUDA, without the prompt files, or when the held-out
@@ -79,7 +80,9 @@ def _args(argv):
     p.add_argument("--concurrency", default="1,8,48")
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--verify-budget", type=int, default=None, help="default: 4 per request")
-    p.add_argument("--skip", default="", help="comma list of: lmhead,sampled,unified,adaptive")
+    p.add_argument(
+        "--skip", default="", help="comma list of: lmhead,sampled,unified,adaptive,deterministic"
+    )
     own, rest = argv, []
     if "--" in argv:
         i = argv.index("--")
@@ -297,6 +300,20 @@ def main(argv: list[str]) -> int:
             "vs_fixed": ada["tok_s"] / runs[("dspark", big)][0]["tok_s"],
         }
         print("adaptive", e2e["adaptive"], flush=True)
+    if "deterministic" not in skip:
+        det = {}
+        for name, kw in (("none", {}), ("dspark", spec_kw)):
+            eng = _engine(args, enable_deterministic_inference=True, **kw)
+            det[name] = _run(eng, ids, big, args.output_len, 0.0)
+            eng.shutdown()
+        e2e["deterministic"] = {
+            "none": det["none"][0],
+            "dspark": det["dspark"][0],
+            "spec_equals_nonspec": sum(
+                a == b for a, b in zip(det["dspark"][1], det["none"][1], strict=True)
+            ),
+        }
+        print("deterministic", e2e["deterministic"], flush=True)
     report["end_to_end"] = e2e
     report["seconds"] = time.perf_counter() - t0
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,8 @@ Drives the real :class:`~unimem.engine.core.EngineCore` — scheduler planning, 
 SWA retirement, lane staging (:mod:`unimem.engine.step_io`), the result ring and the
 accounting of every step — through a steady state of ``--requests`` running requests
 verifying DSPARK chains (gamma 7, page 64, the ``small`` preset's memory spec with the
-default drafter's lanes), over static pools and over a unified arena.
+default drafter's lanes; ``--gamma 0``: decoding one token a step, no drafter), over static
+pools and over a unified arena.
 
 Only the device work is replaced, by something trivial:
 
@@ -102,7 +103,7 @@ def _no_device_bytes() -> None:
 def build(kind: str, args) -> EngineCore:
     cfg = preset("small")
     dcfg = draft_config_for(cfg)
-    spec = memory_spec(cfg, args.page_size, dcfg.lanes())
+    spec = memory_spec(cfg, args.page_size, dcfg.lanes() if args.gamma else ())
     n = args.requests
     total = args.input_len + args.output_len + 2 * (args.gamma + 1)
     full = n * pages_for(total, args.page_size)
@@ -113,7 +114,7 @@ def build(kind: str, args) -> EngineCore:
         del pool
         pool = UnifiedMemory(spec, nbytes, n, cfg.max_context)
     model = SimpleNamespace(config=cfg, device=torch.device("cpu"))
-    chain = SimpleNamespace(
+    chain = None if args.gamma == 0 else SimpleNamespace(
         drafter=SimpleNamespace(config=dcfg),
         gamma=args.gamma,
         verify_width=args.gamma + 1,
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=2048)
-    ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--gamma", type=int, default=7, help="0: plain decoding, no chain")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--warmup", type=int, default=10)
@@ -228,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _no_device_bytes()
     torch.set_num_threads(1)
-    spec = memory_spec(preset("small"), args.page_size, draft_config_for(preset("small")).lanes())
+    lanes = draft_config_for(preset("small")).lanes() if args.gamma else ()
+    spec = memory_spec(preset("small"), args.page_size, lanes)
     lay = MemoryLayout.build(spec)
     units = ", ".join(f"{k.value} {lay.unit_bytes(k) >> 10} KiB" for k in spec.kinds)
+    what = f"verifying, gamma {args.gamma}" if args.gamma else "decoding (no speculation)"
     print(
         f"host work per engine step, CPU, no model compute: small preset ({units}), "
-        f"{args.requests} requests verifying, gamma {args.gamma}, page {args.page_size}"
+        f"{args.requests} requests {what}, page {args.page_size}"
     )
     results = []
     for kind in args.memory.split(","):
