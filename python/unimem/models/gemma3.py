@@ -349,11 +349,12 @@ class Gemma3DecoderLayer(nn.Module):
         return x_in, x_mid, _small_linear(act, mlp.down_proj, mlp.tp, eps)
 
 
-def _small_linear(x: torch.Tensor, proj: nn.Module, tp: TensorParallel, eps: float):
+def _small_linear(x: torch.Tensor, proj: nn.Module, tp: TensorParallel, eps: float) -> torch.Tensor:
     """A row-parallel projection with no norm in front, in a small batch: one plain
-    :func:`unimem_kernel.norm_linear` launch on one rank (``UNIMEM_NORM_LINEAR_PLAIN``), else
-    the vendor GEMM and the all-reduce."""
-    if tp.size == 1 and envs.get("UNIMEM_NORM_LINEAR_PLAIN"):
+    :func:`unimem_kernel.norm_linear` launch on one rank for a 16/32-bit weight
+    (``UNIMEM_NORM_LINEAR_PLAIN``), else :func:`~unimem.models.fp8_linear.row_parallel` (the
+    vendor or FP8 GEMM, and the all-reduce)."""
+    if tp.size == 1 and envs.get("UNIMEM_NORM_LINEAR_PLAIN") and not fp8_linear.is_fp8(proj):
         return norm_linear(x, proj.weight, None, eps)[1]
     return fp8_linear.row_parallel(x, proj, None, tp)
 
