@@ -68,8 +68,13 @@ def _triton(monkeypatch):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "mode,act,zero_centered",
-    [(0, None, False), (1, "silu", False), (2, "gelu_tanh", True), (2, None, True),
-     (1, None, True)],  # fmt: skip
+    [
+        (0, None, False),
+        (1, "silu", False),
+        (2, "gelu_tanh", True),
+        (2, None, True),
+        (1, None, True),
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_matches_reference(device, dtype, mode, act, zero_centered, m):

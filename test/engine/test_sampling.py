@@ -175,7 +175,7 @@ def test_empirical_distribution_matches_the_filtered_softmax(temperature, top_k,
     assert 0.5 * np.abs(got - want).sum() < TV_BOUND, (got, want)
 
 
-def _top_p_one_too_many(scaled, top_k, top_p, min_p):
+def _top_p_one_too_many(scaled, top_k, top_p, min_p, bounded_top_k=False):
     """keep_threshold whose top-p keeps one more token than it should (a wrong filter)."""
     desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
     probs = torch.softmax(desc, dim=-1)
@@ -415,11 +415,18 @@ def test_gpu_sampled_cuda_graph_decode_is_sync_free_and_equals_eager():
             torch.cuda.set_sync_debug_mode("default")
         return [r.output for r in reqs]
 
-    graphed = run(True, opts, sync_debug=True)
+    graphed = run(True, opts, sync_debug=True)  # every sampled lane bounded (top-k 50)
     assert graphed == run(False, opts, sync_debug=False)
     greedy = run(True, [None] * 4, sync_debug=False)
     assert [graphed[i] for i in (0, 2)] == [greedy[i] for i in (0, 2)]
     assert all(graphed[i] != greedy[i] for i in (1, 3))
+    # one lane without top-k: the general variant (whole-row sort) runs; the bounded lane
+    # draws the same tokens as in the bounded variant
+    mixed = list(opts)
+    mixed[3] = SamplingOptions(temperature=0.8, top_p=0.9, min_p=0.02, seed=3)
+    graphed_mixed = run(True, mixed, sync_debug=True)
+    assert graphed_mixed == run(False, mixed, sync_debug=False)
+    assert graphed_mixed[1] == graphed[1]
 
 
 def test_filters_in_row_chunks_equal_the_whole_batch(monkeypatch):
@@ -443,3 +450,68 @@ def test_filters_in_row_chunks_equal_the_whole_batch(monkeypatch):
     chunked_p = sampling_mod.filtered_probs(logits, temperature, top_k, top_p, min_p)
     assert torch.equal(chunked_p, whole_p)
     assert torch.allclose(chunked_p.sum(-1), torch.ones(n))
+
+
+BOUNDED_CONFIGS = [c for c in CONFIGS if 0 < c[1] <= 6]
+
+
+@pytest.mark.parametrize("bounded_only", [False, True], ids=["mixed_batch", "bounded_batch"])
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", BOUNDED_CONFIGS)
+def test_bounded_top_k_rows_sample_the_filtered_softmax(
+    monkeypatch, temperature, top_k, top_p, min_p, bounded_only
+):
+    """A row with 0 < top_k <= TOP_K_BOUND is cut among its TOP_K_BOUND largest logits (the
+    bound lowered to 6 of the 8 tokens here): the same filtered softmax, in a batch of any
+    kind."""
+    monkeypatch.setattr(sampling_mod, "TOP_K_BOUND", 6)
+    want = _expected(LOGITS, temperature, top_k, top_p, min_p)
+    n = SEEDS
+    logits = LOGITS.expand(n, -1).contiguous()
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 + 13
+    positions = torch.full((n,), 7, dtype=torch.int64)
+    rows = _rows(n, temperature, top_k, top_p, min_p)
+    out = sample(logits, *rows, seeds, positions, bounded_top_k=bounded_only)
+    got = np.bincount(out.numpy(), minlength=len(LOGITS)) / n
+    assert np.all(got[want == 0] == 0)
+    assert 0.5 * np.abs(got - want).sum() < TV_BOUND, (got, want)
+
+
+def test_a_bounded_row_draws_the_same_in_any_batch(monkeypatch):
+    """Which cut-off rule a row takes depends on its own top-k only: bounded rows give the
+    same cut-offs, probabilities and tokens beside unbounded rows (the whole-row sort runs)
+    and in a batch promised bounded (it does not); unbounded rows keep the whole-row rule."""
+    monkeypatch.setattr(sampling_mod, "TOP_K_BOUND", 16)
+    g = torch.Generator().manual_seed(3)
+    n, vocab = 12, 97
+    logits = torch.randn(n, vocab, generator=g) * 3
+    temperature = torch.rand(n, generator=g) + 0.3
+    top_k = torch.randint(1, 17, (n,), generator=g, dtype=torch.int32)
+    top_k[1::3] = -1  # unbounded rows in the mixed batch
+    top_p = torch.rand(n, generator=g).clamp(min=0.3)
+    min_p = torch.rand(n, generator=g) * 0.1
+    seeds = torch.arange(n, dtype=torch.int64) + 5
+    positions = torch.arange(n, dtype=torch.int64) + 9
+    bounded = top_k > 0
+    args = (logits, temperature, top_k, top_p, min_p)
+    mixed_p = sampling_mod.filtered_probs(*args)
+    mixed_tok = sample(*args, seeds, positions)
+    sub = [t[bounded] for t in args]
+    only_p = sampling_mod.filtered_probs(*sub, bounded_top_k=True)
+    only_tok = sample(*sub, seeds[bounded], positions[bounded], bounded_top_k=True)
+    assert torch.equal(mixed_p[bounded], only_p)
+    assert torch.equal(mixed_tok[bounded], only_tok)
+    # the unbounded rows: exactly the whole-row rule
+    scaled = logits / temperature[:, None]
+    desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    full = sampling_mod._cut(desc, torch.softmax(desc, -1), top_k, top_p, min_p)
+    cut = sampling_mod.keep_threshold(scaled, top_k, top_p, min_p)
+    assert torch.equal(cut[~bounded], full[~bounded])
+    # and the two rules agree on these rows' cut-offs where both apply
+    assert torch.equal(cut[bounded], full[bounded])
+
+
+def test_bounded_top_k_promise():
+    assert SamplingOptions().bounded_top_k  # greedy
+    assert SamplingOptions(temperature=0.7, top_k=64).bounded_top_k
+    assert not SamplingOptions(temperature=0.7).bounded_top_k
+    assert not SamplingOptions(temperature=0.7, top_k=sampling_mod.TOP_K_BOUND + 1).bounded_top_k

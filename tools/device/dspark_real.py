@@ -20,7 +20,8 @@
    ``--output-len`` tokens for every run), DSPARK at gamma ``--gamma`` with the trained
    drafter and no acceptance control (the Engine has none) against no speculation, at
    1 / 8 / 48 concurrent requests (waves of that many ``Engine.generate`` requests):
-   tok/s, ratio, DSPARK's accept length; greedy, and DSPARK sampled at temperature 0.7;
+   tok/s, ratio, DSPARK's accept length; greedy, and DSPARK sampled at temperature 0.7 (with
+   no top-k, and with Gemma 3's own top-k 64 / top-p 0.95);
    static == unified memory token for token (greedy, 48); adaptive verify lengths (the
    confidence head under ``--verify-budget`` rows) against fixed gamma at 48; under
    ``--enable-deterministic-inference``, DSPARK == no speculation token for token at 48.
@@ -161,12 +162,14 @@ def _engine(args, **kw):
     return Engine(model_path=args.model_path, device=args.device, **kw)
 
 
-def _run(engine, ids, conc, output_len, temperature) -> dict:
-    """Waves of ``conc`` requests over ``ids``; tok/s over all, accept length, outputs."""
+def _run(engine, ids, conc, output_len, temperature, **extra) -> dict:
+    """Waves of ``conc`` requests over ``ids``; tok/s over all, accept length, outputs.
+    ``extra``: more sampling parameters (top_k, top_p)."""
     params = [
-        {"max_new_tokens": output_len, "ignore_eos": True, "temperature": temperature, "seed": i}
+        {"max_new_tokens": output_len, "ignore_eos": True, "temperature": temperature, "seed": i,
+         **extra}
         for i in range(len(ids))
-    ]
+    ]  # fmt: skip
     from unimem_kernel.timing import wall_clock
 
     engine.generate(input_ids=ids[: min(2, len(ids))], sampling_params=params[:2])  # warm
@@ -253,6 +256,11 @@ def main(argv: list[str]) -> int:
     for c in concs:
         runs[("none", c)] = _run(eng, ids, c, args.output_len, 0.0)
         print("no spec", runs[("none", c)][0], flush=True)
+    if "sampled" not in skip:
+        for key, extra in (("", {}), ("_top_k_64", {"top_k": 64, "top_p": 0.95})):
+            r = _run(eng, ids, max(concs), args.output_len, 0.7, **extra)[0]
+            e2e[f"none_temperature_0.7{key}"] = r
+            print(f"no spec t=0.7{key}", r, flush=True)
     eng.shutdown()
     eng = _engine(args, **spec_kw)
     for c in concs:
@@ -261,6 +269,11 @@ def main(argv: list[str]) -> int:
     if "sampled" not in skip:
         e2e["dspark_temperature_0.7"] = _run(eng, ids, max(concs), args.output_len, 0.7)[0]
         print("dspark t=0.7", e2e["dspark_temperature_0.7"], flush=True)
+        # Gemma 3's own generation defaults (top-k 64, top-p 0.95): the bounded filters
+        e2e["dspark_temperature_0.7_top_k_64"] = _run(
+            eng, ids, max(concs), args.output_len, 0.7, top_k=64, top_p=0.95
+        )[0]
+        print("dspark t=0.7 top-k 64", e2e["dspark_temperature_0.7_top_k_64"], flush=True)
     eng.shutdown()
     e2e["greedy"] = [
         {

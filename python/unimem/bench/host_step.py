@@ -114,14 +114,18 @@ def build(kind: str, args) -> EngineCore:
         del pool
         pool = UnifiedMemory(spec, nbytes, n, cfg.max_context)
     model = SimpleNamespace(config=cfg, device=torch.device("cpu"))
-    chain = None if args.gamma == 0 else SimpleNamespace(
-        drafter=SimpleNamespace(config=dcfg),
-        gamma=args.gamma,
-        verify_width=args.gamma + 1,
-        control=None,
-        adaptive=False,
-        verify_lengths="fixed",
-        verify_budget=None,
+    chain = (
+        None
+        if args.gamma == 0
+        else SimpleNamespace(
+            drafter=SimpleNamespace(config=dcfg),
+            gamma=args.gamma,
+            verify_width=args.gamma + 1,
+            control=None,
+            adaptive=False,
+            verify_lengths="fixed",
+            verify_budget=None,
+        )
     )
     core_mod.ModelRunner = StubRunner
     try:

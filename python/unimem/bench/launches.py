@@ -6,8 +6,9 @@ without a GPU: every aten op that launches a kernel (``TorchDispatchMode``; view
 and other metadata ops launch nothing and are skipped) and every Triton kernel launch
 (``JITFunction.run`` / the interpreter's ``InterpretedFunction.run``), each attributed to the
 decoder layer whose method is on the Python stack (a frame whose ``self`` is one of the
-model's layers: its ``forward``, or another body such as Gemma 3's ``forward_small``), or to the step's body outside the layers (embedding, RoPE tables, final
-norm, LM head, sampling, metadata, the step's tail).
+model's layers: its ``forward``, or another body such as Gemma 3's ``forward_small``), or to
+the step's body outside the layers (embedding, RoPE tables, final norm, LM head, sampling,
+metadata, the step's tail).
 
 The attention backend's ``attend`` counts as **one** launch whatever it runs: the CPU
 reference backend runs a chain of torch ops that stand for FA4's one kernel (two at the

@@ -40,7 +40,9 @@ def default_buckets(max_bs: int) -> tuple[int, ...]:
 
 
 class StepGraphs:
-    """Recorded ``step(width)`` for each of ``buckets`` (module docstring)."""
+    """Recorded ``step(width)`` for each of ``buckets`` (module docstring), in ``pool`` (a
+    memory pool handle shared with other graphs that never replay at the same time; default:
+    a new one)."""
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class StepGraphs:
         prepare: Callable[[int], None],
         buckets: Sequence[int],
         device: torch.device,
+        pool: tuple | None = None,
     ) -> None:
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -56,7 +59,10 @@ class StepGraphs:
         self.buckets = tuple(sorted(set(buckets)))
         self.device = device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        pool = torch.cuda.graph_pool_handle()
+        # graphs that never replay at once may share one pool (their outputs live in the
+        # runner's fixed buffers, not in the pool)
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        pool = self.pool
         side = torch.cuda.Stream(device)
         for width in reversed(self.buckets):
             prepare(width)

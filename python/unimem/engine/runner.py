@@ -34,6 +34,7 @@ in verify, :mod:`unimem.speculative.spec_sampling`), never on its batch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -138,6 +139,7 @@ class ModelRunner:
             self.drafts = self.verifier.drafts
         self.graphs: StepGraphs | None = None
         self.sample_graphs: StepGraphs | None = None
+        self.bounded_sample_graphs: StepGraphs | None = None
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError("cuda_graphs needs a pool on a CUDA device")
@@ -149,6 +151,11 @@ class ModelRunner:
                 self.sample_graphs = StepGraphs(
                     self._sampling_step, self.lanes.pad, buckets, self.device
                 )
+                # batches whose sampled lanes all have a small top-k: no whole-row sort
+                self.bounded_sample_graphs = StepGraphs(
+                    functools.partial(self._sampling_step, bounded_top_k=True),
+                    self.lanes.pad, buckets, self.device, pool=self.sample_graphs.pool,
+                )  # fmt: skip
 
     @property
     def verify_lens_override(self) -> torch.Tensor | None:
@@ -214,11 +221,14 @@ class ModelRunner:
             width,
         )
         draw = any(not r.sampling.greedy for r in batch.reqs)
-        graphs = self.sample_graphs if draw else self.graphs
+        bounded = draw and all(r.sampling.bounded_top_k for r in batch.reqs)
+        graphs = self.graphs
+        if draw:
+            graphs = self.bounded_sample_graphs if bounded else self.sample_graphs
         if graphs is not None:
             graphs.replay(width)
         elif draw:
-            self._sampling_step(width)
+            self._sampling_step(width, bounded)
         else:
             self._uniform_step(width)
         return bs
@@ -229,11 +239,11 @@ class ModelRunner:
         else:
             self._decode_step(width)
 
-    def _sampling_step(self, width: int) -> None:
+    def _sampling_step(self, width: int, bounded_top_k: bool = False) -> None:
         if self.chain is not None:
-            self._verify_step(width, draw=True)
+            self._verify_step(width, draw=True, bounded_top_k=bounded_top_k)
         else:
-            self._decode_step(width, draw=True)
+            self._decode_step(width, draw=True, bounded_top_k=bounded_top_k)
 
     @staticmethod
     def _pick(
@@ -244,7 +254,9 @@ class ModelRunner:
         if params is None:
             return torch.argmax(logits, dim=-1)
         p = params
-        return sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.seeds, positions)
+        return sample(
+            logits, p.temperature, p.top_k, p.top_p, p.min_p, p.seeds, positions, p.bounded_top_k
+        )
 
     # ----------------------------------------------------------------------------- extend
 
@@ -309,10 +321,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- decode
 
-    def _decode_step(self, width: int, draw: bool = False) -> None:
+    def _decode_step(self, width: int, draw: bool = False, bounded_top_k: bool = False) -> None:
         """One token per lane: each lane feeds its row's next token at its row's length and
-        picks the next by argmax, or with ``draw`` by its row's sampling parameters.
-        Device inputs only (capturable)."""
+        picks the next by argmax, or with ``draw`` by its row's sampling parameters
+        (``bounded_top_k``: the host's promise of :class:`SamplingRows`). Device inputs only
+        (capturable)."""
         rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
         seq_lens, input_ids = self.state.read(rows)
         pool = self.pool
@@ -327,7 +340,7 @@ class ModelRunner:
             sampled, _ = greedy_logprob(logits, self.out.logprobs[:width, 0])
             self.state.commit(rows, seq_lens, sampled, sampled[:, None], self.out)
             return
-        params = self.sampling.read(rows) if draw else None
+        params = self.sampling.read(rows, bounded_top_k) if draw else None
         # the input token sits at index seq_lens; the sampled one at seq_lens + 1 (a sampling
         # lane's position; greedy picks need none)
         positions = seq_lens.long() + 1 if params is not None else None
@@ -343,18 +356,19 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- verify
 
-    def _verify_step(self, width: int, draw: bool = False) -> None:
+    def _verify_step(self, width: int, draw: bool = False, bounded_top_k: bool = False) -> None:
         """One chain step for every lane
         (:meth:`~unimem.speculative.verify_step.VerifyStep.run`): the lanes' rows, slots,
         lengths and anchors from the device state, and with ``draw`` their sampling
-        parameters; each lane's row is committed into the device state and the step's
-        outputs. Device inputs only (capturable)."""
+        parameters (``bounded_top_k``: the host's promise of :class:`SamplingRows`); each
+        lane's row is committed into the device state and the step's outputs. Device inputs
+        only (capturable)."""
         rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
         seq_lens, anchors = self.state.read(rows)
         lanes = VerifyLanes(
             rows, vslots, self.lanes.rids(width), seq_lens, anchors, self._state_slots(vslots)
         )
-        params = self.sampling.read(rows) if draw else None
+        params = self.sampling.read(rows, bounded_top_k) if draw else None
 
         def commit(bonus, tokens, accepted, write_slots):
             return self.state.commit(rows, seq_lens, bonus, tokens, self.out, accepted, write_slots)

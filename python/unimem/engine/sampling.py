@@ -15,6 +15,7 @@ from unimem.models.sampler import (
     filtered_probs,
     gumbel_noise,
     hash_uniform,
+    is_bounded_top_k,
     keep_threshold,
     sample,
 )
@@ -70,6 +71,12 @@ class SamplingOptions:
     @property
     def greedy(self) -> bool:
         return self.temperature == GREEDY_TEMPERATURE
+
+    @property
+    def bounded_top_k(self) -> bool:
+        """Whether a step's filters may take this request as bounded (greedy, or ``0 <
+        top_k <= TOP_K_BOUND``: :attr:`unimem.models.sampler.SamplingRows.bounded_top_k`)."""
+        return is_bounded_top_k(self.temperature, self.top_k)
 
 
 GREEDY = SamplingOptions()

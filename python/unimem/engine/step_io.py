@@ -137,14 +137,17 @@ class DeviceSamplingState:
         self.ints[:, idx] = ints
 
     @staticmethod
-    def lanes(floats: torch.Tensor, ints: torch.Tensor) -> SamplingRows:
-        """:class:`SamplingRows` view of ``floats [3, bs]`` / ``ints [2, bs]``."""
-        return SamplingRows(floats[0], ints[0].int(), floats[1], floats[2], ints[1])
+    def lanes(
+        floats: torch.Tensor, ints: torch.Tensor, bounded_top_k: bool = False
+    ) -> SamplingRows:
+        """:class:`SamplingRows` view of ``floats [3, bs]`` / ``ints [2, bs]`` (with the
+        host's ``bounded_top_k`` promise)."""
+        return SamplingRows(floats[0], ints[0].int(), floats[1], floats[2], ints[1], bounded_top_k)
 
-    def read(self, rows: torch.Tensor) -> SamplingRows:
+    def read(self, rows: torch.Tensor, bounded_top_k: bool = False) -> SamplingRows:
         """The parameters of ``rows [bs]`` (gathers; no host read)."""
         idx = rows.long()
-        return self.lanes(self.floats[:, idx], self.ints[:, idx])
+        return self.lanes(self.floats[:, idx], self.ints[:, idx], bounded_top_k)
 
 
 class StepLanes:
