@@ -38,18 +38,20 @@ SHAPES = {
 EPS = 1e-6
 
 
-def candidates(n_out: int) -> list[str]:
-    """Tiles worth timing: 16-64 output columns per program (at least 8 programs), 64-256 of
-    ``K`` a step, a few (warps, stages) pairs."""
+def candidates(n_out: int, rows: int) -> list[str]:
+    """Tiles worth timing. One row (CUDA cores): 4-16 output columns per program, 256-1024
+    of ``K`` a step; more rows (tensor cores): 16-32 columns, 64-256 of ``K``; a few (warps,
+    stages) pairs each, at most 8192 weight elements a step, at least 8 programs."""
+    if rows == 1:
+        sizes, pairs = ((4, 8, 16), (256, 512, 1024)), ((4, 1), (4, 3), (8, 2))
+    else:
+        sizes, pairs = ((16, 32), (64, 128, 256)), ((4, 3), (4, 4), (8, 3))
     out = []
-    for bn in (16, 32, 64):
-        if n_out // bn < 8:
-            continue
-        for bk in (64, 128, 256):
-            if bn * bk > 64 * 128:
+    for bn in sizes[0]:
+        for bk in sizes[1]:
+            if bn * bk > 8192 or n_out // bn < 8:
                 continue
-            for warps, stages in ((4, 2), (4, 4), (2, 4), (8, 3)):
-                out.append(f"{bn},{bk},{warps},{stages}")
+            out += [f"{bn},{bk},{w},{st}" for w, st in pairs]
     return out
 
 
@@ -94,7 +96,7 @@ def measure(name: str, m: int, gen: torch.Generator, dev, deadline: float) -> di
     ref_kw = {**kw, "delta": f32(d), "post_weight": f32(pw)}
     ref = norm_linear_reference(x.float(), w.float(), f32(nw), EPS, **ref_kw)[1]
     out = {"shape": name, "rows": m, "chain_us": us(chain), "tiles": {}, "wrong": []}
-    for spec in candidates(w.shape[0] // 2 if act else w.shape[0]):
+    for spec in candidates(w.shape[0] // 2 if act else w.shape[0], m):
         cfg = NormLinearConfig.parse(spec)
         got = norm_linear_triton(x, w, nw, EPS, config=cfg, **kw)[1]
         err = ((got.float() - ref).norm() / ref.norm()).item()
@@ -125,9 +127,9 @@ def main(argv=None) -> int:
     deadline = time.time() + args.budget_s
     rows, table, wrong = [], {}, 0
     print(f"GPU {gpu}, bf16, torch {torch.__version__}", flush=True)
-    for name in args.shapes:
-        n, k, _, act = SHAPES[name]
-        for m in (int(r) for r in args.rows.split(",")):
+    for m in (int(r) for r in args.rows.split(",")):  # every shape at one row count first
+        for name in args.shapes:
+            n, k, _, act = SHAPES[name]
             r = measure(name, m, gen, dev, deadline)
             wrong += len(r["wrong"])
             rows.append(r)

@@ -33,9 +33,12 @@ Nothing is read on the host; the call can be recorded in a CUDA graph after a fi
 (Triton compiles on first use).
 
 Tiles: ``BLOCK_N`` output columns per program (both halves' columns with an activation),
-``BLOCK_K`` per loop step, from the tuned table ``norm_gemv_configs.json`` (GPU name ->
+``BLOCK_K`` per loop step. One row runs a one-row tile on the CUDA cores (``BLOCK_N`` from 4:
+more programs over a narrow output); more rows a tensor-core tile of at least 16 rows and
+columns. From the tuned table ``norm_gemv_configs.json`` (GPU name ->
 ``"N,K,act"`` -> ``[[max_rows, "BN,BK,warps,stages"], ...]``, written by the micro-benchmark's
-sweep, ``sgl-kernel/benchmark/bench_norm_gemv.py``), else :data:`DEFAULT_CONFIG`;
+sweep, ``sgl-kernel/benchmark/bench_norm_gemv.py``),
+else :data:`DEFAULT_CONFIG` (:data:`DEFAULT_ONE_ROW_CONFIG` for one row);
 ``UNIMEM_NORM_LINEAR_CONFIG`` forces one.
 """
 
@@ -59,6 +62,7 @@ from unimem_kernel.rounding import INTERPRETED, round_rne
 __all__ = [
     "ACTS",
     "DEFAULT_CONFIG",
+    "DEFAULT_ONE_ROW_CONFIG",
     "MAX_ROWS",
     "NormLinearConfig",
     "norm_linear",
@@ -68,7 +72,8 @@ __all__ = [
 ]
 
 MAX_ROWS = 64
-"""Most rows the kernel takes (its row tile, a power of two >= 16, covers them all)."""
+"""Most rows the kernel takes (its row tile covers them all: one row, or a power of two >= 16
+for the tensor cores)."""
 
 ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
 """The activations (``act``) and their kernel codes."""
@@ -94,17 +99,22 @@ class NormLinearConfig:
             cfg = cls(*(int(v) for v in spec.split(",")))
         except (TypeError, ValueError):
             raise ValueError(f"norm_linear config {spec!r} is not 'BN,BK,warps,stages'") from None
-        for v in (cfg.block_n, cfg.block_k):
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"norm_linear config {spec!r}: tiles are powers of 2 >= 16")
+        for v, least in ((cfg.block_n, 4), (cfg.block_k, 16)):
+            if v < least or v & (v - 1):
+                raise ValueError(
+                    f"norm_linear config {spec!r}: BN is a power of 2 >= 4, BK one >= 16"
+                )
         if cfg.num_warps not in (1, 2, 4, 8) or cfg.num_stages < 1:
             raise ValueError(f"norm_linear config {spec!r}: warps 1/2/4/8, stages >= 1")
         return cfg
 
 
 DEFAULT_CONFIG = NormLinearConfig(16, 128, 4, 4)
-"""The tile without a tuned entry: 16 columns per program (a few hundred programs for
-the projections of a small model), 128 of ``K`` a step, loads four steps ahead."""
+"""The tile of several rows without a tuned entry: 16 columns per program (a few hundred
+programs for the projections of a small model), 128 of ``K`` a step, loads four steps ahead."""
+
+DEFAULT_ONE_ROW_CONFIG = NormLinearConfig(8, 256, 4, 2)
+"""The tile of one row without a tuned entry: 8 columns per program, 256 of ``K`` a step."""
 
 TUNED_CONFIGS = Path(__file__).with_name("norm_gemv_configs.json")
 
@@ -131,7 +141,7 @@ def norm_linear_config(
         for max_rows, cfg in _tuned(torch.cuda.get_device_name(device)).get(key, []):
             if rows <= max_rows:
                 return cfg
-    return DEFAULT_CONFIG
+    return DEFAULT_ONE_ROW_CONFIG if rows == 1 else DEFAULT_CONFIG
 
 
 # ------------------------------------------------------------------------- the kernel
@@ -155,9 +165,10 @@ def _stream_chunk(x_rows, d_rows, pw_ptr, k0, ks, kmask, mk, rstd_d, dt: tl.cons
 
 @triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr):
-    """``acc + a @ b`` in fp32; under the interpreter (whose dot is numpy's matmul, which
-    takes no bf16) widened and summed over K explicitly."""
-    if INTERPRETED:
+    """``acc + a @ b`` in fp32. A one-row tile (and the interpreter, whose dot is numpy's
+    matmul, which takes no bf16) multiplies in fp32 and sums over K on the CUDA cores; larger
+    tiles take the tensor cores."""
+    if INTERPRETED or a.shape[0] == 1:
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
@@ -313,15 +324,18 @@ def norm_linear_triton(
     if m == 0:
         return stream, y
     d = delta if delta is not None else x
-    _norm_linear_kernel[(triton.cdiv(nout, cfg.block_n),)](
+    # one row: a one-row tile on the CUDA cores (any BN); more: a tensor-core tile (>= 16)
+    block_m = 1 if m == 1 else max(16, next_pow2(m))
+    block_n = cfg.block_n if m == 1 else max(16, cfg.block_n)
+    _norm_linear_kernel[(triton.cdiv(nout, block_n),)](
         x, d, post_weight if post_weight is not None else x,
         norm_weight if norm_weight is not None else x, weight,
         stream if stream is not None else y, y,
         m, nout, k, x.stride(0), d.stride(0), weight.stride(0), y.stride(0), float(eps),
         HAS_DELTA=delta is not None, HAS_NORM=norm_weight is not None,
         ZERO_CENTERED=bool(zero_centered), ACT=ACTS[act],
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=max(16, next_pow2(m)),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return stream, y
