@@ -587,6 +587,7 @@ class Gemma3ForCausalLM(CausalLM):
         x = x * self.embed_scale
         layers = self.model.layers
         n = len(layers)
+        hidden = None
         if self.takes_norm_linear(x):
             pending = None
             for i, layer in enumerate(layers):
@@ -597,7 +598,10 @@ class Gemma3ForCausalLM(CausalLM):
                     ctx.capture_hidden(i - 1, x_in)
                 pending = (mlp_out, layer.post_feedforward_layernorm.weight)
             if n:
-                x = _post_norm_add(x, *pending, None, c.rms_eps)[0]
+                # every row needs logits, in order (decode, verify): the last post-norm, the
+                # add and the final norm in one launch
+                final = self.model.norm.weight if ctx.logits_rows(x) is x else None
+                x, hidden = _post_norm_add(x, *pending, final, c.rms_eps)
                 ctx.capture_hidden(n - 1, x)
         else:
             h = gemma_rms_norm(x, layers[0].input_layernorm.weight, c.rms_eps) if n else None
@@ -605,7 +609,8 @@ class Gemma3ForCausalLM(CausalLM):
                 next_norm = layers[i + 1].input_layernorm.weight if i + 1 < n else None
                 x, h = layer(i, x, h, ropes[c.layer_pattern[i]], ctx, next_norm)
                 ctx.capture_hidden(i, x)
-        hidden = gemma_rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
+        if hidden is None:
+            hidden = gemma_rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
         logits = parallel_logits(
             hidden, self.lm_head.weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
         )
