@@ -143,3 +143,20 @@ def test_config_parse_and_force(monkeypatch):
     assert nl.norm_linear_config(8, 1536, 640, None, dev) == nl.DEFAULT_CONFIG
     monkeypatch.setenv("UNIMEM_NORM_LINEAR_CONFIG", "64,32,8,2")
     assert nl.norm_linear_config(1, 1536, 640, None, dev) == nl.NormLinearConfig(64, 32, 8, 2)
+
+
+def test_the_tuned_table_parses():
+    """The committed table (``norm_gemv_configs.json``): per GPU and ``"N,K,act"`` key, row
+    limits ascending, every tile valid."""
+    import json
+
+    table = json.loads(nl.TUNED_CONFIGS.read_text())
+    assert table, "the tuned table is empty"
+    for gpu in table:
+        for key, rows in nl._tuned(gpu).items():
+            n, k, act = key.split(",")
+            assert int(n) > 0 and int(k) > 0 and (act == "none" or act in nl.ACTS)
+            limits = [r for r, _ in rows]
+            assert limits == sorted(limits) and all(
+                isinstance(c, nl.NormLinearConfig) for _, c in rows
+            )

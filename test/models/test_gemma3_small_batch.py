@@ -64,8 +64,8 @@ def test_small_body_equals_layer_body(model, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(norm_gemv, "norm_linear_triton", spy)
-    x = torch.zeros(len(prompts), model.config.d_model)
-    assert model.takes_norm_linear(x)
+    monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", "16")
+    assert model.takes_norm_linear(torch.zeros(len(prompts), model.config.d_model))
     small, small_hidden = _decode(model, prompts, 16, monkeypatch)
     n_layers = len(model.model.layers)
     # per layer: q/k/v with its norms, o_proj, gate/up with GeGLU, down
@@ -84,6 +84,9 @@ def test_small_body_equals_layer_body(model, monkeypatch):
 def test_when_the_small_body_runs(model, monkeypatch):
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
     x = torch.zeros(16, model.config.d_model)
+    assert model.takes_norm_linear(x[:1])  # by default: one-row steps only
+    assert not model.takes_norm_linear(x[:2])
+    monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", "16")
     assert model.takes_norm_linear(x)
     assert not model.takes_norm_linear(torch.zeros(17, model.config.d_model))
     monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", "0")

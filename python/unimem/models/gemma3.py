@@ -25,9 +25,9 @@ Architecture (``d`` = hidden size), numerics as in transformers' ``modeling_gemm
   to the model dtype and the rotation runs in the model dtype, as HF does;
 * MLP: GeGLU with the tanh-approximated GELU, ``down(gelu_tanh(gate(x)) * up(x))``.
 
-Small batches (decode and short verify steps of at most ``UNIMEM_NORM_LINEAR_ROWS`` rows on
-the fused kernels, outside deterministic mode) run each layer in five launches around the
-attention: a post-norm, its residual add and the next pre-norm go in front of the q/k/v and
+Small steps (at most ``UNIMEM_NORM_LINEAR_ROWS`` rows, by default 1: a one-request decode
+step; on the fused kernels, outside deterministic mode) run each layer in four launches around
+the attention: a post-norm, its residual add and the next pre-norm go in front of the q/k/v and
 the gate/up projections and GeGLU behind the latter (:func:`unimem_kernel.norm_linear`), so
 a layer's stream is materialised by the next layer's first launch (the drafter's hidden
 capture follows it there). The math and its roundings are the unfused chain's.
