@@ -87,3 +87,11 @@ def test_allocator_suite_checks_its_logic_on_the_cpu(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert {r["op"] for r in rows} == {"admit", "retire", "compact", "alloc", "free", "move"}
     assert all(r["host_us"] > 0 for r in rows)
+
+
+def test_sampler_suite_dry_run_checks_the_rule_per_row(tmp_path):
+    path = tmp_path / "sampler.json"
+    out = _bench("sampler", "--device", "cpu", "--json", str(path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(path.read_text())
+    assert report["rule_is_per_row"] and [r["rows"] for r in report["rows"]] == [1, 4]

@@ -31,6 +31,7 @@ SUITES: dict[str, tuple[str | None, str]] = {
     "prefill": ("prefill", "time to first token of long prompts: recurrent GDN vs fla (GPU)"),
     "allocator": ("allocator", "launches, device and host time of the allocator's operations"),
     "decode-floor": ("decode_floor", "a decode step against its floor and llama.cpp (GPU)"),
+    "sampler": ("sampler", "the sampler's filters with a bounded top-k vs the whole-row sort"),
 }
 
 
