@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Issue 47 on one GPU, one device call, from the repository root:
 #   MODEL=/path/to/model [GGUF=/path/to/model.gguf] [LLAMA_BIN=/tmp/llcpp/llama.cpp/build/bin] \
-#   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor"] bash tools/device/gpu_decode_floor.sh
-# tests: the GPU tests of the new fused kernels (post-norm + add + norm, q/k norms inside the
-#   RoPE + K/V store, gpt-oss's clamped SwiGLU) at real shapes (batch invariance included);
+#   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor layer-body sampler sweep"] bash tools/device/gpu_decode_floor.sh
+# tests: the GPU tests of the fused kernels (post-norm + add + norm, q/k norms inside the
+#   RoPE + K/V store, gpt-oss's clamped SwiGLU, norm_linear) at real shapes (batch invariance
+#   included) and of the sampler (the bounded top-k graphs among them);
 # floor: `python -m unimem bench decode-floor` (static and unified waves of 1 / 8 / 48 x 256 tokens,
 #   profiler kernels per layer, GPU time against its floor, the synthetic model's kernels per
 #   layer, llama.cpp's batched-bench and server when GGUF and LLAMA_BIN are given, and
 #   torch.compile against the fused kernels with COMPILE=1).
+# layer-body: the same bench at 1 and 8 requests with UNIMEM_NORM_LINEAR_ROWS=0 (every layer
+#   in its ten launches), to set against floor's one-row norm_linear body -> decode_floor_layered.json;
+# sweep: sgl-kernel/benchmark/bench_norm_gemv.py (norm_linear's tiles against the launches it
+#   replaces, 1 / 8 / 16 rows) -> bench_norm_gemv.json and norm_gemv_configs.json;
+# sampler: `python -m unimem bench sampler` (bounded top-k against the whole-row sort) -> sampler.json.
 # Output: $OUT (or ./gpu-out): decode_floor.json and gpu_decode_floor.log; also copied to
 # docs/results/decode_floor_h200.json when OUT is not given. Exit 1 if any part failed.
 set -uo pipefail
@@ -17,7 +23,7 @@ log="$out/gpu_decode_floor.log"
 step_timeout=${STEP_TIMEOUT:-540}
 source tools/device/gpu_env.sh
 : "${MODEL:?set MODEL to the model (an HF directory or a .gguf)}"
-parts=${PARTS:-tests floor}
+parts=${PARTS:-tests floor layer-body sampler}
 status=0
 gpu_banner
 for part in $parts; do
@@ -25,7 +31,19 @@ for part in $parts; do
   case "$part" in
     tests)
       run python3 -m pytest -q -m gpu sgl-kernel/tests/test_fused_ops.py \
-        sgl-kernel/tests/test_kv_store.py -k "norm_add or qk_norm or clamped" || status=1 ;;
+        sgl-kernel/tests/test_kv_store.py -k "norm_add or qk_norm or clamped" || status=1
+      run python3 -m pytest -q -m gpu sgl-kernel/tests/test_norm_gemv.py \
+        test/engine/test_sampling.py || status=1 ;;
+    layer-body)
+      args=(--model-path "$MODEL" --json "$out/decode_floor_layered.json" --concurrency 1,8
+            --no-synthetic)
+      [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
+      run env UNIMEM_NORM_LINEAR_ROWS=0 python3 -m unimem bench decode-floor "${args[@]}" || status=1 ;;
+    sweep)
+      run python3 sgl-kernel/benchmark/bench_norm_gemv.py --rows 1,8,16 \
+        --json "$out/bench_norm_gemv.json" --configs-out "$out/norm_gemv_configs.json" || status=1 ;;
+    sampler)
+      run python3 -m unimem bench sampler --json "$out/sampler.json" || status=1 ;;
     floor)
       args=(--model-path "$MODEL" --json "$out/decode_floor.json")
       [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
