@@ -61,7 +61,10 @@ import triton.language as tl
 
 from unimem_kernel import envs
 from unimem_kernel._dispatch import kernel_op, next_pow2, records_autograd
-from unimem_kernel.fused_common import FUSED_SWITCH, acc_dtype, check_device, check_float
+from unimem_kernel.batch_invariant import bi_rms_norm_reference
+from unimem_kernel.fused_activations import gelu_tanh_mul_reference, silu_mul_reference
+from unimem_kernel.fused_common import FUSED_SWITCH, check_device, check_float
+from unimem_kernel.fused_norms import norm_add_rms_norm_reference
 from unimem_kernel.rounding import INTERPRETED, round_rne
 
 __all__ = [
@@ -261,14 +264,6 @@ def _norm_linear_kernel(
 # ------------------------------------------------------------------------- the op
 
 
-def _rms_norm(v: torch.Tensor, w: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    acc = acc_dtype(v.dtype)
-    va = v.to(acc)
-    y = va * torch.rsqrt(va.pow(2).mean(-1, keepdim=True) + eps)
-    wa = (1.0 + w.to(acc)) if zero_centered else w.to(acc)
-    return (y * wa).to(v.dtype)
-
-
 def norm_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -288,18 +283,17 @@ def norm_linear_reference(
     ``norm_weight``). Returns ``(stream, out)``: the new stream ``[M, K]`` (None without
     ``delta``) and ``out [M, N]`` (``[M, N / 2]`` with ``act``), new contiguous tensors of
     ``x``'s dtype."""
-    stream = None
+    stream, h = None, x
     if delta is not None:
-        stream = x + _rms_norm(delta, post_weight, eps, zero_centered)
-    h = stream if stream is not None else x
-    if norm_weight is not None:
-        h = _rms_norm(h, norm_weight, eps, zero_centered)
+        stream, h = norm_add_rms_norm_reference(
+            x, delta, post_weight, norm_weight, eps, zero_centered=zero_centered
+        )
+    elif norm_weight is not None:
+        h = bi_rms_norm_reference(x, norm_weight, eps, zero_centered=zero_centered)
     y = F.linear(h, weight)
     if act is None:
         return stream, y
-    gate, up = y.chunk(2, dim=-1)
-    a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
-    return stream, a * up
+    return stream, (silu_mul_reference if act == "silu" else gelu_tanh_mul_reference)(y)
 
 
 def norm_linear_triton(
