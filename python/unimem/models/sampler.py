@@ -33,6 +33,7 @@ shape). :func:`filtered_probs` is the distribution it draws from (speculative sa
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -158,7 +159,7 @@ def _keep_threshold_rows(
 ) -> torch.Tensor:
     """Rows of either rule: the bounded cut-off where ``0 < top_k <= TOP_K_BOUND`` (and the
     vocabulary is larger than the bound), the whole-row one elsewhere."""
-    n, vocab = scaled.shape
+    vocab = scaled.shape[1]
     desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
     full = _cut(desc, torch.softmax(desc, dim=-1), top_k, top_p, min_p)
     if vocab <= TOP_K_BOUND:
@@ -220,12 +221,8 @@ def filtered_probs(
     Fixed shapes, no host reads; the temporaries are per chunk of rows
     (:data:`THRESHOLD_CHUNK_ELEMENTS`), the result the only ``[N, V]`` allocation.
     ``bounded_top_k``: see :func:`keep_threshold`."""
-    fn = _filtered_bounded_rows if bounded_top_k else _filtered_rows
+    fn = functools.partial(_filtered_rows, bounded_top_k=bounded_top_k)
     return _over_row_chunks(fn, logits, temperature, top_k, top_p, min_p)
-
-
-def _filtered_bounded_rows(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
-    return _filtered_rows(logits, temperature, top_k, top_p, min_p, bounded_top_k=True)
 
 
 def _filtered_rows(
