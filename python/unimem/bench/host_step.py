@@ -107,7 +107,11 @@ def build(kind: str, args) -> EngineCore:
     n = args.requests
     total = args.input_len + args.output_len + 2 * (args.gamma + 1)
     full = n * pages_for(total, args.page_size)
-    swa = n * (pages_for(cfg.window, args.page_size) + pages_for(4 * (args.gamma + 1), 64) + 2)
+    # Each request's SWA peak as the engine's admission check counts it (its window plus one
+    # step's chunk, see ``EngineCore._swa_peak_tokens``), capped by the request's length.
+    step = max(args.chunk, 4 * (args.gamma + 1))
+    per_request = pages_for(cfg.window, args.page_size) + pages_for(step, args.page_size) + 2
+    swa = n * min(per_request, pages_for(total, args.page_size) + 1)
     pool = StaticMemory(spec, full, swa, n, n, cfg.max_context)
     if kind == "unified":
         nbytes = args.arena_gib << 30 if args.arena_gib else pool.stats.capacity_bytes
