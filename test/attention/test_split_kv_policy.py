@@ -11,7 +11,9 @@ from unimem.attention.fa4_backend import (
     SPLIT_KV_MAX_BS,
     SPLIT_KV_MAX_Q,
     SPLIT_KV_MAX_WORK,
+    SPLIT_KV_KEYS,
     narrow_query_tile,
+    split_kv_keys,
     split_kv_programs,
 )
 from unimem.attention.fa4_backend import takes_split_kv as _takes
@@ -69,6 +71,13 @@ def test_programs_per_kv_head():
     # 64 / bs, at most 256 / (bs x KV heads), 4 .. 16: the best measured per layout
     assert [split_kv_programs(b, 8) for b in (1, 2, 4, 8)] == [16, 16, 8, 4]  # gpt-oss
     assert [split_kv_programs(b, 2) for b in (1, 2, 4, 8)] == [16, 16, 16, 8]  # Qwen3-Next
+
+
+def test_keys_per_split_keep_two_key_blocks():
+    """The kernel's key block halves above head dim 128 (64 -> 32 keys), so does the split:
+    two blocks per split at every head dim (Gemma 3's and Qwen3-Next's 256 take 64 keys)."""
+    assert [split_kv_keys(d) for d in (64, 128, 256)] == [SPLIT_KV_KEYS, SPLIT_KV_KEYS, 64]
+    assert SPLIT_KV_KEYS == 128
 
 
 def test_the_head_layout_bounds_the_batch():

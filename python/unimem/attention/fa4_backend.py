@@ -58,7 +58,7 @@ head) walks all its keys, so with few requests it leaves most of the GPU idle an
 CTA's walk over the context, whatever the number of requests. A step whose metadata is
 ``uniform_q`` (decode, verify and the drafter's block) with at most ``split_kv_max_bs``
 requests and at most :data:`SPLIT_KV_MAX_Q` rows per request attends instead through
-:func:`unimem_kernel.paged_verify_attention` (splits of :data:`SPLIT_KV_KEYS` keys at absolute
+:func:`unimem_kernel.paged_verify_attention` (splits of :func:`split_kv_keys` keys at absolute
 positions, :func:`split_kv_programs` programs per (request, KV head), a fixed merge order).
 Where FA4 catches up depends on the batch size and the head layout, so a step also needs
 ``batch x query heads x head dim`` <= :data:`SPLIT_KV_MAX_WORK`; both limits were chosen by
@@ -109,6 +109,7 @@ __all__ = [
     "FA4Backend",
     "narrow_query_tile",
     "split_kv_batch",
+    "split_kv_keys",
     "split_kv_programs",
     "takes_split_kv",
 ]
@@ -175,6 +176,14 @@ def _narrow_tile_forward() -> Callable[..., object] | None:
         )
         return None
     return fwd
+
+
+def split_kv_keys(head_dim: int) -> int:
+    """Keys per split of the split-KV kernel for heads of ``head_dim``: :data:`SPLIT_KV_KEYS`
+    up to 128, half that above. The kernel's key block is half as long above 128 (shared
+    memory), so both keep two blocks per split; at Gemma 3's heads of 256 a decode call took
+    13.0 us with 64 keys against 16.8 with 128 (H100, ``docs/decisions.md``)."""
+    return SPLIT_KV_KEYS if head_dim <= 128 else SPLIT_KV_KEYS // 2
 
 
 def split_kv_programs(bs: int, kv_heads: int) -> int:
@@ -297,7 +306,7 @@ class FA4Backend(AttentionBackend):
             return paged_verify_attention(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.cache_seqlens, meta.table(swa),
                 q_len=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=float(scale),
-                window=window, sinks=sinks, split_size=SPLIT_KV_KEYS,
+                window=window, sinks=sinks, split_size=split_kv_keys(q.shape[2]),
                 kv_programs=split_kv_programs(bs, kv_heads),
             )  # fmt: skip
         left = None if window is None else window - 1
