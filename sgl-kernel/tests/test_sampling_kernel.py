@@ -30,7 +30,9 @@ def _case(n, vocab, seed=0):
     return scaled, cut, keys
 
 
-@pytest.mark.parametrize("n, vocab", [(1, 7), (5, 100), (4, 1500), (3, 2048)])
+@pytest.mark.parametrize(
+    "n, vocab", [(1, 7), (5, 100), (4, 1500), (3, 2048), (2, 5000), (1, 70_000)]
+)
 def test_triton_kernel_equals_the_reference(n, vocab):
     scaled, cut, keys = _case(n, vocab, seed=vocab)
     want = gumbel_argmax_reference(scaled, cut, keys, torch.empty(n, dtype=torch.int64, device=DEV))
@@ -39,6 +41,35 @@ def test_triton_kernel_equals_the_reference(n, vocab):
     )
     assert torch.equal(got, want)
     assert (scaled.gather(1, got[:, None])[:, 0] >= cut).all()
+
+
+def test_split_rows_pick_the_first_best_whatever_the_chunk():
+    """Rows cut into chunks (vocab 9 000: 16 chunks of 1 024, the last ones short or empty):
+    a row whose only kept tokens sit in one late chunk, one that keeps a single token in the
+    last (short) chunk, one that keeps nothing (token 0, as the reference), and rows where
+    equal scores in two chunks must give the earlier index."""
+    n, vocab = 5, 9000
+    scaled, _, keys = _case(n, vocab, seed=3)
+    cut = torch.full((n,), math.inf, device=DEV)
+    scaled[0, 6000:6100] += 50.0  # only these pass row 0's cut
+    cut[0] = float(scaled[0, 6000:6100].min())
+    cut[1] = float(scaled[1, 8999])  # the last token only (ties aside: check below)
+    scaled[1, :8999] = torch.minimum(scaled[1, :8999], scaled[1, 8999] - 1)
+    # row 2 keeps nothing: cut +inf
+    # rows 3, 4: one token each in two chunks with the same scaled value and the same noise
+    # cannot be built (the noise depends on the index), so give them -inf noise-free ties:
+    # every kept token scores +inf (scaled +inf), the first kept index must win
+    cut[3] = -math.inf
+    cut[4] = -math.inf
+    scaled[3, [1500, 7000]] = math.inf
+    scaled[4, [3, 8191]] = math.inf
+    want = gumbel_argmax_reference(scaled, cut, keys, torch.empty(n, dtype=torch.int64, device=DEV))
+    got = gumbel_argmax_triton(
+        scaled, cut, keys, torch.full((n,), -1, dtype=torch.int64, device=DEV)
+    )
+    assert torch.equal(got, want)
+    assert 6000 <= int(got[0]) < 6100
+    assert got[1:].tolist() == [8999, 0, 1500, 3]
 
 
 def test_strided_rows_and_padding_lanes():
