@@ -304,6 +304,58 @@ def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _paged_attention_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The split-KV decode/verify attention and its combine: Gemma 3 270M's decode (4/1
+    heads of 256, window 512 or none, splits of 64 keys), the ``small`` preset's verify (16/4
+    heads of 128, 8 rows), gpt-oss's verify with sinks (64/8 heads of 64)."""
+    import torch
+
+    from unimem_kernel import paged_attention
+
+    bf = torch.bfloat16
+
+    def call(bs, q_len, hq, hkv, d, window, sinks):
+        pages = bs * 4 + 1
+        kc = torch.randn(pages, 64, hkv, d, dtype=bf)
+        vc = torch.randn(pages, 64, hkv, d, dtype=bf)
+        q = torch.randn(bs * q_len, hq, d, dtype=bf)
+        cu = torch.arange(bs + 1, dtype=torch.int32) * q_len
+        seq = torch.full((bs,), 200, dtype=torch.int32)
+        table = torch.arange(1, bs * 4 + 1, dtype=torch.int32).reshape(bs, 4)
+        paged_attention.paged_verify_attention(
+            q, kc, vc, cu, seq, table, q_len=q_len, max_seqlen_k=32768, scale=d**-0.5,
+            window=window, sinks=torch.randn(hq) if sinks else None,
+            split_size=64 if d > 128 else 128, kv_programs=16 if bs == 1 else 8,
+        )  # fmt: skip
+
+    shapes = (
+        ("gemma3 decode", (1, 1, 4, 1, 256, None, False)),
+        ("gemma3 decode window", (1, 1, 4, 1, 256, 512, False)),
+        ("small verify", (8, 8, 16, 4, 128, None, False)),
+        ("gpt-oss verify sinks", (8, 8, 64, 8, 64, 128, True)),
+    )
+    return [(f"paged_verify_attention {name}", lambda a=args: call(*a)) for name, args in shapes]
+
+
+def _sampling_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The Gumbel-max draw of a sampled token: Gemma 3's 262 144-token vocabulary at 1 and 48
+    rows, the small preset's 32 000 at 384 (a verify's rows)."""
+    import torch
+
+    from unimem_kernel import sampling
+
+    def call(rows: int, vocab: int):
+        scaled = torch.randn(rows, vocab)
+        keys = sampling.row_keys(torch.arange(rows), torch.arange(rows))
+        out = torch.empty(rows, dtype=torch.int64)
+        sampling.gumbel_argmax(scaled, scaled.max(dim=-1).values - 1.0, keys, out)
+
+    return [
+        (f"gumbel_argmax rows {rows} vocab {vocab}", lambda r=rows, v=vocab: call(r, v))
+        for rows, vocab in ((1, 262144), (48, 262144), (384, 32000))
+    ]
+
+
 def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
     """The KV store of every attention layer (target and draft)."""
     import torch
@@ -730,6 +782,8 @@ _KERNELS = {
     ),
     "unimem_kernel.kv_store": _in("kv_store", "_store_kv_kernel", "_rope_store_kernel"),
     "unimem_kernel.norm_gemv": _in("norm_gemv", "_norm_linear_kernel"),
+    "unimem_kernel.paged_attention": _in("paged_attention", "_split_kv_kernel", "_combine_kernel"),
+    "unimem_kernel.sampling": _in("sampling", "_gumbel_partial_kernel", "_gumbel_pick_kernel"),
     "unimem_kernel.greedy_accept": _in("greedy_accept", "_row_argmax_kernel", "_accept_kernel"),
     "unimem_kernel.greedy_pick": _in("greedy_pick", "_partial_kernel", "_combine_kernel"),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
@@ -749,6 +803,8 @@ _LAUNCHES = {
     "unimem_kernel.gdn": _gdn_launches,
     "unimem_kernel.kv_store": _kv_store_launches,
     "unimem_kernel.norm_gemv": _norm_gemv_launches,
+    "unimem_kernel.paged_attention": _paged_attention_launches,
+    "unimem_kernel.sampling": _sampling_launches,
     "unimem_kernel.greedy_accept": _greedy_accept_launches,
     "unimem_kernel.greedy_pick": _greedy_pick_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
