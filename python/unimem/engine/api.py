@@ -66,6 +66,24 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 """Share of the GPU's free memory (after the weights) that KV pages and state take when
 neither ``max_total_tokens`` nor ``mem_fraction_static`` is given."""
 
+STEP_BYTES_PER_LOGIT = 32
+"""Bytes per logit (``rows x vocabulary`` of the largest captured step) that the steps'
+CUDA graphs may hold beside the pools: the bf16 logits, their float32 scaled copy, and in a
+speculative verify the target's and the drafter's float32 distributions with the sampler's
+masks and temporaries. At Gemma 3's 262 144-token vocabulary, 256 requests and a verify of 8
+rows that is 17 GiB: more than the 15 % that the default ``mem_fraction_static`` leaves on an
+80 GiB GPU (an H100 ran out of memory capturing the sampling graphs)."""
+
+
+def step_workspace_bytes(rows: int, vocab: int) -> int:
+    """What the default memory split leaves free beside the pools for a largest step of
+    ``rows`` logit rows over ``vocab`` tokens (:data:`STEP_BYTES_PER_LOGIT` per logit, plus
+    one chunk of the sampler's row-chunked temporaries)."""
+    from unimem.models.sampler import THRESHOLD_CHUNK_ELEMENTS
+
+    return rows * vocab * STEP_BYTES_PER_LOGIT + THRESHOLD_CHUNK_ELEMENTS * 36
+
+
 SAMPLING_KEYS = (
     "max_new_tokens",
     "temperature",
@@ -261,7 +279,9 @@ class Engine:
         ckpt_slots = checkpoint_slots(spec, max_running, not args.disable_radix_cache)
         max_total = args.max_total_tokens
         if max_total is None:
-            max_total = self._gpu_tokens(spec, max_running, ckpt_slots, device)
+            step_rows = max_running * (chain.verify_width if chain is not None else 1)
+            workspace = step_workspace_bytes(step_rows, config.vocab_size)
+            max_total = self._gpu_tokens(spec, max_running, ckpt_slots, device, workspace)
             if groups is not None:  # every rank's pools must have the same geometry
                 max_total = groups.min_int(max_total)
         plan = plan_pools(spec, max_total, max_running, ckpt_slots)
@@ -291,14 +311,42 @@ class Engine:
         self.backend_name = backend_name
         self.cuda_graphs = cuda_graphs
 
-    def _gpu_tokens(self, spec, max_running: int, ckpt_slots: int, device: torch.device) -> int:
+    def _gpu_tokens(
+        self, spec, max_running: int, ckpt_slots: int, device: torch.device, workspace: int
+    ) -> int:
+        """KV tokens for the pools on a CUDA device: ``mem_fraction_static`` of the free
+        memory; by default (no fraction given) also at most the free memory less the steps'
+        ``workspace`` (:func:`step_workspace_bytes`), so that graph capture does not run out
+        of memory where the vocabulary and the verify width make the steps large. A fraction
+        the user gives is kept, with a warning when it leaves less than ``workspace``."""
         from unimem.engine.args import DEFAULT_CPU_MAX_TOTAL_TOKENS
 
         if device.type != "cuda":
             return DEFAULT_CPU_MAX_TOTAL_TOKENS
-        frac = self.args.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
         free, _ = torch.cuda.mem_get_info(device)
-        return tokens_for_budget(spec, int(free * frac), max_running, ckpt_slots)
+        given = self.args.mem_fraction_static
+        budget = int(free * (given or DEFAULT_MEM_FRACTION_STATIC))
+        gib = 2**30
+        if given is None and free - workspace < budget:
+            budget = free - workspace
+            log.info(
+                "KV pools take %.1f GiB of %.1f GiB free: %.1f GiB stay for the steps' "
+                "vocabulary-sized buffers (mem_fraction_static sets the split)",
+                budget / gib, free / gib, workspace / gib,
+            )  # fmt: skip
+            if budget <= 0:
+                raise ValueError(
+                    f"the steps' vocabulary-sized buffers need about {workspace / gib:.1f} GiB "
+                    f"and {free / gib:.1f} GiB are free: lower max_running_requests or "
+                    f"cuda_graph_max_bs (or the verify width)"
+                )
+        elif given is not None and free - budget < workspace:
+            log.warning(
+                "mem_fraction_static %.2f leaves %.1f GiB beside the KV pools; the steps may "
+                "need about %.1f GiB (out of memory at graph capture: lower it)",
+                given, (free - budget) / gib, workspace / gib,
+            )  # fmt: skip
+        return tokens_for_budget(spec, budget, max_running, ckpt_slots)
 
     # ------------------------------------------------------------------ generation
 
