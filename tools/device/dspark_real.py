@@ -172,7 +172,13 @@ def _run(engine, ids, conc, output_len, temperature, **extra) -> dict:
     ]  # fmt: skip
     from unimem_kernel.timing import wall_clock
 
-    engine.generate(input_ids=ids[: min(2, len(ids))], sampling_params=params[:2])  # warm
+    # warm with one whole wave (its prefill batch and step sizes), a few tokens each: the
+    # first wave of a new size would otherwise pay first-call costs inside the timing
+    warm = min(conc, len(ids))
+    engine.generate(
+        input_ids=ids[:warm],
+        sampling_params=[p | {"max_new_tokens": min(output_len, 16)} for p in params[:warm]],
+    )
     outs = []
     with wall_clock(None) as watch:  # synchronises a CUDA device when there is one
         for s in range(0, len(ids), conc):

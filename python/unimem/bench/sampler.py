@@ -11,7 +11,9 @@ For each row count (decode steps of 1 and 48 requests; 384 = a verify step of 48
 - ``filtered_probs``: the distributions speculative sampling compares, the same two ways;
 
 and checks that the bounded batch draws the same tokens and distributions as the same rows
-in a batch that also holds an unbounded row (the rule is the row's own). ``--device cpu`` is
+in a batch that also holds an unbounded row (the rule is the row's own). ``--profile N``
+(default 8) also lists, per op and rule, the N costliest GPU kernels of an eager call
+(``torch.profiler``): where a draw's time goes. ``--device cpu`` is
 a dry run at tiny sizes (the check, wall-clock times). Prints the GPU and sizes; ``--json``
 writes the rows.
 """
@@ -57,11 +59,39 @@ def check_rule_is_per_row(vocab: int, device) -> bool:
     return torch.equal(a[:-1], b[:-1]) and torch.equal(pa[:-1], pb[:-1])
 
 
+def kernel_profile(fn, top: int, calls: int = 5) -> dict[str, float]:
+    """GPU time per call of ``fn``'s ``top`` costliest kernels (by name), in microseconds,
+    from ``torch.profiler`` over ``calls`` eager calls after a warm-up."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            total[e.name] = total.get(e.name, 0.0) + e.time_range.end - e.time_range.start
+    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    return {name: us / calls for name, us in ranked}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--rows", default="1,48,384")
     ap.add_argument("--vocab", type=int, default=262144)
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=8,
+        metavar="N",
+        help="also list each op's N costliest GPU kernels per call (torch.profiler over eager "
+        "calls; 0: off)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
@@ -97,6 +127,18 @@ def main(argv=None) -> int:
             row[f"filtered_probs_{label}_us"] = us(
                 partial(sampler.filtered_probs, logits, *p, bounded_top_k=bounded)
             )
+            if cuda and args.profile:
+                for op, fn in (
+                    ("sample", partial(sampler.sample, logits, *p, seeds, pos,
+                                       bounded_top_k=bounded)),
+                    ("filtered_probs", partial(sampler.filtered_probs, logits, *p,
+                                               bounded_top_k=bounded)),
+                ):  # fmt: skip
+                    top = kernel_profile(fn, args.profile)
+                    row[f"{op}_{label}_kernels_us"] = top
+                    print(f"  rows {n} {op} {label}: "
+                          + ", ".join(f"{k[:48]} {v:.1f}" for k, v in top.items()),
+                          flush=True)  # fmt: skip
         for op in ("sample", "filtered_probs"):
             row[f"{op}_speedup"] = row[f"{op}_whole_row_us"] / row[f"{op}_bounded_us"]
             print(f"rows {n:4d} {op:15s}: whole row {row[f'{op}_whole_row_us']:9.1f} us, "
