@@ -84,8 +84,10 @@ def test_gemma3_decode_step_launches_per_layer(gemma_path, monkeypatch, body):
                                   "triton._add_rms_norm_kernel"}, names  # fmt: skip
 
 
-def test_qwen3_next_shaped_synthetic_decode_step_launches_per_layer(monkeypatch):
-    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+SYNTHETIC_PROMPTS = [list(range(5, 11)), list(range(9, 16))]
+
+
+def _synthetic_core():
     cfg = dataclasses.replace(
         preset("tiny"), dtype=torch.float32, d_model=64, n_q_heads=2, n_kv_heads=1,
         head_dim_k=16, head_dim_v=16, ffn_dim=64, gdn_heads=2, gdn_head_dim_k=16,
@@ -93,9 +95,39 @@ def test_qwen3_next_shaped_synthetic_decode_step_launches_per_layer(monkeypatch)
     )  # fmt: skip
     model = HybridModel(cfg, seed=0)
     pool = StaticMemory(memory_spec(cfg, 4, ()), 16, 16, 2, 2, cfg.max_context, "cpu")
-    core = EngineCore(model, pool, TorchReferenceBackend(), 2, 8192, cuda_graphs=False)
-    counts = count_step_launches(_decoding(core, [list(range(5, 11)), list(range(9, 16))]))
+    return EngineCore(model, pool, TorchReferenceBackend(), 2, 8192, cuda_graphs=False)
+
+
+@pytest.mark.parametrize("body", ["small", "layered"])
+def test_qwen3_next_shaped_synthetic_decode_step_launches_per_layer(monkeypatch, body):
+    """Small steps (UNIMEM_NORM_LINEAR_ROWS) run the MLP as two norm_linear launches
+    (gate/up with SwiGLU behind, down): no separate activation, no vendor GEMM there."""
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", "16" if body == "small" else "0")
+    counts = count_step_launches(_decoding(_synthetic_core(), SYNTHETIC_PROMPTS))
     _check(counts, "synthetic")
+    for i in range(4):
+        names = counts.layer_names(i)
+        if body == "small":
+            assert names.get("triton._norm_linear_kernel") == 2, names
+            assert "triton._gated_act_kernel" not in names, names
+        else:
+            assert "triton._norm_linear_kernel" not in names, names
+
+
+def test_synthetic_small_body_decodes_as_the_layered_one(monkeypatch):
+    """The norm_linear MLP (interpreter) and the layer-by-layer one give the same greedy
+    tokens, float32."""
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    outs = {}
+    for rows in ("16", "0"):
+        monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", rows)
+        core = _synthetic_core()
+        reqs = [core.submit(p, 6) for p in SYNTHETIC_PROMPTS]
+        core.run()
+        outs[rows] = [list(r.output) for r in reqs]
+    assert outs["16"] == outs["0"]
+    assert all(len(o) == 6 for o in outs["16"])
 
 
 def test_gemma3_fused_step_body_decodes_as_the_reference(gemma_path, monkeypatch):

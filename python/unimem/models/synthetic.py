@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unimem.models import fp8_linear
+from unimem.models import batch_invariant, fp8_linear
 from unimem.models.base import CausalLM, ModelOutput
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
@@ -53,7 +53,10 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, gated_rms_norm, gdn_gates, silu_mul
+from unimem_kernel import add_rms_norm, envs, gated_rms_norm, gdn_gates, norm_linear, silu_mul
+from unimem_kernel.fused import records_autograd
+from unimem_kernel.fused import use_triton as fused_ops_on
+from unimem_kernel.norm_gemv import MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from unimem_kernel.rope_angles import rope_cos_sin
 
 
@@ -137,9 +140,34 @@ class Mlp(nn.Module):
         self.register_buffer("down_zero", torch.zeros(c.d_model, dtype=c.dtype), persistent=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.takes_norm_linear(h):
+            # a small step: gate/up with SwiGLU behind in one launch, down in another
+            _, act = norm_linear(h, self.gate_up, None, 0.0, act="silu")
+            if envs.get("UNIMEM_NORM_LINEAR_PLAIN"):
+                return norm_linear(act, self.down, None, 0.0)[1]
+            return fp8_linear.row_parallel(act, self, self.down_zero, self.tp, "down")
         # silu(gate) * up over the fused [gate | up] projection, one pass
         act = silu_mul(fp8_linear.linear(h, self, "gate_up"))
         return fp8_linear.row_parallel(act, self, self.down_zero, self.tp, "down")
+
+    def takes_norm_linear(self, h: torch.Tensor) -> bool:
+        """Whether ``h [T, d]`` runs through :func:`unimem_kernel.norm_linear` (the
+        projection and SwiGLU in one launch; the down projection plain with
+        ``UNIMEM_NORM_LINEAR_PLAIN``): at most ``UNIMEM_NORM_LINEAR_ROWS`` rows, the fused
+        kernels on, 16/32-bit weights (not FP8), one rank, not batch-invariant mode (whose
+        GEMMs round as the larger batches do). The roundings are those of the chain it
+        replaces (projection, then ``silu_mul``); the summation order differs."""
+        rows = min(envs.get("UNIMEM_NORM_LINEAR_ROWS"), NORM_LINEAR_MAX_ROWS)
+        return (
+            h.shape[0] <= rows
+            and self.tp.size == 1
+            and h.dtype != torch.float64
+            and fused_ops_on(h)
+            and not records_autograd(h)
+            and not batch_invariant.enabled()
+            and not fp8_linear.is_fp8(self, "gate_up")
+            and not fp8_linear.is_fp8(self, "down")
+        )
 
 
 class HybridLayer(nn.Module):

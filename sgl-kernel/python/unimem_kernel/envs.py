@@ -123,8 +123,9 @@ _ALL = (
         "UNIMEM_NORM_LINEAR_ROWS",
         1,
         "Steps of at most this many rows run a layer's norms, projections and gated "
-        "activation as norm_linear launches (Gemma 3; 0: never; at most 64). Default 1: "
-        "faster than the launches it replaces at one row, slower at 8-16 on the H200.",
+        "activation as norm_linear launches (Gemma 3's layers; the synthetic hybrid model's "
+        "MLP; 0: never; at most 64). Default 1: faster than the launches it replaces at one "
+        "row, slower at 8-16 on the H200 (Gemma 3).",
         parse=_rows_limit,
     ),
     EnvSwitch(
