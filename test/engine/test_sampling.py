@@ -175,7 +175,7 @@ def test_empirical_distribution_matches_the_filtered_softmax(temperature, top_k,
     assert 0.5 * np.abs(got - want).sum() < TV_BOUND, (got, want)
 
 
-def _top_p_one_too_many(scaled, top_k, top_p, min_p, bounded_top_k=False):
+def _top_p_one_too_many(scaled, top_k, top_p, min_p, rule=sampling_mod.SORTED):
     """keep_threshold whose top-p keeps one more token than it should (a wrong filter)."""
     desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
     probs = torch.softmax(desc, dim=-1)
@@ -427,6 +427,14 @@ def test_gpu_sampled_cuda_graph_decode_is_sync_free_and_equals_eager():
     graphed_mixed = run(True, mixed, sync_debug=True)
     assert graphed_mixed == run(False, mixed, sync_debug=False)
     assert graphed_mixed[1] == graphed[1]
+    # sampled lanes without filters: the unfiltered variant (nothing sorted); beside a
+    # filtered lane (the general variant) the same tokens
+    free = [SamplingOptions(temperature=0.8, seed=i) if i % 2 else None for i in range(4)]
+    graphed_free = run(True, free, sync_debug=True)
+    assert graphed_free == run(False, free, sync_debug=False)
+    free_mixed = list(free)
+    free_mixed[3] = SamplingOptions(temperature=0.8, top_p=0.9, seed=3)
+    assert run(True, free_mixed, sync_debug=False)[1] == graphed_free[1]
 
 
 def test_filters_in_row_chunks_equal_the_whole_batch(monkeypatch):
@@ -470,7 +478,8 @@ def test_bounded_top_k_rows_sample_the_filtered_softmax(
     seeds = torch.arange(n, dtype=torch.int64) * 7919 + 13
     positions = torch.full((n,), 7, dtype=torch.int64)
     rows = _rows(n, temperature, top_k, top_p, min_p)
-    out = sample(logits, *rows, seeds, positions, bounded_top_k=bounded_only)
+    rule = sampling_mod.BOUNDED if bounded_only else sampling_mod.SORTED
+    out = sample(logits, *rows, seeds, positions, rule)
     got = np.bincount(out.numpy(), minlength=len(LOGITS)) / n
     assert np.all(got[want == 0] == 0)
     assert 0.5 * np.abs(got - want).sum() < TV_BOUND, (got, want)
@@ -496,8 +505,8 @@ def test_a_bounded_row_draws_the_same_in_any_batch(monkeypatch):
     mixed_p = sampling_mod.filtered_probs(*args)
     mixed_tok = sample(*args, seeds, positions)
     sub = [t[bounded] for t in args]
-    only_p = sampling_mod.filtered_probs(*sub, bounded_top_k=True)
-    only_tok = sample(*sub, seeds[bounded], positions[bounded], bounded_top_k=True)
+    only_p = sampling_mod.filtered_probs(*sub, rule=sampling_mod.BOUNDED)
+    only_tok = sample(*sub, seeds[bounded], positions[bounded], rule=sampling_mod.BOUNDED)
     assert torch.equal(mixed_p[bounded], only_p)
     assert torch.equal(mixed_tok[bounded], only_tok)
     # the unbounded rows: exactly the whole-row rule
@@ -510,8 +519,54 @@ def test_a_bounded_row_draws_the_same_in_any_batch(monkeypatch):
     assert torch.equal(cut[bounded], full[bounded])
 
 
-def test_bounded_top_k_promise():
-    assert SamplingOptions().bounded_top_k  # greedy
-    assert SamplingOptions(temperature=0.7, top_k=64).bounded_top_k
-    assert not SamplingOptions(temperature=0.7).bounded_top_k
-    assert not SamplingOptions(temperature=0.7, top_k=sampling_mod.TOP_K_BOUND + 1).bounded_top_k
+def test_an_unfiltered_row_draws_the_same_in_any_batch():
+    """Rows with no filter (top-k off, top-p 1, min-p 0) promised UNFILTERED sort nothing
+    (cut-off -inf) and give bit for bit the probabilities and tokens the SORTED rule gives
+    them beside filtered rows (there their cut-off is the row's smallest logit); logits with
+    -inf entries (masked tokens) included; greedy rows stay argmax."""
+    g = torch.Generator().manual_seed(8)
+    n, vocab = 10, 97
+    logits = torch.randn(n, vocab, generator=g) * 3
+    logits[2, ::7] = -math.inf
+    temperature = torch.rand(n, generator=g) + 0.3
+    temperature[4] = 0.0  # greedy
+    top_k = torch.full((n,), -1, dtype=torch.int32)
+    top_p = torch.ones(n)
+    min_p = torch.zeros(n)
+    top_k[1::3], top_p[2::4] = 9, 0.8  # filtered rows beside them in the mixed batch
+    seeds = torch.arange(n, dtype=torch.int64) + 21
+    positions = torch.arange(n, dtype=torch.int64) + 4
+    args = (logits, temperature, top_k, top_p, min_p)
+    free = (top_k <= 0) & (top_p >= 1)
+    assert free.sum() >= 4 and (~free).sum() >= 3
+    mixed_p = sampling_mod.filtered_probs(*args)
+    mixed_tok = sample(*args, seeds, positions)
+    sub = [t[free] for t in args]
+    only_p = sampling_mod.filtered_probs(*sub, rule=sampling_mod.UNFILTERED)
+    only_tok = sample(*sub, seeds[free], positions[free], rule=sampling_mod.UNFILTERED)
+    assert torch.equal(mixed_p[free], only_p)
+    assert torch.equal(mixed_tok[free], only_tok)
+    live = temperature[free] > 0
+    scaled = logits[free] / temperature[free][:, None]
+    assert torch.equal(only_p[live], torch.softmax(scaled[live], dim=-1))
+    cut = sampling_mod.keep_threshold(scaled, *[t[free] for t in args[2:]],
+                                      rule=sampling_mod.UNFILTERED)  # fmt: skip
+    assert torch.equal(cut, torch.full_like(cut, -math.inf))
+    with pytest.raises(ValueError, match="cut-off rule must be one of"):
+        sampling_mod.keep_threshold(scaled, top_k[free], top_p[free], min_p[free], rule="none")
+
+
+def test_cut_rule_promises():
+    assert SamplingOptions().cut_rule is None  # greedy: any rule serves it
+    assert SamplingOptions(temperature=0.7, top_k=64).cut_rule == sampling_mod.BOUNDED
+    assert SamplingOptions(temperature=0.7, top_k=64, top_p=0.9).cut_rule == sampling_mod.BOUNDED
+    assert SamplingOptions(temperature=0.7).cut_rule == sampling_mod.UNFILTERED
+    assert SamplingOptions(temperature=0.7, top_p=0.9).cut_rule == sampling_mod.SORTED
+    assert SamplingOptions(temperature=0.7, min_p=0.1).cut_rule == sampling_mod.SORTED
+    big = sampling_mod.TOP_K_BOUND + 1
+    assert SamplingOptions(temperature=0.7, top_k=big).cut_rule == sampling_mod.SORTED
+    batch = sampling_mod.batch_cut_rule
+    assert batch([None, sampling_mod.BOUNDED, sampling_mod.BOUNDED]) == sampling_mod.BOUNDED
+    assert batch([sampling_mod.UNFILTERED, None]) == sampling_mod.UNFILTERED
+    assert batch([sampling_mod.UNFILTERED, sampling_mod.BOUNDED]) == sampling_mod.SORTED
+    assert batch([None, None]) == sampling_mod.SORTED

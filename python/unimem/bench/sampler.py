@@ -1,21 +1,25 @@
-"""The on-device sampler's filters: a batch with a bounded top-k against one without.
+"""The on-device sampler's cut-off rules, side by side.
 
-    python -m unimem bench sampler [--rows 1,48,384] [--vocab 262144] [--json OUT]
+    python -m unimem bench sampler [--rows 1,48,384] [--vocab 262144] [--profile N] [--json OUT]
 
 For each row count (decode steps of 1 and 48 requests; 384 = a verify step of 48 requests x
-8 rows), times inside CUDA graphs (GPU time per call, median of samples):
+8 rows), times inside CUDA graphs (GPU time per call, median of samples) of ``sample`` (one
+token per row, temperature 0.7) and ``filtered_probs`` (the distributions speculative sampling
+compares) under each rule of :data:`unimem.models.sampler.CUT_RULES`:
 
-- ``sample``: one token per row (top-p 0.95, temperature 0.7) with top-k 64 in a batch
-  promised bounded (:attr:`unimem.models.sampler.SamplingRows.bounded_top_k`: the cut-off
-  among each row's 256 largest logits) and with top-k off (the whole-row sort);
-- ``filtered_probs``: the distributions speculative sampling compares, the same two ways;
+- ``whole_row``: top-p 0.95, top-k off, the :data:`~unimem.models.sampler.SORTED` rule (a
+  whole-row sort);
+- ``bounded``: top-k 64, top-p 0.95 in a batch promised :data:`~unimem.models.sampler.BOUNDED`
+  (the cut-off among each row's 256 largest logits);
+- ``unfiltered``: no filter (top-k off, top-p 1, min-p 0) in a batch promised
+  :data:`~unimem.models.sampler.UNFILTERED` (nothing sorted), and ``unfiltered_sorted``: the
+  same rows under the SORTED rule (what a batch without the promise pays).
 
-and checks that the bounded batch draws the same tokens and distributions as the same rows
-in a batch that also holds an unbounded row (the rule is the row's own). ``--profile N``
-(default 8) also lists, per op and rule, the N costliest GPU kernels of an eager call
-(``torch.profiler``): where a draw's time goes. ``--device cpu`` is
-a dry run at tiny sizes (the check, wall-clock times). Prints the GPU and sizes; ``--json``
-writes the rows.
+It checks that each rule's rows draw the same tokens and distributions as under the SORTED
+rule beside rows of another rule (the rule is the row's own). ``--profile N`` (default 8) also
+lists, per op and rule, the N costliest GPU kernels of an eager call (``torch.profiler``):
+where a draw's time goes. ``--device cpu`` is a dry run at tiny sizes (the check, wall-clock
+times). Prints the GPU and sizes; ``--json`` writes the rows.
 """
 
 from __future__ import annotations
@@ -32,31 +36,43 @@ from unimem_kernel.timing import graph_median_ms, median_ms
 
 PROG = "python -m unimem bench sampler"
 
+CASES = (
+    # label, top_k, top_p, rule
+    ("whole_row", -1, 0.95, sampler.SORTED),
+    ("bounded", 64, 0.95, sampler.BOUNDED),
+    ("unfiltered", -1, 1.0, sampler.UNFILTERED),
+    ("unfiltered_sorted", -1, 1.0, sampler.SORTED),
+)
 
-def _rows(n: int, top_k: int, device) -> tuple[torch.Tensor, ...]:
+
+def _rows(n: int, top_k: int, device, top_p: float = 0.95) -> tuple[torch.Tensor, ...]:
     return (
         torch.full((n,), 0.7, device=device),
         torch.full((n,), top_k, dtype=torch.int32, device=device),
-        torch.full((n,), 0.95, device=device),
+        torch.full((n,), top_p, device=device),
         torch.zeros(n, device=device),
     )
 
 
 def check_rule_is_per_row(vocab: int, device) -> bool:
-    """Bounded rows give the same tokens and distributions beside an unbounded row."""
+    """Rows promised BOUNDED (top-k 64) or UNFILTERED give the same tokens and distributions
+    as the same rows under the SORTED rule beside a row of another kind."""
     g = torch.Generator(device=device).manual_seed(0)
     n = 6
     logits = torch.randn(n, vocab, generator=g, device=device) * 4
-    temp, top_k, top_p, min_p = _rows(n, 64, device)
-    mixed_k = top_k.clone()
-    mixed_k[-1] = -1
     seeds = torch.arange(n, dtype=torch.int64, device=device)
     pos = torch.arange(n, dtype=torch.int64, device=device) + 3
-    a = sampler.sample(logits, temp, mixed_k, top_p, min_p, seeds, pos)
-    b = sampler.sample(logits, temp, top_k, top_p, min_p, seeds, pos, bounded_top_k=True)
-    pa = sampler.filtered_probs(logits, temp, mixed_k, top_p, min_p)
-    pb = sampler.filtered_probs(logits, temp, top_k, top_p, min_p, bounded_top_k=True)
-    return torch.equal(a[:-1], b[:-1]) and torch.equal(pa[:-1], pb[:-1])
+    ok = True
+    for top_k, top_p, rule in ((64, 0.95, sampler.BOUNDED), (-1, 1.0, sampler.UNFILTERED)):
+        temp, k, p, min_p = _rows(n, top_k, device, top_p)
+        mixed_k, mixed_p = k.clone(), p.clone()
+        mixed_k[-1], mixed_p[-1] = -1, 0.9  # a row of the SORTED kind beside them
+        a = sampler.sample(logits, temp, mixed_k, mixed_p, min_p, seeds, pos)
+        b = sampler.sample(logits, temp, k, p, min_p, seeds, pos, rule)
+        pa = sampler.filtered_probs(logits, temp, mixed_k, mixed_p, min_p)
+        pb = sampler.filtered_probs(logits, temp, k, p, min_p, rule)
+        ok = ok and torch.equal(a[:-1], b[:-1]) and torch.equal(pa[:-1], pb[:-1])
+    return ok
 
 
 def kernel_profile(fn, top: int, calls: int = 5) -> dict[str, float]:
@@ -102,10 +118,11 @@ def main(argv=None) -> int:
     vocab = args.vocab if cuda else min(args.vocab, 4096)
     rows_list = [int(r) for r in args.rows.split(",")] if cuda else [1, 4]
     name = torch.cuda.get_device_name(dev) if cuda else "cpu (dry run)"
-    print(f"{name}, vocab {vocab}, temperature 0.7, top-p 0.95; bounded: top-k 64 in a batch "
-          "promised bounded; whole row: top-k off", flush=True)  # fmt: skip
+    print(f"{name}, vocab {vocab}, temperature 0.7; rules: " + ", ".join(
+        f"{label} (top-k {k}, top-p {p}, {rule})" for label, k, p, rule in CASES),
+        flush=True)  # fmt: skip
     ok = check_rule_is_per_row(vocab, dev)
-    print(f"bounded rows draw the same beside an unbounded row: {ok}", flush=True)
+    print(f"bounded and unfiltered rows draw as under the sorted rule: {ok}", flush=True)
 
     def us(fn) -> float:
         if cuda:
@@ -119,21 +136,15 @@ def main(argv=None) -> int:
         seeds = torch.arange(n, dtype=torch.int64, device=dev)
         pos = torch.arange(n, dtype=torch.int64, device=dev) + 3
         row = {"rows": n}
-        for label, top_k, bounded in (("bounded", 64, True), ("whole_row", -1, False)):
-            p = _rows(n, top_k, dev)
-            row[f"sample_{label}_us"] = us(
-                partial(sampler.sample, logits, *p, seeds, pos, bounded_top_k=bounded)
-            )
-            row[f"filtered_probs_{label}_us"] = us(
-                partial(sampler.filtered_probs, logits, *p, bounded_top_k=bounded)
-            )
-            if cuda and args.profile:
-                for op, fn in (
-                    ("sample", partial(sampler.sample, logits, *p, seeds, pos,
-                                       bounded_top_k=bounded)),
-                    ("filtered_probs", partial(sampler.filtered_probs, logits, *p,
-                                               bounded_top_k=bounded)),
-                ):  # fmt: skip
+        for label, top_k, top_p, rule in CASES:
+            p = _rows(n, top_k, dev, top_p)
+            ops = {
+                "sample": partial(sampler.sample, logits, *p, seeds, pos, rule),
+                "filtered_probs": partial(sampler.filtered_probs, logits, *p, rule),
+            }
+            for op, fn in ops.items():
+                row[f"{op}_{label}_us"] = us(fn)
+                if cuda and args.profile:
                     top = kernel_profile(fn, args.profile)
                     row[f"{op}_{label}_kernels_us"] = top
                     print(f"  rows {n} {op} {label}: "
@@ -141,9 +152,14 @@ def main(argv=None) -> int:
                           flush=True)  # fmt: skip
         for op in ("sample", "filtered_probs"):
             row[f"{op}_speedup"] = row[f"{op}_whole_row_us"] / row[f"{op}_bounded_us"]
+            row[f"{op}_unfiltered_speedup"] = (
+                row[f"{op}_unfiltered_sorted_us"] / row[f"{op}_unfiltered_us"]
+            )
             print(f"rows {n:4d} {op:15s}: whole row {row[f'{op}_whole_row_us']:9.1f} us, "
-                  f"bounded {row[f'{op}_bounded_us']:8.1f} us ({row[f'{op}_speedup']:.1f}x)",
-                  flush=True)  # fmt: skip
+                  f"bounded {row[f'{op}_bounded_us']:8.1f} us ({row[f'{op}_speedup']:.1f}x); "
+                  f"unfiltered {row[f'{op}_unfiltered_us']:8.1f} us against "
+                  f"{row[f'{op}_unfiltered_sorted_us']:.1f} sorted "
+                  f"({row[f'{op}_unfiltered_speedup']:.1f}x)", flush=True)  # fmt: skip
         out.append(row)
     if args.json:
         with open(args.json, "w") as f:

@@ -59,7 +59,7 @@ from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardMode
 from unimem.models.paged_context import PagedContext, PagedLayers
-from unimem.models.sampler import sample, token_logprobs
+from unimem.models.sampler import CUT_RULES, SORTED, batch_cut_rule, sample, token_logprobs
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.draft_runner import DraftRunner
 from unimem.speculative.verify_step import VerifyLanes, VerifyStep
@@ -138,8 +138,9 @@ class ModelRunner:
             )  # fmt: skip
             self.drafts = self.verifier.drafts
         self.graphs: StepGraphs | None = None
-        self.sample_graphs: StepGraphs | None = None
-        self.bounded_sample_graphs: StepGraphs | None = None
+        self.sample_graphs: dict[str, StepGraphs] = {}
+        """Graphs of the steps that sample, one set per cut-off rule (:data:`CUT_RULES`), in
+        one memory pool."""
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError("cuda_graphs needs a pool on a CUDA device")
@@ -148,14 +149,16 @@ class ModelRunner:
                 raise ValueError(f"graph bucket {max(buckets)} exceeds max_bs {max_bs}")
             with torch.inference_mode():  # as launch() runs the eager steps
                 self.graphs = StepGraphs(self._uniform_step, self.lanes.pad, buckets, self.device)
-                self.sample_graphs = StepGraphs(
-                    self._sampling_step, self.lanes.pad, buckets, self.device
-                )
-                # batches whose sampled lanes all have a small top-k: no whole-row sort
-                self.bounded_sample_graphs = StepGraphs(
-                    functools.partial(self._sampling_step, bounded_top_k=True),
-                    self.lanes.pad, buckets, self.device, pool=self.sample_graphs.pool,
-                )  # fmt: skip
+                # SORTED serves any batch; BOUNDED skips the whole-row sort (every sampled lane
+                # has a small top-k), UNFILTERED every filter (no sampled lane has one)
+                pool = None
+                for rule in CUT_RULES:
+                    graphs = StepGraphs(
+                        functools.partial(self._sampling_step, rule=rule),
+                        self.lanes.pad, buckets, self.device, pool=pool,
+                    )  # fmt: skip
+                    self.sample_graphs[rule] = graphs
+                    pool = graphs.pool
 
     @property
     def verify_lens_override(self) -> torch.Tensor | None:
@@ -221,14 +224,14 @@ class ModelRunner:
             width,
         )
         draw = any(not r.sampling.greedy for r in batch.reqs)
-        bounded = draw and all(r.sampling.bounded_top_k for r in batch.reqs)
+        rule = batch_cut_rule(r.sampling.cut_rule for r in batch.reqs)
         graphs = self.graphs
         if draw:
-            graphs = self.bounded_sample_graphs if bounded else self.sample_graphs
+            graphs = self.sample_graphs.get(rule)
         if graphs is not None:
             graphs.replay(width)
         elif draw:
-            self._sampling_step(width, bounded)
+            self._sampling_step(width, rule)
         else:
             self._uniform_step(width)
         return bs
@@ -239,11 +242,11 @@ class ModelRunner:
         else:
             self._decode_step(width)
 
-    def _sampling_step(self, width: int, bounded_top_k: bool = False) -> None:
+    def _sampling_step(self, width: int, rule: str = SORTED) -> None:
         if self.chain is not None:
-            self._verify_step(width, draw=True, bounded_top_k=bounded_top_k)
+            self._verify_step(width, draw=True, rule=rule)
         else:
-            self._decode_step(width, draw=True, bounded_top_k=bounded_top_k)
+            self._decode_step(width, draw=True, rule=rule)
 
     @staticmethod
     def _pick(
@@ -254,9 +257,7 @@ class ModelRunner:
         if params is None:
             return torch.argmax(logits, dim=-1)
         p = params
-        return sample(
-            logits, p.temperature, p.top_k, p.top_p, p.min_p, p.seeds, positions, p.bounded_top_k
-        )
+        return sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.seeds, positions, p.rule)
 
     # ----------------------------------------------------------------------------- extend
 
@@ -321,10 +322,10 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- decode
 
-    def _decode_step(self, width: int, draw: bool = False, bounded_top_k: bool = False) -> None:
+    def _decode_step(self, width: int, draw: bool = False, rule: str = SORTED) -> None:
         """One token per lane: each lane feeds its row's next token at its row's length and
         picks the next by argmax, or with ``draw`` by its row's sampling parameters
-        (``bounded_top_k``: the host's promise of :class:`SamplingRows`). Device inputs only
+        (``rule``: the host's promise of :class:`SamplingRows`). Device inputs only
         (capturable)."""
         rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
         seq_lens, input_ids = self.state.read(rows)
@@ -340,7 +341,7 @@ class ModelRunner:
             sampled, _ = greedy_logprob(logits, self.out.logprobs[:width, 0])
             self.state.commit(rows, seq_lens, sampled, sampled[:, None], self.out)
             return
-        params = self.sampling.read(rows, bounded_top_k) if draw else None
+        params = self.sampling.read(rows, rule) if draw else None
         # the input token sits at index seq_lens; the sampled one at seq_lens + 1 (a sampling
         # lane's position; greedy picks need none)
         positions = seq_lens.long() + 1 if params is not None else None
@@ -356,11 +357,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- verify
 
-    def _verify_step(self, width: int, draw: bool = False, bounded_top_k: bool = False) -> None:
+    def _verify_step(self, width: int, draw: bool = False, rule: str = SORTED) -> None:
         """One chain step for every lane
         (:meth:`~unimem.speculative.verify_step.VerifyStep.run`): the lanes' rows, slots,
         lengths and anchors from the device state, and with ``draw`` their sampling
-        parameters (``bounded_top_k``: the host's promise of :class:`SamplingRows`); each
+        parameters (``rule``: the host's promise of :class:`SamplingRows`); each
         lane's row is committed into the device state and the step's outputs. Device inputs
         only (capturable)."""
         rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
@@ -368,7 +369,7 @@ class ModelRunner:
         lanes = VerifyLanes(
             rows, vslots, self.lanes.rids(width), seq_lens, anchors, self._state_slots(vslots)
         )
-        params = self.sampling.read(rows, bounded_top_k) if draw else None
+        params = self.sampling.read(rows, rule) if draw else None
 
         def commit(bonus, tokens, accepted, write_slots):
             return self.state.commit(rows, seq_lens, bonus, tokens, self.out, accepted, write_slots)

@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass
 
 from unimem.models.sampler import (
+    cut_rule,
     filtered_probs,
     gumbel_noise,
     hash_uniform,
-    is_bounded_top_k,
     keep_threshold,
     sample,
 )
@@ -73,10 +73,10 @@ class SamplingOptions:
         return self.temperature == GREEDY_TEMPERATURE
 
     @property
-    def bounded_top_k(self) -> bool:
-        """Whether a step's filters may take this request as bounded (greedy, or ``0 <
-        top_k <= TOP_K_BOUND``: :attr:`unimem.models.sampler.SamplingRows.bounded_top_k`)."""
-        return is_bounded_top_k(self.temperature, self.top_k)
+    def cut_rule(self) -> str | None:
+        """The cut-off rule this request fits (:func:`unimem.models.sampler.cut_rule`; None:
+        greedy, any rule)."""
+        return cut_rule(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 GREEDY = SamplingOptions()

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from unimem.models.sampler import SamplingRows
+from unimem.models.sampler import SORTED, SamplingRows
 from unimem_kernel.lane_commit import commit_lanes
 
 __all__ = [
@@ -137,17 +137,15 @@ class DeviceSamplingState:
         self.ints[:, idx] = ints
 
     @staticmethod
-    def lanes(
-        floats: torch.Tensor, ints: torch.Tensor, bounded_top_k: bool = False
-    ) -> SamplingRows:
+    def lanes(floats: torch.Tensor, ints: torch.Tensor, rule: str = SORTED) -> SamplingRows:
         """:class:`SamplingRows` view of ``floats [3, bs]`` / ``ints [2, bs]`` (with the
-        host's ``bounded_top_k`` promise)."""
-        return SamplingRows(floats[0], ints[0].int(), floats[1], floats[2], ints[1], bounded_top_k)
+        host's cut-off ``rule`` promise)."""
+        return SamplingRows(floats[0], ints[0].int(), floats[1], floats[2], ints[1], rule)
 
-    def read(self, rows: torch.Tensor, bounded_top_k: bool = False) -> SamplingRows:
+    def read(self, rows: torch.Tensor, rule: str = SORTED) -> SamplingRows:
         """The parameters of ``rows [bs]`` (gathers; no host read)."""
         idx = rows.long()
-        return self.lanes(self.floats[:, idx], self.ints[:, idx], bounded_top_k)
+        return self.lanes(self.floats[:, idx], self.ints[:, idx], rule)
 
 
 class StepLanes:

@@ -11,9 +11,11 @@ parameter tensors (:class:`SamplingRows`).
    top_k <=`` :data:`TOP_K_BOUND` finds its cut-off among its ``TOP_K_BOUND`` largest logits
    (``torch.topk``, probabilities from the softmax of the whole row), any other row in its
    whole sorted row: which rule a row takes depends on its own top-k only, never on the
-   batch. A batch whose every sampled row is bounded (:attr:`SamplingRows.bounded_top_k`,
-   known on the host) skips the whole-row sort: one order of magnitude less work over a
-   262 144-token vocabulary;
+   batch. A batch whose every sampled row is bounded (:attr:`SamplingRows.rule`
+   :data:`BOUNDED`, known on the host) skips the whole-row sort: one order of magnitude less
+   work over a 262 144-token vocabulary; one whose sampled rows have no filter at all
+   (:data:`UNFILTERED`: top-k off, top-p 1, min-p 0) sorts nothing: its cut-off is ``-inf``,
+   the value the sorted rule finds for such a row (its smallest logit) keeps the same tokens;
 3. a token is drawn by the Gumbel-max trick: ``argmax(filtered + g)`` with ``g =
    -log(-log(u))`` and ``u`` from a counter-based hash of ``(seed, position, vocab index)``
    (:func:`unimem_kernel.sampling.gumbel_argmax`: one fused Triton kernel on CUDA — noise,
@@ -42,12 +44,17 @@ import torch
 import unimem_kernel.sampling as kernel
 
 __all__ = [
+    "BOUNDED",
+    "CUT_RULES",
+    "SORTED",
     "TOP_K_BOUND",
+    "UNFILTERED",
     "SamplingRows",
+    "batch_cut_rule",
+    "cut_rule",
     "filtered_probs",
     "gumbel_noise",
     "hash_uniform",
-    "is_bounded_top_k",
     "THRESHOLD_CHUNK_ELEMENTS",
     "keep_threshold",
     "sample",
@@ -60,25 +67,58 @@ TOP_K_BOUND = 256
 logits (module docstring)."""
 
 
+SORTED = "sorted"
+BOUNDED = "bounded"
+UNFILTERED = "unfiltered"
+CUT_RULES = (SORTED, BOUNDED, UNFILTERED)
+"""How a step finds its sampled rows' cut-offs: the host's promise about them
+(:attr:`SamplingRows.rule`, from :func:`batch_cut_rule`). :data:`SORTED`: any rows, each by
+the rule its own top-k calls for (the bounded cut-off, or its whole sorted row).
+:data:`BOUNDED`: every sampled row has ``0 < top_k <= TOP_K_BOUND``; no whole-row sort (a row
+that breaks the promise is cut at ``TOP_K_BOUND``). :data:`UNFILTERED`: no sampled row has a
+filter (top-k off, top-p 1, min-p 0); nothing is sorted, the cut-off is ``-inf`` (a row that
+breaks the promise is not filtered)."""
+
+
 @dataclass(frozen=True)
 class SamplingRows:
-    """Sampling parameters of a step's lanes (``[bs]`` device tensors each), and
-    ``bounded_top_k``: a host-known promise that every lane with temperature > 0 has ``0 <
-    top_k <= TOP_K_BOUND`` (the filters then skip the whole-row sort; a lane that breaks the
-    promise is filtered at ``TOP_K_BOUND``)."""
+    """Sampling parameters of a step's lanes (``[bs]`` device tensors each), and ``rule``:
+    the host's promise about the lanes with temperature > 0 (:data:`CUT_RULES`)."""
 
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor  # int32, <= 0: off
     top_p: torch.Tensor  # float32
     min_p: torch.Tensor  # float32
     seeds: torch.Tensor  # int64
-    bounded_top_k: bool = False
+    rule: str = SORTED
+
+    def __post_init__(self) -> None:
+        _check_rule(self.rule)
 
 
-def is_bounded_top_k(temperature: float, top_k: int) -> bool:
-    """Whether a request with these parameters keeps :attr:`SamplingRows.bounded_top_k`'s
-    promise (greedy requests do)."""
-    return temperature <= 0 or 0 < top_k <= TOP_K_BOUND
+def _check_rule(rule: str) -> None:
+    if rule not in CUT_RULES:
+        raise ValueError(f"cut-off rule must be one of {', '.join(CUT_RULES)}, got {rule!r}")
+
+
+def cut_rule(temperature: float, top_k: int, top_p: float, min_p: float) -> str | None:
+    """The :data:`CUT_RULES` member a request with these parameters fits best (None for a
+    greedy request, which fits any): :data:`UNFILTERED` without filters, :data:`BOUNDED`
+    with ``0 < top_k <= TOP_K_BOUND``, else :data:`SORTED`."""
+    if temperature <= 0:
+        return None
+    if top_k <= 0 and top_p >= 1 and min_p <= 0:
+        return UNFILTERED
+    if 0 < top_k <= TOP_K_BOUND:
+        return BOUNDED
+    return SORTED
+
+
+def batch_cut_rule(rules) -> str:
+    """The rule a step takes for lanes of ``rules`` (each a :func:`cut_rule`): the one rule
+    every sampled lane shares, else :data:`SORTED` (it serves every lane by its own top-k)."""
+    live = {r for r in rules if r is not None}
+    return live.pop() if len(live) == 1 else SORTED
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -140,17 +180,21 @@ def keep_threshold(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
-    bounded_top_k: bool = False,
+    rule: str = SORTED,
 ) -> torch.Tensor:
     """Per row, the smallest scaled logit that top-k, then top-p (over the top-k
     renormalised probabilities: keep the smallest prefix of descending probability whose mass
     reaches ``top_p``), then min-p (probability at least ``min_p`` times the largest) keep;
     the most likely token is always kept. ``scaled [N, V]`` float32 → ``[N]``. A row with
     ``0 < top_k <= TOP_K_BOUND`` is cut among its ``TOP_K_BOUND`` largest values, any other
-    in its whole sorted row; ``bounded_top_k``: every row is taken as bounded (no whole-row
-    sort). Works on chunks of rows (:data:`THRESHOLD_CHUNK_ELEMENTS`) so its temporaries
+    in its whole sorted row; ``rule`` (:data:`CUT_RULES`): :data:`BOUNDED` takes every row as
+    bounded (no whole-row sort), :data:`UNFILTERED` every row as unfiltered (``-inf``, no
+    work). Works on chunks of rows (:data:`THRESHOLD_CHUNK_ELEMENTS`) so its temporaries
     stay bounded."""
-    fn = _bounded_threshold_rows if bounded_top_k else _keep_threshold_rows
+    _check_rule(rule)
+    if rule == UNFILTERED:
+        return torch.full((scaled.shape[0],), -math.inf, device=scaled.device)
+    fn = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
     return _over_row_chunks(fn, scaled, top_k, top_p, min_p)
 
 
@@ -212,7 +256,7 @@ def filtered_probs(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
-    bounded_top_k: bool = False,
+    rule: str = SORTED,
 ) -> torch.Tensor:
     """``[N, V]`` float32: per row the distribution :func:`sample` draws from —
     ``softmax(logits / temperature)`` restricted to the tokens :func:`keep_threshold` keeps and
@@ -220,20 +264,22 @@ def filtered_probs(
     ``argmax(logits)`` (greedy as a distribution). Speculative sampling's ``p`` and ``q``.
     Fixed shapes, no host reads; the temporaries are per chunk of rows
     (:data:`THRESHOLD_CHUNK_ELEMENTS`), the result the only ``[N, V]`` allocation.
-    ``bounded_top_k``: see :func:`keep_threshold`."""
-    fn = functools.partial(_filtered_rows, bounded_top_k=bounded_top_k)
+    ``rule``: see :func:`keep_threshold`."""
+    _check_rule(rule)
+    fn = functools.partial(_filtered_rows, rule=rule)
     return _over_row_chunks(fn, logits, temperature, top_k, top_p, min_p)
 
 
-def _filtered_rows(
-    logits, temperature, top_k, top_p, min_p, bounded_top_k: bool = False
-) -> torch.Tensor:
+def _filtered_rows(logits, temperature, top_k, top_p, min_p, rule: str = SORTED) -> torch.Tensor:
     live = temperature > 0
     t = torch.where(live, temperature.float(), 1.0)
     scaled = logits.float() / t[:, None]
-    threshold = _bounded_threshold_rows if bounded_top_k else _keep_threshold_rows
-    cut = threshold(scaled, top_k, top_p.float(), min_p.float())
-    probs = torch.softmax(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
+    if rule == UNFILTERED:  # every token kept: the same as a cut at the row's smallest value
+        probs = torch.softmax(scaled, dim=-1)
+    else:
+        threshold = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
+        cut = threshold(scaled, top_k, top_p.float(), min_p.float())
+        probs = torch.softmax(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
     onehot = torch.zeros_like(probs).scatter_(1, torch.argmax(logits, dim=-1)[:, None], 1.0)
     return torch.where(live[:, None], probs, onehot)
 
@@ -246,17 +292,17 @@ def sample(
     min_p: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
-    bounded_top_k: bool = False,
+    rule: str = SORTED,
 ) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` (int64 ``[N]``), from per-row ``temperature``,
     ``top_k``, ``top_p``, ``min_p``, ``seeds`` (int64) and ``positions`` (the index of the
     token being sampled in its request's prompt + output). Module docstring for the
-    semantics (``bounded_top_k``: :func:`keep_threshold`); fixed shapes, no host reads."""
+    semantics (``rule``: :func:`keep_threshold`); fixed shapes, no host reads."""
     greedy = torch.argmax(logits, dim=-1)
     live = temperature > 0
     t = torch.where(live, temperature.float(), 1.0)
     scaled = logits.float() / t[:, None]
-    cut = keep_threshold(scaled, top_k, top_p.float(), min_p.float(), bounded_top_k)
+    cut = keep_threshold(scaled, top_k, top_p.float(), min_p.float(), rule)
     keys = kernel.row_keys(seeds, positions)
     drawn = kernel.gumbel_argmax(scaled, cut.contiguous(), keys, torch.empty_like(greedy))
     return torch.where(live, drawn, greedy)

@@ -131,7 +131,7 @@ class DraftRunner:
 
         def choose(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             pos = start + (i + 1)  # column i proposes the token at position seq_len + i + 1
-            q = filtered_probs(logits, t, k, top_p, min_p, params.bounded_top_k)
+            q = filtered_probs(logits, t, k, top_p, min_p, params.rule)
             drawn = spec_sampling.draw(q, spec_sampling.stream_keys(params.seeds, pos, DRAFT))
             tok = torch.where(live, drawn, torch.argmax(logits, dim=-1))
             if control is not None:

@@ -395,7 +395,7 @@ class VerifyStep:
             rows(params.top_k),
             rows(params.top_p),
             rows(params.min_p),
-            params.bounded_top_k,
+            params.rule,
         ).reshape(width, vw, -1)
         positions = seq_lens.long()[:, None] + 1 + self._arange[:vw][None, :]
         s = spec_sampling.chain_accept(draft, q, p, params.seeds, positions, limit)
