@@ -107,6 +107,37 @@ def test_shared_expert_joins_the_pass(monkeypatch, device, dtype, t, k, d):
         moe_combine(y, order, w, shared=shared)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("t,k,d", [(1, 1, 8), (5, 2, 40), (6, 4, 72)])
+def test_output_biases_join_the_pass(monkeypatch, device, dtype, t, k, d):
+    """gpt-oss's down biases: ``bias[expert[i]]`` added to sorted row ``i`` first, bit for
+    bit the layer's old ``y + bias[expert]`` then the weighted sum."""
+    monkeypatch.setattr(mc_mod, "_BLOCK_D", 32)
+    if device == "cpu":
+        monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    g = torch.Generator().manual_seed(t * 7 + d)
+    ids = torch.randint(0, 7, (t * k,), generator=g)
+    order = torch.argsort(ids, stable=True)
+    expert = ids[order].to(device)  # the expert of each sorted row, as moe_route gives it
+    order = order.to(device)
+    y = torch.randn(t * k, d, generator=g).to(device, dtype)
+    w = torch.softmax(torch.randn(t, k, generator=g), -1).to(device)
+    bias = (torch.randn(7, d, generator=g) * 3).to(device, dtype)
+    got = moe_combine(y, order, w, bias=bias, expert=expert)
+    want = _old_three_passes(y + bias[expert], order, w)
+    assert not got.isnan().any()
+    assert torch.equal(got, want)
+    assert torch.equal(moe_combine_reference(y, order, w, bias=bias, expert=expert), want)
+    assert not torch.equal(got, moe_combine(y, order, w))  # the biases count
+    with pytest.raises(ValueError, match="bias and expert go together"):
+        moe_combine(y, order, w, bias=bias)
+    with pytest.raises(ValueError, match="expert must be"):
+        moe_combine(y, order, w, bias=bias, expert=expert[:-1])
+    with pytest.raises(ValueError, match="bias must be"):
+        moe_combine(y, order, w, bias=bias[:, :-1], expert=expert)
+
+
 def test_bad_arguments_are_named():
     y, order, w = _case(4, 2, 8, torch.float32, "cpu", seed=3)
     with pytest.raises(ValueError, match="weights must be"):

@@ -119,14 +119,15 @@ def expert_mlp(
         h = h + b_gate_up[route.expert]
     gate, up = h.chunk(2, dim=-1)
     y = grouped(act(gate, up).contiguous(), w_down, offs)
+    # the down biases, the weights, back to (token, slot) order and the sum over the k slots
+    # in one pass: slot 0 + slot 1 + ... in float32 per token, deterministic and
+    # batch-invariant (index_add_ on CUDA accumulates with atomics in a varying order; torch's
+    # reduction splits by token count)
+    extra = {} if shared is None else {"shared": shared, "gate_input": x,
+                                       "gate_weight": shared_gate_weight}  # fmt: skip
     if b_down is not None:
-        y = y + b_down[route.expert]
-    # weights, back to (token, slot) order and the sum over the k slots in one pass: slot 0 +
-    # slot 1 + ... in float32 per token, deterministic and batch-invariant (index_add_ on CUDA
-    # accumulates with atomics in a varying order; torch's reduction splits by token count)
-    shared_expert = {} if shared is None else {"shared": shared, "gate_input": x,
-                                               "gate_weight": shared_gate_weight}  # fmt: skip
-    out = moe_combine(y, route.order, topk_weights, route.inverse, **shared_expert)
+        extra |= {"bias": b_down, "expert": route.expert}
+    out = moe_combine(y, route.order, topk_weights, route.inverse, **extra)
     return out.to(x.dtype)
 
 

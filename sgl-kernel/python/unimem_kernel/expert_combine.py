@@ -14,6 +14,11 @@ computed in float32 in that order (slot 0 first) and rounded once to ``y``'s dty
 product rounded to ``y``'s dtype first (as ``y * weights.to(y.dtype)`` does), the sum over the
 slots in float32. Per token and independent of ``T``: batch-invariant as it stands.
 
+Optionally the experts' output biases join first (gpt-oss's ``down_proj_bias``): with
+``bias [E, d]`` and ``expert [P]`` (the expert of each sorted row, :func:`moe_route`'s),
+``y[i]`` is ``round_y(y[i] + bias[expert[i]])`` before it is weighted, bit for bit what
+``y + bias[expert]`` gives; this saves the gather and the add a layer ran for it.
+
 Optionally a sigmoid-gated shared expert joins (Qwen3-Next's block): ``out[t] += sigmoid(
 x[t] . w_gate) * shared[t]``, each of the logit, the gate, the product and the sum rounded to
 ``y``'s dtype as torch's bf16 ops round them; the logit's dot product is the kernel's own
@@ -53,14 +58,18 @@ def _moe_combine_kernel(
     sh_ptr,  # [T, d] the shared expert's output (HAS_SHARED)
     hx_ptr,  # [T, d] the shared gate's input (HAS_SHARED)
     wg_ptr,  # [d] the shared gate's weight (HAS_SHARED)
+    b_ptr,  # [E, d] the experts' output biases (HAS_BIAS)
+    e_ptr,  # [P] int: the expert of each sorted row (HAS_BIAS)
     d,
     y_s,
     w_s,
     o_s,
     sh_s,
     hx_s,
+    b_s,
     K: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_BLOCKS: tl.constexpr,  # cdiv(d, BLOCK_D)
 ):
@@ -88,6 +97,10 @@ def _moe_combine_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):
         yv = tl.load(y_ptr + rows[j] * y_s + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            e = tl.load(e_ptr + rows[j]).to(tl.int64)
+            bv = tl.load(b_ptr + e * b_s + offs, mask=m, other=0.0).to(tl.float32)
+            yv = round_rne(yv + bv, dt).to(tl.float32)
         acc += round_rne(yv * ws[j], dt).to(tl.float32)
     out = round_rne(acc, out_ptr.dtype.element_ty)
     if HAS_SHARED:
@@ -124,6 +137,22 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(idx).scatter_(0, order.long(), idx)
 
 
+def _check_bias(y, bias, expert) -> None:
+    if (bias is None) != (expert is None):
+        raise ValueError("bias and expert go together")
+    if bias is None:
+        return
+    if bias.dim() != 2 or bias.shape[1] != y.shape[1] or bias.dtype != y.dtype:
+        raise ValueError(f"bias must be [E, {y.shape[1]}] {y.dtype}, got {tuple(bias.shape)} "
+                         f"{bias.dtype}")  # fmt: skip
+    if expert.shape != (y.shape[0],) or expert.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert must be [{y.shape[0]}] int32/int64, got "
+                         f"{tuple(expert.shape)} {expert.dtype}")  # fmt: skip
+    for name, x in (("bias", bias), ("expert", expert)):
+        if x.device != y.device:
+            raise ValueError(f"{name} is on {x.device}, y on {y.device}")
+
+
 def _check_shared(y, t, shared, gate_input, gate_weight) -> None:
     given = [x is not None for x in (shared, gate_input, gate_weight)]
     if any(given) and not all(given):
@@ -149,6 +178,8 @@ def moe_combine_reference(
     shared: torch.Tensor | None = None,
     gate_input: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    expert: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum over each token's ``k`` slots of the expert outputs ``y [T * k, d]``
     (sorted by ``order``), as ``[T, d]`` in ``y``'s dtype (float64 and ``k = 0`` run the
@@ -162,9 +193,15 @@ def moe_combine_reference(
     (``[d]`` or ``[1, d]``) are given: ``out = routed + sigmoid(gate_input @ gate_weight^T) *
     shared``, each term rounded to ``y``'s dtype as torch's ops round it. The gate's dot
     product is the kernel's own float32 sum, so that term agrees with the reference to
-    rounding, not bitwise (the routed sum stays bitwise)."""
+    rounding, not bitwise (the routed sum stays bitwise).
+
+    ``bias [E, d]`` with ``expert [P]`` (int32/int64, the expert of each row of ``y``): the
+    experts' output biases, added to the rows first (``y + bias[expert]``)."""
     t, k = _check(y, order, weights)
     _check_shared(y, t, shared, gate_input, gate_weight)
+    _check_bias(y, bias, expert)
+    if bias is not None:
+        y = y + bias[expert.long()]
     if t == 0 or k == 0:
         out = y.new_zeros(t, y.shape[1])
     else:
@@ -189,6 +226,8 @@ def moe_combine_triton(
     shared: torch.Tensor | None = None,
     gate_input: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    expert: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`moe_combine` (arguments already checked; ``k >= 1``)."""
     t, k = weights.shape
@@ -205,15 +244,21 @@ def moe_combine_triton(
         shared, gate_input = (x if x.stride(-1) == 1 else x.contiguous()
                               for x in (shared, gate_input))  # fmt: skip
         gate_weight = gate_weight.reshape(-1)
+    has_bias = bias is not None
+    if has_bias and bias.stride(-1) != 1:
+        bias = bias.contiguous()
     block = min(_BLOCK_D, next_pow2(d))
     inv = _inverse(order) if inverse is None else inverse
     _moe_combine_kernel[(t, triton.cdiv(d, block))](
         y, inv, weights, out,
         shared if has_shared else out, gate_input if has_shared else out,
-        gate_weight if has_shared else out,
+        gate_weight if has_shared else out, bias if has_bias else out,
+        expert if has_bias else inv,
         d, y.stride(0), weights.stride(0), out.stride(0),
         shared.stride(0) if has_shared else 0, gate_input.stride(0) if has_shared else 0,
-        K=k, HAS_SHARED=has_shared, BLOCK_D=block, D_BLOCKS=triton.cdiv(d, block), num_warps=4,
+        bias.stride(0) if has_bias else 0,
+        K=k, HAS_SHARED=has_shared, HAS_BIAS=has_bias, BLOCK_D=block,
+        D_BLOCKS=triton.cdiv(d, block), num_warps=4,
         # each product rounded before it is added, as torch does: no multiply-add contraction
         # (for float32 ``y`` the compiler would otherwise fuse ``acc + y * w`` into an FMA)
         enable_fp_fusion=False,
@@ -230,9 +275,12 @@ def _check_combine(
     shared: torch.Tensor | None = None,
     gate_input: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    expert: torch.Tensor | None = None,
 ) -> bool:
     t, k = _check(y, order, weights)
     _check_shared(y, t, shared, gate_input, gate_weight)
+    _check_bias(y, bias, expert)
     if inverse is not None and inverse.shape != order.shape:
         raise ValueError(f"inverse must be [{t * k}] like order, got {tuple(inverse.shape)}")
     return weights.shape[1] > 0 and y.dtype != torch.float64
