@@ -91,3 +91,34 @@ def test_loaded_models_keep_their_stacks(tmp_path, arch):
 
     attn = [m for m in model.modules() if isinstance(m, GatedAttention)]
     assert attn and all(m.qkv.stacked() for m in attn)
+
+
+class _BiasedPart(_Part):
+    def __init__(self, n: int, k: int, seed: int) -> None:
+        super().__init__(n, k, seed)
+        g = torch.Generator().manual_seed(seed + 100)
+        self.bias = nn.Parameter(torch.randn(n, generator=g, dtype=torch.float64),
+                                 requires_grad=False)  # fmt: skip
+
+
+def test_biases_stack_with_their_weights():
+    """gpt-oss's q/k/v: one GEMM adds the stacked biases; loading in place keeps the stack;
+    a re-pointed bias is noticed (one GEMM and one add per part, still right); a stack with
+    biases is no single weight for norm_linear; biases all or none."""
+    parts = [_BiasedPart(n, 8, seed) for n, seed in ((4, 1), (2, 2), (2, 3))]
+    stack = StackedRows(*parts)
+    assert stack.stacked() and stack.single_weight() is None
+    want = [_x() @ p.weight.T + p.bias for p in parts]
+    for out, ref in zip(stack.linear(_x()), want, strict=True):
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        parts[1].bias.copy_(torch.arange(2, dtype=torch.float64))  # a loader's in-place copy
+    assert stack.stacked()
+    want_1 = _x() @ parts[1].weight.T + torch.arange(2, dtype=torch.float64)
+    torch.testing.assert_close(stack.linear(_x())[1], want_1, rtol=0, atol=1e-12)
+    parts[2].bias = nn.Parameter(torch.zeros(2, dtype=torch.float64), requires_grad=False)
+    outs = stack.linear(_x())
+    assert not stack.stacked()
+    torch.testing.assert_close(outs[2], _x() @ parts[2].weight.T, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="all have a bias or none"):
+        StackedRows(_BiasedPart(2, 8, 4), _Part(2, 8, 5))

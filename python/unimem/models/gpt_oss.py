@@ -43,6 +43,7 @@ from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.moe import expert_mlp
 from unimem.models.nn_ops import frozen_param, rms_norm
+from unimem.models.stacked_linear import StackedRows
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -55,7 +56,7 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, clamped_swiglu
+from unimem_kernel import add_rms_norm, clamped_swiglu, router_topk
 from unimem_kernel.rope_angles import rope_cos_sin
 
 __all__ = ["GptOssForCausalLM", "dequantize_mxfp4", "rope_inv_freq", "rope_parameters"]
@@ -223,6 +224,7 @@ class GptOssAttention(nn.Module):
         self.q_proj = _Linear(d, c.n_q_heads * c.head_dim_k, bias, dt, device)
         self.k_proj = _Linear(d, c.n_kv_heads * c.head_dim_k, bias, dt, device)
         self.v_proj = _Linear(d, c.n_kv_heads * c.head_dim_v, bias, dt, device)
+        self.qkv = StackedRows(self.q_proj, self.k_proj, self.v_proj)  # one GEMM, biases too
         self.o_proj = _Linear(c.n_q_heads * c.head_dim_v, d, bias, dt, device)
         self.sinks = frozen_param(c.n_q_heads, dtype=torch.float32, device=device)
 
@@ -234,9 +236,10 @@ class GptOssAttention(nn.Module):
         ctx: ForwardContext,
     ) -> torch.Tensor:
         c, t = self.c, h.shape[0]
-        q = self.q_proj(h).reshape(t, c.n_q_heads, c.head_dim_k)
-        k = self.k_proj(h).reshape(t, c.n_kv_heads, c.head_dim_k)
-        v = self.v_proj(h).reshape(t, c.n_kv_heads, c.head_dim_v)
+        q, k, v = self.qkv.linear(h)
+        q = q.reshape(t, c.n_q_heads, c.head_dim_k)
+        k = k.reshape(t, c.n_kv_heads, c.head_dim_k)
+        v = v.reshape(t, c.n_kv_heads, c.head_dim_v)  # strided views of the projection
         # apply_rope on q and k, K/V stored, in one pass where the context pages them
         o = ctx.rope_attention(layer_idx, q, k, v, *rope, sinks=self.sinks)
         o = o.reshape(t, c.n_q_heads * c.head_dim_v)
@@ -245,7 +248,10 @@ class GptOssAttention(nn.Module):
 
 class GptOssRouter(nn.Module):
     """``weight [E, d]``, ``bias [E]``: top-k of ``x W^T + b`` (model dtype), then softmax of
-    the k chosen logits in float32."""
+    the k chosen logits in float32. That softmax is the renormalised top-k of the softmax
+    over every expert (the ``exp`` of the others cancels), which is what
+    :func:`unimem_kernel.router_topk` computes in one launch on CUDA (Qwen3-Next's router):
+    the same weights up to float32 rounding, ties to the lower expert."""
 
     def __init__(
         self, c: HybridConfig, num_experts: int, top_k: int, device: torch.device | str
@@ -258,8 +264,8 @@ class GptOssRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
         logits = F.linear(x, self.weight, self.bias)
-        top, ids = torch.topk(logits, self.top_k, dim=-1)
-        return ids, torch.softmax(top.float(), dim=-1)
+        weights, ids = router_topk(logits, self.top_k, True)
+        return ids, weights
 
 
 class GptOssExperts(nn.Module):

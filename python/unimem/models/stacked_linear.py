@@ -12,6 +12,9 @@ product with one ``F.linear`` and returns column views of the result.
 If a part stops being a view of the stack (the module was moved or cast, or a loader
 replaced ``.data``), :meth:`~StackedRows.linear` notices (a host-side pointer check, no
 device sync) and runs one GEMM per part from then on.
+
+Parts with biases (gpt-oss's q/k/v) stack them too, as one ``[sum N_i]`` vector added by the
+same GEMM; the parts have biases all or none.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class StackedRows:
                     f"stacked weights must be [N, {k}] {dtype} on {device}, got "
                     f"{tuple(w.shape)} {w.dtype} on {w.device}"
                 )
+        with_bias = [getattr(m, "bias", None) is not None for m in modules]
+        if any(with_bias) and not all(with_bias):
+            raise ValueError("stacked parts must all have a bias or none")
         self.sizes = [w.shape[0] for w in weights]
         self._modules = modules
         self._runs: list[_Run] = [_Run(modules)]
@@ -70,12 +76,12 @@ class StackedRows:
 
     def single_weight(self) -> torch.Tensor | None:
         """The ``[sum N_i, K]`` stack when every part is a row range of one 16/32-bit stack
-        (one run, not FP8, intact), else None: what a kernel that takes the whole stacked
-        weight (:func:`unimem_kernel.norm_linear`) may multiply by."""
+        (one run, not FP8, no biases, intact), else None: what a kernel that takes the whole
+        stacked weight (:func:`unimem_kernel.norm_linear`) may multiply by."""
         if len(self._runs) != 1:
             return None
         run = self._runs[0]
-        if run.fp8 or not run.intact():
+        if run.fp8 or run.has_bias or not run.intact():
             return None
         return run.stacks[0]
 
@@ -99,8 +105,10 @@ class _Run:
     def __init__(self, modules) -> None:
         self.modules = tuple(modules)
         self.fp8 = _is_fp8(self.modules[0])
+        self.has_bias = getattr(self.modules[0], "bias", None) is not None
         self.sizes = [m.weight.shape[0] for m in self.modules]
         names = ("weight", "weight_scale_inv") if self.fp8 else ("weight",)
+        names += ("bias",) if self.has_bias else ()
         self.stacks: list[torch.Tensor] | None = []
         for name in names:
             parts = [getattr(m, name) for m in self.modules]
@@ -131,12 +139,17 @@ class _Run:
 
     def linear(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.intact():
+            bias = self.stacks[-1] if self.has_bias else None
             if self.fp8:
                 y = fp8_linear.fp8_matmul(x, self.stacks[0], self.stacks[1])
+                y = y if bias is None else y + bias
             else:
-                y = F.linear(x, self.stacks[0])
+                y = F.linear(x, self.stacks[0], bias)
             return list(y.split(self.sizes, dim=-1))
-        return [fp8_linear.linear(x, m) for m in self.modules]
+        out = [fp8_linear.linear(x, m) for m in self.modules]
+        if self.has_bias:
+            out = [y + m.bias for y, m in zip(out, self.modules, strict=True)]
+        return out
 
 
 def stacks_of(model: nn.Module) -> Iterator[StackedRows]:
