@@ -519,10 +519,19 @@ def _expert_combine_launches() -> list[tuple[str, Callable[[], None]]]:
                                    gate_input=torch.randn(t, d, dtype=bf),
                                    gate_weight=torch.randn(d, dtype=bf))  # fmt: skip
 
+    def combine_bias():  # gpt-oss: 32 experts, top 4, d 2880, the down biases inside
+        t, k, d, e = 384, 4, 2880, 32
+        bf = torch.bfloat16
+        ids = torch.randint(0, e, (t * k,))
+        order = torch.argsort(ids, stable=True)
+        expert_combine.moe_combine(torch.randn(t * k, d, dtype=bf), order, torch.rand(t, k),
+                                   bias=torch.randn(e, d, dtype=bf), expert=ids[order])  # fmt: skip
+
     return [
         ("moe_combine bf16", lambda: combine(torch.bfloat16)),
         ("moe_combine fp32", lambda: combine(torch.float32)),
         ("moe_combine bf16 with the shared expert", combine_shared),
+        ("moe_combine bf16 with output biases", combine_bias),
     ]
 
 
