@@ -485,6 +485,20 @@ def test_bounded_top_k_rows_sample_the_filtered_softmax(
     assert 0.5 * np.abs(got - want).sum() < TV_BOUND, (got, want)
 
 
+def _same_as_in_a_mixed_batch(args, seeds, positions, rows, rule):
+    """The probabilities and tokens of ``rows`` (a mask) in a batch promised ``rule`` equal
+    theirs in the whole mixed batch (the SORTED rule); returns the promised batch's
+    probabilities."""
+    mixed_p = sampling_mod.filtered_probs(*args)
+    mixed_tok = sample(*args, seeds, positions)
+    sub = [t[rows] for t in args]
+    only_p = sampling_mod.filtered_probs(*sub, rule=rule)
+    only_tok = sample(*sub, seeds[rows], positions[rows], rule=rule)
+    assert torch.equal(mixed_p[rows], only_p)
+    assert torch.equal(mixed_tok[rows], only_tok)
+    return only_p
+
+
 def test_a_bounded_row_draws_the_same_in_any_batch(monkeypatch):
     """Which cut-off rule a row takes depends on its own top-k only: bounded rows give the
     same cut-offs, probabilities and tokens beside unbounded rows (the whole-row sort runs)
@@ -502,13 +516,7 @@ def test_a_bounded_row_draws_the_same_in_any_batch(monkeypatch):
     positions = torch.arange(n, dtype=torch.int64) + 9
     bounded = top_k > 0
     args = (logits, temperature, top_k, top_p, min_p)
-    mixed_p = sampling_mod.filtered_probs(*args)
-    mixed_tok = sample(*args, seeds, positions)
-    sub = [t[bounded] for t in args]
-    only_p = sampling_mod.filtered_probs(*sub, rule=sampling_mod.BOUNDED)
-    only_tok = sample(*sub, seeds[bounded], positions[bounded], rule=sampling_mod.BOUNDED)
-    assert torch.equal(mixed_p[bounded], only_p)
-    assert torch.equal(mixed_tok[bounded], only_tok)
+    _same_as_in_a_mixed_batch(args, seeds, positions, bounded, sampling_mod.BOUNDED)
     # the unbounded rows: exactly the whole-row rule
     scaled = logits / temperature[:, None]
     desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
@@ -539,13 +547,7 @@ def test_an_unfiltered_row_draws_the_same_in_any_batch():
     args = (logits, temperature, top_k, top_p, min_p)
     free = (top_k <= 0) & (top_p >= 1)
     assert free.sum() >= 4 and (~free).sum() >= 3
-    mixed_p = sampling_mod.filtered_probs(*args)
-    mixed_tok = sample(*args, seeds, positions)
-    sub = [t[free] for t in args]
-    only_p = sampling_mod.filtered_probs(*sub, rule=sampling_mod.UNFILTERED)
-    only_tok = sample(*sub, seeds[free], positions[free], rule=sampling_mod.UNFILTERED)
-    assert torch.equal(mixed_p[free], only_p)
-    assert torch.equal(mixed_tok[free], only_tok)
+    only_p = _same_as_in_a_mixed_batch(args, seeds, positions, free, sampling_mod.UNFILTERED)
     live = temperature[free] > 0
     scaled = logits[free] / temperature[free][:, None]
     assert torch.equal(only_p[live], torch.softmax(scaled[live], dim=-1))
