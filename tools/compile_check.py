@@ -278,7 +278,8 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
 
 def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
     """Gemma 3 270M's small-batch layer body: q/k/v with post-norm + add + norm in front,
-    gate/up with GeGLU behind, the plain o / down projections (bf16, 1 and 16 rows)."""
+    gate/up with GeGLU behind, the plain o / down projections; the synthetic model's MLP with
+    add + norm in front and SwiGLU behind (bf16, 1 and 16 rows)."""
     import torch
 
     from unimem_kernel import norm_gemv
@@ -289,8 +290,10 @@ def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
         x = torch.randn(rows, k, dtype=bf)
         w = torch.randn(n, k, dtype=bf)
         nw = torch.randn(k, dtype=bf) if mode else None
-        kw = {"delta": torch.randn(rows, k, dtype=bf), "post_weight": nw} if mode == 2 else {}
-        norm_gemv.norm_linear(x, w, nw, EPS, zero_centered=True, act=act, **kw)
+        kw = {"delta": torch.randn(rows, k, dtype=bf)} if mode >= 2 else {}
+        if mode == 2:
+            kw["post_weight"] = nw
+        norm_gemv.norm_linear(x, w, nw, EPS, zero_centered=mode != 3, act=act, **kw)
 
     return [
         (f"norm_linear {name} rows {rows}", lambda a=args, r=rows: call(r, *a))
@@ -299,6 +302,7 @@ def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
             ("first qkv", (1536, 640, 1)),
             ("gate_up", (4096, 640, 2, "gelu_tanh")),
             ("down", (640, 2048, 0)),
+            ("synthetic gate_up (add + norm)", (11264, 2048, 3, "silu")),
         )
         for rows in (1, 16)
     ]

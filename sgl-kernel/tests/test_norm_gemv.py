@@ -35,14 +35,15 @@ def rand(gen, *shape, dtype, device, scale=1.0):
 
 def inputs(m, k, n, dtype, device, mode, seed=0):
     """``(x, weight, norm_weight, kwargs)`` of one case: ``mode`` 0 plain, 1 a norm in front,
-    2 post-norm + add + norm in front."""
+    2 post-norm + add + norm in front (Gemma), 3 add + norm in front (the Qwen form)."""
     gen = torch.Generator().manual_seed(seed)
     x = rand(gen, m, k, dtype=dtype, device=device)
     w = rand(gen, n, k, dtype=dtype, device=device, scale=k**-0.5)
     nw = rand(gen, k, dtype=dtype, device=device, scale=0.3) if mode >= 1 else None
     kw = {}
-    if mode == 2:
+    if mode >= 2:
         kw["delta"] = rand(gen, m, k, dtype=dtype, device=device, scale=3.0)
+    if mode == 2:
         kw["post_weight"] = rand(gen, k, dtype=dtype, device=device, scale=0.3)
     return x, w, nw, kw
 
@@ -75,6 +76,8 @@ def _triton(monkeypatch):
         (2, "gelu_tanh", True),
         (2, None, True),
         (1, None, True),
+        (3, "silu", False),
+        (3, None, False),
     ],  # fmt: skip
 )
 @pytest.mark.parametrize("m", [1, 3, 17])
@@ -87,7 +90,7 @@ def test_matches_reference(device, dtype, mode, act, zero_centered, m):
     ref_stream, ref_out = nl.norm_linear_reference(x, w, nw, EPS, **kw)
     assert out.shape == (m, n // 2 if act else n)
     assert_close(out, ref_out, dtype)
-    if mode == 2:
+    if mode >= 2:
         if dtype == F32:
             assert_close(stream, ref_stream, dtype)
         else:
@@ -124,7 +127,7 @@ def test_dispatch_and_errors():
         nl.norm_linear(x, w[:5], None, EPS, act="silu")
     with pytest.raises(ValueError, match="act must be"):
         nl.norm_linear(x, w, None, EPS, act="relu")
-    with pytest.raises(ValueError, match="needs post_weight and norm_weight"):
+    with pytest.raises(ValueError, match="delta needs norm_weight"):
         nl.norm_linear(x, w, None, EPS, delta=kw["delta"], post_weight=kw["post_weight"])
     with pytest.raises(ValueError, match="without delta"):
         nl.norm_linear(x, w, nw, EPS, post_weight=kw["post_weight"])

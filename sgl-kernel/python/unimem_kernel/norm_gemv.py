@@ -11,7 +11,8 @@ weight, so the weight is read once and nothing else touches memory twice.
 Contract (the torch reference states it; the Triton side computes the same with its own
 summation order)::
 
-    stream = x + rms_norm(delta, post_weight)     if delta is not None   (returned)
+    stream = x + rms_norm(delta, post_weight)     if delta is not None   (returned; without
+                                                  post_weight: x + delta, the Qwen form)
     h      = rms_norm(stream or x, norm_weight)   if norm_weight is not None, else stream or x
     y      = h @ weight.T                          (weight [N, K]; fp32 accumulation)
     out    = act(y[:, :N/2]) * y[:, N/2:]           if act ("gelu_tanh", "silu"), else y
@@ -19,7 +20,8 @@ summation order)::
 Each norm is ``v * rsqrt(mean(v^2) + eps) * w`` in fp32 (``w`` the weight upcast, or ``1 + w``
 when ``zero_centered``: Gemma's form) rounded once to the input dtype; ``stream`` is rounded
 to the dtype; ``y`` is rounded to the dtype before the activation, which runs in fp32 and is
-rounded before its product, exactly as :func:`~unimem_kernel.fused.norm_add_rms_norm`,
+rounded before its product, exactly as :func:`~unimem_kernel.fused.norm_add_rms_norm` (or
+:func:`~unimem_kernel.fused.add_rms_norm` without ``post_weight``),
 ``F.linear`` and :func:`~unimem_kernel.fused.gelu_tanh_mul` / ``silu_mul`` round when called
 one after the other. The only numerical difference from that chain is the order in which the
 GEMM and the norms' sums of squares add up.
@@ -64,7 +66,7 @@ from unimem_kernel._dispatch import kernel_op, next_pow2, records_autograd
 from unimem_kernel.batch_invariant import bi_rms_norm_reference
 from unimem_kernel.fused_activations import gelu_tanh_mul_reference, silu_mul_reference
 from unimem_kernel.fused_common import FUSED_SWITCH, check_device, check_float
-from unimem_kernel.fused_norms import norm_add_rms_norm_reference
+from unimem_kernel.fused_norms import add_rms_norm_reference, norm_add_rms_norm_reference
 from unimem_kernel.rounding import INTERPRETED, round_rne
 
 __all__ = [
@@ -159,17 +161,19 @@ def norm_linear_config(
 
 @triton.jit
 def _stream_chunk(x_rows, d_rows, pw_ptr, k0, ks, kmask, mk, rstd_d, dt: tl.constexpr,
-                  HAS_DELTA: tl.constexpr, ZERO_CENTERED: tl.constexpr):  # fmt: skip
+                  HAS_DELTA: tl.constexpr, HAS_POST: tl.constexpr,
+                  ZERO_CENTERED: tl.constexpr):  # fmt: skip
     """Columns ``k0 + ks`` of the stream (fp32 values of dtype ``dt``): ``x``, or ``x +
-    norm(delta)`` rounded as the chain rounds it."""
+    norm(delta)`` (``x + delta`` without HAS_POST) rounded as the chain rounds it."""
     xv = tl.load(x_rows + k0 + ks[None, :], mask=mk, other=0.0).to(tl.float32)
     if HAS_DELTA:
         dv = tl.load(d_rows + k0 + ks[None, :], mask=mk, other=0.0).to(tl.float32)
-        pw = tl.load(pw_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            pw = 1.0 + pw
-        dn = round_rne((dv * rstd_d[:, None]) * pw[None, :], dt).to(tl.float32)
-        xv = round_rne(xv + dn, dt).to(tl.float32)
+        if HAS_POST:
+            pw = tl.load(pw_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                pw = 1.0 + pw
+            dv = round_rne((dv * rstd_d[:, None]) * pw[None, :], dt).to(tl.float32)
+        xv = round_rne(xv + dv, dt).to(tl.float32)
     return xv
 
 
@@ -187,7 +191,8 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 def _norm_linear_kernel(
     x_ptr, d_ptr, pw_ptr, nw_ptr, w_ptr, s_ptr, y_ptr,
     M, NOUT, K, stride_x, stride_d, stride_w, stride_y, eps,
-    HAS_DELTA: tl.constexpr, HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_POST: tl.constexpr, HAS_NORM: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -203,7 +208,7 @@ def _norm_linear_kernel(
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
     d_rows = d_ptr + rm[:, None].to(tl.int64) * stride_d
     rstd_d = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if HAS_DELTA:  # the branch's post-norm: its sum of squares
+    if HAS_POST:  # the branch's post-norm: its sum of squares
         sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mk = mmask[:, None] & (k0 + ks < K)[None, :]
@@ -217,7 +222,7 @@ def _norm_linear_kernel(
             kmask = k0 + ks < K
             mk = mmask[:, None] & kmask[None, :]
             sv = _stream_chunk(x_rows, d_rows, pw_ptr, k0, ks, kmask, mk, rstd_d, dt, HAS_DELTA,
-                               ZERO_CENTERED)  # fmt: skip
+                               HAS_POST, ZERO_CENTERED)  # fmt: skip
             if HAS_DELTA:  # noqa: SIM102 (a constexpr, then a runtime branch)
                 if pid == 0:
                     s_ptrs = s_ptr + rm[:, None].to(tl.int64) * K + k0 + ks[None, :]
@@ -231,7 +236,7 @@ def _norm_linear_kernel(
         kmask = k0 + ks < K
         mk = mmask[:, None] & kmask[None, :]
         h = _stream_chunk(x_rows, d_rows, pw_ptr, k0, ks, kmask, mk, rstd_d, dt, HAS_DELTA,
-                          ZERO_CENTERED)  # fmt: skip
+                          HAS_POST, ZERO_CENTERED)  # fmt: skip
         if HAS_NORM:
             nw = tl.load(nw_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
             if ZERO_CENTERED:
@@ -279,12 +284,14 @@ def norm_linear_reference(
 
     ``x [M, K]`` (fp16, bf16, fp32; float64 runs the reference), ``weight [N, K]`` of ``x``'s
     dtype (``N`` even with ``act``: ``[gate; up]`` rows), ``norm_weight`` / ``post_weight
-    [K]`` or None, ``delta [M, K]`` like ``x`` or None (needs ``post_weight`` and
-    ``norm_weight``). Returns ``(stream, out)``: the new stream ``[M, K]`` (None without
-    ``delta``) and ``out [M, N]`` (``[M, N / 2]`` with ``act``), new contiguous tensors of
-    ``x``'s dtype."""
+    [K]`` or None, ``delta [M, K]`` like ``x`` or None (needs ``norm_weight``; without
+    ``post_weight`` the stream is ``x + delta``). Returns ``(stream, out)``: the new stream
+    ``[M, K]`` (None without ``delta``) and ``out [M, N]`` (``[M, N / 2]`` with ``act``), new
+    contiguous tensors of ``x``'s dtype."""
     stream, h = None, x
-    if delta is not None:
+    if delta is not None and post_weight is None:
+        stream, h = add_rms_norm_reference(x, delta, norm_weight, eps, zero_centered=zero_centered)
+    elif delta is not None:
         stream, h = norm_add_rms_norm_reference(
             x, delta, post_weight, norm_weight, eps, zero_centered=zero_centered
         )
@@ -333,7 +340,8 @@ def norm_linear_triton(
         norm_weight if norm_weight is not None else x, weight,
         stream if stream is not None else y, y,
         m, nout, k, x.stride(0), d.stride(0), weight.stride(0), y.stride(0), float(eps),
-        HAS_DELTA=delta is not None, HAS_NORM=norm_weight is not None,
+        HAS_DELTA=delta is not None, HAS_POST=post_weight is not None,
+        HAS_NORM=norm_weight is not None,
         ZERO_CENTERED=bool(zero_centered), ACT=ACTS[act],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
@@ -374,8 +382,8 @@ def _check_norm_linear(
                 f"{tuple(delta.shape)}, {delta.dtype}"
             )
         check_device("delta", delta, x, "x")
-        if post_weight is None or norm_weight is None:
-            raise ValueError("delta needs post_weight and norm_weight")
+        if norm_weight is None:
+            raise ValueError("delta needs norm_weight")
     elif post_weight is not None:
         raise ValueError("post_weight is given without delta")
     for name, w in (("norm_weight", norm_weight), ("post_weight", post_weight)):
