@@ -120,8 +120,9 @@ def _synthetic_core():
 
 @pytest.mark.parametrize("body", ["small", "layered"])
 def test_qwen3_next_shaped_synthetic_decode_step_launches_per_layer(monkeypatch, body):
-    """Small steps (UNIMEM_NORM_LINEAR_ROWS) run the MLP as two norm_linear launches
-    (gate/up with SwiGLU behind, down): no separate activation, no vendor GEMM there."""
+    """Small steps (UNIMEM_NORM_LINEAR_ROWS) run the MLP as two norm_linear launches (the
+    residual add, the pre-norm, gate/up and SwiGLU; down): no separate activation or
+    add + norm before it, no vendor GEMM there."""
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
     monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", "16" if body == "small" else "0")
     counts = count_step_launches(_decoding(_synthetic_core(), SYNTHETIC_PROMPTS))
@@ -131,6 +132,8 @@ def test_qwen3_next_shaped_synthetic_decode_step_launches_per_layer(monkeypatch,
         if body == "small":
             assert names.get("triton._norm_linear_kernel") == 2, names
             assert "triton._gated_act_kernel" not in names, names
+            # only the layer's last add + the next layer's norm stays on its own
+            assert names.get("triton._add_rms_norm_kernel", 0) <= 1, names
         else:
             assert "triton._norm_linear_kernel" not in names, names
 

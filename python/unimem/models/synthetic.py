@@ -140,23 +140,30 @@ class Mlp(nn.Module):
         self.register_buffer("down_zero", torch.zeros(c.d_model, dtype=c.dtype), persistent=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.takes_norm_linear(h):
-            # a small step: gate/up with SwiGLU behind in one launch, down in another
-            _, act = norm_linear(h, self.gate_up, None, 0.0, act="silu")
-            if envs.get("UNIMEM_NORM_LINEAR_PLAIN"):
-                return norm_linear(act, self.down, None, 0.0)[1]
-            return fp8_linear.row_parallel(act, self, self.down_zero, self.tp, "down")
         # silu(gate) * up over the fused [gate | up] projection, one pass
         act = silu_mul(fp8_linear.linear(h, self, "gate_up"))
         return fp8_linear.row_parallel(act, self, self.down_zero, self.tp, "down")
 
+    def forward_small(
+        self, x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A small step (:meth:`takes_norm_linear`): the residual add ``x + delta``, the
+        pre-norm, gate/up and SwiGLU in one :func:`unimem_kernel.norm_linear` launch, down in
+        another; returns ``(x + delta, mlp output)``, rounded as ``add_rms_norm`` then
+        :meth:`forward` round them."""
+        x, act = norm_linear(x, self.gate_up, norm_weight, eps, delta=delta, act="silu")
+        if envs.get("UNIMEM_NORM_LINEAR_PLAIN"):
+            return x, norm_linear(act, self.down, None, eps)[1]
+        return x, fp8_linear.row_parallel(act, self, self.down_zero, self.tp, "down")
+
     def takes_norm_linear(self, h: torch.Tensor) -> bool:
-        """Whether ``h [T, d]`` runs through :func:`unimem_kernel.norm_linear` (the
-        projection and SwiGLU in one launch; the down projection plain with
-        ``UNIMEM_NORM_LINEAR_PLAIN``): at most ``UNIMEM_NORM_LINEAR_ROWS`` rows, the fused
-        kernels on, 16/32-bit weights (not FP8), one rank, not batch-invariant mode (whose
-        GEMMs round as the larger batches do). The roundings are those of the chain it
-        replaces (projection, then ``silu_mul``); the summation order differs."""
+        """Whether a step of ``h [T, d]`` runs :meth:`forward_small` (the add, the norm, the
+        projection and SwiGLU in one :func:`unimem_kernel.norm_linear` launch; the down
+        projection plain with ``UNIMEM_NORM_LINEAR_PLAIN``): at most
+        ``UNIMEM_NORM_LINEAR_ROWS`` rows, the fused kernels on, 16/32-bit weights (not FP8),
+        one rank, not batch-invariant mode (whose GEMMs round as the larger batches do). The
+        roundings are those of the chain it replaces (``add_rms_norm``, the projection,
+        ``silu_mul``); the summation order differs."""
         rows = min(envs.get("UNIMEM_NORM_LINEAR_ROWS"), NORM_LINEAR_MAX_ROWS)
         return (
             h.shape[0] <= rows
@@ -202,8 +209,11 @@ class HybridLayer(nn.Module):
             mixed = self.mixer(layer_idx, h, ctx)
         else:
             mixed = self.mixer(layer_idx, h, rope, ctx)
-        x, h = add_rms_norm(x, mixed, self.mlp_norm, eps)
-        y = self.mlp(h)
+        if self.mlp.takes_norm_linear(x):
+            x, y = self.mlp.forward_small(x, mixed, self.mlp_norm, eps)
+        else:
+            x, h = add_rms_norm(x, mixed, self.mlp_norm, eps)
+            y = self.mlp(h)
         if next_norm is None:
             return x + y, None
         return add_rms_norm(x, y, next_norm, eps)
