@@ -104,6 +104,39 @@ def test_gpt_oss_decode_step_has_no_torch_router_or_bias_glue(tmp_path, monkeypa
         assert names.get("aten.index", 0) <= 2 and names.get("aten.addmm", 0) <= 3, names
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_path(tmp_path_factory):
+    import tiny_qwen3_5
+
+    path = tmp_path_factory.mktemp("qwen3_5_launches")
+    hf = tiny_qwen3_5.build(path)
+    tiny_tokenizer.save(path, hf.config.vocab_size)
+    return path
+
+
+def test_qwen3_5_small_body_launches_and_tokens(qwen3_5_path, monkeypatch):
+    """Qwen3.5 (dense): a small step's MLP is two norm_linear launches (the residual add,
+    the zero-centred pre-norm, gate/up and SwiGLU; down) instead of add + norm, a GEMM,
+    SwiGLU and a GEMM; the same greedy tokens as the layer-by-layer body (float32)."""
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    outs = {}
+    for rows in ("16", "0"):
+        monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", rows)
+        eng = unimem.Engine(model_path=str(qwen3_5_path), device="cpu", dtype="float32",
+                            page_size=4)  # fmt: skip
+        counts = count_step_launches(_decoding(eng.core, [list(range(5, 12)), [9, 8, 7, 6]]))
+        _check(counts, "qwen3_5")
+        for i in range(len(counts.per_layer())):
+            names = counts.layer_names(i)
+            assert names.get("triton._norm_linear_kernel", 0) == (2 if rows == "16" else 0)
+            if rows == "16":
+                assert "triton._gated_act_kernel" not in names, names
+        got = eng.generate(input_ids=[[5, 6, 7, 8, 9], [11, 3, 4]],
+                           sampling_params={"max_new_tokens": 6, "temperature": 0.0})  # fmt: skip
+        outs[rows] = [o["output_ids"] for o in got]
+    assert outs["16"] == outs["0"]
+
+
 SYNTHETIC_PROMPTS = [list(range(5, 11)), list(range(9, 16))]
 
 

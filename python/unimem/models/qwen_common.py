@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unimem.models import fp8_linear
+from unimem.models import batch_invariant, fp8_linear
 from unimem.models.base import CausalLM, ModelOutput, logits_dtype
 from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
@@ -57,11 +57,20 @@ from unimem.models.tensor_parallel import (
     shard,
     vocab_shard,
 )
-from unimem_kernel import add_rms_norm, bi_rms_norm, gdn_gates, router_topk, sigmoid_gate
+from unimem_kernel import (
+    add_rms_norm,
+    bi_rms_norm,
+    envs,
+    gdn_gates,
+    norm_linear,
+    router_topk,
+    sigmoid_gate,
+)
 from unimem_kernel import gated_rms_norm as fused_gated_rms_norm
 from unimem_kernel import silu_mul as fused_silu_mul
 from unimem_kernel.fused import records_autograd
 from unimem_kernel.fused import use_triton as fused_ops_on
+from unimem_kernel.norm_gemv import MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from unimem_kernel.rope_angles import rope_cos_sin
 
 LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "full"}
@@ -301,6 +310,40 @@ class DenseMlp(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.partial(h))
 
+    def takes_norm_linear(self, x: torch.Tensor) -> bool:
+        """Whether a step of ``x [T, d]`` runs :meth:`forward_small`: at most
+        ``UNIMEM_NORM_LINEAR_ROWS`` rows, the fused kernels on, one rank, gate/up one 16/32-bit
+        stack and down not FP8, not batch-invariant mode (whose GEMMs round as the larger
+        batches do)."""
+        rows = min(envs.get("UNIMEM_NORM_LINEAR_ROWS"), NORM_LINEAR_MAX_ROWS)
+        return (
+            x.shape[0] <= rows
+            and self.tp.size == 1
+            and x.dtype != torch.float64
+            and fused_ops_on(x)
+            and not records_autograd(x)
+            and not batch_invariant.enabled()
+            and self.gate_up is not None
+            and self.gate_up.single_weight() is not None
+            and not fp8_linear.is_fp8(self.down_proj)
+        )
+
+    def forward_small(
+        self, x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A small step: the residual add ``x + delta``, the zero-centred pre-norm, gate/up
+        and SwiGLU in one :func:`unimem_kernel.norm_linear` launch, down in another (plain
+        ``norm_linear`` with ``UNIMEM_NORM_LINEAR_PLAIN``, else the vendor GEMM); returns
+        ``(x + delta, mlp output)``, rounded as ``add_rms_norm`` then :meth:`forward` round
+        them (only the summation order differs)."""
+        x, act = norm_linear(
+            x, self.gate_up.single_weight(), norm_weight, eps, delta=delta, zero_centered=True,
+            act="silu",
+        )  # fmt: skip
+        if envs.get("UNIMEM_NORM_LINEAR_PLAIN"):
+            return x, norm_linear(act, self.down_proj.weight, None, eps)[1]
+        return x, fp8_linear.linear(act, self.down_proj)
+
 
 class StackedExperts(nn.Module):
     """The routed experts as stacked parameters, named as HuggingFace's in-memory module:
@@ -414,8 +457,12 @@ class DecoderLayer(nn.Module):
             mixed = self.linear_attn(layer_idx, h, ctx)
         else:
             mixed = self.self_attn(layer_idx, h, rotary, cos_sin, ctx)
-        x, h = add_rms_norm(x, mixed, self.post_attention_layernorm.weight, eps, zero_centered=True)
-        y = self.mlp(h)
+        post = self.post_attention_layernorm.weight
+        if isinstance(self.mlp, DenseMlp) and self.mlp.takes_norm_linear(x):
+            x, y = self.mlp.forward_small(x, mixed, post, eps)
+        else:
+            x, h = add_rms_norm(x, mixed, post, eps, zero_centered=True)
+            y = self.mlp(h)
         if next_norm is None:
             return x + y, None
         return add_rms_norm(x, y, next_norm, eps, zero_centered=True)
