@@ -35,13 +35,18 @@ MAX_PER_LAYER = 12
 MAX_OUTSIDE = 24  # embedding, RoPE tables, first / final norm, LM head, pick, metadata, tail
 
 
-@pytest.fixture(scope="module")
-def gemma_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gemma3_launches")
-    hf = tiny_gemma3.build(path, num_hidden_layers=2,
-                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+def _tiny_checkpoint(path, build, **kw):
+    """A tiny checkpoint of ``build`` (a ``tiny_*`` module's) with its tokenizer in ``path``."""
+    hf = build(path, **kw)
     tiny_tokenizer.save(path, hf.config.vocab_size)
     return path
+
+
+@pytest.fixture(scope="module")
+def gemma_path(tmp_path_factory):
+    return _tiny_checkpoint(tmp_path_factory.mktemp("gemma3_launches"), tiny_gemma3.build,
+                            num_hidden_layers=2,
+                            layer_types=["sliding_attention", "full_attention"])  # fmt: skip
 
 
 def _decoding(core, prompts, out_len=12):
@@ -92,9 +97,8 @@ def test_gpt_oss_decode_step_has_no_torch_router_or_bias_glue(tmp_path, monkeypa
     import tiny_gpt_oss
 
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
-    hf = tiny_gpt_oss.build(tmp_path)
-    tiny_tokenizer.save(tmp_path, hf.config.vocab_size)
-    eng = unimem.Engine(model_path=str(tmp_path), device="cpu", dtype="float32", page_size=4)
+    path = _tiny_checkpoint(tmp_path, tiny_gpt_oss.build)
+    eng = unimem.Engine(model_path=str(path), device="cpu", dtype="float32", page_size=4)
     counts = count_step_launches(_decoding(eng.core, [list(range(5, 11)), list(range(7, 14))]))
     per = counts.per_layer()
     assert per and max(per) <= 17, counts.summary()
@@ -108,10 +112,7 @@ def test_gpt_oss_decode_step_has_no_torch_router_or_bias_glue(tmp_path, monkeypa
 def qwen3_5_path(tmp_path_factory):
     import tiny_qwen3_5
 
-    path = tmp_path_factory.mktemp("qwen3_5_launches")
-    hf = tiny_qwen3_5.build(path)
-    tiny_tokenizer.save(path, hf.config.vocab_size)
-    return path
+    return _tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5_launches"), tiny_qwen3_5.build)
 
 
 def test_qwen3_5_small_body_launches_and_tokens(qwen3_5_path, monkeypatch):

@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unimem.models import batch_invariant
 from unimem.models.batch_invariant import rms_normalize
-from unimem_kernel import bi_rms_norm
+from unimem_kernel import bi_rms_norm, envs
 from unimem_kernel.fused import records_autograd
 from unimem_kernel.fused import use_triton as fused_ops_on
+from unimem_kernel.norm_gemv import MAX_ROWS as NORM_LINEAR_MAX_ROWS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,3 +41,20 @@ def frozen_param(
     """An uninitialised inference-only parameter (filled later: from a seed, or by a
     checkpoint loader)."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def small_step(x: torch.Tensor, tp_size: int = 1) -> bool:
+    """Whether a step of ``x [T, d]`` may run a layer's small-batch body of
+    :func:`unimem_kernel.norm_linear` launches (the models' ``forward_small``): at most
+    ``UNIMEM_NORM_LINEAR_ROWS`` rows, the fused kernels on, not float64, no autograd, one
+    tensor-parallel rank, not batch-invariant mode (the vendor GEMM of larger batches rounds
+    differently). Each model adds its own weight checks (16/32-bit stacks, not FP8)."""
+    rows = min(envs.get("UNIMEM_NORM_LINEAR_ROWS"), NORM_LINEAR_MAX_ROWS)
+    return (
+        x.shape[0] <= rows
+        and tp_size == 1
+        and x.dtype != torch.float64
+        and fused_ops_on(x)
+        and not records_autograd(x)
+        and not batch_invariant.enabled()
+    )

@@ -37,14 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unimem.models import batch_invariant, fp8_linear
+from unimem.models import fp8_linear
 from unimem.models.base import CausalLM, ModelOutput, logits_dtype
 from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
 from unimem.models.moe import expert_mlp
-from unimem.models.nn_ops import apply_rope, frozen_param
+from unimem.models.nn_ops import apply_rope, frozen_param, small_step
 from unimem.models.stacked_linear import StackedRows
 from unimem.models.tensor_parallel import (
     SINGLE,
@@ -70,7 +70,6 @@ from unimem_kernel import gated_rms_norm as fused_gated_rms_norm
 from unimem_kernel import silu_mul as fused_silu_mul
 from unimem_kernel.fused import records_autograd
 from unimem_kernel.fused import use_triton as fused_ops_on
-from unimem_kernel.norm_gemv import MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from unimem_kernel.rope_angles import rope_cos_sin
 
 LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "full"}
@@ -315,14 +314,8 @@ class DenseMlp(nn.Module):
         ``UNIMEM_NORM_LINEAR_ROWS`` rows, the fused kernels on, one rank, gate/up one 16/32-bit
         stack and down not FP8, not batch-invariant mode (whose GEMMs round as the larger
         batches do)."""
-        rows = min(envs.get("UNIMEM_NORM_LINEAR_ROWS"), NORM_LINEAR_MAX_ROWS)
         return (
-            x.shape[0] <= rows
-            and self.tp.size == 1
-            and x.dtype != torch.float64
-            and fused_ops_on(x)
-            and not records_autograd(x)
-            and not batch_invariant.enabled()
+            small_step(x, self.tp.size)
             and self.gate_up is not None
             and self.gate_up.single_weight() is not None
             and not fp8_linear.is_fp8(self.down_proj)

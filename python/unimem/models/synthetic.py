@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unimem.models import batch_invariant, fp8_linear
+from unimem.models import fp8_linear
 from unimem.models.base import CausalLM, ModelOutput
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
-from unimem.models.nn_ops import frozen_param, rms_norm
+from unimem.models.nn_ops import frozen_param, rms_norm, small_step
 from unimem.models.tensor_parallel import (
     SINGLE,
     Shard,
@@ -54,9 +54,6 @@ from unimem.models.tensor_parallel import (
     vocab_shard,
 )
 from unimem_kernel import add_rms_norm, envs, gated_rms_norm, gdn_gates, norm_linear, silu_mul
-from unimem_kernel.fused import records_autograd
-from unimem_kernel.fused import use_triton as fused_ops_on
-from unimem_kernel.norm_gemv import MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from unimem_kernel.rope_angles import rope_cos_sin
 
 
@@ -164,14 +161,8 @@ class Mlp(nn.Module):
         one rank, not batch-invariant mode (whose GEMMs round as the larger batches do). The
         roundings are those of the chain it replaces (``add_rms_norm``, the projection,
         ``silu_mul``); the summation order differs."""
-        rows = min(envs.get("UNIMEM_NORM_LINEAR_ROWS"), NORM_LINEAR_MAX_ROWS)
         return (
-            h.shape[0] <= rows
-            and self.tp.size == 1
-            and h.dtype != torch.float64
-            and fused_ops_on(h)
-            and not records_autograd(h)
-            and not batch_invariant.enabled()
+            small_step(h, self.tp.size)
             and not fp8_linear.is_fp8(self, "gate_up")
             and not fp8_linear.is_fp8(self, "down")
         )
