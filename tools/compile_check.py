@@ -246,6 +246,12 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
         fu.norm_add_rms_norm(x, torch.randn_like(x), w, w if next_norm else None, EPS,
                              zero_centered=True)  # fmt: skip
 
+    def clamped_swiglu_biased():  # with each row's expert's gate/up biases added inside
+        h = torch.randn(t, 2 * FFN, dtype=bf)
+        bias = torch.randn(32, 2 * FFN, dtype=bf)
+        expert = torch.randint(0, 32, (t,))
+        fu.clamped_swiglu(h[:, :FFN], h[:, FFN:], 1.702, 7.0, bias=bias, expert=expert)
+
     def clamped_swiglu():  # gpt-oss experts: the halves of the grouped gate/up product
         h = torch.randn(t, 2 * FFN, dtype=bf)
         fu.clamped_swiglu(h[:, :FFN], h[:, FFN:], 1.702, 7.0)
@@ -273,6 +279,7 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
         ("norm_add_rms_norm last layer", lambda: norm_add(False)),
         ("norm_add_rms_norm D=5376 (chunked)", lambda: norm_add(True, 5376)),
         ("clamped_swiglu (gpt-oss)", clamped_swiglu),
+        ("clamped_swiglu with the experts' biases (gpt-oss)", clamped_swiglu_biased),
     ]
 
 

@@ -607,6 +607,30 @@ def test_clamped_swiglu_matches_reference(triton_backend, device, dtype):
         assert_ulp(y, y0, 1, floor=2.0**-20)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamped_swiglu_takes_the_rows_expert_biases(triton_backend, device, dtype):
+    """gpt-oss's gate/up biases inside the activation: row i gets bias[expert[i]]'s gate and
+    up halves first, bit for bit the activation of ``h + bias[expert]`` (the layer's old
+    gather and add), kernel and reference alike; bad biases are named."""
+    g = _gen(12)
+    h = rand(g, 7, 2 * 24, dtype=dtype, device=device, scale=6.0)
+    bias = rand(g, 5, 2 * 24, dtype=dtype, device=device, scale=2.0)
+    expert = torch.tensor([4, 0, 0, 2, 1, 4, 3], device=device)
+    gate, up = h.chunk(2, dim=-1)
+    hb_gate, hb_up = (h + bias[expert]).chunk(2, dim=-1)
+    for fn in (fu.clamped_swiglu, fu.clamped_swiglu_reference):
+        got = fn(gate, up, 1.702, 7.0, bias=bias, expert=expert)
+        assert torch.equal(got, fn(hb_gate, hb_up, 1.702, 7.0))
+    assert not torch.equal(got, fu.clamped_swiglu_reference(gate, up, 1.702, 7.0))
+    with pytest.raises(ValueError, match="bias and expert go together"):
+        fu.clamped_swiglu(gate, up, 1.702, 7.0, bias=bias)
+    with pytest.raises(ValueError, match="bias must be"):
+        fu.clamped_swiglu(gate, up, 1.702, 7.0, bias=bias[:, :-2], expert=expert)
+    with pytest.raises(ValueError, match="expert must be"):
+        fu.clamped_swiglu(gate, up, 1.702, 7.0, bias=bias, expert=expert[:-1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [640, 5376])  # Gemma 3 270M; 27B (the chunked path)
 def test_norm_add_rms_norm_gpu(d):

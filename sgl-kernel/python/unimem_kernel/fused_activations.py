@@ -57,7 +57,11 @@ def _gated_act_kernel(
     stride_o,
     alpha,
     limit,
+    b_ptr,  # [E, 2 * F_] the rows' [gate | up] biases (HAS_BIAS)
+    e_ptr,  # [rows] int: each row's bias row (HAS_BIAS)
+    stride_b,
     ACT: tl.constexpr,  # 0: silu, 1: gelu (tanh approximation), 2: gpt-oss's clamped SwiGLU
+    HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -66,6 +70,12 @@ def _gated_act_kernel(
     dt = o_ptr.dtype.element_ty
     g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # the projection's bias of the row's expert, each sum rounded to the dtype
+        b_row = b_ptr + tl.load(e_ptr + row).to(tl.int64) * stride_b
+        g = round_rne(g + tl.load(b_row + cols, mask=m, other=0.0).to(tl.float32), dt)
+        u = round_rne(u + tl.load(b_row + F_ + cols, mask=m, other=0.0).to(tl.float32), dt)
+        g = g.to(tl.float32)
+        u = u.to(tl.float32)
     if ACT == 2:
         # (clamp(up, -l, l) + 1) * (g * sigmoid(g * alpha)), g = clamp(gate, max=l): every
         # torch op's result rounded to the dtype, as the torch code rounds it
@@ -118,7 +128,13 @@ def _gate_and_up(gate_up: torch.Tensor, up: torch.Tensor | None):
 
 
 def clamped_swiglu_reference(
-    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    alpha: float,
+    limit: float,
+    *,
+    bias: torch.Tensor | None = None,
+    expert: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """gpt-oss's clamped SwiGLU ``(clamp(up, -l, l) + 1) * (g * sigmoid(g * alpha))`` with ``g
     = min(gate, l)``, in one pass. ``gate``, ``up [..., F]`` of one shape and dtype (fp16 /
@@ -126,7 +142,16 @@ def clamped_swiglu_reference(
     two halves of a gate/up GEMM's output). Every torch op's result is rounded to the dtype
     where the reference rounds it (the sigmoid's ``exp`` is the kernel's own: within an ulp).
     Returns a new contiguous ``[..., F]``. The reference is gpt-oss's expert activation as
-    ``unimem.models.gpt_oss`` computed it."""
+    ``unimem.models.gpt_oss`` computed it.
+
+    ``bias [E, 2F]`` with ``expert [M]`` (int32/int64; ``gate`` and ``up`` flattened to ``M``
+    rows): row ``i``'s gate and up first get the gate and up halves of ``bias[expert[i]]``
+    (each sum rounded to the dtype: the projection's bias, as ``h + bias[expert]`` adds it to
+    the ``[gate | up]`` output), saving the gather and the add a MoE layer ran for it."""
+    if bias is not None:
+        f = gate.shape[-1]
+        rows = bias[expert.long()].reshape(*gate.shape[:-1], 2 * f)
+        gate, up = gate + rows[..., :f], up + rows[..., f:]
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
@@ -158,8 +183,11 @@ def _launch_gated(
     up: torch.Tensor | None,
     alpha: float = 0.0,
     limit: float = 0.0,
+    bias: torch.Tensor | None = None,
+    expert: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One ``_gated_act_kernel`` launch of activation ``act`` (its ``ACT`` codes)."""
+    """One ``_gated_act_kernel`` launch of activation ``act`` (its ``ACT`` codes); ``bias``
+    / ``expert``: the rows' biases (:func:`clamped_swiglu`)."""
     gate, upv = _gate_and_up(gate_up, up)
     f = gate.shape[-1]
     g2, u2 = unit_stride_rows(gate), unit_stride_rows(upv)
@@ -168,9 +196,13 @@ def _launch_gated(
     if rows and f:
         block = min(_ELEMENTWISE_BLOCK, next_pow2(f))
         grid = (rows, triton.cdiv(f, block))
+        has_bias = bias is not None
+        if has_bias and bias.stride(-1) != 1:
+            bias = bias.contiguous()
         _gated_act_kernel[grid](
             g2, u2, out, f, g2.stride(0), u2.stride(0), out.stride(0), float(alpha),
-            float(limit), ACT=act, BLOCK=block,
+            float(limit), bias if has_bias else out, expert if has_bias else out,
+            bias.stride(0) if has_bias else 0, ACT=act, HAS_BIAS=has_bias, BLOCK=block,
         )  # fmt: skip
     return out.reshape(*gate_up.shape[:-1], f)
 
@@ -186,10 +218,34 @@ def gelu_tanh_mul_triton(gate_up: torch.Tensor, up: torch.Tensor | None = None) 
 
 
 def clamped_swiglu_triton(
-    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    alpha: float,
+    limit: float,
+    *,
+    bias: torch.Tensor | None = None,
+    expert: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`clamped_swiglu` (arguments checked; no float64)."""
-    return _launch_gated(2, gate, up, float(alpha), float(limit))
+    return _launch_gated(2, gate, up, float(alpha), float(limit), bias, expert)
+
+
+def _check_clamped(gate, up, alpha, limit, *, bias=None, expert=None) -> bool:
+    covered = _check_gated(gate, up)
+    if (bias is None) != (expert is None):
+        raise ValueError("bias and expert go together")
+    if bias is not None:
+        f = gate.shape[-1]
+        rows = gate.numel() // max(f, 1)
+        if bias.dim() != 2 or bias.shape[1] != 2 * f or bias.dtype != gate.dtype:
+            raise ValueError(f"bias must be [E, {2 * f}] {gate.dtype}, got "
+                             f"{tuple(bias.shape)} {bias.dtype}")  # fmt: skip
+        if expert.shape != (rows,) or expert.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"expert must be [{rows}] int32/int64, got {tuple(expert.shape)} "
+                             f"{expert.dtype}")  # fmt: skip
+        check_device("bias", bias, gate, "gate")
+        check_device("expert", expert, gate, "gate")
+    return covered
 
 
 silu_mul = kernel_op(
@@ -217,7 +273,7 @@ clamped_swiglu = kernel_op(
     triton=clamped_swiglu_triton,
     reference=clamped_swiglu_reference,
     device_of="gate",
-    check=lambda gate, up, alpha, limit: _check_gated(gate, up),
+    check=_check_clamped,
     switch=FUSED_SWITCH,
 )
 
