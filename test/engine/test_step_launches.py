@@ -91,9 +91,10 @@ def test_gemma3_decode_step_launches_per_layer(gemma_path, monkeypatch, body):
 
 def test_gpt_oss_decode_step_has_no_torch_router_or_bias_glue(tmp_path, monkeypatch):
     """gpt-oss's layer: q/k/v one GEMM with its biases, the router's top-k and softmax one
-    launch (router_topk), the experts' down biases inside the combine. A routed-experts layer
-    needs more launches than a dense one (routing, two grouped GEMMs, the combine): at most
-    17 here, none of them the torch router or bias gathers."""
+    launch (router_topk), the experts' gate/up biases inside the activation and their down
+    biases inside the combine. A routed-experts layer needs more launches than a dense one
+    (routing, two grouped GEMMs, the combine): at most 15 here, none of them the torch
+    router or bias gathers and adds."""
     import tiny_gpt_oss
 
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
@@ -101,11 +102,11 @@ def test_gpt_oss_decode_step_has_no_torch_router_or_bias_glue(tmp_path, monkeypa
     eng = unimem.Engine(model_path=str(path), device="cpu", dtype="float32", page_size=4)
     counts = count_step_launches(_decoding(eng.core, [list(range(5, 11)), list(range(7, 14))]))
     per = counts.per_layer()
-    assert per and max(per) <= 17, counts.summary()
-    for i in range(len(per)):
+    assert per and max(per) <= 15, counts.summary()
+    for i in range(len(per) - 1):  # the last layer adds its MLP output to the stream alone
         names = counts.layer_names(i)
-        assert not {"aten.topk", "aten._softmax", "aten.sort"} & set(names), names
-        assert names.get("aten.index", 0) <= 2 and names.get("aten.addmm", 0) <= 3, names
+        assert not {"aten.topk", "aten._softmax", "aten.sort", "aten.add"} & set(names), names
+        assert names.get("aten.index", 0) <= 1 and names.get("aten.addmm", 0) <= 3, names
 
 
 @pytest.fixture(scope="module")

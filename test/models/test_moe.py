@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from unimem.models.moe import expert_mlp, expert_mlp_reference, grouped_mm_supported
 
 
-def _swiglu(gate, up):
+def _swiglu(gate, up, bias=None, expert=None):
+    """SwiGLU; with ``bias`` / ``expert``, each row's expert's gate/up biases added first
+    (the activation protocol of :data:`unimem.models.moe.GatedAct`)."""
+    if bias is not None:
+        f = gate.shape[-1]
+        rows = bias[expert]
+        gate, up = gate + rows[:, :f], up + rows[:, f:]
     return F.silu(gate) * up
 
 

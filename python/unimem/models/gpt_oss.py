@@ -299,12 +299,19 @@ class GptOssExperts(nn.Module):
         self.down_proj = frozen_param(e, d, i, dtype=dt, device=device)
         self.down_proj_bias = frozen_param(e, d, dtype=dt, device=device)
 
-    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def act(
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        expert: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The clamped SwiGLU: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with
-        ``g = min(gate, l)``; ``[M, I]`` in, ``[M, I]`` out, the input dtype. One launch
-        where the fused kernels run (:func:`unimem_kernel.clamped_swiglu`), else its
-        reference (the torch code)."""
-        return clamped_swiglu(gate, up, self.alpha, self.limit)
+        ``g = min(gate, l)``; ``[M, I]`` in, ``[M, I]`` out, the input dtype; with ``bias``
+        / ``expert`` the rows' gate/up biases added first. One launch where the fused
+        kernels run (:func:`unimem_kernel.clamped_swiglu`), else its reference (the torch
+        code)."""
+        return clamped_swiglu(gate, up, self.alpha, self.limit, bias=bias, expert=expert)
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

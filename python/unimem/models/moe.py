@@ -32,7 +32,10 @@ from unimem_kernel import (
     moe_route,
 )
 
-GatedAct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+GatedAct = Callable[..., torch.Tensor]
+"""An expert activation ``act(gate, up) -> [M, I]``. One whose experts have gate/up biases
+also takes ``act(gate, up, bias=[E, 2I], expert=[M])`` and adds row ``i``'s expert's bias
+halves first (gpt-oss's :func:`unimem_kernel.clamped_swiglu`), saving a gather and an add."""
 
 __all__ = ["GatedAct", "expert_mlp", "expert_mlp_reference", "grouped_mm_supported"]
 
@@ -115,10 +118,10 @@ def expert_mlp(
         scales = {id(w_gate_up): w_gate_up_scale, id(w_down): w_down_scale}
         grouped = _grouped_fp8(scales, invariant)
     h = grouped(x, w_gate_up, offs, route.token)  # row i is token route.token[i]
-    if b_gate_up is not None:
-        h = h + b_gate_up[route.expert]
     gate, up = h.chunk(2, dim=-1)
-    y = grouped(act(gate, up).contiguous(), w_down, offs)
+    # the gate/up biases of each row's expert are added inside the activation
+    biases = {} if b_gate_up is None else {"bias": b_gate_up, "expert": route.expert}
+    y = grouped(act(gate, up, **biases).contiguous(), w_down, offs)
     # the down biases, the weights, back to (token, slot) order and the sum over the k slots
     # in one pass: slot 0 + slot 1 + ... in float32 per token, deterministic and
     # batch-invariant (index_add_ on CUDA accumulates with atomics in a varying order; torch's
