@@ -8,10 +8,10 @@ import torch
 
 from unimem.attention.fa4_backend import (
     NARROW_TILE_ROWS,
+    SPLIT_KV_KEYS,
     SPLIT_KV_MAX_BS,
     SPLIT_KV_MAX_Q,
     SPLIT_KV_MAX_WORK,
-    SPLIT_KV_KEYS,
     narrow_query_tile,
     split_kv_keys,
     split_kv_programs,
