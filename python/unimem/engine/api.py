@@ -49,6 +49,7 @@ from unimem.memory.spec import LayerKind
 from unimem.models import batch_invariant
 from unimem.models.config import memory_spec
 from unimem.models.loader import load_checkpoint
+from unimem.models.sampler import THRESHOLD_CHUNK_ELEMENTS
 from unimem.models.tensor_parallel import SINGLE, full_config
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter
@@ -79,8 +80,6 @@ def step_workspace_bytes(rows: int, vocab: int) -> int:
     """What the default memory split leaves free beside the pools for a largest step of
     ``rows`` logit rows over ``vocab`` tokens (:data:`STEP_BYTES_PER_LOGIT` per logit, plus
     one chunk of the sampler's row-chunked temporaries)."""
-    from unimem.models.sampler import THRESHOLD_CHUNK_ELEMENTS
-
     return rows * vocab * STEP_BYTES_PER_LOGIT + THRESHOLD_CHUNK_ELEMENTS * 36
 
 

@@ -224,7 +224,7 @@ class ModelRunner:
             width,
         )
         draw = any(not r.sampling.greedy for r in batch.reqs)
-        rule = batch_cut_rule(r.sampling.cut_rule for r in batch.reqs)
+        rule = batch_cut_rule(r.sampling.cut_rule for r in batch.reqs) if draw else SORTED
         graphs = self.graphs
         if draw:
             graphs = self.sample_graphs.get(rule)

@@ -45,13 +45,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unimem.models import batch_invariant, fp8_linear
+from unimem.models import fp8_linear
 from unimem.models.base import CausalLM, ModelOutput, logits_dtype
 from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
-from unimem.models.nn_ops import frozen_param
+from unimem.models.nn_ops import frozen_param, small_step
 from unimem.models.stacked_linear import StackedRows
 from unimem.models.tensor_parallel import (
     SINGLE,
@@ -74,7 +74,6 @@ from unimem_kernel import (
 )
 from unimem_kernel.fused import records_autograd
 from unimem_kernel.fused import use_triton as fused_ops_on
-from unimem_kernel.norm_gemv import MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from unimem_kernel.rope_angles import rope_cos_sin
 
 __all__ = ["Gemma3ForCausalLM", "RopeSpec", "gemma_rms_norm", "text_config_of"]
@@ -621,11 +620,11 @@ class Gemma3ForCausalLM(CausalLM):
 
     def takes_norm_linear(self, x: torch.Tensor) -> bool:
         """Whether a step of ``x [T, d]`` runs its layers in :func:`unimem_kernel.norm_linear`
-        launches: at most ``UNIMEM_NORM_LINEAR_ROWS`` rows, the fused kernels on (``_fused``),
-        not batch-invariant mode (the vendor GEMM of larger batches rounds differently), and
-        every layer's q/k/v and gate/up weights one 16/32-bit stack (not FP8)."""
-        rows = min(envs.get("UNIMEM_NORM_LINEAR_ROWS"), NORM_LINEAR_MAX_ROWS)
-        if x.shape[0] > rows or batch_invariant.enabled() or not _fused(x):
+        launches: :func:`~unimem.models.nn_ops.small_step` (rows, fused kernels, not
+        batch-invariant mode; under tensor parallelism the row-parallel projections decide
+        for themselves, :func:`_small_linear`), and every layer's q/k/v and gate/up weights
+        one 16/32-bit stack (not FP8)."""
+        if not small_step(x):
             return False
         return all(
             layer.self_attn.qkv.single_weight() is not None
