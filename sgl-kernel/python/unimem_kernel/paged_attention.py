@@ -39,9 +39,11 @@ into one ``BLOCK_M``-row tile, so K/V are loaded once per split for all of them)
 the splits ``s = p, p + P, p + 2P, ...`` that hold keys the tile can see, in increasing order,
 ``BLOCK_N`` keys at a time: an online softmax in fp32 (``exp2``, ``log2 e`` folded into the
 scale), ``tl.dot`` for ``q k^T`` and ``p v``. It writes its rows' ``(m, l, acc)`` to fp32
-partials ``[T, Hq, P, Dv]``. Launch 2 (one program per token and head block) merges the
-``P`` partials in the order ``p = 0 .. P - 1``, adds the sink and divides. The grid is ``(bs *
-Hkv * ceil(q_len / (BLOCK_M / group)), P)`` then ``(T, ceil(Hq / BH))``: host ints only, with
+partials ``[T, Hq, P, Dv]``. Launch 2 (one program per token and head) loads the ``P``
+partials at once (row ``p`` of a tile of at least 16 rows; rows with no visible key are
+masked off and move no bytes), sums them in one fixed-shape tree, adds the sink and divides:
+one load round trip where a loop over the partials paid ``P`` of them. The grid is ``(bs *
+Hkv * ceil(q_len / (BLOCK_M / group)), P)`` then ``(T, Hq)``: host ints only, with
 ``P = min(kv_programs, ceil(max_seqlen_k / SPLIT))``, so a huge ``max_seqlen_k`` costs no
 empty programs. Nothing is read on the host and the partials are ``torch.empty``: the call
 can be recorded in a CUDA graph (the kernels compile on their first call: warm up outside).
@@ -62,8 +64,9 @@ dims): not on ``q_len``, not on where the row sits in its window or tile, not on
   skipped for the whole tile (before the earliest row's window, past the last row) are hence
   the same as blocks processed;
 - a partial with no visible key (``m = -inf``) has weight exactly 0 and its ``acc`` is not
-  read, so ``P`` clamped by ``max_seqlen_k`` (the same splits on the same programs, fewer
-  empty ones) and empty programs change nothing; the merge runs in a fixed order.
+  read (its row of the merge holds exact zeros), so ``P`` clamped by ``max_seqlen_k`` (the
+  same splits on the same programs, fewer empty ones) and empty programs change nothing; the
+  merge's tree has the same shape for every ``P`` up to 16.
 
 ``paged_verify_attention_reference`` is the torch reference (float32 math, float64 for
 float64 inputs; gathers every page of the table, vectorised, no host read) with the same
@@ -91,7 +94,9 @@ _LOG2E = math.log2(math.e)
 _SPLIT = 64  # keys per split (rounded up to a multiple of the page size); read at call time
 _BLOCK_N = 64  # keys per loop step (at most the split)
 _KV_PROGRAMS = 4  # programs per (request, KV head, row tile): the P above
-_BLOCK_H = 16  # heads per program of the combine
+# partials the combine sums in one fixed-shape tree (at least): the same tree for every P up
+# to it, so clamping P by max_seqlen_k changes no bit
+_COMBINE_ROWS = 16
 
 
 def _block_m(group: int) -> int:
@@ -262,42 +267,36 @@ def _combine_kernel(
     o_sh,
     HQ: tl.constexpr,
     DV: tl.constexpr,
-    BH: tl.constexpr,
+    BP: tl.constexpr,
     BDV: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """Program ``(t, hb)``: token ``t``, heads ``hb * BH ..``: merge the ``nprog`` partials in
-    order ``p = 0 ..``, the sink in the denominator, divide, cast, store."""
+    """Program ``(t, h)``: token ``t``, head ``h``: every partial in one load (``BP >=
+    nprog`` rows, those with no visible key masked off, so they move no bytes), the sink in
+    the denominator, a fixed-shape sum over the partials, divide, cast, store."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    hm = h < HQ
+    h = tl.program_id(1)
+    ps = tl.arange(0, BP)
     dv = tl.arange(0, BDV)
-    dm = dv < DV
     base = (t * HQ + h) * nprog
-    mx = tl.full([BH], float("-inf"), tl.float32)
-    for p in range(0, nprog):
-        mx = tl.maximum(mx, tl.load(part_m_ptr + base + p, mask=hm, other=float("-inf")))
+    m = tl.load(part_m_ptr + base + ps, mask=ps < nprog, other=float("-inf"))
+    live = m > float("-inf")
+    mx = tl.max(m, axis=0)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + h, mask=hm, other=float("-inf")) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + h) * 1.4426950408889634
         mx = tl.maximum(mx, sink)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    den = tl.zeros([BH], tl.float32)
-    num = tl.zeros([BH, BDV], tl.float32)
-    for p in range(0, nprog):
-        m_p = tl.load(part_m_ptr + base + p, mask=hm, other=float("-inf"))
-        live = hm & (m_p > float("-inf"))
-        w = tl.where(m_p == mx, 1.0, tl.exp2(m_p - mx_safe))
-        w = tl.where(live, w, 0.0)
-        l_p = tl.load(part_l_ptr + base + p, mask=live, other=0.0)
-        a_p = tl.load(part_o_ptr + (base + p)[:, None] * DV + dv[None, :],
-                      mask=live[:, None] & dm[None, :], other=0.0)  # fmt: skip
-        den = den + w * l_p
-        num = num + w[:, None] * a_p
+    w = tl.where(live, tl.where(m == mx, 1.0, tl.exp2(m - mx_safe)), 0.0)
+    l_p = tl.load(part_l_ptr + base + ps, mask=live, other=0.0)
+    a = tl.load(part_o_ptr + (base + ps)[:, None] * DV + dv[None, :],
+                mask=live[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+    den = tl.sum(w * l_p, axis=0)
     if HAS_SINKS:
         den = den + tl.where(sink > float("-inf"), tl.exp2(sink - mx_safe), 0.0)
-    out = tl.where(den[:, None] > 0.0, num / tl.where(den > 0.0, den, 1.0)[:, None], 0.0)
-    o = o_ptr + t * o_st + h.to(tl.int64)[:, None] * o_sh + dv[None, :]
-    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
+    num = tl.sum(w[:, None] * a, axis=0)
+    out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
+    o = o_ptr + t * o_st + h.to(tl.int64) * o_sh + dv
+    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
 
 
 # ------------------------------------------------------------------ checks and the reference
@@ -514,10 +513,9 @@ def paged_verify_attention_triton(
         num_warps=warps, num_stages=2,
     )  # fmt: skip
     sinks_arg = part_ml if sinks is None else sinks.to(torch.float32).contiguous()
-    bh = min(_BLOCK_H, next_pow2(hq))
-    _combine_kernel[(t, triton.cdiv(hq, bh))](
+    _combine_kernel[(t, hq)](
         part_o, part_ml[0], part_ml[1], sinks_arg, o, nprog, o.stride(0), o.stride(1),
-        HQ=hq, DV=dv, BH=bh, BDV=next_pow2(dv), HAS_SINKS=sinks is not None,
+        HQ=hq, DV=dv, BP=max(_COMBINE_ROWS, next_pow2(nprog)), BDV=next_pow2(dv), HAS_SINKS=sinks is not None,
         num_warps=4,
     )  # fmt: skip
     return o
