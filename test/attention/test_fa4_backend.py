@@ -297,3 +297,45 @@ def test_fa4_cuda_graph_replays_live_v2p(page_size, split_kv_max_bs):
             v2p[vp] = new
         seq += 1
         q.normal_()
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_split_kv_rope_forward_folds_the_store(monkeypatch, mode, norm):
+    """``rope_forward`` on split-KV steps (RoPE and the K/V store inside the attention's
+    launch) against the same call with ``UNIMEM_ROPE_ATTENTION`` off (``rope_store_kv``, then
+    the attention): the same caches and outputs, bit for bit without the q/k norms."""
+    from unimem.attention.fa4_backend import FA4Backend
+
+    ctx, qn = MODES[mode]
+    hq, hkv, d, window = 4, 1, 256, 48  # Gemma 3's attention
+    runs = []
+    for fold in (True, False):
+        monkeypatch.setenv("UNIMEM_ROPE_ATTENTION", "1" if fold else "0")
+        k_cache, v_cache, meta, q, k, v = build_gpu_case(
+            ctx, qn, page_size=64, hq=hq, hkv=hkv, dk=d, dv=d, window=window, seed=3
+        )
+        meta = dataclasses.replace(meta, uniform_q=True)
+        g = torch.Generator().manual_seed(5)
+        ang = torch.rand(q.shape[0], d // 2, generator=g) * 50
+        cos, sin = ang.cos().bfloat16().cuda(), ang.sin().bfloat16().cuda()
+        qk_norm = None
+        if norm:
+            w = (torch.randn(2, d, generator=g) * 0.3).bfloat16().cuda()
+            qk_norm = (w[0], w[1], 1e-6)
+        out = FA4Backend(split_kv_max_bs=16).rope_forward(
+            q, k, v, cos, sin, k_cache, v_cache, meta, swa=True, window=window,
+            scale=d**-0.5, qk_norm=qk_norm,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        runs.append((out, k_cache.nan_to_num(), v_cache.nan_to_num()))
+    (out, kc, vc), (out_ref, kc_ref, vc_ref) = runs
+    assert torch.isfinite(out).all()
+    assert torch.equal(vc, vc_ref)
+    if norm:
+        assert rel_err(out, out_ref) < 1e-2
+        torch.testing.assert_close(kc, kc_ref, rtol=1e-2, atol=1e-3)
+    else:
+        assert torch.equal(out, out_ref) and torch.equal(kc, kc_ref)

@@ -129,25 +129,33 @@ class PagedContext(ForwardContext):
         # (the q/k norms,) RoPE and the K/V store in one launch: the rotated K is written
         # only into the cache
         caches, swa = self.layers.kv[layer_idx], layer_idx in self.layers.swa
-        q = self.backend.rope_store_kv(
-            q, k, v, cos, sin, *caches, self.meta, swa=swa, qk_norm=qk_norm
-        )
-        return self._attend(layer_idx, q, caches, swa, sinks)
+        out = self.backend.rope_forward(
+            q, k, v, cos, sin, *caches, self.meta, qk_norm=qk_norm,
+            **self._attend_args(layer_idx, q, swa, sinks),
+        )  # fmt: skip
+        return self._unpad(out)
 
     def _attend(self, layer_idx, q, caches, swa, sinks):
         """The backend's attention of ``q`` over the layer's caches (K/V already stored)."""
-        config = self.layers.config
         out = self.backend.attend(
-            q,
-            *caches,
-            self.meta,
-            swa=swa,
-            window=config.layer_window(layer_idx),
-            scale=config.attention_scale,
-            sinks=sinks,
-            invariant=batch_invariant.covers(q),
+            q, *caches, self.meta, **self._attend_args(layer_idx, q, swa, sinks)
         )
-        if self.packed is not None:  # padding rows: finite zeros, whatever the kernel left
+        return self._unpad(out)
+
+    def _attend_args(self, layer_idx, q, swa, sinks) -> dict:
+        """The attention's keyword arguments for layer ``layer_idx``."""
+        config = self.layers.config
+        return {
+            "swa": swa,
+            "window": config.layer_window(layer_idx),
+            "scale": config.attention_scale,
+            "sinks": sinks,
+            "invariant": batch_invariant.covers(q),
+        }
+
+    def _unpad(self, out: torch.Tensor) -> torch.Tensor:
+        """Padding rows (packed steps) as finite zeros, whatever the kernel left there."""
+        if self.packed is not None:
             out = torch.where(self.packed.valid[:, None, None], out, 0)
         return out
 

@@ -83,6 +83,7 @@ import triton
 import triton.language as tl
 
 from unimem_kernel._dispatch import kernel_op, next_pow2
+from unimem_kernel.fused_rope import norm_rope_rows
 
 __all__ = [
     "paged_verify_attention",
@@ -148,6 +149,21 @@ def _split_kv_kernel(
     vc_sh,
     tab_sb,
     tab_sw,
+    kr_ptr,  # ROPE: [T, HKV, DK] the step's raw keys (unit last stride)
+    vr_ptr,  # ROPE: [T, HKV, DV] its values
+    cos_ptr,  # ROPE: [T, half] rows (unit last stride)
+    sin_ptr,
+    slots_ptr,  # ROPE: [T] physical write slots of the step's tokens
+    qw_ptr,  # ROPE and NORM: [DK] q / k norm weights (zero-centred)
+    kw_ptr,
+    eps,
+    half,
+    kr_st,
+    kr_sh,
+    vr_st,
+    vr_sh,
+    c_st,
+    s_st,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
@@ -162,9 +178,17 @@ def _split_kv_kernel(
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROPE: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Program ``(r, p)``: row tile ``r`` = (request ``b``, KV head, query tile ``mt``) over
-    the splits ``s = p (mod nprog)`` it can see; writes the rows' ``(m, l, acc)``."""
+    the splits ``s = p (mod nprog)`` it can see; writes the rows' ``(m, l, acc)``.
+
+    ROPE (one query tile per request): ``q`` holds the raw queries, rotated (after their
+    norms with NORM) as they are loaded; the program whose splits hold one of the step's new
+    positions first rotates that token's key, stores it and its value at the token's write
+    slot (zeros in the sink page) and waits at a barrier, so its own loop reads them from the
+    cache like every other key. No other program reads those positions."""
     QPT: tl.constexpr = BLOCK_M // GROUP  # queries per tile
     BPS: tl.constexpr = SPLIT // BLOCK_N  # blocks per split
     pid = tl.program_id(0)
@@ -200,7 +224,36 @@ def _split_kv_kernel(
     h = hkv * GROUP + g
     t = b * q_len + qi
     q_rows = q_ptr + t.to(tl.int64) * q_st + h.to(tl.int64) * q_sh
-    q = tl.load(q_rows[:, None] + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
+    if ROPE:
+        qdt = q_ptr.dtype.element_ty
+        t64 = t.to(tl.int64)
+        rdt = cos_ptr.dtype.element_ty
+        q = norm_rope_rows(q_rows, row_ok, cos_ptr + t64 * c_st, sin_ptr + t64 * s_st, DK,
+                           half, BDK, qw_ptr, eps, NORM, qdt, rdt).to(qdt)  # fmt: skip
+        # this program's new keys: the step's tokens whose positions fall in its splits
+        i = tl.arange(0, QPT)
+        new_pos = seqlen - q_len + i
+        own = (i < q_len) & (new_pos >= 0) & ((new_pos // SPLIT) % nprog == p)
+        tn = b * q_len + i
+        kt = norm_rope_rows(kr_ptr + tn * kr_st + hkv * kr_sh, own, cos_ptr + tn * c_st,
+                            sin_ptr + tn * s_st, DK, half, BDK, kw_ptr, eps, NORM, qdt,
+                            rdt)  # fmt: skip
+        slot = tl.maximum(tl.load(slots_ptr + tn, mask=own, other=0).to(tl.int64), 0)
+        page_n = slot // PAGE
+        off_n = slot - page_n * PAGE
+        keep = own & (page_n > 0)  # the sink page receives zeros
+        kdst = kc_ptr + page_n * kc_sp + off_n * kc_so + hkv * kc_sh
+        tl.store(kdst[:, None] + dk[None, :], tl.where(keep[:, None], kt, 0.0).to(qdt),
+                 mask=own[:, None] & (dk < DK)[None, :])  # fmt: skip
+        vn = tl.load(vr_ptr + (tn * vr_st + hkv * vr_sh)[:, None] + dv[None, :],
+                     mask=keep[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+        vdst = vc_ptr + page_n * vc_sp + off_n * vc_so + hkv * vc_sh
+        tl.store(vdst[:, None] + dv[None, :], vn.to(vc_ptr.dtype.element_ty),
+                 mask=own[:, None] & (dv < DV)[None, :])  # fmt: skip
+        tl.debug_barrier()  # the stores above before this program's loads of its keys
+    else:
+        q = tl.load(q_rows[:, None] + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :],
+                    other=0.0)  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -462,6 +515,49 @@ def paged_verify_attention_triton(
 ) -> torch.Tensor:
     """Triton launcher of :func:`paged_verify_attention` (arguments already checked; not
     float64): a split-KV launch and a combine launch."""
+    return launch_split_kv(
+        q, k_cache, v_cache, cache_seqlens, page_table, q_len=q_len, max_seqlen_k=max_seqlen_k,
+        scale=scale, window=window, sinks=sinks, out=out, split_size=split_size,
+        kv_programs=kv_programs,
+    )  # fmt: skip
+
+
+_ROPE_TILE_MAX = 64 * 256
+"""Largest query tile (rows x padded head dim) that rotates its queries in registers without
+spilling on SM90 (Gemma 3's 64 x 256: 191 registers; Qwen3-Next's verify tile of 128 x 256
+spilled 1.9 KB a thread, ``tools/compile_check.py``)."""
+
+
+def rope_fusable(q_heads: int, kv_heads: int, q_len: int, head_dim: int) -> bool:
+    """Whether the split-KV launch can take the RoPE and the K/V store
+    (``paged_rope_attention``): one query tile per request (``ceil(q_len / (BLOCK_M /
+    group)) == 1``: 16 queries a tile up to a GQA group of 8) of at most
+    :data:`_ROPE_TILE_MAX` elements."""
+    group = q_heads // kv_heads
+    block_m = _block_m(group)
+    return q_len <= block_m // group and block_m * max(16, next_pow2(head_dim)) <= _ROPE_TILE_MAX
+
+
+def launch_split_kv(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    q_len: int,
+    max_seqlen_k: int,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor | None,
+    split_size: int | None,
+    kv_programs: int | None,
+    rope: dict | None = None,
+) -> torch.Tensor:
+    """The two launches behind :func:`paged_verify_attention` and, with ``rope``, behind
+    ``paged_rope_attention`` (``rope``: its ``k``, ``v``, ``cos``, ``sin``, ``slots`` and
+    ``qk_norm``, checked by it; only where :func:`rope_fusable`)."""
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dim must have unit stride")
     split_size = _SPLIT if split_size is None else split_size
@@ -495,28 +591,44 @@ def paged_verify_attention_triton(
     block_m = _block_m(group)
     qpt = block_m // group
     num_mt = triton.cdiv(q_len, qpt)
+    if rope is not None and not rope_fusable(hq, hkv, q_len, dk):
+        raise ValueError(
+            f"the RoPE does not fit this split-KV tile (q_len {q_len}, {hq}/{hkv} heads of {dk})"
+        )
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
     part_o = torch.empty(t, hq, nprog, dv, dtype=torch.float32, device=dev)
     part_ml = torch.empty(2, t, hq, nprog, dtype=torch.float32, device=dev)
     seq = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
     warps = 8 if block_m * max(bdk, bdv) > 64 * 128 else 4
+    if rope is None:  # placeholders of the RoPE arguments (never read)
+        rope_args = (q, q, q, q, seq, q, q, 0.0, 0, 0, 0, 0, 0, 0, 0)
+        norm = False
+    else:
+        k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous()
+                          for x in (rope["k"], rope["v"], rope["cos"], rope["sin"]))  # fmt: skip
+        qk_norm = rope["qk_norm"]
+        norm = qk_norm is not None
+        qw, kw, eps = (qk_norm[0], qk_norm[1], float(qk_norm[2])) if norm else (cos, cos, 0.0)
+        rope_args = (k, v, cos, sin, rope["slots"], qw, kw, eps, cos.shape[1],
+                     k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                     cos.stride(0), sin.stride(0))  # fmt: skip
     _split_kv_kernel[(bs * hkv * num_mt, nprog)](
         q, k_cache, v_cache, seq, page_table, part_o, part_ml[0], part_ml[1],
         q_len, 0 if window is None else window, nprog, num_mt, float(scale) * _LOG2E,
         page_table.shape[1], q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        page_table.stride(0), page_table.stride(1),
+        page_table.stride(0), page_table.stride(1), *rope_args,
         HQ=hq, HKV=hkv, GROUP=group, PAGE=ps, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
-        num_warps=warps, num_stages=2,
+        ROPE=rope is not None, NORM=norm, num_warps=warps, num_stages=2,
     )  # fmt: skip
     sinks_arg = part_ml if sinks is None else sinks.to(torch.float32).contiguous()
     _combine_kernel[(t, hq)](
         part_o, part_ml[0], part_ml[1], sinks_arg, o, nprog, o.stride(0), o.stride(1),
-        HQ=hq, DV=dv, BP=max(_COMBINE_ROWS, next_pow2(nprog)), BDV=next_pow2(dv), HAS_SINKS=sinks is not None,
-        num_warps=4,
+        HQ=hq, DV=dv, BP=max(_COMBINE_ROWS, next_pow2(nprog)), BDV=next_pow2(dv),
+        HAS_SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip
     return o
 
