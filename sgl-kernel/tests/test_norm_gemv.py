@@ -163,3 +163,68 @@ def test_the_tuned_table_parses():
             assert limits == sorted(limits) and all(
                 isinstance(c, nl.NormLinearConfig) for _, c in rows
             )
+
+
+# ------------------------------------------------------------------ merge_linear
+
+
+def split_kv_partials(bs, dtype, device, *, sinks, hq=4, hkv=1, d=None, seed=0):
+    """A split-KV decode's partials (several splits per request, idle programs among them)
+    and the same step's combined output."""
+    from test_paged_attention import make_batch
+
+    from unimem_kernel.paged_attention import launch_split_kv
+
+    d = d or (32 if device == "cpu" else 256)
+    lens = [70, 33, 5, 48][:bs] if device == "cpu" else [300, 129, 17, 480][:bs]
+    q, kc, vc, _, seq, table = make_batch(lens, 1, hq=hq, hkv=hkv, dk=d, dv=d, page=16,
+                                          dtype=dtype, device=device, seed=seed)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed + 1)
+    sk = (torch.randn(hq, generator=gen) * 2).to(device) if sinks else None
+    kw = dict(q_len=1, max_seqlen_k=4096, scale=d**-0.5, window=None, sinks=sk, out=None,
+              split_size=16, kv_programs=8)  # fmt: skip
+    parts = launch_split_kv(q, kc, vc, seq, table, partials=True, **kw)
+    return parts, launch_split_kv(q, kc, vc, seq, table, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bs, sinks", [(1, False), (3, True)])
+def test_merge_linear_is_the_combine_then_norm_linear(device, dtype, bs, sinks):
+    """The combine launch's output through ``norm_linear`` (at the same tile, K steps of one
+    head): bit for bit in the interpreter and for several rows (the two launches), within
+    rounding of the merged input on the GPU; close to the torch merge and ``F.linear``;
+    ``AttentionPartials.merge`` is the combine's output."""
+    parts, o = split_kv_partials(bs, dtype, device, sinks=sinks, seed=bs)
+    t, hq, dv = parts.shape
+    gen = torch.Generator().manual_seed(7)
+    w = rand(gen, 24 if device == "cpu" else 640, hq * dv, dtype=dtype, device=device,
+             scale=(hq * dv) ** -0.5)  # fmt: skip
+    tile = nl.NormLinearConfig(4, dv, 4, 2) if t == 1 else SMALL_TILE
+    got = nl.merge_linear_triton(parts, w, config=tile)
+    _, want = nl.norm_linear_triton(o.reshape(t, hq * dv), w, None, EPS, config=tile)
+    if device == "cpu" or t > 1:
+        assert torch.equal(got, want)
+    else:
+        assert_close(got, want, dtype)
+    tol = 1e-5 if dtype == F32 else 2e-2
+    torch.testing.assert_close(parts.merge().float(), o.float(), rtol=tol, atol=tol)
+    ref = nl.merge_linear_reference(parts, w)
+    assert (got.double() - ref.double()).norm() <= tol * ref.double().norm()
+    one = type(parts).of_output(o)  # where no split ran: one partial, the output itself
+    assert torch.equal(one.merge(), o)
+    got_one = nl.merge_linear_triton(one, w, config=tile)
+    if device == "cpu" or t > 1:
+        assert torch.equal(got_one, want)
+    else:
+        assert_close(got_one, want, dtype)
+
+
+def test_merge_linear_bad_input():
+    parts, o = split_kv_partials(1, F32, "cpu", sinks=False)
+    with pytest.raises(ValueError, match="AttentionPartials"):
+        nl.merge_linear(o, torch.randn(8, 128))
+    with pytest.raises(ValueError, match=r"\[N, 128\]"):
+        nl.merge_linear(parts, torch.randn(8, 96))
+    with pytest.raises(ValueError, match="dtype"):
+        nl.merge_linear(parts, torch.randn(8, 128, dtype=BF16))

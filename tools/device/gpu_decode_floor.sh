@@ -34,7 +34,7 @@ for part in $parts; do
       run python3 -m pytest -q -m gpu sgl-kernel/tests/test_fused_ops.py \
         sgl-kernel/tests/test_kv_store.py -k "norm_add or qk_norm or clamped" || status=1
       run python3 -m pytest -q -m gpu sgl-kernel/tests/test_norm_gemv.py \
-        sgl-kernel/tests/test_paged_attention.py sgl-kernel/tests/test_paged_rope_attention.py \
+        sgl-kernel/tests/test_paged_attention.py sgl-kernel/tests/test_rope_attention.py \
         sgl-kernel/tests/test_sampling_kernel.py \
         sgl-kernel/tests/test_moe_combine.py test/engine/test_sampling.py || status=1
       run python3 -m pytest -q -m gpu test/attention/test_fa4_backend.py -k "split_kv" || status=1 ;;

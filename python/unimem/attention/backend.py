@@ -38,6 +38,7 @@ import torch
 
 from unimem.attention.metadata import AttentionMetadata
 from unimem_kernel.kv_store import rope_store_kv, store_kv_paged
+from unimem_kernel.paged_attention import AttentionPartials
 
 __all__ = ["AttentionBackend", "check_attention_args", "store_kv_paged"]
 
@@ -155,11 +156,15 @@ class AttentionBackend(ABC):
         sinks: torch.Tensor | None = None,
         invariant: bool = False,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    ) -> torch.Tensor:
+        partials: bool = False,
+    ) -> torch.Tensor | AttentionPartials:
         """:meth:`rope_store_kv` then :meth:`attend` of the rotated ``q``: the q/k norms
         (``qk_norm``), RoPE on the raw ``q`` and ``k``, the K/V store and attention. A
         backend may do it in fewer launches; the result is the same up to the norms'
-        summation order."""
+        summation order. ``partials``: the caller can take the attention before its merge
+        (an :class:`~unimem_kernel.paged_attention.AttentionPartials`, merged inside its next
+        launch); a backend returns one only where its kernel has them, the output otherwise
+        (here always)."""
         q_rot = self.rope_store_kv(
             q, k, v, cos, sin, k_cache, v_cache, meta, swa=swa, qk_norm=qk_norm
         )

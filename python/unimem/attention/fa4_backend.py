@@ -101,8 +101,8 @@ import torch
 from unimem.attention.backend import AttentionBackend, check_attention_args
 from unimem.attention.metadata import AttentionMetadata
 from unimem_kernel import envs
-from unimem_kernel.paged_attention import paged_verify_attention, rope_fusable
-from unimem_kernel.paged_rope_attention import paged_rope_attention
+from unimem_kernel.paged_attention import AttentionPartials, paged_verify_attention, rope_fusable
+from unimem_kernel.rope_attention import paged_rope_attention
 
 __all__ = [
     "SPLIT_KV_KEYS",
@@ -304,11 +304,13 @@ class FA4Backend(AttentionBackend):
         sinks: torch.Tensor | None = None,
         invariant: bool = False,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    ) -> torch.Tensor:
+        partials: bool = False,
+    ) -> torch.Tensor | AttentionPartials:
         """Steps that attend through the split-KV kernel and whose query tile can rotate in
         registers (:func:`unimem_kernel.paged_attention.rope_fusable`) run the q/k norms,
         RoPE and the K/V store inside its launch (:func:`unimem_kernel.paged_rope_attention`,
-        ``UNIMEM_ROPE_ATTENTION``); the others as the base class."""
+        ``UNIMEM_ROPE_ATTENTION``), and with ``partials`` return its partials without the
+        combine launch; the others as the base class (the output)."""
         hq, d = q.shape[1], q.shape[2]
         if (
             envs.get("UNIMEM_ROPE_ATTENTION")
@@ -322,6 +324,7 @@ class FA4Backend(AttentionBackend):
                 max_seqlen_k=meta.max_seqlen_k, scale=float(scale), window=window,
                 sinks=sinks, qk_norm=qk_norm, split_size=split_kv_keys(d),
                 kv_programs=split_kv_programs(meta.batch_size, k_cache.shape[2]),
+                partials=partials,
             )  # fmt: skip
         return super().rope_forward(
             q, k, v, cos, sin, k_cache, v_cache, meta, swa=swa, window=window, scale=scale,

@@ -28,6 +28,7 @@ from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext, ForwardMode
 from unimem_kernel import gdn as gdn_ops
 from unimem_kernel.gdn_reference import VerifyRecord
+from unimem_kernel.paged_attention import AttentionPartials
 
 __all__ = ["GdnVerifyBuffers", "PackedLanes", "PagedContext", "PagedLayers"]
 
@@ -125,15 +126,18 @@ class PagedContext(ForwardContext):
         self.backend.store_kv(k, v, *caches, self.meta, swa=swa)
         return self._attend(layer_idx, q, caches, swa, sinks)
 
-    def rope_attention(self, layer_idx, q, k, v, cos, sin, *, sinks=None, qk_norm=None):
-        # (the q/k norms,) RoPE and the K/V store in one launch: the rotated K is written
-        # only into the cache
+    def rope_attention(
+        self, layer_idx, q, k, v, cos, sin, *, sinks=None, qk_norm=None, partials=False
+    ):
+        # (the q/k norms,) RoPE and the K/V store before or inside the attention's launch:
+        # the rotated K is written only into the cache. Partials only without padding rows.
         caches, swa = self.layers.kv[layer_idx], layer_idx in self.layers.swa
         out = self.backend.rope_forward(
             q, k, v, cos, sin, *caches, self.meta, qk_norm=qk_norm,
+            partials=partials and self.packed is None,
             **self._attend_args(layer_idx, q, swa, sinks),
         )  # fmt: skip
-        return self._unpad(out)
+        return out if isinstance(out, AttentionPartials) else self._unpad(out)
 
     def _attend(self, layer_idx, q, caches, swa, sinks):
         """The backend's attention of ``q`` over the layer's caches (K/V already stored)."""

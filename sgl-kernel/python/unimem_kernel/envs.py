@@ -144,6 +144,14 @@ _ALL = (
         parse=_flag,
     ),
     EnvSwitch(
+        "UNIMEM_MERGE_LINEAR",
+        True,
+        "Whether one-row steps merge the split-KV attention's partials inside the output "
+        "projection's launch (merge_linear; Gemma 3's one-row body) instead of a combine "
+        "launch before it.",
+        parse=_flag,
+    ),
+    EnvSwitch(
         "UNIMEM_CACHE_DIR",
         "",
         "Where converted GGUF checkpoints are cached; unset: $XDG_CACHE_HOME/unimem or "

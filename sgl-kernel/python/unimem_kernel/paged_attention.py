@@ -39,10 +39,13 @@ into one ``BLOCK_M``-row tile, so K/V are loaded once per split for all of them)
 the splits ``s = p, p + P, p + 2P, ...`` that hold keys the tile can see, in increasing order,
 ``BLOCK_N`` keys at a time: an online softmax in fp32 (``exp2``, ``log2 e`` folded into the
 scale), ``tl.dot`` for ``q k^T`` and ``p v``. It writes its rows' ``(m, l, acc)`` to fp32
-partials ``[T, Hq, P, Dv]``. Launch 2 (one program per token and head) loads the ``P``
-partials at once (row ``p`` of a tile of at least 16 rows; rows with no visible key are
-masked off and move no bytes), sums them in one fixed-shape tree, adds the sink and divides:
-one load round trip where a loop over the partials paid ``P`` of them. The grid is ``(bs *
+partials ``[T, Hq, P, Dv]``. Launch 2 (one program per token and head, :func:`merge_head`)
+loads the ``P`` partials at once (row ``p`` of a tile of at least 16 rows; rows with no
+visible key are masked off and move no bytes), sums them in one fixed-shape reduction, adds
+the sink and divides: one load round trip where a loop over the partials paid ``P``. A
+caller may instead take the partials (``partials=True`` of ``paged_rope_attention``, an
+:class:`AttentionPartials`) and merge them inside its next launch (``norm_gemv.merge_linear``:
+the output projection), with the same function. The grid is ``(bs *
 Hkv * ceil(q_len / (BLOCK_M / group)), P)`` then ``(T, Hq)``: host ints only, with
 ``P = min(kv_programs, ceil(max_seqlen_k / SPLIT))``, so a huge ``max_seqlen_k`` costs no
 empty programs. Nothing is read on the host and the partials are ``torch.empty``: the call
@@ -66,7 +69,7 @@ dims): not on ``q_len``, not on where the row sits in its window or tile, not on
 - a partial with no visible key (``m = -inf``) has weight exactly 0 and its ``acc`` is not
   read (its row of the merge holds exact zeros), so ``P`` clamped by ``max_seqlen_k`` (the
   same splits on the same programs, fewer empty ones) and empty programs change nothing; the
-  merge's tree has the same shape for every ``P`` up to 16.
+  merge's reduction has the same shape for every ``P`` up to 16.
 
 ``paged_verify_attention_reference`` is the torch reference (float32 math, float64 for
 float64 inputs; gathers every page of the table, vectorised, no host read) with the same
@@ -77,6 +80,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -86,6 +90,9 @@ from unimem_kernel._dispatch import kernel_op, next_pow2
 from unimem_kernel.fused_rope import norm_rope_rows
 
 __all__ = [
+    "AttentionPartials",
+    "combine_partials",
+    "merge_head",
     "paged_verify_attention",
     "paged_verify_attention_reference",
     "paged_verify_attention_triton",
@@ -95,9 +102,6 @@ _LOG2E = math.log2(math.e)
 _SPLIT = 64  # keys per split (rounded up to a multiple of the page size); read at call time
 _BLOCK_N = 64  # keys per loop step (at most the split)
 _KV_PROGRAMS = 4  # programs per (request, KV head, row tile): the P above
-# partials the combine sums in one fixed-shape tree (at least): the same tree for every P up
-# to it, so clamping P by max_seqlen_k changes no bit
-_COMBINE_ROWS = 16
 
 
 def _block_m(group: int) -> int:
@@ -308,6 +312,34 @@ def _split_kv_kernel(
              mask=live[:, None] & (dv < DV)[None, :])  # fmt: skip
 
 
+@triton.jit
+def merge_head(part_o_ptr, part_m_ptr, part_l_ptr, base, dv, nprog, sink,
+               BP: tl.constexpr, DV: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
+    """One (token, head)'s merged attention output, fp32 ``[BDV]`` (columns ``dv``; zeros
+    past ``DV``): its partials start at ``base = (t * HQ + h) * nprog``; ``sink`` is the
+    head's sink logit in log2 units (read with HAS_SINKS). Every partial is loaded at once as
+    row ``p`` of a ``[BP, BDV]`` tile (``BP >= nprog``; rows past ``nprog`` and those with no
+    visible key, ``m = -inf``, are masked off: they move no bytes and hold exact zeros) and
+    summed in one fixed-shape reduction. The combine launch and ``norm_gemv.merge_linear``
+    both call it."""
+    ps = tl.arange(0, BP)
+    m = tl.load(part_m_ptr + base + ps, mask=ps < nprog, other=float("-inf"))
+    live = m > float("-inf")
+    mx = tl.max(m, axis=0)
+    if HAS_SINKS:
+        mx = tl.maximum(mx, sink)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(live, tl.where(m == mx, 1.0, tl.exp2(m - mx_safe)), 0.0)
+    l_p = tl.load(part_l_ptr + base + ps, mask=live, other=0.0)
+    a = tl.load(part_o_ptr + (base + ps).to(tl.int64)[:, None] * DV + dv[None, :],
+                mask=live[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+    den = tl.sum(w * l_p, axis=0)
+    if HAS_SINKS:
+        den = den + tl.where(sink > float("-inf"), tl.exp2(sink - mx_safe), 0.0)
+    num = tl.sum(w[:, None] * a, axis=0)
+    return tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
+
+
 @triton.jit(do_not_specialize=["nprog"])
 def _combine_kernel(
     part_o_ptr,  # [T, HQ, nprog, DV] fp32
@@ -324,30 +356,15 @@ def _combine_kernel(
     BDV: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """Program ``(t, h)``: token ``t``, head ``h``: every partial in one load (``BP >=
-    nprog`` rows, those with no visible key masked off, so they move no bytes), the sink in
-    the denominator, a fixed-shape sum over the partials, divide, cast, store."""
+    """Program ``(t, h)``: token ``t``, head ``h``: :func:`merge_head`, cast, store."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    ps = tl.arange(0, BP)
     dv = tl.arange(0, BDV)
-    base = (t * HQ + h) * nprog
-    m = tl.load(part_m_ptr + base + ps, mask=ps < nprog, other=float("-inf"))
-    live = m > float("-inf")
-    mx = tl.max(m, axis=0)
+    sink = 0.0
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h) * 1.4426950408889634
-        mx = tl.maximum(mx, sink)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.where(live, tl.where(m == mx, 1.0, tl.exp2(m - mx_safe)), 0.0)
-    l_p = tl.load(part_l_ptr + base + ps, mask=live, other=0.0)
-    a = tl.load(part_o_ptr + (base + ps)[:, None] * DV + dv[None, :],
-                mask=live[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
-    den = tl.sum(w * l_p, axis=0)
-    if HAS_SINKS:
-        den = den + tl.where(sink > float("-inf"), tl.exp2(sink - mx_safe), 0.0)
-    num = tl.sum(w[:, None] * a, axis=0)
-    out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
+    out = merge_head(part_o_ptr, part_m_ptr, part_l_ptr, (t * HQ + h) * nprog, dv, nprog, sink,
+                     BP, DV, HAS_SINKS)  # fmt: skip
     o = o_ptr + t * o_st + h.to(tl.int64) * o_sh + dv
     tl.store(o, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
 
@@ -493,6 +510,56 @@ def paged_verify_attention_reference(
     return res
 
 
+# ------------------------------------------------------------------ partials
+
+
+@dataclass(frozen=True)
+class AttentionPartials:
+    """A split-KV attention's output before its merge: what launch 1 wrote, for a consumer
+    that merges it inside its own launch (``norm_gemv.merge_linear``) instead of a combine
+    launch. ``acc [T, Hq, P, Dv]`` fp32 (rows whose ``m`` is ``-inf`` are not written),
+    ``m [T, Hq, P]`` fp32 in log2 units, ``denom [T, Hq, P]`` fp32, ``sinks [Hq]`` fp32 or
+    None, ``dtype``: the attention output's. Owned by the consumer until its launch reads
+    them (fresh ``torch.empty`` buffers each call)."""
+
+    acc: torch.Tensor
+    m: torch.Tensor
+    denom: torch.Tensor
+    sinks: torch.Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The merged output's ``(T, Hq, Dv)``."""
+        t, hq, _, dv = self.acc.shape
+        return t, hq, dv
+
+    @classmethod
+    def of_output(cls, o: torch.Tensor) -> AttentionPartials:
+        """One partial per row holding the finished output ``o [T, Hq, Dv]`` (``m`` 0,
+        ``denom`` 1): its merge is ``o`` exactly (where a split path was not taken)."""
+        t, hq, _ = o.shape
+        ones = torch.ones(t, hq, 1, dtype=torch.float32, device=o.device)
+        return cls(o.float().unsqueeze(2), ones - 1, ones, None, o.dtype)
+
+    def merge(self) -> torch.Tensor:
+        """The merged output ``[T, Hq, Dv]`` in ``dtype`` (torch, fp32 math: the reference
+        of :func:`merge_head`, whose sum order it need not follow)."""
+        live = self.m > float("-inf")
+        mx = self.m.amax(dim=-1)
+        if self.sinks is not None:
+            sink = self.sinks.float()[None, :] * _LOG2E
+            mx = torch.maximum(mx, sink)
+        mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+        w = torch.where(live, torch.exp2(self.m - mx[..., None]), 0.0)
+        den = (w * torch.where(live, self.denom, 0.0)).sum(-1)
+        if self.sinks is not None:
+            den = den + torch.exp2(sink - mx)
+        num = (w[..., None] * torch.where(live[..., None], self.acc, 0.0)).sum(-2)
+        den = den[..., None]
+        return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0).to(self.dtype)
+
+
 # ------------------------------------------------------------------ the launcher
 
 
@@ -554,10 +621,12 @@ def launch_split_kv(
     split_size: int | None,
     kv_programs: int | None,
     rope: dict | None = None,
-) -> torch.Tensor:
+    partials: bool = False,
+) -> torch.Tensor | AttentionPartials:
     """The two launches behind :func:`paged_verify_attention` and, with ``rope``, behind
     ``paged_rope_attention`` (``rope``: its ``k``, ``v``, ``cos``, ``sin``, ``slots`` and
-    ``qk_norm``, checked by it; only where :func:`rope_fusable`)."""
+    ``qk_norm``, checked by it; only where :func:`rope_fusable`). ``partials``: launch 1
+    only, its :class:`AttentionPartials` returned (``out`` unused)."""
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dim must have unit stride")
     split_size = _SPLIT if split_size is None else split_size
@@ -576,7 +645,7 @@ def launch_split_kv(
     if o.stride(-1) != 1:
         raise ValueError("out's last dim must have unit stride")
     if bs == 0:
-        return o
+        return AttentionPartials.of_output(o) if partials else o
     if q.stride(-1) != 1:
         q = q.contiguous()
     split = triton.cdiv(split_size, ps) * ps
@@ -624,11 +693,25 @@ def launch_split_kv(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
         ROPE=rope is not None, NORM=norm, num_warps=warps, num_stages=2,
     )  # fmt: skip
-    sinks_arg = part_ml if sinks is None else sinks.to(torch.float32).contiguous()
+    sinks_f = None if sinks is None else sinks.to(torch.float32).contiguous()
+    parts = AttentionPartials(part_o, part_ml[0], part_ml[1], sinks_f, q.dtype)
+    return parts if partials else combine_partials(parts, out=o)
+
+
+def combine_partials(partials: AttentionPartials, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch 2: the merged output ``[T, Hq, Dv]`` of ``partials`` (into ``out`` when
+    given: that shape and dtype, unit last stride), one program per token and head."""
+    t, hq, dv = partials.shape
+    o = out if out is not None else torch.empty(t, hq, dv, dtype=partials.dtype,
+                                                device=partials.acc.device)  # fmt: skip
+    if t == 0:
+        return o
+    nprog = partials.acc.shape[2]
+    sinks = partials.sinks
     _combine_kernel[(t, hq)](
-        part_o, part_ml[0], part_ml[1], sinks_arg, o, nprog, o.stride(0), o.stride(1),
-        HQ=hq, DV=dv, BP=max(_COMBINE_ROWS, next_pow2(nprog)), BDV=next_pow2(dv),
-        HAS_SINKS=sinks is not None, num_warps=4,
+        partials.acc, partials.m, partials.denom, partials.m if sinks is None else sinks, o,
+        nprog, o.stride(0), o.stride(1), HQ=hq, DV=dv, BP=max(16, next_pow2(nprog)),
+        BDV=next_pow2(dv), HAS_SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip
     return o
 

@@ -18,7 +18,9 @@ Contract: the arguments of ``rope_store_kv`` (``q [T, Hq, D]``, ``k [T, Hkv, D]`
 Hkv, Dv]``, ``cos, sin [T, R/2]``, the caches, ``slots [T]``, ``qk_norm``) and of
 ``paged_verify_attention`` (``cu_seqlens_q``, ``cache_seqlens``, ``page_table``, ``q_len``,
 ``max_seqlen_k``, ``scale``, ``window``, ``sinks``, ``out``, the work split); returns ``o [T,
-Hq, Dv]`` and leaves the rotated keys and the values in the caches. Each token's slot must be
+Hq, Dv]`` (with ``partials``, launch 1's :class:`~unimem_kernel.paged_attention.AttentionPartials`
+for a consumer that merges them in its own launch; one partial holding the output where the
+two ops ran) and leaves the rotated keys and the values in the caches. Each token's slot must be
 where the table places its position (the write window's slots are), or the sink.
 
 Numerics: the rotation rounds every product and sum as ``rope_store_kv`` does, so without
@@ -42,6 +44,7 @@ from unimem_kernel._dispatch import kernel_op
 from unimem_kernel.fused_common import FUSED_SWITCH
 from unimem_kernel.kv_store import _check_rope_store, rope_store_kv
 from unimem_kernel.paged_attention import (
+    AttentionPartials,
     _check,
     launch_split_kv,
     paged_verify_attention,
@@ -73,16 +76,18 @@ def paged_rope_attention_reference(
     out: torch.Tensor | None = None,
     split_size: int | None = None,
     kv_programs: int | None = None,
-) -> torch.Tensor:
+    partials: bool = False,
+) -> torch.Tensor | AttentionPartials:
     """The q/k norms (with ``qk_norm``), RoPE and the K/V store, then split-KV paged
     attention (module docstring): :func:`~unimem_kernel.kv_store.rope_store_kv` and
     :func:`~unimem_kernel.paged_attention.paged_verify_attention`, one after the other."""
     q_rot = rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm=qk_norm)
-    return paged_verify_attention(
+    o = paged_verify_attention(
         q_rot, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, q_len=q_len,
         max_seqlen_k=max_seqlen_k, scale=scale, window=window, sinks=sinks, out=out,
         split_size=split_size, kv_programs=kv_programs,
     )  # fmt: skip
+    return AttentionPartials.of_output(o) if partials else o
 
 
 def paged_rope_attention_triton(
@@ -107,7 +112,8 @@ def paged_rope_attention_triton(
     out: torch.Tensor | None = None,
     split_size: int | None = None,
     kv_programs: int | None = None,
-) -> torch.Tensor:
+    partials: bool = False,
+) -> torch.Tensor | AttentionPartials:
     """Triton launcher of :func:`paged_rope_attention` (arguments checked): the split-KV
     launch with the RoPE and the store inside, then the combine; the two ops where the tile
     cannot take them (``paged_attention.rope_fusable``)."""
@@ -116,13 +122,13 @@ def paged_rope_attention_triton(
             q, k, v, cos, sin, k_cache, v_cache, slots, cu_seqlens_q, cache_seqlens,
             page_table, q_len=q_len, max_seqlen_k=max_seqlen_k, scale=scale, window=window,
             sinks=sinks, qk_norm=qk_norm, out=out, split_size=split_size,
-            kv_programs=kv_programs,
+            kv_programs=kv_programs, partials=partials,
         )  # fmt: skip
     rope = {"k": k, "v": v, "cos": cos, "sin": sin, "slots": slots, "qk_norm": qk_norm}
     return launch_split_kv(
         q, k_cache, v_cache, cache_seqlens, page_table, q_len=q_len, max_seqlen_k=max_seqlen_k,
         scale=scale, window=window, sinks=sinks, out=out, split_size=split_size,
-        kv_programs=kv_programs, rope=rope,
+        kv_programs=kv_programs, rope=rope, partials=partials,
     )  # fmt: skip
 
 
@@ -148,6 +154,7 @@ def _check_args(
     out: torch.Tensor | None = None,
     split_size: int | None = None,
     kv_programs: int | None = None,
+    partials: bool = False,
 ) -> bool:
     kernels = _check_rope_store(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm=qk_norm)
     _check(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, q_len, max_seqlen_k,

@@ -20,7 +20,7 @@ import torch
 from kernel_devices import DEVICES
 from test_paged_attention import make_batch, rel_err
 
-from unimem_kernel.paged_rope_attention import (
+from unimem_kernel.rope_attention import (
     paged_rope_attention,
     paged_rope_attention_reference,
 )
@@ -131,7 +131,7 @@ def test_matches_the_two_ops(triton_backend, device, case):
 
 def test_two_query_tiles_fall_back(triton_backend, monkeypatch):
     """q_len 17 at a GQA group of 1: two query tiles per request, so the two ops run."""
-    import unimem_kernel.paged_rope_attention as pra
+    import unimem_kernel.rope_attention as pra
 
     twins, step, slots, qk_norm = rope_inputs(
         [40, 30], 17, hq=2, hkv=2, d=16, dv=16, half=8, page=8, dtype=torch.float32,
