@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import gc
+import hashlib
 import json
 import os
 import random
@@ -598,6 +599,9 @@ def main(argv=None) -> int:
         for c in args.concurrency:
             same = outputs["static"][c] == outputs["unified"][c]
             rows[c]["static_equals_unified"] = same
+            # to compare the tokens of runs with other settings (kernel switches)
+            digest = hashlib.sha256(json.dumps(outputs["static"][c]).encode()).hexdigest()
+            rows[c]["static_tokens_sha256"] = digest[:16]
             rows[c]["unified_over_static"] = (
                 rows[c]["unimem_unified_tok_s"] / rows[c]["unimem_static_tok_s"]
             )
