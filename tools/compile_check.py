@@ -290,7 +290,6 @@ def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
     import torch
 
     from unimem_kernel import norm_gemv
-    from unimem_kernel.paged_attention import AttentionPartials
 
     bf = torch.bfloat16
 
@@ -303,11 +302,6 @@ def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
             kw["post_weight"] = nw
         norm_gemv.norm_linear(x, w, nw, EPS, zero_centered=mode != 3, act=act, **kw)
 
-    def merge(rows: int, hq: int, dv: int, nprog: int):  # Gemma 3's o_proj over 16 splits
-        m = torch.randn(rows, hq, nprog)
-        parts = AttentionPartials(torch.randn(rows, hq, nprog, dv), m, m.exp(), None, bf)
-        norm_gemv.merge_linear(parts, torch.randn(640, hq * dv, dtype=bf))
-
     return [
         (f"norm_linear {name} rows {rows}", lambda a=args, r=rows: call(r, *a))
         for name, args in (
@@ -318,8 +312,6 @@ def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
             ("synthetic gate_up (add + norm)", (11264, 2048, 3, "silu")),
         )
         for rows in (1, 16)
-    ] + [
-        ("merge_linear o_proj rows 1", lambda: merge(1, 4, 256, 16)),
     ]
 
 
@@ -329,7 +321,7 @@ def _paged_attention_launches() -> list[tuple[str, Callable[[], None]]]:
     heads of 128, 8 rows), gpt-oss's verify with sinks (64/8 heads of 64)."""
     import torch
 
-    from unimem_kernel import paged_attention, rope_attention
+    from unimem_kernel import paged_attention
 
     bf = torch.bfloat16
 
@@ -347,40 +339,13 @@ def _paged_attention_launches() -> list[tuple[str, Callable[[], None]]]:
             split_size=64 if d > 128 else 128, kv_programs=16 if bs == 1 else 8,
         )  # fmt: skip
 
-    def call_rope(bs, q_len, hq, hkv, d, window, half, norm):
-        pages = bs * 4 + 1
-        kc = torch.randn(pages, 64, hkv, d, dtype=bf)
-        vc = torch.randn(pages, 64, hkv, d, dtype=bf)
-        t = bs * q_len
-        q, k, v = (torch.randn(t, h, d, dtype=bf) for h in (hq, hkv, hkv))
-        cos, sin = torch.randn(t, half, dtype=bf), torch.randn(t, half, dtype=bf)
-        cu = torch.arange(bs + 1, dtype=torch.int32) * q_len
-        seq = torch.full((bs,), 200, dtype=torch.int32)
-        table = torch.arange(1, bs * 4 + 1, dtype=torch.int32).reshape(bs, 4)
-        slots = torch.arange(t, dtype=torch.int32) + 64
-        qk_norm = (torch.randn(d, dtype=bf), torch.randn(d, dtype=bf), 1e-6) if norm else None
-        rope_attention.paged_rope_attention(
-            q, k, v, cos, sin, kc, vc, slots, cu, seq, table, q_len=q_len, max_seqlen_k=32768,
-            scale=d**-0.5, window=window, qk_norm=qk_norm, split_size=64 if d > 128 else 128,
-            kv_programs=16 if bs == 1 else 8,
-        )  # fmt: skip
-
     shapes = (
         ("gemma3 decode", (1, 1, 4, 1, 256, None, False)),
         ("gemma3 decode window", (1, 1, 4, 1, 256, 512, False)),
         ("small verify", (8, 8, 16, 4, 128, None, False)),
         ("gpt-oss verify sinks", (8, 8, 64, 8, 64, 128, True)),
     )
-    rope_shapes = (  # Gemma 3's decode (q/k norms, full rotary); a quarter rotary; gpt-oss
-        ("gemma3 decode window", (1, 1, 4, 1, 256, 512, 128, True)),
-        ("small verify partial rotary", (8, 8, 16, 4, 128, None, 16, True)),
-        ("gpt-oss verify", (8, 8, 64, 8, 64, 128, 32, False)),
-    )
-    return [
-        (f"paged_verify_attention {name}", lambda a=args: call(*a)) for name, args in shapes
-    ] + [
-        (f"paged_rope_attention {name}", lambda a=args: call_rope(*a)) for name, args in rope_shapes
-    ]
+    return [(f"paged_verify_attention {name}", lambda a=args: call(*a)) for name, args in shapes]
 
 
 def _sampling_launches() -> list[tuple[str, Callable[[], None]]]:

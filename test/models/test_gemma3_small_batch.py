@@ -19,7 +19,6 @@ import unimem_kernel.norm_gemv as norm_gemv
 from unimem.models import batch_invariant
 from unimem.models.forward_context import DenseCache, DenseContext
 from unimem.models.loader import load_model
-from unimem_kernel.paged_attention import AttentionPartials
 
 
 class Recording(DenseContext):
@@ -97,51 +96,3 @@ def test_when_the_small_body_runs(model, monkeypatch):
         assert not model.takes_norm_linear(x[:1])
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "reference")
     assert not model.takes_norm_linear(x[:1])
-
-
-class SplitContext(DenseContext):
-    """A dense context whose attention answers ``partials=True`` with split-KV partials: two
-    live splits (log2 maxima 1 and 0, sums 2 and 4) and a dead one, whose merge is exactly
-    the attention output."""
-
-    def rope_attention(self, *args, partials=False, **kwargs):
-        o = super().rope_attention(*args, **kwargs)
-        if not partials:
-            return o
-        of = o.float()
-        t, hq, _ = o.shape
-        acc = torch.stack([of * 2, of * 4, torch.full_like(of, float("nan"))], dim=2)
-        m = torch.tensor([1.0, 0.0, float("-inf")]).expand(t, hq, 3).contiguous()
-        denom = torch.tensor([2.0, 4.0, 0.0]).expand(t, hq, 3).contiguous()
-        return AttentionPartials(acc, m, denom, None, o.dtype)
-
-
-def test_small_body_merges_attention_partials_in_o_proj(model, monkeypatch):
-    """Where the context has the attention's partials, the one-row body merges them inside
-    the output projection (``merge_linear``, one launch) instead of taking the output: the
-    same logits up to the projection's summation order; ``UNIMEM_MERGE_LINEAR=0`` asks for
-    the output."""
-    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
-    monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", "1")
-    gen = torch.Generator().manual_seed(8)
-    prompt = torch.randint(3, 96, (7,), generator=gen)
-    merges = []
-    real = norm_gemv.merge_linear_triton
-    monkeypatch.setattr(norm_gemv, "merge_linear_triton",
-                        lambda *a, **k: merges.append(1) or real(*a, **k))  # fmt: skip
-
-    def decode(context_type):
-        cache = DenseCache(model.config, max_requests=1)
-        slot = [cache.alloc()]
-        model(prompt[:-1], DenseContext(cache, slot, [6], "extend"))
-        return model(prompt[-1:], context_type(cache, slot, [1], "decode"))
-
-    plain = decode(DenseContext)
-    assert merges == []
-    merged = decode(SplitContext)
-    assert len(merges) == len(model.model.layers)
-    # the projection's K steps are one head each there: its sums may round differently
-    assert ((merged - plain).norm() / plain.norm()).item() <= 1e-5
-    merges.clear()
-    monkeypatch.setenv("UNIMEM_MERGE_LINEAR", "0")
-    assert torch.equal(decode(SplitContext), plain) and merges == []

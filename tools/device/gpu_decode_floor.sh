@@ -4,7 +4,7 @@
 #   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor layer-body sampler sweep"] bash tools/device/gpu_decode_floor.sh
 # tests: the GPU tests of the fused kernels (post-norm + add + norm, q/k norms inside the
 #   RoPE + K/V store, gpt-oss's clamped SwiGLU with its biases, norm_linear, the split-KV
-#   attention with and without the RoPE + store inside, the split Gumbel draw, moe_combine) at real shapes (batch invariance included)
+#   attention, the split Gumbel draw, moe_combine) at real shapes (batch invariance included)
 #   and of the sampler (the bounded and unfiltered graphs among them);
 # floor: `python -m unimem bench decode-floor` (static and unified waves of 1 / 8 / 48 x 256 tokens,
 #   profiler kernels per layer, GPU time against its floor, the synthetic model's kernels per
@@ -34,10 +34,8 @@ for part in $parts; do
       run python3 -m pytest -q -m gpu sgl-kernel/tests/test_fused_ops.py \
         sgl-kernel/tests/test_kv_store.py -k "norm_add or qk_norm or clamped" || status=1
       run python3 -m pytest -q -m gpu sgl-kernel/tests/test_norm_gemv.py \
-        sgl-kernel/tests/test_paged_attention.py sgl-kernel/tests/test_rope_attention.py \
-        sgl-kernel/tests/test_sampling_kernel.py \
-        sgl-kernel/tests/test_moe_combine.py test/engine/test_sampling.py || status=1
-      run python3 -m pytest -q -m gpu test/attention/test_fa4_backend.py -k "split_kv" || status=1 ;;
+        sgl-kernel/tests/test_paged_attention.py sgl-kernel/tests/test_sampling_kernel.py \
+        sgl-kernel/tests/test_moe_combine.py test/engine/test_sampling.py || status=1 ;;
     layer-body)
       args=(--model-path "$MODEL" --json "$out/decode_floor_layered.json" --concurrency 1,8
             --no-synthetic)

@@ -38,7 +38,6 @@ import torch
 
 from unimem.attention.metadata import AttentionMetadata
 from unimem_kernel.kv_store import rope_store_kv, store_kv_paged
-from unimem_kernel.paged_attention import AttentionPartials
 
 __all__ = ["AttentionBackend", "check_attention_args", "store_kv_paged"]
 
@@ -138,40 +137,6 @@ class AttentionBackend(ABC):
         ``sinks [Hq]`` (float32): per-head logits that join every softmax without a value
         (gpt-oss's attention sinks); None for none. ``invariant``: see the module
         docstring."""
-
-    def rope_forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        swa: bool,
-        window: int | None,
-        scale: float,
-        sinks: torch.Tensor | None = None,
-        invariant: bool = False,
-        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-        partials: bool = False,
-    ) -> torch.Tensor | AttentionPartials:
-        """:meth:`rope_store_kv` then :meth:`attend` of the rotated ``q``: the q/k norms
-        (``qk_norm``), RoPE on the raw ``q`` and ``k``, the K/V store and attention. A
-        backend may do it in fewer launches; the result is the same up to the norms'
-        summation order. ``partials``: the caller can take the attention before its merge
-        (an :class:`~unimem_kernel.paged_attention.AttentionPartials`, merged inside its next
-        launch); a backend returns one only where its kernel has them, the output otherwise
-        (here always)."""
-        q_rot = self.rope_store_kv(
-            q, k, v, cos, sin, k_cache, v_cache, meta, swa=swa, qk_norm=qk_norm
-        )
-        return self.attend(
-            q_rot, k_cache, v_cache, meta, swa=swa, window=window, scale=scale, sinks=sinks,
-            invariant=invariant,
-        )  # fmt: skip
 
     def forward(
         self,

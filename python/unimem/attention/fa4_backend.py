@@ -64,9 +64,7 @@ Where FA4 catches up depends on the batch size and the head layout, so a step al
 ``batch x query heads x head dim`` <= :data:`SPLIT_KV_MAX_WORK`; both limits were chosen by
 measurement (``docs/decisions.md``). The choice depends on the step's batch size, so a row's
 bits can depend on its batch bucket: with ``invariant`` (batch-invariant mode) every step
-takes FA4, as extend does, and rows do not. Such a step's q/k norms, RoPE and K/V store
-(:meth:`FA4Backend.rope_forward`) run inside the split-KV launch where its query tile can
-rotate in registers (:func:`unimem_kernel.paged_rope_attention`): one launch fewer a layer.
+takes FA4, as extend does, and rows do not.
 
 Narrow query tile for short steps (SM90). FA4 sizes its query tile for prefill: 128 rows
 (192 at head dim 64) in two consumer warpgroups. A decode or verify step packs only
@@ -100,9 +98,7 @@ import torch
 
 from unimem.attention.backend import AttentionBackend, check_attention_args
 from unimem.attention.metadata import AttentionMetadata
-from unimem_kernel import envs
-from unimem_kernel.paged_attention import AttentionPartials, paged_verify_attention, rope_fusable
-from unimem_kernel.rope_attention import paged_rope_attention
+from unimem_kernel.paged_attention import paged_verify_attention
 
 __all__ = [
     "SPLIT_KV_KEYS",
@@ -286,50 +282,6 @@ class FA4Backend(AttentionBackend):
         return takes_split_kv(
             meta, self.split_kv_max_bs, invariant, q_heads=q_heads, head_dim=head_dim
         )
-
-    def rope_forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        swa: bool,
-        window: int | None,
-        scale: float,
-        sinks: torch.Tensor | None = None,
-        invariant: bool = False,
-        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-        partials: bool = False,
-    ) -> torch.Tensor | AttentionPartials:
-        """Steps that attend through the split-KV kernel and whose query tile can rotate in
-        registers (:func:`unimem_kernel.paged_attention.rope_fusable`) run the q/k norms,
-        RoPE and the K/V store inside its launch (:func:`unimem_kernel.paged_rope_attention`,
-        ``UNIMEM_ROPE_ATTENTION``), and with ``partials`` return its partials without the
-        combine launch; the others as the base class (the output)."""
-        hq, d = q.shape[1], q.shape[2]
-        if (
-            envs.get("UNIMEM_ROPE_ATTENTION")
-            and self.takes_split_kv(meta, invariant, q_heads=hq, head_dim=d)
-            and rope_fusable(hq, k_cache.shape[2], meta.max_seqlen_q, d)
-        ):
-            check_attention_args(q, k_cache, v_cache, meta, window, sinks)
-            return paged_rope_attention(
-                q, k, v, cos, sin, k_cache, v_cache, meta.write_slots(swa), meta.cu_seqlens_q,
-                meta.cache_seqlens, meta.table(swa), q_len=meta.max_seqlen_q,
-                max_seqlen_k=meta.max_seqlen_k, scale=float(scale), window=window,
-                sinks=sinks, qk_norm=qk_norm, split_size=split_kv_keys(d),
-                kv_programs=split_kv_programs(meta.batch_size, k_cache.shape[2]),
-                partials=partials,
-            )  # fmt: skip
-        return super().rope_forward(
-            q, k, v, cos, sin, k_cache, v_cache, meta, swa=swa, window=window, scale=scale,
-            sinks=sinks, invariant=invariant, qk_norm=qk_norm,
-        )  # fmt: skip
 
     def attend(
         self,

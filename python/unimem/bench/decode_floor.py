@@ -522,7 +522,6 @@ def main(argv=None) -> int:
             "fused_ops": envs.get("UNIMEM_FUSED_OPS"),
             "norm_linear_rows": envs.get("UNIMEM_NORM_LINEAR_ROWS"),
             "norm_linear_plain": envs.get("UNIMEM_NORM_LINEAR_PLAIN"),
-            "rope_attention": envs.get("UNIMEM_ROPE_ATTENTION"),
         },
         "rows": [],
         "errors": [],

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from unimem.models.config import HybridConfig
 from unimem_kernel import bi_rms_norm, rope_qk
 from unimem_kernel import gdn_reference as gdn_ref
-from unimem_kernel.paged_attention import AttentionPartials
 
 
 class ForwardMode(str, enum.Enum):
@@ -122,8 +121,7 @@ class ForwardContext(ABC):
         *,
         sinks: torch.Tensor | None = None,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-        partials: bool = False,
-    ) -> torch.Tensor | AttentionPartials:
+    ) -> torch.Tensor:
         """:meth:`attention` after RoPE on ``q`` and ``k`` (``unimem_kernel.rope_qk``:
         ``cos, sin [T, R/2]``, rotate-half over the first ``R`` dims of every head). The
         same result as ``attention(layer_idx, *rope_qk(q, k, cos, sin), v)``, which is what
@@ -133,12 +131,7 @@ class ForwardContext(ABC):
         ``qk_norm = (q_weight, k_weight, eps)``: q and k first go through their zero-centred
         RMS norms over the head dim (``unimem_kernel.kv_store.qk_norm_reference``'s math;
         Gemma's and Qwen3-Next's ``q_norm`` / ``k_norm``), fused into the same pass where
-        the context stores K into paged caches.
-
-        ``partials``: the caller can merge the attention inside its next launch
-        (``unimem_kernel.merge_linear``); a context whose backend has the split-KV partials
-        returns them (:class:`~unimem_kernel.paged_attention.AttentionPartials`), the output
-        otherwise (this default: always)."""
+        the context stores K into paged caches."""
         if qk_norm is not None:
             q_w, k_w, eps = qk_norm
             q = bi_rms_norm(q, q_w, eps, zero_centered=True)

@@ -69,13 +69,11 @@ from unimem_kernel import (
     bi_rms_norm,
     envs,
     gelu_tanh_mul,
-    merge_linear,
     norm_add_rms_norm,
     norm_linear,
 )
 from unimem_kernel.fused import records_autograd
 from unimem_kernel.fused import use_triton as fused_ops_on
-from unimem_kernel.paged_attention import AttentionPartials
 from unimem_kernel.rope_angles import rope_cos_sin
 
 __all__ = ["Gemma3ForCausalLM", "RopeSpec", "gemma_rms_norm", "text_config_of"]
@@ -231,13 +229,10 @@ class Gemma3Attention(nn.Module):
         qkv: list[torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor],
         ctx: ForwardContext,
-        partials: bool = False,
-    ) -> torch.Tensor | AttentionPartials:
+    ) -> torch.Tensor:
         """q/k norms, RoPE, the K/V store and attention over the q, k, v projections
         (``qkv``: ``[T, Hq*D]``, ``[T, Hkv*D]`` twice, column views of one GEMM's output
-        allowed) -> ``[T, Hq*Dv]``, before ``o_proj``; with ``partials``, the attention's
-        split-KV partials where the context has them (for :func:`unimem_kernel.merge_linear`,
-        see :meth:`ForwardContext.rope_attention`)."""
+        allowed) -> ``[T, Hq*Dv]``, before ``o_proj``."""
         c, eps = self.c, self.c.rms_eps
         q, k, v = qkv
         t = q.shape[0]
@@ -247,9 +242,7 @@ class Gemma3Attention(nn.Module):
         if _fused(q, self.q_norm.weight):
             # q_norm / k_norm, RoPE and the K/V store in one launch (paged contexts)
             norms = (self.q_norm.weight, self.k_norm.weight, eps)
-            o = ctx.rope_attention(layer_idx, q, k, v, *rope, qk_norm=norms, partials=partials)
-            if isinstance(o, AttentionPartials):
-                return o
+            o = ctx.rope_attention(layer_idx, q, k, v, *rope, qk_norm=norms)
         else:
             q = gemma_rms_norm(q, self.q_norm.weight, eps)
             k = gemma_rms_norm(k, self.k_norm.weight, eps)
@@ -345,9 +338,7 @@ class Gemma3DecoderLayer(nn.Module):
             delta=delta, post_weight=post, zero_centered=True,
         )  # fmt: skip
         x_in = x if stream is None else stream
-        qkv = list(qkv.split(attn.qkv.sizes, dim=-1))
-        merge = _takes_plain(attn.o_proj, attn.tp) and envs.get("UNIMEM_MERGE_LINEAR")
-        o = attn.attend(layer_idx, qkv, rope, ctx, partials=merge)
+        o = attn.attend(layer_idx, list(qkv.split(attn.qkv.sizes, dim=-1)), rope, ctx)
         a = _small_linear(o, attn.o_proj, attn.tp, eps)
         x_mid, act = norm_linear(
             x_in, mlp.gate_up.single_weight(), self.pre_feedforward_layernorm.weight, eps,
@@ -357,24 +348,12 @@ class Gemma3DecoderLayer(nn.Module):
         return x_in, x_mid, _small_linear(act, mlp.down_proj, mlp.tp, eps)
 
 
-def _takes_plain(proj: nn.Module, tp: TensorParallel) -> bool:
-    """Whether :func:`_small_linear` runs ``proj`` as one plain launch (one rank, a 16/32-bit
-    weight, ``UNIMEM_NORM_LINEAR_PLAIN``): then it can also merge the attention's partials
-    (with ``UNIMEM_MERGE_LINEAR``, the caller asks the attention for them)."""
-    return tp.size == 1 and envs.get("UNIMEM_NORM_LINEAR_PLAIN") and not fp8_linear.is_fp8(proj)
-
-
-def _small_linear(
-    x: torch.Tensor | AttentionPartials, proj: nn.Module, tp: TensorParallel, eps: float
-) -> torch.Tensor:
+def _small_linear(x: torch.Tensor, proj: nn.Module, tp: TensorParallel, eps: float) -> torch.Tensor:
     """A row-parallel projection with no norm in front, in a small batch: one plain
-    :func:`unimem_kernel.norm_linear` launch where :func:`_takes_plain`, or one
-    :func:`unimem_kernel.merge_linear` launch for an attention's partials (only asked for
-    there), else :func:`~unimem.models.fp8_linear.row_parallel` (the vendor or FP8 GEMM, and
-    the all-reduce)."""
-    if isinstance(x, AttentionPartials):
-        return merge_linear(x, proj.weight)
-    if _takes_plain(proj, tp):
+    :func:`unimem_kernel.norm_linear` launch on one rank for a 16/32-bit weight
+    (``UNIMEM_NORM_LINEAR_PLAIN``), else :func:`~unimem.models.fp8_linear.row_parallel` (the
+    vendor or FP8 GEMM, and the all-reduce)."""
+    if tp.size == 1 and envs.get("UNIMEM_NORM_LINEAR_PLAIN") and not fp8_linear.is_fp8(proj):
         return norm_linear(x, proj.weight, None, eps)[1]
     return fp8_linear.row_parallel(x, proj, None, tp)
 

@@ -28,7 +28,6 @@ from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext, ForwardMode
 from unimem_kernel import gdn as gdn_ops
 from unimem_kernel.gdn_reference import VerifyRecord
-from unimem_kernel.paged_attention import AttentionPartials
 
 __all__ = ["GdnVerifyBuffers", "PackedLanes", "PagedContext", "PagedLayers"]
 
@@ -126,40 +125,29 @@ class PagedContext(ForwardContext):
         self.backend.store_kv(k, v, *caches, self.meta, swa=swa)
         return self._attend(layer_idx, q, caches, swa, sinks)
 
-    def rope_attention(
-        self, layer_idx, q, k, v, cos, sin, *, sinks=None, qk_norm=None, partials=False
-    ):
-        # (the q/k norms,) RoPE and the K/V store before or inside the attention's launch:
-        # the rotated K is written only into the cache. Partials only without padding rows.
+    def rope_attention(self, layer_idx, q, k, v, cos, sin, *, sinks=None, qk_norm=None):
+        # (the q/k norms,) RoPE and the K/V store in one launch: the rotated K is written
+        # only into the cache
         caches, swa = self.layers.kv[layer_idx], layer_idx in self.layers.swa
-        out = self.backend.rope_forward(
-            q, k, v, cos, sin, *caches, self.meta, qk_norm=qk_norm,
-            partials=partials and self.packed is None,
-            **self._attend_args(layer_idx, q, swa, sinks),
-        )  # fmt: skip
-        return out if isinstance(out, AttentionPartials) else self._unpad(out)
+        q = self.backend.rope_store_kv(
+            q, k, v, cos, sin, *caches, self.meta, swa=swa, qk_norm=qk_norm
+        )
+        return self._attend(layer_idx, q, caches, swa, sinks)
 
     def _attend(self, layer_idx, q, caches, swa, sinks):
         """The backend's attention of ``q`` over the layer's caches (K/V already stored)."""
-        out = self.backend.attend(
-            q, *caches, self.meta, **self._attend_args(layer_idx, q, swa, sinks)
-        )
-        return self._unpad(out)
-
-    def _attend_args(self, layer_idx, q, swa, sinks) -> dict:
-        """The attention's keyword arguments for layer ``layer_idx``."""
         config = self.layers.config
-        return {
-            "swa": swa,
-            "window": config.layer_window(layer_idx),
-            "scale": config.attention_scale,
-            "sinks": sinks,
-            "invariant": batch_invariant.covers(q),
-        }
-
-    def _unpad(self, out: torch.Tensor) -> torch.Tensor:
-        """Padding rows (packed steps) as finite zeros, whatever the kernel left there."""
-        if self.packed is not None:
+        out = self.backend.attend(
+            q,
+            *caches,
+            self.meta,
+            swa=swa,
+            window=config.layer_window(layer_idx),
+            scale=config.attention_scale,
+            sinks=sinks,
+            invariant=batch_invariant.covers(q),
+        )
+        if self.packed is not None:  # padding rows: finite zeros, whatever the kernel left
             out = torch.where(self.packed.valid[:, None, None], out, 0)
         return out
 

@@ -84,17 +84,8 @@ from unimem_kernel.metadata import (
     build_extend_metadata,
     build_extend_metadata_reference,
 )
-from unimem_kernel.norm_gemv import (
-    merge_linear,
-    merge_linear_reference,
-    norm_linear,
-    norm_linear_reference,
-)
+from unimem_kernel.norm_gemv import norm_linear, norm_linear_reference
 from unimem_kernel.rope_angles import rope_cos_sin, rope_cos_sin_reference
-from unimem_kernel.rope_attention import (
-    paged_rope_attention,
-    paged_rope_attention_reference,
-)
 from unimem_kernel.state_commit import (
     StateCommitPlan,
     commit_states,
@@ -173,8 +164,6 @@ __all__ = [
     "markov_pick",
     "markov_pick_reference",
     "matmul_config",
-    "merge_linear",
-    "merge_linear_reference",
     "moe_combine",
     "moe_combine_reference",
     "moe_route",
@@ -183,8 +172,6 @@ __all__ = [
     "norm_add_rms_norm_reference",
     "norm_linear",
     "norm_linear_reference",
-    "paged_rope_attention",
-    "paged_rope_attention_reference",
     "rope_cos_sin",
     "rope_cos_sin_reference",
     "rope_qk",

@@ -136,22 +136,6 @@ _ALL = (
         parse=_flag,
     ),
     EnvSwitch(
-        "UNIMEM_ROPE_ATTENTION",
-        True,
-        "Whether decode and verify steps that attend through the split-KV kernel fold the "
-        "q/k norms, RoPE and the K/V store into its launch (paged_rope_attention); off: "
-        "rope_store_kv's launch before it.",
-        parse=_flag,
-    ),
-    EnvSwitch(
-        "UNIMEM_MERGE_LINEAR",
-        True,
-        "Whether one-row steps merge the split-KV attention's partials inside the output "
-        "projection's launch (merge_linear; Gemma 3's one-row body) instead of a combine "
-        "launch before it.",
-        parse=_flag,
-    ),
-    EnvSwitch(
         "UNIMEM_CACHE_DIR",
         "",
         "Where converted GGUF checkpoints are cached; unset: $XDG_CACHE_HOME/unimem or "

@@ -13,14 +13,7 @@ from unimem_kernel._dispatch import kernel_op, next_pow2, records_autograd
 from unimem_kernel.fused_common import FUSED_SWITCH, check_device, check_float, unit_last
 from unimem_kernel.rounding import round_rne
 
-__all__ = [
-    "check_rope_args",
-    "norm_rope_rows",
-    "rope_heads",
-    "rope_qk",
-    "rope_qk_reference",
-    "rope_qk_triton",
-]
+__all__ = ["check_rope_args", "rope_heads", "rope_qk", "rope_qk_reference", "rope_qk_triton"]
 
 
 @triton.jit
@@ -99,59 +92,6 @@ def rope_heads(
                 wp = 1.0 + tl.load(nw + pc, mask=pc < D, other=0.0).to(tl.float32)
                 x = round_rne((x.to(tl.float32) * rstd) * wp, xdt)
             tl.store(dst + heads * dst_sh + pc, tl.where(keep, x, 0.0).to(dt), mask=pm)
-
-
-@triton.jit
-def norm_rope_rows(
-    rows,
-    rmask,
-    c_rows,
-    s_rows,
-    D,
-    HALF,
-    BD: tl.constexpr,
-    nw,
-    eps,
-    NORM: tl.constexpr,
-    xdt: tl.constexpr,
-    rdt: tl.constexpr,
-):
-    """:func:`rope_heads`'s result for a tile of head vectors held in registers: row ``i``
-    is the vector at ``rows[i]`` (a pointer; rows where ``rmask`` is False load zeros) of
-    the token whose cos / sin rows are at ``c_rows[i]`` / ``s_rows[i]``. Returns the rotated
-    rows ``[R, BD]`` (columns past ``D`` zero) as fp32 holding values of ``xdt``, for a
-    kernel that consumes them at once (the split-KV attention's queries and new keys).
-
-    The full-width tile meets each column's rotation partner by a second load at the
-    partner's column (``c + HALF`` in the first half, ``c - HALF`` in the second): every
-    product and sum is rounded exactly as :func:`rope_heads` rounds it (``x1 c - x2 s`` is
-    ``x1 c + (-(x2 s))``, negation being exact). With ``NORM`` the zero-centred RMS norm's
-    sum of squares runs over the whole row in one reduction, where :func:`rope_heads` adds
-    the halves' and the pass-through chunks' sums: the norm may differ from it in the last
-    bit of ``rstd``."""
-    cols = tl.arange(0, BD)
-    cm = rmask[:, None] & (cols < D)[None, :]
-    first = cols < HALF
-    rot = cols < 2 * HALF
-    partner = tl.where(first, cols + HALF, tl.where(rot, cols - HALF, cols))
-    x = tl.load(rows[:, None] + cols[None, :], mask=cm, other=0.0).to(tl.float32)
-    xp = tl.load(rows[:, None] + partner[None, :], mask=cm, other=0.0).to(tl.float32)
-    if NORM:
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        w = 1.0 + tl.load(nw + cols, mask=cols < D, other=0.0).to(tl.float32)
-        wp = 1.0 + tl.load(nw + partner, mask=cols < D, other=0.0).to(tl.float32)
-        x = round_rne((x * rstd) * w[None, :], xdt).to(tl.float32)
-        xp = round_rne((xp * rstd) * wp[None, :], xdt).to(tl.float32)
-    ci = tl.where(first, cols, cols - HALF)
-    rm = rmask[:, None] & rot[None, :]
-    c = tl.load(c_rows[:, None] + ci[None, :], mask=rm, other=0.0).to(tl.float32)
-    s = tl.load(s_rows[:, None] + ci[None, :], mask=rm, other=0.0).to(tl.float32)
-    xr = round_rne(x, rdt).to(tl.float32)
-    xpr = round_rne(xp, rdt).to(tl.float32)
-    a = round_rne(xr * c, rdt).to(tl.float32)
-    b = round_rne(xpr * s, rdt).to(tl.float32)
-    r = round_rne(a + tl.where(first[None, :], -b, b), rdt)
-    return tl.where(rot[None, :], round_rne(r.to(tl.float32), xdt).to(tl.float32), x)
 
 
 @triton.jit

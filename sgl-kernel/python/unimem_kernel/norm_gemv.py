@@ -67,7 +67,6 @@ from unimem_kernel.batch_invariant import bi_rms_norm_reference
 from unimem_kernel.fused_activations import gelu_tanh_mul_reference, silu_mul_reference
 from unimem_kernel.fused_common import FUSED_SWITCH, check_device, check_float
 from unimem_kernel.fused_norms import add_rms_norm_reference, norm_add_rms_norm_reference
-from unimem_kernel.paged_attention import AttentionPartials, combine_partials, merge_head
 from unimem_kernel.rounding import INTERPRETED, round_rne
 
 __all__ = [
@@ -80,9 +79,6 @@ __all__ = [
     "norm_linear_config",
     "norm_linear_reference",
     "norm_linear_triton",
-    "merge_linear",
-    "merge_linear_reference",
-    "merge_linear_triton",
 ]
 
 MAX_ROWS = 64
@@ -195,12 +191,10 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 def _norm_linear_kernel(
     x_ptr, d_ptr, pw_ptr, nw_ptr, w_ptr, s_ptr, y_ptr,
     M, NOUT, K, stride_x, stride_d, stride_w, stride_y, eps,
-    po_ptr, pm_ptr, pl_ptr, sk_ptr, nprog,
     HAS_DELTA: tl.constexpr, HAS_POST: tl.constexpr, HAS_NORM: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, MERGE: tl.constexpr, MERGE_BP: tl.constexpr,
-    MERGE_SINKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program n: output columns n * BLOCK_N .. + BLOCK_N of every row (with ACT, the gate's
     # columns and the same columns of the up half, NOUT further down the weight).
@@ -241,16 +235,8 @@ def _norm_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + ks < K
         mk = mmask[:, None] & kmask[None, :]
-        if MERGE:  # one row; K step = one head: its partials merged here, rounded to dt
-            sink = 0.0
-            if MERGE_SINKS:
-                sink = tl.load(sk_ptr + k0 // BLOCK_K) * 1.4426950408889634
-            h = merge_head(po_ptr, pm_ptr, pl_ptr, (k0 // BLOCK_K) * nprog, ks, nprog, sink,
-                           MERGE_BP, BLOCK_K, MERGE_SINKS)  # fmt: skip
-            h = h.to(dt).to(tl.float32)[None, :]
-        else:
-            h = _stream_chunk(x_rows, d_rows, pw_ptr, k0, ks, kmask, mk, rstd_d, dt, HAS_DELTA,
-                              HAS_POST, ZERO_CENTERED)  # fmt: skip
+        h = _stream_chunk(x_rows, d_rows, pw_ptr, k0, ks, kmask, mk, rstd_d, dt, HAS_DELTA,
+                          HAS_POST, ZERO_CENTERED)  # fmt: skip
         if HAS_NORM:
             nw = tl.load(nw_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
             if ZERO_CENTERED:
@@ -354,13 +340,12 @@ def norm_linear_triton(
         norm_weight if norm_weight is not None else x, weight,
         stream if stream is not None else y, y,
         m, nout, k, x.stride(0), d.stride(0), weight.stride(0), y.stride(0), float(eps),
-        x, x, x, x, 1,
         HAS_DELTA=delta is not None, HAS_POST=post_weight is not None,
         HAS_NORM=norm_weight is not None,
         ZERO_CENTERED=bool(zero_centered), ACT=ACTS[act],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=cfg.block_k, MERGE=False, MERGE_BP=1, MERGE_SINKS=False,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return stream, y
 
@@ -420,80 +405,5 @@ norm_linear = kernel_op(
     reference=norm_linear_reference,
     device_of="x",
     check=_check_norm_linear,
-    switch=FUSED_SWITCH,
-)
-
-
-# ------------------------------------------------------------------ merge_linear
-
-
-def merge_linear_reference(partials: AttentionPartials, weight: torch.Tensor) -> torch.Tensor:
-    """The output projection of a split-KV attention's partials: ``F.linear(o, weight)``
-    with ``o = partials.merge()`` reshaped to ``[T, Hq * Dv]`` (``weight [N, Hq * Dv]`` of
-    the output's dtype); returns ``[T, N]``.
-
-    The Triton side, at one row with a power-of-two ``Dv``, is :func:`norm_linear`'s kernel
-    (plain: no norm, no activation) taking ``K`` one head at a time: each step merges that
-    head's partials as it loads them (``paged_attention.merge_head``, the combine launch's
-    device function, rounded as the combine rounds), then multiplies: the combine launch
-    saved, for a merged input that may round differently from the combine's where the
-    compiler lays the reduction out differently (on the GPU; the same bits in the
-    interpreter). Other shapes run the combine launch and :func:`norm_linear`."""
-    t, hq, dv = partials.shape
-    return F.linear(partials.merge().reshape(t, hq * dv), weight)
-
-
-def merge_linear_triton(
-    partials: AttentionPartials, weight: torch.Tensor, *, config: NormLinearConfig | None = None
-) -> torch.Tensor:
-    """Triton launcher of :func:`merge_linear` (arguments checked); ``config``'s ``BLOCK_K``
-    is replaced by ``Dv``."""
-    t, hq, dv = partials.shape
-    k, n = hq * dv, weight.shape[0]
-    cfg = config or norm_linear_config(t, n, k, None, weight.device)
-    if t != 1 or dv < 16 or dv & (dv - 1):
-        o = combine_partials(partials).reshape(t, k)
-        return norm_linear_triton(o, weight, None, 0.0, config=config)[1]
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    y = torch.empty((t, n), dtype=partials.dtype, device=weight.device)
-    nprog = partials.acc.shape[2]
-    acc, m, den = (x.contiguous() for x in (partials.acc, partials.m, partials.denom))
-    sinks = partials.sinks
-    _norm_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
-        weight, weight, weight, weight, weight, y, y,
-        t, n, k, k, k, weight.stride(0), y.stride(0), 0.0,
-        acc, m, den, sinks if sinks is not None else m, nprog,
-        HAS_DELTA=False, HAS_POST=False, HAS_NORM=False, ZERO_CENTERED=False, ACT=0,
-        PRECISION="ieee" if partials.dtype == torch.float32 else "tf32", BLOCK_M=1,
-        BLOCK_N=cfg.block_n, BLOCK_K=dv, MERGE=True, MERGE_BP=max(16, next_pow2(nprog)),
-        MERGE_SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return y
-
-
-def _check_merge_linear(partials: AttentionPartials, weight: torch.Tensor) -> bool:
-    if not isinstance(partials, AttentionPartials):
-        raise ValueError(f"partials must be an AttentionPartials, got {type(partials).__name__}")
-    check_float("weight", weight)
-    t, hq, dv = partials.shape
-    if weight.dim() != 2 or weight.shape[1] != hq * dv:
-        raise ValueError(f"weight must be [N, {hq * dv}], got shape {tuple(weight.shape)}")
-    if weight.dtype != partials.dtype:
-        raise ValueError(
-            f"weight must have the output's dtype {partials.dtype}, got {weight.dtype}"
-        )
-    check_device("weight", weight, partials.acc, "the partials")
-    if weight.dtype == torch.float64:
-        return False
-    return t <= MAX_ROWS and not records_autograd(weight)
-
-
-merge_linear = kernel_op(
-    "merge_linear",
-    triton=merge_linear_triton,
-    reference=merge_linear_reference,
-    device_of="weight",
-    check=_check_merge_linear,
     switch=FUSED_SWITCH,
 )

@@ -39,13 +39,10 @@ into one ``BLOCK_M``-row tile, so K/V are loaded once per split for all of them)
 the splits ``s = p, p + P, p + 2P, ...`` that hold keys the tile can see, in increasing order,
 ``BLOCK_N`` keys at a time: an online softmax in fp32 (``exp2``, ``log2 e`` folded into the
 scale), ``tl.dot`` for ``q k^T`` and ``p v``. It writes its rows' ``(m, l, acc)`` to fp32
-partials ``[T, Hq, P, Dv]``. Launch 2 (one program per token and head, :func:`merge_head`)
-loads the ``P`` partials at once (row ``p`` of a tile of at least 16 rows; rows with no
-visible key are masked off and move no bytes), sums them in one fixed-shape reduction, adds
-the sink and divides: one load round trip where a loop over the partials paid ``P``. A
-caller may instead take the partials (``partials=True`` of ``paged_rope_attention``, an
-:class:`AttentionPartials`) and merge them inside its next launch (``norm_gemv.merge_linear``:
-the output projection), with the same function. The grid is ``(bs *
+partials ``[T, Hq, P, Dv]``. Launch 2 (one program per token and head) loads the ``P``
+partials at once (row ``p`` of a tile of at least 16 rows; rows with no visible key are
+masked off and move no bytes), sums them in one fixed-shape tree, adds the sink and divides:
+one load round trip where a loop over the partials paid ``P`` of them. The grid is ``(bs *
 Hkv * ceil(q_len / (BLOCK_M / group)), P)`` then ``(T, Hq)``: host ints only, with
 ``P = min(kv_programs, ceil(max_seqlen_k / SPLIT))``, so a huge ``max_seqlen_k`` costs no
 empty programs. Nothing is read on the host and the partials are ``torch.empty``: the call
@@ -69,7 +66,7 @@ dims): not on ``q_len``, not on where the row sits in its window or tile, not on
 - a partial with no visible key (``m = -inf``) has weight exactly 0 and its ``acc`` is not
   read (its row of the merge holds exact zeros), so ``P`` clamped by ``max_seqlen_k`` (the
   same splits on the same programs, fewer empty ones) and empty programs change nothing; the
-  merge's reduction has the same shape for every ``P`` up to 16.
+  merge's tree has the same shape for every ``P`` up to 16.
 
 ``paged_verify_attention_reference`` is the torch reference (float32 math, float64 for
 float64 inputs; gathers every page of the table, vectorised, no host read) with the same
@@ -80,19 +77,14 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from unimem_kernel._dispatch import kernel_op, next_pow2
-from unimem_kernel.fused_rope import norm_rope_rows
 
 __all__ = [
-    "AttentionPartials",
-    "combine_partials",
-    "merge_head",
     "paged_verify_attention",
     "paged_verify_attention_reference",
     "paged_verify_attention_triton",
@@ -102,6 +94,9 @@ _LOG2E = math.log2(math.e)
 _SPLIT = 64  # keys per split (rounded up to a multiple of the page size); read at call time
 _BLOCK_N = 64  # keys per loop step (at most the split)
 _KV_PROGRAMS = 4  # programs per (request, KV head, row tile): the P above
+# partials the combine sums in one fixed-shape tree (at least): the same tree for every P up
+# to it, so clamping P by max_seqlen_k changes no bit
+_COMBINE_ROWS = 16
 
 
 def _block_m(group: int) -> int:
@@ -153,21 +148,6 @@ def _split_kv_kernel(
     vc_sh,
     tab_sb,
     tab_sw,
-    kr_ptr,  # ROPE: [T, HKV, DK] the step's raw keys (unit last stride)
-    vr_ptr,  # ROPE: [T, HKV, DV] its values
-    cos_ptr,  # ROPE: [T, half] rows (unit last stride)
-    sin_ptr,
-    slots_ptr,  # ROPE: [T] physical write slots of the step's tokens
-    qw_ptr,  # ROPE and NORM: [DK] q / k norm weights (zero-centred)
-    kw_ptr,
-    eps,
-    half,
-    kr_st,
-    kr_sh,
-    vr_st,
-    vr_sh,
-    c_st,
-    s_st,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
@@ -182,17 +162,9 @@ def _split_kv_kernel(
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    ROPE: tl.constexpr,
-    NORM: tl.constexpr,
 ):
     """Program ``(r, p)``: row tile ``r`` = (request ``b``, KV head, query tile ``mt``) over
-    the splits ``s = p (mod nprog)`` it can see; writes the rows' ``(m, l, acc)``.
-
-    ROPE (one query tile per request): ``q`` holds the raw queries, rotated (after their
-    norms with NORM) as they are loaded; the program whose splits hold one of the step's new
-    positions first rotates that token's key, stores it and its value at the token's write
-    slot (zeros in the sink page) and waits at a barrier, so its own loop reads them from the
-    cache like every other key. No other program reads those positions."""
+    the splits ``s = p (mod nprog)`` it can see; writes the rows' ``(m, l, acc)``."""
     QPT: tl.constexpr = BLOCK_M // GROUP  # queries per tile
     BPS: tl.constexpr = SPLIT // BLOCK_N  # blocks per split
     pid = tl.program_id(0)
@@ -228,36 +200,7 @@ def _split_kv_kernel(
     h = hkv * GROUP + g
     t = b * q_len + qi
     q_rows = q_ptr + t.to(tl.int64) * q_st + h.to(tl.int64) * q_sh
-    if ROPE:
-        qdt = q_ptr.dtype.element_ty
-        t64 = t.to(tl.int64)
-        rdt = cos_ptr.dtype.element_ty
-        q = norm_rope_rows(q_rows, row_ok, cos_ptr + t64 * c_st, sin_ptr + t64 * s_st, DK,
-                           half, BDK, qw_ptr, eps, NORM, qdt, rdt).to(qdt)  # fmt: skip
-        # this program's new keys: the step's tokens whose positions fall in its splits
-        i = tl.arange(0, QPT)
-        new_pos = seqlen - q_len + i
-        own = (i < q_len) & (new_pos >= 0) & ((new_pos // SPLIT) % nprog == p)
-        tn = b * q_len + i
-        kt = norm_rope_rows(kr_ptr + tn * kr_st + hkv * kr_sh, own, cos_ptr + tn * c_st,
-                            sin_ptr + tn * s_st, DK, half, BDK, kw_ptr, eps, NORM, qdt,
-                            rdt)  # fmt: skip
-        slot = tl.maximum(tl.load(slots_ptr + tn, mask=own, other=0).to(tl.int64), 0)
-        page_n = slot // PAGE
-        off_n = slot - page_n * PAGE
-        keep = own & (page_n > 0)  # the sink page receives zeros
-        kdst = kc_ptr + page_n * kc_sp + off_n * kc_so + hkv * kc_sh
-        tl.store(kdst[:, None] + dk[None, :], tl.where(keep[:, None], kt, 0.0).to(qdt),
-                 mask=own[:, None] & (dk < DK)[None, :])  # fmt: skip
-        vn = tl.load(vr_ptr + (tn * vr_st + hkv * vr_sh)[:, None] + dv[None, :],
-                     mask=keep[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
-        vdst = vc_ptr + page_n * vc_sp + off_n * vc_so + hkv * vc_sh
-        tl.store(vdst[:, None] + dv[None, :], vn.to(vc_ptr.dtype.element_ty),
-                 mask=own[:, None] & (dv < DV)[None, :])  # fmt: skip
-        tl.debug_barrier()  # the stores above before this program's loads of its keys
-    else:
-        q = tl.load(q_rows[:, None] + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :],
-                    other=0.0)  # fmt: skip
+    q = tl.load(q_rows[:, None] + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -312,34 +255,6 @@ def _split_kv_kernel(
              mask=live[:, None] & (dv < DV)[None, :])  # fmt: skip
 
 
-@triton.jit
-def merge_head(part_o_ptr, part_m_ptr, part_l_ptr, base, dv, nprog, sink,
-               BP: tl.constexpr, DV: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
-    """One (token, head)'s merged attention output, fp32 ``[BDV]`` (columns ``dv``; zeros
-    past ``DV``): its partials start at ``base = (t * HQ + h) * nprog``; ``sink`` is the
-    head's sink logit in log2 units (read with HAS_SINKS). Every partial is loaded at once as
-    row ``p`` of a ``[BP, BDV]`` tile (``BP >= nprog``; rows past ``nprog`` and those with no
-    visible key, ``m = -inf``, are masked off: they move no bytes and hold exact zeros) and
-    summed in one fixed-shape reduction. The combine launch and ``norm_gemv.merge_linear``
-    both call it."""
-    ps = tl.arange(0, BP)
-    m = tl.load(part_m_ptr + base + ps, mask=ps < nprog, other=float("-inf"))
-    live = m > float("-inf")
-    mx = tl.max(m, axis=0)
-    if HAS_SINKS:
-        mx = tl.maximum(mx, sink)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.where(live, tl.where(m == mx, 1.0, tl.exp2(m - mx_safe)), 0.0)
-    l_p = tl.load(part_l_ptr + base + ps, mask=live, other=0.0)
-    a = tl.load(part_o_ptr + (base + ps).to(tl.int64)[:, None] * DV + dv[None, :],
-                mask=live[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
-    den = tl.sum(w * l_p, axis=0)
-    if HAS_SINKS:
-        den = den + tl.where(sink > float("-inf"), tl.exp2(sink - mx_safe), 0.0)
-    num = tl.sum(w[:, None] * a, axis=0)
-    return tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
-
-
 @triton.jit(do_not_specialize=["nprog"])
 def _combine_kernel(
     part_o_ptr,  # [T, HQ, nprog, DV] fp32
@@ -356,15 +271,30 @@ def _combine_kernel(
     BDV: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """Program ``(t, h)``: token ``t``, head ``h``: :func:`merge_head`, cast, store."""
+    """Program ``(t, h)``: token ``t``, head ``h``: every partial in one load (``BP >=
+    nprog`` rows, those with no visible key masked off, so they move no bytes), the sink in
+    the denominator, a fixed-shape sum over the partials, divide, cast, store."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    ps = tl.arange(0, BP)
     dv = tl.arange(0, BDV)
-    sink = 0.0
+    base = (t * HQ + h) * nprog
+    m = tl.load(part_m_ptr + base + ps, mask=ps < nprog, other=float("-inf"))
+    live = m > float("-inf")
+    mx = tl.max(m, axis=0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h) * 1.4426950408889634
-    out = merge_head(part_o_ptr, part_m_ptr, part_l_ptr, (t * HQ + h) * nprog, dv, nprog, sink,
-                     BP, DV, HAS_SINKS)  # fmt: skip
+        mx = tl.maximum(mx, sink)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(live, tl.where(m == mx, 1.0, tl.exp2(m - mx_safe)), 0.0)
+    l_p = tl.load(part_l_ptr + base + ps, mask=live, other=0.0)
+    a = tl.load(part_o_ptr + (base + ps)[:, None] * DV + dv[None, :],
+                mask=live[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+    den = tl.sum(w * l_p, axis=0)
+    if HAS_SINKS:
+        den = den + tl.where(sink > float("-inf"), tl.exp2(sink - mx_safe), 0.0)
+    num = tl.sum(w[:, None] * a, axis=0)
+    out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
     o = o_ptr + t * o_st + h.to(tl.int64) * o_sh + dv
     tl.store(o, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
 
@@ -510,56 +440,6 @@ def paged_verify_attention_reference(
     return res
 
 
-# ------------------------------------------------------------------ partials
-
-
-@dataclass(frozen=True)
-class AttentionPartials:
-    """A split-KV attention's output before its merge: what launch 1 wrote, for a consumer
-    that merges it inside its own launch (``norm_gemv.merge_linear``) instead of a combine
-    launch. ``acc [T, Hq, P, Dv]`` fp32 (rows whose ``m`` is ``-inf`` are not written),
-    ``m [T, Hq, P]`` fp32 in log2 units, ``denom [T, Hq, P]`` fp32, ``sinks [Hq]`` fp32 or
-    None, ``dtype``: the attention output's. Owned by the consumer until its launch reads
-    them (fresh ``torch.empty`` buffers each call)."""
-
-    acc: torch.Tensor
-    m: torch.Tensor
-    denom: torch.Tensor
-    sinks: torch.Tensor | None
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """The merged output's ``(T, Hq, Dv)``."""
-        t, hq, _, dv = self.acc.shape
-        return t, hq, dv
-
-    @classmethod
-    def of_output(cls, o: torch.Tensor) -> AttentionPartials:
-        """One partial per row holding the finished output ``o [T, Hq, Dv]`` (``m`` 0,
-        ``denom`` 1): its merge is ``o`` exactly (where a split path was not taken)."""
-        t, hq, _ = o.shape
-        ones = torch.ones(t, hq, 1, dtype=torch.float32, device=o.device)
-        return cls(o.float().unsqueeze(2), ones - 1, ones, None, o.dtype)
-
-    def merge(self) -> torch.Tensor:
-        """The merged output ``[T, Hq, Dv]`` in ``dtype`` (torch, fp32 math: the reference
-        of :func:`merge_head`, whose sum order it need not follow)."""
-        live = self.m > float("-inf")
-        mx = self.m.amax(dim=-1)
-        if self.sinks is not None:
-            sink = self.sinks.float()[None, :] * _LOG2E
-            mx = torch.maximum(mx, sink)
-        mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
-        w = torch.where(live, torch.exp2(self.m - mx[..., None]), 0.0)
-        den = (w * torch.where(live, self.denom, 0.0)).sum(-1)
-        if self.sinks is not None:
-            den = den + torch.exp2(sink - mx)
-        num = (w[..., None] * torch.where(live[..., None], self.acc, 0.0)).sum(-2)
-        den = den[..., None]
-        return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0).to(self.dtype)
-
-
 # ------------------------------------------------------------------ the launcher
 
 
@@ -582,51 +462,6 @@ def paged_verify_attention_triton(
 ) -> torch.Tensor:
     """Triton launcher of :func:`paged_verify_attention` (arguments already checked; not
     float64): a split-KV launch and a combine launch."""
-    return launch_split_kv(
-        q, k_cache, v_cache, cache_seqlens, page_table, q_len=q_len, max_seqlen_k=max_seqlen_k,
-        scale=scale, window=window, sinks=sinks, out=out, split_size=split_size,
-        kv_programs=kv_programs,
-    )  # fmt: skip
-
-
-_ROPE_TILE_MAX = 64 * 256
-"""Largest query tile (rows x padded head dim) that rotates its queries in registers without
-spilling on SM90 (Gemma 3's 64 x 256: 191 registers; Qwen3-Next's verify tile of 128 x 256
-spilled 1.9 KB a thread, ``tools/compile_check.py``)."""
-
-
-def rope_fusable(q_heads: int, kv_heads: int, q_len: int, head_dim: int) -> bool:
-    """Whether the split-KV launch can take the RoPE and the K/V store
-    (``paged_rope_attention``): one query tile per request (``ceil(q_len / (BLOCK_M /
-    group)) == 1``: 16 queries a tile up to a GQA group of 8) of at most
-    :data:`_ROPE_TILE_MAX` elements."""
-    group = q_heads // kv_heads
-    block_m = _block_m(group)
-    return q_len <= block_m // group and block_m * max(16, next_pow2(head_dim)) <= _ROPE_TILE_MAX
-
-
-def launch_split_kv(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    page_table: torch.Tensor,
-    *,
-    q_len: int,
-    max_seqlen_k: int,
-    scale: float,
-    window: int | None,
-    sinks: torch.Tensor | None,
-    out: torch.Tensor | None,
-    split_size: int | None,
-    kv_programs: int | None,
-    rope: dict | None = None,
-    partials: bool = False,
-) -> torch.Tensor | AttentionPartials:
-    """The two launches behind :func:`paged_verify_attention` and, with ``rope``, behind
-    ``paged_rope_attention`` (``rope``: its ``k``, ``v``, ``cos``, ``sin``, ``slots`` and
-    ``qk_norm``, checked by it; only where :func:`rope_fusable`). ``partials``: launch 1
-    only, its :class:`AttentionPartials` returned (``out`` unused)."""
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dim must have unit stride")
     split_size = _SPLIT if split_size is None else split_size
@@ -645,7 +480,7 @@ def launch_split_kv(
     if o.stride(-1) != 1:
         raise ValueError("out's last dim must have unit stride")
     if bs == 0:
-        return AttentionPartials.of_output(o) if partials else o
+        return o
     if q.stride(-1) != 1:
         q = q.contiguous()
     split = triton.cdiv(split_size, ps) * ps
@@ -660,58 +495,28 @@ def launch_split_kv(
     block_m = _block_m(group)
     qpt = block_m // group
     num_mt = triton.cdiv(q_len, qpt)
-    if rope is not None and not rope_fusable(hq, hkv, q_len, dk):
-        raise ValueError(
-            f"the RoPE does not fit this split-KV tile (q_len {q_len}, {hq}/{hkv} heads of {dk})"
-        )
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
     part_o = torch.empty(t, hq, nprog, dv, dtype=torch.float32, device=dev)
     part_ml = torch.empty(2, t, hq, nprog, dtype=torch.float32, device=dev)
     seq = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
     warps = 8 if block_m * max(bdk, bdv) > 64 * 128 else 4
-    if rope is None:  # placeholders of the RoPE arguments (never read)
-        rope_args = (q, q, q, q, seq, q, q, 0.0, 0, 0, 0, 0, 0, 0, 0)
-        norm = False
-    else:
-        k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous()
-                          for x in (rope["k"], rope["v"], rope["cos"], rope["sin"]))  # fmt: skip
-        qk_norm = rope["qk_norm"]
-        norm = qk_norm is not None
-        qw, kw, eps = (qk_norm[0], qk_norm[1], float(qk_norm[2])) if norm else (cos, cos, 0.0)
-        rope_args = (k, v, cos, sin, rope["slots"], qw, kw, eps, cos.shape[1],
-                     k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                     cos.stride(0), sin.stride(0))  # fmt: skip
     _split_kv_kernel[(bs * hkv * num_mt, nprog)](
         q, k_cache, v_cache, seq, page_table, part_o, part_ml[0], part_ml[1],
         q_len, 0 if window is None else window, nprog, num_mt, float(scale) * _LOG2E,
         page_table.shape[1], q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        page_table.stride(0), page_table.stride(1), *rope_args,
+        page_table.stride(0), page_table.stride(1),
         HQ=hq, HKV=hkv, GROUP=group, PAGE=ps, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
-        ROPE=rope is not None, NORM=norm, num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=2,
     )  # fmt: skip
-    sinks_f = None if sinks is None else sinks.to(torch.float32).contiguous()
-    parts = AttentionPartials(part_o, part_ml[0], part_ml[1], sinks_f, q.dtype)
-    return parts if partials else combine_partials(parts, out=o)
-
-
-def combine_partials(partials: AttentionPartials, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch 2: the merged output ``[T, Hq, Dv]`` of ``partials`` (into ``out`` when
-    given: that shape and dtype, unit last stride), one program per token and head."""
-    t, hq, dv = partials.shape
-    o = out if out is not None else torch.empty(t, hq, dv, dtype=partials.dtype,
-                                                device=partials.acc.device)  # fmt: skip
-    if t == 0:
-        return o
-    nprog = partials.acc.shape[2]
-    sinks = partials.sinks
+    sinks_arg = part_ml if sinks is None else sinks.to(torch.float32).contiguous()
     _combine_kernel[(t, hq)](
-        partials.acc, partials.m, partials.denom, partials.m if sinks is None else sinks, o,
-        nprog, o.stride(0), o.stride(1), HQ=hq, DV=dv, BP=max(16, next_pow2(nprog)),
-        BDV=next_pow2(dv), HAS_SINKS=sinks is not None, num_warps=4,
+        part_o, part_ml[0], part_ml[1], sinks_arg, o, nprog, o.stride(0), o.stride(1),
+        HQ=hq, DV=dv, BP=max(_COMBINE_ROWS, next_pow2(nprog)), BDV=next_pow2(dv), HAS_SINKS=sinks is not None,
+        num_warps=4,
     )  # fmt: skip
     return o
 
