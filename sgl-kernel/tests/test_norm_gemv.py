@@ -101,6 +101,22 @@ def test_matches_reference(device, dtype, mode, act, zero_centered, m):
         assert stream is None and ref_stream is None
 
 
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("mode,act", [(2, "gelu_tanh"), (0, None), (3, "silu")])
+def test_one_k_step_tile_loads_its_weights_first(mode, act, m):
+    """A tile whose ``BLOCK_K`` covers all of ``K`` (the one-row tables' tiles at a small
+    model's shapes) loads its weights before the norms: the same results as a tile that
+    walks ``K`` in steps, within the summation-order bound."""
+    x, w, nw, kw = inputs(m, 40, 48, BF16, "cpu", mode, seed=m + mode)
+    kw.update(zero_centered=True, act=act)
+    one_step = nl.NormLinearConfig(4 if m == 1 else 16, 64, 4, 2)
+    stream, out = nl.norm_linear_triton(x, w, nw, EPS, config=one_step, **kw)
+    ref_stream, ref_out = nl.norm_linear_reference(x, w, nw, EPS, **kw)
+    assert_close(out, ref_out, BF16)
+    if mode >= 2:
+        assert torch.equal(stream, nl.norm_linear_triton(x, w, nw, EPS, config=SMALL_TILE, **kw)[0])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_do_not_mix(device):
     """A row's output depends on its own input only: rows among 2 and among 7 others of one

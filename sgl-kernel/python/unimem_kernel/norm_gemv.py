@@ -46,7 +46,10 @@ columns. From the tuned table ``norm_gemv_configs.json`` (GPU name ->
 ``"N,K,act"`` -> ``[[max_rows, "BN,BK,warps,stages"], ...]``, written by the micro-benchmark's
 sweep, ``sgl-kernel/benchmark/bench_norm_gemv.py``),
 else :data:`DEFAULT_CONFIG` (:data:`DEFAULT_ONE_ROW_CONFIG` for one row);
-``UNIMEM_NORM_LINEAR_CONFIG`` forces one.
+``UNIMEM_NORM_LINEAR_CONFIG`` forces one. A tile whose ``BLOCK_K`` covers all of ``K`` (the
+one-row tiles at Gemma 3 270M's q/k/v, ``o_proj`` and gate/up) issues its weight loads before
+the norms' passes over the input, so that the weights are in flight while the norms wait on
+theirs (not yet timed on the GPU).
 """
 
 from __future__ import annotations
@@ -194,7 +197,7 @@ def _norm_linear_kernel(
     HAS_DELTA: tl.constexpr, HAS_POST: tl.constexpr, HAS_NORM: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr,
 ):  # fmt: skip
     # Program n: output columns n * BLOCK_N .. + BLOCK_N of every row (with ACT, the gate's
     # columns and the same columns of the up half, NOUT further down the weight).
@@ -207,6 +210,13 @@ def _norm_linear_kernel(
     dt = y_ptr.dtype.element_ty
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
     d_rows = d_ptr + rm[:, None].to(tl.int64) * stride_d
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_w
+    if ONE_STEP:  # the whole of K in one tile: its weights are loaded before the norms run
+        wmask0 = (ks < K)[:, None] & nmask[None, :]
+        w0 = tl.load(w_cols + ks[:, None], mask=wmask0, other=0.0)  # [BLOCK_K, BLOCK_N]
+        w0_up = w0
+        if ACT != 0:
+            w0_up = tl.load(w_cols + NOUT * stride_w + ks[:, None], mask=wmask0, other=0.0)
     rstd_d = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if HAS_POST:  # the branch's post-norm: its sum of squares
         sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -231,7 +241,6 @@ def _norm_linear_kernel(
         rstd = tl.math.rsqrt(tl.sum(sq, axis=1) / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_w
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + ks < K
         mk = mmask[:, None] & kmask[None, :]
@@ -244,11 +253,17 @@ def _norm_linear_kernel(
             h = round_rne((h * rstd[:, None]) * nw[None, :], dt)
         else:
             h = h.to(dt)
-        wmask = kmask[:, None] & nmask[None, :]
-        w = tl.load(w_cols + (k0 + ks)[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        if ONE_STEP:
+            w, w_up = w0, w0_up
+        else:
+            wmask = kmask[:, None] & nmask[None, :]
+            w = tl.load(w_cols + (k0 + ks)[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
+            w_up = w
+            if ACT != 0:
+                w_up = tl.load(w_cols + NOUT * stride_w + (k0 + ks)[:, None], mask=wmask,
+                               other=0.0)  # fmt: skip
         acc = _dot(h, w, acc, PRECISION)
         if ACT != 0:
-            w_up = tl.load(w_cols + NOUT * stride_w + (k0 + ks)[:, None], mask=wmask, other=0.0)
             acc_up = _dot(h, w_up, acc_up, PRECISION)
     out_mask = mmask[:, None] & nmask[None, :]
     y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
@@ -344,8 +359,8 @@ def norm_linear_triton(
         HAS_NORM=norm_weight is not None,
         ZERO_CENTERED=bool(zero_centered), ACT=ACTS[act],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        BLOCK_N=block_n, BLOCK_K=cfg.block_k, ONE_STEP=k <= cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return stream, y
 

@@ -515,8 +515,8 @@ def paged_verify_attention_triton(
     sinks_arg = part_ml if sinks is None else sinks.to(torch.float32).contiguous()
     _combine_kernel[(t, hq)](
         part_o, part_ml[0], part_ml[1], sinks_arg, o, nprog, o.stride(0), o.stride(1),
-        HQ=hq, DV=dv, BP=max(_COMBINE_ROWS, next_pow2(nprog)), BDV=next_pow2(dv), HAS_SINKS=sinks is not None,
-        num_warps=4,
+        HQ=hq, DV=dv, BP=max(_COMBINE_ROWS, next_pow2(nprog)), BDV=next_pow2(dv),
+        HAS_SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip
     return o
 
