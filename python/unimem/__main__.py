@@ -19,6 +19,7 @@ import torch
 
 from unimem.bench import DEFAULT_SUITE, SUITES, run_suite
 from unimem.models.presets import preset_names
+from unimem.validate.config import BENCH_MODEL, PACKAGE_PROMPTS
 from unimem.validate.protocol import (
     BACKENDS,
     SPEC_MODES,
@@ -49,13 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="measurements: the validation protocol at serving sizes on one GPU, with the "
-        "unified/static throughput ratio (suite e2e, the default: small preset, 48 x 512 -> "
-        "2048 tokens, DSPARK gamma 7), or another suite",
+        f"unified/static throughput ratio (suite e2e, the default: {BENCH_MODEL} with its "
+        "drafter, 48 real prompts -> 2048 tokens, DSPARK gamma 7), or another suite",
         usage="python -m unimem bench [SUITE] [FLAGS]",
         description=_bench_suites_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_run_args(b, bench_config())
+    _add_run_args(b, bench_config(), bench=True)
     sub.add_parser("envs", help="list every UNIMEM_* environment switch, its default and doc")
     return p
 
@@ -66,12 +67,19 @@ def _bench_suites_text() -> str:
     return "\n".join(lines + ["", "The flags below are the e2e suite's."])
 
 
-def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
+def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig, bench: bool = False) -> None:
     v.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+    real = (
+        f" (default: the real model {BENCH_MODEL} with its shipped drafter on the package's "
+        f"real prompts, the acceptance control off; --preset {d.preset} for the synthetic one)"
+        if bench
+        else f" (default {d.preset})"
+    )
     v.add_argument(
         "--preset",
-        default=d.preset,
-        help=f"synthetic model preset: {', '.join(preset_names())} (ignored with --model-path)",
+        default=None if bench else d.preset,
+        help=f"synthetic model preset: {', '.join(preset_names())}; ignored with --model-path"
+        + real,
     )
     v.add_argument(
         "--model-path",
@@ -91,7 +99,8 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         default=d.prompts_file,
         metavar="FILE",
         help="with --model-path: one text prompt per line (or a .json list of prompts), encoded "
-        "by its tokenizer (default: random token ids)",
+        f"by its tokenizer, or {PACKAGE_PROMPTS!r}: the package's real prompts (default: random "
+        "token ids; bench's default model: the real prompts)",
     )
     v.add_argument(
         "--oracle",
@@ -138,13 +147,14 @@ def _add_run_args(v: argparse.ArgumentParser, d: ValidateConfig) -> None:
         default=None,
         help=f"drafted tokens per verify step (default {d.gamma})",
     )
+    on_checkpoint = "; bench on a checkpoint: 0" if bench else ""
     v.add_argument(
         "--accept-rate",
         type=float,
         default=None,
         help="acceptance control: replace each drafted token by the non-speculative "
         f"continuation with this probability (seeded; 0 = the raw drafter; default "
-        f"{d.accept_rate})",
+        f"{d.accept_rate}{on_checkpoint})",
     )
     v.add_argument(
         "--quantization",
@@ -384,13 +394,24 @@ _NEEDS = (
 
 def _check_flags(args: argparse.Namespace) -> None:
     """``ValueError`` for a flag given without the flag it applies with, or a bad count
-    that only the command line has (``--cpu-threads``); then fill in the defaults."""
+    that only the command line has (``--cpu-threads``); then fill in the defaults. bench
+    without ``--preset`` or ``--model-path`` runs :data:`BENCH_MODEL` on the package's real
+    prompts; bench on a checkpoint measures the raw drafter (``--accept-rate`` 0) unless
+    told otherwise."""
+    d = args._defaults
+    if args.command == "bench" and args.preset is None and args.model_path is None:
+        args.model_path = BENCH_MODEL
+        if args.prompts_file is None:
+            args.prompts_file = PACKAGE_PROMPTS
+    if args.preset is None:
+        args.preset = d.preset
+    if args.command == "bench" and args.model_path is not None and args.accept_rate is None:
+        args.accept_rate = 0.0
     for flag, attr, needed, given in _NEEDS:
         if getattr(args, attr) is not None and not given(args):
             raise ValueError(f"{flag} only applies with {needed}")
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError(f"--cpu-threads must be an int >= 1, got {args.cpu_threads}")
-    d = args._defaults
     if args.deterministic is None:  # validate: auto (on with CUDA); bench: off
         args.deterministic = "auto" if args.command == "validate" else "off"
     if (

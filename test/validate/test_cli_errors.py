@@ -3,6 +3,8 @@ stderr and exit status 2, found before the run starts; Ctrl-C is one line and st
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from unimem.__main__ import main
@@ -156,3 +158,41 @@ def test_deterministic_inference_flags_resolve(monkeypatch):
     assert seen["cfg"].use_deterministic
     with pytest.raises(SystemExit):  # mutually exclusive
         main(["validate", "--enable-deterministic-inference", "--disable-deterministic-inference"])
+
+
+def test_bench_defaults_to_the_real_model(monkeypatch, tmp_path):
+    """bench without --preset or --model-path: the embedded real model on the package's real
+    prompts, its drafter measured raw (acceptance control off); --preset keeps the synthetic
+    model with the control at 0.8; validate's defaults do not change."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "models"))
+    import tiny_gemma3
+
+    tiny_gemma3.build(tmp_path, num_hidden_layers=2, sliding_window_pattern=2, vocab_size=96)
+    monkeypatch.setattr("unimem.validate.config.resolve_model_path", lambda p: str(tmp_path))
+    seen = {}
+
+    def capture(cfg, progress=False):
+        seen["cfg"] = cfg
+        raise ValueError("stop")
+
+    monkeypatch.setattr("unimem.__main__.validate", capture)
+    monkeypatch.setattr("unimem.__main__.bench", capture)
+    main(["bench"])
+    cfg = seen["cfg"]
+    assert (cfg.model_path, cfg.prompts_file, cfg.accept_rate) == ("gemma-3-270m", "short", 0.0)
+    main(["bench", "--accept-rate", "0.5"])
+    assert seen["cfg"].accept_rate == 0.5
+    main(["bench", "--preset", "small"])
+    cfg = seen["cfg"]
+    assert (cfg.model_path, cfg.preset, cfg.accept_rate) == (None, "small", 0.8)
+    main(["bench", "--model-path", str(tmp_path)])
+    assert seen["cfg"].accept_rate == 0.0 and seen["cfg"].prompts_file is None
+    main(["validate", "--model-path", str(tmp_path)])
+    assert seen["cfg"].accept_rate == 0.8 and seen["cfg"].preset == "tiny"
+
+
+def test_package_prompts_are_the_short_real_prompts():
+    from unimem.data.prompts import short_prompts
+    from unimem.validate.workload import read_prompts_file
+
+    assert read_prompts_file("short") == short_prompts() and len(short_prompts()) >= 48

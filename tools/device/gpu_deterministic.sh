@@ -47,9 +47,9 @@ for part in $parts; do
     bench)
       # the same acceptance control both ways (a speculative reference run), so that only
       # the kernels differ
-      run python3 -m unimem bench --repeats 1 --control-reference speculative \
+      run python3 -m unimem bench --preset small --repeats 1 --control-reference speculative \
         --json "$out/bench_det_off_h200.json"
-      run python3 -m unimem bench --repeats 1 --control-reference speculative \
+      run python3 -m unimem bench --preset small --repeats 1 --control-reference speculative \
         --enable-deterministic-inference \
         --json "$out/bench_det_on_h200.json" ;;
     *) echo "unknown part $part"; false ;;

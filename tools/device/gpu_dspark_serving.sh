@@ -45,7 +45,7 @@ for part in $parts; do
         extra=()
         [ "$vl" = fixed ] && extra=(--plot "$out/bench_h200.png")
         [ "$vl" = adaptive ] && extra=(--speculative-verify-budget "${VERIFY_BUDGET:-96}")
-        run python3 -m unimem bench --device cuda --spec dspark --accept-rate 0 \
+        run python3 -m unimem bench --preset small --device cuda --spec dspark --accept-rate 0 \
           --speculative-draft-model-path /tmp/drafter_small --verify-lengths "$vl" \
           --requests 48 --input-len 512 --output-len 512 --repeats 1 \
           --json "$out/bench_drafted_${vl}_h200.json" "${extra[@]}"

@@ -112,7 +112,7 @@ for part in $parts; do
       run python3 sgl-kernel/benchmark/bench_gemm_shapes.py --no-tunable --split-shapes \
         --json "$out/gemm_shapes_ltbias_h200.json" ;;
     bench)
-      run python3 -m unimem bench ${BENCH_ARGS:-} --json "$out/bench_h200.json" ;;
+      run python3 -m unimem bench --preset small ${BENCH_ARGS:-} --json "$out/bench_h200.json" ;;
     *) echo "unknown part $part"; false ;;
   esac || status=1
 done

@@ -21,7 +21,7 @@
 #               requests, gamma 7, static pools) in bf16, in FP8, and in FP8 with the
 #               activation quantisation fused into the GEMMs (UNIMEM_FP8_ACT_QUANT=fused), with
 #               the kernel breakdown -> profile_small_{bf16,fp8,fp8_fused}.json
-#   bench     : `python -m unimem bench` (the default: small preset, 48 x 512 -> 2048, DSPARK)
+#   bench     : `python -m unimem bench --preset small` (48 x 512 -> 2048, DSPARK)
 #               in bf16, with --quantization fp8, and fp8 fused -> bench_bf16_h200.json,
 #               bench_fp8_h200.json (docs/results/bench_fp8_h200.json), bench_fp8_fused_h200.json
 #   qwen3next : make_checkpoint.py's Qwen3-Next `bench` checkpoint (2048 hidden, 24 layers,
@@ -101,10 +101,10 @@ for part in $parts; do
           || fail "profile $q"
       done ;;
     bench)
-      run python3 -m unimem bench --json "$out/bench_bf16_h200.json" || fail "bench bf16"
-      UNIMEM_FP8_ACT_QUANT=separate run python3 -m unimem bench --quantization fp8 \
+      run python3 -m unimem bench --preset small --json "$out/bench_bf16_h200.json" || fail "bench bf16"
+      UNIMEM_FP8_ACT_QUANT=separate run python3 -m unimem bench --preset small --quantization fp8 \
         --json "$out/bench_fp8_h200.json" || fail "bench fp8"
-      UNIMEM_FP8_ACT_QUANT=fused run python3 -m unimem bench --quantization fp8 \
+      UNIMEM_FP8_ACT_QUANT=fused run python3 -m unimem bench --preset small --quantization fp8 \
         --json "$out/bench_fp8_fused_h200.json" || fail "bench fp8 fused" ;;
     qwen3next)
       ck=/tmp/ckpt_qwen3_next_bench

@@ -35,7 +35,7 @@ for part in "${parts[@]}"; do
     validate) python3 -m unimem validate --device cuda --preset small --spec dspark \
              --output-len 128 --arena-mb 110 --json "$out/validate_small_dspark.json" 2>&1 \
              | tee "$out/validate_small_dspark.txt" ;;
-    bench) python3 -m unimem bench --json "$out/bench.json" 2>&1 | tee "$out/bench.txt" ;;
+    bench) python3 -m unimem bench --preset small --json "$out/bench.json" 2>&1 | tee "$out/bench.txt" ;;
     profile) python3 -m unimem bench step-profile --json "$out/profile.json" 2>&1 \
              | tee "$out/profile.txt" ;;
     *) echo "unknown part $part"; false ;;

@@ -100,8 +100,15 @@ class ValidateConfig:
             os.path.join(self.checkpoint_dir, "config.json")
         ):
             raise ValueError(f"--model-path {self.model_path}: no config.json there")
-        if self.prompts_file is not None and not os.path.isfile(self.prompts_file):
-            raise ValueError(f"--prompts {self.prompts_file}: no such file")
+        if (
+            self.prompts_file is not None
+            and self.prompts_file != PACKAGE_PROMPTS
+            and not os.path.isfile(self.prompts_file)
+        ):
+            raise ValueError(
+                f"--prompts {self.prompts_file}: no such file (or {PACKAGE_PROMPTS!r}: the "
+                "package's real prompts)"
+            )
         if not 0 <= self.shared_prefix_len <= self.input_len:
             raise ValueError(
                 f"shared prefix length must be in [0, input length {self.input_len}], "
@@ -252,11 +259,23 @@ CONTROL_REFERENCES = ("decode", "speculative")
 BACKENDS = ("auto", "torch", "fa4")
 
 
+BENCH_MODEL = "gemma-3-270m"
+"""What ``python -m unimem bench`` runs without ``--preset`` or ``--model-path``: the embedded
+real model (the ``model`` extra), with its shipped drafter, on :data:`PACKAGE_PROMPTS`, the
+acceptance control off."""
+
+PACKAGE_PROMPTS = "short"
+"""``--prompts`` value naming the package's short real prompts
+(:func:`unimem.data.prompts.short_prompts`) instead of a file."""
+
+
 def bench_config(**overrides) -> ValidateConfig:
-    """The ``bench`` protocol's defaults: serving sizes on one GPU — the ``small`` preset, 48
-    requests of 512 prompt and 2048 output tokens, all running at once, DSPARK gamma 7 with
-    acceptance control 0.8 following a speculative reference run, page size 64, FA4 and CUDA
-    graphs; static and unified each run twice (ABBA order)."""
+    """The ``bench`` protocol's defaults for a synthetic preset: serving sizes on one GPU —
+    the ``small`` preset, 48 requests of 512 prompt and 2048 output tokens, all running at
+    once, DSPARK gamma 7 with acceptance control 0.8 following a speculative reference run,
+    page size 64, FA4 and CUDA graphs; static and unified each run twice (ABBA order). The
+    command line runs :data:`BENCH_MODEL` instead unless ``--preset`` or ``--model-path`` is
+    given (``unimem.__main__``), with the acceptance control off on a checkpoint."""
     base = dict(
         device="cuda",
         preset="small",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+from unimem.validate.config import PACKAGE_PROMPTS
+
 __all__ = ["ProgressBar", "format_table", "passed", "write_json"]
 
 
@@ -59,6 +61,15 @@ def format_table(report: dict) -> str:
     w = [max(len(str(r[i])) for r in rows) for i in range(3)]
     lines = [f"{str(a):<{w[0]}}  {str(b):>{w[1]}}  {str(c):>{w[2]}}" for a, b, c in rows]
     n = report["requests"]
+    cfg = report.get("config", {})
+    if cfg.get("model_path"):
+        prompts = cfg.get("prompts_file")
+        if prompts == PACKAGE_PROMPTS:
+            prompts = "the package's real prompts"
+        source = f"prompts: {prompts}" if prompts else "random prompt token ids"
+        lines.append(f"model: {cfg['model_path']} ({source})")
+    elif cfg.get("preset"):
+        lines.append(f"model: synthetic preset {cfg['preset']} (random weights and prompts)")
     if report.get("deterministic_inference"):
         lines.append(
             "deterministic inference: on (batch-invariant GEMMs, norms, experts and GDN tiles; "

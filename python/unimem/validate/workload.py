@@ -5,6 +5,8 @@ rank's shard), and its prompts — random token ids from the seed, or the lines 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from unimem.engine.distributed import TPGroups
@@ -14,7 +16,7 @@ from unimem.models.loader import load_checkpoint
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.models.tensor_parallel import SINGLE
-from unimem.validate.config import ValidateConfig
+from unimem.validate.config import PACKAGE_PROMPTS, ValidateConfig
 
 
 def make_prompts(cfg: ValidateConfig, vocab_size: int) -> list[list[int]]:
@@ -31,8 +33,14 @@ def make_prompts(cfg: ValidateConfig, vocab_size: int) -> list[list[int]]:
 
 
 def read_prompts_file(path: str) -> list[str]:
-    """The prompts of ``--prompts``: a ``.json`` file holds a list of strings (prompts may span
-    lines); any other file holds one prompt per non-empty line."""
+    """The prompts of ``--prompts``: :data:`~unimem.validate.config.PACKAGE_PROMPTS` (and no
+    file of that name) names the package's short real prompts; a ``.json`` file holds a list
+    of strings (prompts may span lines); any other file holds one prompt per non-empty
+    line."""
+    if path == PACKAGE_PROMPTS and not os.path.exists(path):
+        from unimem.data.prompts import short_prompts
+
+        return short_prompts()
     if path.endswith(".json"):
         import json
 
