@@ -283,6 +283,23 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _with_pdl(call: Callable[[], None]) -> Callable[[], None]:
+    """``call`` with programmatic dependent launch forced on (``unimem_kernel.pdl``; on the
+    CPU it is never on by itself): the kernels' ``griddepcontrol`` variants."""
+
+    def run() -> None:
+        from unimem_kernel import pdl
+
+        enabled = pdl.enabled
+        pdl.enabled = lambda t: True
+        try:
+            call()
+        finally:
+            pdl.enabled = enabled
+
+    return run
+
+
 def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
     """Gemma 3 270M's small-batch layer body: q/k/v with post-norm + add + norm in front,
     gate/up with GeGLU behind, the plain o / down projections; the synthetic model's MLP with
@@ -312,6 +329,9 @@ def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
             ("synthetic gate_up (add + norm)", (11264, 2048, 3, "silu")),
         )
         for rows in (1, 16)
+    ] + [
+        ("norm_linear qkv rows 1 pdl", _with_pdl(lambda: call(1, 1536, 640, 2))),
+        ("norm_linear down rows 1 pdl", _with_pdl(lambda: call(1, 640, 2048, 0))),
     ]
 
 
@@ -345,7 +365,9 @@ def _paged_attention_launches() -> list[tuple[str, Callable[[], None]]]:
         ("small verify", (8, 8, 16, 4, 128, None, False)),
         ("gpt-oss verify sinks", (8, 8, 64, 8, 64, 128, True)),
     )
-    return [(f"paged_verify_attention {name}", lambda a=args: call(*a)) for name, args in shapes]
+    return [
+        (f"paged_verify_attention {name}", lambda a=args: call(*a)) for name, args in shapes
+    ] + [("paged_verify_attention gemma3 decode pdl", _with_pdl(lambda: call(*shapes[1][1])))]
 
 
 def _sampling_launches() -> list[tuple[str, Callable[[], None]]]:
@@ -423,6 +445,10 @@ def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
         (
             "rope_store_kv q/k norms, partial, gated q (Qwen3-Next)",
             lambda: rope_store(32, True, None, 256, True),
+        ),
+        (
+            "rope_store_kv q/k norms, bf16 tables (Gemma 3 270M) pdl",
+            _with_pdl(lambda: rope_store(128, True, torch.bfloat16, 256)),
         ),
     ]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 47 on one GPU, one device call, from the repository root:
 #   MODEL=/path/to/model [GGUF=/path/to/model.gguf] [LLAMA_BIN=/tmp/llcpp/llama.cpp/build/bin] \
-#   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor layer-body sampler sweep"] bash tools/device/gpu_decode_floor.sh
+#   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor pdl layer-body sampler sweep"] bash tools/device/gpu_decode_floor.sh
 # tests: the GPU tests of the fused kernels (post-norm + add + norm, q/k norms inside the
 #   RoPE + K/V store, gpt-oss's clamped SwiGLU with its biases, norm_linear, the split-KV
 #   attention, the split Gumbel draw, moe_combine) at real shapes (batch invariance included)
@@ -10,6 +10,8 @@
 #   profiler kernels per layer, GPU time against its floor, the synthetic model's kernels per
 #   layer, llama.cpp's batched-bench and server when GGUF and LLAMA_BIN are given, and
 #   torch.compile against the fused kernels with COMPILE=1).
+# pdl: the same bench at 1 and 8 requests with UNIMEM_PDL=1 (programmatic dependent launch
+#   between the one-row body's kernels) -> decode_floor_pdl.json, to set against floor's;
 # layer-body: the same bench at 1 and 8 requests with UNIMEM_NORM_LINEAR_ROWS=0 (every layer
 #   in its ten launches), to set against floor's one-row norm_linear body -> decode_floor_layered.json;
 # sweep: sgl-kernel/benchmark/bench_norm_gemv.py (norm_linear's tiles against the launches it
@@ -24,7 +26,7 @@ log="$out/gpu_decode_floor.log"
 step_timeout=${STEP_TIMEOUT:-540}
 source tools/device/gpu_env.sh
 : "${MODEL:?set MODEL to the model (an HF directory or a .gguf)}"
-parts=${PARTS:-tests floor layer-body sampler}
+parts=${PARTS:-tests floor pdl layer-body sampler}
 status=0
 gpu_banner
 for part in $parts; do
@@ -35,7 +37,13 @@ for part in $parts; do
         sgl-kernel/tests/test_kv_store.py -k "norm_add or qk_norm or clamped" || status=1
       run python3 -m pytest -q -m gpu sgl-kernel/tests/test_norm_gemv.py \
         sgl-kernel/tests/test_paged_attention.py sgl-kernel/tests/test_sampling_kernel.py \
-        sgl-kernel/tests/test_moe_combine.py test/engine/test_sampling.py || status=1 ;;
+        sgl-kernel/tests/test_moe_combine.py sgl-kernel/tests/test_pdl.py \
+        test/engine/test_sampling.py || status=1 ;;
+    pdl)
+      args=(--model-path "$MODEL" --json "$out/decode_floor_pdl.json" --concurrency 1,8
+            --no-synthetic)
+      [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
+      run env UNIMEM_PDL=1 python3 -m unimem bench decode-floor "${args[@]}" || status=1 ;;
     layer-body)
       args=(--model-path "$MODEL" --json "$out/decode_floor_layered.json" --concurrency 1,8
             --no-synthetic)

@@ -136,6 +136,15 @@ _ALL = (
         parse=_flag,
     ),
     EnvSwitch(
+        "UNIMEM_PDL",
+        False,
+        "Programmatic dependent launch for a small decode step's Triton kernels (norm_linear, "
+        "the RoPE + K/V store, the split-KV attention and its combine) on SM90+: each waits "
+        "for its predecessor at its start and lets its successor launch once it has stored. "
+        "Off by default until measured end to end.",
+        parse=_flag,
+    ),
+    EnvSwitch(
         "UNIMEM_CACHE_DIR",
         "",
         "Where converted GGUF checkpoints are cached; unset: $XDG_CACHE_HOME/unimem or "

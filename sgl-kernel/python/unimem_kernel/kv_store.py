@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from unimem_kernel import pdl
 from unimem_kernel._dispatch import kernel_op, next_pow2, records_autograd
 from unimem_kernel.batch_invariant import bi_rms_norm
 from unimem_kernel.fused_common import FUSED_SWITCH, KERNEL_DTYPES
@@ -232,10 +233,12 @@ def _rope_store_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BDV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``(t, 0)``: every query head of token ``t`` rotated into ``qo``; ``(t, 1)``:
     every key head rotated into the token's cache slot and its V rows copied beside them
     (zeros in the sink)."""
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c_row = cos_ptr + t * c_st
     s_row = sin_ptr + t * s_st
@@ -257,6 +260,7 @@ def _rope_store_kernel(
         v = tl.load(v_ptr + t * v_st + heads * v_sh + cols, mask=live, other=0.0)
         vc = vc_ptr + page * vc_sp + off * vc_so + heads * vc_sh + cols
         tl.store(vc, round_rne(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=mv)
+    pdl.launch_dependents(PDL)
 
 
 def qk_norm_reference(
@@ -325,6 +329,7 @@ def rope_store_kv_triton(
     rest = d - 2 * half
     dv = v.shape[2]
     norm_args = (c2, c2, 0.0) if qk_norm is None else (qk_norm[0], qk_norm[1], float(qk_norm[2]))
+    use_pdl = pdl.enabled(q)
     _rope_store_kernel[(t, 2)](
         q2, k2, v2, c2, s2, qo, k_cache, v_cache, slots, k_cache.shape[1], hq, hk, d, half,
         q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1),
@@ -332,7 +337,8 @@ def rope_store_kv_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *norm_args, NORM=qk_norm is not None, DV=dv, BHQ=next_pow2(hq), BHK=next_pow2(hk),
         BLOCK_R=next_pow2(half),
-        BLOCK_P=next_pow2(rest) if rest else 0, BDV=next_pow2(dv),
+        BLOCK_P=next_pow2(rest) if rest else 0, BDV=next_pow2(dv), PDL=use_pdl,
+        **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return qo
 

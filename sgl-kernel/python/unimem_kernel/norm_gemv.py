@@ -64,7 +64,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from unimem_kernel import envs
+from unimem_kernel import envs, pdl
 from unimem_kernel._dispatch import kernel_op, next_pow2, records_autograd
 from unimem_kernel.batch_invariant import bi_rms_norm_reference
 from unimem_kernel.fused_activations import gelu_tanh_mul_reference, silu_mul_reference
@@ -197,10 +197,11 @@ def _norm_linear_kernel(
     HAS_DELTA: tl.constexpr, HAS_POST: tl.constexpr, HAS_NORM: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr,
+    BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program n: output columns n * BLOCK_N .. + BLOCK_N of every row (with ACT, the gate's
     # columns and the same columns of the up half, NOUT further down the weight).
+    pdl.wait(PDL)
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     mmask = rm < M
@@ -279,6 +280,7 @@ def _norm_linear_kernel(
             a = 0.5 * g * (1.0 + (1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)))
         a = round_rne(a, dt).to(tl.float32)
         tl.store(y_ptrs, round_rne(a * u, dt), mask=out_mask)
+    pdl.launch_dependents(PDL)
 
 
 # ------------------------------------------------------------------------- the op
@@ -347,6 +349,7 @@ def norm_linear_triton(
     if m == 0:
         return stream, y
     d = delta if delta is not None else x
+    use_pdl = pdl.enabled(x)
     # one row: a one-row tile on the CUDA cores (any BN); more: a tensor-core tile (>= 16)
     block_m = 1 if m == 1 else max(16, next_pow2(m))
     block_n = cfg.block_n if m == 1 else max(16, cfg.block_n)
@@ -359,8 +362,8 @@ def norm_linear_triton(
         HAS_NORM=norm_weight is not None,
         ZERO_CENTERED=bool(zero_centered), ACT=ACTS[act],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=cfg.block_k, ONE_STEP=k <= cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=block_n, BLOCK_K=cfg.block_k, ONE_STEP=k <= cfg.block_k, PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return stream, y
 

@@ -82,6 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
+from unimem_kernel import pdl
 from unimem_kernel._dispatch import kernel_op, next_pow2
 
 __all__ = [
@@ -162,9 +163,11 @@ def _split_kv_kernel(
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``(r, p)``: row tile ``r`` = (request ``b``, KV head, query tile ``mt``) over
     the splits ``s = p (mod nprog)`` it can see; writes the rows' ``(m, l, acc)``."""
+    pdl.wait(PDL)
     QPT: tl.constexpr = BLOCK_M // GROUP  # queries per tile
     BPS: tl.constexpr = SPLIT // BLOCK_N  # blocks per split
     pid = tl.program_id(0)
@@ -253,6 +256,7 @@ def _split_kv_kernel(
     live = row_ok & (m_i > float("-inf"))  # the combine reads acc only where m is finite
     tl.store(part_o_ptr + at[:, None] * DV + dv[None, :], acc,
              mask=live[:, None] & (dv < DV)[None, :])  # fmt: skip
+    pdl.launch_dependents(PDL)
 
 
 @triton.jit(do_not_specialize=["nprog"])
@@ -270,10 +274,12 @@ def _combine_kernel(
     BP: tl.constexpr,
     BDV: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``(t, h)``: token ``t``, head ``h``: every partial in one load (``BP >=
     nprog`` rows, those with no visible key masked off, so they move no bytes), the sink in
     the denominator, a fixed-shape sum over the partials, divide, cast, store."""
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ps = tl.arange(0, BP)
@@ -297,6 +303,7 @@ def _combine_kernel(
     out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
     o = o_ptr + t * o_st + h.to(tl.int64) * o_sh + dv
     tl.store(o, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
+    pdl.launch_dependents(PDL)
 
 
 # ------------------------------------------------------------------ checks and the reference
@@ -500,6 +507,7 @@ def paged_verify_attention_triton(
     part_ml = torch.empty(2, t, hq, nprog, dtype=torch.float32, device=dev)
     seq = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
     warps = 8 if block_m * max(bdk, bdv) > 64 * 128 else 4
+    use_pdl = pdl.enabled(q)
     _split_kv_kernel[(bs * hkv * num_mt, nprog)](
         q, k_cache, v_cache, seq, page_table, part_o, part_ml[0], part_ml[1],
         q_len, 0 if window is None else window, nprog, num_mt, float(scale) * _LOG2E,
@@ -510,13 +518,13 @@ def paged_verify_attention_triton(
         HQ=hq, HKV=hkv, GROUP=group, PAGE=ps, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
-        num_warps=warps, num_stages=2,
+        PDL=use_pdl, num_warps=warps, num_stages=2, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     sinks_arg = part_ml if sinks is None else sinks.to(torch.float32).contiguous()
     _combine_kernel[(t, hq)](
         part_o, part_ml[0], part_ml[1], sinks_arg, o, nprog, o.stride(0), o.stride(1),
         HQ=hq, DV=dv, BP=max(_COMBINE_ROWS, next_pow2(nprog)), BDV=next_pow2(dv),
-        HAS_SINKS=sinks is not None, num_warps=4,
+        HAS_SINKS=sinks is not None, PDL=use_pdl, num_warps=4, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return o
 

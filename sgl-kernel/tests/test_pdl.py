@@ -1,0 +1,84 @@
+"""``unimem_kernel.pdl``: programmatic dependent launch changes no result.
+
+CPU: never on there (nor in the interpreter), whatever ``UNIMEM_PDL`` says. GPU: a chain of a
+one-row decode layer's kernels (q/k/v ``norm_linear`` with its norms, the RoPE + K/V store,
+the split-KV attention and its combine, ``o_proj``), captured in a CUDA graph with PDL on and
+replayed, gives the bits of the same chain launched plainly, on fresh random inputs with the
+outputs poisoned before each replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unimem_kernel import pdl
+from unimem_kernel.kv_store import rope_store_kv
+from unimem_kernel.norm_gemv import norm_linear
+from unimem_kernel.paged_attention import paged_verify_attention
+
+
+def test_never_on_the_cpu(monkeypatch):
+    monkeypatch.setenv("UNIMEM_PDL", "1")
+    assert not pdl.enabled(torch.zeros(1))
+    monkeypatch.setenv("UNIMEM_PDL", "0")
+    assert not pdl.enabled(torch.zeros(1))
+    assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
+
+
+def _layer_chain(gen, bs=1, ctx=300):
+    """Gemma 3 270M's attention half of a layer at ``bs`` requests: inputs and a callable
+    returning ``o_proj``'s output (and writing the caches)."""
+    dev, bf = "cuda", torch.bfloat16
+    d, hq, hkv, hd, page = 640, 4, 1, 256, 64
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(bf).to(dev)
+
+    x, delta = rnd(bs, d), rnd(bs, d, scale=3.0)
+    w_qkv, w_o = rnd((hq + 2 * hkv) * hd, d, scale=d**-0.5), rnd(d, hq * hd, scale=0.03)
+    nw, pw, qw, kw = (rnd(n, scale=0.3) for n in (d, d, hd, hd))
+    pages_per = -(-(ctx + 1) // page)
+    kc = rnd(1 + bs * pages_per, page, hkv, hd)
+    vc = rnd(1 + bs * pages_per, page, hkv, hd)
+    kc[0], vc[0] = 0, 0
+    table = (torch.arange(bs * pages_per, dtype=torch.int32) + 1).reshape(bs, pages_per).to(dev)
+    seq = torch.full((bs,), ctx + 1, dtype=torch.int32, device=dev)
+    slots = (table[:, ctx // page] * page + ctx % page).to(torch.int32)
+    ang = torch.rand(bs, hd // 2, generator=gen).to(dev) * 100
+    cos, sin = ang.cos().to(bf), ang.sin().to(bf)
+    cu = torch.arange(bs + 1, dtype=torch.int32, device=dev)
+
+    def run():
+        _, qkv = norm_linear(x, w_qkv, nw, 1e-6, delta=delta, post_weight=pw, zero_centered=True)
+        q, k, v = qkv.split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+        q = rope_store_kv(q.view(bs, hq, hd), k.view(bs, hkv, hd), v.view(bs, hkv, hd), cos,
+                          sin, kc, vc, slots, qk_norm=(qw, kw, 1e-6))  # fmt: skip
+        o = paged_verify_attention(q, kc, vc, cu, seq, table, q_len=1, max_seqlen_k=32768,
+                                   scale=0.0625, window=512, split_size=64,
+                                   kv_programs=16)  # fmt: skip
+        return norm_linear(o.reshape(bs, hq * hd), w_o, None, 1e-6)[1]
+
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [1, 8])
+def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, bs):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs SM90+")
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("UNIMEM_PDL", flag)
+        run = _layer_chain(torch.Generator().manual_seed(bs), bs=bs)
+        run()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[flag] = out.clone()
+    assert torch.isfinite(outs["1"]).all()
+    assert torch.equal(outs["0"], outs["1"])
