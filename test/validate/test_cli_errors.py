@@ -134,17 +134,24 @@ def test_deterministic_inference_needs_cuda(capsys):
     )
 
 
-def test_deterministic_inference_flags_resolve(monkeypatch):
-    """validate: auto (on with CUDA); bench: off unless asked; either flag wins; with the
-    mode on, the acceptance control follows the non-speculative output."""
-    seen = {}
+@pytest.fixture
+def seen(monkeypatch) -> dict:
+    """``validate`` and ``bench`` replaced by a stub that keeps the config the command line
+    resolved (under ``"cfg"``) and stops there."""
+    got = {}
 
     def capture(cfg, progress=False):
-        seen["cfg"] = cfg
+        got["cfg"] = cfg
         raise ValueError("stop")
 
     monkeypatch.setattr("unimem.__main__.validate", capture)
     monkeypatch.setattr("unimem.__main__.bench", capture)
+    return got
+
+
+def test_deterministic_inference_flags_resolve(seen):
+    """validate: auto (on with CUDA); bench: off unless asked; either flag wins; with the
+    mode on, the acceptance control follows the non-speculative output."""
     main(["validate"])
     assert seen["cfg"].deterministic == "auto" and not seen["cfg"].use_deterministic
     main(["bench", "--device", "cpu"])
@@ -160,7 +167,7 @@ def test_deterministic_inference_flags_resolve(monkeypatch):
         main(["validate", "--enable-deterministic-inference", "--disable-deterministic-inference"])
 
 
-def test_bench_defaults_to_the_real_model(monkeypatch, tmp_path):
+def test_bench_defaults_to_the_real_model(seen, monkeypatch, tmp_path):
     """bench without --preset or --model-path: the embedded real model on the package's real
     prompts, its drafter measured raw (acceptance control off); --preset keeps the synthetic
     model with the control at 0.8; validate's defaults do not change."""
@@ -169,14 +176,6 @@ def test_bench_defaults_to_the_real_model(monkeypatch, tmp_path):
 
     tiny_gemma3.build(tmp_path, num_hidden_layers=2, sliding_window_pattern=2, vocab_size=96)
     monkeypatch.setattr("unimem.validate.config.resolve_model_path", lambda p: str(tmp_path))
-    seen = {}
-
-    def capture(cfg, progress=False):
-        seen["cfg"] = cfg
-        raise ValueError("stop")
-
-    monkeypatch.setattr("unimem.__main__.validate", capture)
-    monkeypatch.setattr("unimem.__main__.bench", capture)
     main(["bench"])
     cfg = seen["cfg"]
     assert (cfg.model_path, cfg.prompts_file, cfg.accept_rate) == ("gemma-3-270m", "short", 0.0)
