@@ -18,6 +18,7 @@ import sys
 import torch
 
 from unimem.bench import DEFAULT_SUITE, SUITES, run_suite
+from unimem.models.model_path import ModelNotInstalled
 from unimem.models.presets import preset_names
 from unimem.validate.config import BENCH_MODEL, PACKAGE_PROMPTS
 from unimem.validate.protocol import (
@@ -337,6 +338,10 @@ def _main(argv: list[str] | None) -> int:
             report = bench(cfg, progress=True)
         else:
             report = validate(cfg, progress=True)
+    except ModelNotInstalled as e:
+        hint = " (or --preset small: the synthetic model)" if args.command == "bench" else ""
+        print(f"error: {e}{hint}", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -195,3 +195,14 @@ def test_package_prompts_are_the_short_real_prompts():
     from unimem.validate.workload import read_prompts_file
 
     assert read_prompts_file("short") == short_prompts() and len(short_prompts()) >= 48
+
+
+def test_bench_without_the_model_extra_names_both_ways_out(capsys, monkeypatch):
+    """bench's default model not installed: one line that says how to install it and how to
+    run the synthetic model instead."""
+    from unimem.models import model_path
+
+    monkeypatch.setitem(
+        model_path.EMBEDDED_MODELS, "gemma-3-270m", ("no_such_module_x", "no-such-package==1")
+    )
+    _one_line_error(capsys, ["bench"], "pip install 'no-such-package==1'", "--preset small")
