@@ -39,3 +39,17 @@ def test_cpu_dry_run_writes_the_schema(tmp_path):
                     "wall_ms_per_step"):  # fmt: skip
             assert key in r
         assert r["unimem_static_tok_s"] > 0 and r["static_equals_unified"]
+
+
+def test_gap_profile_splits_launch_gaps_from_host_waits():
+    """Overlapping kernels merge; gaps under the threshold are launch gaps inside a step,
+    the others the GPU waiting for the host."""
+    from unimem.bench.decode_floor import gap_profile
+
+    # two steps of three kernels (1 us launch gaps, one overlap), 40 us apart
+    spans = [(0, 10), (11, 20), (15, 18), (21, 30), (70, 80), (81, 90), (91, 100)]
+    g = gap_profile(list(reversed(spans)), threshold_us=5.0)
+    assert g["busy_us"] == (10 + 9 + 9) + (10 + 9 + 9)
+    assert (g["short_gap_us"], g["short_gaps"]) == (4.0, 4)
+    assert (g["long_gap_us"], g["long_gaps"]) == (40.0, 1)
+    assert gap_profile([], 5.0)["busy_us"] == 0.0

@@ -20,7 +20,9 @@ reports:
   kernel intervals per step, the kernel count (memcpy / memset excluded) per step and over the
   model's decoder layers, and busy time over wall (the profiler's own host overhead lowers
   this one; ``gpu_ms_per_step / wall_ms_per_step`` of the unprofiled wave is the other
-  estimate);
+  estimate); the idle time between kernels split at :data:`LAUNCH_GAP_US` into launch gaps
+  inside a step's graph and gaps where the GPU waits for the host, and the fraction of wall
+  the GPU is fed (busy or between two kernels of a step: ``gpu_fed_fraction``);
 - **floor**: bytes a decode step must move (every weight once — the embedding table only for
   its ``c`` rows unless it is the LM head — plus the K/V the step's attention reads) over the
   measured device-to-device copy bandwidth, plus kernels per step times the measured cost of
@@ -194,6 +196,39 @@ def decoder_layers(model) -> int:
     return len(layers if layers is not None else model.layers)
 
 
+LAUNCH_GAP_US = 5.0
+"""Idle gaps between two kernels shorter than this are the launch of the next kernel inside
+a step's graph (~1.2 µs measured on the H100 and H200); longer ones are the GPU waiting for
+the host (the next step's graph not yet launched)."""
+
+
+def gap_profile(spans: list[tuple[float, float]], threshold_us: float) -> dict:
+    """The GPU timeline of kernel ``spans`` (start, end; µs, any order, overlaps merged):
+    ``busy_us`` (the union of the spans) and the idle gaps between them, ``short_gap_us``
+    below ``threshold_us`` and ``long_gap_us`` at or above it, with their counts."""
+    busy, end = 0.0, None
+    short = long = 0.0
+    n_short = n_long = 0
+    for s, t in sorted(spans):
+        if end is not None and s > end:
+            gap = s - end
+            if gap < threshold_us:
+                short, n_short = short + gap, n_short + 1
+            else:
+                long, n_long = long + gap, n_long + 1
+        if end is not None and t <= end:
+            continue
+        busy += t - (s if end is None else max(s, end))
+        end = t
+    return {
+        "busy_us": busy,
+        "short_gap_us": short,
+        "long_gap_us": long,
+        "short_gaps": n_short,
+        "long_gaps": n_long,
+    }
+
+
 def profile_decode(core, prompts: list[list[int]], steps: int, n_layers: int) -> dict:
     """``torch.profiler`` over ``steps`` steady decode steps of the batch ``prompts``."""
     from torch.autograd import DeviceType
@@ -219,13 +254,8 @@ def profile_decode(core, prompts: list[list[int]], steps: int, n_layers: int) ->
         if not re.match(r"(?i)memcpy|memset", e.name):
             kernels[e.name] = kernels.get(e.name, 0) + 1
             kernel_us[e.name] = kernel_us.get(e.name, 0.0) + e.time_range.end - e.time_range.start
-    spans.sort()
-    busy, end = 0.0, float("-inf")
-    for s, t in spans:
-        if t <= end:
-            continue
-        busy += t - max(s, end)
-        end = t
+    gaps = gap_profile(spans, LAUNCH_GAP_US)
+    busy = gaps["busy_us"]
     n_kernels = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     return {
@@ -235,6 +265,11 @@ def profile_decode(core, prompts: list[list[int]], steps: int, n_layers: int) ->
         "gpu_ms_per_step": busy / 1e3 / steps,
         "profiled_wall_ms_per_step": 1e3 * wall / steps,
         "gpu_busy_fraction_profiled": (busy / 1e6) / wall,
+        # the idle time between kernels, split at LAUNCH_GAP_US: the short gaps are a launch
+        # each inside a step's graph; the long ones are the GPU waiting for the host
+        "launch_gap_us_per_step": gaps["short_gap_us"] / steps,
+        "host_wait_gap_us_per_step": gaps["long_gap_us"] / steps,
+        "gpu_fed_fraction_profiled": ((busy + gaps["short_gap_us"]) / 1e6) / wall,
         "top_kernels_per_step": {k: round(v / steps, 2) for k, v in top},
         "top_kernel_us_per_step": {
             k[:120]: round(v / steps, 2)
@@ -576,6 +611,8 @@ def main(argv=None) -> int:
                         floor_ms=floor_ms,
                         floor_ratio=p["gpu_ms_per_step"] / floor_ms,
                         gpu_busy_fraction=p["gpu_ms_per_step"] / rows[c]["wall_ms_per_step"],
+                        gpu_fed_fraction=(p["gpu_ms_per_step"] + p["launch_gap_us_per_step"] / 1e3)
+                        / rows[c]["wall_ms_per_step"],
                     )
                     rows[c]["profile"] = p
                     rows[c]["kernels_per_layer"] = p["kernels_per_layer"]
@@ -583,7 +620,10 @@ def main(argv=None) -> int:
                     log(f"  profile c={c}: {p['kernels_per_layer']:.2f} kernels/layer, GPU "
                         f"{p['gpu_ms_per_step']:.3f} ms/step, floor {floor_ms:.3f} ms "
                         f"(x{p['floor_ratio']:.2f}), busy {p['gpu_busy_fraction']:.2f} "
-                        f"(profiled {p['gpu_busy_fraction_profiled']:.2f})")  # fmt: skip
+                        f"(profiled {p['gpu_busy_fraction_profiled']:.2f}; with the launch "
+                        f"gaps {p['gpu_fed_fraction_profiled']:.2f}: "
+                        f"{p['launch_gap_us_per_step']:.0f} us/step of launch gaps, "
+                        f"{p['host_wait_gap_us_per_step']:.0f} waiting for the host)")  # fmt: skip
                     for name, t_us in list(p["top_kernel_us_per_step"].items())[:10]:
                         log(f"    {t_us:8.1f} us/step  {name[:90]}")
                 if args.compile:
