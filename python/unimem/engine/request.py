@@ -120,6 +120,17 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.extend(logprobs[: len(take)])
 
+    def append_token(self, token: int, logprob: float | None = None) -> None:
+        """:meth:`append_output` of one token (and its ``logprob``), without building lists:
+        a decode step's accounting calls it for every request."""
+        if self.aborted or self.stopped or len(self.output) >= self.max_new_tokens:
+            return
+        self.output.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if token in self.stop_token_ids:
+            self.stopped = True
+
     @property
     def finish_reason(self) -> str | None:
         """``"abort"`` (aborted), ``"stop"`` (a stop token), ``"length"``

@@ -109,8 +109,11 @@ class Scheduler:
         self.verified_rows = 0
         self.cache_flushes = 0
         self._admission_paused = False
-        # InFlight records are immutable: a verify step of n tokens always makes the same one.
+        # InFlight records are immutable: a verify step of n tokens always makes the same one,
+        # and so does a decode step (or an extend without a snapshot) of n tokens that samples
+        # or not.
         self._verify_inflight: dict[int, InFlight] = {}
+        self._step_inflight: dict[tuple[ForwardMode, int, bool], InFlight] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -200,6 +203,16 @@ class Scheduler:
                     step = made[n] = InFlight(ForwardMode.VERIFY, n, 1, n, 1)
                 r.inflight.append(step)
             return
+        if batch.mode is not ForwardMode.VERIFY and not self._snapshots:
+            made = self._step_inflight
+            for r, n, samples in zip(batch.reqs, batch.lens, batch.samples, strict=True):
+                key = (batch.mode, n, samples)
+                step = made.get(key)
+                if step is None:
+                    step = made[key] = InFlight(batch.mode, n, n, n, int(samples))
+                r.primed = True
+                r.inflight.append(step)
+            return
         for r, n, samples in zip(batch.reqs, batch.lens, batch.samples, strict=True):
             if batch.mode is ForwardMode.VERIFY:
                 step = InFlight(ForwardMode.VERIFY, n, 1, n, 1)
@@ -236,14 +249,16 @@ class Scheduler:
         then cache / retire SWA pages / release finished requests. Results of requests that
         finished or restarted since the launch are dropped."""
         live = []
+        running = RequestStatus.RUNNING
+        epochs, samples = batch.epochs, batch.samples
         for i, (req, n, tok) in enumerate(zip(batch.reqs, batch.lens, new_tokens, strict=True)):
-            if not self._current(req, batch.epochs[i]):
+            if req.status is not running or req.epoch != epochs[i]:  # not _current
                 continue
             step = req.inflight.pop(0)
             req.kv_len += n
             req.forward_steps += 1
-            if batch.samples[i]:
-                req.append_output([tok], None if logprobs is None else [logprobs[i]])
+            if samples[i]:
+                req.append_token(tok, None if logprobs is None else logprobs[i])
             live.append((req, step.snapshot))
         self._end_step(live)
 
@@ -380,12 +395,24 @@ class Scheduler:
         """The next batch from the requests' planned positions (module docstring), or None
         when every running request is finished for sure."""
         active, prefill = [], []
+        decoding = self.gamma is None
         for r in self.running:
             inflight = r.inflight
             if len(inflight) == 1 and inflight[0].mode is ForwardMode.VERIFY:
                 # the steady state, inline: not finished for sure, and past its extends
                 if len(r.output) + inflight[0].outputs_min < r.max_new_tokens:
                     active.append(r)
+                continue
+            if decoding and r.primed and len(inflight) == 1:
+                # without speculation, one step in flight, inline: planned_finished, then
+                # _needs_extend (more than one token pending after that step)
+                step = inflight[0]
+                outputs = len(r.output) + step.outputs_min
+                if outputs >= r.max_new_tokens:
+                    continue
+                active.append(r)
+                if len(r.prompt) + outputs - (r.kv_len + step.kv_max) > 1:
+                    prefill.append(r)
                 continue
             if r.planned_finished:
                 continue

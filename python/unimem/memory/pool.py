@@ -557,6 +557,7 @@ class MemoryPool(ABC):
         """
         items = self._check_batch("batch", batch, "pos")
         p = self.page_size
+        behind = 1 - (self.swa_window or 0)  # swa_stop, inline: pos + behind over the page size
         todo = []  # only the requests that let something go
         for i, (req, pos) in enumerate(items):
             n = len(req.pages)
@@ -564,7 +565,7 @@ class MemoryPool(ABC):
                 raise ValueError(
                     f"batch[{i}] pos must be in [0, {n * p}] (the tokens its pages hold), got {pos}"
                 )
-            stop = self.swa_stop(pos, n)
+            stop = min(max(0, (pos + behind) // p), n)
             if stop > req.swa_start:
                 todo.append((req, stop))
         if not self._has_swa:
