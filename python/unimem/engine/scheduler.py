@@ -110,10 +110,9 @@ class Scheduler:
         self.cache_flushes = 0
         self._admission_paused = False
         # InFlight records are immutable: a verify step of n tokens always makes the same one,
-        # and so does a decode step (or an extend without a snapshot) of n tokens that samples
-        # or not.
+        # and so does a decode step of n tokens that samples or not.
         self._verify_inflight: dict[int, InFlight] = {}
-        self._step_inflight: dict[tuple[ForwardMode, int, bool], InFlight] = {}
+        self._decode_inflight: dict[tuple[int, bool], InFlight] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -203,13 +202,12 @@ class Scheduler:
                     step = made[n] = InFlight(ForwardMode.VERIFY, n, 1, n, 1)
                 r.inflight.append(step)
             return
-        if batch.mode is not ForwardMode.VERIFY and not self._snapshots:
-            made = self._step_inflight
+        if batch.mode is ForwardMode.DECODE and not self._snapshots:
+            made = self._decode_inflight
             for r, n, samples in zip(batch.reqs, batch.lens, batch.samples, strict=True):
-                key = (batch.mode, n, samples)
-                step = made.get(key)
+                step = made.get((n, samples))
                 if step is None:
-                    step = made[key] = InFlight(batch.mode, n, n, n, int(samples))
+                    step = made[n, samples] = InFlight(ForwardMode.DECODE, n, n, n, int(samples))
                 r.primed = True
                 r.inflight.append(step)
             return
