@@ -250,7 +250,8 @@ class Scheduler:
         running = RequestStatus.RUNNING
         epochs, samples = batch.epochs, batch.samples
         for i, (req, n, tok) in enumerate(zip(batch.reqs, batch.lens, new_tokens, strict=True)):
-            if req.status is not running or req.epoch != epochs[i]:  # not _current
+            # a result of a run that finished or restarted since the launch is dropped
+            if req.status is not running or req.epoch != epochs[i]:
                 continue
             step = req.inflight.pop(0)
             req.kv_len += n
@@ -283,7 +284,8 @@ class Scheduler:
         lps = repeat(None) if logprobs is None else logprobs
         epochs = batch.epochs
         for i, (req, toks, n, lp) in enumerate(zip(batch.reqs, committed, lens, lps, strict=False)):
-            if req.status is not running or req.epoch != epochs[i]:  # not _current
+            # a result of a run that finished or restarted since the launch is dropped
+            if req.status is not running or req.epoch != epochs[i]:
                 continue
             step = req.inflight.pop(0)
             k = len(toks)
@@ -299,11 +301,6 @@ class Scheduler:
             self.verify_batches += 1
             self.verified_rows += rows
         self._end_step(live)
-
-    @staticmethod
-    def _current(req: Request, epoch: int) -> bool:
-        """Whether a result launched at ``epoch`` still belongs to ``req``'s run."""
-        return req.status is RequestStatus.RUNNING and req.epoch == epoch
 
     def _end_step(self, stepped: list[tuple[Request, int]]) -> None:
         """After accounting a step: ``stepped`` pairs each request whose result was taken
