@@ -283,19 +283,20 @@ def _fused_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
-def _with_pdl(call: Callable[[], None]) -> Callable[[], None]:
+def _with_pdl(call: Callable[[], None], early: bool = False) -> Callable[[], None]:
     """``call`` with programmatic dependent launch forced on (``unimem_kernel.pdl``; on the
-    CPU it is never on by itself): the kernels' ``griddepcontrol`` variants."""
+    CPU it is never on by itself), the successor let in after the last store or (``early``)
+    after the wait: the kernels' ``griddepcontrol`` variants."""
 
     def run() -> None:
         from unimem_kernel import pdl
 
-        enabled = pdl.enabled
-        pdl.enabled = lambda t: True
+        mode = pdl.mode
+        pdl.mode = lambda t: pdl.EARLY if early else pdl.AFTER_STORES
         try:
             call()
         finally:
-            pdl.enabled = enabled
+            pdl.mode = mode
 
     return run
 
@@ -332,7 +333,9 @@ def _norm_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
     ] + [
         ("norm_linear qkv rows 1 pdl", _with_pdl(lambda: call(1, 1536, 640, 2))),
         ("norm_linear down rows 1 pdl", _with_pdl(lambda: call(1, 640, 2048, 0))),
-    ]
+        ("norm_linear gate_up rows 1 pdl early",
+         _with_pdl(lambda: call(1, 4096, 640, 2, "gelu_tanh"), early=True)),
+    ]  # fmt: skip
 
 
 def _paged_attention_launches() -> list[tuple[str, Callable[[], None]]]:
@@ -367,7 +370,13 @@ def _paged_attention_launches() -> list[tuple[str, Callable[[], None]]]:
     )
     return [
         (f"paged_verify_attention {name}", lambda a=args: call(*a)) for name, args in shapes
-    ] + [("paged_verify_attention gemma3 decode pdl", _with_pdl(lambda: call(*shapes[1][1])))]
+    ] + [
+        ("paged_verify_attention gemma3 decode pdl", _with_pdl(lambda: call(*shapes[1][1]))),
+        (
+            "paged_verify_attention gemma3 decode pdl early",
+            _with_pdl(lambda: call(*shapes[1][1]), early=True),
+        ),
+    ]
 
 
 def _sampling_launches() -> list[tuple[str, Callable[[], None]]]:
@@ -449,6 +458,10 @@ def _kv_store_launches() -> list[tuple[str, Callable[[], None]]]:
         (
             "rope_store_kv q/k norms, bf16 tables (Gemma 3 270M) pdl",
             _with_pdl(lambda: rope_store(128, True, torch.bfloat16, 256)),
+        ),
+        (
+            "rope_store_kv q/k norms, bf16 tables (Gemma 3 270M) pdl early",
+            _with_pdl(lambda: rope_store(128, True, torch.bfloat16, 256), early=True),
         ),
     ]
 

@@ -103,14 +103,16 @@ def test_matches_reference(device, dtype, mode, act, zero_centered, m):
 
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("mode,act", [(2, "gelu_tanh"), (0, None), (3, "silu")])
-def test_one_k_step_tile_loads_its_weights_first(mode, act, m):
-    """A tile whose ``BLOCK_K`` covers all of ``K`` (the one-row tables' tiles at a small
-    model's shapes) loads its weights before the norms: the same results as a tile that
-    walks ``K`` in steps, within the summation-order bound."""
+@pytest.mark.parametrize("block_k", [64, 16])
+def test_first_k_tile_loaded_ahead(mode, act, m, block_k):
+    """The kernel loads the first ``BLOCK_K`` of its weights before the norms (all of ``K``
+    for a tile that covers it, the one-row tables' tiles at a small model's shapes; the
+    first of three steps here otherwise) and walks the rest: the same results as the
+    reference within the summation-order bound, and the same stream bits as another tile."""
     x, w, nw, kw = inputs(m, 40, 48, BF16, "cpu", mode, seed=m + mode)
     kw.update(zero_centered=True, act=act)
-    one_step = nl.NormLinearConfig(4 if m == 1 else 16, 64, 4, 2)
-    stream, out = nl.norm_linear_triton(x, w, nw, EPS, config=one_step, **kw)
+    tile = nl.NormLinearConfig(4 if m == 1 else 16, block_k, 4, 2)
+    stream, out = nl.norm_linear_triton(x, w, nw, EPS, config=tile, **kw)
     ref_stream, ref_out = nl.norm_linear_reference(x, w, nw, EPS, **kw)
     assert_close(out, ref_out, BF16)
     if mode >= 2:

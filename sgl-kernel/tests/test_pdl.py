@@ -3,7 +3,8 @@
 CPU: never on there (nor in the interpreter), whatever ``UNIMEM_PDL`` says. GPU: a chain of a
 one-row decode layer's kernels (q/k/v ``norm_linear`` with its norms, the RoPE + K/V store,
 the split-KV attention and its combine, ``o_proj``), captured in a CUDA graph with PDL on and
-replayed, gives the bits of the same chain launched plainly, on fresh random inputs with the
+replayed (the successor let in after the last store, or early), gives the bits of the same
+chain launched plainly, on fresh random inputs with the
 outputs poisoned before each replay.
 """
 
@@ -12,18 +13,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unimem_kernel import pdl
+from unimem_kernel import envs, pdl
 from unimem_kernel.kv_store import rope_store_kv
 from unimem_kernel.norm_gemv import norm_linear
 from unimem_kernel.paged_attention import paged_verify_attention
 
 
 def test_never_on_the_cpu(monkeypatch):
-    monkeypatch.setenv("UNIMEM_PDL", "1")
-    assert not pdl.enabled(torch.zeros(1))
-    monkeypatch.setenv("UNIMEM_PDL", "0")
-    assert not pdl.enabled(torch.zeros(1))
-    assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
+    for flag in ("1", "early", "0"):
+        monkeypatch.setenv("UNIMEM_PDL", flag)
+        assert pdl.mode(torch.zeros(1)) == pdl.OFF and not pdl.enabled(torch.zeros(1))
+    assert pdl.launch_options(pdl.OFF) == {}
+    assert pdl.launch_options(pdl.EARLY) == {"launch_pdl": True}
+
+
+def test_the_switch_parses_its_modes(monkeypatch):
+    for flag, want in (("early", pdl.EARLY), ("1", pdl.AFTER_STORES), ("on", 1), ("off", 0)):
+        monkeypatch.setenv("UNIMEM_PDL", flag)
+        assert envs.get("UNIMEM_PDL") == want
+    monkeypatch.setenv("UNIMEM_PDL", "late")
+    with pytest.raises(ValueError, match="UNIMEM_PDL.*early"):
+        envs.get("UNIMEM_PDL")
 
 
 def _layer_chain(gen, bs=1, ctx=300):
@@ -68,7 +78,7 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, bs):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs SM90+")
     outs = {}
-    for flag in ("0", "1"):
+    for flag in ("0", "1", "early"):
         monkeypatch.setenv("UNIMEM_PDL", flag)
         run = _layer_chain(torch.Generator().manual_seed(bs), bs=bs)
         run()  # compile outside the capture
@@ -80,5 +90,6 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, bs):
         graph.replay()
         torch.cuda.synchronize()
         outs[flag] = out.clone()
-    assert torch.isfinite(outs["1"]).all()
-    assert torch.equal(outs["0"], outs["1"])
+    for flag in ("1", "early"):
+        assert torch.isfinite(outs[flag]).all()
+        assert torch.equal(outs["0"], outs[flag]), flag

@@ -54,6 +54,15 @@ def _flag(raw: str) -> bool:
     raise ValueError("expected 1/0, true/false, on/off or yes/no")
 
 
+def _pdl_mode(raw: str) -> int:
+    if raw == "early":
+        return 2
+    try:
+        return int(_flag(raw))
+    except ValueError:
+        raise ValueError("expected early, or 1/0, true/false, on/off, yes/no") from None
+
+
 def _positive_float(raw: str) -> float:
     v = float(raw)
     if not v > 0:
@@ -137,12 +146,13 @@ _ALL = (
     ),
     EnvSwitch(
         "UNIMEM_PDL",
-        False,
+        0,
         "Programmatic dependent launch for a small decode step's Triton kernels (norm_linear, "
         "the RoPE + K/V store, the split-KV attention and its combine) on SM90+: each waits "
-        "for its predecessor at its start and lets its successor launch once it has stored. "
-        "Off by default until measured end to end.",
-        parse=_flag,
+        "for its predecessor before reading what it wrote; 1: the successor may launch once "
+        "a kernel has stored, early: once it has waited (unimem_kernel.pdl). Off by default "
+        "until measured end to end.",
+        parse=_pdl_mode,
     ),
     EnvSwitch(
         "UNIMEM_CACHE_DIR",

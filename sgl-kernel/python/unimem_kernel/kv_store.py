@@ -238,15 +238,16 @@ def _rope_store_kernel(
     """Program ``(t, 0)``: every query head of token ``t`` rotated into ``qo``; ``(t, 1)``:
     every key head rotated into the token's cache slot and its V rows copied beside them
     (zeros in the sink)."""
-    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c_row = cos_ptr + t * c_st
     s_row = sin_ptr + t * s_st
     if tl.program_id(1) == 0:
+        pdl.wait(PDL)
         rope_heads(q_ptr + t * q_st, q_sh, qo_ptr + t * HQ * D, D, HQ, c_row, s_row, D, HALF,
                     BHQ, BLOCK_R, BLOCK_P, True, qw_ptr, eps, NORM)  # fmt: skip
     else:
-        slot = tl.maximum(tl.load(slots_ptr + t).to(tl.int64), 0)
+        slot = tl.maximum(tl.load(slots_ptr + t).to(tl.int64), 0)  # no PDL kernel writes it
+        pdl.wait(PDL)
         page = slot // page_size  # slot >= 0: truncation is floor here
         off = slot - page * page_size
         keep = page > 0  # the sink page receives zeros
@@ -329,7 +330,7 @@ def rope_store_kv_triton(
     rest = d - 2 * half
     dv = v.shape[2]
     norm_args = (c2, c2, 0.0) if qk_norm is None else (qk_norm[0], qk_norm[1], float(qk_norm[2]))
-    use_pdl = pdl.enabled(q)
+    pdl_mode = pdl.mode(q)
     _rope_store_kernel[(t, 2)](
         q2, k2, v2, c2, s2, qo, k_cache, v_cache, slots, k_cache.shape[1], hq, hk, d, half,
         q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1),
@@ -337,8 +338,8 @@ def rope_store_kv_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *norm_args, NORM=qk_norm is not None, DV=dv, BHQ=next_pow2(hq), BHK=next_pow2(hk),
         BLOCK_R=next_pow2(half),
-        BLOCK_P=next_pow2(rest) if rest else 0, BDV=next_pow2(dv), PDL=use_pdl,
-        **pdl.launch_options(use_pdl),
+        BLOCK_P=next_pow2(rest) if rest else 0, BDV=next_pow2(dv), PDL=pdl_mode,
+        **pdl.launch_options(pdl_mode),
     )  # fmt: skip
     return qo
 

@@ -191,17 +191,36 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _normed_chunk(x_rows, d_rows, pw_ptr, nw_ptr, k0, ks, K, mmask, rstd_d, rstd,
+                  dt: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_POST: tl.constexpr,
+                  HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr):  # fmt: skip
+    """Columns ``k0 + ks`` of the GEMM's input, of dtype ``dt``: the stream normed (HAS_NORM)
+    or the stream itself."""
+    kmask = k0 + ks < K
+    mk = mmask[:, None] & kmask[None, :]
+    h = _stream_chunk(x_rows, d_rows, pw_ptr, k0, ks, kmask, mk, rstd_d, dt, HAS_DELTA,
+                      HAS_POST, ZERO_CENTERED)  # fmt: skip
+    if HAS_NORM:
+        nw = tl.load(nw_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            nw = 1.0 + nw
+        h = round_rne((h * rstd[:, None]) * nw[None, :], dt)
+    else:
+        h = h.to(dt)
+    return h
+
+
+@triton.jit
 def _norm_linear_kernel(
     x_ptr, d_ptr, pw_ptr, nw_ptr, w_ptr, s_ptr, y_ptr,
     M, NOUT, K, stride_x, stride_d, stride_w, stride_y, eps,
     HAS_DELTA: tl.constexpr, HAS_POST: tl.constexpr, HAS_NORM: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program n: output columns n * BLOCK_N .. + BLOCK_N of every row (with ACT, the gate's
     # columns and the same columns of the up half, NOUT further down the weight).
-    pdl.wait(PDL)
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     mmask = rm < M
@@ -212,12 +231,15 @@ def _norm_linear_kernel(
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
     d_rows = d_ptr + rm[:, None].to(tl.int64) * stride_d
     w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_w
-    if ONE_STEP:  # the whole of K in one tile: its weights are loaded before the norms run
-        wmask0 = (ks < K)[:, None] & nmask[None, :]
-        w0 = tl.load(w_cols + ks[:, None], mask=wmask0, other=0.0)  # [BLOCK_K, BLOCK_N]
-        w0_up = w0
-        if ACT != 0:
-            w0_up = tl.load(w_cols + NOUT * stride_w + ks[:, None], mask=wmask0, other=0.0)
+    # The first K tile of the weights (all of K for a small model's one-row tile) is loaded
+    # before the wait for the predecessor: no kernel of the step writes weights, and under
+    # PDL their fetch from HBM overlaps the predecessor's tail.
+    wmask0 = (ks < K)[:, None] & nmask[None, :]
+    w0 = tl.load(w_cols + ks[:, None], mask=wmask0, other=0.0)  # [BLOCK_K, BLOCK_N]
+    w0_up = w0
+    if ACT != 0:
+        w0_up = tl.load(w_cols + NOUT * stride_w + ks[:, None], mask=wmask0, other=0.0)
+    pdl.wait(PDL)
     rstd_d = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if HAS_POST:  # the branch's post-norm: its sum of squares
         sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -242,29 +264,19 @@ def _norm_linear_kernel(
         rstd = tl.math.rsqrt(tl.sum(sq, axis=1) / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = k0 + ks < K
-        mk = mmask[:, None] & kmask[None, :]
-        h = _stream_chunk(x_rows, d_rows, pw_ptr, k0, ks, kmask, mk, rstd_d, dt, HAS_DELTA,
-                          HAS_POST, ZERO_CENTERED)  # fmt: skip
-        if HAS_NORM:
-            nw = tl.load(nw_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-            if ZERO_CENTERED:
-                nw = 1.0 + nw
-            h = round_rne((h * rstd[:, None]) * nw[None, :], dt)
-        else:
-            h = h.to(dt)
-        if ONE_STEP:
-            w, w_up = w0, w0_up
-        else:
-            wmask = kmask[:, None] & nmask[None, :]
-            w = tl.load(w_cols + (k0 + ks)[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
-            w_up = w
-            if ACT != 0:
-                w_up = tl.load(w_cols + NOUT * stride_w + (k0 + ks)[:, None], mask=wmask,
-                               other=0.0)  # fmt: skip
+    h = _normed_chunk(x_rows, d_rows, pw_ptr, nw_ptr, 0, ks, K, mmask, rstd_d, rstd, dt,
+                      HAS_DELTA, HAS_POST, HAS_NORM, ZERO_CENTERED)  # fmt: skip
+    acc = _dot(h, w0, acc, PRECISION)
+    if ACT != 0:
+        acc_up = _dot(h, w0_up, acc_up, PRECISION)
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # the rest of K, in order
+        h = _normed_chunk(x_rows, d_rows, pw_ptr, nw_ptr, k0, ks, K, mmask, rstd_d, rstd, dt,
+                          HAS_DELTA, HAS_POST, HAS_NORM, ZERO_CENTERED)  # fmt: skip
+        wmask = (k0 + ks < K)[:, None] & nmask[None, :]
+        w = tl.load(w_cols + (k0 + ks)[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = _dot(h, w, acc, PRECISION)
         if ACT != 0:
+            w_up = tl.load(w_cols + NOUT * stride_w + (k0 + ks)[:, None], mask=wmask, other=0.0)
             acc_up = _dot(h, w_up, acc_up, PRECISION)
     out_mask = mmask[:, None] & nmask[None, :]
     y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
@@ -349,7 +361,7 @@ def norm_linear_triton(
     if m == 0:
         return stream, y
     d = delta if delta is not None else x
-    use_pdl = pdl.enabled(x)
+    pdl_mode = pdl.mode(x)
     # one row: a one-row tile on the CUDA cores (any BN); more: a tensor-core tile (>= 16)
     block_m = 1 if m == 1 else max(16, next_pow2(m))
     block_n = cfg.block_n if m == 1 else max(16, cfg.block_n)
@@ -362,8 +374,8 @@ def norm_linear_triton(
         HAS_NORM=norm_weight is not None,
         ZERO_CENTERED=bool(zero_centered), ACT=ACTS[act],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=cfg.block_k, ONE_STEP=k <= cfg.block_k, PDL=use_pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(use_pdl),
+        BLOCK_N=block_n, BLOCK_K=cfg.block_k, PDL=pdl_mode,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(pdl_mode),
     )  # fmt: skip
     return stream, y
 

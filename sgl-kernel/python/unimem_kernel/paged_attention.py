@@ -166,8 +166,10 @@ def _split_kv_kernel(
     PDL: tl.constexpr,
 ):
     """Program ``(r, p)``: row tile ``r`` = (request ``b``, KV head, query tile ``mt``) over
-    the splits ``s = p (mod nprog)`` it can see; writes the rows' ``(m, l, acc)``."""
-    pdl.wait(PDL)
+    the splits ``s = p (mod nprog)`` it can see; writes the rows' ``(m, l, acc)``. Under
+    PDL its index arithmetic and the sequence length (no kernel taking part in PDL writes
+    lengths or page tables) precede the wait for the predecessor; the queries and the
+    caches follow it."""
     QPT: tl.constexpr = BLOCK_M // GROUP  # queries per tile
     BPS: tl.constexpr = SPLIT // BLOCK_N  # blocks per split
     pid = tl.program_id(0)
@@ -203,6 +205,7 @@ def _split_kv_kernel(
     h = hkv * GROUP + g
     t = b * q_len + qi
     q_rows = q_ptr + t.to(tl.int64) * q_st + h.to(tl.int64) * q_sh
+    pdl.wait(PDL)
     q = tl.load(q_rows[:, None] + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -507,7 +510,7 @@ def paged_verify_attention_triton(
     part_ml = torch.empty(2, t, hq, nprog, dtype=torch.float32, device=dev)
     seq = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
     warps = 8 if block_m * max(bdk, bdv) > 64 * 128 else 4
-    use_pdl = pdl.enabled(q)
+    pdl_mode = pdl.mode(q)
     _split_kv_kernel[(bs * hkv * num_mt, nprog)](
         q, k_cache, v_cache, seq, page_table, part_o, part_ml[0], part_ml[1],
         q_len, 0 if window is None else window, nprog, num_mt, float(scale) * _LOG2E,
@@ -518,13 +521,13 @@ def paged_verify_attention_triton(
         HQ=hq, HKV=hkv, GROUP=group, PAGE=ps, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
-        PDL=use_pdl, num_warps=warps, num_stages=2, **pdl.launch_options(use_pdl),
+        PDL=pdl_mode, num_warps=warps, num_stages=2, **pdl.launch_options(pdl_mode),
     )  # fmt: skip
     sinks_arg = part_ml if sinks is None else sinks.to(torch.float32).contiguous()
     _combine_kernel[(t, hq)](
         part_o, part_ml[0], part_ml[1], sinks_arg, o, nprog, o.stride(0), o.stride(1),
         HQ=hq, DV=dv, BP=max(_COMBINE_ROWS, next_pow2(nprog)), BDV=next_pow2(dv),
-        HAS_SINKS=sinks is not None, PDL=use_pdl, num_warps=4, **pdl.launch_options(use_pdl),
+        HAS_SINKS=sinks is not None, PDL=pdl_mode, num_warps=4, **pdl.launch_options(pdl_mode),
     )  # fmt: skip
     return o
 

@@ -11,12 +11,23 @@ successor's launch overlap the predecessor's tail. The results are those of plai
 only the gap shrinks. A micro-benchmark of chains of Triton kernels measured 0.2-0.45 µs saved
 a boundary (H200, ``docs/results/bench_pdl_h200.json``).
 
-Protocol for a kernel taking part (``PDL: tl.constexpr``): :func:`wait` before its first
-global load or store, :func:`launch_dependents` after its last store; launched with
-``**launch_options(pdl)``. Both are no-ops without PDL (and in the interpreter).
+Protocol for a kernel taking part (``PDL: tl.constexpr``, the :func:`mode`): :func:`wait`
+before its first load of anything its predecessors write (loads of what no kernel of the step
+writes, such as weights, may precede it), :func:`launch_dependents` after its last store;
+launched with ``**launch_options(mode)``. Both are no-ops without PDL (and in the
+interpreter).
 
-``UNIMEM_PDL`` (off by default, until measured end to end) turns it on for
-:func:`enabled` tensors: CUDA, compute capability 9 or more, not the interpreter.
+Two places to let the successor launch (``UNIMEM_PDL``): ``1``, after the kernel's last store;
+``early``, right after its wait. The successor's own wait returns only once this grid has
+completed and flushed, so both give the same results; ``early`` lets the successor's
+programs become resident and run their prologue (weight loads) while this grid still runs.
+The signal takes effect once every program of the grid has given it, so a grid of more
+programs than fit at once is never starved by waiting successors. Triggering only after the
+wait keeps the guarantee transitive: when a successor starts, every kernel before this one
+has completed.
+
+``UNIMEM_PDL`` (off by default, until measured end to end) turns it on for tensors on CUDA
+devices of compute capability 9 or more, outside the interpreter (:func:`mode`).
 """
 
 from __future__ import annotations
@@ -30,7 +41,11 @@ import triton.language as tl
 
 from unimem_kernel import envs
 
-__all__ = ["enabled", "launch_dependents", "launch_options", "wait"]
+__all__ = ["AFTER_STORES", "EARLY", "OFF", "enabled", "launch_dependents", "launch_options", "mode", "wait"]
+
+OFF, AFTER_STORES, EARLY = 0, 1, 2
+"""The modes (the kernels' ``PDL`` constexpr): plain launches; PDL with the successor let in
+after the last store; PDL with the successor let in right after the wait."""
 
 
 @functools.cache
@@ -38,28 +53,39 @@ def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def mode(t: torch.Tensor) -> int:
+    """The PDL mode of a kernel over ``t``: ``UNIMEM_PDL``'s (:data:`AFTER_STORES` or
+    :data:`EARLY`) for a tensor on a CUDA device of compute capability 9+ outside the Triton
+    interpreter, else :data:`OFF`."""
+    wanted = envs.get("UNIMEM_PDL")
+    if wanted == OFF or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return OFF
+    return wanted if _device_supports(t.device.index if t.device.index is not None else 0) else OFF
+
+
 def enabled(t: torch.Tensor) -> bool:
-    """Whether a kernel over ``t`` launches with PDL: ``UNIMEM_PDL`` on, ``t`` on a CUDA
-    device of compute capability 9+, and not the Triton interpreter."""
-    if not envs.get("UNIMEM_PDL") or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _device_supports(t.device.index if t.device.index is not None else 0)
+    """Whether a kernel over ``t`` launches with PDL (:func:`mode` is not :data:`OFF`)."""
+    return mode(t) != OFF
 
 
-def launch_options(pdl: bool) -> dict:
-    """The launch keyword arguments for a kernel launched with (``pdl``) or without PDL."""
-    return {"launch_pdl": True} if pdl else {}
+def launch_options(pdl_mode: int) -> dict:
+    """The launch keyword arguments for a kernel launched in ``pdl_mode`` (any true value:
+    with PDL)."""
+    return {"launch_pdl": True} if pdl_mode else {}
 
 
 @triton.jit
 def wait(PDL: tl.constexpr):
-    """Wait for the predecessor grid (its writes visible) before touching memory (PDL)."""
+    """Wait for the predecessor grid (its writes visible); in :data:`EARLY` mode then let
+    the successor launch."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def launch_dependents(PDL: tl.constexpr):
-    """Let the successor grid launch once every program got here or finished (PDL)."""
-    if PDL:
+    """After the last store: let the successor launch (:data:`AFTER_STORES` mode)."""
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
