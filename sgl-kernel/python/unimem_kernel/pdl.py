@@ -41,7 +41,16 @@ import triton.language as tl
 
 from unimem_kernel import envs
 
-__all__ = ["AFTER_STORES", "EARLY", "OFF", "enabled", "launch_dependents", "launch_options", "mode", "wait"]
+__all__ = [
+    "AFTER_STORES",
+    "EARLY",
+    "OFF",
+    "enabled",
+    "launch_dependents",
+    "launch_options",
+    "mode",
+    "wait",
+]
 
 OFF, AFTER_STORES, EARLY = 0, 1, 2
 """The modes (the kernels' ``PDL`` constexpr): plain launches; PDL with the successor let in
