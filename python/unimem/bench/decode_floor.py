@@ -536,6 +536,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", default=None, help="the GGUF llama.cpp runs")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile vs fused")
     ap.add_argument("--no-synthetic", action="store_true")
+    ap.add_argument(
+        "--order",
+        choices=["static,unified", "unified,static"],
+        default="static,unified",
+        help="which memory kind's engine the process builds and times first (the second "
+        "engine of a process has measured slower host time: decisions.md, 2026-12-03)",
+    )
     args = ap.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if (args.llama_bin is None) != (args.gguf is None):
@@ -557,6 +564,7 @@ def main(argv=None) -> int:
             "fused_ops": envs.get("UNIMEM_FUSED_OPS"),
             "norm_linear_rows": envs.get("UNIMEM_NORM_LINEAR_ROWS"),
             "norm_linear_plain": envs.get("UNIMEM_NORM_LINEAR_PLAIN"),
+            "pdl": envs.get("UNIMEM_PDL"), "order": args.order,
         },
         "rows": [],
         "errors": [],
@@ -569,7 +577,7 @@ def main(argv=None) -> int:
     model_info = {}
     t_start = time.time()
     try:
-        for mode in ("static", "unified"):
+        for mode in args.order.split(","):
             log(f"unimem {mode}: building the engine")
             eng = build_engine(args, unified=mode == "unified")
             core = eng.core
