@@ -146,12 +146,13 @@ _ALL = (
     ),
     EnvSwitch(
         "UNIMEM_PDL",
-        0,
+        2,
         "Programmatic dependent launch for a small decode step's Triton kernels (norm_linear, "
         "the RoPE + K/V store, the split-KV attention and its combine) on SM90+: each waits "
-        "for its predecessor before reading what it wrote; 1: the successor may launch once "
-        "a kernel has stored, early: once it has waited (unimem_kernel.pdl). Off by default "
-        "until measured end to end.",
+        "for its predecessor before reading what it wrote; early (default): the successor may "
+        "launch once a kernel has waited; 1: once it has stored; 0: plain launches "
+        "(unimem_kernel.pdl). Gemma 3 270M at one request on an H100: 1 310 / 1 375 / 1 566 "
+        "tok/s for 0 / 1 / early, the same tokens.",
         parse=_pdl_mode,
     ),
     EnvSwitch(

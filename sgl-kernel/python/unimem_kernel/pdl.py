@@ -26,8 +26,10 @@ programs than fit at once is never starved by waiting successors. Triggering onl
 wait keeps the guarantee transitive: when a successor starts, every kernel before this one
 has completed.
 
-``UNIMEM_PDL`` (off by default, until measured end to end) turns it on for tensors on CUDA
-devices of compute capability 9 or more, outside the interpreter (:func:`mode`).
+``UNIMEM_PDL`` (default ``early``; ``1``, or ``0`` for plain launches) applies to tensors on
+CUDA devices of compute capability 9 or more, outside the interpreter (:func:`mode`).
+Measured end to end (Gemma 3 270M, one request, H100, ``docs/results/decode_floor_pdl_h100.json``):
+1 310 tok/s plain, 1 375 after stores, 1 566 early, the same tokens.
 """
 
 from __future__ import annotations
