@@ -10,8 +10,9 @@
 #   profiler kernels per layer, GPU time against its floor, the synthetic model's kernels per
 #   layer, llama.cpp's batched-bench and server when GGUF and LLAMA_BIN are given, and
 #   torch.compile against the fused kernels with COMPILE=1).
-# pdl: the same bench at 1 and 8 requests with UNIMEM_PDL=1 (programmatic dependent launch
-#   between the one-row body's kernels) -> decode_floor_pdl.json, to set against floor's;
+# pdl: the same bench at 1 and 8 requests with UNIMEM_PDL=0 (plain launches) and =1 (the
+#   successor let in after the last store) -> decode_floor_pdl_0.json / _1.json, to set against
+#   floor's (the default, early);
 # layer-body: the same bench at 1 and 8 requests with UNIMEM_NORM_LINEAR_ROWS=0 (every layer
 #   in its ten launches), to set against floor's one-row norm_linear body -> decode_floor_layered.json;
 # sweep: sgl-kernel/benchmark/bench_norm_gemv.py (norm_linear's tiles against the launches it
@@ -40,10 +41,12 @@ for part in $parts; do
         sgl-kernel/tests/test_moe_combine.py sgl-kernel/tests/test_pdl.py \
         test/engine/test_sampling.py || status=1 ;;
     pdl)
-      args=(--model-path "$MODEL" --json "$out/decode_floor_pdl.json" --concurrency 1,8
-            --no-synthetic)
-      [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
-      run env UNIMEM_PDL=1 python3 -m unimem bench decode-floor "${args[@]}" || status=1 ;;
+      for mode in 0 1; do
+        args=(--model-path "$MODEL" --json "$out/decode_floor_pdl_$mode.json" --concurrency 1,8
+              --no-synthetic)
+        [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
+        run env UNIMEM_PDL=$mode python3 -m unimem bench decode-floor "${args[@]}" || status=1
+      done ;;
     layer-body)
       args=(--model-path "$MODEL" --json "$out/decode_floor_layered.json" --concurrency 1,8
             --no-synthetic)

@@ -4,14 +4,18 @@
         [--prompts FILE] [--llama-bin DIR --gguf FILE] [--compile]
 
 ``MODEL`` is whatever ``unimem.Engine(model_path=...)`` resolves (an HF directory, or a
-``.gguf`` file where the GGUF loader is present). For each memory kind (static pools, the
-unified arena) it runs waves of 1, 8 and 48 concurrent requests (``--concurrency``), each
-request ``--tokens`` (256) greedy tokens with EOS ignored (no stop tokens), prompts the first
-``c`` of the prompt set, each timed wave after an untimed one of the same size, and
-reports:
+``.gguf`` file where the GGUF loader is present). It builds two engines side by side, static
+pools and the unified arena, each with the same KV token count (``--max-total-tokens``,
+default two full waves of the largest), and runs waves of 1, 8 and 48 concurrent requests
+(``--concurrency``), each request ``--tokens`` (256) greedy tokens with EOS ignored (no stop
+tokens), prompts the first ``c`` of the prompt set (cut to :data:`MAX_PROMPT_TOKENS`): per
+``c`` an untimed wave on each engine, then four timed waves in ABBA order (``--order``), so
+that a drift of the host's speed weighs on both alike; and reports:
 
-- **tok/s**: the wave's generated tokens over its wall time (prefill included), static and
-  unified; static == unified token for token is checked (a mismatch fails the run);
+- **tok/s**: the generated tokens of a memory kind's two timed waves over their wall time
+  (prefill included), static and unified, each wave's own figure beside it; static ==
+  unified token for token, and each engine's two waves alike, are checked (a mismatch fails
+  the run);
 - **wall ms/step**: the wave's wall time over its engine steps, and the host's share of it
   outside its one wait for the previous step (``host_ms_per_step``: when it nears the GPU
   step, the host, not the GPU, sets the pace);
@@ -83,6 +87,9 @@ PROG = "python -m unimem bench decode-floor"
 WARMUP_TOKENS = 16
 """Tokens per request of the untimed wave that precedes each timed wave."""
 
+MAX_PROMPT_TOKENS = 512
+"""Prompt tokens per request the default pool size allows for (prompts are cut to this)."""
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -121,6 +128,9 @@ def load_prompts(args, tokenizer, vocab: int, n: int) -> tuple[list[list[int]], 
     bad = [t for p in out for t in p if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"{path}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+    if any(len(p) > MAX_PROMPT_TOKENS for p in out):
+        log(f"WARNING: prompts cut to their first {MAX_PROMPT_TOKENS} tokens")
+        out = [p[:MAX_PROMPT_TOKENS] for p in out]
     if len(out) < n:
         log(f"WARNING: {len(out)} prompts in {path}, cycled to {n}")
     return [out[i % len(out)] for i in range(n)], path
@@ -129,7 +139,9 @@ def load_prompts(args, tokenizer, vocab: int, n: int) -> tuple[list[list[int]], 
 # ---------------------------------------------------------------------- unimem
 
 
-def build_engine(args, unified: bool):
+def build_engine(args, unified: bool, max_total_tokens: int | None = None):
+    """An Engine of ``args``' model with static pools or the unified arena; on CUDA with
+    ``max_total_tokens`` KV tokens (two engines share the GPU)."""
     import unimem
 
     kw = dict(
@@ -143,6 +155,8 @@ def build_engine(args, unified: bool):
     )
     if args.context_length:
         kw["context_length"] = args.context_length
+    if max_total_tokens and args.device == "cuda":
+        kw["max_total_tokens"] = max_total_tokens
     if args.device == "cpu":
         kw["attention_backend"] = "torch"
     return unimem.Engine(**kw)
@@ -540,8 +554,13 @@ def main(argv=None) -> int:
         "--order",
         choices=["static,unified", "unified,static"],
         default="static,unified",
-        help="which memory kind's engine the process builds and times first (the second "
-        "engine of a process has measured slower host time: decisions.md, 2026-12-03)",
+        help="which memory kind's engine is built first and times the A waves of each ABBA round",
+    )
+    ap.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV tokens of each engine's pools (default: two full waves of the largest)",
     )
     args = ap.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -574,74 +593,103 @@ def main(argv=None) -> int:
     rows = {c: {"concurrency": c} for c in args.concurrency}
     outputs: dict[str, dict[int, list]] = {}
     prompts = None
+    # both engines' pools: every wave's requests at full length, twice over (the prefix
+    # cache keeps finished prompts), the same token count for both memory kinds
+    pool = args.max_total_tokens or 2 * max(args.concurrency) * (
+        args.tokens + WARMUP_TOKENS + MAX_PROMPT_TOKENS + args.page_size
+    )
     model_info = {}
     t_start = time.time()
     try:
-        for mode in args.order.split(","):
+        order = args.order.split(",")
+        engines = {}
+        for mode in order:  # both alive: their timed waves alternate
             log(f"unimem {mode}: building the engine")
-            eng = build_engine(args, unified=mode == "unified")
-            core = eng.core
-            n_layers = decoder_layers(eng.model)
-            if prompts is None:
-                prompts, source = load_prompts(args, eng.tokenizer, eng.model.config.vocab_size,
-                                               max(args.concurrency))  # fmt: skip
-                result["prompts"] = {"source": source, "lengths": [len(p) for p in prompts]}
-                log(f"prompts: {source}, lengths {min(map(len, prompts))}-"
-                    f"{max(map(len, prompts))}")  # fmt: skip
-            outputs[mode] = {}
+            engines[mode] = build_engine(args, unified=mode == "unified", max_total_tokens=pool)
+        eng = engines["static"]
+        core = eng.core
+        n_layers = decoder_layers(eng.model)
+        prompts, source = load_prompts(args, eng.tokenizer, eng.model.config.vocab_size,
+                                       max(args.concurrency))  # fmt: skip
+        result["prompts"] = {"source": source, "lengths": [len(p) for p in prompts]}
+        log(f"prompts: {source}, lengths {min(map(len, prompts))}-{max(map(len, prompts))}")
+        outputs = {mode: {} for mode in order}
+        a, b = order
+        for c in args.concurrency:
+            # an untimed wave of the same size on each engine first: what a batch of c
+            # compiles or captures on first use stays out of the timed waves; then the
+            # timed waves in ABBA order, so that a drift of the host's speed during the run
+            # weighs on both memory kinds alike
+            for mode in order:
+                run_wave(engines[mode].core, prompts[:c], WARMUP_TOKENS)
+            waves = {mode: [] for mode in order}
+            for mode in (a, b, b, a):
+                w = run_wave(engines[mode].core, prompts[:c], args.tokens)
+                outs = w.pop("outputs")
+                if outputs[mode].setdefault(c, outs) != outs:
+                    result["errors"].append(f"{mode}: two waves of {c} gave other tokens")
+                waves[mode].append(w)
+            for mode in order:
+                ws = waves[mode]
+                wall = sum(w["wall_s"] for w in ws)
+                steps = sum(w["steps"] for w in ws)
+                host = sum(w["host_ms_per_step"] * w["steps"] for w in ws)
+                merged = {
+                    "tok_s": len(ws) * c * args.tokens / wall,
+                    "wall_ms_per_step": 1e3 * wall / steps,
+                    "host_ms_per_step": host / steps,
+                    "steps": steps,
+                    "runs": ws,
+                }
+                rows[c][f"unimem_{mode}_tok_s"] = merged["tok_s"]
+                rows[c][f"{mode}_wave"] = merged
+                log(f"  {mode} c={c}: {merged['tok_s']:.0f} tok/s, "
+                    f"{merged['wall_ms_per_step']:.3f} ms/step wall, host "
+                    f"{merged['host_ms_per_step']:.3f} outside its wait (runs "
+                    + ", ".join(f"{w['tok_s']:.0f}" for w in ws) + ")")  # fmt: skip
+            rows[c]["wall_ms_per_step"] = rows[c]["static_wave"]["wall_ms_per_step"]
+        if cuda:
+            bwl = measure_bandwidth_and_launch()
+            result["device"] = bwl
+            log(f"copy bandwidth {bwl['copy_bandwidth_gb_s']:.0f} GB/s, "
+                f"{bwl['graph_kernel_us']:.2f} us per kernel in a graph")  # fmt: skip
             for c in args.concurrency:
-                # an untimed wave of the same size first: what a batch of c compiles or
-                # captures on first use (kernels specialised on it, its graphs) stays out
-                # of the timed wave
-                run_wave(core, prompts[:c], WARMUP_TOKENS)
-                w = run_wave(core, prompts[:c], args.tokens)
-                outputs[mode][c] = w.pop("outputs")
-                rows[c][f"unimem_{mode}_tok_s"] = w["tok_s"]
-                rows[c][f"{mode}_wave"] = w
-                if mode == "static":
-                    rows[c]["wall_ms_per_step"] = w["wall_ms_per_step"]
-                log(f"  {mode} c={c}: {w['tok_s']:.0f} tok/s, {w['wall_ms_per_step']:.3f} "
-                    f"ms/step wall, host {w['host_ms_per_step']:.3f} outside its wait "
-                    f"({w['steps']} steps)")  # fmt: skip
-            if mode == "static" and cuda:
-                bwl = measure_bandwidth_and_launch()
-                result["device"] = bwl
-                log(f"copy bandwidth {bwl['copy_bandwidth_gb_s']:.0f} GB/s, "
-                    f"{bwl['graph_kernel_us']:.2f} us per kernel in a graph")  # fmt: skip
-                for c in args.concurrency:
-                    p = profile_decode(core, prompts[:c], args.profile_steps, n_layers)
-                    ctx = sum(len(x) for x in prompts[:c]) / c + 8 + args.profile_steps / 2
-                    nbytes = step_bytes(eng.model, c, int(ctx))
-                    floor_ms = (1e3 * nbytes / (bwl["copy_bandwidth_gb_s"] * 1e9)
-                                + p["kernels_per_step"] * bwl["graph_kernel_us"] / 1e3)  # fmt: skip
-                    p.update(
-                        bytes_per_step=nbytes,
-                        floor_ms=floor_ms,
-                        floor_ratio=p["gpu_ms_per_step"] / floor_ms,
-                        gpu_busy_fraction=p["gpu_ms_per_step"] / rows[c]["wall_ms_per_step"],
-                        gpu_fed_fraction=(p["gpu_ms_per_step"] + p["launch_gap_us_per_step"] / 1e3)
-                        / rows[c]["wall_ms_per_step"],
-                    )
-                    rows[c]["profile"] = p
-                    rows[c]["kernels_per_layer"] = p["kernels_per_layer"]
-                    rows[c]["gpu_ms_per_step"] = p["gpu_ms_per_step"]
-                    log(f"  profile c={c}: {p['kernels_per_layer']:.2f} kernels/layer, GPU "
-                        f"{p['gpu_ms_per_step']:.3f} ms/step, floor {floor_ms:.3f} ms "
-                        f"(x{p['floor_ratio']:.2f}), busy {p['gpu_busy_fraction']:.2f} "
-                        f"(profiled {p['gpu_busy_fraction_profiled']:.2f}; with the launch "
-                        f"gaps {p['gpu_fed_fraction_profiled']:.2f}: "
-                        f"{p['launch_gap_us_per_step']:.0f} us/step of launch gaps, "
-                        f"{p['host_wait_gap_us_per_step']:.0f} waiting for the host)")  # fmt: skip
-                    for name, t_us in list(p["top_kernel_us_per_step"].items())[:10]:
-                        log(f"    {t_us:8.1f} us/step  {name[:90]}")
-                if args.compile:
-                    log("torch.compile (Inductor) vs the fused kernels")
-                    result["compile_vs_fused"] = compile_vs_fused(eng.model)
-            model_info = {"layers": n_layers, "config": repr(eng.model.config)}
-            del eng, core
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+                p = profile_decode(core, prompts[:c], args.profile_steps, n_layers)
+                ctx = sum(len(x) for x in prompts[:c]) / c + 8 + args.profile_steps / 2
+                nbytes = step_bytes(eng.model, c, int(ctx))
+                floor_ms = (1e3 * nbytes / (bwl["copy_bandwidth_gb_s"] * 1e9)
+                            + p["kernels_per_step"] * bwl["graph_kernel_us"] / 1e3)  # fmt: skip
+                p.update(
+                    bytes_per_step=nbytes,
+                    floor_ms=floor_ms,
+                    floor_ratio=p["gpu_ms_per_step"] / floor_ms,
+                    gpu_busy_fraction=p["gpu_ms_per_step"] / rows[c]["wall_ms_per_step"],
+                    gpu_fed_fraction=(p["gpu_ms_per_step"] + p["launch_gap_us_per_step"] / 1e3)
+                    / rows[c]["wall_ms_per_step"],
+                )
+                rows[c]["profile"] = p
+                rows[c]["kernels_per_layer"] = p["kernels_per_layer"]
+                rows[c]["gpu_ms_per_step"] = p["gpu_ms_per_step"]
+                log(f"  profile c={c}: {p['kernels_per_layer']:.2f} kernels/layer, GPU "
+                    f"{p['gpu_ms_per_step']:.3f} ms/step, floor {floor_ms:.3f} ms "
+                    f"(x{p['floor_ratio']:.2f}), busy {p['gpu_busy_fraction']:.2f} "
+                    f"(profiled {p['gpu_busy_fraction_profiled']:.2f}; with the launch "
+                    f"gaps {p['gpu_fed_fraction_profiled']:.2f}: "
+                    f"{p['launch_gap_us_per_step']:.0f} us/step of launch gaps, "
+                    f"{p['host_wait_gap_us_per_step']:.0f} waiting for the host)")  # fmt: skip
+                for name, t_us in list(p["top_kernel_us_per_step"].items())[:10]:
+                    log(f"    {t_us:8.1f} us/step  {name[:90]}")
+            if args.compile:
+                log("torch.compile (Inductor) vs the fused kernels")
+                result["compile_vs_fused"] = compile_vs_fused(eng.model)
+        model_info = {"layers": n_layers, "config": repr(eng.model.config)}
+        del eng, core
+        for e in engines.values():
+            e.shutdown()
+        engines.clear()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
         result["model_info"] = model_info
         for c in args.concurrency:
             same = outputs["static"][c] == outputs["unified"][c]
