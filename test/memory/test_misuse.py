@@ -246,6 +246,46 @@ def test_grow_refuses_bad_targets(setup, target):
     check(pool, [a, b])
 
 
+@pytest.mark.parametrize(
+    "reserve,match",
+    [
+        ([12, 3], r"reserve\[1\] = 3 is below its request's target 28"),
+        ([12], "reserve has 1 counts for 2 requests"),
+        ([12, 30.0], r"reserve\[1\] must be an int"),
+        ("ab", "reserve must be a sequence"),
+    ],
+)
+def test_grow_refuses_a_bad_reserve(setup, reserve, match):
+    pool, a, b = setup
+    refused(lambda: pool.grow([(b, 12), (a, 28)], reserve), match, pool)
+    check(pool, [a, b])
+
+
+def test_grow_reserves_ahead_only_when_pages_are_needed_and_free(setup):
+    """With ``reserve``, a batch that needs a page gets the pages up to each reserve in one
+    allocation; one that needs none gets nothing; where the pool cannot give the reserve,
+    it gives what the targets need."""
+    pool, a, b = setup
+    assert len(a.pages) == 6 and len(b.pages) == 2
+    assert pool.grow([(a, 24), (b, 8)], [40, 40])  # both covered: nothing taken
+    assert len(a.pages) == 6 and len(b.pages) == 2
+    assert pool.grow([(a, 24), (b, 9)], [28, 16])  # b needs one; a and b take their reserve
+    assert len(a.pages) == 7 and len(b.pages) == 4
+    check(pool, [a, b])
+    assert pool.grow([(a, 29), (b, 16)], [10**6, 40])  # past max_context: capped there
+    assert len(a.pages) == 10 and len(b.pages) == 10
+    check(pool, [a, b])
+
+
+def test_grow_falls_back_to_what_the_targets_need():
+    pool = StaticMemory(HYBRID, 8, 8, 8, max_requests=4, max_context=40, poison=True)
+    a = pool.admit(4)
+    assert a is not None and len(a.pages) == 1
+    assert pool.grow([(a, 5)], [40])  # 10 pages do not fit in 8: the 2 needed are given
+    assert len(a.pages) == 2
+    check(pool, [a])
+
+
 @pytest.mark.parametrize("pos", [-1, 25, 0.5])
 def test_retire_swa_refuses_bad_positions(setup, pos):
     pool, a, b = setup

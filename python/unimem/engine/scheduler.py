@@ -161,7 +161,7 @@ class Scheduler:
                 (r.mem, r.planned_kv_max + n) for r, n in zip(batch.reqs, batch.lens, strict=True)
             ]
             try:
-                if self.pool.grow(targets):
+                if self.pool.grow(targets, self._reserve(batch.reqs, targets)):
                     return batch
             except InternalError:
                 self._grow_each(batch.reqs, targets)
@@ -171,6 +171,18 @@ class Scheduler:
             if self.cache is not None and self._evict_for(targets):
                 continue
             self._retract_newest()
+
+    def _reserve(self, reqs: list[Request], targets: list) -> list[int] | None:
+        """What the pool may give each request ahead when the batch needs pages: one page
+        past its target, not past its last token (``prompt + max_new_tokens``). None while
+        requests wait for admission: then free pages go to them first."""
+        if self.waiting:
+            return None
+        p = self.pool.page_size
+        return [
+            max(t, min(t + p, len(r.prompt) + r.max_new_tokens))
+            for r, (_, t) in zip(reqs, targets, strict=True)
+        ]
 
     def _grow_each(self, reqs: list[Request], targets: list) -> None:
         """After a batch grow met an internal fault (nothing changed): grow the requests one

@@ -514,14 +514,26 @@ class MemoryPool(ABC):
             req.state_slot = state_slot
             self._request_slots[state_slot] = req.row
 
-    def grow(self, batch: Sequence[tuple[RequestMemory, int]]) -> bool:
+    def grow(
+        self,
+        batch: Sequence[tuple[RequestMemory, int]],
+        reserve: Sequence[int] | None = None,
+    ) -> bool:
         """Give every request pages for its target token count (``1..max_context``); all or
-        nothing. A target the request already covers needs nothing."""
+        nothing. A target the request already covers needs nothing.
+
+        ``reserve`` (one count per request, each at least its target; counts past
+        ``max_context`` are capped there): when some request needs pages now, every request
+        is given the pages for its ``reserve`` in the same allocation if the pool has them
+        free, else only what the targets need. A batch then allocates once per several page
+        boundaries instead of at each request's own (each allocation is a few launches and
+        host work); pages held ahead come back with the request."""
         items = self._check_batch("batch", batch, "tokens")
         targets = [tokens for _, tokens in items]
         if targets and (min(targets) < 1 or max(targets) > self.max_context):
             for i, tokens in enumerate(targets):
                 self._check_tokens(f"batch[{i}] tokens", tokens)
+        counts = None if reserve is None else self._check_reserve(reserve, targets)
         p = self.page_size
         todo = []
         for req, tokens in items:
@@ -530,6 +542,35 @@ class MemoryPool(ABC):
                 todo.append((req, n))
         if not todo:
             return True
+        if counts is not None:
+            cap = self.max_context
+            ahead = []
+            for (req, _), r in zip(items, counts, strict=True):
+                n = -(-min(r, cap) // p) - len(req.pages)
+                if n > 0:
+                    ahead.append((req, n))
+            if ahead != todo and self._grow_by(ahead):
+                return True
+        return self._grow_by(todo)
+
+    @staticmethod
+    def _check_reserve(reserve: object, targets: list[int]) -> list[int]:
+        """``reserve`` as ints, one per target, none below its target; ValueError naming the
+        first that is not."""
+        counts = as_list("reserve", reserve)
+        if len(counts) != len(targets):
+            raise ValueError(f"reserve has {len(counts)} counts for {len(targets)} requests")
+        out = []
+        for i, (r, tokens) in enumerate(zip(counts, targets, strict=True)):
+            if type(r) is not int:
+                r = as_int(f"reserve[{i}]", r)
+            if r < tokens:
+                raise ValueError(f"reserve[{i}] = {r} is below its request's target {tokens}")
+            out.append(r)
+        return out
+
+    def _grow_by(self, todo: list[tuple[RequestMemory, int]]) -> bool:
+        """Allocate ``todo``'s pages (all or nothing) and hold them; False if they do not fit."""
         before = [len(req.pages) for req, _ in todo]
         if self._alloc(todo, 0) is None:
             return False

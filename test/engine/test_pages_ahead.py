@@ -1,0 +1,69 @@
+"""The scheduler asks the pool for one page ahead of each request when a step needs pages
+(``MemoryPool.grow``'s ``reserve``): a decoding batch then allocates once per several page
+boundaries instead of at every request's own, with the same tokens; while requests wait for
+admission it asks for nothing ahead (their admission comes first)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "test" / "models"))
+
+import tiny_gemma3  # noqa: E402
+
+import unimem  # noqa: E402
+from unimem.engine.scheduler import Scheduler  # noqa: E402
+from unimem.memory.pool import MemoryPool  # noqa: E402
+
+PROMPTS = [[5 + i] * (3 + i) for i in range(8)]  # staggered lengths: staggered page boundaries
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma")
+    tiny_gemma3.build(path, num_hidden_layers=2,
+                      layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    return path
+
+
+def _run(ckpt, unified: bool, monkeypatch, ahead: bool, max_running: int = 8):
+    """Outputs of 8 requests x 40 tokens, the pool's allocations, and the reserves asked."""
+    allocs, reserves = [], []
+    grow = MemoryPool.grow
+
+    def counting_grow(self, batch, reserve=None):
+        reserves.append((reserve, len(eng.core.scheduler.waiting)))
+        return grow(self, batch, reserve)
+
+    with monkeypatch.context() as m:
+        m.setattr(MemoryPool, "grow", counting_grow)
+        if not ahead:
+            m.setattr(Scheduler, "_reserve", lambda self, reqs, targets: None)
+        eng = unimem.Engine(model_path=str(ckpt), device="cpu", dtype="float32", page_size=4,
+                            enable_unified_memory=unified, attention_backend="torch",
+                            max_running_requests=max_running)  # fmt: skip
+        alloc = type(eng.pool)._alloc
+        m.setattr(type(eng.pool), "_alloc", lambda self, *a: allocs.append(1) or alloc(self, *a))
+        outs = eng.generate(input_ids=PROMPTS,
+                            sampling_params={"max_new_tokens": 40, "ignore_eos": True})  # fmt: skip
+        eng.shutdown()
+    return [o["output_ids"] for o in outs], len(allocs), reserves
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["static", "unified"])
+def test_pages_ahead_cut_allocations_and_keep_the_tokens(ckpt, monkeypatch, unified):
+    outs, n_ahead, _ = _run(ckpt, unified, monkeypatch, ahead=True)
+    plain, n_plain, _ = _run(ckpt, unified, monkeypatch, ahead=False)
+    assert outs == plain
+    assert n_ahead * 2 <= n_plain, (n_ahead, n_plain)
+
+
+def test_nothing_ahead_while_requests_wait(ckpt, monkeypatch):
+    outs, _, reserves = _run(ckpt, False, monkeypatch, ahead=True, max_running=3)
+    assert all(len(o) == 40 for o in outs)
+    assert all(r is None for r, waiting in reserves if waiting)
+    assert any(r is not None for r, waiting in reserves if not waiting)
