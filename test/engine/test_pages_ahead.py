@@ -16,7 +16,6 @@ sys.path.insert(0, str(ROOT / "test" / "models"))
 import tiny_gemma3  # noqa: E402
 
 import unimem  # noqa: E402
-from unimem.engine.scheduler import Scheduler  # noqa: E402
 from unimem.memory.pool import MemoryPool  # noqa: E402
 
 PROMPTS = [[5 + i] * (3 + i) for i in range(8)]  # staggered lengths: staggered page boundaries
@@ -37,12 +36,10 @@ def _run(ckpt, unified: bool, monkeypatch, ahead: bool, max_running: int = 8):
 
     def counting_grow(self, batch, reserve=None):
         reserves.append((reserve, len(eng.core.scheduler.waiting)))
-        return grow(self, batch, reserve)
+        return grow(self, batch, reserve if ahead else None)
 
     with monkeypatch.context() as m:
         m.setattr(MemoryPool, "grow", counting_grow)
-        if not ahead:
-            m.setattr(Scheduler, "_reserve", lambda self, reqs, targets: None)
         eng = unimem.Engine(model_path=str(ckpt), device="cpu", dtype="float32", page_size=4,
                             enable_unified_memory=unified, attention_backend="torch",
                             max_running_requests=max_running)  # fmt: skip

@@ -257,7 +257,8 @@ def test_grow_refuses_bad_targets(setup, target):
 )
 def test_grow_refuses_a_bad_reserve(setup, reserve, match):
     pool, a, b = setup
-    refused(lambda: pool.grow([(b, 12), (a, 28)], reserve), match, pool)
+    refused(lambda: pool.grow([(b, 12), (a, 28)], lambda: reserve), match, pool)
+    refused(lambda: pool.grow([(b, 12), (a, 28)], [12, 40]), "reserve must be a callable", pool)
     check(pool, [a, b])
 
 
@@ -267,12 +268,13 @@ def test_grow_reserves_ahead_only_when_pages_are_needed_and_free(setup):
     it gives what the targets need."""
     pool, a, b = setup
     assert len(a.pages) == 6 and len(b.pages) == 2
-    assert pool.grow([(a, 24), (b, 8)], [40, 40])  # both covered: nothing taken
-    assert len(a.pages) == 6 and len(b.pages) == 2
-    assert pool.grow([(a, 24), (b, 9)], [28, 16])  # b needs one; a and b take their reserve
+    asked = []
+    assert pool.grow([(a, 24), (b, 8)], lambda: asked.append(1))  # covered: never asked
+    assert len(a.pages) == 6 and len(b.pages) == 2 and not asked
+    assert pool.grow([(a, 24), (b, 9)], lambda: [28, 16])  # b needs one: both take reserve
     assert len(a.pages) == 7 and len(b.pages) == 4
     check(pool, [a, b])
-    assert pool.grow([(a, 29), (b, 16)], [10**6, 40])  # past max_context: capped there
+    assert pool.grow([(a, 29), (b, 16)], lambda: [10**6, 40])  # capped at max_context
     assert len(a.pages) == 10 and len(b.pages) == 10
     check(pool, [a, b])
 
@@ -281,7 +283,7 @@ def test_grow_falls_back_to_what_the_targets_need():
     pool = StaticMemory(HYBRID, 8, 8, 8, max_requests=4, max_context=40, poison=True)
     a = pool.admit(4)
     assert a is not None and len(a.pages) == 1
-    assert pool.grow([(a, 5)], [40])  # 10 pages do not fit in 8: the 2 needed are given
+    assert pool.grow([(a, 5)], lambda: [40])  # 10 pages do not fit in 8: the 2 needed given
     assert len(a.pages) == 2
     check(pool, [a])
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from itertools import islice, repeat
 from typing import TYPE_CHECKING
 
@@ -161,7 +162,8 @@ class Scheduler:
                 (r.mem, r.planned_kv_max + n) for r, n in zip(batch.reqs, batch.lens, strict=True)
             ]
             try:
-                if self.pool.grow(targets, self._reserve(batch.reqs, targets)):
+                reserve = None if self.waiting else partial(self._reserve, batch.reqs, targets)
+                if self.pool.grow(targets, reserve):
                     return batch
             except InternalError:
                 self._grow_each(batch.reqs, targets)
@@ -172,12 +174,10 @@ class Scheduler:
                 continue
             self._retract_newest()
 
-    def _reserve(self, reqs: list[Request], targets: list) -> list[int] | None:
+    def _reserve(self, reqs: list[Request], targets: list) -> list[int]:
         """What the pool may give each request ahead when the batch needs pages: one page
-        past its target, not past its last token (``prompt + max_new_tokens``). None while
-        requests wait for admission: then free pages go to them first."""
-        if self.waiting:
-            return None
+        past its target, not past its last token (``prompt + max_new_tokens``). Asked for
+        only while no request waits for admission (free pages go to those first)."""
         p = self.pool.page_size
         return [
             max(t, min(t + p, len(r.prompt) + r.max_new_tokens))

@@ -517,23 +517,25 @@ class MemoryPool(ABC):
     def grow(
         self,
         batch: Sequence[tuple[RequestMemory, int]],
-        reserve: Sequence[int] | None = None,
+        reserve: Callable[[], Sequence[int]] | None = None,
     ) -> bool:
         """Give every request pages for its target token count (``1..max_context``); all or
         nothing. A target the request already covers needs nothing.
 
-        ``reserve`` (one count per request, each at least its target; counts past
-        ``max_context`` are capped there): when some request needs pages now, every request
-        is given the pages for its ``reserve`` in the same allocation if the pool has them
-        free, else only what the targets need. A batch then allocates once per several page
-        boundaries instead of at each request's own (each allocation is a few launches and
-        host work); pages held ahead come back with the request."""
+        ``reserve``, called only when some request needs pages now (most steps need none),
+        returns one token count per request, each at least its target (counts past
+        ``max_context`` are capped there): every request is then given the pages for its
+        count in the same allocation if the pool has them free, else only what the targets
+        need. A batch then allocates once per several page boundaries instead of at each
+        request's own (each allocation is a few launches and host work); pages held ahead
+        come back with the request."""
         items = self._check_batch("batch", batch, "tokens")
         targets = [tokens for _, tokens in items]
         if targets and (min(targets) < 1 or max(targets) > self.max_context):
             for i, tokens in enumerate(targets):
                 self._check_tokens(f"batch[{i}] tokens", tokens)
-        counts = None if reserve is None else self._check_reserve(reserve, targets)
+        if reserve is not None and not callable(reserve):
+            raise ValueError(f"reserve must be a callable, got {type(reserve).__name__}")
         p = self.page_size
         todo = []
         for req, tokens in items:
@@ -542,7 +544,8 @@ class MemoryPool(ABC):
                 todo.append((req, n))
         if not todo:
             return True
-        if counts is not None:
+        if reserve is not None:
+            counts = self._check_reserve(reserve(), targets)
             cap = self.max_context
             ahead = []
             for (req, _), r in zip(items, counts, strict=True):
