@@ -153,6 +153,8 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         raise ValueError(f"--bos-prompts must be >= 0, got {args.bos_prompts}")
     kwargs = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
     kwargs["random_seed"] = args.seed
+    # every prompt is new text: a prefix cache would only insert and evict
+    kwargs["disable_radix_cache"] = True
     if args.device == "cuda":
         kwargs["mem_fraction_static"] = args.gen_mem_fraction
     if args.max_running:
