@@ -12,10 +12,13 @@ only the gap shrinks. A micro-benchmark of chains of Triton kernels measured 0.2
 a boundary (H200, ``docs/results/bench_pdl_h200.json``).
 
 Protocol for a kernel taking part (``PDL: tl.constexpr``, the :func:`mode`): :func:`wait`
-before its first load of anything its predecessors write (loads of what no kernel of the step
-writes, such as weights, may precede it), :func:`launch_dependents` after its last store;
-launched with ``**launch_options(mode)``. Both are no-ops without PDL (and in the
-interpreter).
+before its first store and before its first load of anything its immediate predecessor may
+write — that kernel may still be running, and its writes are visible only after the wait.
+Loads of what the step's earlier kernels wrote, or of what nothing writes, may precede it:
+weights, and the step's attention metadata and slots, which the metadata builder writes at
+the start of the step, never the kernel just before an attention layer's. Then
+:func:`launch_dependents` after its last store; launched with ``**launch_options(mode)``.
+Both are no-ops without PDL (and in the interpreter).
 
 Two places to let the successor launch (``UNIMEM_PDL``): ``1``, after the kernel's last store;
 ``early``, right after its wait. The successor's own wait returns only once this grid has
