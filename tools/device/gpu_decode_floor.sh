@@ -19,7 +19,8 @@
 #   replaces, 1 / 8 / 16 rows) -> bench_norm_gemv.json and norm_gemv_configs.json;
 # sampler: `python -m unimem bench sampler` (bounded top-k against the whole-row sort) -> sampler.json.
 # Output: $OUT (or ./gpu-out): decode_floor.json and gpu_decode_floor.log; also copied to
-# docs/results/decode_floor_h200.json when OUT is not given. Exit 1 if any part failed.
+# docs/results/decode_floor_<gpu>.json (h200, h100) when OUT is not given. Exit 1 if any part
+# failed.
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -64,7 +65,7 @@ for part in $parts; do
       [ -n "${COMPILE:-}" ] && args+=(--compile)
       run python3 -m unimem bench decode-floor "${args[@]}" || status=1
       [ -z "${OUT:-}" ] && [ -f "$out/decode_floor.json" ] \
-        && mkdir -p docs/results && cp "$out/decode_floor.json" docs/results/decode_floor_h200.json ;;
+        && mkdir -p docs/results && cp "$out/decode_floor.json" "docs/results/decode_floor_$(gpu_tag).json" ;;
     *) say "unknown part $part"; status=1 ;;
   esac
 done

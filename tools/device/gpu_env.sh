@@ -3,6 +3,7 @@
 # $step_timeout (seconds per command) set before `run` is called.
 #   say MSG...  : a timestamped marker line, printed and appended to $log
 #   run CMD...  : CMD under `timeout $step_timeout`, output printed and appended to $log
+#   gpu_tag     : h200, h100 or gpu (the suffix of a results file: docs/results/NAME_TAG.json)
 export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # FA4 (CuTe DSL) kernels compiled once per machine, not once per process
@@ -12,4 +13,11 @@ run() { timeout "$step_timeout" "$@" 2>&1 | tee -a "$log"; }
 gpu_banner() {
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__, \
 torch.cuda.get_device_name())" 2>&1 | tee -a "$log"
+}
+gpu_tag() {
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
+    *H200*) echo h200 ;;
+    *H100*) echo h100 ;;
+    *) echo gpu ;;
+  esac
 }
