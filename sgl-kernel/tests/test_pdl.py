@@ -10,6 +10,8 @@ outputs poisoned before each replay.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -25,6 +27,23 @@ def test_never_on_the_cpu(monkeypatch):
         assert pdl.mode(torch.zeros(1)) == pdl.OFF and not pdl.enabled(torch.zeros(1))
     assert pdl.launch_options(pdl.OFF) == {}
     assert pdl.launch_options(pdl.EARLY) == {"launch_pdl": True}
+
+
+def test_a_triton_without_pdl_turns_the_default_off_and_refuses_a_request(monkeypatch):
+    """On an SM90 device (stood in for) with a Triton that lacks the intrinsics: off by
+    default, a ValueError naming the version when UNIMEM_PDL asks for it."""
+    gpu = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("UNIMEM_PDL", raising=False)
+    assert pdl.mode(gpu) == pdl.EARLY or not pdl.triton_supports_pdl()
+    monkeypatch.setattr(pdl, "triton_supports_pdl", lambda: False)
+    assert pdl.mode(gpu) == pdl.OFF
+    monkeypatch.setenv("UNIMEM_PDL", "early")
+    with pytest.raises(ValueError, match="UNIMEM_PDL=early needs Triton 3.3"):
+        pdl.mode(gpu)
+    monkeypatch.setenv("UNIMEM_PDL", "0")
+    assert pdl.mode(gpu) == pdl.OFF
 
 
 def test_the_switch_parses_its_modes(monkeypatch):

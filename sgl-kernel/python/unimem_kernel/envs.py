@@ -151,8 +151,9 @@ _ALL = (
         "the RoPE + K/V store, the split-KV attention and its combine) on SM90+: each waits "
         "for its predecessor before reading what it wrote; early (default): the successor may "
         "launch once a kernel has waited; 1: once it has stored; 0: plain launches "
-        "(unimem_kernel.pdl). Gemma 3 270M at one request on an H100: 1 310 / 1 375 / 1 566 "
-        "tok/s for 0 / 1 / early, the same tokens.",
+        "(unimem_kernel.pdl; Triton 3.3+, off by default with an older one). Gemma 3 270M "
+        "at one request on an H100: 1 310 / 1 375 / 1 566 tok/s for 0 / 1 / early, the "
+        "same tokens.",
         parse=_pdl_mode,
     ),
     EnvSwitch(

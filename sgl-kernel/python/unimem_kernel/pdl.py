@@ -54,6 +54,7 @@ __all__ = [
     "launch_dependents",
     "launch_options",
     "mode",
+    "triton_supports_pdl",
     "wait",
 ]
 
@@ -67,14 +68,32 @@ def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+@functools.cache
+def triton_supports_pdl() -> bool:
+    """Whether this Triton has the ``griddepcontrol`` intrinsics (``tl.extra.cuda.gdc_*``,
+    Triton 3.3 and later)."""
+    cuda = getattr(tl.extra, "cuda", None)
+    return all(hasattr(cuda, f) for f in ("gdc_wait", "gdc_launch_dependents"))
+
+
 def mode(t: torch.Tensor) -> int:
     """The PDL mode of a kernel over ``t``: ``UNIMEM_PDL``'s (:data:`AFTER_STORES` or
     :data:`EARLY`) for a tensor on a CUDA device of compute capability 9+ outside the Triton
-    interpreter, else :data:`OFF`."""
+    interpreter, else :data:`OFF`. With a Triton that has no PDL intrinsics the default is
+    off, and ``UNIMEM_PDL`` set on is a ``ValueError`` naming the version."""
     wanted = envs.get("UNIMEM_PDL")
     if wanted == OFF or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return OFF
-    return wanted if _device_supports(t.device.index if t.device.index is not None else 0) else OFF
+    if not _device_supports(t.device.index if t.device.index is not None else 0):
+        return OFF
+    if not triton_supports_pdl():
+        if envs.is_set("UNIMEM_PDL"):
+            raise ValueError(
+                f"UNIMEM_PDL={os.environ['UNIMEM_PDL']} needs Triton 3.3 or later "
+                f"(programmatic dependent launch); this is Triton {triton.__version__}"
+            )
+        return OFF
+    return wanted
 
 
 def enabled(t: torch.Tensor) -> bool:
