@@ -65,7 +65,9 @@ after the last store; PDL with the successor let in right after the wait."""
 
 @functools.cache
 def _device_supports(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """An NVIDIA device of compute capability 9+ (ROCm reports its own architecture numbers
+    through the same call and has no griddepcontrol)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.cache
