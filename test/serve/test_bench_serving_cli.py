@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,47 @@ def test_replot_draws_the_figure_from_a_runs_json(tmp_path):
     r = _run("--replot", str(src), "--plot", str(png))
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _args(*argv: str):
+    from unimem.bench import serving
+
+    a = serving.build_parser().parse_args(["--model-path", "ckpt", *argv])
+    return serving, a
+
+
+def test_compare_speculation_runs_one_memory_kind_without_and_with_dspark():
+    serving, a = _args("--compare", "speculation", "--speculative-draft-model-path", "/d")
+    a.modes = ["unified"]  # what _check_args leaves (its default here)
+    assert serving.runs(a) == [("none", "unified", False), ("dspark", "unified", True)]
+    plain = serving.server_command(a, "unified", False, 5)
+    spec = serving.server_command(a, "unified", True, 5)
+    assert "--enable-unified-memory" in plain and "--speculative-algorithm" not in plain
+    assert "--speculative-draft-model-path" not in plain
+    assert spec[spec.index("--speculative-algorithm") + 1] == "DSPARK"
+    assert spec[spec.index("--speculative-draft-model-path") + 1] == "/d"
+    serving, a = _args("--modes", "static,unified")
+    a.modes = ["static", "unified"]
+    assert serving.runs(a) == [("static", "static", False), ("unified", "unified", False)]
+
+
+def test_compare_speculation_refuses_two_memory_kinds():
+    r = _run("--model-path", "x", "--compare", "speculation", "--modes", "static,unified")
+    assert r.returncode == 2 and "runs one memory kind" in r.stderr, r.stderr
+
+
+def test_short_prompts_are_the_packages_real_ones_cycled(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import tiny_tokenizer
+
+    from unimem.data.prompts import short_prompts
+
+    tiny_tokenizer.save(tmp_path, 64)
+    serving, a = _args("--prompts", "short", "--output-tokens", "7")
+    a.checkpoint_dir = str(tmp_path)
+    out = tmp_path / "p.jsonl"
+    texts = short_prompts()
+    serving.write_prompts(a, out, len(texts) + 3)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == texts + texts[:3]
+    assert all(r["output_tokens_count"] == 7 and r["prompt_tokens_count"] > 0 for r in rows)

@@ -13,7 +13,11 @@
 # ckpt: the `small` Qwen3-Next-architecture checkpoint and a drafter distilled for it;
 # serving (or serving-spare, serving-binding: one of its two runs): `python -m unimem bench serving` on that checkpoint with DSPARK greedy, once with
 #   memory to spare and once at a budget that binds (--max-total-tokens below what the
-#   concurrency needs at the static split).
+#   concurrency needs at the static split);
+# serving-real: issue 41's serving figures on the real model: MODEL (a GGUF, or gemma-3-270m with
+#   the model extra) with its shipped drafter, no speculation vs DSPARK on the unified arena,
+#   the package's short real prompts, 128 tokens, concurrency 1 / 8 / 32 / 64
+#   -> serving_dspark_real_<gpu>.json / .png.
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 500) bounds each command.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -76,6 +80,12 @@ save_word_tokenizer(sys.argv[1], 32000)" "$ck"
       run python3 -m unimem bench serving "${common[@]}" --concurrency 16,32,64 \
         --max-total-tokens 12288 \
         --json "$out/serving_binding_h200.json" --plot "$out/serving_binding_h200.png" ;;
+    serving-real)
+      tag=$(gpu_tag)
+      run python3 -m unimem bench serving --model-path "${MODEL:?set MODEL to the real model}" \
+        --device cuda --compare speculation --prompts short --output-tokens 128 \
+        --concurrency 1,8,32,64 --mem-fraction-static 0.6 \
+        --json "$out/serving_dspark_real_$tag.json" --plot "$out/serving_dspark_real_$tag.png" ;;
     *) echo "unknown part $part"; false ;;
   esac || status=1
 done

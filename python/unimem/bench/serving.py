@@ -1,23 +1,36 @@
-"""Serving benchmark: the real server driven by a real load generator, static pools vs the
-unified arena side by side.
+"""Serving benchmark: the real server driven by a real load generator, two servers side by
+side: static pools vs the unified arena (``--compare memory``, the default), or one memory kind
+without and with DSPARK (``--compare speculation``).
 
-For each memory mode the suite starts ``python -m unimem.launch_server`` on a loopback port
-(same flags, plus ``--enable-unified-memory`` for the arena), runs GuideLLM
+For each of the two the suite starts ``python -m unimem.launch_server`` on a loopback port
+(same flags, plus ``--enable-unified-memory`` for the arena, plus ``--speculative-algorithm
+DSPARK`` for the speculating one), runs GuideLLM
 (``pip install -e ".[bench]"``) against its ``/v1/completions`` at several concurrencies, reads
 the server's own counters (peak bytes, retractions, compactions) from ``/get_server_info``, and
 stops the server by its pid. It prints output throughput, TTFT and ITL p50/p99 per
-concurrency for both modes and the unified/static ratios; ``--json`` writes them, ``--plot
-PATH.png`` draws throughput and latency vs concurrency (matplotlib is imported only then).
+concurrency for both and their ratios (unified / static, DSPARK / none); ``--json`` writes
+them, ``--plot PATH.png`` draws throughput and latency vs concurrency (matplotlib is imported
+only then). ``--model-path`` is whatever the server takes (a checkpoint directory, a GGUF
+file, an embedded model's name such as ``gemma-3-270m``); the tokenizer GuideLLM counts with
+is the resolved checkpoint's.
 
 Why GuideLLM: it installs from PyPI with pip alone (pure Python; genai-perf needs Triton's
 ``perf_analyzer`` binary, aiperf pulls in a Kubernetes client, a dashboard stack and an
 older prometheus-client), targets any OpenAI-compatible endpoint, streams and measures TTFT
 and ITL per request, runs fixed-concurrency sweeps in one invocation, and takes its prompts
 from a local JSONL file with its tokenizer loaded from the checkpoint directory, so nothing
-is downloaded at run time. The prompts are random token ids of the checkpoint's vocabulary
-decoded to text (this works for any tokenizer, the tiny test ones included); requests are
-greedy (``temperature`` 0: DSPARK verifies greedily) with a fixed output length
+is downloaded at run time. The prompts (``--prompts``) are random token ids of the
+checkpoint's vocabulary decoded to text (``random``, ``--prompt-tokens`` each: works for any
+tokenizer, the tiny test ones included), or the package's short real prompts (``short``,
+cycled: what a drafter is measured on — random text tells nothing of its acceptance); requests
+are greedy (``temperature`` 0: DSPARK verifies greedily) with a fixed output length
 (``ignore_eos``).
+
+Issue 41's real-model run (Gemma 3 270M and its shipped drafter)::
+
+    python -m unimem bench serving --model-path gemma-3-270m --compare speculation \
+        --prompts short --concurrency 1,8,32,64 --output-tokens 128 \
+        --json docs/results/serving_dspark_real_h200.json --plot docs/serving_dspark_real.png
 
 CPU smoke test (a tiny checkpoint, a few seconds per level)::
 
@@ -48,6 +61,9 @@ from pathlib import Path
 
 PROG = "python -m unimem bench serving"
 MODES = ("static", "unified")
+COMPARES = ("memory", "speculation")
+SPECULATION = ("none", "dspark")
+"""The two servers of ``--compare speculation``: without and with DSPARK."""
 START_TIMEOUT_S = 600
 
 
@@ -105,7 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-seconds", type=_positive_int, default=600, help="time limit per concurrency level"
     )
     p.add_argument(
-        "--modes", default="static,unified", help="comma-separated subset of static,unified"
+        "--modes",
+        default=None,
+        help="comma-separated subset of static,unified (default: both; with --compare "
+        "speculation one of them, default unified)",
+    )
+    p.add_argument(
+        "--compare",
+        choices=COMPARES,
+        default="memory",
+        help="memory: static pools vs the unified arena; speculation: no speculation vs DSPARK "
+        "on one memory kind (its drafter: --speculative-draft-model-path, or the model's "
+        "shipped one)",
+    )
+    p.add_argument(
+        "--prompts",
+        choices=("random", "short"),
+        default="random",
+        help="random: --prompt-tokens random vocabulary tokens each; short: the package's "
+        "real prompts, cycled",
     )
     p.add_argument("--speculative-algorithm", choices=("DSPARK",), default=None)
     p.add_argument("--speculative-num-draft-tokens", type=_positive_int, default=None)
@@ -125,25 +159,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(a: argparse.Namespace) -> None:
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    default = "static,unified" if a.compare == "memory" else "unified"
+    modes = [m.strip() for m in (a.modes or default).split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise BenchError(f"--modes must be a subset of {','.join(MODES)}, got {a.modes!r}")
+    if a.compare == "speculation" and len(modes) != 1:
+        raise BenchError(f"--compare speculation runs one memory kind, got --modes {a.modes}")
     a.modes = modes
     frac = a.mem_fraction_static
     if frac is not None and not (math.isfinite(frac) and 0 < frac < 1):
         raise BenchError(f"--mem-fraction-static must be in (0, 1), got {frac}")
-    if a.speculative_num_draft_tokens is not None and a.speculative_algorithm is None:
+    spec = a.speculative_algorithm is not None or a.compare == "speculation"
+    if a.speculative_num_draft_tokens is not None and not spec:
         raise BenchError("--speculative-num-draft-tokens needs --speculative-algorithm DSPARK")
     draft = a.speculative_draft_model_path
     if draft is not None:
-        if a.speculative_algorithm is None:
+        if not spec:
             raise BenchError("--speculative-draft-model-path needs --speculative-algorithm DSPARK")
         if not (Path(draft) / "config.json").is_file():
             raise BenchError(f"{draft}: no config.json (not a drafter checkpoint directory)")
     if a.model_path is None:
         raise BenchError("--model-path is required")
-    if not (Path(a.model_path) / "config.json").is_file():
-        raise BenchError(f"{a.model_path}: no config.json (not a checkpoint directory)")
+    a.checkpoint_dir = _checkpoint_dir(a.model_path)
     for path in (a.json, a.plot):  # checked before the run, not after it
         if path is not None:
             _check_writable(path)
@@ -158,6 +195,28 @@ def _check_args(a: argparse.Namespace) -> None:
         raise BenchError("the load generator is missing: pip install -e '.[bench]'") from None
 
 
+def _checkpoint_dir(model_path: str) -> str:
+    """The HF-format directory ``model_path`` resolves to (as the server resolves it: an
+    embedded model's name or a GGUF is converted once and cached); its tokenizer is the one
+    GuideLLM counts tokens with."""
+    from unimem.models.model_path import resolve_model_path
+
+    try:
+        path = resolve_model_path(model_path)
+    except (ValueError, OSError) as e:
+        raise BenchError(f"{model_path}: {e}") from None
+    if not (Path(path) / "config.json").is_file():
+        raise BenchError(f"{model_path}: no config.json (not a checkpoint directory)")
+    return path
+
+
+def runs(a: argparse.Namespace) -> list[tuple[str, str, bool]]:
+    """The servers to measure, in order: ``(label, memory kind, speculating)``."""
+    if a.compare == "speculation":
+        return [(label, a.modes[0], label == "dspark") for label in SPECULATION]
+    return [(m, m, a.speculative_algorithm is not None) for m in a.modes]
+
+
 def _check_writable(path: Path) -> None:
     parent = path.resolve().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
@@ -170,20 +229,30 @@ def _check_writable(path: Path) -> None:
 
 
 def write_prompts(a: argparse.Namespace, path: Path, count: int) -> None:
-    """``count`` prompts of random vocabulary tokens decoded to text (JSONL with GuideLLM's
-    column names)."""
+    """``count`` prompts (JSONL with GuideLLM's column names): random vocabulary tokens
+    decoded to text, or the package's short real prompts cycled (``a.prompts``)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(a.model_path)
-    special = set(tok.all_special_ids)
-    vocab = [i for i in range(len(tok)) if i not in special]
-    rng = random.Random(a.seed)
+    tok = AutoTokenizer.from_pretrained(a.checkpoint_dir)
+    if a.prompts == "short":
+        from unimem.data.prompts import short_prompts
+
+        texts = short_prompts()
+        rows = [(t, len(tok.encode(t, add_special_tokens=False))) for t in texts]
+        rows = [rows[i % len(rows)] for i in range(count)]
+    else:
+        special = set(tok.all_special_ids)
+        vocab = [i for i in range(len(tok)) if i not in special]
+        rng = random.Random(a.seed)
+        rows = [
+            (tok.decode([rng.choice(vocab) for _ in range(a.prompt_tokens)]), a.prompt_tokens)
+            for _ in range(count)
+        ]
     with path.open("w") as f:
-        for _ in range(count):
-            ids = [rng.choice(vocab) for _ in range(a.prompt_tokens)]
+        for text, n in rows:
             row = {
-                "prompt": tok.decode(ids),
-                "prompt_tokens_count": a.prompt_tokens,
+                "prompt": text,
+                "prompt_tokens_count": n,
                 "output_tokens_count": a.output_tokens,
             }
             f.write(json.dumps(row) + "\n")
@@ -206,7 +275,8 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return 0, b""
 
 
-def server_command(a: argparse.Namespace, mode: str, port: int) -> list[str]:
+def server_command(a: argparse.Namespace, memory: str, spec: bool, port: int) -> list[str]:
+    """The server's command line: ``memory`` kind, DSPARK when ``spec``."""
     cmd = [
         sys.executable,
         "-m",
@@ -222,17 +292,13 @@ def server_command(a: argparse.Namespace, mode: str, port: int) -> list[str]:
     ]
     if a.device:
         cmd += ["--device", a.device]
-    if mode == "unified":
+    if memory == "unified":
         cmd.append("--enable-unified-memory")
-    for flag in (
-        "speculative_algorithm",
-        "speculative_num_draft_tokens",
-        "speculative_draft_model_path",
-        "max_total_tokens",
-        "mem_fraction_static",
-        "max_running_requests",
-        "page_size",
-    ):
+    flags = ["max_total_tokens", "mem_fraction_static", "max_running_requests", "page_size"]
+    if spec:
+        cmd += ["--speculative-algorithm", a.speculative_algorithm or "DSPARK"]
+        flags += ["speculative_num_draft_tokens", "speculative_draft_model_path"]
+    for flag in flags:
         value = getattr(a, flag)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
@@ -286,7 +352,7 @@ def scenario(a: argparse.Namespace, url: str, model: str, prompts: Path, out: Pa
                 "extras": {"body": {"temperature": 0}},
             },
             "profile": {"kind": "concurrent", "streams": a.concurrency[0]},
-            "tokenizer": {"kind": "huggingface_auto", "model": a.model_path},
+            "tokenizer": {"kind": "huggingface_auto", "model": a.checkpoint_dir},
             "data": [{"kind": "json_file", "path": str(prompts)}],
             "constraints": [{"kind": "max_duration", "seconds": a.max_seconds}],
             "outputs": [{"kind": "json", "path": str(out)}],
@@ -362,9 +428,12 @@ def warm_up(a: argparse.Namespace, url: str, model: str, prompts: Path) -> None:
         raise BenchError(f"warm-up request failed: {e}") from None
 
 
-def run_mode(a: argparse.Namespace, mode: str, work: Path, prompts: Path) -> dict:
+def run_mode(
+    a: argparse.Namespace, mode: str, memory: str, spec: bool, work: Path, prompts: Path
+) -> dict:
+    """One server (``mode`` its label) under the load; its levels and its counters."""
     port = _free_port()
-    server = Server(server_command(a, mode, port), port, work / f"server_{mode}.log")
+    server = Server(server_command(a, memory, spec, port), port, work / f"server_{mode}.log")
     try:
         model = json.loads(_get(server.url + "/v1/models")[1])["data"][0]["id"]
         warm_up(a, server.url, model, prompts)
@@ -392,7 +461,12 @@ def run_mode(a: argparse.Namespace, mode: str, work: Path, prompts: Path) -> dic
         "retractions",
         "compactions",
     )
-    return {"levels": parse_results(out), "server": {k: info.get(k) for k in keys}}
+    return {
+        "levels": parse_results(out),
+        "server": {k: info.get(k) for k in keys},
+        "memory": memory,
+        "speculation": "DSPARK" if spec else None,
+    }
 
 
 # ---------------------------------------------------------------------- report
@@ -405,7 +479,7 @@ def report(results: dict) -> str:
     for m in modes:
         head += f" | {m + ' tok/s':>14} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15}"
     if len(modes) == 2:
-        head += f" | {'tok/s ratio':>11} {'TTFT p50 ratio':>14}"
+        head += f" | {modes[1] + '/' + modes[0] + ' tok/s':>20} {'TTFT p50':>8}"
     lines.append(head)
     lines.append("-" * len(head))
     levels = [r["concurrency"] for r in results[modes[0]]["levels"]]
@@ -421,7 +495,7 @@ def report(results: dict) -> str:
             s, u = (results[m]["levels"][i] for m in modes)
             tput = u["output_tok_s"] / s["output_tok_s"] if s["output_tok_s"] else float("nan")
             ttft = u["ttft_p50_ms"] / s["ttft_p50_ms"] if s["ttft_p50_ms"] else float("nan")
-            row += f" | {tput:>11.3f} {ttft:>14.3f}"
+            row += f" | {tput:>20.3f} {ttft:>8.3f}"
         lines.append(row)
     for m in modes:
         s = results[m]["server"]
@@ -435,19 +509,29 @@ def report(results: dict) -> str:
 
 
 def title(args: dict, gpu: str | None) -> str:
-    """The figure's title: model, sizes, speculation, memory budget, machine."""
-    spec = args.get("speculative_algorithm") or "no speculation"
-    if args.get("speculative_algorithm"):
-        drafter = args.get("speculative_draft_model_path")
-        spec += f" (drafter {Path(drafter).name})" if drafter else " (seeded drafter)"
+    """The figure's title: what is compared, model, sizes, speculation, memory budget,
+    machine."""
+    drafter = args.get("speculative_draft_model_path")
+    drafter_note = f" (drafter {Path(drafter).name})" if drafter else " (the model's drafter)"
+    if args.get("compare") == "speculation":
+        modes = args.get("modes") or ["unified"]
+        what = f"no speculation vs DSPARK{drafter_note}, {modes[0]} memory"
+    else:
+        spec = args.get("speculative_algorithm") or "no speculation"
+        if args.get("speculative_algorithm"):
+            spec += drafter_note
+        what = f"static pools vs unified arena, {spec}"
+    if args.get("prompts") == "short":
+        sizes = f"real prompts + {args['output_tokens']} tokens"
+    else:
+        sizes = f"{args['prompt_tokens']} + {args['output_tokens']} tokens"
     budget = (
         f"--max-total-tokens {args['max_total_tokens']}"
         if args.get("max_total_tokens")
         else "default memory"
     )
     return (
-        f"unimem serving, static pools vs unified arena: {Path(args['model_path']).name}, "
-        f"{args['prompt_tokens']} + {args['output_tokens']} tokens, {spec}, {budget}, "
+        f"unimem serving, {what}: {Path(args['model_path']).name}, {sizes}, {budget}, "
         f"at most {args.get('max_running_requests') or 'default'} running | {gpu or 'CPU'}"
     )
 
@@ -467,7 +551,12 @@ def plot(results: dict, path: Path, args: dict, gpu: str | None) -> None:
     )
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
-    colors = {"static": "tab:blue", "unified": "tab:orange"}
+    colors = {
+        "static": "tab:blue",
+        "unified": "tab:orange",
+        "none": "tab:gray",
+        "dspark": "tab:green",
+    }
     conc = []
     for mode, res in results.items():
         conc = [r["concurrency"] for r in res["levels"]]
@@ -534,9 +623,9 @@ def main(argv: list[str] | None = None) -> int:
             prompts = work / "prompts.jsonl"
             total = sum(a.requests or max(16, 4 * c) for c in a.concurrency)
             write_prompts(a, prompts, max(total, 64))
-            for mode in a.modes:
+            for mode, memory, spec in runs(a):
                 print(f"[{mode}] serving and loading ...", file=sys.stderr, flush=True)
-                results[mode] = run_mode(a, mode, work, prompts)
+                results[mode] = run_mode(a, mode, memory, spec, work, prompts)
     except BenchError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
