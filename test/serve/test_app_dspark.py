@@ -83,6 +83,8 @@ def test_accept_length_in_metrics_and_memory_back_to_idle(served):
     assert info["running_requests"] == 0 and info["used_bytes"] == 0
     assert info["prefix_cache"]["cached_pages"] == 0
     assert info["enable_unified_memory"] is True
+    assert info["drafter_path"] is None  # no drafter given or shipped: the seeded one
+    assert info["spec_verify_steps_total"] > 0
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     accept = families["unimem:spec_accept_length"].samples[0].value
     assert accept >= 1.0  # tokens committed per verify step

@@ -460,12 +460,19 @@ def run_mode(
         "peak_bytes",
         "retractions",
         "compactions",
+        "drafter_path",
+        "spec_verify_steps_total",
+        "spec_verified_tokens_total",
     )
+    server_stats = {k: info.get(k) for k in keys}
+    steps = server_stats["spec_verify_steps_total"]
     return {
         "levels": parse_results(out),
-        "server": {k: info.get(k) for k in keys},
+        "server": server_stats,
         "memory": memory,
         "speculation": "DSPARK" if spec else None,
+        # committed tokens per verify step over the whole run, warm-up included
+        "accept_length": server_stats["spec_verified_tokens_total"] / steps if steps else None,
     }
 
 
@@ -499,20 +506,24 @@ def report(results: dict) -> str:
         lines.append(row)
     for m in modes:
         s = results[m]["server"]
-        lines.append(
+        line = (
             f"{m}: max_total_num_tokens={s['max_total_num_tokens']} "
             f"max_running_requests={s['max_running_requests']} capacity_bytes="
             f"{s['capacity_bytes']} peak_bytes={s['peak_bytes']} "
             f"retractions={s['retractions']} compactions={s['compactions']}"
         )
+        if results[m].get("accept_length") is not None:
+            drafter = s.get("drafter_path") or "the seeded untrained drafter"
+            line += f" accept_length={results[m]['accept_length']:.3f} drafter={drafter}"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def title(args: dict, gpu: str | None) -> str:
+def title(args: dict, gpu: str | None, drafter: str | None = None) -> str:
     """The figure's title: what is compared, model, sizes, speculation, memory budget,
-    machine."""
-    drafter = args.get("speculative_draft_model_path")
-    drafter_note = f" (drafter {Path(drafter).name})" if drafter else " (the model's drafter)"
+    machine. ``drafter``: the drafter the server reported (else the one asked for)."""
+    drafter = drafter or args.get("speculative_draft_model_path")
+    drafter_note = f" (drafter {Path(drafter).name})" if drafter else " (untrained drafter)"
     if args.get("compare") == "speculation":
         modes = args.get("modes") or ["unified"]
         what = f"no speculation vs DSPARK{drafter_note}, {modes[0]} memory"
@@ -582,7 +593,8 @@ def plot(results: dict, path: Path, args: dict, gpu: str | None) -> None:
         ax.set_xlabel("concurrent requests")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title(args, gpu), fontsize=10)
+    reported = [r.get("server", {}).get("drafter_path") for r in results.values()]
+    fig.suptitle(title(args, gpu, next((d for d in reported if d), None)), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

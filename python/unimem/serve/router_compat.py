@@ -69,6 +69,9 @@ def server_info(serving: Serving) -> dict:
         "attention_backend": e.backend_name,
         "cuda_graphs": e.cuda_graphs,
         "weight_bytes": weight_bytes(e.model),
+        # the drafter checkpoint DSPARK runs (given or shipped); None: no speculation, or
+        # the seeded untrained drafter
+        "drafter_path": e.drafter_path,
         **serving.loop.snapshot(),
     }
 
