@@ -231,6 +231,41 @@ def test_generation_budget_keeps_the_first_round_and_stops_between_rounds(gemma,
     assert 0 < len(text.sequences) == len(text.prompt_lens) <= 4
 
 
+def test_text_cache_is_written_once_then_read_instead_of_generating(gemma, tmp_path):
+    """``--text-cache``: the first run writes the training text it generated, the next
+    reads the same text back (no generation), and a cache of another model or another kind
+    of file is refused by name."""
+    from unimem.training.train_drafter import generate, parser
+
+    path, _ = gemma
+    cache = tmp_path / "text.pt"
+    argv = [
+        "--model-path", str(path), "--out", str(tmp_path / "d"), "--device", "cpu",
+        "--dtype", "float32", "--bos-prompts", "6", "--gen-chunk", "6", "--prompt-len", "4",
+        "--gen-len", "5", "--temperatures", "0", "--text-cache", str(cache),
+    ]  # fmt: skip
+    quiet = lambda *_: None  # noqa: E731
+    first = generate(parser().parse_args(argv), log=quiet)
+    assert cache.is_file() and "text_cache" not in first.info
+    again = generate(parser().parse_args(argv), log=quiet)
+    assert (again.sequences, again.prompt_lens) == (first.sequences, first.prompt_lens)
+    assert again.info["text_cache"]["path"] == str(cache)
+    assert again.info["bos_prompts"] == first.info["bos_prompts"] == 6
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in path.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    argv_other = [*argv]
+    argv_other[argv_other.index(str(path))] = str(other)
+    with pytest.raises(ValueError, match=r"text-cache .* made for .*tiny-gemma"):
+        generate(parser().parse_args(argv_other), log=quiet)
+    junk = tmp_path / "junk.pt"
+    torch.save({"tokens": torch.zeros(3)}, junk)
+    argv[argv.index(str(cache))] = str(junk)
+    with pytest.raises(ValueError, match="not a training text"):
+        generate(parser().parse_args(argv), log=quiet)
+
+
 @pytest.mark.slow
 def test_train_drafter_command_end_to_end(gemma, tmp_path):
     from unimem.engine.api import Engine

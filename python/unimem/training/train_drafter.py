@@ -20,6 +20,14 @@
 5. **Output**: the drafter checkpoint directory ``--out`` (``config.json``,
    ``model.safetensors``) and ``training.json`` beside them (the command line, the data
    sizes, the phases' seconds, accept lengths before/after, the head's calibration).
+
+``--text-cache FILE``: the training text of step 1 is written to ``FILE`` (token ids, prompt
+lengths, the command and counts that made it) when ``FILE`` does not exist, and read from it
+instead of generated when it does — generation is the costly step, so recipe variants
+(draft layers, target layers, Markov rank, vocabulary, gamma) train on the same text, each
+run a few seconds of teacher forcing instead of minutes of generation. The held-out
+continuations are always generated (a few dozen). A cache made for another model (another
+vocabulary or model path) is refused.
 """
 
 from __future__ import annotations
@@ -44,7 +52,16 @@ from unimem.training.prompt_sets import read_prompts
 from unimem.training.teacher_forcing import teacher_forced_states
 from unimem.training.trainer import TrainConfig, frequent_tokens, train_drafter
 
-__all__ = ["TargetText", "generate", "main", "parser", "run", "train_on"]
+__all__ = [
+    "TargetText",
+    "generate",
+    "load_text",
+    "main",
+    "parser",
+    "run",
+    "save_text",
+    "train_on",
+]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -91,6 +108,11 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--max-running", type=int, default=None, help="the engine's batch limit")
     g.add_argument("--gen-chunk", type=int, default=1024, help="prompts per generation round")
+    g.add_argument(
+        "--text-cache",
+        help="the training text's file: written after generating when missing, read "
+        "instead of generating when present (module docstring)",
+    )
     g.add_argument(
         "--gen-time-budget",
         type=float,
@@ -161,6 +183,23 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         kwargs["max_running_requests"] = args.max_running
     engine = Engine(**kwargs)
     model = engine.model
+    cache = Path(args.text_cache) if getattr(args, "text_cache", None) else None
+    if cache is not None and cache.exists():
+        seqs, lens, made = load_text(cache, args.model_path, model.config.vocab_size)
+        log(f"data: {len(seqs)} sequences from {cache} (made by: {made['command']})")
+        held_seqs, held_lens = _held_out(engine, args)
+        engine.shutdown()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        info = dict(
+            made["counts"],
+            sequences=len(seqs),
+            heldout_sequences=len(held_seqs),
+            text_cache={"path": str(cache), "made_by": made["command"]},
+            seconds={"bos_prompts": 0.0, "generation": time.perf_counter() - t0},
+        )
+        return TargetText(model, seqs, lens, held_seqs, held_lens, info)
     file_p: list[list[int]] = []
     if args.train_prompts:
         texts = read_prompts(args.train_prompts, args.train_split)
@@ -206,14 +245,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
             "(raise --gen-len, or check the prompts and the model's EOS)"
         )
     file_prompts = min(len(file_p), len(prompts))
-    held_seqs: list[list[int]] = []
-    held_lens: list[int] = []
-    if args.eval_prompts:
-        texts = read_prompts(args.eval_prompts, args.eval_split)[: args.eval_sequences]
-        held_p = encode_prompts(engine, texts, args.max_prompt_len)
-        held_seqs, held_lens = continuations(
-            engine, held_p, args.gen_len, temperatures=(0.0,), seed=args.seed + 2 * 10**6
-        )
+    held_seqs, held_lens = _held_out(engine, args)
     t_gen = time.perf_counter()
     generated = sum(len(s) - p for s, p in zip(seqs, lens, strict=True))
     log(
@@ -234,7 +266,83 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         heldout_sequences=len(held_seqs),
         seconds={"bos_prompts": t_prompts, "generation": t_gen - t0},
     )
+    if cache is not None:
+        counts = {
+            k: info[k] for k in ("prompts", "bos_prompts", "file_prompts", "generated_tokens")
+        }
+        save_text(cache, seqs, lens, args, model.config.vocab_size, counts)
+        log(f"data: training text written to {cache}")
     return TargetText(model, seqs, lens, held_seqs, held_lens, info)
+
+
+def _held_out(engine: Engine, args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    """The held-out prompts' greedy continuations (empty without ``--eval-prompts``)."""
+    if not args.eval_prompts:
+        return [], []
+    texts = read_prompts(args.eval_prompts, args.eval_split)[: args.eval_sequences]
+    held_p = encode_prompts(engine, texts, args.max_prompt_len)
+    return continuations(
+        engine, held_p, args.gen_len, temperatures=(0.0,), seed=args.seed + 2 * 10**6
+    )
+
+
+TEXT_FORMAT = "unimem-drafter-text"
+
+
+def save_text(
+    path: Path,
+    seqs: list[list[int]],
+    lens: list[int],
+    args: argparse.Namespace,
+    vocab: int,
+    counts: dict,
+) -> None:
+    """The training text in ``path`` (``torch.save``: flat int32 tokens, per-sequence lengths
+    and prompt lengths, the model path, its vocabulary, the command and counts)."""
+    flat = torch.tensor([t for s_ in seqs for t in s_], dtype=torch.int32)
+    data = {
+        "format": TEXT_FORMAT,
+        "version": 1,
+        "model_path": str(args.model_path),
+        "vocab_size": vocab,
+        "tokens": flat,
+        "lengths": torch.tensor([len(s_) for s_ in seqs], dtype=torch.int64),
+        "prompt_lens": torch.tensor(lens, dtype=torch.int64),
+        "command": "python -m unimem.training.train_drafter "
+        + (shlex.join(args.argv) if hasattr(args, "argv") else "(called from Python)"),
+        "counts": counts,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(data, tmp)
+    tmp.replace(path)
+
+
+def load_text(path: Path, model_path: str, vocab: int) -> tuple[list[list[int]], list[int], dict]:
+    """``(sequences, prompt lengths, {"command", "counts"})`` from a :func:`save_text` file;
+    ``ValueError`` for another kind of file or text made for another model (path or
+    vocabulary)."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: say which and why
+        raise ValueError(f"--text-cache {path}: not a readable training text ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != TEXT_FORMAT:
+        raise ValueError(f"--text-cache {path}: not a training text written by train_drafter")
+    if data["vocab_size"] != vocab or data["model_path"] != str(model_path):
+        raise ValueError(
+            f"--text-cache {path}: made for {data['model_path']} (vocabulary "
+            f"{data['vocab_size']}), not {model_path} (vocabulary {vocab})"
+        )
+    flat = data["tokens"].tolist()
+    seqs, at = [], 0
+    for n in data["lengths"].tolist():
+        seqs.append(flat[at : at + n])
+        at += n
+    return (
+        seqs,
+        data["prompt_lens"].tolist(),
+        {"command": data["command"], "counts": data["counts"]},
+    )
 
 
 def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
