@@ -181,10 +181,14 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         kwargs["mem_fraction_static"] = args.gen_mem_fraction
     if args.max_running:
         kwargs["max_running_requests"] = args.max_running
+    cache = Path(args.text_cache) if getattr(args, "text_cache", None) else None
+    cached = cache is not None and cache.exists()
+    if cached and args.device == "cuda":
+        # only the held-out prompts are generated: no CUDA graphs to capture for them
+        kwargs["disable_cuda_graph"] = True
     engine = Engine(**kwargs)
     model = engine.model
-    cache = Path(args.text_cache) if getattr(args, "text_cache", None) else None
-    if cache is not None and cache.exists():
+    if cached:
         seqs, lens, made = load_text(cache, args.model_path, model.config.vocab_size)
         log(f"data: {len(seqs)} sequences from {cache} (made by: {made['command']})")
         held_seqs, held_lens = _held_out(engine, args)
