@@ -76,7 +76,7 @@ for k in range(int(sys.argv[2]) + 1):
                  "sequences": t["sequences"], "text_cache": t.get("text_cache")})
 json.dump({"recipes": rows}, open(sys.argv[1], "w"), indent=1)
 for r in rows:
-    print(f"{r['flags']:<28} accept {r.get('accept_after', float('nan')):.3f} "
+    print(f"{r['flags']:<28} accept {r.get('accept_after') or float('nan'):.3f} "
           f"steps {r.get('steps', 0)}")
 PY
 say "done, status $status"
