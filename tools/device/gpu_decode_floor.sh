@@ -22,11 +22,9 @@
 # docs/results/decode_floor_<gpu>.json (h200, h100) when OUT is not given. Exit 1 if any part
 # failed.
 set -uo pipefail
-out=${OUT:-gpu-out}
-mkdir -p "$out"
-log="$out/gpu_decode_floor.log"
-step_timeout=${STEP_TIMEOUT:-540}
 source tools/device/gpu_env.sh
+gpu_outputs gpu_decode_floor
+step_timeout=${STEP_TIMEOUT:-540}
 : "${MODEL:?set MODEL to the model (an HF directory or a .gguf)}"
 parts=${PARTS:-tests floor pdl layer-body sampler}
 status=0

@@ -17,11 +17,9 @@
 # Output: $OUT (or ./gpu-out): drafter_recipes.json (per recipe: flags, held-out accept
 # length before/after, steps, weights bytes) and gpu_drafter_recipes.log.
 set -uo pipefail
-out=${OUT:-gpu-out}
-mkdir -p "$out"
-log="$out/gpu_drafter_recipes.log"
-step_timeout=${STEP_TIMEOUT:-580}
 source tools/device/gpu_env.sh
+gpu_outputs gpu_drafter_recipes
+step_timeout=${STEP_TIMEOUT:-580}
 : "${MODEL:?set MODEL to the target model (a GGUF, a checkpoint directory, or gemma-3-270m)}"
 budget=${BUDGET:-60}
 text=${TEXT_CACHE:-/tmp/drafter_text.pt}

@@ -4,6 +4,7 @@
 #   say MSG...  : a timestamped marker line, printed and appended to $log
 #   run CMD...  : CMD under `timeout $step_timeout`, output printed and appended to $log
 #   gpu_tag     : h200, h100 or gpu (the suffix of a results file: docs/results/NAME_TAG.json)
+#   gpu_outputs NAME : out=$OUT (default ./gpu-out), created; log=$out/NAME.log
 export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # FA4 (CuTe DSL) kernels compiled once per machine, not once per process
@@ -20,4 +21,9 @@ gpu_tag() {
     *H100*) echo h100 ;;
     *) echo gpu ;;
   esac
+}
+gpu_outputs() {
+  out=${OUT:-gpu-out}
+  mkdir -p "$out"
+  log="$out/$1.log"
 }
