@@ -280,12 +280,32 @@ def test_grow_reserves_ahead_only_when_pages_are_needed_and_free(setup):
 
 
 def test_grow_falls_back_to_what_the_targets_need():
+    """Pages ahead come only from pages to spare: not when they do not fit, nor when they
+    would leave fewer free pages than the batch has requests."""
     pool = StaticMemory(HYBRID, 8, 8, 8, max_requests=4, max_context=40, poison=True)
     a = pool.admit(4)
     assert a is not None and len(a.pages) == 1
     assert pool.grow([(a, 5)], lambda: [40])  # 10 pages do not fit in 8: the 2 needed given
     assert len(a.pages) == 2
+    assert pool.grow([(a, 9)], lambda: [32])  # 8 pages fit, but would leave none free
+    assert len(a.pages) == 3
+    assert pool.grow([(a, 13)], lambda: [20])  # 5 pages: 3 free after, taken
+    assert len(a.pages) == 5
     check(pool, [a])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pages_ahead_keep_a_page_per_request_free(kind):
+    """The reserve is taken only while every request of the batch would still find a free
+    page after it."""
+    pool = make_pool(kind)
+    reqs = [pool.admit(4) for _ in range(4)]
+    assert all(r is not None for r in reqs)
+    batch = [(r, 5) for r in reqs]
+    assert pool.grow(batch, lambda: [40] * 4)
+    pages = [len(r.pages) for r in reqs]
+    assert pages == [2] * 4 or pages == [10] * 4  # all or nothing
+    check(pool, reqs)
 
 
 @pytest.mark.parametrize("pos", [-1, 25, 0.5])

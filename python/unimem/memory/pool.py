@@ -499,6 +499,14 @@ class MemoryPool(ABC):
             fit += 1
         return [(None, fit)] if fit else []
 
+    def _alloc_spare(
+        self, todo: list[tuple[RequestMemory, int]], keep_free: int
+    ) -> list[int] | None:
+        """``_alloc(todo, 0)`` for pages handed out ahead of need: only from units free now
+        (nothing moved or evicted for them) and only if ``keep_free`` pages stay free after,
+        else None with nothing changed."""
+        raise NotImplementedError
+
     def _free_for_admission(self) -> tuple[int, int] | None:
         """``(pages, state slots)`` admissions may take in total, for pools whose capacity
         is two counts (:meth:`_plan_admissions`' default); pools that plan otherwise override
@@ -525,10 +533,11 @@ class MemoryPool(ABC):
         ``reserve``, called only when some request needs pages now (most steps need none),
         returns one token count per request, each at least its target (counts past
         ``max_context`` are capped there): every request is then given the pages for its
-        count in the same allocation if the pool has them free, else only what the targets
-        need. A batch then allocates once per several page boundaries instead of at each
-        request's own (each allocation is a few launches and host work); pages held ahead
-        come back with the request."""
+        count in the same allocation if the pool has them to spare (:meth:`_alloc_spare`:
+        free without moving anything, with a page per request of the batch still free
+        after), else only what the targets need. A batch then allocates once per several
+        page boundaries instead of at each request's own (each allocation is a few launches
+        and host work); pages held ahead come back with the request."""
         items = self._check_batch("batch", batch, "tokens")
         targets = [tokens for _, tokens in items]
         if targets and (min(targets) < 1 or max(targets) > self.max_context):
@@ -552,7 +561,7 @@ class MemoryPool(ABC):
                 n = -(-min(r, cap) // p) - len(req.pages)
                 if n > 0:
                     ahead.append((req, n))
-            if ahead != todo and self._grow_by(ahead):
+            if ahead != todo and self._grow_by(ahead, keep_free=len(items)):
                 return True
         return self._grow_by(todo)
 
@@ -572,10 +581,13 @@ class MemoryPool(ABC):
             out.append(r)
         return out
 
-    def _grow_by(self, todo: list[tuple[RequestMemory, int]]) -> bool:
-        """Allocate ``todo``'s pages (all or nothing) and hold them; False if they do not fit."""
+    def _grow_by(self, todo: list[tuple[RequestMemory, int]], keep_free: int | None = None) -> bool:
+        """Allocate ``todo``'s pages (all or nothing) and hold them; False if they do not fit
+        (with ``keep_free``: if they are not to spare, :meth:`_alloc_spare`)."""
         before = [len(req.pages) for req, _ in todo]
-        if self._alloc(todo, 0) is None:
+        spare = keep_free is not None
+        got = self._alloc_spare(todo, keep_free) if spare else self._alloc(todo, 0)
+        if got is None:
             return False
         for (req, _), b in zip(todo, before, strict=True):
             self._hold_fresh(req.pages[b:])

@@ -175,6 +175,14 @@ class StaticMemory(MemoryPool):
         slots = self._slots.free if self._slots is not None else 0
         return (min(pools) if pools else 0), slots
 
+    def _alloc_spare(
+        self, todo: list[tuple[RequestMemory, int]], keep_free: int
+    ) -> list[int] | None:
+        free, _ = self._free_for_admission()
+        if sum(n for _, n in todo) + keep_free > free:
+            return None
+        return self._alloc(todo, 0)
+
     def _alloc(
         self, todo: list[tuple[RequestMemory, int]], n_slots: int, plan: object = None
     ) -> list[int] | None:

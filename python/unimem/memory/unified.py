@@ -335,6 +335,24 @@ class UnifiedMemory(MemoryPool):
             groups.append((group, 1))
         return groups
 
+    def _alloc_spare(
+        self, todo: list[tuple[RequestMemory, int]], keep_free: int
+    ) -> list[int] | None:
+        # bands may take fresh units from their gaps (Extend) but not move (Compact,
+        # Reanchor: copies of units, which would cost more than the allocations that pages
+        # ahead save), for the pages and for keep_free more
+        n_pages = sum(n for _, n in todo)
+        if n_pages + keep_free > self._vpages.free:
+            return None
+        demands = self._demands(n_pages, 0)
+        plan = self.bands.plan(demands)
+        margin = self.bands.plan([(i, m + keep_free) for i, m in demands])
+        if plan is None or margin is None:
+            return None
+        if not all(isinstance(act, Extend) for act in (*plan, *margin)):
+            return None
+        return self._alloc(todo, 0, plan)
+
     def _alloc(
         self, todo: list[tuple[RequestMemory, int]], n_slots: int, plan: object = None
     ) -> list[int] | None:
