@@ -127,6 +127,72 @@ def test_training_on_the_targets_text_raises_the_accept_length(gemma, tmp_path):
     assert (tmp_path / "state" / "train_state.pt").is_file()
 
 
+def test_soft_targets_are_the_targets_own_distribution(gemma):
+    """The teacher-forced soft targets at position ``p`` are the target's ``k`` most probable
+    next tokens after ``tokens[:p + 1]`` (on greedy text the first is ``tokens[p + 1]``),
+    with the probabilities of a whole-sequence forward; nothing past a sequence's end."""
+    _, model = gemma
+    seqs, lens = _text(model, 3, seed=5, gen_len=10)
+    seqs[1] = seqs[1][:14]  # a shorter one: padded in its batch
+    k = 4
+    tf = teacher_forced_states(model, seqs, lens, (1,), soft_top_k=k)
+    assert tf.soft_ids.shape == (3, len(seqs[0]), k)
+    for i, seq in enumerate(seqs):
+        ref = torch.softmax(model.reference_forward([torch.tensor(seq)])[0].double(), -1)
+        top = ref.topk(k, dim=-1)
+        n = len(seq)
+        assert torch.equal(tf.soft_ids[i, :n].long(), top.indices)
+        torch.testing.assert_close(tf.soft_probs[i, :n].double(), top.values, rtol=2e-3, atol=1e-3)
+        greedy = tf.soft_ids[i, lens[i] - 1 : n - 1, 0].long()
+        assert torch.equal(greedy, torch.tensor(seq[lens[i] : n]))
+        assert not tf.soft_probs[i, n:].any()
+    with pytest.raises(ValueError, match="soft_top_k"):
+        teacher_forced_states(model, seqs, lens, (1,), soft_top_k=-1)
+
+
+def test_one_hot_soft_targets_at_the_tokens_leave_the_loss_unchanged(gemma):
+    """Soft targets that put all mass on the next token give the tokens' own cross-entropy,
+    whatever their weight."""
+    from unimem.training.train_forward import distill_losses
+
+    _, model = gemma
+    seqs, lens = _text(model, 4, seed=6, gen_len=12)
+    dc = draft_config_for(model.config, num_layers=1, draft_vocab_size=128)
+    tf = teacher_forced_states(model, seqs, lens, dc.target_layers)
+    d2t = frequent_tokens(tf, 128, model.config.vocab_size)
+    drafter = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=3, d2t=d2t)
+    nxt = torch.cat([tf.tokens[:, 1:], tf.tokens[:, -1:]], dim=1)
+    soft = (nxt[..., None].to(torch.int32), torch.ones(*nxt.shape, 1, dtype=torch.float16))
+    anchors = torch.arange(int(tf.prompt_lens.min()), int(tf.lengths.max()) - 1)
+    args = (drafter, tf.tokens, tf.hidden, anchors, GAMMA, tf.prompt_lens, tf.lengths)
+    plain = distill_losses(*args)
+    mixed = distill_losses(*args, soft=soft, soft_weight=0.7)
+    torch.testing.assert_close(mixed.ce, plain.ce, rtol=1e-5, atol=1e-6)
+
+
+def test_training_with_soft_targets_raises_the_accept_length(gemma):
+    _, model = gemma
+    seqs, lens = _text(model, 96, seed=1)
+    held_seqs, held_lens = _text(model, 8, seed=2)
+    dc = draft_config_for(model.config, num_layers=1, draft_vocab_size=128)
+    train = teacher_forced_states(model, seqs, lens, dc.target_layers, soft_top_k=8)
+    held = teacher_forced_states(model, held_seqs, held_lens, dc.target_layers)
+    d2t = frequent_tokens(train, 128, model.config.vocab_size)
+    start = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=17, d2t=d2t)
+    cfg = TrainConfig(
+        steps=100, batch=16, anchors_per_step=16, gamma=GAMMA, lr=1e-2, warmup=10,
+        eval_every=100, save_every=100, head_steps=0, progress=False, soft_weight=0.5,
+    )  # fmt: skip
+    result = train_drafter(start, train, held, cfg)
+    assert result.accept_after > result.accept_before + 0.5, (
+        result.accept_before,
+        result.accept_after,
+    )
+    bare = teacher_forced_states(model, seqs[:8], lens[:8], dc.target_layers)
+    with pytest.raises(ValueError, match="soft targets"):
+        train_drafter(start, bare, None, cfg)
+
+
 def test_resume_continues_where_it_stopped(gemma, tmp_path):
     _, model = gemma
     seqs, lens = _text(model, 8, seed=3, gen_len=12)

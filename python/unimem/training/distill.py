@@ -129,13 +129,19 @@ class Rollouts:
     """Target greedy continuations, padded to ``S``: ``tokens [N, S]`` (prompt + output),
     ``hidden[i] [N, S, d_model]`` the residual stream after ``layers[i]`` at every position
     the target ran (all but the last token; zeros past it), ``prompt_lens [N]``,
-    ``lengths [N]`` (tokens of each sequence)."""
+    ``lengths [N]`` (tokens of each sequence). Optionally the target's own next-token
+    distribution at every position, its ``k`` most probable tokens: ``soft_ids [N, S, k]``
+    (target ids, most probable first) and ``soft_probs [N, S, k]`` (their probabilities;
+    zeros past each sequence) — the soft targets of :func:`~unimem.training.train_forward.
+    distill_losses`."""
 
     tokens: torch.Tensor
     hidden: list[torch.Tensor]
     prompt_lens: torch.Tensor
     lengths: torch.Tensor
     layers: tuple[int, ...]
+    soft_ids: torch.Tensor | None = None
+    soft_probs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -153,6 +159,8 @@ class Rollouts:
             take(self.prompt_lens),
             take(self.lengths),
             self.layers,
+            None if self.soft_ids is None else take(self.soft_ids),
+            None if self.soft_probs is None else take(self.soft_probs),
         )
 
 

@@ -36,13 +36,18 @@ from unimem.models.forward_context import (
 )
 from unimem.training.distill import Rollouts
 
-__all__ = ["BatchedSequencesContext", "teacher_forced_states"]
+__all__ = ["SOFT_BATCH_TOKENS", "BatchedSequencesContext", "teacher_forced_states"]
+
+SOFT_BATCH_TOKENS = {False: 4096, True: 512}
+"""Tokens per teacher-forced forward with soft targets (GPU, CPU): every row's logits are
+held at once (4096 x a 262 144-token vocabulary: 4 GiB in float32)."""
 
 
 class BatchedSequencesContext(ForwardContext):
     """``batch`` sequences of ``length`` tokens each, one extend from an empty cache (module
     docstring). Records the residual streams of ``layers`` (``captured[i] [B * S, d]``).
-    Logits only for each sequence's last row. No GDN layers (``gdn`` raises)."""
+    Logits for each sequence's last row, or with ``all_logits`` for every row. No GDN
+    layers (``gdn`` raises)."""
 
     def __init__(
         self,
@@ -51,11 +56,13 @@ class BatchedSequencesContext(ForwardContext):
         length: int,
         layers: Sequence[int],
         device: torch.device | str,
+        all_logits: bool = False,
     ) -> None:
         dev = torch.device(device)
         positions = torch.arange(length, device=dev).repeat(batch)
         cu = torch.arange(batch + 1, device=dev, dtype=torch.int64) * length
-        super().__init__(ForwardMode.EXTEND, positions, cu, cu[1:] - 1)
+        rows = torch.arange(batch * length, device=dev) if all_logits else cu[1:] - 1
+        super().__init__(ForwardMode.EXTEND, positions, cu, rows)
         self.config = config
         self.batch, self.length = batch, length
         self.layers = set(layers)
@@ -122,12 +129,18 @@ def teacher_forced_states(
     layers: Sequence[int],
     *,
     max_batch_tokens: int | None = None,
+    soft_top_k: int = 0,
 ) -> Rollouts:
     """The residual streams after ``layers`` at every position of every sequence (module
     docstring), ``max_batch_tokens`` padded tokens per forward (default: 4096 on the CPU,
     262 144 on a GPU). ``prompt_lens[i]``: where sequence ``i``'s continuation starts (the
-    first anchor a drafter trains on). ``ValueError`` for an empty sequence, a prompt length
-    outside ``[1, len)``, or a sequence past the target's context."""
+    first anchor a drafter trains on). With ``soft_top_k`` ``k > 0`` also the target's own
+    next-token distribution at every position, its ``k`` most probable tokens
+    (``Rollouts.soft_ids`` / ``soft_probs``: float32 softmax of the logits, stored as float16;
+    the forwards then hold every row's logits, so they take at most
+    :data:`SOFT_BATCH_TOKENS` tokens; models without GDN layers). ``ValueError`` for an
+    empty sequence, a prompt length outside ``[1, len)``, a sequence past the target's
+    context, or soft targets of a model with GDN layers."""
     c, dev = model.config, model.device
     layers = tuple(layers)
     if len(sequences) != len(prompt_lens) or not sequences:
@@ -139,8 +152,15 @@ def teacher_forced_states(
             raise ValueError(f"sequence {i}: {len(seq)} tokens exceed the context {c.max_context}")
     if any(not 0 <= i < c.num_layers for i in layers):
         raise ValueError(f"layers {layers} out of range for a target of {c.num_layers} layers")
+    if soft_top_k < 0 or soft_top_k > c.vocab_size:
+        raise ValueError(f"soft_top_k must be in [0, {c.vocab_size}], got {soft_top_k}")
+    if soft_top_k and c.gdn_layers:
+        raise ValueError("soft targets: models with GDN layers are not supported")
+    cpu = torch.device(dev).type == "cpu"
     if max_batch_tokens is None:
-        max_batch_tokens = 4096 if torch.device(dev).type == "cpu" else 262_144
+        max_batch_tokens = 4096 if cpu else 262_144
+    if soft_top_k:
+        max_batch_tokens = min(max_batch_tokens, SOFT_BATCH_TOKENS[cpu])
     n = len(sequences)
     longest = max(len(s) for s in sequences)
     tokens = torch.zeros(n, longest, dtype=torch.long)
@@ -148,6 +168,10 @@ def teacher_forced_states(
         tokens[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
     tokens = tokens.to(dev)
     hidden = [torch.zeros(n, longest, c.d_model, dtype=c.dtype, device=dev) for _ in layers]
+    soft_ids = soft_probs = None
+    if soft_top_k:
+        soft_ids = torch.zeros(n, longest, soft_top_k, dtype=torch.int32, device=dev)
+        soft_probs = torch.zeros(n, longest, soft_top_k, dtype=torch.float16, device=dev)
     lens = torch.tensor([len(s) for s in sequences])
     order = torch.argsort(lens, descending=True).tolist()  # similar lengths share a batch
     batched = not c.gdn_layers
@@ -158,13 +182,19 @@ def teacher_forced_states(
         idx = order[start : start + rows]
         start += len(idx)
         if batched:
-            ctx = BatchedSequencesContext(c, len(idx), width, layers, dev)
-            ids = tokens[torch.tensor(idx, device=dev), :width].reshape(-1)
-            model.forward_with_hidden(ids, ctx)
+            rows_t = torch.tensor(idx, device=dev)
+            ctx = BatchedSequencesContext(c, len(idx), width, layers, dev, bool(soft_top_k))
+            ids = tokens[rows_t, :width].reshape(-1)
+            out = model.forward_with_hidden(ids, ctx)
             for h, i in zip(hidden, layers, strict=True):
-                h[torch.tensor(idx, device=dev), :width] = ctx.captured[i].reshape(
-                    len(idx), width, -1
-                )
+                h[rows_t, :width] = ctx.captured[i].reshape(len(idx), width, -1)
+            if soft_top_k:
+                logits = out.logits.float()
+                top, which = logits.topk(soft_top_k, dim=-1)
+                probs = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+                shape = (len(idx), width, soft_top_k)
+                soft_ids[rows_t, :width] = which.reshape(shape).to(torch.int32)
+                soft_probs[rows_t, :width] = probs.reshape(shape).to(torch.float16)
             continue
         cache = DenseCache(c, len(idx), dev)
         slots = [cache.alloc() for _ in idx]
@@ -177,4 +207,9 @@ def teacher_forced_states(
             for h, i in zip(hidden, layers, strict=True):
                 h[r, :m] = ctx.captured[i][offset : offset + m]
             offset += m
-    return Rollouts(tokens, hidden, torch.tensor(list(prompt_lens)), lens, layers)
+    if soft_top_k:  # nothing past each sequence's end
+        past = torch.arange(longest, device=dev)[None, :] >= lens.to(dev)[:, None]
+        soft_probs[past] = 0
+    return Rollouts(
+        tokens, hidden, torch.tensor(list(prompt_lens)), lens, layers, soft_ids, soft_probs
+    )

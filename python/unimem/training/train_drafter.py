@@ -16,7 +16,10 @@
 4. **Training** (:mod:`unimem.training.trainer`): bf16 autocast on CUDA, warm-up and
    cosine, held-out accept length during training, resumable (``--checkpoint-dir``),
    ``--time-budget`` seconds at most; then the confidence head on sequences held out of
-   the drafter's own data.
+   the drafter's own data. With ``--soft-top-k K`` each block row also learns the target's
+   own next-token distribution (its ``K`` most probable tokens, from the teacher-forced
+   pass) with ``--soft-weight`` of the loss: on greedy text that is the verifier's
+   distribution at every row, far more signal per position than its one token.
 5. **Output**: the drafter checkpoint directory ``--out`` (``config.json``,
    ``model.safetensors``) and ``training.json`` beside them (the command line, the data
    sizes, the phases' seconds, accept lengths before/after, the head's calibration).
@@ -140,6 +143,19 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--save-every", type=int, default=t.save_every)
     r.add_argument("--checkpoint-dir", help="resumable training state (continued if present)")
     r.add_argument("--time-budget", type=float, default=None, help="training seconds at most")
+    r.add_argument(
+        "--soft-top-k",
+        type=int,
+        default=0,
+        help="train also on the target's own next-token distribution, its K most probable "
+        "tokens at every position (0: the tokens alone)",
+    )
+    r.add_argument(
+        "--soft-weight",
+        type=float,
+        default=0.5,
+        help="the soft targets' share of the loss (with --soft-top-k)",
+    )
     r.add_argument("--head-steps", type=int, default=t.head_steps)
     r.add_argument("--no-bf16", action="store_true", help="train in float32 on CUDA too")
     r.add_argument("--no-progress", action="store_true")
@@ -368,7 +384,14 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     # the last sixteenth of the training sequences calibrates the confidence head only
     cut = max(1, len(seqs) // 16) if len(seqs) > 1 and args.head_steps else 0
     train_seqs, train_lens = seqs[: len(seqs) - cut], lens[: len(seqs) - cut]
-    train = teacher_forced_states(model, train_seqs, train_lens, dc.target_layers)
+    if args.soft_top_k < 0 or not 0.0 <= args.soft_weight <= 1.0:
+        raise ValueError(
+            f"--soft-top-k must be >= 0 and --soft-weight in [0, 1], got "
+            f"{args.soft_top_k} and {args.soft_weight}"
+        )
+    train = teacher_forced_states(
+        model, train_seqs, train_lens, dc.target_layers, soft_top_k=args.soft_top_k
+    )
     calib = None
     if cut:
         calib = teacher_forced_states(model, seqs[-cut:], lens[-cut:], dc.target_layers)
@@ -401,6 +424,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         head_steps=args.head_steps,
         seed=args.seed,
         progress=not args.no_progress,
+        soft_weight=args.soft_weight if args.soft_top_k else 0.0,
     )
     result = train_drafter(drafter, train, held, cfg, calibration=calib, log=log)
     out = Path(args.out)
@@ -424,6 +448,8 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
             "ffn_dim": dc.ffn_dim,
             "draft_vocab_size": dc.draft_vocab_size,
             "gamma": args.gamma,
+            "soft_top_k": args.soft_top_k,
+            "soft_weight": args.soft_weight if args.soft_top_k else 0.0,
         },
         weights_bytes=weights,
         # every evaluation and every 50th step: the file ships beside the drafter

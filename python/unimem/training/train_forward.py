@@ -205,10 +205,20 @@ def distill_losses(
     gamma: int,
     first_anchor: torch.Tensor,
     lengths: torch.Tensor,
+    soft: tuple[torch.Tensor, torch.Tensor] | None = None,
+    soft_weight: float = 0.0,
 ) -> DistillLoss:
     """:func:`distill_loss` and, for a drafter with a confidence head, its binary
     cross-entropy against :func:`confidence_targets` over the same entries (module
-    docstring)."""
+    docstring).
+
+    ``soft = (ids, probs)`` (``[B, S, k]``: the target's ``k`` most probable next tokens at
+    every position and their probabilities, :class:`~unimem.training.distill.Rollouts`'s
+    ``soft_ids`` / ``soft_probs``) with ``soft_weight`` ``w > 0``: each entry's loss is
+    ``(1 - w)`` times its cross-entropy against the token plus ``w`` times its cross-entropy
+    against the target's distribution at the previous position — the one that picked the
+    token — over its ``k`` tokens that the drafter can propose, renormalised (none of them:
+    no term). On greedy text that distribution is the verifier's at every block row."""
     base, h = block_forward_dense(drafter, tokens, hidden, anchors, gamma)
     b, s = tokens.shape
     anchors = anchors.to(tokens.device).long()
@@ -225,13 +235,26 @@ def distill_losses(
     # under a reduced vocabulary a target outside it has no class: no cross-entropy term,
     # and its draft is never accepted (the confidence target is 0)
     target = drafter.to_draft(target)
-    in_vocab = target < logits.shape[-1]
-    ce = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        target.clamp(max=logits.shape[-1] - 1).reshape(-1),
-        reduction="none",
-    ).reshape(valid.shape)
-    ce = ce * in_vocab
+    vocab = logits.shape[-1]
+    in_vocab = target < vocab
+    if soft is None or soft_weight <= 0:
+        ce = F.cross_entropy(
+            logits.reshape(-1, vocab),
+            target.clamp(max=vocab - 1).reshape(-1),
+            reduction="none",
+        ).reshape(valid.shape)
+        ce = ce * in_vocab
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+        ce = -logp.gather(-1, target.clamp(max=vocab - 1)[..., None])[..., 0] * in_vocab
+        soft_ids, soft_probs = soft
+        k = soft_ids.shape[-1]
+        at = idx(prev_pos)
+        dids = drafter.to_draft(soft_ids[:, at].reshape(b, *prev_pos.shape, k))
+        p = soft_probs[:, at].reshape(b, *prev_pos.shape, k).float() * (dids < vocab)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+        soft_ce = -(p * logp.gather(-1, dids.clamp(max=vocab - 1))).sum(-1)
+        ce = (1.0 - soft_weight) * ce + soft_weight * soft_ce
     n = int(valid.sum())
     survival = accepted = None
     bce = ce.sum() * 0.0

@@ -78,6 +78,9 @@ class TrainConfig:
     head_lr: float = 3e-3
     seed: int = 0
     progress: bool = True
+    soft_weight: float = 0.0
+    """Weight of the soft-target cross-entropy (needs the data's ``soft_ids``/``soft_probs``;
+    :func:`~unimem.training.train_forward.distill_losses`); 0: the tokens alone."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "gamma", "eval_every", "save_every"):
@@ -92,6 +95,8 @@ class TrainConfig:
             raise ValueError("TrainConfig.anchors_per_step must be None or >= 1")
         if not self.lr > 0 or not self.head_lr > 0:
             raise ValueError("TrainConfig.lr and head_lr must be > 0")
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise ValueError(f"TrainConfig.soft_weight must be in [0, 1], got {self.soft_weight}")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"TrainConfig.time_budget_s must be > 0, got {self.time_budget_s}")
 
@@ -210,6 +215,8 @@ def _batch(data: Rollouts, idx: torch.Tensor, gamma: int) -> Rollouts:
         part.prompt_lens,
         part.lengths,
         part.layers,
+        None if part.soft_ids is None else part.soft_ids[:, :width],
+        None if part.soft_probs is None else part.soft_probs[:, :width],
     )
 
 
@@ -256,6 +263,14 @@ def train_drafter(
             f"training data has the states of layers {train.layers}, the drafter reads "
             f"{drafter.config.target_layers}"
         )
+    if cfg.soft_weight > 0 and train.soft_ids is None:
+        raise ValueError("TrainConfig.soft_weight > 0 needs soft targets in the training data")
+
+    def soft(part: Rollouts) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if cfg.soft_weight <= 0 or part.soft_ids is None:
+            return None
+        return part.soft_ids, part.soft_probs
+
     dev = train.tokens.device
     dtype = drafter.config.dtype
     master = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -311,7 +326,8 @@ def train_drafter(
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
                 out = distill_losses(
                     student, part.tokens, part.hidden, anchors, cfg.gamma,
-                    part.prompt_lens, part.lengths,
+                    part.prompt_lens, part.lengths, soft=soft(part),
+                    soft_weight=cfg.soft_weight,
                 )  # fmt: skip
             opt.zero_grad(set_to_none=True)
             (out.ce + out.bce).backward()
