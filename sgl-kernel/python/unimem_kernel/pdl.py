@@ -50,7 +50,6 @@ __all__ = [
     "AFTER_STORES",
     "EARLY",
     "OFF",
-    "enabled",
     "launch_dependents",
     "launch_options",
     "mode",
@@ -96,11 +95,6 @@ def mode(t: torch.Tensor) -> int:
             )
         return OFF
     return wanted
-
-
-def enabled(t: torch.Tensor) -> bool:
-    """Whether a kernel over ``t`` launches with PDL (:func:`mode` is not :data:`OFF`)."""
-    return mode(t) != OFF
 
 
 def launch_options(pdl_mode: int) -> dict:
