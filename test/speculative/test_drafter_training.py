@@ -295,6 +295,39 @@ def test_generation_budget_keeps_the_first_round_and_stops_between_rounds(gemma,
     text = generate(parser().parse_args(argv), log=lambda *_: None)
     assert text.info["prompts"] == 4  # one round of --gen-chunk, then the budget stops it
     assert 0 < len(text.sequences) == len(text.prompt_lens) <= 4
+    seconds = text.info["seconds"]  # the engine's start-up is reported apart
+    assert 0 < seconds["engine_start"] < seconds["generation"]
+    assert text.info["continuation_tok_s"] > 0
+
+
+def test_generating_engine_admits_in_batches(gemma, tmp_path, monkeypatch):
+    """The generating engine runs the prefill delayer (``--gen-delay-passes``; 0 turns it
+    off), with the same text either way."""
+    from unimem.engine import api
+    from unimem.training.train_drafter import generate, parser
+
+    path, _ = gemma
+    made = []
+    real = api.Engine.__init__
+
+    def spy(self, *a, **kw):
+        made.append(kw)
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(api.Engine, "__init__", spy)
+    argv = [
+        "--model-path", str(path), "--out", str(tmp_path / "d"), "--device", "cpu",
+        "--dtype", "float32", "--bos-prompts", "8", "--gen-chunk", "8", "--prompt-len", "4",
+        "--gen-len", "6", "--temperatures", "0,1", "--max-running", "3",
+    ]  # fmt: skip
+    quiet = lambda *_: None  # noqa: E731
+    held = generate(parser().parse_args([*argv, "--gen-delay-passes", "5"]), log=quiet)
+    plain = generate(parser().parse_args([*argv, "--gen-delay-passes", "0"]), log=quiet)
+    assert made[0]["enable_prefill_delayer"] and made[0]["prefill_delayer_max_delay_passes"] == 5
+    assert "enable_prefill_delayer" not in made[1]
+    assert held.sequences == plain.sequences
+    with pytest.raises(ValueError, match="--gen-delay-passes"):
+        generate(parser().parse_args([*argv, "--gen-delay-passes", "-1"]), log=quiet)
 
 
 def test_text_cache_is_written_once_then_read_instead_of_generating(gemma, tmp_path):

@@ -302,6 +302,7 @@ class Engine:
             cuda_graphs=cuda_graphs,
             logprobs=True,
             random_seed=args.random_seed,
+            prefill_delayer=args.prefill_delayer(),
         )
         if groups is not None and groups.rank == 0:
             self.core = LeaderCore(*core_args, groups=groups, **core_kwargs)
@@ -494,6 +495,7 @@ class Engine:
             "capacity_bytes": stats.capacity_bytes,
             "disable_radix_cache": self.args.disable_radix_cache,
             "prefix_cache": self.cache_stats(),
+            "enable_prefill_delayer": self.args.enable_prefill_delayer,
         }
 
     def shutdown(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES, PrefillDelayer
 from unimem.models.model_path import DEFAULT_MODEL
 
 __all__ = ["EngineArgs", "UNSUPPORTED_SGLANG_ARGS", "SWA_FULL_TOKENS_RATIO"]
@@ -45,6 +46,15 @@ UNSUPPORTED_SGLANG_ARGS = frozenset(
     }
 )
 """SGLang arguments unimem does not implement: passing one is an error naming it."""
+
+PREFILL_DELAYER_DEFAULTS = {
+    "prefill_delayer_max_delay_passes": DEFAULT_MAX_DELAY_PASSES,
+    "prefill_delayer_token_usage_low_watermark": None,
+    "prefill_delayer_queue_min_ratio": None,
+    "prefill_delayer_max_delay_ms": None,
+}
+"""The ``prefill_delayer_*`` arguments and their defaults: setting one needs
+``enable_prefill_delayer``."""
 
 SPECULATIVE_ALGORITHMS = ("DSPARK",)
 QUANTIZATION_METHODS = ("fp8",)
@@ -104,6 +114,13 @@ class EngineArgs:
     at load (block-wise FP8 weights, per-token-group activations); an FP8 checkpoint
     (``quantization_config``) runs in FP8 with or without it
     (:mod:`unimem.models.quant_config`).
+    ``enable_prefill_delayer`` (SGLang's name; off by default): while a saturated batch
+    decodes, hold admissions back until a batch's worth of lanes is free, at most
+    ``prefill_delayer_max_delay_passes`` forward passes in a row; admit at once while the
+    pool's usage is below ``prefill_delayer_token_usage_low_watermark``; with
+    ``prefill_delayer_queue_min_ratio``, also hold while fewer requests wait than that ratio
+    of the running ones, at most ``prefill_delayer_max_delay_ms`` per episode
+    (:mod:`unimem.engine.prefill_delay`).
     """
 
     model_path: str | None = None
@@ -135,6 +152,11 @@ class EngineArgs:
     speculative_verify_budget: int | None = None
     enable_deterministic_inference: bool = False
     quantization: str | None = None
+    enable_prefill_delayer: bool = False
+    prefill_delayer_max_delay_passes: int = DEFAULT_MAX_DELAY_PASSES
+    prefill_delayer_token_usage_low_watermark: float | None = None
+    prefill_delayer_queue_min_ratio: float | None = None
+    prefill_delayer_max_delay_ms: float | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -216,6 +238,7 @@ class EngineArgs:
             )
         self._check_verify_lengths()
         self._check_radix_cache()
+        self._check_prefill_delayer()
         if self.cuda_graph_max_bs is not None and self.device != "cuda":
             raise ValueError("cuda_graph_max_bs applies to device cuda only")
         if self.enable_deterministic_inference and self.device != "cuda":
@@ -255,6 +278,48 @@ class EngineArgs:
                 f"mamba_track_interval must be a multiple of page_size {self.page_size}, "
                 f"got {interval}"
             )
+
+    def _check_prefill_delayer(self) -> None:
+        if not isinstance(self.enable_prefill_delayer, bool):
+            raise ValueError(
+                f"enable_prefill_delayer must be a bool, got {self.enable_prefill_delayer!r}"
+            )
+        given = [
+            name
+            for name, default in PREFILL_DELAYER_DEFAULTS.items()
+            if getattr(self, name) != default
+        ]
+        if given and not self.enable_prefill_delayer:
+            raise ValueError(f"{given[0]} needs enable_prefill_delayer")
+        if not self.enable_prefill_delayer:
+            return
+        self.prefill_delayer()  # ValueError naming a bad value
+        ratio = self.prefill_delayer_queue_min_ratio
+        if self.prefill_delayer_max_delay_ms is not None and ratio is None:
+            raise ValueError(
+                "prefill_delayer_max_delay_ms caps the queue trigger: it needs "
+                "prefill_delayer_queue_min_ratio"
+            )
+        if ratio is not None and self.tp_size > 1:
+            raise ValueError(
+                "prefill_delayer_queue_min_ratio is not supported with tp_size > 1 (its "
+                "wall-clock cap would differ between the ranks, which schedule alike)"
+            )
+
+    def prefill_delayer(self) -> PrefillDelayer | None:
+        """The :class:`~unimem.engine.prefill_delay.PrefillDelayer` these arguments ask for
+        (a new one: it keeps per-run counters), or None when it is off."""
+        if not self.enable_prefill_delayer:
+            return None
+        try:
+            return PrefillDelayer(
+                self.prefill_delayer_max_delay_passes,
+                self.prefill_delayer_token_usage_low_watermark,
+                self.prefill_delayer_queue_min_ratio,
+                self.prefill_delayer_max_delay_ms,
+            )
+        except ValueError as e:  # name the argument as the caller spelled it
+            raise ValueError(f"prefill_delayer_{e}") from None
 
     @property
     def checkpoint_interval_pages(self) -> int:

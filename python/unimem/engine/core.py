@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
 from unimem.engine.batch import Batch
+from unimem.engine.prefill_delay import PrefillDelayer
 from unimem.engine.request import Request
 from unimem.engine.runner import ModelRunner
 from unimem.engine.sampling import GREEDY, SamplingOptions, default_seed, seed_to_int64
@@ -54,6 +55,9 @@ class EngineCore:
     ``random_seed``: requests submitted without a seed get one drawn from it and their
     request id (:func:`~unimem.engine.sampling.default_seed`), so a run is reproducible.
 
+    ``prefill_delayer``: hold admissions back while a saturated batch decodes
+    (:mod:`unimem.engine.prefill_delay`); None: admit whenever something fits.
+
     With results read one step late, a speculative request may run one verify step past its
     end (its in-flight step finished it): every request reserves ``lookahead`` (``gamma + 1``)
     tokens of context and memory beyond its write window for that step.
@@ -73,6 +77,7 @@ class EngineCore:
         graph_buckets: Sequence[int] | None = None,
         logprobs: bool = False,
         random_seed: int = 0,
+        prefill_delayer: PrefillDelayer | None = None,
     ) -> None:
         self.model = model
         self.random_seed = random_seed
@@ -90,6 +95,7 @@ class EngineCore:
             chunk_size,
             gamma=chain.gamma if chain is not None else None,
             cache=cache,
+            delayer=prefill_delayer,
         )
         self.runner = ModelRunner(
             model,

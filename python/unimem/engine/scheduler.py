@@ -20,6 +20,10 @@ Policy (deterministic: the same requests and the same capacity give the same bat
   memory is released and it goes back to the front of the queue, to be recomputed from its
   prompt and the output so far. After a retraction no request is admitted until one finishes
   (otherwise the retracted request would be readmitted at once and thrash).
+- With a :class:`~unimem.engine.prefill_delay.PrefillDelayer` (``delayer``), a pass may admit
+  nothing while a saturated batch decodes, so that admissions come in batches (SGLang's
+  prefill delayer; the policy is that module's). It decides once per :meth:`next_batch`;
+  a pass that finds nothing running after reading results admits anyway.
 - Every step, SWA pages behind each request's window are retired (one launch).
 - An internal fault of the allocator (:class:`~unimem.memory.errors.InternalError`, raised
   with the pool left as it was) fails only the request it met: admissions and the step's
@@ -66,6 +70,7 @@ from itertools import islice, repeat
 from typing import TYPE_CHECKING
 
 from unimem.engine.batch import Batch
+from unimem.engine.prefill_delay import PrefillDelayer
 from unimem.engine.request import InFlight, Request, RequestStatus
 from unimem.memory.errors import InternalError, require
 from unimem.memory.pool import MemoryPool, RequestMemory, pages_for
@@ -84,6 +89,7 @@ class Scheduler:
         chunk_size: int,
         gamma: int | None = None,
         cache: PrefixCache | None = None,
+        delayer: PrefillDelayer | None = None,
     ) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
@@ -96,6 +102,7 @@ class Scheduler:
         self.gamma = gamma
         self.pool = pool
         self.cache = cache
+        self.delayer = delayer
         # Anchor points of the cache: committed lengths that are multiples of this.
         self.anchor_tokens = pool.page_size * cache.checkpoint_interval if cache else 0
         # Checkpoints of STATE layers are snapshots taken at launch (see launched / _insert).
@@ -149,8 +156,12 @@ class Scheduler:
         through :meth:`complete` / :meth:`complete_verify`) and says whether there were any:
         it is called when nothing can be planned from bounds or a planned batch does not fit.
         """
+        hold = self._hold_admissions()
         while True:
-            self._admit()
+            # a pass that found its requests all finished (drain) has nothing to hold for
+            admitted = self._admit() if not (hold and self.running) else 0
+            if admitted and self.delayer is not None:
+                self.delayer.admitted(admitted)
             batch = self._plan()
             if batch is None:
                 if drain is not None and drain():
@@ -345,10 +356,29 @@ class Scheduler:
 
     # --- policy pieces ---------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _hold_admissions(self) -> bool:
+        """Whether this pass admits nothing (the delayer's decision; False without one, and
+        while admission is paused after a retraction, which admits nothing anyway)."""
+        if self.delayer is None or self._admission_paused:
+            return False
+        stats = self.pool.stats
+        return self.delayer.hold(
+            waiting=len(self.waiting),
+            running=len(self.running),
+            max_running=self.max_running,
+            usage=stats.used_bytes / stats.capacity_bytes if stats.capacity_bytes else 0.0,
+        )
+
+    def _admit(self) -> int:
+        """Admit what fits (FIFO); how many were admitted."""
+        before = len(self.running)
         if self.cache is None:
             self._admit_without_cache()
-            return
+        else:
+            self._admit_with_cache()
+        return len(self.running) - before
+
+    def _admit_with_cache(self) -> None:
         while self.waiting and len(self.running) < self.max_running and not self._admission_paused:
             req = self.waiting[0]
             try:

@@ -20,6 +20,7 @@ from unimem.engine.args import (
     VERIFY_LENGTHS,
     EngineArgs,
 )
+from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES
 from unimem.serve.data_parallel import ROUTER_POLICIES
 
 __all__ = ["CliError", "ServerOptions", "build_parser", "parse_args", "SGLANG_ONLY_FLAGS"]
@@ -184,6 +185,33 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         type=int,
         help="tokens between cached recurrent-state checkpoints (models with STATE layers; "
         "a multiple of --page-size; default 512 rounded down to whole pages)",
+    )
+    mem.add_argument(
+        "--enable-prefill-delayer",
+        action="store_true",
+        help="while a saturated batch decodes, admit new requests in batches rather than "
+        "one extend step per finished request (costs time to first token)",
+    )
+    mem.add_argument(
+        "--prefill-delayer-max-delay-passes",
+        type=int,
+        default=DEFAULT_MAX_DELAY_PASSES,
+        help="most forward passes in a row that admit nothing",
+    )
+    mem.add_argument(
+        "--prefill-delayer-token-usage-low-watermark",
+        type=float,
+        help="admit at once while the pool's usage is below this share",
+    )
+    mem.add_argument(
+        "--prefill-delayer-queue-min-ratio",
+        type=float,
+        help="also hold while fewer requests wait than this ratio of the running ones",
+    )
+    mem.add_argument(
+        "--prefill-delayer-max-delay-ms",
+        type=float,
+        help="wall-clock cap of one queue-ratio hold (default 5000)",
     )
     r = p.add_argument_group("runtime")
     r.add_argument(

@@ -407,6 +407,7 @@ class EngineLoop:
             "prompt_throughput": (c.prompt_tokens - hist[0][1]) / span if span > 0 else 0.0,
             "generation_throughput": (c.generation_tokens - hist[0][2]) / span if span > 0 else 0.0,
             "prefix_cache": cache_stats(self.core),
+            "prefill_delayer": None if sched.delayer is None else sched.delayer.stats(),
             "engine_error": self.error,
         }
 

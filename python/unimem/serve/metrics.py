@@ -5,7 +5,8 @@ Gauges and totals come from the engine thread's snapshot at scrape time
 (:meth:`~unimem.serve.engine_loop.EngineLoop.snapshot`): running and queued requests, tokens
 in use per kind (FULL / SWA pages as tokens, STATE as slots), arena occupancy and bytes,
 compactions, retractions, prefix-cache hit rate (and, with the cache on, the tokens and
-checkpoints it holds and its evictions), speculative accept length, prompt and
+checkpoints it holds and its evictions), with ``--enable-prefill-delayer`` its held passes
+and ended episodes by outcome, speculative accept length, prompt and
 generation tokens (totals and throughput over the last seconds). Histograms are observed by
 the engine thread as tokens come out: time to first token (from the HTTP request's arrival),
 inter-token latency (per token: the gap between two deliveries over the tokens delivered),
@@ -142,6 +143,21 @@ class _SnapshotCollector:
                 "Prefix-cache entries evicted for memory.",
                 cache["evictions"],
             )
+        delayer = s.get("prefill_delayer")
+        if delayer is not None:
+            yield c(
+                "unimem:prefill_delayer_held_passes",
+                "Forward passes that admitted nothing while a saturated batch decoded.",
+                delayer["held_passes"],
+            )
+            episodes = CounterMetricFamily(
+                "unimem:prefill_delayer_episodes",
+                "Ended runs of held passes, by what ended them.",
+                labels=[*self.label_names, "outcome"],
+            )
+            for outcome, n in delayer["outcomes"].items():
+                episodes.add_metric([*self.label_values, outcome], n)
+            yield episodes
         finished = CounterMetricFamily(
             "unimem:requests_finished",
             "Finished requests by the finish reason their responses report.",

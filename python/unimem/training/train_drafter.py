@@ -5,7 +5,9 @@
    prompts of ``--train-prompts`` (its ``--train-split``, never the held-out one); each
    continued by the target through unimem's Engine, batched, greedy and sampled
    (``--temperatures``, default 0, 0.7 and 1.0 in turn), ``--gen-len`` tokens, in rounds of
-   ``--gen-chunk`` prompts until all are done or ``--gen-time-budget`` is spent. The held-out
+   ``--gen-chunk`` prompts until all are done or ``--gen-time-budget`` is spent; the engine
+   admits new prompts in batches (its prefill delayer, ``--gen-delay-passes``), since
+   continuations end at ``<eos>`` a few at a time. The held-out
    prompts (``--eval-prompts``, ``--eval-split``) get greedy continuations: the yardstick,
    never trained on.
 2. **States**: the target's residual streams at the drafter's ``--target-layers``,
@@ -22,7 +24,8 @@
    distribution at every row, far more signal per position than its one token.
 5. **Output**: the drafter checkpoint directory ``--out`` (``config.json``,
    ``model.safetensors``) and ``training.json`` beside them (the command line, the data
-   sizes, the phases' seconds, accept lengths before/after, the head's calibration).
+   sizes, the phases' seconds — the generating engine's start-up apart — and the
+   continuations' tokens per second, accept lengths before/after, the head's calibration).
 
 ``--text-cache FILE``: the training text of step 1 is written to ``FILE`` (token ids, prompt
 lengths, the command and counts that made it) when ``FILE`` does not exist, and read from it
@@ -47,6 +50,7 @@ from pathlib import Path
 import torch
 
 from unimem.engine.api import Engine
+from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES
 from unimem.models.base import CausalLM
 from unimem.speculative.checkpoint import save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
@@ -111,6 +115,13 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--max-running", type=int, default=None, help="the engine's batch limit")
     g.add_argument("--gen-chunk", type=int, default=1024, help="prompts per generation round")
+    g.add_argument(
+        "--gen-delay-passes",
+        type=int,
+        default=DEFAULT_MAX_DELAY_PASSES,
+        help="the generating engine's prefill delayer: admissions wait at most this many "
+        "passes for a batch of free lanes (0: admit whenever one is free)",
+    )
     g.add_argument(
         "--text-cache",
         help="the training text's file: written after generating when missing, read "
@@ -197,12 +208,21 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         kwargs["mem_fraction_static"] = args.gen_mem_fraction
     if args.max_running:
         kwargs["max_running_requests"] = args.max_running
+    if args.gen_delay_passes < 0:
+        raise ValueError(f"--gen-delay-passes must be >= 0, got {args.gen_delay_passes}")
+    if args.gen_delay_passes:
+        # continuations end at <eos> a few at a time: admit them in batches (one extend
+        # step each) rather than one eager extend step per finished request
+        kwargs["enable_prefill_delayer"] = True
+        kwargs["prefill_delayer_max_delay_passes"] = args.gen_delay_passes
     cache = Path(args.text_cache) if getattr(args, "text_cache", None) else None
     cached = cache is not None and cache.exists()
     if cached and args.device == "cuda":
         # only the held-out prompts are generated: no CUDA graphs to capture for them
         kwargs["disable_cuda_graph"] = True
     engine = Engine(**kwargs)
+    t_start = time.perf_counter() - t0  # loading, kernel compilation, graph capture
+    log(f"data: generating engine started in {t_start:.1f} s")
     model = engine.model
     if cached:
         seqs, lens, made = load_text(cache, args.model_path, model.config.vocab_size)
@@ -217,7 +237,11 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
             sequences=len(seqs),
             heldout_sequences=len(held_seqs),
             text_cache={"path": str(cache), "made_by": made["command"]},
-            seconds={"bos_prompts": 0.0, "generation": time.perf_counter() - t0},
+            seconds={
+                "engine_start": t_start,
+                "bos_prompts": 0.0,
+                "generation": time.perf_counter() - t0,
+            },
         )
         return TargetText(model, seqs, lens, held_seqs, held_lens, info)
     file_p: list[list[int]] = []
@@ -234,6 +258,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
     lens: list[int] = []
     made_bos = 0
     t_prompts = 0.0
+    t_cont = 0.0  # seconds of continuation rounds (their <bos> prompts excluded)
     t_rounds = time.perf_counter()
     while len(prompts) < len(file_p) + args.bos_prompts:
         spent = time.perf_counter() - t_rounds
@@ -241,6 +266,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
             log(f"data: --gen-time-budget reached after {len(prompts)} prompts ({spent:.1f} s)")
             break
         t_round = time.perf_counter()
+        t_before = t_prompts
         chunk = file_p[len(prompts) : len(prompts) + args.gen_chunk]
         if len(chunk) < args.gen_chunk and made_bos < args.bos_prompts:
             k = min(args.gen_chunk - len(chunk), args.bos_prompts - made_bos)
@@ -256,6 +282,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
             temperatures=args.temperatures,
             seed=args.seed + 10**6 + len(prompts),
         )
+        t_cont += time.perf_counter() - t_round - (t_prompts - t_before)
         prompts += chunk
         seqs += s_
         lens += l_
@@ -284,7 +311,8 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         sequences=len(seqs),
         generated_tokens=generated,
         heldout_sequences=len(held_seqs),
-        seconds={"bos_prompts": t_prompts, "generation": t_gen - t0},
+        seconds={"engine_start": t_start, "bos_prompts": t_prompts, "generation": t_gen - t0},
+        continuation_tok_s=round(generated / t_cont) if t_cont > 0 else None,
     )
     if cache is not None:
         counts = {
