@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 47 on one GPU, one device call, from the repository root:
 #   MODEL=/path/to/model [GGUF=/path/to/model.gguf] [LLAMA_BIN=/tmp/llcpp/llama.cpp/build/bin] \
-#   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor pdl layer-body sampler sweep"] bash tools/device/gpu_decode_floor.sh
+#   [PROMPTS=file] [COMPILE=1] [PARTS="tests floor pdl layer-body sampler sweep wide"] bash tools/device/gpu_decode_floor.sh
 # tests: the GPU tests of the fused kernels (post-norm + add + norm, q/k norms inside the
 #   RoPE + K/V store, gpt-oss's clamped SwiGLU with its biases, norm_linear, the split-KV
 #   attention, the split Gumbel draw, moe_combine) at real shapes (batch invariance included)
@@ -17,6 +17,9 @@
 #   in its ten launches), to set against floor's one-row norm_linear body -> decode_floor_layered.json;
 # sweep: sgl-kernel/benchmark/bench_norm_gemv.py (norm_linear's tiles against the launches it
 #   replaces, 1 / 8 / 16 rows) -> bench_norm_gemv.json and norm_gemv_configs.json;
+# wide: the same bench at 128 and 512 requests (no llama.cpp, no synthetic model) ->
+#   decode_floor_wide.json: the step's wall and GPU time and kernels where the drafter's
+#   training text is generated (512 lanes ran at ~17k tok/s there, 48 at ~45k: which part grows);
 # sampler: `python -m unimem bench sampler` (bounded top-k against the whole-row sort) -> sampler.json.
 # Output: $OUT (or ./gpu-out): decode_floor.json and gpu_decode_floor.log; also copied to
 # docs/results/decode_floor_<gpu>.json (h200, h100) when OUT is not given. Exit 1 if any part
@@ -51,6 +54,11 @@ for part in $parts; do
             --no-synthetic)
       [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
       run env UNIMEM_NORM_LINEAR_ROWS=0 python3 -m unimem bench decode-floor "${args[@]}" || status=1 ;;
+    wide)
+      args=(--model-path "$MODEL" --json "$out/decode_floor_wide.json" --concurrency 128,512
+            --no-synthetic)
+      [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
+      run python3 -m unimem bench decode-floor "${args[@]}" || status=1 ;;
     sweep)
       run python3 sgl-kernel/benchmark/bench_norm_gemv.py --rows 1,8,16 \
         --json "$out/bench_norm_gemv.json" --configs-out "$out/norm_gemv_configs.json" || status=1 ;;
