@@ -17,9 +17,10 @@
 #   in its ten launches), to set against floor's one-row norm_linear body -> decode_floor_layered.json;
 # sweep: sgl-kernel/benchmark/bench_norm_gemv.py (norm_linear's tiles against the launches it
 #   replaces, 1 / 8 / 16 rows) -> bench_norm_gemv.json and norm_gemv_configs.json;
-# wide: the same bench at 128 and 512 requests (no llama.cpp, no synthetic model) ->
-#   decode_floor_wide.json: the step's wall and GPU time and kernels where the drafter's
-#   training text is generated (512 lanes ran at ~17k tok/s there, 48 at ~45k: which part grows);
+# wide: tools/device/generation_rate.py -> generation_rate.json: train_drafter's generating
+#   engine (512 requests, page 16, mem fraction 0.4) against a small pool at page 64 and
+#   without log-probabilities: start-up, wave tok/s, and a profile of a 512-lane decode step
+#   (the shipped drafter's text came at ~12k tok/s there, a 48-request wave decodes at ~45k);
 # sampler: `python -m unimem bench sampler` (bounded top-k against the whole-row sort) -> sampler.json.
 # Output: $OUT (or ./gpu-out): decode_floor.json and gpu_decode_floor.log; also copied to
 # docs/results/decode_floor_<gpu>.json (h200, h100) when OUT is not given. Exit 1 if any part
@@ -55,10 +56,8 @@ for part in $parts; do
       [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
       run env UNIMEM_NORM_LINEAR_ROWS=0 python3 -m unimem bench decode-floor "${args[@]}" || status=1 ;;
     wide)
-      args=(--model-path "$MODEL" --json "$out/decode_floor_wide.json" --concurrency 128,512
-            --no-synthetic)
-      [ -n "${PROMPTS:-}" ] && args+=(--prompts "$PROMPTS")
-      run python3 -m unimem bench decode-floor "${args[@]}" || status=1 ;;
+      run python3 tools/device/generation_rate.py --model-path "$MODEL" \
+        --json "$out/generation_rate.json" || status=1 ;;
     sweep)
       run python3 sgl-kernel/benchmark/bench_norm_gemv.py --rows 1,8,16 \
         --json "$out/bench_norm_gemv.json" --configs-out "$out/norm_gemv_configs.json" || status=1 ;;
