@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -66,6 +68,8 @@ from unimem.speculative.verify_step import VerifyLanes, VerifyStep
 from unimem_kernel.greedy_pick import greedy_logprob
 
 __all__ = ["ModelRunner"]
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -147,6 +151,7 @@ class ModelRunner:
             buckets = tuple(graph_buckets) if graph_buckets else default_buckets(max_bs)
             if max(buckets) > max_bs:
                 raise ValueError(f"graph bucket {max(buckets)} exceeds max_bs {max_bs}")
+            t0 = time.perf_counter()
             with torch.inference_mode():  # as launch() runs the eager steps
                 self.graphs = StepGraphs(self._uniform_step, self.lanes.pad, buckets, self.device)
                 # SORTED serves any batch; BOUNDED skips the whole-row sort (every sampled lane
@@ -159,6 +164,11 @@ class ModelRunner:
                     )  # fmt: skip
                     self.sample_graphs[rule] = graphs
                     pool = graphs.pool
+            log.info(
+                "captured %d CUDA graphs in %.1f s: %d batch sizes (1 .. %d) x %d step kinds",
+                len(buckets) * (1 + len(CUT_RULES)), time.perf_counter() - t0,
+                len(buckets), max(buckets), 1 + len(CUT_RULES),
+            )  # fmt: skip
 
     @property
     def verify_lens_override(self) -> torch.Tensor | None:
