@@ -50,6 +50,13 @@ def test_gpu_only_suites_end_with_one_line_without_cuda(suite):
     assert len(lines) == 1 and "CUDA" in lines[0] and suite in lines[0], out.stderr
 
 
+def test_step_profile_model_flags_are_checked_before_anything_runs():
+    out = _bench("step-profile", "--drafter", "/nowhere")
+    assert out.returncode == 2 and "need --model-path" in out.stderr, out.stderr
+    out = _bench("step-profile", "--model-path", "gemma-3-270m", "--quantization", "fp8")
+    assert out.returncode == 2 and "--model-path runs the Engine's own" in out.stderr, out.stderr
+
+
 def test_step_profile_host_only_runs_on_the_cpu(tmp_path):
     path = tmp_path / "host.json"
     out = _bench(

@@ -17,7 +17,11 @@
 # serving-real: issue 41's serving figures on the real model: MODEL (a GGUF, or gemma-3-270m with
 #   the model extra) with its shipped drafter, no speculation vs DSPARK on the unified arena,
 #   the package's short real prompts, 128 tokens, concurrency 1 / 8 / 32 / 64
-#   -> serving_dspark_real_<gpu>.json / .png.
+#   -> serving_dspark_real_<gpu>.json / .png;
+# step-real: where the real model's DSPARK step goes, against its plain decode step: `bench
+#   step-profile --model-path MODEL` at 1 and 48 requests (static memory), verify and
+#   --no-speculation, each with its kernel breakdown -> step_real_{verify,decode}_{1,48}.json
+#   (a DSPARK step cost ~2.3 plain steps at one request on the H100).
 # Output: $OUT (or ./gpu-out). STEP_TIMEOUT (s, default 500) bounds each command.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -86,6 +90,15 @@ save_word_tokenizer(sys.argv[1], 32000)" "$ck"
         --device cuda --compare speculation --prompts short --output-tokens 128 \
         --concurrency 1,8,32,64 --mem-fraction-static 0.6 \
         --json "$out/serving_dspark_real_$tag.json" --plot "$out/serving_dspark_real_$tag.png" ;;
+    step-real)
+      for n in 1 48; do
+        run python3 -m unimem bench step-profile --model-path "${MODEL:?set MODEL to the real model}" \
+          --requests $n --memory static --steps 100 --attribute 25 \
+          --json "$out/step_real_verify_$n.json" \
+        && run python3 -m unimem bench step-profile --model-path "$MODEL" --no-speculation \
+          --requests $n --memory static --steps 100 --attribute 25 \
+          --json "$out/step_real_decode_$n.json" || break
+      done ;;
     *) echo "unknown part $part"; false ;;
   esac || status=1
 done

@@ -24,6 +24,14 @@ parts 2-3 advance the device state past what the host read, so they come last.
 
     python -m unimem bench step-profile --requests 48 --input-len 512 --json out.json
 
+``--model-path M`` measures a real model's step instead, built as ``unimem.Engine`` builds it
+(its CUDA graphs, its attention backend's defaults): DSPARK's verify step with the drafter
+shipped for it (``--drafter DIR``: another), the acceptance control off, on the package's
+real prompts; ``--no-speculation``: its plain decode step. Each JSON run then also names the
+model, the drafter and the accept length.
+
+    python -m unimem bench step-profile --model-path gemma-3-270m --requests 1 --json v1.json
+
 Needs a CUDA device. ``--host-only`` (first flag) runs the host's share of a step on any
 machine instead, the device work replaced by trivial stand-ins (:mod:`unimem.bench.host_step`;
 its flags follow).
@@ -78,25 +86,64 @@ def category(name: str) -> str:
     return "other (norms, RoPE, sampling, accept, elementwise)"
 
 
-def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> dict:
-    """Steady-state numbers of one memory kind ("static" or "unified"), with decode/verify
-    steps of at most ``split_kv_max_bs`` requests attending through the split-KV kernel."""
+OUTPUT_LEN = 1024
+"""Output tokens each request is submitted for (the measurement ends well before)."""
+
+
+def synthetic_core(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> EngineCore:
+    """The ``small`` preset's step loop over ``kind`` memory, DSPARK at ``args.gamma`` with
+    the acceptance control at 0.8 (a steady accept length without a trained drafter)."""
     dev = model.device
     cfg = model.config
     refs = {i: p + p for i, p in enumerate(prompts)}
     chain = DsparkChain(drafter, args.gamma, AcceptanceControl(0.8, 0, refs, dev))
     spec = memory_spec(cfg, args.page_size, drafter.config.lanes())
     n = len(prompts)
-    out_len = 1024
     if kind == "static":
-        pages = n * -(-(args.input_len + out_len + 2 * (args.gamma + 1)) // args.page_size)
+        pages = n * -(-(args.input_len + OUTPUT_LEN + 2 * (args.gamma + 1)) // args.page_size)
         pool = StaticMemory(spec, pages, pages, n, n, cfg.max_context, dev)
     else:
         pool = UnifiedMemory(spec, 24 << 30, n, cfg.max_context, dev)
     backend = FA4Backend(split_kv_max_bs=split_kv_max_bs)
-    eng = EngineCore(model, pool, backend, n, 8192, chain=chain, cuda_graphs=True)
+    return EngineCore(model, pool, backend, n, 8192, chain=chain, cuda_graphs=True)
+
+
+def model_engine(kind: str, args):
+    """``unimem.Engine`` of ``args.model_path`` with DSPARK (its shipped drafter, or
+    ``args.drafter``; no acceptance control: the real drafter's acceptance) over ``kind``
+    memory, ``args.requests`` running, pools sized for the measurement."""
+    from unimem.engine.api import Engine
+
+    kw = {}
+    if args.drafter:
+        kw["speculative_draft_model_path"] = args.drafter
+    if args.no_speculation:
+        return Engine(
+            model_path=args.model_path, device="cuda", enable_unified_memory=kind == "unified",
+            page_size=args.page_size, max_running_requests=args.requests,
+            disable_radix_cache=True,
+            max_total_tokens=args.requests * (args.input_len + OUTPUT_LEN + args.page_size),
+        )  # fmt: skip
+    return Engine(
+        model_path=args.model_path, device="cuda", enable_unified_memory=kind == "unified",
+        page_size=args.page_size, max_running_requests=args.requests, disable_radix_cache=True,
+        speculative_algorithm="DSPARK", speculative_num_draft_tokens=args.gamma + 1,
+        max_total_tokens=args.requests
+        * (args.input_len + OUTPUT_LEN + 2 * (args.gamma + 1) + args.page_size),
+        **kw,
+    )  # fmt: skip
+
+
+def measure(eng: EngineCore, kind: str, args, prompts) -> dict:
+    """Steady-state numbers of ``eng``'s step loop (one memory ``kind``: "static" or
+    "unified"): submit ``prompts``, run until every request holds ``args.input_len`` tokens,
+    then measure (module docstring)."""
+    dev = eng.runner.device
+    cfg = eng.model.config
+    backend = eng.runner.backend
+    split_kv_max_bs = backend.split_kv_max_bs
     for p in prompts:
-        eng.submit(p, out_len)
+        eng.submit(p, OUTPUT_LEN)
     while any(r.kv_len < args.input_len for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     for _ in range(10):
@@ -152,9 +199,15 @@ def measure(kind: str, split_kv_max_bs: int, args, model, drafter, prompts) -> d
             per_kernel_calls[evt.key[:160]] += evt.count / n_prof
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top_kernels]
     launch_sites = attribute_ops(runner, width, args.attribute) if args.attribute else []
-    del eng, pool
     return {
         "memory": kind,
+        "step": "verify" if eng.chain is not None else "decode",
+        "accept_length": (
+            sum(r.verified_tokens for r in eng.scheduler.running)
+            / max(1, sum(r.verify_steps for r in eng.scheduler.running))
+            if eng.chain is not None
+            else None
+        ),
         "split_kv_max_bs": split_kv_max_bs,
         "split_kv": split_kv_batch(
             width, backend.split_kv_max_bs, q_heads=cfg.n_q_heads, head_dim=cfg.head_dim_k
@@ -314,8 +367,24 @@ def main(argv: list[str] | None = None) -> int:
         help="fp8: the preset's projections in block-wise FP8 (unimem.models.fp8_linear); "
         "the drafter's tables stay bf16",
     )
+    ap.add_argument(
+        "--model-path",
+        help="a real model (as Engine's model_path) instead of the small preset: DSPARK with "
+        "its shipped drafter (or --drafter) and no acceptance control",
+    )
+    ap.add_argument("--drafter", help="with --model-path: the DSPARK drafter checkpoint")
+    ap.add_argument(
+        "--no-speculation",
+        action="store_true",
+        help="with --model-path: the plain decode step instead of DSPARK's verify step",
+    )
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if (args.drafter or args.no_speculation) and not args.model_path:
+        ap.error("--drafter and --no-speculation need --model-path")
+    if args.model_path and (args.quantization or args.split_kv_max_bs != str(SPLIT_KV_MAX_BS)):
+        ap.error("--model-path runs the Engine's own settings: no --quantization or "
+                 "--split-kv-max-bs with it")  # fmt: skip
     if not torch.cuda.is_available():
         print(
             f"{PROG}: error: needs a CUDA device (--host-only measures the host's share on "
@@ -323,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.model_path:
+        return _main_model(args)
     dev = torch.device("cuda")
     cfg = preset("small")
     model = HybridModel(cfg, seed=0, device=dev)
@@ -347,38 +418,75 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     runs = [(int(m), k) for m in args.split_kv_max_bs.split(",") for k in args.memory.split(",")]
     for max_bs, kind in runs:
-        r = measure(kind, max_bs, args, model, drafter, prompts)
+        eng = synthetic_core(kind, max_bs, args, model, drafter, prompts)
+        r = measure(eng, kind, args, prompts)
+        del eng
+        gc.collect()
         results.append(r)
-        attn = "split-KV" if r["split_kv"] else "FA4"
-        print(
-            f"[{kind}, {attn} decode/verify attention] engine loop: "
-            f"{r['step_wall_ms']:.2f} ms/step wall, host "
-            f"{r['host_ms_per_step']:.2f} ms/step outside the wait, "
-            f"{r['tokens_per_step']:.1f} tokens/step, {r['output_tok_s']:.0f} tok/s; "
-            f"verify step on the GPU (replays): {r['gpu_ms_per_verify_step']:.2f} ms"
-        )
-        per_cat = r["kernel_ms_per_step"]
-        total = sum(per_cat.values())
-        print(f"  {'kernels by category':<52}{'ms/step':>9}{'share':>8}")
-        for label, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
-            print(f"  {label:<52}{ms:>9.3f}{100 * ms / total:>7.1f}%")
-        print(f"  {'sum of kernel time':<52}{total:>9.3f}")
-        print(f"  kernel launches per step: {r['kernel_launches_per_step']:.0f}")
-        print("  top kernels (ms/step, calls/step):")
-        calls = r["top_kernel_calls_per_step"]
-        for name, ms in r["top_kernels_ms"].items():
-            print(f"    {ms:7.3f} {calls[name]:5.0f}  {name}")
-        for name, keys in r["steady_state_compiles"].items():
-            print(f"  COMPILED in the steady state: {name} x{len(keys)}: {keys[0]}")
-        if r["host_top_functions"]:
-            print("  host under cProfile (us/step own, cumulative, calls/step):")
-            for f in r["host_top_functions"]:
-                print(f"    {f['own_us_per_step']:8.1f} {f['cum_us_per_step']:8.1f} "
-                      f"{f['calls_per_step']:7.1f}  {f['function']}")  # fmt: skip
-        if r["torch_ops_by_launch_site"]:
-            print("  torch ops of one eager verify step by launch site (ms, calls):")
-            for o in r["torch_ops_by_launch_site"]:
-                print(f"    {o['ms']:7.3f} {o['calls']:5d}  {o['op']:<28} {o['site']}")
+        _print_run(r)
+    return _finish(args, gpu, results)
+
+
+def _main_model(args) -> int:
+    """``--model-path``: the real model's steady-state step per memory kind."""
+    from unimem.data.prompts import short_prompts
+
+    gpu = torch.cuda.get_device_name()
+    results = []
+    for kind in args.memory.split(","):
+        engine = model_engine(kind, args)
+        texts = short_prompts()
+        prompts = [engine.tokenizer.encode(texts[i % len(texts)]) for i in range(args.requests)]
+        step = "decode (no speculation)" if args.no_speculation else f"DSPARK gamma {args.gamma}"
+        print(f"{gpu}: {args.model_path}, {args.requests} requests, {step}, drafter "
+              f"{engine.drafter_path}, page {args.page_size}, {kind}; steady state from "
+              f"{args.input_len} tokens")  # fmt: skip
+        r = measure(engine.core, kind, args, prompts)
+        r["model_path"] = args.model_path
+        r["drafter_path"] = engine.drafter_path
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        results.append(r)
+        _print_run(r)
+    return _finish(args, gpu, results)
+
+
+def _print_run(r: dict) -> None:
+    attn = "split-KV" if r["split_kv"] else "FA4"
+    print(
+        f"[{r['memory']}, {attn} {r['step']} attention] engine loop: "
+        f"{r['step_wall_ms']:.2f} ms/step wall, host "
+        f"{r['host_ms_per_step']:.2f} ms/step outside the wait, "
+        f"{r['tokens_per_step']:.1f} tokens/step, {r['output_tok_s']:.0f} tok/s; "
+        f"{r['step']} step on the GPU (replays): {r['gpu_ms_per_verify_step']:.2f} ms"
+    )
+    per_cat = r["kernel_ms_per_step"]
+    total = sum(per_cat.values())
+    print(f"  {'kernels by category':<52}{'ms/step':>9}{'share':>8}")
+    for label, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:<52}{ms:>9.3f}{100 * ms / total:>7.1f}%")
+    print(f"  {'sum of kernel time':<52}{total:>9.3f}")
+    print(f"  kernel launches per step: {r['kernel_launches_per_step']:.0f}")
+    print("  top kernels (ms/step, calls/step):")
+    calls = r["top_kernel_calls_per_step"]
+    for name, ms in r["top_kernels_ms"].items():
+        print(f"    {ms:7.3f} {calls[name]:5.0f}  {name}")
+    for name, keys in r["steady_state_compiles"].items():
+        print(f"  COMPILED in the steady state: {name} x{len(keys)}: {keys[0]}")
+    if r["host_top_functions"]:
+        print("  host under cProfile (us/step own, cumulative, calls/step):")
+        for f in r["host_top_functions"]:
+            print(f"    {f['own_us_per_step']:8.1f} {f['cum_us_per_step']:8.1f} "
+                  f"{f['calls_per_step']:7.1f}  {f['function']}")  # fmt: skip
+    if r["torch_ops_by_launch_site"]:
+        print("  torch ops of one eager verify step by launch site (ms, calls):")
+        for o in r["torch_ops_by_launch_site"]:
+            print(f"    {o['ms']:7.3f} {o['calls']:5d}  {o['op']:<28} {o['site']}")
+
+
+def _finish(args, gpu: str, results: list[dict]) -> int:
     a = results[0]
     for b in results[1:]:
         print(
@@ -391,5 +499,5 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "gamma": args.gamma, "page_size": args.page_size,
                        "input_len": args.input_len, "quantization": args.quantization,
-                       "runs": results}, f, indent=2)  # fmt: skip
+                       "model_path": args.model_path, "runs": results}, f, indent=2)  # fmt: skip
     return 0
