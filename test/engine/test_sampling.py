@@ -572,3 +572,44 @@ def test_cut_rule_promises():
     assert batch([sampling_mod.UNFILTERED, None]) == sampling_mod.UNFILTERED
     assert batch([sampling_mod.UNFILTERED, sampling_mod.BOUNDED]) == sampling_mod.SORTED
     assert batch([None, None]) == sampling_mod.SORTED
+
+
+@pytest.mark.parametrize("rule", ["sorted", "bounded", "unfiltered"])
+def test_filtered_token_probs_is_the_filtered_distribution_at_the_token(rule):
+    """``filtered_token_probs`` (one normalising pass, no ``[N, V]`` result) equals the
+    gather from ``filtered_probs`` to float32 rounding, for every cut-off rule, greedy rows
+    (1 at their argmax, else 0) and tokens the filters cut (0); over a vocabulary larger
+    than the bounded rule's window, and in chunks of rows."""
+    g = torch.Generator().manual_seed(11)
+    n, vocab = 24, sampling_mod.TOP_K_BOUND + 44
+    logits = torch.randn(n, vocab, generator=g) * 3
+    temperature = torch.rand(n, generator=g) + 0.3
+    temperature[:4] = 0.0
+    top_k = torch.randint(1, 40, (n,), generator=g, dtype=torch.int32)
+    top_p = torch.rand(n, generator=g) * 0.6 + 0.4
+    min_p = torch.rand(n, generator=g) * 0.05
+    if rule == "unfiltered":
+        top_k[:], top_p[:], min_p[:] = -1, 1.0, 0.0
+    elif rule == "bounded":
+        top_p[:], min_p[:] = 1.0, 0.0
+    probs = sampling_mod.filtered_probs(logits, temperature, top_k, top_p, min_p, rule)
+    for tokens in (
+        torch.randint(0, vocab, (n,), generator=g),  # mostly cut by the filters
+        torch.multinomial(probs, 1, generator=g)[:, 0],  # kept ones
+        logits.argmax(-1),
+    ):
+        want = probs.gather(1, tokens[:, None])[:, 0]
+        got = sampling_mod.filtered_token_probs(
+            logits, temperature, top_k, top_p, min_p, tokens, rule
+        )
+        assert got.dtype == torch.float32 and got.shape == (n,)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-9)
+    chunked = sampling_mod.THRESHOLD_CHUNK_ELEMENTS
+    try:  # a few rows per chunk: the same values
+        sampling_mod.THRESHOLD_CHUNK_ELEMENTS = vocab * 5
+        again = sampling_mod.filtered_token_probs(
+            logits, temperature, top_k, top_p, min_p, tokens, rule
+        )
+    finally:
+        sampling_mod.THRESHOLD_CHUNK_ELEMENTS = chunked
+    assert torch.equal(again, got)

@@ -4,7 +4,9 @@
 - ``pick`` returns target ids, equal to a pick over the full vocabulary whose logits are
   ``-inf`` off ``d2t`` (the Markov bias of a previous token outside the vocabulary from
   ``U``'s extra row), and a control's reference outside the vocabulary is taken as is;
-- ``sample_pick`` hands its policy logits over the target's vocabulary, ``-inf`` off ``d2t``;
+- ``sample_pick`` hands its policy logits over the drafter's own vocabulary and takes target
+  ids back; a column's proposal, kept over that vocabulary, scatters back to the target's
+  (``Proposals.rows``);
 - the checkpoint round trip keeps ``d2t``, and refuses a file without it;
 - greedy speculative output through the engine equals non-speculative output, and
   speculative sampling runs through it;
@@ -125,22 +127,53 @@ def test_pick_maps_to_target_ids(mini):
     assert int(got[0, 1]) == outside[2]
 
 
-def test_sample_pick_sees_target_vocabulary(mini):
+def test_sample_pick_policy_sees_the_draft_vocabulary(mini):
+    """The policy gets each column's logits over the drafter's ``K`` entries (base plus the
+    Markov bias of the previous target id), returns target ids, which condition the next
+    column, and whatever else it keeps comes back per column."""
     drafter = _drafter(mini)
     base = torch.randn(3, GAMMA, K, dtype=torch.float64)
+    anchors = torch.tensor([1, 2, 3])
     seen = []
 
     def choose(i, logits):
         seen.append(logits)
-        probs = torch.softmax(logits, -1)
-        return probs.argmax(-1), probs
+        idx = torch.softmax(logits, -1).argmax(-1)
+        return drafter.d2t[idx], idx
 
-    tokens, q = drafter.sample_pick(base, torch.tensor([1, 2, 3]), choose)
-    assert q.shape == (3, GAMMA, 96)
-    off = torch.ones(96, dtype=torch.bool)
-    off[drafter.d2t] = False
-    assert torch.isinf(seen[0][:, off]).all() and (q[:, :, off] == 0).all()
+    tokens, kept = drafter.sample_pick(base, anchors, choose)
+    assert [x.shape for x in seen] == [(3, K)] * GAMMA
+    prev = anchors
+    for i in range(GAMMA):
+        want = base[:, i] + drafter.markov_bias(prev).to(base.dtype)
+        assert torch.equal(seen[i], want)
+        assert torch.equal(tokens[:, i], drafter.d2t[kept[i]])
+        prev = tokens[:, i]
     assert set(tokens.flatten().tolist()) <= set(drafter.d2t.tolist())
+
+
+def test_proposal_rows_are_the_target_vocabulary_distributions():
+    """``Proposals.rows`` scatters a column's draft-vocabulary distribution to the target
+    ids ``d2t`` (zero elsewhere) and gives the point mass where the control replaced."""
+    from unimem.speculative.spec_sampling import Proposals
+
+    g = torch.Generator().manual_seed(0)
+    bs, vocab = 3, 96
+    d2t = torch.randperm(vocab, generator=g)[:K]
+    q = torch.softmax(torch.randn(bs, GAMMA, K, generator=g), -1)
+    tokens = d2t[torch.randint(0, K, (bs, GAMMA), generator=g)]
+    point = torch.zeros(bs, GAMMA, dtype=torch.bool)
+    point[1, 2] = True
+    tokens[1, 2] = int(torch.tensor([t for t in range(vocab) if t not in d2t.tolist()][0]))
+    prop = Proposals(tokens, torch.ones(bs, GAMMA), q, point, d2t)
+    col = torch.tensor([0, 2, 3])
+    rows = prop.rows(col, vocab)
+    assert rows.shape == (bs, vocab)
+    for b in (0, 2):
+        want = torch.zeros(vocab)
+        want[d2t] = q[b, col[b]]
+        assert torch.equal(rows[b], want)
+    assert rows[1].sum() == 1 and rows[1, tokens[1, 2]] == 1
 
 
 def test_checkpoint_round_trip_and_errors(mini, tmp_path):

@@ -53,6 +53,7 @@ __all__ = [
     "batch_cut_rule",
     "cut_rule",
     "filtered_probs",
+    "filtered_token_probs",
     "gumbel_noise",
     "hash_uniform",
     "THRESHOLD_CHUNK_ELEMENTS",
@@ -282,6 +283,45 @@ def _filtered_rows(logits, temperature, top_k, top_p, min_p, rule: str = SORTED)
         probs = torch.softmax(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
     onehot = torch.zeros_like(probs).scatter_(1, torch.argmax(logits, dim=-1)[:, None], 1.0)
     return torch.where(live[:, None], probs, onehot)
+
+
+def filtered_token_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    tokens: torch.Tensor,
+    rule: str = SORTED,
+) -> torch.Tensor:
+    """``[N]`` float32: ``filtered_probs(...)[i, tokens[i]]`` without the ``[N, V]``
+    distribution: the row's cut-off (:func:`keep_threshold`; none for :data:`UNFILTERED`),
+    one normalising pass (the log-sum-exp of the kept scaled logits) and the token's own
+    value, ``exp(s_x - lse)`` where kept, 0 where cut; temperature-0 rows: 1 for their argmax,
+    else 0. Equal to the gather from :func:`filtered_probs` up to float32 rounding (the
+    softmax normalises in another order). ``tokens [N]`` int64; other arguments as there."""
+    _check_rule(rule)
+    fn = functools.partial(_filtered_token_rows, rule=rule)
+    return _over_row_chunks(fn, logits, temperature, top_k, top_p, min_p, tokens)
+
+
+def _filtered_token_rows(
+    logits, temperature, top_k, top_p, min_p, tokens, rule: str = SORTED
+) -> torch.Tensor:
+    live = temperature > 0
+    t = torch.where(live, temperature.float(), 1.0)
+    scaled = logits.float() / t[:, None]
+    tok = tokens.long()[:, None]
+    sx = scaled.gather(1, tok)[:, 0]
+    if rule == UNFILTERED:
+        prob = torch.exp(sx - torch.logsumexp(scaled, dim=-1))
+    else:
+        threshold = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
+        cut = threshold(scaled, top_k, top_p.float(), min_p.float())
+        lse = torch.logsumexp(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
+        prob = torch.where(sx >= cut, torch.exp(sx - lse), 0.0)
+    greedy = (torch.argmax(logits, dim=-1, keepdim=True) == tok)[:, 0].float()
+    return torch.where(live, prob, greedy)
 
 
 def sample(

@@ -10,8 +10,10 @@ lanes of the target's own pages, reached through the pool's per-lane views.
   K/V written into the draft lanes at those positions; tokens picked left to right, with the
   acceptance control applied to each column as it is chosen.
 - :meth:`DraftRunner.propose_sampled`: the same block, with the lanes of sampled requests
-  drawing each column from their filtered distribution ``q`` (returned with the tokens, for
-  speculative sampling's accept and residual).
+  drawing each column from their filtered distribution ``q`` over the drafter's own
+  vocabulary (returned with the tokens in compact form,
+  :class:`~unimem.speculative.spec_sampling.Proposals`, for speculative sampling's accept
+  and residual).
 - with ``survival=True`` both also return the confidence head's survival of every drafted
   token (``[bs, gamma]``, :meth:`~unimem.speculative.drafter.DsparkDrafter.survival`), from
   which an adaptive verify step chooses its lengths;
@@ -114,13 +116,16 @@ class DraftRunner:
         survival: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`propose` for a batch with sampled lanes: ``(tokens [bs, gamma] int64,
-        q [bs, gamma, vocab] float32)``. A lane with temperature > 0 draws column ``i`` from
-        ``q_i`` — the column's logits (Markov bias included) under the lane's temperature and
-        top-k / top-p / min-p (:func:`unimem.models.sampler.filtered_probs`) — with the
-        draft stream's noise at the token's position; a greedy lane picks exactly as
-        :meth:`propose` (its ``q`` is the one-hot of its token). A draft the acceptance
-        control replaces gets the point mass on the reference as its ``q``. With ``survival``:
-        ``(tokens, q, survival [bs, gamma] float32)``."""
+        proposals)`` (:class:`~unimem.speculative.spec_sampling.Proposals`). A lane with
+        temperature > 0 draws column ``i`` from ``q_i`` — the column's logits (Markov bias
+        included) under the lane's temperature and top-k / top-p / min-p
+        (:func:`unimem.models.sampler.filtered_probs`), over the drafter's own vocabulary
+        (a reduced one: the same distribution as over the target's with ``-inf`` off
+        ``d2t``, in ``K`` entries instead of the target's ``V``) — with the draft stream's
+        noise at the token's position; a greedy lane picks exactly as :meth:`propose` (its
+        ``q`` is never read). A draft the acceptance control replaces gets the point mass on
+        the reference as its proposal. With ``survival``: ``(tokens, proposals, survival
+        [bs, gamma] float32)``."""
         base, hidden = self._block_forward(rows, seq_lens, anchors)
         control = self.chain.control
         start = seq_lens.long()
@@ -128,20 +133,33 @@ class DraftRunner:
         if control is not None:
             ref, take = self._control_decisions(seq_lens, rids, base.shape[1])
         t, k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
+        d2t = self.drafter.d2t if self.drafter.config.reduced else None
 
-        def choose(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def choose(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
             pos = start + (i + 1)  # column i proposes the token at position seq_len + i + 1
             q = filtered_probs(logits, t, k, top_p, min_p, params.rule)
             drawn = spec_sampling.draw(q, spec_sampling.stream_keys(params.seeds, pos, DRAFT))
-            tok = torch.where(live, drawn, torch.argmax(logits, dim=-1))
+            idx = torch.where(live, drawn, torch.argmax(logits, dim=-1))  # draft ids
+            qx = q.gather(1, idx[:, None])[:, 0]
+            tok = idx if d2t is None else d2t[idx]
+            point = torch.zeros_like(live)
             if control is not None:
-                tok, q = spec_sampling.replace_proposal(tok, q, take[:, i], ref[:, i])
-            return tok, q
+                point = take[:, i]
+                tok = torch.where(point, ref[:, i].long(), tok)
+                qx = torch.where(point, 1.0, qx)
+            return tok, (q, qx, point)
 
-        tokens, q = self.drafter.sample_pick(base, anchors, choose)
+        tokens, cols = self.drafter.sample_pick(base, anchors, choose)
+        proposals = spec_sampling.Proposals(
+            tokens,
+            torch.stack([c[1] for c in cols], dim=1),
+            torch.stack([c[0] for c in cols], dim=1),
+            torch.stack([c[2] for c in cols], dim=1),
+            d2t,
+        )
         if survival:
-            return tokens, q, self.drafter.survival(hidden, anchors, tokens)
-        return tokens, q
+            return tokens, proposals, self.drafter.survival(hidden, anchors, tokens)
+        return tokens, proposals
 
     def _control_decisions(
         self, seq_lens: torch.Tensor, rids: torch.Tensor, gamma: int

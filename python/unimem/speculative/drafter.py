@@ -17,8 +17,9 @@ One draft forward proposes ``gamma`` tokens for a request whose committed length
   propose another;
 * tokens are chosen left to right, each adding a low-rank Markov bias from the previous
   token: ``logits_i = base_i + V @ U[prev]`` with ``prev`` the anchor for ``i = 0`` —
-  greedily (:meth:`DsparkDrafter.pick`), or by a column policy that samples and reports the
-  distribution it drew from (:meth:`DsparkDrafter.sample_pick`, speculative sampling).
+  greedily (:meth:`DsparkDrafter.pick`), or by a column policy that samples over the
+  drafter's own vocabulary and keeps the distribution it drew from
+  (:meth:`DsparkDrafter.sample_pick`, speculative sampling).
   Under a reduced vocabulary the Markov tables are ``U [K + 1, R]`` (row ``K``: a previous
   token outside the draft vocabulary) and ``W [K, R]``; tokens leave :meth:`pick` and
   :meth:`sample_pick` as target ids.
@@ -72,10 +73,11 @@ DraftAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch
 """``attend(j, q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]) -> o [T, Hq, Dv]``: store the
 block's K/V in draft layer ``j``'s lane and attend causally (window: the layer's)."""
 
-Choose = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""``choose(i, logits [bs, vocab]) -> (tokens [bs], probs [bs, vocab])``: the policy of
-block column ``i`` when sampling — its proposed tokens and the distribution ``q`` they were
-drawn from (see :mod:`unimem.speculative.spec_sampling`)."""
+Choose = Callable[[int, torch.Tensor], tuple[torch.Tensor, object]]
+"""``choose(i, logits [bs, K]) -> (tokens [bs], extra)``: the policy of block column ``i``
+when sampling, over the drafter's own vocabulary — its proposed tokens (target ids) and
+whatever it keeps of the draw (the proposal distribution: see
+:mod:`unimem.speculative.spec_sampling`)."""
 
 
 def _is_int(x: object) -> bool:
@@ -585,27 +587,23 @@ class DsparkDrafter(nn.Module):
     @torch.no_grad()
     def sample_pick(
         self, base: torch.Tensor, anchors: torch.Tensor, choose: Choose
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, list]:
         """Choose the block's tokens left to right by a column policy (speculative
         sampling): column ``i``'s logits are ``base[:, i] + markov_bias(prev)`` (as in
-        :meth:`pick`), ``choose(i, logits)`` returns the proposed tokens and the distribution
-        they were drawn from, and the tokens condition the next column. Returns ``(tokens
-        [bs, gamma] int64, probs [bs, gamma, vocab])``, over the target's vocabulary: under
-        a reduced vocabulary ``choose`` sees the column's logits scattered to the target ids
-        ``d2t`` (``-inf`` elsewhere), so it draws target ids with zero mass off ``d2t``."""
+        :meth:`pick`), over the drafter's own vocabulary (``K`` entries under a reduced one:
+        entry ``j`` scores target id ``d2t[j]``); ``choose(i, logits)`` returns the proposed
+        tokens as **target** ids and anything else it wants kept (the distribution it drew
+        from, say), and the tokens condition the next column. Returns ``(tokens [bs, gamma]
+        int64, [what choose returned beside the tokens, per column])``."""
         prev = anchors.long()
-        cols, dists = [], []
-        c = self.config
+        cols, kept = [], []
         for i in range(base.shape[1]):
             logits = base[:, i] + self.markov_bias(prev).to(base.dtype)
-            if c.reduced:
-                full = logits.new_full((logits.shape[0], c.vocab_size), float("-inf"))
-                logits = full.index_copy_(1, self.d2t, logits)
-            tok, probs = choose(i, logits)
+            tok, extra = choose(i, logits)
             cols.append(tok)
-            dists.append(probs)
+            kept.append(extra)
             prev = tok
-        return torch.stack(cols, dim=1), torch.stack(dists, dim=1)
+        return torch.stack(cols, dim=1), kept
 
     def propose(
         self,

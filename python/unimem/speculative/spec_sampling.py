@@ -28,12 +28,22 @@ rejection before it) reuses noise that never influenced a committed token.
 
 Everything is fixed-shape torch on device tensors with no host read (capturable); draws use
 :func:`unimem_kernel.sampling.gumbel_argmax` (the fused Triton kernel on CUDA) over
-``log(probs)``. The full-vocabulary ``p`` and ``q`` tensors are materialised (acceptable at
-today's sizes; a fused kernel could avoid them).
+``log(probs)``.
+
+What the accept needs of ``p`` and ``q`` is little: each drafted token's probability under
+both (``px``, ``qx``: ``[bs, gamma]``) and, per lane, the one row its last token is drawn
+from. :func:`chain_accept_rows` takes exactly that (the rows as functions of the column), so
+that the engine never materialises ``[bs, gamma + 1, V]`` distributions: the verify step
+computes ``px`` by one normalising pass over the logits
+(:func:`unimem.models.sampler.filtered_token_probs`) and builds one filtered row per lane, and
+the drafter's proposals stay in its own (reduced) vocabulary (:class:`Proposals`).
+:func:`chain_accept` is the same accept over materialised ``q`` and ``p`` (tests, and the
+definition the compact form is checked against).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -45,7 +55,9 @@ __all__ = [
     "STREAM_DRAFT",
     "STREAM_RESIDUAL",
     "ChainSample",
+    "Proposals",
     "chain_accept",
+    "chain_accept_rows",
     "draw",
     "replace_proposal",
     "residual_distribution",
@@ -118,6 +130,33 @@ class ChainSample(NamedTuple):
     tokens: torch.Tensor
 
 
+class Proposals(NamedTuple):
+    """A sampled draft block in compact form: ``tokens [bs, gamma]`` int64 (target ids),
+    ``qx [bs, gamma]`` float32 (the probability each token was proposed with), ``q_draft [bs,
+    gamma, K]`` float32 (each column's distribution over the drafter's ``K``-token
+    vocabulary), ``point [bs, gamma]`` bool (the acceptance control replaced the token: its
+    proposal is the point mass on it) and ``d2t [K]`` int64 (draft id to target id; None when
+    the drafter scores the whole target vocabulary)."""
+
+    tokens: torch.Tensor
+    qx: torch.Tensor
+    q_draft: torch.Tensor
+    point: torch.Tensor
+    d2t: torch.Tensor | None
+
+    def rows(self, col: torch.Tensor, vocab: int) -> torch.Tensor:
+        """``[bs, vocab]`` float32: lane ``b``'s proposal distribution of column ``col[b]``
+        over the target vocabulary (zero off ``d2t``; the point mass where replaced)."""
+        bs, _, k = self.q_draft.shape
+        c = col.long()
+        q = self.q_draft.gather(1, c[:, None, None].expand(bs, 1, k))[:, 0].float()
+        if self.d2t is not None:
+            q = q.new_zeros(bs, vocab).index_copy_(1, self.d2t, q)
+        tok = self.tokens.gather(1, c[:, None])
+        point = torch.zeros_like(q).scatter_(1, tok, 1.0)
+        return torch.where(self.point.gather(1, c[:, None]), point, q)
+
+
 def chain_accept(
     draft: torch.Tensor,
     q: torch.Tensor,
@@ -146,11 +185,43 @@ def chain_accept(
             f"need q [{bs}, {gamma}, V] and p [{bs}, {gamma + 1}, V] for draft [{bs}, {gamma}], "
             f"got {tuple(q.shape)} and {tuple(p.shape)}"
         )
-    if positions.shape != (bs, gamma + 1):
-        raise ValueError(f"positions must be [{bs}, {gamma + 1}], got {tuple(positions.shape)}")
     d = draft.long()
     px = p[:, :gamma].gather(2, d[:, :, None])[:, :, 0].float()
     qx = q.gather(2, d[:, :, None])[:, :, 0].float()
+
+    def rows(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, col[:, None, None].expand(bs, 1, vocab))[:, 0]
+
+    return chain_accept_rows(
+        draft, qx, px, lambda col: rows(q, col), lambda col: rows(p, col), seeds, positions, limit
+    )
+
+
+def chain_accept_rows(
+    draft: torch.Tensor,
+    qx: torch.Tensor,
+    px: torch.Tensor,
+    q_rows: Callable[[torch.Tensor], torch.Tensor],
+    p_rows: Callable[[torch.Tensor], torch.Tensor],
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    limit: torch.Tensor | None = None,
+) -> ChainSample:
+    """:func:`chain_accept` from what it reads of ``q`` and ``p`` (module docstring):
+    ``qx [bs, gamma]`` and ``px [bs, gamma]`` float32, each drafted token's probability under
+    the distribution it was drawn from and under the target's row that predicts it;
+    ``q_rows(col)`` / ``p_rows(col)`` (``col [bs]`` int64) the rows ``[bs, V]`` of lane
+    ``b``'s column ``col[b]`` (``q_rows`` is asked for columns ``< gamma`` only). Called
+    once each. The other arguments and the result as :func:`chain_accept`."""
+    bs, gamma = draft.shape
+    if qx.shape != (bs, gamma) or px.shape != (bs, gamma):
+        raise ValueError(
+            f"need qx and px [{bs}, {gamma}] for draft [{bs}, {gamma}], "
+            f"got {tuple(qx.shape)} and {tuple(px.shape)}"
+        )
+    if positions.shape != (bs, gamma + 1):
+        raise ValueError(f"positions must be [{bs}, {gamma + 1}], got {tuple(positions.shape)}")
+    d = draft.long()
     u = uniforms(stream_keys(seeds, positions[:, :gamma], STREAM_ACCEPT))
     ok = u * qx < px  # u < p / q without dividing (q(x) > 0 for a drawn x)
     if limit is not None:  # drafts past the chain are never accepted
@@ -160,11 +231,8 @@ def chain_accept(
     # the bonus from p where q counts as 0 -- past the drafts, or at a ragged chain's end);
     # only that row is materialised, [bs, V], not the whole [bs, gamma + 1, V] chain
     sel = accepted.long()
-    p_row = p.gather(1, sel[:, None, None].expand(bs, 1, vocab))[:, 0]
-    if gamma:
-        q_row = q.gather(1, sel.clamp(max=gamma - 1)[:, None, None].expand(bs, 1, vocab))[:, 0]
-    else:
-        q_row = torch.zeros_like(p_row)
+    p_row = p_rows(sel)
+    q_row = q_rows(sel.clamp(max=gamma - 1)) if gamma else torch.zeros_like(p_row)
     end = torch.full_like(sel, gamma) if limit is None else limit.long()
     q_row = q_row * (sel < end).to(q_row.dtype)[:, None]
     residual = residual_distribution(p_row, q_row)

@@ -47,7 +47,12 @@ from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardMode
 from unimem.models.paged_context import GdnVerifyBuffers, PackedLanes, PagedContext, PagedLayers
-from unimem.models.sampler import SamplingRows, filtered_probs, token_logprobs
+from unimem.models.sampler import (
+    SamplingRows,
+    filtered_probs,
+    filtered_token_probs,
+    token_logprobs,
+)
 from unimem.speculative import spec_sampling
 from unimem.speculative.accept import greedy_accept
 from unimem.speculative.chain import DsparkChain
@@ -242,11 +247,13 @@ class VerifyStep:
         meta = self.builder.verify(
             pool.req_to_token, rows, seq_lens, pool.full_v2p, pool.swa_v2p, gamma=gamma
         )
-        q = None
+        proposals = None
         if params is None:
             draft = self.drafts.propose(rows, seq_lens, anchors, lanes.rids)
         else:
-            draft, q = self.drafts.propose_sampled(rows, seq_lens, anchors, lanes.rids, params)
+            draft, proposals = self.drafts.propose_sampled(
+                rows, seq_lens, anchors, lanes.rids, params
+            )
         input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
         ctx = self._context(meta, lanes, width * vw)
         logits = self.model.forward(input_ids, ctx)
@@ -254,7 +261,7 @@ class VerifyStep:
         tokens, accepted, bonus = greedy_verify_accept(logits, draft)
         if params is not None:
             accepted, tokens = self._sampled_accept(
-                logits, draft, q, tokens, accepted, seq_lens, params
+                logits, draft, proposals, tokens, accepted, seq_lens, params
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
         self.commit_gdn(accepted, lanes.vslots, lanes.state_slots)
@@ -297,11 +304,11 @@ class VerifyStep:
         rows, seq_lens, anchors = lanes.rows, lanes.seq_lens, lanes.anchors
         width = rows.shape[0]
         pool = self.pool
-        q = None
+        proposals = None
         if params is None:
             draft, surv = self.drafts.propose(rows, seq_lens, anchors, lanes.rids, survival=True)
         else:
-            draft, q, surv = self.drafts.propose_sampled(
+            draft, proposals, surv = self.drafts.propose_sampled(
                 rows, seq_lens, anchors, lanes.rids, params, survival=True
             )
         planned, self.planned_lengths = self.planned_lengths, None
@@ -355,7 +362,7 @@ class VerifyStep:
             uniform_logits = logits[src]
         if params is not None:
             accepted, tokens = self._sampled_accept(
-                uniform_logits, draft, q, tokens, accepted, seq_lens, params, limit
+                uniform_logits, draft, proposals, tokens, accepted, seq_lens, params, limit
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
         self.commit_gdn(accepted, lanes.vslots, lanes.state_slots)
@@ -371,34 +378,45 @@ class VerifyStep:
         self,
         logits: torch.Tensor,
         draft: torch.Tensor,
-        q: torch.Tensor,
+        proposals: spec_sampling.Proposals,
         target: torch.Tensor,
         greedy_accepted: torch.Tensor,
         seq_lens: torch.Tensor,
         params: SamplingRows,
         limit: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Speculative sampling (:func:`unimem.speculative.spec_sampling.chain_accept`) for
-        the lanes with temperature > 0: the target's filtered distributions ``p`` over the
-        ``gamma + 1`` rows (``[bs, gamma + 1, V]``, materialised), each row's token at
-        position ``seq_len + 1 + j``. Greedy lanes keep ``greedy_accepted`` and ``target``.
-        ``limit [bs]``: a ragged verify's chain lengths (:func:`spec_sampling.chain_accept`).
-        Returns ``(accepted [bs] int32, tokens [bs, gamma + 1])``."""
+        """Speculative sampling (:func:`unimem.speculative.spec_sampling.chain_accept_rows`)
+        for the lanes with temperature > 0 over the uniform ``logits [bs * (gamma + 1), V]``,
+        each row's token at position ``seq_len + 1 + j``: every drafted token's probability
+        under the target's filtered row that predicts it, by one normalising pass
+        (:func:`~unimem.models.sampler.filtered_token_probs`), and one filtered row per lane
+        (the one its last token is drawn from) — never the ``[bs, gamma + 1, V]``
+        distributions. Greedy lanes keep ``greedy_accepted`` and ``target``. ``limit [bs]``:
+        a ragged verify's chain lengths. Returns ``(accepted [bs] int32, tokens [bs, gamma +
+        1])``."""
         width, vw = target.shape
+        vocab = logits.shape[-1]
 
         def rows(x: torch.Tensor) -> torch.Tensor:  # a lane's parameter for each of its rows
             return x[:, None].expand(width, vw).reshape(-1)
 
-        p = filtered_probs(
-            logits,
-            rows(params.temperature),
-            rows(params.top_k),
-            rows(params.top_p),
-            rows(params.min_p),
-            params.rule,
-        ).reshape(width, vw, -1)
+        t, k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
+        # row j of a lane predicts its draft j; the last row's token is a placeholder
+        asked = torch.cat([draft.long(), draft.new_zeros(width, 1)], dim=1).reshape(-1)
+        px = filtered_token_probs(
+            logits, rows(t), rows(k), rows(top_p), rows(min_p), asked, params.rule
+        ).reshape(width, vw)[:, : vw - 1]
+        uniform = logits.reshape(width, vw, vocab)
+
+        def p_rows(col: torch.Tensor) -> torch.Tensor:
+            row = uniform.gather(1, col[:, None, None].expand(width, 1, vocab))[:, 0]
+            return filtered_probs(row, t, k, top_p, min_p, params.rule)
+
         positions = seq_lens.long()[:, None] + 1 + self._arange[:vw][None, :]
-        s = spec_sampling.chain_accept(draft, q, p, params.seeds, positions, limit)
+        s = spec_sampling.chain_accept_rows(
+            draft, proposals.qx, px, lambda col: proposals.rows(col, vocab), p_rows,
+            params.seeds, positions, limit,
+        )  # fmt: skip
         live = params.temperature > 0
         accepted = torch.where(live, s.accepted, greedy_accepted)
         return accepted, torch.where(live[:, None], s.tokens, target)
