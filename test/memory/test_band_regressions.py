@@ -123,6 +123,23 @@ def test_anchor_of_an_empty_middle_band_respects_both_limits():
     assert 1792 <= 256 * at <= 2688
 
 
+def test_a_plan_from_free_units_is_empty_and_copies_nothing(monkeypatch):
+    """Demands the bands' free units cover plan to no action without the layout's copy (the
+    common case of every allocation once the bands have grown); one unit more, and the full
+    planner runs (on its copy) and extends."""
+    state = BandState("state", 400, 192, 0, 4, 3)
+    full = BandState("full", 336, 0, 6, 10, 2)
+    lay = BandLayout([state, full], 192, 8192)
+    copies = []
+    real = BandLayout.copy
+    monkeypatch.setattr(BandLayout, "copy", lambda self: copies.append(1) or real(self))
+    assert lay.plan([(0, 3), (1, 1), (1, 1)]) == []
+    assert not copies
+    plan = lay.plan([(1, 3)])
+    assert copies and plan and plan[-1].band == 1  # the full band extends (after a move)
+    assert (full.lo, full.hi, full.free) == (6, 10, 2)  # planned on the copy
+
+
 # --- failure isolation ---------------------------------------------------------------------------
 
 

@@ -278,7 +278,17 @@ class BandLayout:
     def plan(self, demands: list[tuple[int, int]]) -> list[Action] | None:
         """Actions that leave each band ``i`` of ``demands`` with ``m`` more free units than
         earlier demands on it took, or None. Plans on a copy: ``self`` is unchanged.
+
+        The common case — every band already holds the free units asked of it — needs no
+        action and is answered without the copy (the plan would be empty and the layout,
+        checked when it last changed, is unchanged).
         """
+        asked = [0] * len(self.bands)
+        for i, m in demands:
+            if m > 0:
+                asked[i] += m
+        if all(a <= b.free - r for a, b, r in zip(asked, self.bands, self.reserved, strict=True)):
+            return []
         sim = self.copy()
         out: list[Action] = []
         for i, m in demands:
