@@ -27,7 +27,10 @@ SUITES: dict[str, tuple[str | None, str]] = {
     "capacity": ("capacity", "requests resident at once in one byte budget, static vs unified"),
     "prefix": ("prefix", "prefix cache on a shared-prefix workload: hit rate and throughput"),
     "router": ("router", "prefix-cache locality of two servers behind SGLang's router"),
-    "step-profile": ("step_profile", "where a verify step's time goes (GPU; --host-only on CPU)"),
+    "step-profile": (
+        "step_profile",
+        "where a step's time goes: the small preset or --model-path (GPU; --host-only on CPU)",
+    ),
     "prefill": ("prefill", "time to first token of long prompts: recurrent GDN vs fla (GPU)"),
     "allocator": ("allocator", "launches, device and host time of the allocator's operations"),
     "decode-floor": ("decode_floor", "a decode step against its floor and llama.cpp (GPU)"),
