@@ -170,6 +170,39 @@ def test_one_hot_soft_targets_at_the_tokens_leave_the_loss_unchanged(gemma):
     torch.testing.assert_close(mixed.ce, plain.ce, rtol=1e-5, atol=1e-6)
 
 
+def test_position_decay_weighs_each_block_column(gemma):
+    """``position_decay`` 1 is the plain mean; ``d < 1`` is the mean of the entries'
+    cross-entropies weighted ``d ** column``: recomputed from the per-column means of a
+    drafter whose first column is worse than the others (the weighted loss leans to it)."""
+    from unimem.training.train_forward import distill_losses
+
+    _, model = gemma
+    seqs, lens = _text(model, 4, seed=7, gen_len=12)
+    dc = draft_config_for(model.config, num_layers=1)
+    tf = teacher_forced_states(model, seqs, lens, dc.target_layers)
+    drafter = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=4)
+    anchors = torch.arange(int(tf.prompt_lens.min()), int(tf.lengths.max()) - 1)
+    args = (drafter, tf.tokens, tf.hidden, anchors, GAMMA, tf.prompt_lens, tf.lengths)
+    plain = distill_losses(*args)
+    assert torch.equal(distill_losses(*args, position_decay=1.0).ce, plain.ce)
+    # per column: each column's own sum and count of valid entries (one anchor at a time
+    # covers every column, so the columns come from single-column runs of anchors)
+    sums, counts = [], []
+    for col in range(GAMMA):
+        one = distill_losses(
+            drafter, tf.tokens, tf.hidden, anchors, col + 1, tf.prompt_lens, tf.lengths
+        )
+        total = one.ce.double() * one.n
+        sums.append(total - (sum(sums) if sums else 0.0))
+        counts.append(one.n - (sum(counts) if counts else 0))
+    d = 0.5
+    want = sum(d**i * s_ for i, s_ in enumerate(sums)) / sum(d**i * n for i, n in enumerate(counts))
+    got = distill_losses(*args, position_decay=d).ce
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="position_decay"):
+        TrainConfig(position_decay=0.0)
+
+
 def test_training_with_soft_targets_raises_the_accept_length(gemma):
     _, model = gemma
     seqs, lens = _text(model, 96, seed=1)

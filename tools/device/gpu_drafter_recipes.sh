@@ -7,14 +7,15 @@
 #     bash tools/device/gpu_drafter_recipes.sh
 # Time: the first run GEN_BUDGET + BUDGET + ~60 s (engine start-up with its graphs), each
 # further recipe BUDGET + ~25 s (model load, held-out continuations without graphs, states);
-# the defaults take ~14 minutes on an H100. A short budget ranks recipes by how fast they
+# the defaults take ~15 minutes on an H100. A short budget ranks recipes by how fast they
 # learn, which need not be how far they get: rerun the best two with a longer one.
 # MODEL: the target; BUDGET: training seconds per recipe; GEN_BUDGET: seconds of generation
 # for the shared text (greedy continuations of <bos>-sampled prompts), kept in TEXT_CACHE
 # (default /tmp/drafter_text.pt) for later runs; VARIANTS: one recipe
 # per line, flags added to the base recipe (2 draft layers over target layers 1, 9, 17,
 # Markov rank 16, a 32 768-token draft vocabulary, gamma 7; the first variant adds soft
-# targets, the target's own top-16 distribution at every position, at half the loss).
+# targets, the target's own top-16 distribution at every position, at half the loss; the
+# second weighs block column i's loss 0.8 ** i).
 # Output: $OUT (or ./gpu-out): drafter_recipes.json (per recipe: flags, held-out accept
 # length before/after, steps, weights bytes) and gpu_drafter_recipes.log.
 set -uo pipefail
@@ -32,6 +33,7 @@ with open(sys.argv[1], 'w') as f:
         f.write(json.dumps({'text': t, 'split': 'heldout'}) + '\n')" "$held"
 variants=${VARIANTS:-"
 --soft-top-k 16 --soft-weight 0.5
+--position-decay 0.8
 --draft-layers 1
 --draft-layers 3
 --markov-rank 0

@@ -167,6 +167,12 @@ def parser() -> argparse.ArgumentParser:
         default=0.5,
         help="the soft targets' share of the loss (with --soft-top-k)",
     )
+    r.add_argument(
+        "--position-decay",
+        type=float,
+        default=t.position_decay,
+        help="block column i's loss weighs this to the power i (1: every column alike)",
+    )
     r.add_argument("--head-steps", type=int, default=t.head_steps)
     r.add_argument("--no-bf16", action="store_true", help="train in float32 on CUDA too")
     r.add_argument("--no-progress", action="store_true")
@@ -453,6 +459,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         seed=args.seed,
         progress=not args.no_progress,
         soft_weight=args.soft_weight if args.soft_top_k else 0.0,
+        position_decay=args.position_decay,
     )
     result = train_drafter(drafter, train, held, cfg, calibration=calib, log=log)
     out = Path(args.out)
@@ -478,6 +485,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
             "gamma": args.gamma,
             "soft_top_k": args.soft_top_k,
             "soft_weight": args.soft_weight if args.soft_top_k else 0.0,
+            "position_decay": args.position_decay,
         },
         weights_bytes=weights,
         # every evaluation and every 50th step: the file ships beside the drafter

@@ -207,10 +207,16 @@ def distill_losses(
     lengths: torch.Tensor,
     soft: tuple[torch.Tensor, torch.Tensor] | None = None,
     soft_weight: float = 0.0,
+    position_decay: float = 1.0,
 ) -> DistillLoss:
     """:func:`distill_loss` and, for a drafter with a confidence head, its binary
     cross-entropy against :func:`confidence_targets` over the same entries (module
     docstring).
+
+    ``position_decay`` ``d`` in ``(0, 1]``: the cross-entropy of block column ``i`` weighs
+    ``d ** i`` (the mean is over the weights): a draft is accepted only after every earlier
+    one, so the early columns carry the accept length. 1 (default): every column alike,
+    the plain mean.
 
     ``soft = (ids, probs)`` (``[B, S, k]``: the target's ``k`` most probable next tokens at
     every position and their probabilities, :class:`~unimem.training.distill.Rollouts`'s
@@ -258,6 +264,9 @@ def distill_losses(
     n = int(valid.sum())
     survival = accepted = None
     bce = ce.sum() * 0.0
+    weight = valid
+    if position_decay != 1.0:
+        weight = valid * position_decay ** steps.to(ce.dtype)  # [B, A, G]: column i, d ** i
     if drafter.config.confidence:
         z = drafter.survival_logits(h.detach(), prev)
         accepted = confidence_targets(logits.detach(), target).to(z.dtype)
@@ -267,4 +276,6 @@ def distill_losses(
             bce = (terms * valid).sum() / n
     if n == 0:
         return DistillLoss(ce.sum() * 0.0, bce, 0, survival, accepted, valid)
-    return DistillLoss((ce * valid).sum() / n, bce, n, survival, accepted, valid)
+    if weight is valid:
+        return DistillLoss((ce * valid).sum() / n, bce, n, survival, accepted, valid)
+    return DistillLoss((ce * weight).sum() / weight.sum(), bce, n, survival, accepted, valid)

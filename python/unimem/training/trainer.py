@@ -81,6 +81,9 @@ class TrainConfig:
     soft_weight: float = 0.0
     """Weight of the soft-target cross-entropy (needs the data's ``soft_ids``/``soft_probs``;
     :func:`~unimem.training.train_forward.distill_losses`); 0: the tokens alone."""
+    position_decay: float = 1.0
+    """Block column ``i``'s cross-entropy weighs ``position_decay ** i``
+    (:func:`~unimem.training.train_forward.distill_losses`); 1: every column alike."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "gamma", "eval_every", "save_every"):
@@ -97,6 +100,9 @@ class TrainConfig:
             raise ValueError("TrainConfig.lr and head_lr must be > 0")
         if not 0.0 <= self.soft_weight <= 1.0:
             raise ValueError(f"TrainConfig.soft_weight must be in [0, 1], got {self.soft_weight}")
+        d = self.position_decay
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d <= 1.0:
+            raise ValueError(f"TrainConfig.position_decay must be in (0, 1], got {d!r}")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"TrainConfig.time_budget_s must be > 0, got {self.time_budget_s}")
 
@@ -327,7 +333,7 @@ def train_drafter(
                 out = distill_losses(
                     student, part.tokens, part.hidden, anchors, cfg.gamma,
                     part.prompt_lens, part.lengths, soft=soft(part),
-                    soft_weight=cfg.soft_weight,
+                    soft_weight=cfg.soft_weight, position_decay=cfg.position_decay,
                 )  # fmt: skip
             opt.zero_grad(set_to_none=True)
             (out.ce + out.bce).backward()
