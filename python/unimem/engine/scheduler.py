@@ -24,7 +24,8 @@ Policy (deterministic: the same requests and the same capacity give the same bat
   nothing while a saturated batch decodes, so that admissions come in batches (SGLang's
   prefill delayer; the policy is that module's). It decides once per :meth:`next_batch`;
   a pass that finds nothing running after reading results admits anyway.
-- Every step, SWA pages behind each request's window are retired (one launch).
+- Every step, SWA pages behind each request's window are retired (one launch, for the
+  requests whose window moved past a page: the others have nothing to let go).
 - An internal fault of the allocator (:class:`~unimem.memory.errors.InternalError`, raised
   with the pool left as it was) fails only the request it met: admissions and the step's
   grow are retried request by request, and the request whose call raises finishes at once
@@ -329,19 +330,24 @@ class Scheduler:
         """After accounting a step: ``stepped`` pairs each request whose result was taken
         with the step's state snapshot (-1: none)."""
         done = []
-        going = []
+        going = []  # the requests whose window moved past another page (pool.swa_stop)
+        window, p = self.pool.swa_window, self.pool.page_size
+        behind = None if window is None else 1 - window
         for r, _ in stepped:
             if r.finished:
                 done.append(r)
-            else:
-                going.append((r.mem, r.kv_len))
+            elif behind is not None:
+                mem = r.mem
+                if (r.kv_len + behind) // p > mem.swa_start < len(mem.pages):
+                    going.append((mem, r.kv_len))
         if self.cache is not None:
             self._insert(stepped)
         else:
             require(
                 all(snap < 0 for _, snap in stepped), "a state snapshot was taken without a cache"
             )
-        self.pool.retire_swa(going)
+        if going:
+            self.pool.retire_swa(going)
         if done:
             # A step launched after the finishing one may still be in flight: the release
             # runs after it in stream order, and its results are dropped.
