@@ -87,37 +87,22 @@ def _speculative(
     ``px`` by ``filtered_token_probs`` and one filtered row per lane
     (``VerifyStep._sampled_accept``)."""
     if compact:
-        return _speculative_compact(temperature, top_p, gamma, control_rate, lanes, reduced)
-    target, drafter = _chains()
-    if reduced:
-        drafter = drafter.clone()
-        drafter[:, V // 2 :] = float("-inf")
-    p_of = _filtered(target, temperature, top_p)  # [V, V]: p(. | prev)
-    q_of = _filtered(drafter, temperature, top_p)
-    seeds = _seeds(lanes)
-    rids = torch.arange(lanes)
-    control = AcceptanceControl(control_rate, 5, {r: [2] * 64 for r in range(lanes)})
+        verify = _compact_verify(temperature, top_p, gamma, control_rate, lanes, reduced)
+    else:
+        verify = _dense_verify(temperature, top_p, gamma, control_rate, lanes, reduced)
+    return _run_chains(gamma, lanes, verify)
+
+
+def _run_chains(gamma, lanes, verify):
+    """Drive ``verify(last, n) -> ChainSample`` (one verify step of every lane from its
+    last token ``last`` at committed length ``n``) until every lane has ``OUT`` tokens."""
     out = torch.full((lanes, OUT + gamma + 1), -1, dtype=torch.int64)
     count = torch.zeros(lanes, dtype=torch.int64)
     last = torch.full((lanes,), ANCHOR, dtype=torch.int64)
     n = torch.full((lanes,), START, dtype=torch.int64)
     cols = torch.arange(gamma + 1)
     while bool((count < OUT).any()):
-        prev, draft, q = last, [], []
-        for i in range(gamma):
-            pos = n + i + 1
-            qi = q_of[prev]
-            tok = ss.draw(qi, ss.stream_keys(seeds, pos, ss.STREAM_DRAFT))
-            if control_rate:
-                ref, take = control.decide(rids, pos)
-                tok, qi = ss.replace_proposal(tok, qi, take, ref)
-            draft.append(tok)
-            q.append(qi)
-            prev = tok
-        draft_t, q_t = torch.stack(draft, 1), torch.stack(q, 1)
-        rows = torch.cat([last[:, None], draft_t], 1)
-        p = p_of[rows]  # [lanes, gamma + 1, V]
-        res = ss.chain_accept(draft_t, q_t, p, seeds, n[:, None] + 1 + cols)
+        res = verify(last, n)
         acc = res.accepted.long()
         active = count < OUT
         write = (cols[None, :] <= acc[:, None]) & active[:, None]
@@ -130,31 +115,54 @@ def _speculative(
     return out[:, :OUT]
 
 
-def _speculative_compact(temperature, top_p, gamma, control_rate, lanes, reduced):
+def _dense_verify(temperature, top_p, gamma, control_rate, lanes, reduced):
+    """The materialised ``q`` and ``p`` (``chain_accept``)."""
     target, drafter = _chains()
-    d2t = torch.arange(V // 2) if reduced else None
-    draft_logits = drafter[:, d2t] if reduced else drafter  # [V, K]: over the draft vocabulary
-    k = draft_logits.shape[1]
+    if reduced:
+        drafter = drafter.clone()
+        drafter[:, V // 2 :] = float("-inf")
+    p_of = _filtered(target, temperature, top_p)  # [V, V]: p(. | prev)
+    q_of = _filtered(drafter, temperature, top_p)
     seeds = _seeds(lanes)
     rids = torch.arange(lanes)
     control = AcceptanceControl(control_rate, 5, {r: [2] * 64 for r in range(lanes)})
-    out = torch.full((lanes, OUT + gamma + 1), -1, dtype=torch.int64)
-    count = torch.zeros(lanes, dtype=torch.int64)
-    last = torch.full((lanes,), ANCHOR, dtype=torch.int64)
-    n = torch.full((lanes,), START, dtype=torch.int64)
     cols = torch.arange(gamma + 1)
-    full = lambda x: torch.full((x,), temperature)  # noqa: E731
 
-    def filt(logits):
-        m = logits.shape[0]
-        return filtered_probs(logits, full(m), torch.full((m,), -1, dtype=torch.int32),
-                              torch.full((m,), top_p), torch.zeros(m))  # fmt: skip
+    def verify(last, n):
+        prev, draft, q = last, [], []
+        for i in range(gamma):
+            pos = n + i + 1
+            qi = q_of[prev]
+            tok = ss.draw(qi, ss.stream_keys(seeds, pos, ss.STREAM_DRAFT))
+            if control_rate:
+                ref, take = control.decide(rids, pos)
+                tok, qi = ss.replace_proposal(tok, qi, take, ref)
+            draft.append(tok)
+            q.append(qi)
+            prev = tok
+        draft_t, q_t = torch.stack(draft, 1), torch.stack(q, 1)
+        p = p_of[torch.cat([last[:, None], draft_t], 1)]  # [lanes, gamma + 1, V]
+        return ss.chain_accept(draft_t, q_t, p, seeds, n[:, None] + 1 + cols)
 
-    while bool((count < OUT).any()):
+    return verify
+
+
+def _compact_verify(temperature, top_p, gamma, control_rate, lanes, reduced):
+    """The engine's path: drafts over the drafter's (reduced) vocabulary in ``Proposals``,
+    ``px`` by ``filtered_token_probs``, one filtered row per lane (``chain_accept_rows``)."""
+    target, drafter = _chains()
+    d2t = torch.arange(V // 2) if reduced else None
+    draft_logits = drafter[:, d2t] if reduced else drafter  # [V, K]: over the draft vocabulary
+    seeds = _seeds(lanes)
+    rids = torch.arange(lanes)
+    control = AcceptanceControl(control_rate, 5, {r: [2] * 64 for r in range(lanes)})
+    cols = torch.arange(gamma + 1)
+
+    def verify(last, n):
         prev, toks, qxs, qs, points = last, [], [], [], []
         for i in range(gamma):
             pos = n + i + 1
-            q = filt(draft_logits[prev])  # [lanes, K]
+            q = _filtered(draft_logits[prev], temperature, top_p)  # [lanes, K]
             idx = ss.draw(q, ss.stream_keys(seeds, pos, ss.STREAM_DRAFT))
             qx = q.gather(1, idx[:, None])[:, 0]
             tok = idx if d2t is None else d2t[idx]
@@ -175,30 +183,20 @@ def _speculative_compact(temperature, top_p, gamma, control_rate, lanes, reduced
         logits = target[rows].reshape(-1, V)
         m = logits.shape[0]
         asked = torch.cat([draft_t, torch.zeros_like(draft_t[:, :1])], 1).reshape(-1)
-        px = filtered_token_probs(logits, full(m), torch.full((m,), -1, dtype=torch.int32),
+        px = filtered_token_probs(logits, torch.full((m,), temperature),
+                                  torch.full((m,), -1, dtype=torch.int32),
                                   torch.full((m,), top_p), torch.zeros(m), asked)  # fmt: skip
         px = px.reshape(lanes, gamma + 1)[:, :gamma]
 
-        def p_rows(col, rows=rows):
-            return filt(target[rows.gather(1, col[:, None])[:, 0]])
+        def p_rows(col):
+            return _filtered(target[rows.gather(1, col[:, None])[:, 0]], temperature, top_p)
 
-        def q_rows(col, prop=prop):
-            return prop.rows(col, V)
+        return ss.chain_accept_rows(
+            draft_t, prop.qx, px, lambda col: prop.rows(col, V), p_rows, seeds,
+            n[:, None] + 1 + cols,
+        )  # fmt: skip
 
-        res = ss.chain_accept_rows(
-            draft_t, prop.qx, px, q_rows, p_rows, seeds, n[:, None] + 1 + cols
-        )
-        acc = res.accepted.long()
-        active = count < OUT
-        write = (cols[None, :] <= acc[:, None]) & active[:, None]
-        idx = torch.where(write, count[:, None] + cols, out.shape[1] - 1)
-        out.scatter_(1, idx, torch.where(write, res.tokens, out.gather(1, idx)))
-        step = torch.where(active, acc + 1, 0)
-        count += step
-        n += step
-        last = torch.where(active, res.tokens.gather(1, acc[:, None])[:, 0], last)
-    assert k == (V // 2 if reduced else V)
-    return out[:, :OUT]
+    return verify
 
 
 def _plain(temperature, top_p, lanes=LANES):
