@@ -110,27 +110,22 @@ def synthetic_core(kind: str, split_kv_max_bs: int, args, model, drafter, prompt
 
 def model_engine(kind: str, args):
     """``unimem.Engine`` of ``args.model_path`` with DSPARK (its shipped drafter, or
-    ``args.drafter``; no acceptance control: the real drafter's acceptance) over ``kind``
-    memory, ``args.requests`` running, pools sized for the measurement."""
+    ``args.drafter``; no acceptance control: the real drafter's acceptance), or without it
+    (``args.no_speculation``), over ``kind`` memory, ``args.requests`` running, pools sized
+    for the measurement."""
     from unimem.engine.api import Engine
 
+    tokens = args.input_len + OUTPUT_LEN + args.page_size
     kw = {}
-    if args.drafter:
-        kw["speculative_draft_model_path"] = args.drafter
-    if args.no_speculation:
-        return Engine(
-            model_path=args.model_path, device="cuda", enable_unified_memory=kind == "unified",
-            page_size=args.page_size, max_running_requests=args.requests,
-            disable_radix_cache=True,
-            max_total_tokens=args.requests * (args.input_len + OUTPUT_LEN + args.page_size),
-        )  # fmt: skip
+    if not args.no_speculation:
+        kw = dict(speculative_algorithm="DSPARK", speculative_num_draft_tokens=args.gamma + 1)
+        tokens += 2 * (args.gamma + 1)  # the write window and the look-ahead
+        if args.drafter:
+            kw["speculative_draft_model_path"] = args.drafter
     return Engine(
         model_path=args.model_path, device="cuda", enable_unified_memory=kind == "unified",
         page_size=args.page_size, max_running_requests=args.requests, disable_radix_cache=True,
-        speculative_algorithm="DSPARK", speculative_num_draft_tokens=args.gamma + 1,
-        max_total_tokens=args.requests
-        * (args.input_len + OUTPUT_LEN + 2 * (args.gamma + 1) + args.page_size),
-        **kw,
+        max_total_tokens=args.requests * tokens, **kw,
     )  # fmt: skip
 
 
