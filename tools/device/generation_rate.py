@@ -162,16 +162,17 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"generation_rate: {gpu}, torch {torch.__version__}, {args.prompts} prompts x "
           f"{args.gen_len} tokens, {args.max_running} running", flush=True)  # fmt: skip
-    rows = [run_variant(v, args) for v in args.variants.split()]
     out = {
         "gpu": gpu,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
-        "rows": rows,
+        "rows": [],
     }
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    for v in args.variants.split():  # the JSON after every variant: a cut-off run keeps its rows
+        out["rows"].append(run_variant(v, args))
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
 
 
