@@ -204,3 +204,43 @@ def test_gpu_real_size_in_a_cuda_graph(ties):
         torch.cuda.synchronize()
         assert_same(out, greedy_verify_accept_reference(new_logits, new_draft))
         assert set(out[1].tolist()) == set(range(gamma + 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", ["small", "default"])
+def test_lse_in_the_same_pass(triton_backend, monkeypatch, device, block):
+    """``lse=True``: the same tokens, accepted prefixes and bonus tokens, and every row's
+    log-sum-exp equal to ``torch.logsumexp`` (float64) to float32 rounding — rows with
+    ``-inf`` blocks and chunks, a chunk of ``-inf`` only, a row of ``-inf`` only (``-inf``),
+    logits far from zero (the sums are rescaled, never overflow), a ragged last block."""
+    if block == "small":
+        monkeypatch.setattr(ga, "_BLOCK_V", SMALL_BLOCK)
+    bs, gamma, v = 4, 2, 300
+    logits, draft = planted(bs, gamma, v, "cpu", seed=11)
+    logits[0, :100] = float("-inf")  # the first chunks (and blocks) -inf only
+    logits[1, 150:] = float("-inf")  # the last chunks -inf only
+    logits[2] = float("-inf")  # the whole row
+    logits[3] = logits[3] * 40 + 900.0  # exp(x) overflows float32 without the rescaling
+    logits[5, 7] = 80.0  # one logit far above the rest
+    logits, draft = logits.to(device), draft.to(device)
+    got = greedy_verify_accept(logits, draft, lse=True)
+    assert len(got) == 4
+    assert_same(got[:3], greedy_verify_accept_reference(logits, draft))
+    lse = got[3]
+    assert lse.dtype == torch.float32 and lse.shape == (bs * (gamma + 1),)
+    want = torch.logsumexp(logits.double().cpu(), dim=-1)
+    assert lse[2].item() == float("-inf")
+    finite = torch.isfinite(want)
+    assert torch.isfinite(lse.cpu()[finite]).all()
+    err = (lse.cpu().double()[finite] - want[finite]).abs() / want[finite].abs().clamp_min(1.0)
+    assert err.max().item() < 4e-6, err
+    ref = greedy_verify_accept_reference(logits, draft, lse=True)
+    assert ref[3].dtype == torch.float32
+    assert torch.allclose(ref[3].cpu().double()[finite], want[finite], rtol=4e-6)
+
+
+def test_lse_empty_batch(triton_backend):
+    logits = torch.zeros(0, 64)
+    draft = torch.zeros(0, 3, dtype=torch.int64)
+    out = greedy_verify_accept(logits, draft, lse=True)
+    assert len(out) == 4 and out[3].shape == (0,)

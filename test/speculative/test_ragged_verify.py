@@ -541,3 +541,35 @@ def test_distillation_improves_the_confidence_heads_calibration():
     assert after.bce < before.bce and after.ece < before.ece, (before, after)
     assert after.bce < constant, (after, constant)
     assert after.ece < 0.1, after
+
+
+@pytest.mark.parametrize("verify_lengths", ["fixed", "adaptive"])
+def test_verify_logprobs_are_the_targets_raw_logprobs(verify_lengths):
+    """A DSPARK engine with log-probabilities (float32; the fixed step takes each row's
+    log-sum-exp from the accept's pass over the logits, the ragged step each packed row's
+    log-probability from ``greedy_logprob``; their kernels equal these references in
+    ``sgl-kernel/tests``): every output token's log-probability, greedy and sampled lanes
+    alike, is ``log_softmax`` of the target's own logits at that position."""
+    import dataclasses
+
+    cfg = dataclasses.replace(preset("tiny"), dtype=torch.float32)
+    model = HybridModel(cfg, seed=5)
+    drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=9)
+    budget = 7 if verify_lengths == "adaptive" else None
+    chain = DsparkChain(drafter, 3, verify_lengths=verify_lengths, verify_budget=budget)
+    assert chain.adaptive == (verify_lengths == "adaptive")
+    eng = EngineCore(model, _pool(cfg, drafter, max_running=3), TorchReferenceBackend(), 3, 64,
+                     chain=chain, logprobs=True)  # fmt: skip
+    prompts = _prompts(cfg, 3, 12, seed=8)
+    hot = SamplingOptions(temperature=0.8, seed=4)
+    reqs = [eng.submit(p, 6, sampling=hot if i == 1 else None) for i, p in enumerate(prompts)]
+    eng.run()
+    assert sum(r.verify_steps for r in reqs) > 0
+    for prompt, req in zip(prompts, reqs, strict=True):
+        assert len(req.output_logprobs) == len(req.output) == 6
+        toks = list(prompt)
+        for tok, lp in zip(req.output, req.output_logprobs, strict=True):
+            logits = model.reference_forward([torch.tensor(toks)])[0][-1]
+            want = float(torch.log_softmax(logits.double(), -1)[tok])
+            assert lp == pytest.approx(want, abs=1e-4)
+            toks.append(tok)

@@ -51,7 +51,6 @@ from unimem.models.sampler import (
     SamplingRows,
     filtered_probs,
     filtered_token_probs,
-    token_logprobs,
 )
 from unimem.speculative import spec_sampling
 from unimem.speculative.accept import greedy_accept
@@ -61,6 +60,7 @@ from unimem.speculative.verify_lengths import allocate_lengths, packed_layout, p
 from unimem_kernel import gdn as gdn_ops
 from unimem_kernel import gdn_reference
 from unimem_kernel.greedy_accept import greedy_verify_accept
+from unimem_kernel.greedy_pick import greedy_logprob
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
 __all__ = ["GDN_REPLAY_COMMIT", "CommitRows", "VerifyLanes", "VerifyResult", "VerifyStep"]
@@ -257,8 +257,9 @@ class VerifyStep:
         input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
         ctx = self._context(meta, lanes, width * vw)
         logits = self.model.forward(input_ids, ctx)
-        # the rows' argmax, the accepted prefix and the bonus token in two launches
-        tokens, accepted, bonus = greedy_verify_accept(logits, draft)
+        # the rows' argmax, the accepted prefix and the bonus token in two launches; with
+        # log-probabilities each row's log-sum-exp in the same pass over the logits
+        tokens, accepted, bonus, *lse = greedy_verify_accept(logits, draft, lse=self.logprobs)
         if params is not None:
             accepted, tokens = self._sampled_accept(
                 logits, draft, proposals, tokens, accepted, seq_lens, params
@@ -275,7 +276,8 @@ class VerifyStep:
         self.drafts.write_context(ctx.hidden, committed)
         logprobs = None
         if self.logprobs:
-            logprobs = token_logprobs(logits, tokens.reshape(-1)).reshape(width, vw)
+            chosen = logits.gather(1, tokens.reshape(-1, 1))[:, 0]
+            logprobs = (chosen - lse[0]).float().reshape(width, vw)
         return VerifyResult(None, logprobs)
 
     def _ragged(
@@ -354,13 +356,18 @@ class VerifyStep:
         # length repeat its last row; the accept never reads them)
         cols = torch.minimum(self._arange[:vw][None, :], lengths.long()[:, None] - 1)
         src = (packed.cu_seqlens[:-1].long()[:, None] + cols).reshape(-1)
-        tokens = torch.argmax(logits, dim=-1)[src].reshape(width, vw)
+        # each packed row's argmax (and, with log-probabilities, its own log-probability)
+        # in one pass over the logits
+        if self.logprobs:
+            row_tokens, row_logprobs = greedy_logprob(logits)
+        else:
+            row_tokens = torch.argmax(logits, dim=-1)
+        tokens = row_tokens[src].reshape(width, vw)
         limit = lengths - 1
         accepted, bonus = greedy_accept(draft, tokens, limit)
         uniform_logits = None
-        if params is not None or self.logprobs:
-            uniform_logits = logits[src]
         if params is not None:
+            uniform_logits = logits[src]
             accepted, tokens = self._sampled_accept(
                 uniform_logits, draft, proposals, tokens, accepted, seq_lens, params, limit
             )
@@ -371,7 +378,11 @@ class VerifyStep:
         commit(bonus, tokens, accepted, ())
         logprobs = None
         if self.logprobs:
-            logprobs = token_logprobs(uniform_logits, tokens.reshape(-1)).reshape(width, vw)
+            # log p(t) = logits[t] - lse = (logits[t] - logits[argmax]) + log p(argmax): a
+            # gather per row (exactly the row's own log-probability where t is its argmax)
+            chosen = logits[src, tokens.reshape(-1)]
+            top = logits[src, row_tokens[src]]
+            logprobs = ((chosen - top) + row_logprobs[src]).float().reshape(width, vw)
         return VerifyResult(lengths, logprobs)
 
     def _sampled_accept(

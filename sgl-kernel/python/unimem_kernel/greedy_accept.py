@@ -24,7 +24,12 @@ strides), ``gamma >= 0``, on the device of ``logits``. Returns ``(tokens, accept
 ``tokens [bs, W]`` int64 (the rows' argmaxes), ``accepted [bs]`` int32 in ``0..gamma`` (the
 longest ``j``-prefix with ``draft[b, j] == tokens[b, j]``) and ``bonus [bs]`` int64
 (``tokens[b, accepted[b]]``), all three freshly allocated, as are the ``[bs * W, NSPLIT]``
-partials (float32 and int64); nothing else is allocated. No host read and fixed grids: the
+partials (float32 and int64); nothing else is allocated. With ``lse=True`` a fourth output,
+every row's ``logsumexp`` (``[bs * W]``; float32 from the kernels, equal to
+``torch.logsumexp``'s to float32 rounding: the sum's order differs), comes from the same pass
+over the logits (each chunk also keeps its sum of ``exp(x - max)``, rescaled block by block):
+a verify step's log-probabilities then cost a gather, not another few passes over
+``[bs * W, V]`` float32. No host read and fixed grids: the
 op can be recorded in a CUDA graph with the verify step. Ties keep the first index, within a
 block, across blocks and across chunks, as ``torch.argmax`` does; a row of ``-inf`` gives
 index 0. NaN logits are not supported (``torch.argmax`` would pick a NaN; the kernel's
@@ -59,14 +64,18 @@ def _row_argmax_kernel(
     logits_ptr,
     part_val_ptr,  # [rows, NSPLIT] fp32
     part_idx_ptr,  # [rows, NSPLIT] int64
+    part_sum_ptr,  # [rows, NSPLIT] fp32 (LSE only)
     V,
     chunk,
     logits_sr,
     NSPLIT: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    LSE: tl.constexpr,
 ):
     """Program ``(r, s)``: ``(max, first index)`` of row ``r`` over ``[s * chunk, (s + 1) *
-    chunk) & [0, V)`` into the partials; an empty chunk gives ``(-inf, s * chunk)``."""
+    chunk) & [0, V)`` into the partials; an empty chunk gives ``(-inf, s * chunk)``. With
+    ``LSE`` also ``sum(exp(x - max))`` over the chunk (rescaled block by block; 0 for an
+    empty chunk or one of ``-inf`` only)."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     lo = s * chunk
@@ -74,36 +83,47 @@ def _row_argmax_kernel(
     row_ptr = logits_ptr + row * logits_sr
     best_val = tl.full((), float("-inf"), tl.float32)
     best_idx = lo.to(tl.int64)
+    total = tl.zeros((), tl.float32)  # sum(exp(x - best_val)) of the blocks so far
     for v0 in range(lo, hi, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         vmask = offs < hi
         x = tl.load(row_ptr + offs, mask=vmask, other=float("-inf"))
         blk_max = tl.max(x, axis=0)
         blk_idx = tl.min(tl.where(vmask & (x == blk_max), offs, hi), axis=0).to(tl.int64)
+        if LSE:
+            new_max = tl.maximum(best_val, blk_max)
+            if new_max > float("-inf"):  # else every value so far is -inf: the sum stays 0
+                total = total * tl.exp(best_val - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
         better = blk_max > best_val  # strictly: an earlier block keeps its tie
         best_idx = tl.where(better, blk_idx, best_idx)
         best_val = tl.where(better, blk_max, best_val)
     at = row * NSPLIT + s
     tl.store(part_val_ptr + at, best_val)
     tl.store(part_idx_ptr + at, best_idx)
+    if LSE:
+        tl.store(part_sum_ptr + at, total)
 
 
 @triton.jit
 def _accept_kernel(
     part_val_ptr,
     part_idx_ptr,
+    part_sum_ptr,
     draft_ptr,
     tokens_ptr,  # [bs, W] int64, contiguous
     accepted_ptr,  # [bs] int32
     bonus_ptr,  # [bs] int64
+    lse_ptr,  # [bs * W] fp32 (LSE only)
     draft_sb,
     draft_sg,
     W: tl.constexpr,
     WP: tl.constexpr,  # next_pow2(W)
     NSPLIT: tl.constexpr,
+    LSE: tl.constexpr,
 ):
     """Program ``b``: lane ``b``'s ``W`` tokens from their partials, then its accepted prefix
-    against ``draft[b]`` and the bonus token."""
+    against ``draft[b]`` and the bonus token; with ``LSE`` each row's log-sum-exp from its
+    chunks' sums (in chunk order)."""
     b = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, WP)
     offs_s = tl.arange(0, NSPLIT)
@@ -115,6 +135,12 @@ def _accept_kernel(
     # among chunks holding the row's maximum, the first (smallest index) wins
     tok = tl.min(tl.where(vals == top[:, None], idxs, 0x7FFFFFFFFFFFFFFF), axis=1)
     tl.store(tokens_ptr + b * W + offs_j, tok, mask=jmask)
+    if LSE:
+        sums = tl.load(part_sum_ptr + at, mask=jmask[:, None], other=0.0)
+        # a chunk of -inf only (or an empty one) adds nothing; a row of -inf only gives -inf
+        scale = tl.where(vals > float("-inf"), tl.exp(vals - top[:, None]), 0.0)
+        lse = tl.log(tl.sum(sums * scale, axis=1)) + top
+        tl.store(lse_ptr + b * W + offs_j, lse, mask=jmask)
     dmask = offs_j < W - 1
     d = tl.load(draft_ptr + b * draft_sb + offs_j * draft_sg, mask=dmask, other=0).to(tl.int64)
     # column gamma = W - 1 (and the padding past it) always misses: accepted <= gamma
@@ -155,11 +181,12 @@ def _check(logits: torch.Tensor, draft: torch.Tensor) -> None:
 
 
 def greedy_verify_accept_reference(
-    logits: torch.Tensor, draft: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, draft: torch.Tensor, *, lse: bool = False
+) -> tuple[torch.Tensor, ...]:
     """``(tokens [bs, W] int64, accepted [bs] int32, bonus [bs] int64)`` of a greedy verify
-    step (module docstring). The kernels take float32 ``logits``; other float dtypes (the
-    float64 CPU models) run the reference."""
+    step (module docstring); with ``lse`` also every row's ``logsumexp [bs * W]`` in the
+    logits' dtype. The kernels take float32 ``logits``; other float dtypes (the float64 CPU
+    models) run the reference."""
     bs, gamma = draft.shape
     tokens = torch.argmax(logits, dim=-1).reshape(bs, gamma + 1)
     miss = draft.long() != tokens[:, :gamma]
@@ -167,14 +194,17 @@ def greedy_verify_accept_reference(
     miss = torch.cat([miss, miss.new_ones(bs, 1)], dim=1)
     accepted = torch.argmax(miss.to(torch.int32), dim=1).to(torch.int32)
     bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
+    if lse:
+        return tokens, accepted, bonus, torch.logsumexp(logits, dim=-1)
     return tokens, accepted, bonus
 
 
 def greedy_verify_accept_triton(
-    logits: torch.Tensor, draft: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, draft: torch.Tensor, *, lse: bool = False
+) -> tuple[torch.Tensor, ...]:
     """Triton launcher of :func:`greedy_verify_accept` (arguments already checked; float32
-    logits): a split row argmax, then the acceptance per lane."""
+    logits): a split row argmax (with ``lse``, and each chunk's sum of exponentials in the
+    same pass), then the acceptance per lane."""
     bs, gamma = draft.shape
     w = gamma + 1
     rows, v = logits.shape
@@ -182,8 +212,10 @@ def greedy_verify_accept_triton(
     tokens = torch.empty(bs, w, dtype=torch.int64, device=dev)
     accepted = torch.empty(bs, dtype=torch.int32, device=dev)
     bonus = torch.empty(bs, dtype=torch.int64, device=dev)
+    row_lse = torch.empty(rows if lse else 0, dtype=torch.float32, device=dev)
+    out = (tokens, accepted, bonus, row_lse) if lse else (tokens, accepted, bonus)
     if bs == 0:
-        return tokens, accepted, bonus
+        return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     block_v = min(_BLOCK_V, next_pow2(v))
@@ -191,21 +223,23 @@ def greedy_verify_accept_triton(
     chunk = triton.cdiv(triton.cdiv(v, nsplit), block_v) * block_v
     part_val = torch.empty(rows, nsplit, dtype=torch.float32, device=dev)
     part_idx = torch.empty(rows, nsplit, dtype=torch.int64, device=dev)
+    part_sum = torch.empty(rows, nsplit, dtype=torch.float32, device=dev) if lse else part_val
     _row_argmax_kernel[(rows, nsplit)](
-        logits, part_val, part_idx, v, chunk, logits.stride(0),
-        NSPLIT=nsplit, BLOCK_V=block_v, num_warps=4,
+        logits, part_val, part_idx, part_sum, v, chunk, logits.stride(0),
+        NSPLIT=nsplit, BLOCK_V=block_v, LSE=lse, num_warps=4,
     )  # fmt: skip
     # gamma == 0: no draft is read (its tensor may be empty); pass any valid pointer
     draft_arg = draft if gamma > 0 else tokens
     _accept_kernel[(bs,)](
-        part_val, part_idx, draft_arg, tokens, accepted, bonus,
+        part_val, part_idx, part_sum, draft_arg, tokens, accepted, bonus,
+        row_lse if lse else part_val,
         draft.stride(0) if gamma > 0 else 0, draft.stride(1) if gamma > 0 else 0,
-        W=w, WP=next_pow2(w), NSPLIT=nsplit, num_warps=1,
+        W=w, WP=next_pow2(w), NSPLIT=nsplit, LSE=lse, num_warps=1,
     )  # fmt: skip
-    return tokens, accepted, bonus
+    return out
 
 
-def _check_and_cover(logits: torch.Tensor, draft: torch.Tensor) -> bool:
+def _check_and_cover(logits: torch.Tensor, draft: torch.Tensor, *, lse: bool = False) -> bool:
     _check(logits, draft)
     return logits.dtype == torch.float32
 
