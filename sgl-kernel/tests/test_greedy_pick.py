@@ -54,3 +54,52 @@ def test_greedy_logprob_gpu_gemma_vocab():
     torch.testing.assert_close(lp, lp0, rtol=1e-5, atol=1e-5)
     t1, l1 = gp.greedy_logprob(logits[17:18])
     assert torch.equal(t1, tok[17:18]) and torch.equal(l1, lp[17:18])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tempered_token_probs(triton_backend, device, monkeypatch):
+    """One pass over tempered logits: a row of temperature t > 0 gives softmax(x / t) at its
+    token (float64 reference, relative 1e-5; tokens of high and of tiny probability, a row
+    with -inf logits); a row of temperature 0 gives 1.0 for its first argmax (ties) and 0.0
+    for any other token; rows never mix."""
+    from unimem_kernel.greedy_pick import tempered_token_probs, tempered_token_probs_reference
+
+    if device == "cpu":  # several chunks of several blocks, a ragged last one
+        monkeypatch.setattr(gp, "SPLIT", 1024)
+        monkeypatch.setattr(gp, "_BLOCK", 256)
+    gen = torch.Generator().manual_seed(21)
+    n, v = 8, 9000 if device == "cpu" else 262144
+    logits = torch.randn(n, v, generator=gen) * 4
+    logits[2, : v // 2] = float("-inf")
+    logits[5, [17, 4000]] = 30.0  # a tie: 17 is the first argmax
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.0, 0.25, 0.0, 2.0, 0.0])
+    top = logits.argmax(dim=-1)
+    tokens = top.clone()
+    tokens[0] = logits[0].argmin()  # a tiny probability
+    tokens[2] = v - 1
+    tokens[5] = 17
+    tokens[7] = (top[7] + 1) % v  # a greedy row's non-argmax token
+    tokens[6] = 3
+    logits, temperature, tokens = logits.to(device), temperature.to(device), tokens.to(device)
+    got = tempered_token_probs(logits, temperature, tokens).cpu()
+    assert got.dtype == torch.float32
+    x = logits.double().cpu()
+    t = temperature.double().cpu()
+    live = t > 0
+    want = torch.softmax(x / torch.where(live, t, 1.0)[:, None], dim=-1)
+    want = want.gather(1, tokens.cpu()[:, None])[:, 0]
+    assert torch.allclose(got[live].double(), want[live], rtol=1e-5, atol=0)
+    assert got[~live].tolist() == [1.0, 1.0, 0.0]
+    ref = tempered_token_probs_reference(logits, temperature, tokens).cpu()
+    assert torch.allclose(got, ref, rtol=1e-5, atol=0)
+    half = tempered_token_probs(logits[4:], temperature[4:], tokens[4:]).cpu()
+    assert torch.equal(half, got[4:])
+
+
+def test_tempered_token_probs_refuses_bad_input():
+    from unimem_kernel.greedy_pick import tempered_token_probs
+
+    with pytest.raises(ValueError, match="logits"):
+        tempered_token_probs(torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature and tokens"):
+        tempered_token_probs(torch.zeros(2, 4), torch.zeros(3), torch.zeros(2, dtype=torch.long))

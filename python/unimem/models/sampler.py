@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 import unimem_kernel.sampling as kernel
+from unimem_kernel.greedy_pick import tempered_token_probs
 
 __all__ = [
     "BOUNDED",
@@ -299,7 +300,9 @@ def filtered_token_probs(
     one normalising pass (the log-sum-exp of the kept scaled logits) and the token's own
     value, ``exp(s_x - lse)`` where kept, 0 where cut; temperature-0 rows: 1 for their argmax,
     else 0. Equal to the gather from :func:`filtered_probs` up to float32 rounding (the
-    softmax normalises in another order). ``tokens [N]`` int64; other arguments as there."""
+    softmax normalises in another order). ``tokens [N]`` int64; other arguments as there.
+    :data:`UNFILTERED` rows take one pass over the logits
+    (:func:`unimem_kernel.greedy_pick.tempered_token_probs`: no tempered copy)."""
     _check_rule(rule)
     fn = functools.partial(_filtered_token_rows, rule=rule)
     return _over_row_chunks(fn, logits, temperature, top_k, top_p, min_p, tokens)
@@ -308,18 +311,17 @@ def filtered_token_probs(
 def _filtered_token_rows(
     logits, temperature, top_k, top_p, min_p, tokens, rule: str = SORTED
 ) -> torch.Tensor:
+    if rule == UNFILTERED:  # one pass over the logits (two launches on a GPU)
+        return tempered_token_probs(logits, temperature, tokens)
     live = temperature > 0
     t = torch.where(live, temperature.float(), 1.0)
     scaled = logits.float() / t[:, None]
     tok = tokens.long()[:, None]
     sx = scaled.gather(1, tok)[:, 0]
-    if rule == UNFILTERED:
-        prob = torch.exp(sx - torch.logsumexp(scaled, dim=-1))
-    else:
-        threshold = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
-        cut = threshold(scaled, top_k, top_p.float(), min_p.float())
-        lse = torch.logsumexp(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
-        prob = torch.where(sx >= cut, torch.exp(sx - lse), 0.0)
+    threshold = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
+    cut = threshold(scaled, top_k, top_p.float(), min_p.float())
+    lse = torch.logsumexp(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
+    prob = torch.where(sx >= cut, torch.exp(sx - lse), 0.0)
     greedy = (torch.argmax(logits, dim=-1, keepdim=True) == tok)[:, 0].float()
     return torch.where(live, prob, greedy)
 

@@ -14,6 +14,15 @@ blocks); the second combines a row's chunks in index order. A row's results ther
 depend on the other rows (batch-invariant). The token is exact (``torch.argmax``'s, NaN
 aside: a NaN row's pick is unspecified); the log-probability agrees with torch's to float32
 rounding (``exp``/``log`` and the sum's order). ``greedy_logprob_reference`` is the torch code.
+
+``tempered_token_probs(logits, temperature, tokens)`` is the same pass over tempered logits:
+per row, the probability of ``tokens[i]`` under ``softmax(logits / temperature)`` (float32:
+``logits / t`` rounded as torch divides, then ``exp(s_x - logsumexp(s))``), and for a row of
+temperature 0 the greedy indicator (1.0 where ``tokens[i]`` is the row's first argmax, else
+0.0) — what a sampled verify step needs of a row without top-k / top-p / min-p (the sampler's
+``unfiltered`` rule), in two launches instead of a tempered copy of the logits, a
+``logsumexp`` of several passes and an argmax. The same chunks and combination as above, so
+a row's value depends on that row only.
 """
 
 from __future__ import annotations
@@ -24,7 +33,15 @@ import triton.language as tl
 
 from unimem_kernel._dispatch import kernel_op, next_pow2
 
-__all__ = ["SPLIT", "greedy_logprob", "greedy_logprob_reference", "greedy_logprob_triton"]
+__all__ = [
+    "SPLIT",
+    "greedy_logprob",
+    "greedy_logprob_reference",
+    "greedy_logprob_triton",
+    "tempered_token_probs",
+    "tempered_token_probs_reference",
+    "tempered_token_probs_triton",
+]
 
 SPLIT = 4096
 """Elements of a row per program of the first pass."""
@@ -33,8 +50,10 @@ _BIG = 2**62
 
 
 @triton.jit
-def _partial_kernel(x_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_split,
-                    SPLIT_: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _partial_kernel(x_ptr, t_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_split,
+                    SPLIT_: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr):  # fmt: skip
+    # program (row, sp): max, first index of it and sum(exp(x - max)) of chunk sp of the row
+    # (TEMPERED: of x / t, t the row's temperature or 1 where it is 0)
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -42,10 +61,16 @@ def _partial_kernel(x_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_split,
     sv = tl.zeros((BLOCK,), tl.float32)
     iv = tl.zeros((BLOCK,), tl.int64)
     start = sp.to(tl.int64) * SPLIT_
+    t = 1.0
+    if TEMPERED:
+        t = tl.load(t_ptr + row).to(tl.float32)
+        t = tl.where(t > 0, t, 1.0)
     for off in range(0, SPLIT_, BLOCK):
         idx = start + off + cols
         x = tl.load(x_ptr + row * stride_x + idx, mask=idx < V, other=float("-inf"))
         x = x.to(tl.float32)
+        if TEMPERED:
+            x = x / t
         new_m = tl.maximum(mv, x)
         alpha = tl.where(mv == new_m, 1.0, tl.exp(mv - new_m))
         e = tl.where(x == float("-inf"), 0.0, tl.exp(x - new_m))
@@ -76,6 +101,26 @@ def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
     lse = tl.log(total) + big_m
     tl.store(tok_ptr + row, tok)
     tl.store(lp_ptr + row * stride_lp, big_m - lse)
+
+
+@triton.jit
+def _token_prob_kernel(x_ptr, t_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr, stride_x, n_split,
+                       BS: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BS)
+    mask = k < n_split
+    m = tl.load(m_ptr + row * n_split + k, mask=mask, other=float("-inf"))
+    s = tl.load(s_ptr + row * n_split + k, mask=mask, other=0.0)
+    i = tl.load(i_ptr + row * n_split + k, mask=mask, other=2**62)
+    big_m = tl.max(m, axis=0)
+    total = tl.sum(s * tl.where(m == big_m, 1.0, tl.exp(m - big_m)), axis=0)
+    first = tl.min(tl.where(m == big_m, i, 2**62), axis=0)
+    t = tl.load(t_ptr + row).to(tl.float32)
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    live = t > 0
+    sx = tl.load(x_ptr + row * stride_x + tok).to(tl.float32) / tl.where(live, t, 1.0)
+    prob = tl.exp(sx - (tl.log(total) + big_m))
+    tl.store(p_ptr + row, tl.where(live, prob, tl.where(tok == first, 1.0, 0.0)))
 
 
 def greedy_logprob_reference(
@@ -110,8 +155,8 @@ def greedy_logprob_triton(
     lp = out_logprobs if out_logprobs is not None else torch.empty(n, dtype=torch.float32,
                                                                     device=x.device)  # fmt: skip
     if n:
-        _partial_kernel[(n, n_split)](x, m, i, s, v, x.stride(0), n_split,
-                                      SPLIT_=SPLIT, BLOCK=_BLOCK)  # fmt: skip
+        _partial_kernel[(n, n_split)](x, x, m, i, s, v, x.stride(0), n_split,
+                                      SPLIT_=SPLIT, BLOCK=_BLOCK, TEMPERED=False)  # fmt: skip
         _combine_kernel[(n,)](m, i, s, tok, lp, lp.stride(0), n_split, BS=next_pow2(n_split))
     return tok, lp
 
@@ -137,4 +182,65 @@ greedy_logprob = kernel_op(
     reference=greedy_logprob_reference,
     device_of="logits",
     check=_check,
+)
+
+
+def tempered_token_probs_reference(
+    logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """``[N]`` float32 (module docstring): ``softmax(logits / t)[i, tokens[i]]`` for a row of
+    temperature ``t > 0``; for ``t == 0`` 1.0 where ``tokens[i]`` is the row's first argmax,
+    else 0.0. ``logits [N, V]``, ``temperature [N]``, ``tokens [N]`` int64."""
+    live = temperature > 0
+    t = torch.where(live, temperature.float(), 1.0)
+    scaled = logits.float() / t[:, None]
+    tok = tokens.long()[:, None]
+    sx = scaled.gather(1, tok)[:, 0]
+    prob = torch.exp(sx - torch.logsumexp(scaled, dim=-1))
+    greedy = (torch.argmax(logits, dim=-1, keepdim=True) == tok)[:, 0].float()
+    return torch.where(live, prob, greedy)
+
+
+def tempered_token_probs_triton(
+    logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """Triton launcher of :func:`tempered_token_probs` (arguments already checked; float32
+    logits): two launches."""
+    n, v = logits.shape
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    t = temperature.contiguous()
+    tok = tokens.contiguous()
+    n_split = triton.cdiv(v, SPLIT)
+    m = torch.empty(n, n_split, dtype=torch.float32, device=x.device)
+    s = torch.empty_like(m)
+    i = torch.empty(n, n_split, dtype=torch.int64, device=x.device)
+    prob = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n:
+        _partial_kernel[(n, n_split)](x, t, m, i, s, v, x.stride(0), n_split,
+                                      SPLIT_=SPLIT, BLOCK=_BLOCK, TEMPERED=True)  # fmt: skip
+        _token_prob_kernel[(n,)](x, t, tok, m, i, s, prob, x.stride(0), n_split,
+                                 BS=next_pow2(n_split))  # fmt: skip
+    return prob
+
+
+def _check_tempered(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor) -> bool:
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logits must be [N, V] with V >= 1, got {tuple(logits.shape)}")
+    n = logits.shape[0]
+    if temperature.shape != (n,) or tokens.shape != (n,):
+        raise ValueError(
+            f"temperature and tokens must be [{n}], got {tuple(temperature.shape)} and "
+            f"{tuple(tokens.shape)}"
+        )
+    if temperature.device != logits.device or tokens.device != logits.device:
+        raise ValueError("logits, temperature and tokens must be on one device")
+    return logits.dtype == torch.float32 and temperature.dtype == torch.float32
+
+
+tempered_token_probs = kernel_op(
+    "tempered_token_probs",
+    triton=tempered_token_probs_triton,
+    reference=tempered_token_probs_reference,
+    device_of="logits",
+    check=_check_tempered,
 )
