@@ -101,5 +101,39 @@ def test_tempered_token_probs_refuses_bad_input():
 
     with pytest.raises(ValueError, match="logits"):
         tempered_token_probs(torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match="temperature and tokens"):
+    with pytest.raises(ValueError, match="temperature, tokens and cut"):
         tempered_token_probs(torch.zeros(2, 4), torch.zeros(3), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tempered_token_probs_with_a_cut(triton_backend, device, monkeypatch):
+    """With a cut-off (here each row's 50th largest tempered logit, as top-k 50 gives): the
+    softmax over the kept values only (float64 reference), the token exactly at the cut kept,
+    a token just below it 0.0; greedy rows ignore the cut."""
+    from unimem_kernel.greedy_pick import tempered_token_probs, tempered_token_probs_reference
+
+    if device == "cpu":
+        monkeypatch.setattr(gp, "SPLIT", 1024)
+        monkeypatch.setattr(gp, "_BLOCK", 256)
+    gen = torch.Generator().manual_seed(5)
+    n, v, k = 6, 5000 if device == "cpu" else 262144, 50
+    logits = (torch.randn(n, v, generator=gen) * 3).to(device)
+    temperature = torch.tensor([0.7, 1.0, 0.0, 1.9, 0.3, 0.0], device=device)
+    t = torch.where(temperature > 0, temperature, 1.0)
+    scaled = logits / t[:, None]
+    desc, order = torch.sort(scaled, dim=-1, descending=True)
+    cut = desc[:, k - 1].contiguous()
+    tokens = order[:, 0].clone()
+    tokens[1] = order[1, k - 1]  # exactly at the cut: kept
+    tokens[3] = order[3, k]  # just below it: cut
+    tokens[5] = order[5, 1]  # a greedy row's second-best token
+    got = tempered_token_probs(logits, temperature, tokens, cut).cpu()
+    ref = tempered_token_probs_reference(logits, temperature, tokens, cut).cpu()
+    s64 = logits.double().cpu() / t.double().cpu()[:, None]
+    kept = torch.where(s64 >= s64.gather(1, order[:, k - 1 : k].cpu()), s64, -torch.inf)
+    want = torch.softmax(kept, dim=-1).gather(1, tokens.cpu()[:, None])[:, 0]
+    live = (temperature > 0).cpu()
+    assert got[3].item() == 0.0 and got[1].item() > 0.0
+    assert torch.allclose(got[live].double(), want[live], rtol=1e-5, atol=0)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=0)
+    assert got[~live].tolist() == [1.0, 0.0]

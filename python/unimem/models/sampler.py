@@ -301,8 +301,9 @@ def filtered_token_probs(
     value, ``exp(s_x - lse)`` where kept, 0 where cut; temperature-0 rows: 1 for their argmax,
     else 0. Equal to the gather from :func:`filtered_probs` up to float32 rounding (the
     softmax normalises in another order). ``tokens [N]`` int64; other arguments as there.
-    :data:`UNFILTERED` rows take one pass over the logits
-    (:func:`unimem_kernel.greedy_pick.tempered_token_probs`: no tempered copy)."""
+    After the cut-off, one pass over the logits
+    (:func:`unimem_kernel.greedy_pick.tempered_token_probs`; :data:`UNFILTERED` needs no
+    tempered copy at all)."""
     _check_rule(rule)
     fn = functools.partial(_filtered_token_rows, rule=rule)
     return _over_row_chunks(fn, logits, temperature, top_k, top_p, min_p, tokens)
@@ -311,19 +312,15 @@ def filtered_token_probs(
 def _filtered_token_rows(
     logits, temperature, top_k, top_p, min_p, tokens, rule: str = SORTED
 ) -> torch.Tensor:
-    if rule == UNFILTERED:  # one pass over the logits (two launches on a GPU)
+    # the cut-off (none for UNFILTERED), then one pass over the logits for the kept mass and
+    # the token's value (two launches on a GPU)
+    if rule == UNFILTERED:
         return tempered_token_probs(logits, temperature, tokens)
-    live = temperature > 0
-    t = torch.where(live, temperature.float(), 1.0)
+    t = torch.where(temperature > 0, temperature.float(), 1.0)
     scaled = logits.float() / t[:, None]
-    tok = tokens.long()[:, None]
-    sx = scaled.gather(1, tok)[:, 0]
     threshold = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
     cut = threshold(scaled, top_k, top_p.float(), min_p.float())
-    lse = torch.logsumexp(torch.where(scaled >= cut[:, None], scaled, -math.inf), dim=-1)
-    prob = torch.where(sx >= cut, torch.exp(sx - lse), 0.0)
-    greedy = (torch.argmax(logits, dim=-1, keepdim=True) == tok)[:, 0].float()
-    return torch.where(live, prob, greedy)
+    return tempered_token_probs(logits, temperature, tokens, cut.float())
 
 
 def sample(

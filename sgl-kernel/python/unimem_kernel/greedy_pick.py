@@ -15,17 +15,22 @@ depend on the other rows (batch-invariant). The token is exact (``torch.argmax``
 aside: a NaN row's pick is unspecified); the log-probability agrees with torch's to float32
 rounding (``exp``/``log`` and the sum's order). ``greedy_logprob_reference`` is the torch code.
 
-``tempered_token_probs(logits, temperature, tokens)`` is the same pass over tempered logits:
-per row, the probability of ``tokens[i]`` under ``softmax(logits / temperature)`` (float32:
-``logits / t`` rounded as torch divides, then ``exp(s_x - logsumexp(s))``), and for a row of
-temperature 0 the greedy indicator (1.0 where ``tokens[i]`` is the row's first argmax, else
-0.0) — what a sampled verify step needs of a row without top-k / top-p / min-p (the sampler's
-``unfiltered`` rule), in two launches instead of a tempered copy of the logits, a
-``logsumexp`` of several passes and an argmax. The same chunks and combination as above, so
-a row's value depends on that row only.
+``tempered_token_probs(logits, temperature, tokens, cut=None)`` is the same pass over
+tempered logits: per row, the probability of ``tokens[i]`` under ``softmax(logits /
+temperature)`` (float32: ``logits / t`` divided as torch divides, IEEE-rounded, then
+``exp(s_x - logsumexp(s))``) — with a ``cut`` (a top-k / top-p / min-p cut-off of the tempered
+row) over the values ``>= cut`` only, 0.0 for a cut token — and for a row of temperature 0 the
+greedy indicator (1.0 where ``tokens[i]`` is the row's first argmax, else 0.0): what a
+sampled verify step needs of each row, in two launches instead of a ``where`` over the
+tempered logits, a ``logsumexp`` of several passes and an argmax. The same chunks and
+combination as above, so a row's value depends on that row only; the division and the
+comparison with the cut are torch's own, so a token is kept or cut exactly as the sampler
+keeps or cuts it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -50,10 +55,12 @@ _BIG = 2**62
 
 
 @triton.jit
-def _partial_kernel(x_ptr, t_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_split,
-                    SPLIT_: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr):  # fmt: skip
+def _partial_kernel(x_ptr, t_ptr, c_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_split,
+                    SPLIT_: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr,
+                    CUT: tl.constexpr):  # fmt: skip
     # program (row, sp): max, first index of it and sum(exp(x - max)) of chunk sp of the row
-    # (TEMPERED: of x / t, t the row's temperature or 1 where it is 0)
+    # (TEMPERED: of x / t, t the row's temperature or 1 where it is 0, divided as torch
+    # divides; CUT: values below the row's cut count as -inf, on rows of t > 0)
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -62,15 +69,20 @@ def _partial_kernel(x_ptr, t_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_split,
     iv = tl.zeros((BLOCK,), tl.int64)
     start = sp.to(tl.int64) * SPLIT_
     t = 1.0
+    cut = float("-inf")
     if TEMPERED:
         t = tl.load(t_ptr + row).to(tl.float32)
+        if CUT:
+            cut = tl.where(t > 0, tl.load(c_ptr + row).to(tl.float32), float("-inf"))
         t = tl.where(t > 0, t, 1.0)
     for off in range(0, SPLIT_, BLOCK):
         idx = start + off + cols
         x = tl.load(x_ptr + row * stride_x + idx, mask=idx < V, other=float("-inf"))
         x = x.to(tl.float32)
         if TEMPERED:
-            x = x / t
+            x = tl.math.div_rn(x, t)
+            if CUT:
+                x = tl.where(x >= cut, x, float("-inf"))
         new_m = tl.maximum(mv, x)
         alpha = tl.where(mv == new_m, 1.0, tl.exp(mv - new_m))
         e = tl.where(x == float("-inf"), 0.0, tl.exp(x - new_m))
@@ -104,8 +116,8 @@ def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
 
 
 @triton.jit
-def _token_prob_kernel(x_ptr, t_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr, stride_x, n_split,
-                       BS: tl.constexpr):  # fmt: skip
+def _token_prob_kernel(x_ptr, t_ptr, c_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr, stride_x,
+                       n_split, BS: tl.constexpr, CUT: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BS)
     mask = k < n_split
@@ -118,8 +130,12 @@ def _token_prob_kernel(x_ptr, t_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr, stride
     t = tl.load(t_ptr + row).to(tl.float32)
     tok = tl.load(tok_ptr + row).to(tl.int64)
     live = t > 0
-    sx = tl.load(x_ptr + row * stride_x + tok).to(tl.float32) / tl.where(live, t, 1.0)
+    sx = tl.math.div_rn(
+        tl.load(x_ptr + row * stride_x + tok).to(tl.float32), tl.where(live, t, 1.0)
+    )
     prob = tl.exp(sx - (tl.log(total) + big_m))
+    if CUT:
+        prob = tl.where(sx >= tl.load(c_ptr + row).to(tl.float32), prob, 0.0)
     tl.store(p_ptr + row, tl.where(live, prob, tl.where(tok == first, 1.0, 0.0)))
 
 
@@ -155,8 +171,9 @@ def greedy_logprob_triton(
     lp = out_logprobs if out_logprobs is not None else torch.empty(n, dtype=torch.float32,
                                                                     device=x.device)  # fmt: skip
     if n:
-        _partial_kernel[(n, n_split)](x, x, m, i, s, v, x.stride(0), n_split,
-                                      SPLIT_=SPLIT, BLOCK=_BLOCK, TEMPERED=False)  # fmt: skip
+        _partial_kernel[(n, n_split)](x, x, x, m, i, s, v, x.stride(0), n_split,
+                                      SPLIT_=SPLIT, BLOCK=_BLOCK, TEMPERED=False,
+                                      CUT=False)  # fmt: skip
         _combine_kernel[(n,)](m, i, s, tok, lp, lp.stride(0), n_split, BS=next_pow2(n_split))
     return tok, lp
 
@@ -186,23 +203,36 @@ greedy_logprob = kernel_op(
 
 
 def tempered_token_probs_reference(
-    logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    tokens: torch.Tensor,
+    cut: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N]`` float32 (module docstring): ``softmax(logits / t)[i, tokens[i]]`` for a row of
     temperature ``t > 0``; for ``t == 0`` 1.0 where ``tokens[i]`` is the row's first argmax,
-    else 0.0. ``logits [N, V]``, ``temperature [N]``, ``tokens [N]`` int64."""
+    else 0.0. ``logits [N, V]``, ``temperature [N]``, ``tokens [N]`` int64. ``cut [N]``
+    (float32, optional: a top-k / top-p / min-p cut-off of the tempered logits): a row of
+    ``t > 0`` keeps only tempered values ``>= cut`` (the softmax over those; 0.0 for a cut
+    token)."""
     live = temperature > 0
     t = torch.where(live, temperature.float(), 1.0)
     scaled = logits.float() / t[:, None]
     tok = tokens.long()[:, None]
     sx = scaled.gather(1, tok)[:, 0]
-    prob = torch.exp(sx - torch.logsumexp(scaled, dim=-1))
+    if cut is None:
+        prob = torch.exp(sx - torch.logsumexp(scaled, dim=-1))
+    else:
+        kept = torch.where(scaled >= cut[:, None], scaled, -math.inf)
+        prob = torch.where(sx >= cut, torch.exp(sx - torch.logsumexp(kept, dim=-1)), 0.0)
     greedy = (torch.argmax(logits, dim=-1, keepdim=True) == tok)[:, 0].float()
     return torch.where(live, prob, greedy)
 
 
 def tempered_token_probs_triton(
-    logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    tokens: torch.Tensor,
+    cut: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`tempered_token_probs` (arguments already checked; float32
     logits): two launches."""
@@ -210,31 +240,41 @@ def tempered_token_probs_triton(
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     t = temperature.contiguous()
     tok = tokens.contiguous()
+    c = cut.contiguous() if cut is not None else t
     n_split = triton.cdiv(v, SPLIT)
     m = torch.empty(n, n_split, dtype=torch.float32, device=x.device)
     s = torch.empty_like(m)
     i = torch.empty(n, n_split, dtype=torch.int64, device=x.device)
     prob = torch.empty(n, dtype=torch.float32, device=x.device)
     if n:
-        _partial_kernel[(n, n_split)](x, t, m, i, s, v, x.stride(0), n_split,
-                                      SPLIT_=SPLIT, BLOCK=_BLOCK, TEMPERED=True)  # fmt: skip
-        _token_prob_kernel[(n,)](x, t, tok, m, i, s, prob, x.stride(0), n_split,
-                                 BS=next_pow2(n_split))  # fmt: skip
+        _partial_kernel[(n, n_split)](x, t, c, m, i, s, v, x.stride(0), n_split,
+                                      SPLIT_=SPLIT, BLOCK=_BLOCK, TEMPERED=True,
+                                      CUT=cut is not None)  # fmt: skip
+        _token_prob_kernel[(n,)](x, t, c, tok, m, i, s, prob, x.stride(0), n_split,
+                                 BS=next_pow2(n_split), CUT=cut is not None)  # fmt: skip
     return prob
 
 
-def _check_tempered(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor) -> bool:
+def _check_tempered(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    tokens: torch.Tensor,
+    cut: torch.Tensor | None = None,
+) -> bool:
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits must be [N, V] with V >= 1, got {tuple(logits.shape)}")
     n = logits.shape[0]
-    if temperature.shape != (n,) or tokens.shape != (n,):
+    rows = (temperature, tokens) + ((cut,) if cut is not None else ())
+    if any(r.shape != (n,) for r in rows):
         raise ValueError(
-            f"temperature and tokens must be [{n}], got {tuple(temperature.shape)} and "
-            f"{tuple(tokens.shape)}"
+            f"temperature, tokens and cut must be [{n}], got "
+            f"{', '.join(str(tuple(r.shape)) for r in rows)}"
         )
-    if temperature.device != logits.device or tokens.device != logits.device:
-        raise ValueError("logits, temperature and tokens must be on one device")
-    return logits.dtype == torch.float32 and temperature.dtype == torch.float32
+    if any(r.device != logits.device for r in rows):
+        raise ValueError("logits, temperature, tokens and cut must be on one device")
+    return logits.dtype == torch.float32 and all(
+        r.dtype == torch.float32 for r in rows if r is not tokens
+    )
 
 
 tempered_token_probs = kernel_op(
