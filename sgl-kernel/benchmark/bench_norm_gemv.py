@@ -40,28 +40,18 @@ EPS = 1e-6
 
 def candidates(n_out: int, rows: int) -> list[str]:
     """Tiles worth timing. One row (CUDA cores): 4-16 output columns per program, 256-1024
-    of ``K`` a step; more rows on the tensor cores: 16-32 columns, 64-256 of ``K``; and, up to
-    ``CUDA_CORE_MAX_ROWS`` rows, on the CUDA cores: 4-8 columns, 32-256 of ``K``, at most
-    8192 products of the row tile a step (they sit in registers); a few (warps, stages)
-    pairs each, at most 8192 weight elements a step, at least 8 programs."""
-    from unimem_kernel.norm_gemv import CUDA_CORE_MAX_ROWS, NormLinearConfig, row_tile
-
-    groups = []
+    of ``K`` a step; more rows (tensor cores): 16-32 columns, 64-256 of ``K``; a few (warps,
+    stages) pairs each, at most 8192 weight elements a step, at least 8 programs."""
     if rows == 1:
-        groups.append((((4, 8, 16), (256, 512, 1024)), ((4, 1), (4, 3), (8, 2))))
+        sizes, pairs = ((4, 8, 16), (256, 512, 1024)), ((4, 1), (4, 3), (8, 2))
     else:
-        groups.append((((16, 32), (64, 128, 256)), ((4, 3), (4, 4), (8, 3))))
-        if rows <= CUDA_CORE_MAX_ROWS:
-            groups.append((((4, 8), (32, 64, 128, 256)), ((4, 1), (4, 2), (8, 2))))
+        sizes, pairs = ((16, 32), (64, 128, 256)), ((4, 3), (4, 4), (8, 3))
     out = []
-    for (bns, bks), pairs in groups:
-        for bn in bns:
-            for bk in bks:
-                block_m = row_tile(rows, NormLinearConfig(bn, bk, 4, 1))[0]
-                products = block_m * bk * bn if bn < 16 else 0  # CUDA-core tiles only
-                if bn * bk > 8192 or n_out // bn < 8 or products > 8192:
-                    continue
-                out += [f"{bn},{bk},{w},{st}" for w, st in pairs]
+    for bn in sizes[0]:
+        for bk in sizes[1]:
+            if bn * bk > 8192 or n_out // bn < 8:
+                continue
+            out += [f"{bn},{bk},{w},{st}" for w, st in pairs]
     return out
 
 

@@ -119,45 +119,6 @@ def test_first_k_tile_loaded_ahead(mode, act, m, block_k):
         assert torch.equal(stream, nl.norm_linear_triton(x, w, nw, EPS, config=SMALL_TILE, **kw)[0])
 
 
-def test_row_tile():
-    """One row: the tile's columns; a few rows under a narrow tile: the CUDA cores (row tile
-    the next power of two); otherwise a tensor-core tile of at least 16 x 16."""
-    narrow, wide = nl.NormLinearConfig(8, 128, 4, 2), nl.NormLinearConfig(32, 64, 4, 3)
-    assert nl.row_tile(1, narrow) == (1, 8) and nl.row_tile(1, wide) == (1, 32)
-    assert nl.row_tile(3, narrow) == (4, 8) and nl.row_tile(8, narrow) == (8, 8)
-    assert nl.row_tile(nl.CUDA_CORE_MAX_ROWS, narrow) == (nl.CUDA_CORE_MAX_ROWS, 8)
-    assert nl.row_tile(nl.CUDA_CORE_MAX_ROWS + 1, narrow) == (32, 16)
-    assert nl.row_tile(8, wide) == (16, 32) and nl.row_tile(40, wide) == (64, 32)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("m", [2, 5, 8])
-@pytest.mark.parametrize("mode,act", [(2, "gelu_tanh"), (0, None), (3, "silu")])
-def test_few_rows_on_the_cuda_cores(device, m, mode, act):
-    """A tile narrower than 16 columns runs 2-16 rows on the CUDA cores (a DSPARK verify
-    step's 8 rows of one request): the reference within the summation-order bound, a ragged
-    row tile masked, and the last row's output the same bits when every other row's input
-    changes (no other row enters its sums)."""
-    k, n = (40, 48) if device == "cpu" else (640, 1536)
-    x, w, nw, kw = inputs(m, k, n, BF16, device, mode, seed=7 * m + mode)
-    kw.update(zero_centered=True, act=act)
-    narrow = (4, 16, 4, 2) if device == "cpu" else (8, 128, 4, 2)
-    tile = nl.NormLinearConfig(*narrow)
-    stream, out = nl.norm_linear_triton(x, w, nw, EPS, config=tile, **kw)
-    ref_stream, ref_out = nl.norm_linear_reference(x, w, nw, EPS, **kw)
-    assert_close(out, ref_out, BF16)
-    x2, _, _, kw2 = inputs(m, k, n, BF16, device, mode, seed=7 * m + mode + 1)
-    x2[-1] = x[-1]
-    other = {key: kw2[key] if key == "delta" else v for key, v in kw.items()}
-    if "delta" in kw:
-        other["delta"][-1] = kw["delta"][-1]
-    s2, y2 = nl.norm_linear_triton(x2, w, nw, EPS, config=tile, **other)
-    assert not torch.equal(y2[:-1], out[:-1])
-    assert torch.equal(y2[-1], out[-1])
-    if mode >= 2:
-        assert torch.equal(s2[-1], stream[-1])
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_do_not_mix(device):
     """A row's output depends on its own input only: rows among 2 and among 7 others of one

@@ -41,10 +41,8 @@ Nothing is read on the host; the call can be recorded in a CUDA graph after a fi
 
 Tiles: ``BLOCK_N`` output columns per program (both halves' columns with an activation),
 ``BLOCK_K`` per loop step. One row runs a one-row tile on the CUDA cores (``BLOCK_N`` from 4:
-more programs over a narrow output); a few rows (up to 16) under a tile of fewer than 16
-columns run on the CUDA cores too, each program reading its weight slab once for all of them
-(a DSPARK verify step of one request has 8 rows; :func:`row_tile`); otherwise a tensor-core
-tile of at least 16 rows and columns. From the tuned table ``norm_gemv_configs.json`` (GPU name ->
+more programs over a narrow output); more rows a tensor-core tile of at least 16 rows and
+columns. From the tuned table ``norm_gemv_configs.json`` (GPU name ->
 ``"N,K,act"`` -> ``[[max_rows, "BN,BK,warps,stages"], ...]``, written by the micro-benchmark's
 sweep, ``sgl-kernel/benchmark/bench_norm_gemv.py``),
 else :data:`DEFAULT_CONFIG` (:data:`DEFAULT_ONE_ROW_CONFIG` for one row);
@@ -76,7 +74,6 @@ from unimem_kernel.rounding import INTERPRETED, round_rne
 
 __all__ = [
     "ACTS",
-    "CUDA_CORE_MAX_ROWS",
     "DEFAULT_CONFIG",
     "DEFAULT_ONE_ROW_CONFIG",
     "MAX_ROWS",
@@ -85,16 +82,11 @@ __all__ = [
     "norm_linear_config",
     "norm_linear_reference",
     "norm_linear_triton",
-    "row_tile",
 ]
 
 MAX_ROWS = 64
-"""Most rows the kernel takes (its row tile covers them all: one row, a power of two up to
-:data:`CUDA_CORE_MAX_ROWS` on the CUDA cores, or one >= 16 for the tensor cores)."""
-
-CUDA_CORE_MAX_ROWS = 16
-"""Most rows a CUDA-core tile (``BLOCK_N`` < 16) covers; more rows take the tensor cores
-whatever the tile says (:func:`row_tile`)."""
+"""Most rows the kernel takes (its row tile covers them all: one row, or a power of two >= 16
+for the tensor cores)."""
 
 ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
 """The activations (``act``) and their kernel codes."""
@@ -190,11 +182,10 @@ def _stream_chunk(x_rows, d_rows, pw_ptr, k0, ks, kmask, mk, rstd_d, dt: tl.cons
 
 @triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr):
-    """``acc + a @ b`` in fp32. A CUDA-core tile (fewer than 16 rows or columns: one row, or
-    a few rows under a tile narrower than the tensor cores' 16 columns; also the interpreter,
-    whose dot is numpy's matmul, which takes no bf16) multiplies in fp32 and sums over K on
-    the CUDA cores; a tile of at least 16 rows and columns takes the tensor cores."""
-    if INTERPRETED or a.shape[0] < 16 or b.shape[1] < 16:
+    """``acc + a @ b`` in fp32. A one-row tile (and the interpreter, whose dot is numpy's
+    matmul, which takes no bf16) multiplies in fp32 and sums over K on the CUDA cores; larger
+    tiles take the tensor cores."""
+    if INTERPRETED or a.shape[0] == 1:
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
@@ -307,18 +298,6 @@ def _norm_linear_kernel(
 # ------------------------------------------------------------------------- the op
 
 
-def row_tile(rows: int, cfg: NormLinearConfig) -> tuple[int, int]:
-    """``(BLOCK_M, BLOCK_N)`` of ``rows`` rows under ``cfg``: one row, or up to
-    :data:`CUDA_CORE_MAX_ROWS` rows under a tile narrower than 16 columns, run on the CUDA
-    cores (the row tile the next power of two, ``cfg.block_n`` columns: many narrow programs
-    over a small weight); otherwise a tensor-core tile of at least 16 rows and columns."""
-    if rows == 1:
-        return 1, cfg.block_n
-    if cfg.block_n < 16 and rows <= CUDA_CORE_MAX_ROWS:
-        return next_pow2(rows), cfg.block_n
-    return max(16, next_pow2(rows)), max(16, cfg.block_n)
-
-
 def norm_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -383,7 +362,9 @@ def norm_linear_triton(
         return stream, y
     d = delta if delta is not None else x
     pdl_mode = pdl.mode(x)
-    block_m, block_n = row_tile(m, cfg)
+    # one row: a one-row tile on the CUDA cores (any BN); more: a tensor-core tile (>= 16)
+    block_m = 1 if m == 1 else max(16, next_pow2(m))
+    block_n = cfg.block_n if m == 1 else max(16, cfg.block_n)
     _norm_linear_kernel[(triton.cdiv(nout, block_n),)](
         x, d, post_weight if post_weight is not None else x,
         norm_weight if norm_weight is not None else x, weight,
