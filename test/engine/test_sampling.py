@@ -31,6 +31,7 @@ from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem_kernel import greedy_pick as gp
 
 
 def _rows(n, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0):
@@ -293,6 +294,31 @@ def test_different_seeds_differ_and_seedless_requests_are_reproducible(tiny):
     assert first[0] != first[1]  # different rids, different seeds
     assert _run(_engine(cfg, model, random_seed=5), seedless) == first
     assert _run(_engine(cfg, model, random_seed=6), seedless) != first
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_token_logprobs_in_one_pass(monkeypatch, backend):
+    """``token_logprobs`` of float32 rows (one pass: each row's argmax and its
+    log-probability, then a difference of two logits) equals float64 ``log_softmax`` at any
+    token — the argmax, a tie's first index, an unlikely token, a row with ``-inf`` — and is
+    exactly the argmax's log-probability there; float64 rows keep their own precision."""
+    from unimem.models.sampler import token_logprobs
+
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", backend)
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 300, generator=g) * 5
+    logits[1, [10, 250]] = 40.0
+    logits[3, :200] = -math.inf
+    tokens = torch.tensor([int(logits[0].argmax()), 10, int(logits[2].argmin()), 299, 7])
+    got = token_logprobs(logits, tokens)
+    want = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None])[:, 0]
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-5)
+    top = logits.argmax(-1)
+    assert torch.equal(got[:2], gp.greedy_logprob(logits)[1][:2])  # the argmax rows
+    assert top[1] == 10
+    got64 = token_logprobs(logits.double(), tokens)
+    assert torch.equal(got64, want.float())
 
 
 def test_logprobs_are_those_of_the_unfiltered_distribution(tiny):

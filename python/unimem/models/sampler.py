@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 import unimem_kernel.sampling as kernel
-from unimem_kernel.greedy_pick import tempered_token_probs
+from unimem_kernel.greedy_pick import greedy_logprob, tempered_token_probs
 
 __all__ = [
     "BOUNDED",
@@ -125,9 +125,16 @@ def batch_cut_rule(rules) -> str:
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)[i, tokens[i]]`` per row (float32): ``logits [N, V]``,
-    ``tokens [N]`` int64."""
+    ``tokens [N]`` int64. Float32 logits take one pass over the rows
+    (:func:`unimem_kernel.greedy_pick.greedy_logprob`: each row's argmax ``a`` and its
+    log-probability, then ``logits[t] - logits[a] + log p(a)``, exact where ``t`` is the
+    argmax) instead of ``logsumexp``'s several; other dtypes compute
+    ``logits[t] - logsumexp(logits)`` in their own precision."""
     chosen = logits.gather(1, tokens[:, None].long())[:, 0]
-    return (chosen - torch.logsumexp(logits, dim=-1)).float()
+    if logits.dtype != torch.float32:
+        return (chosen - torch.logsumexp(logits, dim=-1)).float()
+    top, top_lp = greedy_logprob(logits)
+    return (chosen - logits.gather(1, top[:, None])[:, 0]) + top_lp
 
 
 # ------------------------------------------------------------------- counter-based noise
