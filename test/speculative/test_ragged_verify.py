@@ -26,7 +26,16 @@ import json
 
 import pytest
 import torch
-from test_spec_sampling import ANCHOR, LANES, OUT, START, _chains, _filtered, _pvalues, _seeds
+from test_spec_sampling import (
+    ANCHOR,
+    LANES,
+    START,
+    _chains,
+    _filtered,
+    _pvalues,
+    _run_chains,
+    _seeds,
+)
 
 from unimem.attention.metadata import MetadataBuilder
 from unimem.attention.torch_backend import TorchReferenceBackend
@@ -207,12 +216,9 @@ def _ragged_speculative(gamma, temperature, top_p, rule, lanes=LANES):
     p_of = _filtered(target, temperature, top_p)
     q_of = _filtered(drafter, temperature, top_p)
     seeds = _seeds(lanes)
-    out = torch.full((lanes, OUT + gamma + 1), -1, dtype=torch.int64)
-    count = torch.zeros(lanes, dtype=torch.int64)
-    last = torch.full((lanes,), ANCHOR, dtype=torch.int64)
-    n = torch.full((lanes,), START, dtype=torch.int64)
     cols = torch.arange(gamma + 1)
-    while bool((count < OUT).any()):
+
+    def verify(last, n):
         prev, draft, q = last, [], []
         limit = torch.full((lanes,), gamma)
         open_ = torch.ones(lanes, dtype=torch.bool)
@@ -230,17 +236,10 @@ def _ragged_speculative(gamma, temperature, top_p, rule, lanes=LANES):
         draft_t, q_t = torch.stack(draft, 1), torch.stack(q, 1)
         p = p_of[torch.cat([last[:, None], draft_t], 1)]
         res = ss.chain_accept(draft_t, q_t, p, seeds, n[:, None] + 1 + cols, limit)
-        acc = res.accepted.long()
-        assert bool((acc <= limit).all())
-        active = count < OUT
-        write = (cols[None, :] <= acc[:, None]) & active[:, None]
-        idx = torch.where(write, count[:, None] + cols, out.shape[1] - 1)
-        out.scatter_(1, idx, torch.where(write, res.tokens, out.gather(1, idx)))
-        step = torch.where(active, acc + 1, 0)
-        count += step
-        n += step
-        last = torch.where(active, res.tokens.gather(1, acc[:, None])[:, 0], last)
-    return out[:, :OUT]
+        assert bool((res.accepted.long() <= limit).all())
+        return res
+
+    return _run_chains(gamma, lanes, verify)
 
 
 def _from_the_past(i, prev, tok, lane_hash, p_of, q_of):
