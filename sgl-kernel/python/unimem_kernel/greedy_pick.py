@@ -99,9 +99,9 @@ def _partial_kernel(x_ptr, t_ptr, c_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_spl
 
 
 @triton.jit
-def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
-                    BS: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+def _row_chunks(m_ptr, i_ptr, s_ptr, row, n_split, BS: tl.constexpr):
+    """Row ``row``'s chunks combined in index order: ``(max, its first index, sum of
+    exp(x - max))`` over the whole row."""
     k = tl.arange(0, BS)
     mask = k < n_split
     m = tl.load(m_ptr + row * n_split + k, mask=mask, other=float("-inf"))
@@ -109,7 +109,15 @@ def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
     i = tl.load(i_ptr + row * n_split + k, mask=mask, other=2**62)
     big_m = tl.max(m, axis=0)
     total = tl.sum(s * tl.where(m == big_m, 1.0, tl.exp(m - big_m)), axis=0)
-    tok = tl.min(tl.where(m == big_m, i, 2**62), axis=0)  # chunks in index order: the first
+    first = tl.min(tl.where(m == big_m, i, 2**62), axis=0)
+    return big_m, first, total
+
+
+@triton.jit
+def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
+                    BS: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    big_m, tok, total = _row_chunks(m_ptr, i_ptr, s_ptr, row, n_split, BS)
     lse = tl.log(total) + big_m
     tl.store(tok_ptr + row, tok)
     tl.store(lp_ptr + row * stride_lp, big_m - lse)
@@ -119,14 +127,7 @@ def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
 def _token_prob_kernel(x_ptr, t_ptr, c_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr, stride_x,
                        n_split, BS: tl.constexpr, CUT: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    k = tl.arange(0, BS)
-    mask = k < n_split
-    m = tl.load(m_ptr + row * n_split + k, mask=mask, other=float("-inf"))
-    s = tl.load(s_ptr + row * n_split + k, mask=mask, other=0.0)
-    i = tl.load(i_ptr + row * n_split + k, mask=mask, other=2**62)
-    big_m = tl.max(m, axis=0)
-    total = tl.sum(s * tl.where(m == big_m, 1.0, tl.exp(m - big_m)), axis=0)
-    first = tl.min(tl.where(m == big_m, i, 2**62), axis=0)
+    big_m, first, total = _row_chunks(m_ptr, i_ptr, s_ptr, row, n_split, BS)
     t = tl.load(t_ptr + row).to(tl.float32)
     tok = tl.load(tok_ptr + row).to(tl.int64)
     live = t > 0
