@@ -5,31 +5,15 @@ admission it asks for nothing ahead (their admission comes first)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "test" / "models"))
-
-import tiny_gemma3  # noqa: E402
-
-import unimem  # noqa: E402
-from unimem.memory.pool import MemoryPool  # noqa: E402
+import unimem
+from unimem.memory.pool import MemoryPool
 
 PROMPTS = [[5 + i] * (3 + i) for i in range(8)]  # staggered lengths: staggered page boundaries
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gemma")
-    tiny_gemma3.build(path, num_hidden_layers=2,
-                      layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    return path
-
-
-def _run(ckpt, unified: bool, monkeypatch, ahead: bool, max_running: int = 8):
+def _run(gemma2_ckpt, unified: bool, monkeypatch, ahead: bool, max_running: int = 8):
     """Outputs of 8 requests x 40 tokens, the pool's allocations, and the reserves asked."""
     allocs, reserves = [], []
     grow = MemoryPool.grow
@@ -40,7 +24,7 @@ def _run(ckpt, unified: bool, monkeypatch, ahead: bool, max_running: int = 8):
 
     with monkeypatch.context() as m:
         m.setattr(MemoryPool, "grow", counting_grow)
-        eng = unimem.Engine(model_path=str(ckpt), device="cpu", dtype="float32", page_size=4,
+        eng = unimem.Engine(model_path=str(gemma2_ckpt), device="cpu", dtype="float32", page_size=4,
                             enable_unified_memory=unified, attention_backend="torch",
                             max_running_requests=max_running)  # fmt: skip
         alloc = type(eng.pool)._alloc
@@ -52,15 +36,15 @@ def _run(ckpt, unified: bool, monkeypatch, ahead: bool, max_running: int = 8):
 
 
 @pytest.mark.parametrize("unified", [False, True], ids=["static", "unified"])
-def test_pages_ahead_cut_allocations_and_keep_the_tokens(ckpt, monkeypatch, unified):
-    outs, n_ahead, _ = _run(ckpt, unified, monkeypatch, ahead=True)
-    plain, n_plain, _ = _run(ckpt, unified, monkeypatch, ahead=False)
+def test_pages_ahead_cut_allocations_and_keep_the_tokens(gemma2_ckpt, monkeypatch, unified):
+    outs, n_ahead, _ = _run(gemma2_ckpt, unified, monkeypatch, ahead=True)
+    plain, n_plain, _ = _run(gemma2_ckpt, unified, monkeypatch, ahead=False)
     assert outs == plain
     assert n_ahead * 2 <= n_plain, (n_ahead, n_plain)
 
 
-def test_nothing_ahead_while_requests_wait(ckpt, monkeypatch):
-    outs, _, reserves = _run(ckpt, False, monkeypatch, ahead=True, max_running=3)
+def test_nothing_ahead_while_requests_wait(gemma2_ckpt, monkeypatch):
+    outs, _, reserves = _run(gemma2_ckpt, False, monkeypatch, ahead=True, max_running=3)
     assert all(len(o) == 40 for o in outs)
     assert all(r is None for r, waiting in reserves if waiting)
     assert any(r is not None for r, waiting in reserves if not waiting)

@@ -6,21 +6,14 @@ with the same tokens; the policy's triggers, caps and counters; its arguments an
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "test" / "models"))
-
-import tiny_gemma3  # noqa: E402
-
-import unimem  # noqa: E402
-from unimem.engine.args import EngineArgs  # noqa: E402
-from unimem.engine.prefill_delay import ADMISSION_DECAY, PrefillDelayer  # noqa: E402
-from unimem.serve.args import CliError, parse_args  # noqa: E402
+import unimem
+from unimem.engine.args import EngineArgs
+from unimem.engine.prefill_delay import ADMISSION_DECAY, PrefillDelayer
+from unimem.serve.args import CliError, parse_args
 
 # --- the policy alone ------------------------------------------------------------------------
 
@@ -146,15 +139,7 @@ def test_launcher_flags():
 # --- in the engine ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gemma")
-    tiny_gemma3.build(path, num_hidden_layers=2,
-                      layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    return path
-
-
-def _run(ckpt, monkeypatch, **delay):
+def _run(gemma2_ckpt, monkeypatch, **delay):
     """96 requests of staggered output lengths over 16 lanes: outputs, and the steps
     launched per mode."""
     rng = random.Random(0)
@@ -162,7 +147,7 @@ def _run(ckpt, monkeypatch, **delay):
         [2] + [rng.randrange(3, 400) for _ in range(rng.randrange(3, 12))] for _ in range(96)
     ]
     params = [{"max_new_tokens": rng.randrange(4, 40), "ignore_eos": True} for _ in prompts]
-    eng = unimem.Engine(model_path=str(ckpt), device="cpu", dtype="float32", page_size=4,
+    eng = unimem.Engine(model_path=str(gemma2_ckpt), device="cpu", dtype="float32", page_size=4,
                         attention_backend="torch", max_running_requests=16,
                         disable_radix_cache=True, **delay)  # fmt: skip
     modes = Counter()
@@ -176,9 +161,9 @@ def _run(ckpt, monkeypatch, **delay):
     return [o["output_ids"] for o in outs], modes, delayer
 
 
-def test_fewer_extend_steps_same_tokens(ckpt, monkeypatch):
-    plain, plain_modes, none = _run(ckpt, monkeypatch)
-    held, held_modes, delayer = _run(ckpt, monkeypatch, enable_prefill_delayer=True,
+def test_fewer_extend_steps_same_tokens(gemma2_ckpt, monkeypatch):
+    plain, plain_modes, none = _run(gemma2_ckpt, monkeypatch)
+    held, held_modes, delayer = _run(gemma2_ckpt, monkeypatch, enable_prefill_delayer=True,
                                      prefill_delayer_max_delay_passes=8)  # fmt: skip
     assert none is None
     assert held == plain
@@ -187,7 +172,7 @@ def test_fewer_extend_steps_same_tokens(ckpt, monkeypatch):
     assert sum(delayer.outcomes.values()) > 0
 
 
-def test_server_metrics_count_held_passes(ckpt):
+def test_server_metrics_count_held_passes(gemma2_ckpt):
     """The engine thread's snapshot and ``/metrics`` report the delayer's counters."""
     import threading
 
@@ -196,7 +181,7 @@ def test_server_metrics_count_held_passes(ckpt):
     from unimem.serve.engine_loop import EngineLoop, Submission
     from unimem.serve.metrics import ServerMetrics
 
-    eng = unimem.Engine(model_path=str(ckpt), device="cpu", dtype="float32", page_size=4,
+    eng = unimem.Engine(model_path=str(gemma2_ckpt), device="cpu", dtype="float32", page_size=4,
                         attention_backend="torch", max_running_requests=4,
                         disable_radix_cache=True, enable_prefill_delayer=True)  # fmt: skip
     loop = EngineLoop(eng.core)
