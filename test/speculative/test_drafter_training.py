@@ -30,7 +30,12 @@ from unimem.speculative.checkpoint import save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.training.distill import Rollouts, greedy_rollouts
 from unimem.training.prompt_sets import read_prompts
-from unimem.training.teacher_forcing import BatchedSequencesContext, teacher_forced_states
+from unimem.training.teacher_forcing import (
+    BatchedSequencesContext,
+    states_of,
+    teacher_forced_states,
+    tokens_only,
+)
 from unimem.training.trainer import (
     TrainConfig,
     frequent_tokens,
@@ -224,6 +229,42 @@ def test_training_with_soft_targets_raises_the_accept_length(gemma):
     bare = teacher_forced_states(model, seqs[:8], lens[:8], dc.target_layers)
     with pytest.raises(ValueError, match="soft targets"):
         train_drafter(start, bare, None, cfg)
+
+
+def test_per_batch_states_train_as_stored_ones(gemma, tmp_path):
+    """Text kept as tokens alone, its states (and soft targets) computed per drawn batch,
+    trains as the same text with every state stored: the same batches, the same losses
+    (float32, the forwards' shapes differ); without a states function it is refused."""
+    from unimem.training.train_drafter import _store_states, parser
+
+    path, model = gemma
+    seqs, lens = _text(model, 24, seed=4, gen_len=12)
+    dc = draft_config_for(model.config, num_layers=1, draft_vocab_size=128)
+    stored = teacher_forced_states(model, seqs, lens, dc.target_layers, soft_top_k=4)
+    bare = tokens_only(seqs, lens, dc.target_layers, model.device)
+    assert bare.hidden == [] and torch.equal(bare.tokens, stored.tokens)
+    rows = torch.tensor([3, 0, 7])
+    got, want = states_of(model, bare.select(rows), soft_top_k=4), stored.select(rows)
+    for a, b in zip(got.hidden, want.hidden, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.soft_ids, want.soft_ids)
+
+    def states(part):
+        return states_of(model, part, soft_top_k=4)
+
+    start = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=17)
+    cfg = TrainConfig(
+        steps=6, batch=8, anchors_per_step=8, gamma=GAMMA, warmup=0, eval_every=100,
+        save_every=100, head_steps=2, progress=False, soft_weight=0.5,
+    )  # fmt: skip
+    a = train_drafter(start, stored, None, cfg)
+    b = train_drafter(start, bare, None, cfg, states=states)
+    assert [h["loss"] for h in b.history] == pytest.approx([h["loss"] for h in a.history], rel=1e-4)
+    with pytest.raises(ValueError, match="states function"):
+        train_drafter(start, bare, None, cfg)
+    base = ["--model-path", str(path), "--out", str(tmp_path), "--soft-top-k", "4"]
+    assert _store_states(model, seqs, 3, parser().parse_args(base))  # auto: small text
+    assert not _store_states(model, seqs, 3, parser().parse_args([*base, "--states", "per-batch"]))
 
 
 def test_resume_continues_where_it_stopped(gemma, tmp_path):

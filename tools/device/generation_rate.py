@@ -22,7 +22,9 @@ what compiles on first use, timed apart), one greedy wave of ``--prompts`` `<bos
 ``--prompt-len`` random tokens x ``--gen-len`` tokens (EOS ignored) through
 ``Engine.generate`` (tok/s, steps, extend steps, mean decode batch), then ``torch.profiler``
 over ``--profile-steps`` steady decode steps of ``--max-running`` requests (GPU and wall ms
-per step, kernels per step, the top kernels by time). CUDA only (``--device cpu`` is a dry
+per step, kernels per step, the top kernels by time); the wave's launch-to-launch intervals (median
+decode step, the slowest steps: a step that compiled or captured shows there) and, with
+``--host-profile N``, a cProfile of one more wave. CUDA only (``--device cpu`` is a dry
 run of the same code without the profile).
 """
 
@@ -69,6 +71,26 @@ def _profile(core, prompts, steps: int, n_layers: int) -> dict:
     return profile_decode(core, prompts, steps, n_layers)
 
 
+def _host_profile(eng, prompts, params, args) -> list[dict]:
+    """One more wave of ``prompts`` under cProfile: the host functions by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    eng.generate(input_ids=prompts, sampling_params=params)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append({"fn": f"{file.rsplit('/', 1)[-1]}:{line}:{fn}", "calls": nc,
+                     "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4)})  # fmt: skip
+    rows.sort(key=lambda r: -r["tottime_s"])
+    return rows[: args.host_profile]
+
+
 def run_variant(name: str, args) -> dict:
     from unimem.engine import api
 
@@ -99,12 +121,14 @@ def run_variant(name: str, args) -> dict:
     modes: Counter[str] = Counter()
     decode_lanes = 0
     launch = core.runner.launch
+    starts: list[tuple[float, str, int]] = []  # (perf_counter at launch, mode, lanes)
 
     def counting(batch):
         nonlocal decode_lanes
         modes[batch.mode.name] += 1
         if batch.mode.name == "DECODE":
             decode_lanes += len(batch.reqs)
+        starts.append((time.perf_counter(), batch.mode.name, len(batch.reqs)))
         return launch(batch)
 
     # a first short wave of the same shapes compiles what the engine's start-up did not (the
@@ -128,6 +152,10 @@ def run_variant(name: str, args) -> dict:
     wave_s = time.perf_counter() - t1
     core.runner.launch = launch
     tokens = sum(len(o["output_ids"]) for o in outs)
+    # launch-to-launch intervals: a step that compiled or captured something shows up here
+    ends = [s[0] for s in starts[1:]] + [t1 + wave_s]
+    gaps = [(end - s[0], s[1], s[2]) for s, end in zip(starts, ends, strict=True)]
+    decode_gaps = sorted(g[0] for g in gaps if g[1] == "DECODE")
     row = {
         "variant": name,
         "engine_kwargs": {**kw, "nologprobs": nologprobs},
@@ -140,7 +168,17 @@ def run_variant(name: str, args) -> dict:
         "mean_decode_batch": round(decode_lanes / max(1, modes["DECODE"]), 1),
         "wave_ms_per_decode_step": round(1e3 * wave_s / max(1, modes["DECODE"]), 3),
         "max_total_num_tokens": eng.max_total_num_tokens,
+        "decode_step_ms_p50": round(1e3 * decode_gaps[len(decode_gaps) // 2], 3)
+        if decode_gaps
+        else None,
+        "slowest_steps": [
+            {"ms": round(1e3 * g, 1), "mode": m, "lanes": n}
+            for g, m, n in sorted(gaps, reverse=True)[:8]
+        ],
+        "seconds_in_steps_over_50ms": round(sum(g[0] for g in gaps if g[0] > 0.05), 3),
     }
+    if args.host_profile:
+        row["host_profile"] = _host_profile(eng, prompts[: args.max_running], params, args)
     if args.device == "cuda" and args.profile_steps:
         row["profile"] = _profile(
             core, prompts[: args.max_running], args.profile_steps, eng.model.config.num_layers
@@ -167,6 +205,13 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="page16-mem0.4 page64-small page16-mem0.4-nologprobs")
     p.add_argument("--profile-steps", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        help="after the timed wave, one wave of --max-running prompts under cProfile: "
+        "this many host functions by own time",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("generation_rate: no CUDA device", file=sys.stderr)

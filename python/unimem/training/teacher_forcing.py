@@ -16,6 +16,12 @@ reference context instead (one extend per sequence chunk, the recurrent state pe
 :func:`teacher_forced_states` returns :class:`~unimem.training.distill.Rollouts`
 (``tokens``, ``hidden`` for the layers asked, ``prompt_lens``, ``lengths``) on the target's
 device, the hidden states in the target's dtype.
+
+Stored states cost ``sequences x length x layers x d_model`` elements of device memory (Gemma
+3 270M, 3 layers: ~0.58 MB a 152-token sequence, 35 GB for 60 000 of them). For more text
+than that, :func:`tokens_only` keeps the tokens alone and :func:`states_of` computes one
+training batch's states when it is drawn (a forward of the target over the batch's
+sequences, a few per cent of a training step's time at Gemma 3 270M's size).
 """
 
 from __future__ import annotations
@@ -36,7 +42,13 @@ from unimem.models.forward_context import (
 )
 from unimem.training.distill import Rollouts
 
-__all__ = ["SOFT_BATCH_TOKENS", "BatchedSequencesContext", "teacher_forced_states"]
+__all__ = [
+    "SOFT_BATCH_TOKENS",
+    "BatchedSequencesContext",
+    "states_of",
+    "teacher_forced_states",
+    "tokens_only",
+]
 
 SOFT_BATCH_TOKENS = {False: 4096, True: 512}
 """Tokens per teacher-forced forward with soft targets (GPU, CPU): every row's logits are
@@ -212,4 +224,42 @@ def teacher_forced_states(
         soft_probs[past] = 0
     return Rollouts(
         tokens, hidden, torch.tensor(list(prompt_lens)), lens, layers, soft_ids, soft_probs
+    )
+
+
+def tokens_only(
+    sequences: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    layers: Sequence[int],
+    device: torch.device | str,
+) -> Rollouts:
+    """``sequences`` as :class:`~unimem.training.distill.Rollouts` without states
+    (``hidden`` empty, tokens padded with 0 on ``device``): training text whose states
+    :func:`states_of` computes per batch. ``ValueError`` as :func:`teacher_forced_states`
+    for an empty set or a prompt length outside ``[1, len)``."""
+    if len(sequences) != len(prompt_lens) or not sequences:
+        raise ValueError("tokens_only: need as many prompt lengths as sequences (>0)")
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+        if not 1 <= p < len(seq):
+            raise ValueError(f"sequence {i}: prompt length {p} outside [1, {len(seq)})")
+    lens = torch.tensor([len(s) for s in sequences])
+    tokens = torch.zeros(len(sequences), int(lens.max()), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        tokens[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+    return Rollouts(tokens.to(device), [], torch.tensor(list(prompt_lens)), lens, tuple(layers))
+
+
+@torch.no_grad()
+def states_of(model: CausalLM, part: Rollouts, *, soft_top_k: int = 0) -> Rollouts:
+    """``part`` (a few sequences, e.g. one training batch of :func:`tokens_only` text) with
+    the residual streams of ``part.layers`` (and with ``soft_top_k`` the soft targets)
+    computed now by :func:`teacher_forced_states`: the same values that function gives when
+    it runs over the whole text, since each sequence's states depend on its own tokens only
+    (bitwise only if the forwards batch the same sequences: GEMMs of another shape may
+    round differently)."""
+    lengths = part.lengths.tolist()
+    rows = part.tokens.cpu()
+    seqs = [rows[i, :n].tolist() for i, n in enumerate(lengths)]
+    return teacher_forced_states(
+        model, seqs, part.prompt_lens.tolist(), part.layers, soft_top_k=soft_top_k
     )

@@ -12,7 +12,10 @@
    never trained on.
 2. **States**: the target's residual streams at the drafter's ``--target-layers``,
    recomputed by batched teacher-forced passes over the finished sequences
-   (:mod:`unimem.training.teacher_forcing`).
+   (:mod:`unimem.training.teacher_forcing`) — all at once and stored (``--states stored``),
+   or for each training batch as it is drawn (``--states per-batch``: the text kept as
+   tokens, no limit from device memory on how much of it there is); ``auto`` stores them
+   when they take at most a quarter of the device's memory.
 3. **Vocabulary**: with ``--draft-vocab K`` the drafter scores only the ``K`` target tokens
    most frequent in the training continuations (``d2t``, EAGLE-3's reduced vocabulary).
 4. **Training** (:mod:`unimem.training.trainer`): bf16 autocast on CUDA, warm-up and
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shlex
 import sys
 import time
@@ -56,7 +60,7 @@ from unimem.speculative.checkpoint import save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.training.draft_data import bos_prompts, continuations, encode_prompts
 from unimem.training.prompt_sets import read_prompts
-from unimem.training.teacher_forcing import teacher_forced_states
+from unimem.training.teacher_forcing import states_of, teacher_forced_states, tokens_only
 from unimem.training.trainer import TrainConfig, frequent_tokens, train_drafter
 
 __all__ = [
@@ -172,6 +176,13 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=t.position_decay,
         help="block column i's loss weighs this to the power i (1: every column alike)",
+    )
+    r.add_argument(
+        "--states",
+        choices=["auto", "stored", "per-batch"],
+        default="auto",
+        help="the training text's hidden states: computed once and stored, or per training "
+        "batch (auto: stored when they fit a quarter of the device's memory)",
     )
     r.add_argument("--head-steps", type=int, default=t.head_steps)
     r.add_argument("--no-bf16", action="store_true", help="train in float32 on CUDA too")
@@ -423,9 +434,18 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
             f"--soft-top-k must be >= 0 and --soft-weight in [0, 1], got "
             f"{args.soft_top_k} and {args.soft_weight}"
         )
-    train = teacher_forced_states(
-        model, train_seqs, train_lens, dc.target_layers, soft_top_k=args.soft_top_k
-    )
+    stored = _store_states(model, train_seqs, len(dc.target_layers), args)
+    if stored:
+        train = teacher_forced_states(
+            model, train_seqs, train_lens, dc.target_layers, soft_top_k=args.soft_top_k
+        )
+        states = None
+    else:
+        train = tokens_only(train_seqs, train_lens, dc.target_layers, model.device)
+
+        def states(part):
+            return states_of(model, part, soft_top_k=args.soft_top_k)
+
     calib = None
     if cut:
         calib = teacher_forced_states(model, seqs[-cut:], lens[-cut:], dc.target_layers)
@@ -433,7 +453,10 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     if held_seqs:
         held = teacher_forced_states(model, held_seqs, held_lens, dc.target_layers)
     t_states = time.perf_counter()
-    log(f"states: {len(train)} + {cut} + {len(held or [])} sequences in {t_states - t_gen:.1f} s")
+    log(
+        f"states: {len(train)} + {cut} + {len(held or [])} sequences in {t_states - t_gen:.1f} s"
+        + ("" if stored else " (the training text's per batch)")
+    )
     if args.init:
         from unimem.speculative.checkpoint import load_drafter
 
@@ -461,7 +484,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         soft_weight=args.soft_weight if args.soft_top_k else 0.0,
         position_decay=args.position_decay,
     )
-    result = train_drafter(drafter, train, held, cfg, calibration=calib, log=log)
+    result = train_drafter(drafter, train, held, cfg, calibration=calib, states=states, log=log)
     out = Path(args.out)
     save_drafter(result.drafter, out)
     weights = (out / "model.safetensors").stat().st_size
@@ -471,6 +494,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     summary.update(
         {k: v for k, v in text.info.items() if k != "seconds"},
         seconds=seconds,
+        states="stored" if stored else "per-batch",
         steps=result.steps_done,
         stopped_by=result.stopped_by,
         accept_before=result.accept_before,
@@ -496,6 +520,24 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         f.write("\n")
     log(f"wrote {out} ({weights / 2**20:.1f} MiB weights) in {summary['seconds']['total']:.1f} s")
     return summary
+
+
+def _store_states(
+    model: CausalLM, seqs: list[list[int]], layers: int, args: argparse.Namespace
+) -> bool:
+    """Whether the training text's states are computed once and stored (``--states``)."""
+    if args.states != "auto":
+        return args.states == "stored"
+    c = model.config
+    longest = max(len(s) for s in seqs)
+    per_position = layers * c.d_model * c.dtype.itemsize + args.soft_top_k * 6
+    need = len(seqs) * longest * per_position
+    dev = torch.device(model.device)
+    if dev.type == "cuda":
+        budget = torch.cuda.get_device_properties(dev).total_memory // 4
+    else:  # the host's physical memory
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    return need <= budget
 
 
 def main(argv: list[str] | None = None) -> int:

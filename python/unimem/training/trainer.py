@@ -226,6 +226,15 @@ def _batch(data: Rollouts, idx: torch.Tensor, gamma: int) -> Rollouts:
     )
 
 
+def _with_states(part: Rollouts, states: Callable[[Rollouts], Rollouts] | None) -> Rollouts:
+    """``part`` itself when it carries its states, else ``states(part)``."""
+    if part.hidden:
+        return part
+    if states is None:
+        raise ValueError("a batch without hidden states and no states function")
+    return states(part)
+
+
 def _anchors(part: Rollouts, count: int | None, g: torch.Generator) -> torch.Tensor:
     first, last = int(part.prompt_lens.min()), int(part.lengths.max()) - 1
     all_anchors = torch.arange(first, max(first + 1, last))
@@ -257,19 +266,26 @@ def train_drafter(
     cfg: TrainConfig,
     *,
     calibration: Rollouts | None = None,
+    states: Callable[[Rollouts], Rollouts] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """Train a copy of ``drafter`` on ``train`` (module docstring); ``held`` held-out
     sequences for the accept length and the head's calibration; ``calibration`` the head's
     own sequences (default: ``train``). The given drafter is not modified. The sequences'
-    hidden states must be of ``drafter.config.target_layers``."""
+    hidden states must be of ``drafter.config.target_layers``: stored in ``train``, or, for
+    text kept as tokens alone (``train.hidden`` empty:
+    :func:`~unimem.training.teacher_forcing.tokens_only`), computed for each drawn batch by
+    ``states`` (e.g. :func:`~unimem.training.teacher_forcing.states_of` of the target; it
+    returns the batch with its states, and its soft targets when ``cfg.soft_weight > 0``)."""
     t0 = time.perf_counter()
     if tuple(train.layers) != tuple(drafter.config.target_layers):
         raise ValueError(
             f"training data has the states of layers {train.layers}, the drafter reads "
             f"{drafter.config.target_layers}"
         )
-    if cfg.soft_weight > 0 and train.soft_ids is None:
+    if not train.hidden and states is None:
+        raise ValueError("training data without hidden states needs a states function")
+    if cfg.soft_weight > 0 and train.soft_ids is None and states is None:
         raise ValueError("TrainConfig.soft_weight > 0 needs soft targets in the training data")
 
     def soft(part: Rollouts) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -327,7 +343,7 @@ def train_drafter(
             for group in opt.param_groups:
                 group["lr"] = lr
             idx = torch.randperm(len(train), generator=g)[: cfg.batch]
-            part = _batch(train, idx, cfg.gamma)
+            part = _with_states(_batch(train, idx, cfg.gamma), states)
             anchors = _anchors(part, cfg.anchors_per_step, g).to(dev)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
                 out = distill_losses(
@@ -368,7 +384,7 @@ def train_drafter(
                 )
         bar.close()
         if head and cfg.head_steps:
-            _train_head(student, calibration or train, cfg, g, autocast, log)
+            _train_head(student, calibration or train, cfg, g, autocast, states, log)
     finally:
         for p in student.parameters():
             p.requires_grad_(False)
@@ -390,6 +406,7 @@ def _train_head(
     cfg: TrainConfig,
     g: torch.Generator,
     autocast: bool,
+    states: Callable[[Rollouts], Rollouts] | None,
     log: Callable[[str], None] | None,
 ) -> None:
     """``cfg.head_steps`` Adam steps of the confidence head alone (the body frozen) on the
@@ -402,7 +419,7 @@ def _train_head(
     bce = float("nan")
     for _ in range(cfg.head_steps):
         idx = torch.randperm(len(data), generator=g)[: cfg.batch]
-        part = _batch(data, idx, cfg.gamma)
+        part = _with_states(_batch(data, idx, cfg.gamma), states)
         anchors = _anchors(part, cfg.anchors_per_step, g).to(dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
             out = distill_losses(
