@@ -6,6 +6,7 @@ what runs."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import tiny_qwen3_next
@@ -76,7 +77,15 @@ def test_deltas_add_up_to_engine_outputs_and_abort_returns_memory(engine):
         assert sink.deltas[-1].finish_reason == "abort" and len(sink.tokens) < 200
         assert loop.call(lambda core: engine.flush_cache()).result(TIMEOUT_S)
         assert loop.call(lambda core: core.pool.used_bytes()).result(TIMEOUT_S) == 0
+        # a call is answered after the snapshot that shows its effect is published (slowed
+        # down here: an answer before it would leave a caller reading the old state)
+        publish = loop._publish
+        loop._publish = lambda: (time.sleep(0.2), publish())
+        mem = loop.call(lambda core: core.pool.admit(8)).result(TIMEOUT_S)
+        assert mem is not None and loop.snapshot()["used_bytes"] > 0
+        loop.call(lambda core: core.pool.release([mem])).result(TIMEOUT_S)
         assert loop.snapshot()["used_bytes"] == 0
+        loop._publish = publish
         assert loop.snapshot()["requests_finished"] == {"length": 3, "abort": 1}
         # the core refuses it (HTTP checks skipped): an error, nothing queued
         bad, sink = _submit(loop, [5, 10**6], 4)

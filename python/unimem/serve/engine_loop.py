@@ -264,6 +264,7 @@ class EngineLoop:
 
     def _handle(self, inbox: list[tuple[str, object]]) -> None:
         aborted: list[Future] = []
+        settled: list[tuple[Future, object, Exception | None]] = []
         try:
             for kind, item in inbox:
                 if kind == "submit":
@@ -275,15 +276,24 @@ class EngineLoop:
                 else:
                     fn, fut = item
                     try:
-                        fut.set_result(fn(self.core))
+                        settled.append((fut, fn(self.core), None))
                     except Exception as e:
-                        fut.set_exception(e)
+                        settled.append((fut, None, e))
             if inbox:
-                self._emit()  # counts the aborted requests' finish
+                self._emit()  # counts the aborted requests' finish; publishes the snapshot
         finally:  # even when the engine broke: nobody waits on an abort forever
             for done in aborted:
                 if not done.done():
                     done.set_result(None)
+            # calls are answered after the snapshot is published: a caller that has its
+            # answer (a flushed cache) reads a load and metrics that show what its call did
+            for fut, value, error in settled:
+                if fut.done():
+                    continue
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(value)
 
     def _submit(self, h: Handle) -> None:
         s = h.sub
