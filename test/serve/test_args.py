@@ -71,6 +71,13 @@ def test_sglang_flags_map_onto_engine_args():
     assert server.api_key == "k" and server.log_level == "warning"
 
 
+def test_server_warmup_flag():
+    _, server = parse_args(["--model-path", "/m", "--device", "cpu"])
+    assert not server.skip_server_warmup  # warmed up by default, as SGLang's server
+    _, server = parse_args(["--model-path", "/m", "--device", "cpu", "--skip-server-warmup"])
+    assert server.skip_server_warmup
+
+
 def test_every_engine_argument_has_its_sglang_flag():
     flags = {opt for a in build_parser()._actions for opt in a.option_strings}
     for f in fields(EngineArgs):

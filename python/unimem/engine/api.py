@@ -459,6 +459,50 @@ class Engine:
             text = self.tokenizer.decode(req.output, skip_special_tokens=True)
         return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
+    def warm_up(self) -> dict:
+        """Run every kind of step once before the first real request, so that no request
+        pays for what compiles or captures on first use (on a GPU: the extend step's and the
+        samplers' kernel variants, the CUDA graphs of the sampled steps; SGLang's server sends
+        a warm-up request for the same reason). Three requests of a page and a few tokens
+        of prompt (fixed ids, ``<eos>`` ignored): greedy alone first (an extend, then decode
+        or verify steps), then beside it two sampled ones (temperature 0.7 with top-k 64 /
+        top-p 0.95 and log-probabilities, and temperature 1 unfiltered), the first sharing
+        the greedy one's prompt as a prefix (an extend over a cached prefix where the cache
+        is on). Afterwards the engine is as it was: the prefix cache empty with its counters
+        at zero and request ids numbered from 0 again, so what users get (seedless sampled
+        requests included) is what they would have got without the warm-up. Returns
+        ``{"seconds", "requests", "tokens"}``. ``ValueError`` while requests are queued or
+        running, or on node ranks > 0."""
+        import time
+
+        if self.core is None:
+            raise ValueError("this engine ran the ranks of node_rank > 0: warm up on node 0")
+        if not self.core.scheduler.idle:
+            raise ValueError("warm_up: requests are queued or running")
+        t0 = time.perf_counter()
+        gamma = self.core.chain.gamma if self.core.chain else 0
+        new = 2 * (gamma + 1) + 2  # past the first verify or a few decode steps
+        room = min(self.core.max_request_tokens(), self.context_length) - new - 4
+        length = max(1, min(self.pool.page_size + 5, room))
+        vocab = self.model.config.vocab_size
+        prompt = [(7 + 31 * i) % vocab for i in range(length)]
+        greedy = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0.0}
+        done = [self.generate(input_ids=prompt, sampling_params=greedy)]
+        extended = prompt + [(11 + 17 * i) % vocab for i in range(3)]
+        sampled = [
+            {**greedy, "temperature": 0.7, "top_k": 64, "top_p": 0.95, "seed": 1},
+            {**greedy, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "seed": 2},
+        ]
+        done += self.generate(
+            input_ids=[extended, prompt], sampling_params=sampled, return_logprob=True
+        )
+        if self.cache is not None and self._ranks is None:
+            self.cache.flush()
+            self.cache.stats = type(self.cache.stats)()
+        self.core.restart_request_ids()
+        tokens = sum(len(o["output_ids"]) for o in done)
+        return {"seconds": time.perf_counter() - t0, "requests": len(done), "tokens": tokens}
+
     def flush_cache(self) -> bool:
         """Drop everything the prefix cache holds (SGLang's ``flush_cache``): its pages,
         windows and checkpoints go back to the pool. Only while no request is queued or

@@ -206,6 +206,14 @@ class EngineCore:
         self.scheduler.add(req)
         return req
 
+    def restart_request_ids(self) -> None:
+        """Number the next request 0 again, as in a fresh engine (after a warm-up: seedless
+        requests then draw the seeds they would have drawn without it). ``ValueError``
+        while any request is queued or running."""
+        if not self.scheduler.idle:
+            raise ValueError("request ids restart only while no request is queued or running")
+        self._next_rid = 0
+
     def abort(self, req: Request) -> bool:
         """Stop ``req`` between steps, whatever its state: its memory comes back and any of
         its results still in flight are dropped (``Scheduler.abort``). False if it had

@@ -89,7 +89,6 @@ SGLANG_ONLY_FLAGS = frozenset(
         "--api-key-file",
         "--disaggregation-mode",
         "--tokenizer-mode",
-        "--skip-server-warmup",
     }
 )
 """SGLang launcher flags that unimem does not implement: each is refused at start-up by name."""
@@ -117,6 +116,7 @@ class ServerOptions:
     health_generate_timeout: float = 20.0
     dp_size: int = 1
     router_policy: str = "cache_aware"
+    skip_server_warmup: bool = False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -302,6 +302,12 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         "token (its probe, or any request's) before it answers 503",
     )
     s.add_argument(
+        "--skip-server-warmup",
+        action="store_true",
+        help="serve without warming the engine up first (the first requests then pay for "
+        "what compiles on first use)",
+    )
+    s.add_argument(
         "--enable-metrics",
         action="store_true",
         help="accepted for SGLang command lines: /metrics is always on",
@@ -371,6 +377,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
         health_generate_timeout=ns.health_generate_timeout,
         dp_size=ns.dp_size,
         router_policy=ns.router_policy,
+        skip_server_warmup=ns.skip_server_warmup,
     )
     return engine_args, options
 

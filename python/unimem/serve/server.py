@@ -216,5 +216,17 @@ def _main(argv: list[str] | None) -> int:
         sock.close()
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     log.info(capacity_line(engine))
+    if not options.skip_server_warmup:
+        try:
+            done = engine.warm_up()
+        except Exception as e:  # a server that cannot run a step must not start serving
+            log.exception("warm-up failed")
+            engine.shutdown()
+            sock.close()
+            return _fail(f"warm-up failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        log.info(
+            "warm-up: %d requests, %d tokens in %.1f s", done["requests"], done["tokens"],
+            done["seconds"],
+        )  # fmt: skip
     serve(engine, options, sock)
     return 0
