@@ -223,7 +223,8 @@ def _main(argv: list[str] | None) -> int:
             log.exception("warm-up failed")
             engine.shutdown()
             sock.close()
-            return _fail(f"warm-up failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return _fail(f"warm-up failed: {first}")
         log.info(
             "warm-up: %d requests, %d tokens in %.1f s", done["requests"], done["tokens"],
             done["seconds"],
