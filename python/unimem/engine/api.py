@@ -461,9 +461,9 @@ class Engine:
 
     def warm_up(self) -> dict:
         """Run every kind of step once before the first real request, so that no request
-        pays for what compiles or captures on first use (on a GPU: the extend step's and the
-        samplers' kernel variants, the CUDA graphs of the sampled steps; SGLang's server sends
-        a warm-up request for the same reason). Three requests of a page and a few tokens
+        pays for what compiles on first use (on a GPU: the kernel variants that the start-up's
+        graph captures do not run, such as the extend step's FA4 prefill and its sampler;
+        SGLang's server sends a warm-up request for the same reason). Three requests of a page and a few tokens
         of prompt (fixed ids, ``<eos>`` ignored): greedy alone first (an extend, then decode
         or verify steps), then beside it two sampled ones (temperature 0.7 with top-k 64 /
         top-p 0.95 and log-probabilities, and temperature 1 unfiltered), the first sharing
