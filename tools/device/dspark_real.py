@@ -19,9 +19,14 @@
 3. **End to end** on the held-out prompts (never trained on; ``ignore_eos``, the same
    ``--output-len`` tokens for every run), DSPARK at gamma ``--gamma`` with the trained
    drafter and no acceptance control (the Engine has none) against no speculation, at
-   1 / 8 / 48 concurrent requests (waves of that many ``Engine.generate`` requests):
-   tok/s, ratio, DSPARK's accept length; greedy, and DSPARK sampled at temperature 0.7 (with
-   no top-k, and with Gemma 3's own top-k 64 / top-p 0.95);
+   1 / 8 / 48 concurrent requests: tok/s, ratio, DSPARK's accept length. ``--schedule
+   closed`` (the default) keeps that many requests in flight and starts the next prompt as
+   soon as one finishes, as a client holding that many connections does (bench_serving's
+   ``--max-concurrency``), over at least ``--rounds`` times that many requests (the prompts
+   repeated, each request seeded by its index); ``waves`` runs ``Engine.generate`` on that
+   many at a time, each wave ending with its slowest request — which under DSPARK is the
+   request with the lowest accept length, so waves understate it; greedy, and DSPARK
+   sampled at temperature 0.7 (with no top-k, and with Gemma 3's own top-k 64 / top-p 0.95);
    static == unified memory token for token (greedy, 48); adaptive verify lengths (the
    confidence head under ``--verify-budget`` rows) against fixed gamma at 48; under
    ``--enable-deterministic-inference``, DSPARK == no speculation token for token at 48.
@@ -79,6 +84,19 @@ def _args(argv):
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--concurrency", default="1,8,48")
+    p.add_argument(
+        "--schedule",
+        choices=["closed", "waves"],
+        default="closed",
+        help="closed: that many requests in flight, each finished one replaced at once; "
+        "waves: Engine.generate on that many at a time",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="closed schedule: at least this many times the concurrency in requests",
+    )
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--verify-budget", type=int, default=None, help="default: 4 per request")
     p.add_argument(
@@ -162,28 +180,60 @@ def _engine(args, **kw):
     return Engine(model_path=args.model_path, device=args.device, **kw)
 
 
-def _run(engine, ids, conc, output_len, temperature, **extra) -> dict:
-    """Waves of ``conc`` requests over ``ids``; tok/s over all, accept length, outputs.
-    ``extra``: more sampling parameters (top_k, top_p)."""
+def _closed_loop(engine, ids: list[list[int]], params: list[dict], conc: int) -> list[dict]:
+    """``ids`` generated with at most ``conc`` requests in flight: each one that finishes is
+    replaced by the next prompt between two steps (a client holding ``conc`` connections).
+    Results in prompt order, as ``Engine.generate`` gives them."""
+    from unimem.engine.api import SamplingParams
+
+    reqs: list = [None] * len(ids)
+    live: list = []
+    nxt = 0
+
+    def top_up(_core=None) -> None:
+        nonlocal nxt, live
+        live = [r for r in live if not r.finished]
+        while nxt < len(ids) and len(live) < conc:
+            p = SamplingParams(params[nxt], engine.sampling_defaults)
+            reqs[nxt] = engine._submit(ids[nxt], p)
+            live.append(reqs[nxt])
+            nxt += 1
+
+    top_up()
+    while live:
+        engine.core.run(on_step=top_up)
+        top_up()
+    return [engine._result(r, False) for r in reqs]
+
+
+def _run(engine, ids, conc, output_len, temperature, schedule="closed", rounds=3, **extra):
+    """``conc`` concurrent requests over ``ids`` (``schedule``: module docstring; closed:
+    ``max(len(ids), rounds * conc)`` requests, the prompts repeated); tok/s over all,
+    accept length, outputs. ``extra``: more sampling parameters (top_k, top_p)."""
+    n = len(ids) if schedule == "waves" or conc == 1 else max(len(ids), rounds * conc)
+    ids = [ids[i % len(ids)] for i in range(n)]
     params = [
         {"max_new_tokens": output_len, "ignore_eos": True, "temperature": temperature, "seed": i,
          **extra}
-        for i in range(len(ids))
+        for i in range(n)
     ]  # fmt: skip
     from unimem_kernel.timing import wall_clock
 
     # warm with one whole wave (its prefill batch and step sizes), a few tokens each: the
     # first wave of a new size would otherwise pay first-call costs inside the timing
-    warm = min(conc, len(ids))
+    warm = min(conc, n)
     engine.generate(
         input_ids=ids[:warm],
         sampling_params=[p | {"max_new_tokens": min(output_len, 16)} for p in params[:warm]],
     )
     outs = []
     with wall_clock(None) as watch:  # synchronises a CUDA device when there is one
-        for s in range(0, len(ids), conc):
-            wave = slice(s, s + conc)
-            outs += engine.generate(input_ids=ids[wave], sampling_params=params[wave])
+        if schedule == "closed":
+            outs = _closed_loop(engine, ids, params, conc)
+        else:
+            for s in range(0, n, conc):
+                wave = slice(s, s + conc)
+                outs += engine.generate(input_ids=ids[wave], sampling_params=params[wave])
     wall = watch.seconds
     toks = sum(len(o["output_ids"]) for o in outs)
     steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
@@ -191,7 +241,8 @@ def _run(engine, ids, conc, output_len, temperature, **extra) -> dict:
         o["meta_info"].get("spec_accept_length", 0) * o["meta_info"].get("spec_verify_ct", 0)
         for o in outs
     )
-    res = {"concurrency": conc, "tokens": toks, "seconds": wall, "tok_s": toks / wall}
+    res = {"concurrency": conc, "schedule": schedule, "requests": n, "tokens": toks,
+           "seconds": wall, "tok_s": toks / wall}  # fmt: skip
     if steps:
         res["accept_length"] = committed / steps
     return res, [o["output_ids"] for o in outs]
@@ -254,30 +305,34 @@ def main(argv: list[str]) -> int:
         speculative_num_draft_tokens=args.gamma + 1,
         speculative_draft_model_path=drafter,
     )
-    e2e: dict = {"requests": len(texts), "output_len": args.output_len, "gamma": args.gamma}
+    e2e: dict = {"requests": len(texts), "output_len": args.output_len, "gamma": args.gamma,
+                 "schedule": args.schedule, "rounds": args.rounds}  # fmt: skip
+    if args.rounds < 1:
+        _fail(f"--rounds must be >= 1, got {args.rounds}")
+    sched = {"schedule": args.schedule, "rounds": args.rounds}
     runs: dict = {}
     eng = _engine(args)
     ids = [eng.tokenizer.encode(t)[: args.max_prompt_len] for t in texts]
     e2e["prompt_tokens"] = sum(len(i) for i in ids)
     for c in concs:
-        runs[("none", c)] = _run(eng, ids, c, args.output_len, 0.0)
+        runs[("none", c)] = _run(eng, ids, c, args.output_len, 0.0, **sched)
         print("no spec", runs[("none", c)][0], flush=True)
     if "sampled" not in skip:
         for key, extra in (("", {}), ("_top_k_64", {"top_k": 64, "top_p": 0.95})):
-            r = _run(eng, ids, max(concs), args.output_len, 0.7, **extra)[0]
+            r = _run(eng, ids, max(concs), args.output_len, 0.7, **sched, **extra)[0]
             e2e[f"none_temperature_0.7{key}"] = r
             print(f"no spec t=0.7{key}", r, flush=True)
     eng.shutdown()
     eng = _engine(args, **spec_kw)
     for c in concs:
-        runs[("dspark", c)] = _run(eng, ids, c, args.output_len, 0.0)
+        runs[("dspark", c)] = _run(eng, ids, c, args.output_len, 0.0, **sched)
         print("dspark", runs[("dspark", c)][0], flush=True)
     if "sampled" not in skip:
-        e2e["dspark_temperature_0.7"] = _run(eng, ids, max(concs), args.output_len, 0.7)[0]
+        e2e["dspark_temperature_0.7"] = _run(eng, ids, max(concs), args.output_len, 0.7, **sched)[0]
         print("dspark t=0.7", e2e["dspark_temperature_0.7"], flush=True)
         # Gemma 3's own generation defaults (top-k 64, top-p 0.95): the bounded filters
         e2e["dspark_temperature_0.7_top_k_64"] = _run(
-            eng, ids, max(concs), args.output_len, 0.7, top_k=64, top_p=0.95
+            eng, ids, max(concs), args.output_len, 0.7, **sched, top_k=64, top_p=0.95
         )[0]
         print("dspark t=0.7 top-k 64", e2e["dspark_temperature_0.7_top_k_64"], flush=True)
     eng.shutdown()
@@ -296,7 +351,7 @@ def main(argv: list[str]) -> int:
     big = max(concs)
     if "unified" not in skip:
         eng = _engine(args, enable_unified_memory=True, **spec_kw)
-        uni, outs = _run(eng, ids, big, args.output_len, 0.0)
+        uni, outs = _run(eng, ids, big, args.output_len, 0.0, **sched)
         eng.shutdown()
         e2e["unified"] = uni | {
             "static_equals_unified": sum(
@@ -312,7 +367,7 @@ def main(argv: list[str]) -> int:
             speculative_verify_budget=budget,
             **spec_kw,
         )
-        ada = _run(eng, ids, big, args.output_len, 0.0)[0]
+        ada = _run(eng, ids, big, args.output_len, 0.0, **sched)[0]
         eng.shutdown()
         e2e["adaptive"] = ada | {
             "verify_budget": budget,
@@ -323,7 +378,7 @@ def main(argv: list[str]) -> int:
         det = {}
         for name, kw in (("none", {}), ("dspark", spec_kw)):
             eng = _engine(args, enable_deterministic_inference=True, **kw)
-            det[name] = _run(eng, ids, big, args.output_len, 0.0)
+            det[name] = _run(eng, ids, big, args.output_len, 0.0, **sched)
             eng.shutdown()
         e2e["deterministic"] = {
             "none": det["none"][0],
