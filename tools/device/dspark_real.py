@@ -18,18 +18,20 @@
    vocabulary vs the full one, at the block sizes of 1 / 8 / 48 requests (CUDA events).
 3. **End to end** on the held-out prompts (never trained on; ``ignore_eos``, the same
    ``--output-len`` tokens for every run), DSPARK at gamma ``--gamma`` with the trained
-   drafter and no acceptance control (the Engine has none) against no speculation, at
-   1 / 8 / 48 concurrent requests: tok/s, ratio, DSPARK's accept length. ``--schedule
-   closed`` (the default) keeps that many requests in flight and starts the next prompt as
-   soon as one finishes, as a client holding that many connections does (bench_serving's
+   drafter and no acceptance control (the Engine has none) against no speculation, at 1 / 8
+   / 48 concurrent requests: tok/s, ratio, DSPARK's accept length. ``--schedule closed``
+   (the default) keeps that many requests in flight and starts the next prompt as soon as
+   one finishes, as a client holding that many connections does (bench_serving's
    ``--max-concurrency``), over at least ``--rounds`` times that many requests (the prompts
-   repeated, each request seeded by its index); ``waves`` runs ``Engine.generate`` on that
-   many at a time, each wave ending with its slowest request — which under DSPARK is the
-   request with the lowest accept length, so waves understate it; greedy, and DSPARK
-   sampled at temperature 0.7 (with no top-k, and with Gemma 3's own top-k 64 / top-p 0.95);
-   static == unified memory token for token (greedy, 48); adaptive verify lengths (the
-   confidence head under ``--verify-budget`` rows) against fixed gamma at 48; under
-   ``--enable-deterministic-inference``, DSPARK == no speculation token for token at 48.
+   repeated, each request seeded by its index; each run also reports its steps by kind —
+   extend, decode, verify — with the host's launch-to-launch milliseconds); ``waves`` runs
+   ``Engine.generate`` on that many at a time, each wave ending with its slowest request —
+   which under DSPARK is the request with the lowest accept length, so waves understate it;
+   greedy, and DSPARK sampled at temperature 0.7 (with no top-k, and with Gemma 3's own
+   top-k 64 / top-p 0.95); static == unified memory token for token (greedy, 48); adaptive
+   verify lengths (the confidence head under ``--verify-budget`` rows) against fixed gamma
+   at 48; under ``--enable-deterministic-inference``, DSPARK == no speculation token for
+   token at 48.
 
 Prints the GPU, sizes and settings; writes everything to ``--json``. Fails loudly (non-zero
 exit, the reason on stderr) without CUDA, without the prompt files, or when the held-out
@@ -206,6 +208,28 @@ def _closed_loop(engine, ids: list[list[int]], params: list[dict], conc: int) ->
     return [engine._result(r, False) for r in reqs]
 
 
+def _steps_by_kind(started: list[tuple[float, str, int]], t_end: float) -> dict:
+    """Per step kind: steps, host milliseconds from each launch to the next (the last to
+    ``t_end``: the GPU work a step waits for shows up in the step after it, which under a
+    pipelined loop is the same kind almost always), and mean lanes."""
+    ends = [t for t, _, _ in started[1:]] + [t_end]
+    out: dict = {}
+    for (t, kind, lanes), end in zip(started, ends, strict=True):
+        k = out.setdefault(kind, {"steps": 0, "ms_total": 0.0, "lanes": 0})
+        k["steps"] += 1
+        k["ms_total"] += 1e3 * (end - t)
+        k["lanes"] += lanes
+    return {
+        kind: {
+            "steps": k["steps"],
+            "ms_total": round(k["ms_total"], 2),
+            "ms_per_step": round(k["ms_total"] / k["steps"], 3),
+            "mean_lanes": round(k["lanes"] / k["steps"], 1),
+        }  # fmt: skip
+        for kind, k in out.items()
+    }
+
+
 def _run(engine, ids, conc, output_len, temperature, schedule="closed", rounds=3, **extra):
     """``conc`` concurrent requests over ``ids`` (``schedule``: module docstring; closed:
     ``max(len(ids), rounds * conc)`` requests, the prompts repeated); tok/s over all,
@@ -227,13 +251,25 @@ def _run(engine, ids, conc, output_len, temperature, schedule="closed", rounds=3
         sampling_params=[p | {"max_new_tokens": min(output_len, 16)} for p in params[:warm]],
     )
     outs = []
-    with wall_clock(None) as watch:  # synchronises a CUDA device when there is one
-        if schedule == "closed":
-            outs = _closed_loop(engine, ids, params, conc)
-        else:
-            for s in range(0, n, conc):
-                wave = slice(s, s + conc)
-                outs += engine.generate(input_ids=ids[wave], sampling_params=params[wave])
+    launch = engine.core.runner.launch
+    started: list[tuple[float, str, int]] = []  # (host time at launch, step kind, lanes)
+
+    def timed_launch(batch):
+        started.append((time.perf_counter(), batch.mode.name, len(batch.reqs)))
+        return launch(batch)
+
+    engine.core.runner.launch = timed_launch
+    try:
+        with wall_clock(None) as watch:  # synchronises a CUDA device when there is one
+            if schedule == "closed":
+                outs = _closed_loop(engine, ids, params, conc)
+            else:
+                for s in range(0, n, conc):
+                    wave = slice(s, s + conc)
+                    outs += engine.generate(input_ids=ids[wave], sampling_params=params[wave])
+        t_end = time.perf_counter()
+    finally:
+        engine.core.runner.launch = launch
     wall = watch.seconds
     toks = sum(len(o["output_ids"]) for o in outs)
     steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
@@ -242,7 +278,8 @@ def _run(engine, ids, conc, output_len, temperature, schedule="closed", rounds=3
         for o in outs
     )
     res = {"concurrency": conc, "schedule": schedule, "requests": n, "tokens": toks,
-           "seconds": wall, "tok_s": toks / wall}  # fmt: skip
+           "seconds": wall, "tok_s": toks / wall,
+           "steps_by_kind": _steps_by_kind(started, t_end)}  # fmt: skip
     if steps:
         res["accept_length"] = committed / steps
     return res, [o["output_ids"] for o in outs]
