@@ -32,6 +32,12 @@ model, the drafter and the accept length.
 
     python -m unimem bench step-profile --model-path gemma-3-270m --requests 1 --json v1.json
 
+With ``--model-path``, ``--extend`` also times the extend step on its own (what every
+admission costs): ``Engine.generate`` of ``--requests`` prompts, cut to ``--input-len``
+tokens, for one token each (one extend step), after a warm-up — wall and GPU milliseconds
+per extend, kernel launches (per layer too) and, with ``--host-top``, the host's top
+functions under cProfile.
+
 Needs a CUDA device. ``--host-only`` (first flag) runs the host's share of a step on any
 machine instead, the device work replaced by trivial stand-ins (:mod:`unimem.bench.host_step`;
 its flags follow).
@@ -47,6 +53,7 @@ import json
 import pstats
 import re
 import sys
+import time
 import warnings
 from collections import defaultdict
 
@@ -293,6 +300,61 @@ def new_compiles(before: dict[str, set], after: dict[str, set]) -> dict[str, lis
     }
 
 
+def measure_extend(engine, args, prompts: list[list[int]], calls: int = 10) -> dict:
+    """The extend step alone (module docstring): ``engine`` an ``unimem.Engine`` without a
+    prefix cache (every call prefills again), ``prompts`` cut to ``args.input_len``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = [p[: args.input_len] for p in prompts[: args.requests]]
+    params = {"max_new_tokens": 1, "ignore_eos": True}
+    for _ in range(3):  # compiles what the extend runs first (FA4's prefill variants)
+        engine.generate(input_ids=ids, sampling_params=params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        engine.generate(input_ids=ids, sampling_params=params)
+    torch.cuda.synchronize()
+    wall_ms = 1e3 * (time.perf_counter() - t0) / calls
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            engine.generate(input_ids=ids, sampling_params=params)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    gpu_ms = sum(e.self_device_time_total for e in events) / 3 / 1e3
+    kernels = sum(e.count for e in events) / 3
+    out = {
+        "requests": len(ids),
+        "tokens": sum(len(i) for i in ids),
+        "wall_ms": wall_ms,
+        "gpu_ms": gpu_ms,
+        "kernels": kernels,
+        "kernels_per_layer": kernels / engine.model.config.num_layers,
+        "host_top_functions": [],
+    }
+    if args.host_top:
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(calls):
+            engine.generate(input_ids=ids, sampling_params=params)
+        torch.cuda.synchronize()
+        prof_host.disable()
+        stats = pstats.Stats(prof_host, stream=io.StringIO())
+        rows = []
+        for (file, line, fn), (_, n, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+            where = "/".join(file.split("/")[-2:])
+            rows.append(
+                {
+                    "function": f"{where}:{line}({fn})",
+                    "own_us_per_extend": own / calls * 1e6,
+                    "cum_us_per_extend": cum / calls * 1e6,
+                    "calls_per_extend": n / calls,
+                }
+            )
+        rows.sort(key=lambda r: -r["own_us_per_extend"])
+        out["host_top_functions"] = rows[: args.host_top]
+    return out
+
+
 def profile_host(eng: EngineCore, steps: int, top: int) -> list[dict]:
     """``steps`` more engine steps under cProfile: the ``top`` functions by own time, in
     microseconds per step (a profiler slows Python down, so these are shares, not the host
@@ -373,10 +435,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --model-path: the plain decode step instead of DSPARK's verify step",
     )
+    ap.add_argument(
+        "--extend",
+        action="store_true",
+        help="with --model-path: also time the extend step alone (module docstring)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if (args.drafter or args.no_speculation) and not args.model_path:
-        ap.error("--drafter and --no-speculation need --model-path")
+    if (args.drafter or args.no_speculation or args.extend) and not args.model_path:
+        ap.error("--drafter, --no-speculation and --extend need --model-path")
     if args.model_path and (args.quantization or args.split_kv_max_bs != str(SPLIT_KV_MAX_BS)):
         ap.error("--model-path runs the Engine's own settings: no --quantization or "
                  "--split-kv-max-bs with it")  # fmt: skip
@@ -436,9 +503,12 @@ def _main_model(args) -> int:
         print(f"{gpu}: {args.model_path}, {args.requests} requests, {step}, drafter "
               f"{engine.drafter_path}, page {args.page_size}, {kind}; steady state from "
               f"{args.input_len} tokens")  # fmt: skip
+        extend = measure_extend(engine, args, prompts) if args.extend else None
         r = measure(engine.core, kind, args, prompts)
         r["model_path"] = args.model_path
         r["drafter_path"] = engine.drafter_path
+        if extend is not None:
+            r["extend"] = extend
         engine.shutdown()
         del engine
         gc.collect()
@@ -449,6 +519,16 @@ def _main_model(args) -> int:
 
 
 def _print_run(r: dict) -> None:
+    if "extend" in r:
+        e = r["extend"]
+        print(
+            f"[{r['memory']}] extend step of {e['requests']} request(s), {e['tokens']} tokens: "
+            f"{e['wall_ms']:.2f} ms wall, {e['gpu_ms']:.2f} ms of GPU kernels, "
+            f"{e['kernels']:.0f} launches ({e['kernels_per_layer']:.1f} a layer)"
+        )
+        for f in e["host_top_functions"]:
+            print(f"    {f['own_us_per_extend']:8.1f} {f['cum_us_per_extend']:8.1f} "
+                  f"{f['calls_per_extend']:7.1f}  {f['function']}")  # fmt: skip
     attn = "split-KV" if r["split_kv"] else "FA4"
     print(
         f"[{r['memory']}, {attn} {r['step']} attention] engine loop: "

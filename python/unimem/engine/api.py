@@ -461,18 +461,18 @@ class Engine:
 
     def warm_up(self) -> dict:
         """Run every kind of step once before the first real request, so that no request
-        pays for what compiles on first use (on a GPU: the kernel variants that the start-up's
-        graph captures do not run, such as the extend step's FA4 prefill and its sampler;
-        SGLang's server sends a warm-up request for the same reason). Three requests of a page and a few tokens
-        of prompt (fixed ids, ``<eos>`` ignored): greedy alone first (an extend, then decode
-        or verify steps), then beside it two sampled ones (temperature 0.7 with top-k 64 /
-        top-p 0.95 and log-probabilities, and temperature 1 unfiltered), the first sharing
-        the greedy one's prompt as a prefix (an extend over a cached prefix where the cache
-        is on). Afterwards the engine is as it was: the prefix cache empty with its counters
-        at zero and request ids numbered from 0 again, so what users get (seedless sampled
-        requests included) is what they would have got without the warm-up. Returns
-        ``{"seconds", "requests", "tokens"}``. ``ValueError`` while requests are queued or
-        running, or on node ranks > 0."""
+        pays for what compiles on first use (on a GPU: the kernel variants that the
+        start-up's graph captures do not run, such as the extend step's FA4 prefill and its
+        sampler; SGLang's server sends a warm-up request for the same reason). Three
+        requests of a page and a few tokens of prompt (fixed ids, ``<eos>`` ignored): greedy
+        alone first (an extend, then decode or verify steps), then beside it two sampled
+        ones (temperature 0.7 with top-k 64 / top-p 0.95 and log-probabilities, and
+        temperature 1 unfiltered), the first sharing the greedy one's prompt as a prefix (an
+        extend over a cached prefix where the cache is on). Afterwards the engine is as it
+        was: the prefix cache empty with its counters at zero and request ids numbered from
+        0 again, so what users get (seedless sampled requests included) is what they would
+        have got without the warm-up. Returns ``{"seconds", "requests", "tokens"}``.
+        ``ValueError`` while requests are queued or running, or on node ranks > 0."""
         import time
 
         if self.core is None:
