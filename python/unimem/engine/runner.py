@@ -12,7 +12,12 @@ Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
 
 - *extend* (eager): the chunk's tokens come from the host; the requests' sampling parameters
   go to :class:`~unimem.engine.step_io.DeviceSamplingState`, the sampled token and the new
-  length to :class:`~unimem.engine.step_io.DeviceRequestState`;
+  length to :class:`~unimem.engine.step_io.DeviceRequestState`. With ``padded_extend``, a
+  short extend (at most :data:`EXTEND_LANES` ``[-1]`` requests and :data:`EXTEND_TOKENS`
+  ``[-1]`` tokens) runs padded to a (requests, tokens) bucket from capture-stable inputs:
+  lanes past the batch on row 0 with no tokens, one more lane on row 0 holding the padding
+  tokens (its K/V go to the sink slots, its outputs are never read) — with ``cuda_graphs``
+  recorded per bucket and replayed, otherwise run eagerly (the same function);
 - *decode*: each lane feeds its row's next token at its row's length (both on the device),
   samples (:func:`unimem.models.sampler.sample` with its row's parameters, or plain argmax
   when no lane of the batch samples) and advances the row;
@@ -40,6 +45,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from unimem.attention.backend import AttentionBackend
@@ -56,7 +62,7 @@ from unimem.engine.step_io import (
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32
-from unimem.models import gdn_prefill
+from unimem.models import batch_invariant, gdn_prefill
 from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardMode
@@ -65,11 +71,18 @@ from unimem.models.sampler import CUT_RULES, SORTED, batch_cut_rule, sample, tok
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.draft_runner import DraftRunner
 from unimem.speculative.verify_step import VerifyLanes, VerifyStep
+from unimem_kernel import envs
 from unimem_kernel.greedy_pick import greedy_logprob
 
-__all__ = ["ModelRunner"]
+__all__ = ["EXTEND_LANES", "EXTEND_TOKENS", "ModelRunner"]
 
 log = logging.getLogger(__name__)
+
+EXTEND_LANES = (1, 2, 4, 8)
+"""Request buckets of padded extend steps (each step has one more lane for the padding)."""
+
+EXTEND_TOKENS = (16, 32, 64, 128, 256)
+"""Token buckets of padded extend steps."""
 
 
 class ModelRunner:
@@ -85,6 +98,11 @@ class ModelRunner:
     writes the log-probability of each output token (``out.logprobs``; one log-sum-exp over
     the vocabulary per logits row) under the model's raw distribution — before temperature
     and filters, as SGLang reports it.
+
+    ``padded_extend`` (default: ``UNIMEM_EXTEND_GRAPHS``): short extends run padded to a
+    bucket (module docstring), recorded with ``cuda_graphs``; not for models with recurrent
+    state layers (their chunked prefill plans on host lengths) nor in batch-invariant mode
+    (an extend's bits must not depend on its bucket), where extends stay eager.
 
     Sampling (temperature > 0) runs in extend, decode and verify steps (speculative sampling
     in verify). :attr:`verify_lens_override` and :attr:`planned_lengths` are the verify
@@ -105,6 +123,7 @@ class ModelRunner:
         graph_buckets: Sequence[int] | None = None,
         logprobs: bool = False,
         gdn_replay_commit: bool | None = None,
+        padded_extend: bool | None = None,
     ) -> None:
         self.model = model
         self.logprobs = logprobs
@@ -141,6 +160,26 @@ class ModelRunner:
                 gdn_replay_commit=gdn_replay_commit, logprobs=logprobs,
             )  # fmt: skip
             self.drafts = self.verifier.drafts
+        if padded_extend is None:
+            padded_extend = envs.get("UNIMEM_EXTEND_GRAPHS") == "on"
+        self.extend_lanes: tuple[int, ...] = ()
+        self.extend_tokens: tuple[int, ...] = ()
+        if padded_extend and not pool.spec.has(LayerKind.STATE) and not batch_invariant.enabled():
+            self.extend_lanes = tuple(b for b in EXTEND_LANES if b + 1 <= max_bs)
+            self.extend_tokens = tuple(t for t in EXTEND_TOKENS if t <= max_tokens)
+            if not self.extend_lanes or not self.extend_tokens:
+                self.extend_lanes = self.extend_tokens = ()
+        self._xlanes = (self.extend_lanes[-1] + 1) if self.extend_lanes else 0
+        self._xin = torch.zeros(
+            5 * self._xlanes + (self.extend_tokens[-1] if self.extend_tokens else 0),
+            dtype=torch.int32,
+            device=self.device,
+        )
+        """Capture-stable inputs of padded extends: rows, prefix lengths, chunk lengths,
+        virtual state slots and known next tokens (``_xlanes`` entries each), then token ids."""
+        self.extend_graphs: dict[tuple[int, bool], StepGraphs] = {}
+        """Recorded padded extends, per (request bucket, whether a lane samples), each over
+        the token buckets."""
         self.graphs: StepGraphs | None = None
         self.sample_graphs: dict[str, StepGraphs] = {}
         """Graphs of the steps that sample, one set per cut-off rule (:data:`CUT_RULES`), in
@@ -164,10 +203,20 @@ class ModelRunner:
                     )  # fmt: skip
                     self.sample_graphs[rule] = graphs
                     pool = graphs.pool
+                for lanes in self.extend_lanes:
+                    for draw in (False, True):
+                        graphs = StepGraphs(
+                            functools.partial(self._extend_padded, lanes, draw=draw),
+                            functools.partial(self._pad_extend, lanes),
+                            self.extend_tokens, self.device, pool=pool,
+                        )  # fmt: skip
+                        self.extend_graphs[(lanes, draw)] = graphs
             log.info(
-                "captured %d CUDA graphs in %.1f s: %d batch sizes (1 .. %d) x %d step kinds",
+                "captured %d CUDA graphs in %.1f s: %d batch sizes (1 .. %d) x %d step kinds"
+                " and %d padded extends",
                 len(buckets) * (1 + len(CUT_RULES)), time.perf_counter() - t0,
                 len(buckets), max(buckets), 1 + len(CUT_RULES),
+                2 * len(self.extend_lanes) * len(self.extend_tokens),
             )  # fmt: skip
 
     @property
@@ -285,6 +334,9 @@ class ModelRunner:
             -1 if sampled else r.tokens[s + n]
             for r, s, n, sampled in zip(reqs, starts, lens, batch.samples, strict=True)
         ]
+        if self.extend_lanes and bs <= self.extend_lanes[-1] and len(ids) <= self.extend_tokens[-1]:
+            self._launch_padded_extend(reqs, starts, lens, known_next, ids)
+            return
         packed = upload_int32(
             [r.mem.row for r in reqs]
             + starts
@@ -329,6 +381,85 @@ class ModelRunner:
         self.out.counts[:bs] = 1
         if self.logprobs:
             self.out.logprobs[:bs, 0] = token_logprobs(logits, sampled)
+
+    def _launch_padded_extend(
+        self,
+        reqs: Sequence,
+        starts: list[int],
+        lens: list[int],
+        known_next: list[int],
+        ids: list[int],
+    ) -> None:
+        """Stage a short extend into the padded inputs (one non-blocking copy) and run its
+        bucket: replay its graph, or run the padded step eagerly."""
+        bs, total = len(reqs), len(ids)
+        lanes = next(b for b in self.extend_lanes if b >= bs)
+        tokens = next(t for t in self.extend_tokens if t >= total)
+        n = self._xlanes
+        host = np.zeros(5 * n + tokens, dtype=np.int32)
+        host[3 * n : 5 * n] = -1  # padding lanes: no state slot, no known next token
+        host[0:bs] = [r.mem.row for r in reqs]
+        host[n : n + bs] = starts
+        host[2 * n : 2 * n + bs] = lens
+        host[2 * n + lanes] = tokens - total  # the padding lane holds the rest of the bucket
+        host[3 * n : 3 * n + bs] = [r.mem.state_slot for r in reqs]
+        host[4 * n : 4 * n + bs] = known_next
+        host[5 * n : 5 * n + total] = ids
+        src = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        self._xin[: host.size].copy_(src, non_blocking=True)
+        floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
+        self.sampling.write(self._xin[:bs], floats, ints)
+        draw = any(not r.sampling.greedy for r in reqs)
+        graphs = self.extend_graphs.get((lanes, draw))
+        if graphs is not None:
+            graphs.replay(tokens)
+        else:
+            self._extend_padded(lanes, tokens, draw=draw)
+
+    def _extend_views(self, lanes: int, tokens: int) -> tuple[torch.Tensor, ...]:
+        """``(rows, prefix, ext, vslots, known_next, input_ids)`` of a padded extend of
+        ``lanes`` requests (``lanes + 1`` lanes) and ``tokens`` tokens: views of ``_xin``."""
+        n, x = self._xlanes, self._xin
+        fields = tuple(x[i * n : i * n + lanes + 1] for i in range(5))
+        return (*fields, x[5 * n : 5 * n + tokens])
+
+    def _pad_extend(self, lanes: int, tokens: int) -> None:
+        """Every lane of the bucket padded (before its warm-up run and its capture): row 0,
+        no tokens, the padding lane all ``tokens``."""
+        rows, prefix, ext, vslots, nxt, ids = self._extend_views(lanes, tokens)
+        for t, value in ((rows, 0), (prefix, 0), (ext, 0), (vslots, -1), (nxt, -1), (ids, 0)):
+            t.fill_(value)
+        ext[lanes].fill_(tokens)
+
+    def _extend_padded(self, lanes: int, tokens: int, draw: bool = False) -> None:
+        """The extend of the staged padded inputs (:meth:`_extend_views`): device inputs
+        only, so it can be recorded. The math of each real lane is :meth:`_extend`'s; the
+        padding lanes sit on row 0 (their K/V go to the sink slots; the request state's
+        row 0 is never written) and their outputs are not stored."""
+        rows, prefix, ext, vslots, nxt, input_ids = self._extend_views(lanes, tokens)
+        pool = self.pool
+        meta = self.builder.extend(
+            pool.req_to_token, rows, prefix, ext, pool.full_v2p, pool.swa_v2p,
+            num_tokens=tokens, max_seqlen_q=tokens,
+        )  # fmt: skip
+        last = meta.cu_seqlens_q[1:].long() - 1
+        capture = self.drafts.target_layers if self.drafts is not None else ()
+        ctx = PagedContext(
+            ForwardMode.EXTEND, meta, self.layers, self.backend, self._state_slots(vslots), last,
+            capture=capture,
+        )  # fmt: skip
+        logits = self.model.forward(input_ids.long(), ctx)
+        if self.drafts is not None:
+            self.drafts.write_context(ctx.hidden, meta)
+        params = self.sampling.read(rows) if draw else None
+        sampled = self._pick(logits, params, (prefix + ext).long())
+        self.state.write(rows, prefix + ext, torch.where(nxt >= 0, nxt.long(), sampled))
+        self.out.tokens[:lanes, 0] = sampled[:lanes]
+        self.out.counts[:lanes] = 1
+        if self.logprobs:
+            self.out.logprobs[:lanes, 0] = token_logprobs(logits[:lanes], sampled[:lanes])
 
     # ----------------------------------------------------------------------------- decode
 

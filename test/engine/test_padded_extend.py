@@ -1,0 +1,84 @@
+"""Padded extend steps (``UNIMEM_EXTEND_GRAPHS=on``; what the GPU records as CUDA graphs, run
+eagerly on the CPU): a short extend padded to a (requests, tokens) bucket — lanes past the
+batch on row 0, one more lane holding the padding tokens — gives every request the tokens and
+log-probabilities of the ragged extend, with and without DSPARK, over cached prefixes, beside
+sampled requests, and the padding writes nothing a request reads; long extends stay ragged;
+models with recurrent-state layers keep the ragged extend."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from unimem.engine.api import Engine
+from unimem.engine.runner import EXTEND_LANES, EXTEND_TOKENS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+import tiny_qwen3_next  # noqa: E402
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 17, 3, 40, 9, 300, 12, 7, 2, 33, 21, 6]  # 300: past the token buckets
+    out = [[2] + torch.randint(4, 250, (n,), generator=g).tolist() for n in lens]
+    out.append(out[1] + [7, 8, 9])  # the second prompt (cached by then), then more
+    return out
+
+
+def _params(n: int) -> list[dict]:
+    sampled = {"temperature": 0.8, "top_k": 20, "seed": 5}
+    return [{"max_new_tokens": 6, **(sampled if i % 3 == 1 else {})} for i in range(n)]
+
+
+def _run(ckpt, monkeypatch, padded: bool, **extra):
+    monkeypatch.setenv("UNIMEM_EXTEND_GRAPHS", "on" if padded else "off")
+    eng = Engine(
+        model_path=str(ckpt), device="cpu", dtype="float32", page_size=4,
+        max_total_tokens=4096, max_running_requests=6, context_length=512, **extra,
+    )  # fmt: skip
+    runner = eng.core.runner
+    calls = []
+    real = runner._extend_padded
+
+    def spy(lanes, tokens, draw=False):
+        calls.append((lanes, tokens, draw))
+        return real(lanes, tokens, draw=draw)
+
+    runner._extend_padded = spy
+    prompts = _prompts()
+    # two waves: the second one extends over prefixes the first left in the cache
+    outs = eng.generate(input_ids=prompts[:7], sampling_params=_params(7), return_logprob=True)
+    outs += eng.generate(input_ids=prompts[7:], sampling_params=_params(len(prompts) - 7),
+                         return_logprob=True)  # fmt: skip
+    lanes = runner.extend_lanes
+    eng.shutdown()
+    return outs, calls, lanes
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "DSPARK"}], ids=["plain", "dspark"])
+def test_padded_extend_equals_the_ragged_extend(gemma2_ckpt, monkeypatch, spec):
+    want, none, lanes = _run(gemma2_ckpt, monkeypatch, False, **spec)
+    assert not none and lanes == ()
+    got, calls, lanes = _run(gemma2_ckpt, monkeypatch, True, **spec)
+    assert lanes == EXTEND_LANES[:3]  # buckets need one more lane than their requests: <= 5
+    assert calls and all(t in EXTEND_TOKENS for _, t, _ in calls)
+    assert any(draw for _, _, draw in calls) and any(not draw for _, _, draw in calls)
+    assert got[-1]["meta_info"]["cached_tokens"] > 0  # an extend over a cached prefix
+    for a, b in zip(got, want, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["cached_tokens"] == b["meta_info"]["cached_tokens"]
+        lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
+
+
+def test_recurrent_state_models_keep_the_ragged_extend(tmp_path, monkeypatch):
+    tiny_qwen3_next.build(tmp_path)
+    monkeypatch.setenv("UNIMEM_EXTEND_GRAPHS", "on")
+    eng = Engine(model_path=str(tmp_path), device="cpu", dtype="float32", page_size=4,
+                 max_total_tokens=1024)  # fmt: skip
+    assert eng.core.runner.extend_lanes == ()
+    eng.shutdown()
