@@ -447,8 +447,10 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
             return states_of(model, part, soft_top_k=args.soft_top_k)
 
     calib = None
-    if cut:
+    if cut and stored:
         calib = teacher_forced_states(model, seqs[-cut:], lens[-cut:], dc.target_layers)
+    elif cut:  # the confidence head's batches get their states as the drafter's do
+        calib = tokens_only(seqs[-cut:], lens[-cut:], dc.target_layers, model.device)
     held = None
     if held_seqs:
         held = teacher_forced_states(model, held_seqs, held_lens, dc.target_layers)
