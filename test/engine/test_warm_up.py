@@ -56,3 +56,11 @@ def test_warm_up_refuses_to_run_beside_queued_requests(gemma2_ckpt):
     assert len(req.output) == 3
     assert eng.warm_up()["requests"] == 3  # no cache: nothing to flush
     eng.shutdown()
+
+
+def test_warm_up_fits_a_tiny_context(gemma2_ckpt):
+    """A context of a few tokens (with DSPARK's write window) still warms up."""
+    eng = _engine(gemma2_ckpt, context_length=24, speculative_algorithm="DSPARK")
+    done = eng.warm_up()
+    assert done["requests"] == 3 and done["tokens"] >= 3
+    eng.shutdown()

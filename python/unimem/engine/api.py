@@ -481,14 +481,16 @@ class Engine:
             raise ValueError("warm_up: requests are queued or running")
         t0 = time.perf_counter()
         gamma = self.core.chain.gamma if self.core.chain else 0
-        new = 2 * (gamma + 1) + 2  # past the first verify or a few decode steps
-        room = min(self.core.max_request_tokens(), self.context_length) - new - 4
-        length = max(1, min(self.pool.page_size + 5, room))
+        # prompt + output tokens a request may hold here (a tiny context shrinks the warm-up)
+        room = min(self.core.max_request_tokens(), self.context_length) - 1
+        new = max(1, min(2 * (gamma + 1) + 2, room // 2))  # past the first verify if it fits
+        more = 3 if room - new >= 4 else 0  # the sampled request's tokens past the prefix
+        length = max(1, min(self.pool.page_size + 5, room - new - more))
         vocab = self.model.config.vocab_size
         prompt = [(7 + 31 * i) % vocab for i in range(length)]
         greedy = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0.0}
         done = [self.generate(input_ids=prompt, sampling_params=greedy)]
-        extended = prompt + [(11 + 17 * i) % vocab for i in range(3)]
+        extended = prompt + [(11 + 17 * i) % vocab for i in range(more)]
         sampled = [
             {**greedy, "temperature": 0.7, "top_k": 64, "top_p": 0.95, "seed": 1},
             {**greedy, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "seed": 2},
