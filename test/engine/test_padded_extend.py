@@ -2,7 +2,8 @@
 eagerly on the CPU): a short extend padded to a (requests, tokens) bucket — lanes past the
 batch on row 0, one more lane holding the padding tokens — gives every request the tokens and
 log-probabilities of the ragged extend, with and without DSPARK, over cached prefixes, beside
-sampled requests, and the padding writes nothing a request reads; long extends stay ragged;
+sampled requests, on Gemma 3 and gpt-oss (sinks, a short window, MoE), and the padding writes
+nothing a request reads; long extends stay ragged;
 models with recurrent-state layers keep the ragged extend."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from unimem.engine.api import Engine
 from unimem.engine.runner import EXTEND_LANES, EXTEND_TOKENS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+import tiny_gpt_oss  # noqa: E402
 import tiny_qwen3_next  # noqa: E402
 
 
@@ -73,6 +75,17 @@ def test_padded_extend_equals_the_ragged_extend(gemma2_ckpt, monkeypatch, spec):
         lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
         lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
+
+
+def test_padded_extend_equals_the_ragged_extend_on_gpt_oss(tmp_path, monkeypatch):
+    """gpt-oss: attention sinks, a window of 8 (shorter than most chunks), MoE experts that
+    the padding tokens also route through."""
+    tiny_gpt_oss.build(tmp_path)
+    want, _, _ = _run(tmp_path, monkeypatch, False)
+    got, calls, _ = _run(tmp_path, monkeypatch, True)
+    assert calls
+    for a, b in zip(got, want, strict=True):
+        assert a["output_ids"] == b["output_ids"]
 
 
 def test_recurrent_state_models_keep_the_ragged_extend(tmp_path, monkeypatch):
