@@ -21,7 +21,8 @@ Stored states cost ``sequences x length x layers x d_model`` elements of device 
 3 270M, 3 layers: ~0.58 MB a 152-token sequence, 35 GB for 60 000 of them). For more text
 than that, :func:`tokens_only` keeps the tokens alone and :func:`states_of` computes one
 training batch's states when it is drawn (a forward of the target over the batch's
-sequences, a few per cent of a training step's time at Gemma 3 270M's size).
+sequences: on an H100 with Gemma 3 270M, 64 sequences and 48 anchors a step, 67 ms a step
+against 49 ms with stored states — the price of text that does not fit the GPU).
 """
 
 from __future__ import annotations
