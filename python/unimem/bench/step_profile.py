@@ -338,21 +338,28 @@ def measure_extend(engine, args, prompts: list[list[int]], calls: int = 10) -> d
             engine.generate(input_ids=ids, sampling_params=params)
         torch.cuda.synchronize()
         prof_host.disable()
-        stats = pstats.Stats(prof_host, stream=io.StringIO())
-        rows = []
-        for (file, line, fn), (_, n, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
-            where = "/".join(file.split("/")[-2:])
-            rows.append(
-                {
-                    "function": f"{where}:{line}({fn})",
-                    "own_us_per_extend": own / calls * 1e6,
-                    "cum_us_per_extend": cum / calls * 1e6,
-                    "calls_per_extend": n / calls,
-                }
-            )
-        rows.sort(key=lambda r: -r["own_us_per_extend"])
-        out["host_top_functions"] = rows[: args.host_top]
+        out["host_top_functions"] = top_functions(prof_host, calls, "extend", args.host_top)
     return out
+
+
+def top_functions(prof: cProfile.Profile, per: int, unit: str, top: int) -> list[dict]:
+    """The ``top`` functions of ``prof`` by own time, in microseconds per ``unit`` (``per``
+    of them ran): ``function``, ``own_us_per_<unit>``, ``cum_us_per_<unit>``,
+    ``calls_per_<unit>``."""
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, fn), (_, calls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = "/".join(file.split("/")[-2:])
+        rows.append(
+            {
+                "function": f"{where}:{line}({fn})",
+                f"own_us_per_{unit}": own / per * 1e6,
+                f"cum_us_per_{unit}": cum / per * 1e6,
+                f"calls_per_{unit}": calls / per,
+            }
+        )
+    rows.sort(key=lambda r: -r[f"own_us_per_{unit}"])
+    return rows[:top]
 
 
 def profile_host(eng: EngineCore, steps: int, top: int) -> list[dict]:
@@ -366,20 +373,7 @@ def profile_host(eng: EngineCore, steps: int, top: int) -> list[dict]:
     eng.drain()
     torch.cuda.synchronize()
     prof.disable()
-    stats = pstats.Stats(prof, stream=io.StringIO())
-    rows = []
-    for (file, line, fn), (_, calls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
-        where = "/".join(file.split("/")[-2:])
-        rows.append(
-            {
-                "function": f"{where}:{line}({fn})",
-                "own_us_per_step": own / steps * 1e6,
-                "cum_us_per_step": cum / steps * 1e6,
-                "calls_per_step": calls / steps,
-            }
-        )
-    rows.sort(key=lambda r: -r["own_us_per_step"])
-    return rows[:top]
+    return top_functions(prof, steps, "step", top)
 
 
 PROG = "python -m unimem bench step-profile"
