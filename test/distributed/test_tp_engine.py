@@ -95,6 +95,22 @@ def test_abort_reaches_every_rank(engines):
     assert tp.pool.used_bytes() == 0
 
 
+def test_warm_up_restarts_request_ids_on_every_rank(engines):
+    """After the server's warm-up the ranks still agree (the state check compares request
+    ids) and an abort, which names a request by id, still reaches every rank."""
+    ref, tp = engines
+    assert tp.warm_up()["requests"] == 3
+    core = tp.core
+    prompts = tp_checks.prompts(500, seed=2)
+    reqs = [core.submit(p, OUT) for p in prompts[:3]]
+    core.step()
+    assert core.abort(reqs[2])
+    core.run()
+    assert [r.finish_reason for r in reqs] == ["length", "length", "abort"]
+    want = ref.generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": OUT})
+    assert [r.output for r in reqs[:2]] == [o["output_ids"] for o in want]
+
+
 def test_validate_tp2_static_equals_unified_with_compaction(checked):
     cfg = ValidateConfig(
         tp_size=2,

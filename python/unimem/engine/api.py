@@ -469,10 +469,12 @@ class Engine:
         ones (temperature 0.7 with top-k 64 / top-p 0.95 and log-probabilities, and
         temperature 1 unfiltered), the first sharing the greedy one's prompt as a prefix (an
         extend over a cached prefix where the cache is on). Afterwards the engine is as it
-        was: the prefix cache empty with its counters at zero and request ids numbered from
-        0 again, so what users get (seedless sampled requests included) is what they would
-        have got without the warm-up. Returns ``{"seconds", "requests", "tokens"}``.
-        ``ValueError`` while requests are queued or running, or on node ranks > 0."""
+        was: the prefix cache empty with its counters at zero (with ``tp_size`` > 1, where
+        the cache cannot be flushed, it keeps the warm-up's prompt) and request ids numbered
+        from 0 again on every rank, so what users get (seedless sampled requests included)
+        is what they would have got without the warm-up. Returns ``{"seconds", "requests",
+        "tokens"}``. ``ValueError`` while requests are queued or running, or on node ranks >
+        0."""
         import time
 
         if self.core is None:
@@ -501,7 +503,7 @@ class Engine:
         if self.cache is not None and self._ranks is None:
             self.cache.flush()
             self.cache.stats = type(self.cache.stats)()
-        self.core.restart_request_ids()
+        self.core.restart_request_ids()  # with tp_size > 1 on every rank (LeaderCore)
         tokens = sum(len(o["output_ids"]) for o in done)
         return {"seconds": time.perf_counter() - t0, "requests": len(done), "tokens": tokens}
 

@@ -372,10 +372,10 @@ def run_ranks(
 
 
 class LeaderCore(EngineCore):
-    """Rank 0's :class:`EngineCore`: what callers drive. ``submit`` and ``abort`` act here
-    at once and are recorded; each ``step`` first broadcasts them to the other ranks (which
-    replay them in :func:`follow`), then steps. :meth:`stop` ends the other ranks' loops.
-    Constructor: :class:`EngineCore`'s arguments and ``groups=``."""
+    """Rank 0's :class:`EngineCore`: what callers drive. ``submit``, ``abort`` and
+    ``restart_request_ids`` act here at once and are recorded; each ``step`` first broadcasts
+    them to the other ranks (which replay them in :func:`follow`), then steps. :meth:`stop`
+    ends the other ranks' loops. Constructor: :class:`EngineCore`'s arguments and ``groups=``."""
 
     def __init__(self, *args, groups: TPGroups, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -395,6 +395,10 @@ class LeaderCore(EngineCore):
         if done:
             self._ops.append(("abort", req.rid))
         return done
+
+    def restart_request_ids(self) -> None:
+        super().restart_request_ids()
+        self._ops.append(("restart_ids",))
 
     def step(self) -> bool:
         if self._stopped:
@@ -417,8 +421,8 @@ class LeaderCore(EngineCore):
 
 
 def follow(core: EngineCore, groups: TPGroups) -> None:
-    """The loop of ranks other than 0: receive each step's submissions and aborts from rank
-    0, replay them in order on ``core``, step — until rank 0 stops."""
+    """The loop of ranks other than 0: receive each step's submissions, aborts and request-id
+    restarts from rank 0, replay them in order on ``core``, step — until rank 0 stops."""
     check = envs.get(CHECK_ENV)
     live: dict[int, Request] = {}
     while True:
@@ -428,6 +432,9 @@ def follow(core: EngineCore, groups: TPGroups) -> None:
                 _, prompt, max_new, stops, sampling = op
                 req = core.submit(prompt, max_new, stops, sampling)
                 live[req.rid] = req
+            elif op[0] == "restart_ids":  # rank 0's ids restarted (after a warm-up)
+                core.restart_request_ids()
+                live = {}
             else:
                 core.abort(live[op[1]])
         if cmd == "stop":
