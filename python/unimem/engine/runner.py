@@ -353,23 +353,42 @@ class ModelRunner:
         self.sampling.write(rows, floats, ints)
         if any(not r.sampling.greedy for r in reqs):
             params = DeviceSamplingState.lanes(floats, ints)
+        self._extend_forward(
+            rows, prefix, ext, vslots, nxt, input_ids, params, bs,
+            num_tokens=len(ids), max_seqlen_q=max(lens),
+            cu_seqlens_host=[0, *itertools.accumulate(lens)],
+        )  # fmt: skip
+
+    def _extend_forward(
+        self,
+        rows: torch.Tensor,
+        prefix: torch.Tensor,
+        ext: torch.Tensor,
+        vslots: torch.Tensor,
+        nxt: torch.Tensor,
+        input_ids: torch.Tensor,
+        params: SamplingRows | None,
+        lanes: int,
+        *,
+        num_tokens: int,
+        max_seqlen_q: int,
+        cu_seqlens_host: list[int] | None = None,
+    ) -> None:
+        """An extend's body, ragged or padded: its metadata from the live tables, the
+        forward, the drafter's context K/V for every token consumed, each lane's sample at
+        its last row (its next token: ``nxt`` where known, else the sample) and new length
+        into the device state, and the first ``lanes`` lanes' samples (and log-probabilities)
+        into ``out``. Device work only."""
         pool = self.pool
         meta = self.builder.extend(
-            pool.req_to_token,
-            rows,
-            prefix,
-            ext,
-            pool.full_v2p,
-            pool.swa_v2p,
-            num_tokens=len(ids),
-            max_seqlen_q=max(lens),
-        )
+            pool.req_to_token, rows, prefix, ext, pool.full_v2p, pool.swa_v2p,
+            num_tokens=num_tokens, max_seqlen_q=max_seqlen_q,
+        )  # fmt: skip
         last = meta.cu_seqlens_q[1:].long() - 1  # each request's last row (device, no upload)
         capture = self.drafts.target_layers if self.drafts is not None else ()
-        cu_host = [0, *itertools.accumulate(lens)]
         ctx = PagedContext(
             ForwardMode.EXTEND, meta, self.layers, self.backend, self._state_slots(vslots), last,
-            capture=capture, cu_seqlens_host=cu_host,
+            capture=capture, cu_seqlens_host=cu_seqlens_host,
         )  # fmt: skip
         logits = self.model.forward(input_ids.long(), ctx)
         if self.drafts is not None:
@@ -377,10 +396,10 @@ class ModelRunner:
         # the sampled token's index in prompt + output is the number of tokens consumed
         sampled = self._pick(logits, params, (prefix + ext).long())
         self.state.write(rows, prefix + ext, torch.where(nxt >= 0, nxt.long(), sampled))
-        self.out.tokens[:bs, 0] = sampled
-        self.out.counts[:bs] = 1
+        self.out.tokens[:lanes, 0] = sampled[:lanes]
+        self.out.counts[:lanes] = 1
         if self.logprobs:
-            self.out.logprobs[:bs, 0] = token_logprobs(logits, sampled)
+            self.out.logprobs[:lanes, 0] = token_logprobs(logits[:lanes], sampled[:lanes])
 
     def _launch_padded_extend(
         self,
@@ -435,31 +454,16 @@ class ModelRunner:
 
     def _extend_padded(self, lanes: int, tokens: int, draw: bool = False) -> None:
         """The extend of the staged padded inputs (:meth:`_extend_views`): device inputs
-        only, so it can be recorded. The math of each real lane is :meth:`_extend`'s; the
-        padding lanes sit on row 0 (their K/V go to the sink slots; the request state's
-        row 0 is never written) and their outputs are not stored."""
+        only, so it can be recorded. Each real lane runs :meth:`_extend`'s body
+        (:meth:`_extend_forward`); the padding lanes sit on row 0 (their K/V go to the sink
+        slots; the request state's row 0 is never written) and their outputs are not
+        stored."""
         rows, prefix, ext, vslots, nxt, input_ids = self._extend_views(lanes, tokens)
-        pool = self.pool
-        meta = self.builder.extend(
-            pool.req_to_token, rows, prefix, ext, pool.full_v2p, pool.swa_v2p,
+        params = self.sampling.read(rows) if draw else None
+        self._extend_forward(
+            rows, prefix, ext, vslots, nxt, input_ids, params, lanes,
             num_tokens=tokens, max_seqlen_q=tokens,
         )  # fmt: skip
-        last = meta.cu_seqlens_q[1:].long() - 1
-        capture = self.drafts.target_layers if self.drafts is not None else ()
-        ctx = PagedContext(
-            ForwardMode.EXTEND, meta, self.layers, self.backend, self._state_slots(vslots), last,
-            capture=capture,
-        )  # fmt: skip
-        logits = self.model.forward(input_ids.long(), ctx)
-        if self.drafts is not None:
-            self.drafts.write_context(ctx.hidden, meta)
-        params = self.sampling.read(rows) if draw else None
-        sampled = self._pick(logits, params, (prefix + ext).long())
-        self.state.write(rows, prefix + ext, torch.where(nxt >= 0, nxt.long(), sampled))
-        self.out.tokens[:lanes, 0] = sampled[:lanes]
-        self.out.counts[:lanes] = 1
-        if self.logprobs:
-            self.out.logprobs[:lanes, 0] = token_logprobs(logits[:lanes], sampled[:lanes])
 
     # ----------------------------------------------------------------------------- decode
 
