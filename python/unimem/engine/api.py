@@ -34,6 +34,7 @@ runs them together with continuous batching and returns one dict per request, in
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -475,8 +476,6 @@ class Engine:
         is what they would have got without the warm-up. Returns ``{"seconds", "requests",
         "tokens"}``. ``ValueError`` while requests are queued or running, or on node ranks >
         0."""
-        import time
-
         if self.core is None:
             raise ValueError("this engine ran the ranks of node_rank > 0: warm up on node 0")
         if not self.core.scheduler.idle:

@@ -134,6 +134,27 @@ class _DenseCapture(DenseContext):
             self.captured[layer_idx] = hidden.clone()
 
 
+def _check_sequences(
+    who: str, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]
+) -> None:
+    """``ValueError`` for an empty set, a count mismatch or a prompt length outside
+    ``[1, len)``."""
+    if len(sequences) != len(prompt_lens) or not sequences:
+        raise ValueError(f"{who}: need as many prompt lengths as sequences (>0)")
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+        if not 1 <= p < len(seq):
+            raise ValueError(f"sequence {i}: prompt length {p} outside [1, {len(seq)})")
+
+
+def _padded(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [N, longest] int64 padded with 0, lengths [N])`` on the host."""
+    lens = torch.tensor([len(s) for s in sequences])
+    tokens = torch.zeros(len(sequences), int(lens.max()), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        tokens[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+    return tokens, lens
+
+
 @torch.no_grad()
 def teacher_forced_states(
     model: CausalLM,
@@ -156,11 +177,8 @@ def teacher_forced_states(
     context, or soft targets of a model with GDN layers."""
     c, dev = model.config, model.device
     layers = tuple(layers)
-    if len(sequences) != len(prompt_lens) or not sequences:
-        raise ValueError("teacher_forced_states: need as many prompt lengths as sequences (>0)")
-    for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
-        if not 1 <= p < len(seq):
-            raise ValueError(f"sequence {i}: prompt length {p} outside [1, {len(seq)})")
+    _check_sequences("teacher_forced_states", sequences, prompt_lens)
+    for i, seq in enumerate(sequences):
         if len(seq) > c.max_context:
             raise ValueError(f"sequence {i}: {len(seq)} tokens exceed the context {c.max_context}")
     if any(not 0 <= i < c.num_layers for i in layers):
@@ -175,17 +193,14 @@ def teacher_forced_states(
     if soft_top_k:
         max_batch_tokens = min(max_batch_tokens, SOFT_BATCH_TOKENS[cpu])
     n = len(sequences)
-    longest = max(len(s) for s in sequences)
-    tokens = torch.zeros(n, longest, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        tokens[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+    tokens, lens = _padded(sequences)
+    longest = tokens.shape[1]
     tokens = tokens.to(dev)
     hidden = [torch.zeros(n, longest, c.d_model, dtype=c.dtype, device=dev) for _ in layers]
     soft_ids = soft_probs = None
     if soft_top_k:
         soft_ids = torch.zeros(n, longest, soft_top_k, dtype=torch.int32, device=dev)
         soft_probs = torch.zeros(n, longest, soft_top_k, dtype=torch.float16, device=dev)
-    lens = torch.tensor([len(s) for s in sequences])
     order = torch.argsort(lens, descending=True).tolist()  # similar lengths share a batch
     batched = not c.gdn_layers
     start = 0
@@ -238,15 +253,8 @@ def tokens_only(
     (``hidden`` empty, tokens padded with 0 on ``device``): training text whose states
     :func:`states_of` computes per batch. ``ValueError`` as :func:`teacher_forced_states`
     for an empty set or a prompt length outside ``[1, len)``."""
-    if len(sequences) != len(prompt_lens) or not sequences:
-        raise ValueError("tokens_only: need as many prompt lengths as sequences (>0)")
-    for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
-        if not 1 <= p < len(seq):
-            raise ValueError(f"sequence {i}: prompt length {p} outside [1, {len(seq)})")
-    lens = torch.tensor([len(s) for s in sequences])
-    tokens = torch.zeros(len(sequences), int(lens.max()), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        tokens[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+    _check_sequences("tokens_only", sequences, prompt_lens)
+    tokens, lens = _padded(sequences)
     return Rollouts(tokens.to(device), [], torch.tensor(list(prompt_lens)), lens, tuple(layers))
 
 
