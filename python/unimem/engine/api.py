@@ -474,8 +474,8 @@ class Engine:
         the cache cannot be flushed, it keeps the warm-up's prompt) and request ids numbered
         from 0 again on every rank, so what users get (seedless sampled requests included)
         is what they would have got without the warm-up. Returns ``{"seconds", "requests",
-        "tokens"}``. ``ValueError`` while requests are queued or running, or on node ranks >
-        0."""
+        "tokens"}``. ``ValueError`` while requests are queued or running, or on node
+        ranks > 0."""
         if self.core is None:
             raise ValueError("this engine ran the ranks of node_rank > 0: warm up on node 0")
         if not self.core.scheduler.idle:
