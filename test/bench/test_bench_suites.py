@@ -102,3 +102,33 @@ def test_sampler_suite_dry_run_checks_the_rule_per_row(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(path.read_text())
     assert report["rule_is_per_row"] and [r["rows"] for r in report["rows"]] == [1, 4]
+
+
+@pytest.mark.parametrize("speculation", [False, True])
+@pytest.mark.parametrize("kind", ["static", "unified"])
+def test_step_profile_sizes_a_real_models_pool_for_its_requests(tmp_path, kind, speculation):
+    """``step-profile --model-path`` sizes the pool so that a request of ``--input-len``
+    prompt tokens and the measurement's output fits alone, whatever the input length: a
+    sliding-window model's SWA pool holds less than ``max_total_tokens`` (at 24 tokens the
+    real model's run was rejected: "1044 tokens do not fit in the memory even alone")."""
+    import argparse
+    from pathlib import Path
+
+    from unimem.bench.step_profile import OUTPUT_LEN, model_engine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import tiny_gemma3
+
+    # a window longer than the request: its SWA layers hold every token, as the real model's
+    # (window 512, GPU chunk 8192) do at their peak
+    tiny_gemma3.build(tmp_path, num_hidden_layers=2, max_position_embeddings=4096,
+                      sliding_window=2048,
+                      layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    args = argparse.Namespace(model_path=str(tmp_path), input_len=24, page_size=64, gamma=7,
+                              requests=1, no_speculation=not speculation, drafter=None)  # fmt: skip
+    engine = model_engine(kind, args, device="cpu")
+    try:
+        assert engine.core.max_request_tokens() >= args.input_len + OUTPUT_LEN
+        engine.core.check_request(list(range(3, 3 + args.input_len)), OUTPUT_LEN)
+    finally:
+        engine.shutdown()

@@ -95,3 +95,18 @@ def test_recurrent_state_models_keep_the_ragged_extend(tmp_path, monkeypatch):
                  max_total_tokens=1024)  # fmt: skip
     assert eng.core.runner.extend_lanes == ()
     eng.shutdown()
+
+
+@pytest.mark.parametrize("mode,padded", [("", False), ("auto", False), ("on", True)])
+def test_auto_pads_extends_only_where_the_runner_records_graphs(gemma2_ckpt, monkeypatch,
+                                                                 mode, padded):  # fmt: skip
+    """The default (``auto``) pads short extends where the runner records CUDA graphs, so an
+    eager (CPU) engine keeps the ragged extend; ``on`` forces the padded path."""
+    monkeypatch.setenv("UNIMEM_EXTEND_GRAPHS", mode)
+    eng = Engine(model_path=str(gemma2_ckpt), device="cpu", dtype="float32", page_size=4,
+                 max_total_tokens=1024, max_running_requests=6, context_length=256)  # fmt: skip
+    try:
+        assert bool(eng.core.runner.extend_lanes) is padded
+        assert not eng.core.runner.extend_graphs
+    finally:
+        eng.shutdown()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -177,6 +178,9 @@ def _lm_head_bench(drafter_dir: str, gamma: int) -> list[dict]:
 def _engine(args, **kw):
     from unimem.engine.api import Engine
 
+    gc.collect()  # the engine closed before this one (``_close``) holds GPU memory until now
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if args.mem_fraction_static is not None:
         kw["mem_fraction_static"] = args.mem_fraction_static
     return Engine(model_path=args.model_path, device=args.device, **kw)
@@ -285,6 +289,13 @@ def _run(engine, ids, conc, output_len, temperature, schedule="closed", rounds=3
     return res, [o["output_ids"] for o in outs]
 
 
+def _close(eng) -> None:
+    """Shut ``eng`` down; ``eng = _close(eng)`` drops the caller's reference so that
+    ``_engine`` can free its GPU memory (CUDA-graph pools included) before building the next:
+    ``eng = _engine(...)`` alone builds the new engine while the old one is alive."""
+    eng.shutdown()
+
+
 def main(argv: list[str]) -> int:
     args, rest = _args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -309,6 +320,7 @@ def main(argv: list[str]) -> int:
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none (cpu dry run)",
         "torch": torch.__version__,
         "settings": vars(args) | {"train_overrides": rest},
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UNIMEM_")},
         "acceptance_control": "off (Engine has none: every accepted draft is the drafter's)",
     }
     print(json.dumps(report, indent=1), flush=True)
@@ -359,7 +371,7 @@ def main(argv: list[str]) -> int:
             r = _run(eng, ids, max(concs), args.output_len, 0.7, **sched, **extra)[0]
             e2e[f"none_temperature_0.7{key}"] = r
             print(f"no spec t=0.7{key}", r, flush=True)
-    eng.shutdown()
+    eng = _close(eng)
     eng = _engine(args, **spec_kw)
     for c in concs:
         runs[("dspark", c)] = _run(eng, ids, c, args.output_len, 0.0, **sched)
@@ -372,7 +384,7 @@ def main(argv: list[str]) -> int:
             eng, ids, max(concs), args.output_len, 0.7, **sched, top_k=64, top_p=0.95
         )[0]
         print("dspark t=0.7 top-k 64", e2e["dspark_temperature_0.7_top_k_64"], flush=True)
-    eng.shutdown()
+    eng = _close(eng)
     e2e["greedy"] = [
         {
             "concurrency": c,
@@ -389,7 +401,7 @@ def main(argv: list[str]) -> int:
     if "unified" not in skip:
         eng = _engine(args, enable_unified_memory=True, **spec_kw)
         uni, outs = _run(eng, ids, big, args.output_len, 0.0, **sched)
-        eng.shutdown()
+        eng = _close(eng)
         e2e["unified"] = uni | {
             "static_equals_unified": sum(
                 a == b for a, b in zip(outs, runs[("dspark", big)][1], strict=True)
@@ -405,7 +417,7 @@ def main(argv: list[str]) -> int:
             **spec_kw,
         )
         ada = _run(eng, ids, big, args.output_len, 0.0, **sched)[0]
-        eng.shutdown()
+        eng = _close(eng)
         e2e["adaptive"] = ada | {
             "verify_budget": budget,
             "vs_fixed": ada["tok_s"] / runs[("dspark", big)][0]["tok_s"],
@@ -416,7 +428,7 @@ def main(argv: list[str]) -> int:
         for name, kw in (("none", {}), ("dspark", spec_kw)):
             eng = _engine(args, enable_deterministic_inference=True, **kw)
             det[name] = _run(eng, ids, big, args.output_len, 0.0, **sched)
-            eng.shutdown()
+            eng = _close(eng)
         e2e["deterministic"] = {
             "none": det["none"][0],
             "dspark": det["dspark"][0],

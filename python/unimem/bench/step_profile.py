@@ -50,6 +50,7 @@ import cProfile
 import gc
 import io
 import json
+import math
 import pstats
 import re
 import sys
@@ -115,12 +116,14 @@ def synthetic_core(kind: str, split_kv_max_bs: int, args, model, drafter, prompt
     return EngineCore(model, pool, backend, n, 8192, chain=chain, cuda_graphs=True)
 
 
-def model_engine(kind: str, args):
+def model_engine(kind: str, args, device: str = "cuda"):
     """``unimem.Engine`` of ``args.model_path`` with DSPARK (its shipped drafter, or
     ``args.drafter``; no acceptance control: the real drafter's acceptance), or without it
     (``args.no_speculation``), over ``kind`` memory, ``args.requests`` running, pools sized
-    for the measurement."""
+    for the measurement: each request of at most ``args.input_len`` prompt tokens fits with
+    its ``OUTPUT_LEN`` tokens (``device`` "cpu" only for the test of that sizing)."""
     from unimem.engine.api import Engine
+    from unimem.engine.args import SWA_FULL_TOKENS_RATIO
 
     tokens = args.input_len + OUTPUT_LEN + args.page_size
     kw = {}
@@ -129,10 +132,13 @@ def model_engine(kind: str, args):
         tokens += 2 * (args.gamma + 1)  # the write window and the look-ahead
         if args.drafter:
             kw["speculative_draft_model_path"] = args.drafter
+    # max_total_tokens counts FULL tokens; the SWA pool holds SWA_FULL_TOKENS_RATIO as many,
+    # and a request whose prompt is one chunk holds all its tokens in SWA pages at its peak
+    max_total = math.ceil(args.requests * tokens / min(1.0, SWA_FULL_TOKENS_RATIO))
     return Engine(
-        model_path=args.model_path, device="cuda", enable_unified_memory=kind == "unified",
+        model_path=args.model_path, device=device, enable_unified_memory=kind == "unified",
         page_size=args.page_size, max_running_requests=args.requests, disable_radix_cache=True,
-        max_total_tokens=args.requests * tokens, **kw,
+        max_total_tokens=max_total, **kw,
     )  # fmt: skip
 
 
@@ -492,7 +498,10 @@ def _main_model(args) -> int:
     for kind in args.memory.split(","):
         engine = model_engine(kind, args)
         texts = short_prompts()
-        prompts = [engine.tokenizer.encode(texts[i % len(texts)]) for i in range(args.requests)]
+        prompts = [  # at most input_len tokens: the pool is sized for that (model_engine)
+            engine.tokenizer.encode(texts[i % len(texts)])[: args.input_len]
+            for i in range(args.requests)
+        ]
         step = "decode (no speculation)" if args.no_speculation else f"DSPARK gamma {args.gamma}"
         print(f"{gpu}: {args.model_path}, {args.requests} requests, {step}, drafter "
               f"{engine.drafter_path}, page {args.page_size}, {kind}; steady state from "

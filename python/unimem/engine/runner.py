@@ -99,8 +99,9 @@ class ModelRunner:
     the vocabulary per logits row) under the model's raw distribution — before temperature
     and filters, as SGLang reports it.
 
-    ``padded_extend`` (default: ``UNIMEM_EXTEND_GRAPHS``): short extends run padded to a
-    bucket (module docstring), recorded with ``cuda_graphs``; not for models with recurrent
+    ``padded_extend`` (default: ``UNIMEM_EXTEND_GRAPHS``, whose ``auto`` means "with
+    ``cuda_graphs``"): short extends run padded to a bucket (module docstring), recorded with
+    ``cuda_graphs`` (eager without: only the tests want that); not for models with recurrent
     state layers (their chunked prefill plans on host lengths) nor in batch-invariant mode
     (an extend's bits must not depend on its bucket), where extends stay eager.
 
@@ -161,7 +162,8 @@ class ModelRunner:
             )  # fmt: skip
             self.drafts = self.verifier.drafts
         if padded_extend is None:
-            padded_extend = envs.get("UNIMEM_EXTEND_GRAPHS") == "on"
+            mode = envs.get("UNIMEM_EXTEND_GRAPHS")
+            padded_extend = mode == "on" or (mode == "auto" and cuda_graphs)
         self.extend_lanes: tuple[int, ...] = ()
         self.extend_tokens: tuple[int, ...] = ()
         if padded_extend and not pool.spec.has(LayerKind.STATE) and not batch_invariant.enabled():
