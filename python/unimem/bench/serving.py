@@ -520,7 +520,7 @@ def report(results: dict) -> str:
 
 
 def title(args: dict, gpu: str | None, drafter: str | None = None) -> str:
-    """The figure's title: what is compared, model, sizes, speculation, memory budget,
+    """The figure's title, two lines: what is compared; model, sizes, memory budget,
     machine. ``drafter``: the drafter the server reported (else the one asked for)."""
     drafter = drafter or args.get("speculative_draft_model_path")
     drafter_note = f" (drafter {Path(drafter).name})" if drafter else " (untrained drafter)"
@@ -541,8 +541,8 @@ def title(args: dict, gpu: str | None, drafter: str | None = None) -> str:
         if args.get("max_total_tokens")
         else "default memory"
     )
-    return (
-        f"unimem serving, {what}: {Path(args['model_path']).name}, {sizes}, {budget}, "
+    return (  # two lines: one is wider than the three panels with a drafter named
+        f"unimem serving, {what}\n{Path(args['model_path']).name}, {sizes}, {budget}, "
         f"at most {args.get('max_running_requests') or 'default'} running | {gpu or 'CPU'}"
     )
 
