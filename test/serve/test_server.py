@@ -333,6 +333,27 @@ def test_client_drop_mid_stream_releases_memory(server):
     assert info["requests_finished"].get("abort", 0) == before + 1  # aborted, not run to the end
 
 
+def test_client_drop_while_waiting_for_a_whole_response_aborts_it(server):
+    """A non-streaming request whose client goes away is noticed by polling (no stream to
+    cancel) and aborted: counted as an abort, its memory back."""
+    before = server.info()["requests_finished"].get("abort", 0)
+    body = json.dumps({"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 240,
+                       "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: "
+                f"{AUTH['Authorization']}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 30
+        while server.info()["running_requests"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    info = _idle(server)
+    assert info["used_bytes"] == IDLE["used_bytes"]
+    assert info["requests_finished"].get("abort", 0) == before + 1
+
+
 def test_stop_string_cuts_text_and_ends_request(server, engine):
     prompt = "w5 w6 w7 w8 w9"
     full = engine.generate(prompt=prompt, sampling_params={**GREEDY, "ignore_eos": True})

@@ -13,8 +13,8 @@ tokens and log-probabilities behind it, and on the last piece the finish reason.
 string ends the request through ``EngineCore.abort`` (its memory comes back) and is reported
 as ``"stop"`` with the text cut right before it. A matched stop token (EOS included) ends the
 output ids but not the text (SGLang trims it). A client that disconnects — noticed by polling
-``request.is_disconnected()`` while waiting, or by the stream's cancellation — aborts the
-request.
+``request.is_disconnected()`` while the request runs, or by the stream's cancellation —
+aborts the request.
 """
 
 from __future__ import annotations
@@ -326,22 +326,22 @@ class Generation:
     async def pieces(self) -> AsyncIterator[Piece]:
         """Submit and yield pieces until the last one (which has a ``finish_reason``). An
         :class:`ApiError` if the engine could not run it. Aborts the request if the consumer
-        stops early or the client disconnects."""
-        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        stops early or the client disconnects (:meth:`_watch_client`)."""
+        queue: asyncio.Queue[Delta | None] = asyncio.Queue()  # None: the client went away
         self.sub.sink = queue.put_nowait  # runs on this event loop (EngineLoop batches)
         self.sub.event_loop = asyncio.get_running_loop()
         handle = self.serving.loop.submit(self.sub)
-        getter: asyncio.Task | None = None
+        watcher = (
+            asyncio.create_task(self._watch_client(queue))
+            if self.http_request is not None
+            else None
+        )
         try:
             while self.finish_reason is None:
-                getter = getter or asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-                if not done:
-                    if self.http_request is not None and await self.http_request.is_disconnected():
-                        self.disconnected = True
-                        return  # finally aborts
-                    continue
-                delta, getter = getter.result(), None
+                delta = await queue.get()  # no suspension when a delta is already queued
+                if delta is None:
+                    self.disconnected = True
+                    return  # finally aborts
                 piece = self._piece(delta)
                 if piece.finish_reason == "stop" and isinstance(piece.matched, str):
                     # a stop string: end it in the engine, counted as the response reports it
@@ -354,11 +354,22 @@ class Generation:
                         self.serving.loop.relabel(delta.finish_reason, "stop")
                 yield piece
         finally:
-            if getter is not None:
-                getter.cancel()
+            if watcher is not None:
+                watcher.cancel()
             if self.finish_reason is None:
                 self.serving.loop.abort(handle)
                 self.finish_reason = "abort"
+
+    async def _watch_client(self, queue: asyncio.Queue) -> None:
+        """Every ``DISCONNECT_POLL_S``, whether tokens flow or not, ask whether the client is
+        still there; if not, queue ``None`` for :meth:`pieces`. Its own task, so that reading
+        a delta costs no task or timer (a whole response's client is noticed mid-generation:
+        the stream's cancellation covers only streamed responses)."""
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await self.http_request.is_disconnected():
+                queue.put_nowait(None)
+                return
 
     def _piece(self, d: Delta) -> Piece:
         if d.error is not None:
