@@ -86,11 +86,23 @@ CUDA graphs. Every variant (dtype, head dims, GQA ratio, window or not, query wi
 compiles on its first call (seconds); a first call inside ``torch.cuda.graph`` breaks the
 capture. Call ``warmup`` eagerly for every variant a graph will record. The output tensor is
 allocated by FA4 on each call (inside a graph: from the graph's pool, fixed address).
+
+Compiled variants on disk. FA4 keeps what it compiles in memory only unless its persistent
+cache is on (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``, read when ``flash_attn.cute`` is
+imported), so every server start compiled every variant again. :func:`enable_fa4_disk_cache`
+(run before FA4's first import here) turns it on under ``<UNIMEM_CACHE_DIR>/fa4`` unless the
+user set either of FA4's two variables (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0`` keeps it
+off). FA4 files its entries under a fingerprint of its own sources and of the Python, CUTLASS
+and TVM-FFI versions, and its compile keys hold the GPU architecture (flash-attn-4
+4.0.0b36, ``flash_attn/cute/cache_utils.py``, ``interface.py``), so a changed install or GPU
+compiles afresh instead of loading a stale kernel.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -98,6 +110,7 @@ import torch
 
 from unimem.attention.backend import AttentionBackend, check_attention_args
 from unimem.attention.metadata import AttentionMetadata
+from unimem_kernel import envs
 from unimem_kernel.paged_attention import paged_verify_attention
 
 __all__ = [
@@ -107,6 +120,7 @@ __all__ = [
     "SPLIT_KV_MAX_WORK",
     "NARROW_TILE_ROWS",
     "FA4Backend",
+    "enable_fa4_disk_cache",
     "narrow_query_tile",
     "split_kv_batch",
     "split_kv_keys",
@@ -163,6 +177,7 @@ def _narrow_tile_forward() -> Callable[..., object] | None:
     major, _ = torch.cuda.get_device_capability()
     if major != 9:
         return None
+    enable_fa4_disk_cache()
     from flash_attn.cute import interface
 
     fwd = getattr(interface, "_flash_attn_fwd", None)  # private: checked, not assumed
@@ -193,6 +208,23 @@ def split_kv_programs(bs: int, kv_heads: int) -> int:
     ``docs/decisions.md``)."""
     bs = max(bs, 1)
     return max(4, min(16, 64 // bs, 256 // (bs * max(kv_heads, 1))))
+
+
+FA4_CACHE_SWITCH = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+FA4_CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+
+
+def enable_fa4_disk_cache() -> bool:
+    """Turn FA4's persistent compile cache on under ``<UNIMEM_CACHE_DIR>/fa4`` (module
+    docstring) unless the user set :data:`FA4_CACHE_SWITCH` or :data:`FA4_CACHE_DIR`, or
+    ``flash_attn.cute`` is already imported (FA4 has read them then). Whether it set them."""
+    if "flash_attn.cute" in sys.modules:
+        return False
+    if os.environ.get(FA4_CACHE_SWITCH) is not None or os.environ.get(FA4_CACHE_DIR):
+        return False
+    os.environ[FA4_CACHE_DIR] = str(envs.cache_root() / "fa4")
+    os.environ[FA4_CACHE_SWITCH] = "1"
+    return True
 
 
 _INSTALL_HINT = (
@@ -255,6 +287,7 @@ class FA4Backend(AttentionBackend):
         split_kv_max_bs: int = SPLIT_KV_MAX_BS,
         narrow_tile: bool = True,
     ) -> None:
+        enable_fa4_disk_cache()
         try:
             from flash_attn.cute import flash_attn_varlen_func
         except ImportError as e:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["SWITCHES", "EnvSwitch", "describe", "get", "is_set"]
+__all__ = ["SWITCHES", "EnvSwitch", "cache_root", "describe", "get", "is_set"]
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,8 @@ _ALL = (
     EnvSwitch(
         "UNIMEM_CACHE_DIR",
         "",
-        "Where converted GGUF checkpoints are cached; unset: $XDG_CACHE_HOME/unimem or "
-        "~/.cache/unimem.",
+        "Where converted GGUF checkpoints (gguf/) and FA4's compiled kernels (fa4/) are "
+        "cached; unset: $XDG_CACHE_HOME/unimem or ~/.cache/unimem.",
     ),
     EnvSwitch(
         "UNIMEM_TP_CHECK_STATE",
@@ -209,6 +210,16 @@ def _switch(name: str) -> EnvSwitch:
 def get(name: str) -> Any:
     """The parsed value of switch ``name`` now (its default when unset or empty)."""
     return _switch(name).read()
+
+
+def cache_root() -> Path:
+    """Where unimem keeps what it builds once and reuses (``UNIMEM_CACHE_DIR``; unset:
+    ``$XDG_CACHE_HOME/unimem``, else ``~/.cache/unimem``). Not created here."""
+    env = get("UNIMEM_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "unimem"
 
 
 def is_set(name: str) -> bool:

@@ -43,12 +43,8 @@ PROVENANCE_FILE = "unimem_gguf.json"
 
 
 def cache_root() -> Path:
-    """Where converted checkpoints are kept (module docstring)."""
-    env = envs.get("UNIMEM_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "unimem"
+    """Where converted checkpoints are kept (module docstring): ``envs.cache_root()``."""
+    return envs.cache_root()
 
 
 def file_sha256(path: Path) -> str:
