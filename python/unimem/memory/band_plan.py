@@ -44,6 +44,9 @@ from enum import Enum
 
 from unimem.memory.errors import InternalError
 
+AHEAD_GAP_FACTOR = 8
+"""A band extends ahead only while the gap beyond its need is this many times the extra."""
+
 
 class Side(Enum):
     DOWN = -1
@@ -112,19 +115,34 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class BandLayout:
-    """Bands in address order between ``header_end`` and ``arena_end`` (bytes)."""
+    """Bands in address order between ``header_end`` and ``arena_end`` (bytes).
 
-    def __init__(self, bands: list[BandState], header_end: int, arena_end: int) -> None:
+    ``extend_ahead``: when a band extends into a gap that holds all it needs and at least
+    :data:`AHEAD_GAP_FACTOR` times this many units more, it takes this many units more, so
+    that the next allocations find free units and need no plan (a growing request otherwise
+    extends its band by a page at every page boundary: a planning pass on a copy and a device
+    push each time). Near the end of a gap every extension is exact again, so a band holds at
+    most ``extend_ahead`` units of a gap that a neighbour could have had, which it gives up
+    by compaction like any other units when the neighbour is short of room."""
+
+    def __init__(
+        self, bands: list[BandState], header_end: int, arena_end: int, extend_ahead: int = 0
+    ) -> None:
+        if extend_ahead < 0:
+            raise ValueError(f"extend_ahead must be >= 0, got {extend_ahead}")
         self.bands = bands
         self.header_end = header_end
         self.arena_end = arena_end
+        self.extend_ahead = extend_ahead
         # Free units of each band already promised to an earlier request of the same plan:
         # compaction may not consume them.
         self.reserved = [0] * len(bands)
 
     def copy(self) -> BandLayout:
         """An independent copy of the host state (plans are made on copies)."""
-        return BandLayout([replace(b) for b in self.bands], self.header_end, self.arena_end)
+        return BandLayout(
+            [replace(b) for b in self.bands], self.header_end, self.arena_end, self.extend_ahead
+        )
 
     # --- geometry ----------------------------------------------------------------------------
 
@@ -310,10 +328,15 @@ class BandLayout:
             if at != self.bands[i].lo:
                 self._do(Reanchor(i, at), out)
         for side in self.sides(i):
-            take = min(need, self.room(i, side))
+            if need == 0:
+                break
+            room = self.room(i, side)
+            take = min(need, room)
+            if take == need and room - need >= AHEAD_GAP_FACTOR * self.extend_ahead:
+                take += self.extend_ahead  # a wide gap: take some more (class docstring)
             if take:
                 self._do(Extend(i, side, take), out)
-                need -= take
+                need -= min(need, take)
         for side in self.sides(i):
             if need == 0:
                 break

@@ -45,6 +45,11 @@ from unimem.memory.staging import upload_int32
 ADDRESS_ORDER = (LayerKind.STATE, LayerKind.SWA, LayerKind.FULL)
 """Bands from the low end of the arena to the high end."""
 
+EXTEND_AHEAD_UNITS = 16
+"""Units a band takes beyond its need when it extends into a wide gap
+(:class:`~unimem.memory.band_plan.BandLayout` ``extend_ahead``): the next allocations of a
+growing batch find them free and skip the planner and the device push."""
+
 
 def _empty_layout(
     kinds: list[LayerKind],
@@ -55,7 +60,10 @@ def _empty_layout(
 ) -> BandLayout:
     """The bands of an empty arena of ``arena_end`` bytes, each anchored where it grows."""
     bands = BandLayout(
-        [BandState(k.value, unit_bytes[k], base[k], 0, 0, 0) for k in kinds], header, arena_end
+        [BandState(k.value, unit_bytes[k], base[k], 0, 0, 0) for k in kinds],
+        header,
+        arena_end,
+        extend_ahead=EXTEND_AHEAD_UNITS,
     )
     for i in range(len(kinds)):
         bands.apply(Reanchor(i, bands._anchor_for(i)))
