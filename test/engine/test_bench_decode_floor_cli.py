@@ -1,6 +1,6 @@
 """``python -m unimem bench decode-floor``'s dry run on the CPU (a tiny Gemma 3 checkpoint,
-waves of 1 and 2 requests): it runs static and unified, checks them token for token and
-writes the issue's JSON schema."""
+waves of 1 and 2 requests): it runs static and unified, checks them token for token, writes
+the issue's JSON schema and, with ``--host-top``, each memory kind's top host functions."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_cpu_dry_run_writes_the_schema(tmp_path):
         [sys.executable, "-m", "unimem", "bench", "decode-floor", "--model-path", str(ckpt),
          "--device", "cpu", "--dtype", "float32", "--concurrency", "1,2", "--tokens", "3",
          "--page-size", "4",
-         "--prompts", str(prompts), "--json", str(out)],
+         "--prompts", str(prompts), "--json", str(out), "--host-top", "5"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -39,6 +39,9 @@ def test_cpu_dry_run_writes_the_schema(tmp_path):
                     "wall_ms_per_step"):  # fmt: skip
             assert key in r
         assert r["unimem_static_tok_s"] > 0 and r["static_equals_unified"]
+        for mode in ("static", "unified"):  # --host-top: a profiled wave per memory kind
+            top = r["host_top_functions"][mode]
+            assert len(top) == 5 and all(f["own_us_per_step"] >= 0 for f in top)
 
 
 def test_gap_profile_splits_launch_gaps_from_host_waits():

@@ -40,7 +40,10 @@ that a drift of the host's speed weighs on both alike; and reports:
 - with ``--compile``: the hand-fused Triton kernels against ``torch.compile`` (Inductor) of
   their torch references (the unfused step code), each timed on the GPU alone (CUDA graphs of
   20 calls) at the model's shapes and 1, 8 and 48 rows (post-norm + add + norm, GeGLU, q/k
-  norms + RoPE + K/V store, the greedy pick with its log-probability).
+  norms + RoPE + K/V store, the greedy pick with its log-probability);
+- with ``--host-top N``: after the timed waves of each ``c``, one more wave per memory kind
+  under cProfile, its ``N`` top host functions per step (``host_top_functions``): where
+  unified's host time outside its wait differs from static's.
 
 Prompts: ``--prompts FILE`` (a ``.json`` list of token-id lists or of strings, or text with
 one prompt per line, encoded by the checkpoint's tokenizer); without it, 48 seeded random
@@ -197,6 +200,26 @@ def run_wave(core, prompts: list[list[int]], tokens: int) -> dict:
         "wait_ms_per_step": 1e3 * waited.seconds / steps,
         "outputs": outs,
     }
+
+
+def profiled_wave(core, prompts: list[list[int]], tokens: int, top: int) -> list[dict]:
+    """One more wave of ``prompts`` under cProfile: its ``top`` host functions by own time,
+    in microseconds per engine step (``step_profile.top_functions``). cProfile slows the host
+    several-fold, so these rank functions; they are not timings of the unprofiled loop."""
+    import cProfile
+
+    from unimem.bench.step_profile import top_functions
+
+    steps0 = core.steps
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        for p in prompts:
+            core.submit(p, tokens)
+        core.run()
+    finally:
+        prof.disable()
+    return top_functions(prof, max(core.steps - steps0, 1), "step", top)
 
 
 def sync(core) -> None:
@@ -557,6 +580,13 @@ def main(argv=None) -> int:
         help="which memory kind's engine is built first and times the A waves of each ABBA round",
     )
     ap.add_argument(
+        "--host-top",
+        type=int,
+        default=0,
+        help="after the timed waves, one more wave per memory kind under cProfile: this many "
+        "host functions per step (where unified's host time differs from static's)",
+    )
+    ap.add_argument(
         "--max-total-tokens",
         type=int,
         default=None,
@@ -648,6 +678,13 @@ def main(argv=None) -> int:
                     f"{merged['host_ms_per_step']:.3f} outside its wait (runs "
                     + ", ".join(f"{w['tok_s']:.0f}" for w in ws) + ")")  # fmt: skip
             rows[c]["wall_ms_per_step"] = rows[c]["static_wave"]["wall_ms_per_step"]
+            if args.host_top:
+                rows[c]["host_top_functions"] = {
+                    mode: profiled_wave(
+                        engines[mode].core, prompts[:c], args.tokens, args.host_top
+                    )  # fmt: skip
+                    for mode in order
+                }
         if cuda:
             bwl = measure_bandwidth_and_launch()
             result["device"] = bwl
