@@ -78,6 +78,13 @@ def test_server_warmup_flag():
     assert server.skip_server_warmup
 
 
+def test_stream_interval_flag():
+    _, server = parse_args(["--model-path", "/m", "--device", "cpu"])
+    assert server.stream_interval == 1  # SGLang's default: every token
+    _, server = parse_args(["--model-path", "/m", "--device", "cpu", "--stream-interval", "4"])
+    assert server.stream_interval == 4
+
+
 def test_every_engine_argument_has_its_sglang_flag():
     flags = {opt for a in build_parser()._actions for opt in a.option_strings}
     for f in fields(EngineArgs):
@@ -156,6 +163,7 @@ def test_deterministic_inference_flag():
         (["--speculative-num-draft-tokens", "4"], "needs --speculative-algorithm DSPARK"),
         (["--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs applies to device cuda only"),
         (["--port", "70000"], "--port must be in [1, 65535]"),
+        (["--stream-interval", "0"], "--stream-interval must be a positive integer"),
         (["--page-size", "many"], "invalid int value"),
         (
             ["--speculative-verify-lengths", "adaptive"],

@@ -102,3 +102,26 @@ def test_deltas_add_up_to_engine_outputs_and_abort_returns_memory(engine):
     late = Collector()
     loop.submit(Submission([5], 2, frozenset(), None, late))
     assert late.deltas[-1].error  # refused after stop
+
+
+def test_stream_interval_batches_a_requests_tokens(engine):
+    """``stream_interval`` 3: a request's first token goes out at once, then deltas of at
+    least 3 tokens, the rest with its end; they add up to the same outputs."""
+    prompts = [[5, 6, 7], [40, 41, 42, 43]]
+    params = {"max_new_tokens": 11, "temperature": 0.0, "ignore_eos": True}
+    want = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineLoop(engine.core, stream_interval=0)
+    loop = EngineLoop(engine.core, stream_interval=3)
+    loop.start()
+    try:
+        runs = [_submit(loop, p, 11) for p in prompts]
+        for _, sink in runs:
+            assert sink.done.wait(TIMEOUT_S)
+    finally:
+        loop.stop()
+    assert [sink.tokens for _, sink in runs] == want
+    for _, sink in runs:
+        sizes = [len(d.tokens) for d in sink.deltas]
+        assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]), sizes
+        assert len(sizes) <= 1 + -(-10 // 3) and sink.deltas[-1].finish_reason == "length"

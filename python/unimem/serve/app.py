@@ -59,7 +59,7 @@ def make_app(engine, options: ServerOptions) -> FastAPI:
     the application and stops (aborting every running request) when it shuts down."""
     loop: EngineLoop | None = None
     metrics = ServerMetrics(lambda: loop.snapshot(), {"model_name": options.served_model_name})
-    loop = EngineLoop(engine.core, observe=metrics)
+    loop = EngineLoop(engine.core, observe=metrics, stream_interval=options.stream_interval)
     return build_app(Serving(engine, loop, options), metrics)
 
 

@@ -59,7 +59,6 @@ SGLANG_ONLY_FLAGS = frozenset(
         "--max-prefill-tokens",
         "--max-queued-requests",
         "--schedule-conservativeness",
-        "--stream-interval",
         "--stream-output",
         "--watchdog-timeout",
         "--cuda-graph-bs",
@@ -103,8 +102,9 @@ class ServerOptions:
     """The HTTP side's options: where to listen, the model name clients use (SGLang's default:
     the model path), the API key (None: none needed), the log level, the chat template
     (``--chat-template``: a Jinja file or a known name; None: the tokenizer's), the drain
-    timeout on SIGTERM and the ``/health_generate`` timeout, in seconds, and the
-    data-parallel replicas behind SGLang's router (:mod:`unimem.serve.data_parallel`)."""
+    timeout on SIGTERM and the ``/health_generate`` timeout, in seconds, the data-parallel
+    replicas behind SGLang's router (:mod:`unimem.serve.data_parallel`), and how many new
+    tokens a request's output waits for before they go out (``stream_interval``)."""
 
     host: str
     port: int
@@ -117,6 +117,7 @@ class ServerOptions:
     dp_size: int = 1
     router_policy: str = "cache_aware"
     skip_server_warmup: bool = False
+    stream_interval: int = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -302,6 +303,14 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         "token (its probe, or any request's) before it answers 503",
     )
     s.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="a request's new tokens go out every this many tokens (its first at once, the "
+        "rest with its end), as in SGLang: fewer, larger chunks for more throughput at many "
+        "streams",
+    )
+    s.add_argument(
         "--skip-server-warmup",
         action="store_true",
         help="serve without warming the engine up first (the first requests then pay for "
@@ -341,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
         raise CliError(f"--dp-size must be a positive integer, got {ns.dp_size}")
     if ns.dp_size > 1 and ns.nnodes > 1:
         raise CliError("--dp-size with --nnodes is not supported: launch replicas per node")
+    if ns.stream_interval < 1:
+        raise CliError(f"--stream-interval must be a positive integer, got {ns.stream_interval}")
     if ns.api_key is not None and not ns.api_key:
         raise CliError("--api-key must not be empty")
     if ns.served_model_name is not None and not ns.served_model_name:
@@ -378,6 +389,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerOptions
         dp_size=ns.dp_size,
         router_policy=ns.router_policy,
         skip_server_warmup=ns.skip_server_warmup,
+        stream_interval=ns.stream_interval,
     )
     return engine_args, options
 

@@ -103,9 +103,15 @@ class _Counters:
 class EngineLoop:
     """Runs ``core`` in a thread (module docstring). ``observe``: optional callbacks the
     thread calls as tokens come out (``ttft(seconds)``, ``itl(seconds, n)``,
-    ``finished(reason, seconds)``), for the metrics."""
+    ``finished(reason, seconds)``), for the metrics. ``stream_interval`` (SGLang's
+    ``--stream-interval``): a request's new tokens go out once at least this many have
+    come since its last delta — its first tokens at once, whatever is left with its end —
+    so that at many streams the HTTP side handles fewer, larger deltas."""
 
-    def __init__(self, core: EngineCore, observe=None) -> None:
+    def __init__(self, core: EngineCore, observe=None, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self.core = core
         self.pool = core.pool
         self.observe = observe
@@ -325,7 +331,7 @@ class EngineLoop:
             if done and h.failed is not None:  # ended before it started (fail_queued)
                 self._outbox.append((h, h.failed))
                 continue
-            if n > h.sent or done:
+            if done or (n > h.sent and (h.sent == 0 or n - h.sent >= self.stream_interval)):
                 toks = tuple(r.output[h.sent : n])
                 lps = tuple(r.output_logprobs[h.sent : n])
                 self._observe_tokens(h, len(toks), now)
