@@ -125,3 +125,17 @@ def test_stream_interval_batches_a_requests_tokens(engine):
         sizes = [len(d.tokens) for d in sink.deltas]
         assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]), sizes
         assert len(sizes) <= 1 + -(-10 // 3) and sink.deltas[-1].finish_reason == "length"
+
+
+def test_a_requests_own_stream_interval(engine):
+    """A submission's ``stream_interval`` (what a whole-body response asks for) overrides
+    the loop's: its first token at once, the rest with its end."""
+    loop = EngineLoop(engine.core)
+    loop.start()
+    try:
+        sink = Collector()
+        loop.submit(Submission([5, 6, 7], 11, frozenset(), None, sink, stream_interval=50))
+        assert sink.done.wait(TIMEOUT_S)
+    finally:
+        loop.stop()
+    assert [len(d.tokens) for d in sink.deltas] == [1, 10]

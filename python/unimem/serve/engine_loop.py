@@ -66,7 +66,8 @@ class Submission:
     ``arrival``: ``time.monotonic()`` when the HTTP request came in (time to first token is
     measured from it). ``event_loop``: run ``sink`` on this asyncio loop (module
     docstring). ``counted``: False for the server's own probes (``/health_generate``), which
-    the metrics leave out."""
+    the metrics leave out. ``stream_interval``: this request's (:class:`EngineLoop`); None:
+    the loop's."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -76,6 +77,7 @@ class Submission:
     arrival: float = field(default_factory=time.monotonic)
     event_loop: asyncio.AbstractEventLoop | None = None
     counted: bool = True
+    stream_interval: int | None = None
 
 
 class Handle:
@@ -331,7 +333,8 @@ class EngineLoop:
             if done and h.failed is not None:  # ended before it started (fail_queued)
                 self._outbox.append((h, h.failed))
                 continue
-            if done or (n > h.sent and (h.sent == 0 or n - h.sent >= self.stream_interval)):
+            every = h.sub.stream_interval or self.stream_interval
+            if done or (n > h.sent and (h.sent == 0 or n - h.sent >= every)):
                 toks = tuple(r.output[h.sent : n])
                 lps = tuple(r.output_logprobs[h.sent : n])
                 self._observe_tokens(h, len(toks), now)

@@ -38,6 +38,13 @@ DISCONNECT_POLL_S = 0.5
 ABORT_WAIT_S = 5.0
 """Longest a stop-string response waits for the engine to end (and count) its request."""
 
+WHOLE_RESPONSE_INTERVAL = 50
+"""Tokens a request answered in one body (not streamed) and without stop strings waits for
+between deltas (SGLang's scheduler sends such requests' output every 50 tokens,
+``DEFAULT_FORCE_STREAM_INTERVAL``): nobody reads them before the end, and each delta costs the
+HTTP side a wake-up and a detokenizer pass; the first still goes out at once (time to first
+token)."""
+
 DEFAULT_TEMPERATURE = 1.0
 """OpenAI's and SGLang's default temperature when a request gives none."""
 
@@ -409,7 +416,12 @@ class Generation:
         return Piece(ready, toks, lps, reason, matched)
 
     async def collect(self) -> Piece:
-        """Run to the end; one piece with all the text, ids and log-probabilities."""
+        """Run to the end; one piece with all the text, ids and log-probabilities. Without
+        stop strings (which the HTTP side matches as text comes) its deltas come
+        :data:`WHOLE_RESPONSE_INTERVAL` tokens at a time."""
+        if not self.stopper.stops:
+            every = max(WHOLE_RESPONSE_INTERVAL, self.serving.loop.stream_interval)
+            self.sub.stream_interval = every
         out = Piece("")
         async for piece in self.pieces():
             out.text += piece.text
