@@ -61,7 +61,7 @@ from unimem.engine.step_io import (
 )
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
-from unimem.memory.staging import upload_int32
+from unimem.memory.staging import upload_int32, upload_int32_into
 from unimem.models import batch_invariant, gdn_prefill
 from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
@@ -426,10 +426,7 @@ class ModelRunner:
         host[3 * n : 3 * n + bs] = [r.mem.state_slot for r in reqs]
         host[4 * n : 4 * n + bs] = known_next
         host[5 * n : 5 * n + total] = ids
-        src = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            src = src.pin_memory()
-        self._xin[: host.size].copy_(src, non_blocking=True)
+        upload_int32_into(self._xin, host)
         floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
         self.sampling.write(self._xin[:bs], floats, ints)
         draw = any(not r.sampling.greedy for r in reqs)
