@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from unimem.cache import PrefixCache
+from unimem.cache import CacheStats, PrefixCache
 from unimem.engine.args import EngineArgs
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
@@ -500,8 +500,8 @@ class Engine:
             input_ids=[extended, prompt], sampling_params=sampled, return_logprob=True
         )
         if self.cache is not None and self._ranks is None:
-            self.cache.flush()
-            self.cache.stats = type(self.cache.stats)()
+            self.flush_cache()
+            self.cache.stats = CacheStats()
         self.core.restart_request_ids()  # with tp_size > 1 on every rank (LeaderCore)
         tokens = sum(len(o["output_ids"]) for o in done)
         return {"seconds": time.perf_counter() - t0, "requests": len(done), "tokens": tokens}
