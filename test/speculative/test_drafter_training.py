@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -286,6 +287,32 @@ def test_resume_continues_where_it_stopped(gemma, tmp_path):
     # the same batches as an uninterrupted run (the generator's state was saved); the
     # learning rates differ only through the schedule's horizon (4 then 6 steps)
     assert resumed.history[-1]["loss"] == pytest.approx(whole.history[-1]["loss"], rel=0.2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resume_on_the_gpu(gemma, tmp_path):
+    """The state file of a CUDA run resumes on CUDA (the sampler's generator state stays a
+    CPU tensor: mapped onto the GPU with the weights, ``set_state`` refused it)."""
+    path, cpu_model = gemma
+    model = load_checkpoint(path, dtype="float32", device="cuda").model
+    seqs, lens = _text(cpu_model, 8, seed=3, gen_len=12)
+    dc = draft_config_for(model.config, num_layers=1)
+    data = teacher_forced_states(cpu_model, seqs, lens, dc.target_layers)
+    data = dataclasses.replace(
+        data, tokens=data.tokens.cuda(), hidden=[h.cuda() for h in data.hidden]
+    )
+    start = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=17)
+    kw = dict(
+        batch=4, anchors_per_step=4, gamma=GAMMA, warmup=0, eval_every=100, save_every=2,
+        checkpoint_dir=str(tmp_path), head_steps=0, progress=False,
+    )  # fmt: skip
+    train_drafter(start, data, None, TrainConfig(steps=2, **kw))
+    logs = []
+    resumed = train_drafter(start, data, None, TrainConfig(steps=4, **kw), log=logs.append)
+    assert any("resumed" in m and "step 2" in m for m in logs)
+    assert [h["step"] for h in resumed.history] == [1, 2, 3, 4]
+    assert next(resumed.drafter.parameters()).device.type == "cuda"
 
 
 def test_frequent_tokens():

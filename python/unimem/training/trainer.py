@@ -309,7 +309,10 @@ def train_drafter(
     step = 0
     ckpt = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     if ckpt is not None and (ckpt / STATE_NAME).is_file():
-        state = torch.load(ckpt / STATE_NAME, map_location=dev, weights_only=False)
+        # loaded on the CPU: the generator's state must stay a CPU ByteTensor (mapped onto
+        # a GPU, set_state refuses it); the module and the optimizer copy their tensors onto
+        # their parameters' device
+        state = torch.load(ckpt / STATE_NAME, map_location="cpu", weights_only=False)
         student.load_state_dict(state["student"])
         opt.load_state_dict(state["optimizer"])
         g.set_state(state["generator"])
