@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ from hypothesis.stateful import (
 from pool_state import changed, snapshot
 
 import unimem_kernel as uk
-from unimem.cache import PrefixCache
+from unimem.cache import CacheStats, PrefixCache
 from unimem.memory.checks import check_holders, check_unified, unit_bytes
 from unimem.memory.pool import POISON_BYTE, MemoryPool, SharedPrefix
 from unimem.memory.spec import AttentionLayerSpec, DraftLane, LayerKind, MemorySpec, StateLayerSpec
@@ -862,6 +863,9 @@ def test_stats_and_full_only_model():
     assert d["lookups"] == 2 and d["hit_tokens"] == 12 and d["hit_requests"] == 1
     assert d["cached_pages"] == 7 and d["retained_swa_pages"] == 0 and d["checkpoints"] == 0
     assert 0 < d["hit_rate"] < 1
+    assert set(d) == {f.name for f in dataclasses.fields(CacheStats)} | {"hit_rate"}
+    d["lookups"] = -1  # a copy: the cache's counters are not the caller's
+    assert cache.stats.lookups == 2
     pool.release([b.mem])
     assert cache.flush().full == 7
 

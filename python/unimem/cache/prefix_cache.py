@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from unimem.cache.radix import Node, RadixTree
 from unimem.memory.errors import require
@@ -129,7 +129,10 @@ class CacheStats:
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        """The counters and gauges by name, with ``hit_rate``. The fields are plain ints, so
+        the instance's ``__dict__`` is copied (the server publishes this every engine step;
+        ``dataclasses.asdict`` deep-copied each field: ~16 µs of the engine thread a step)."""
+        return {**vars(self), "hit_rate": self.hit_rate}
 
 
 class PrefixCache:
