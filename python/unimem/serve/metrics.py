@@ -12,16 +12,24 @@ the engine thread as tokens come out: time to first token (from the HTTP request
 inter-token latency (per token: the gap between two deliveries over the tokens delivered),
 end-to-end request latency. Finished requests are counted by the finish reason their
 responses report (a stop string is "stop", not the abort that ends it in the engine).
+
+The histograms are :class:`StepHistogram`: plain counters the engine thread adds to (every
+step observes every streaming request; ``prometheus_client.Histogram`` took ~2.5 µs an
+observation under its lock, ~160 µs of the engine thread a step at 64 streams on a 2-core
+CPU), exposed at scrape time in the same text format.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+import itertools
+import math
+from collections.abc import Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-__all__ = ["ServerMetrics", "CONTENT_TYPE"]
+__all__ = ["CONTENT_TYPE", "ServerMetrics", "StepHistogram"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -70,6 +78,54 @@ ITL_BUCKETS = (
     2.5,
 )
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class StepHistogram:
+    """A Prometheus histogram for one writer thread: :meth:`observe` adds to plain counters
+    (no lock: one thread writes; a scrape may read an observation half-added, which the next
+    scrape shows whole — every count only grows), :meth:`collect` yields it in the text
+    format of ``prometheus_client.Histogram`` (``_bucket`` with ``le`` cumulative, ``_sum``,
+    ``_count``). ``buckets``: increasing upper bounds; ``+Inf`` is added."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: dict[str, str],
+        buckets: Sequence[float],
+    ) -> None:
+        bounds = [float(b) for b in buckets]
+        if not bounds or any(b >= c for b, c in itertools.pairwise(bounds)):
+            raise ValueError(f"{name}: buckets must be non-empty and increasing, got {buckets}")
+        if bounds[-1] != math.inf:
+            bounds.append(math.inf)
+        self.name = name
+        self.documentation = documentation
+        self.label_names = list(labels)
+        self.label_values = list(labels.values())
+        self.bounds = bounds
+        self._counts = [0] * len(bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        """Record ``n`` observations of ``value`` (in O(1), whatever ``n``)."""
+        self._counts[bisect.bisect_left(self.bounds, value)] += n
+        self._sum += value * n
+
+    def collect(self):
+        counts, total = list(self._counts), self._sum  # each read whole (the GIL)
+        cumulative, acc = [], 0
+        for bound, n in zip(self.bounds, counts, strict=True):
+            acc += n
+            cumulative.append((_le(bound), acc))
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
+        family.add_metric(self.label_values, cumulative, total)
+        yield family
+
+
+def _le(bound: float) -> str:
+    """An ``le`` label as prometheus_client writes it ("0.005", "1.0", "+Inf")."""
+    return "+Inf" if bound == math.inf else repr(float(bound))
 
 
 class _SnapshotCollector:
@@ -189,43 +245,38 @@ class ServerMetrics:
 
     def __init__(self, snapshot: Callable[[], dict], labels: dict[str, str]) -> None:
         self.registry = CollectorRegistry()
-        names = list(labels)
-        self._values = list(labels.values())
         r = self.registry
-        self._ttft = Histogram(
+        self._ttft = StepHistogram(
             "unimem:time_to_first_token_seconds",
             "Time from a request's arrival to its first output token.",
-            names,
-            registry=r,
-            buckets=TTFT_BUCKETS,
+            labels,
+            TTFT_BUCKETS,
         )
-        self._itl = Histogram(
+        self._itl = StepHistogram(
             "unimem:inter_token_latency_seconds",
             "Time between output tokens, per token.",
-            names,
-            registry=r,
-            buckets=ITL_BUCKETS,
+            labels,
+            ITL_BUCKETS,
         )
-        self._e2e = Histogram(
+        self._e2e = StepHistogram(
             "unimem:e2e_request_latency_seconds",
             "Time from a request's arrival to its end.",
-            names,
-            registry=r,
-            buckets=E2E_BUCKETS,
+            labels,
+            E2E_BUCKETS,
         )
+        for h in (self._ttft, self._itl, self._e2e):
+            r.register(h)
         r.register(_SnapshotCollector(snapshot, labels))
 
-    # called by the engine thread (prometheus-client metrics are thread-safe)
+    # called by the engine thread only (StepHistogram: one writer)
     def ttft(self, seconds: float) -> None:
-        self._ttft.labels(*self._values).observe(seconds)
+        self._ttft.observe(seconds)
 
     def itl(self, seconds: float, n: int) -> None:
-        h = self._itl.labels(*self._values)
-        for _ in range(n):
-            h.observe(seconds)
+        self._itl.observe(seconds, n)
 
     def finished(self, reason: str, seconds: float) -> None:
-        self._e2e.labels(*self._values).observe(seconds)  # by reason: the snapshot's counts
+        self._e2e.observe(seconds)  # by reason: the snapshot's counts
 
     def render(self) -> bytes:
         """The text exposition format."""
