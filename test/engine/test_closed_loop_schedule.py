@@ -41,7 +41,7 @@ def test_closed_loop_keeps_conc_in_flight_and_equals_generate(gemma2_ckpt):
     eng.core.runner.launch = launch
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert max(lanes) == 3 and lanes[0] == 3  # three in flight from the start, never more
-    res, outs = dr._run(eng, ids, 3, 5, 0.0)
+    res, outs = dr._run(eng, ids, 3, 5, 0.0, rounds=3)
     kinds = res["steps_by_kind"]
     assert res["requests"] == 9 and len(outs) == 9  # rounds x concurrency: 3 x 3 > 7 prompts
     assert set(kinds) == {"EXTEND", "DECODE"} and kinds["DECODE"]["mean_lanes"] <= 3
