@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -52,10 +53,13 @@ async def read_json(request: Request):
     return data
 
 
-def sse(obj) -> str:
-    """One server-sent event carrying ``obj`` as JSON (or the literal ``[DONE]``)."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n"
+def sse(obj) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON (or the literal ``[DONE]``), as the
+    UTF-8 bytes the response writes. orjson (SGLang's and vLLM's encoder for the same
+    events): a streamed chunk's encoding ~4x faster than ``json.dumps``, non-ASCII text
+    unescaped as with ``ensure_ascii=False``."""
+    data = obj.encode() if isinstance(obj, str) else orjson.dumps(obj)
+    return b"data: " + data + b"\n\n"
 
 
 def _params(body, max_tokens: int | None, max_field: str, defaults: Mapping) -> GenParams:
