@@ -31,7 +31,11 @@
    top-k 64 / top-p 0.95); static == unified memory token for token (greedy, 48); adaptive
    verify lengths (the confidence head under ``--verify-budget`` rows) against fixed gamma
    at 48; under ``--enable-deterministic-inference``, DSPARK == no speculation token for
-   token at 48.
+   token at 48. The greedy comparison runs ``--repeats`` rounds (default 2), each with a
+   fresh engine of each kind, in ABBA order across rounds; its ratio is that of the median
+   tok/s, every round's figures beside it (one closed loop at 48 lasts about half a second,
+   and one engine once ran every step kind ~20-40 % slower than the next: one round alone
+   can mislead).
 
 Prints the GPU, sizes and settings; writes everything to ``--json``. Fails loudly (non-zero
 exit, the reason on stderr) without CUDA, without the prompt files, or when the held-out
@@ -44,6 +48,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -100,6 +105,13 @@ def _args(argv):
         default=8,
         help="closed schedule: at least this many times the concurrency in requests (at 48 "
         "in flight, 3 rounds last half a second on an H100: too short to be steady)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="rounds of the greedy comparison, each with fresh engines, in ABBA order; the "
+        "ratio is that of the median tok/s",
     )
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--verify-budget", type=int, default=None, help="default: 4 per request")
@@ -297,6 +309,54 @@ def _close(eng) -> None:
     eng.shutdown()
 
 
+def _greedy_comparison(args, texts, concs, spec_kw, skip, e2e) -> tuple[dict, list]:
+    """No speculation against DSPARK, greedy, at every concurrency: ``--repeats`` rounds,
+    each with a fresh engine of each kind, in ABBA order across rounds (none, DSPARK, DSPARK,
+    none, ...) so that a drift of the machine weighs on both. Fills ``e2e["greedy"]`` (per
+    concurrency: the first round's runs in full, every round's tok/s, and the ratio of the
+    medians) and, unless skipped, the sampled runs at the largest concurrency (first
+    round). Returns the first round's ``(result, outputs)`` by ``(kind, concurrency)`` and
+    the prompt ids."""
+    sched = {"schedule": args.schedule, "rounds": args.rounds}
+    samples: dict = {(kind, c): [] for kind in ("none", "dspark") for c in concs}
+    ids: list = []
+    for rep in range(args.repeats):
+        for kind in ("none", "dspark") if rep % 2 == 0 else ("dspark", "none"):
+            eng = _engine(args, **(spec_kw if kind == "dspark" else {}))
+            if not ids:
+                ids = [eng.tokenizer.encode(t)[: args.max_prompt_len] for t in texts]
+                e2e["prompt_tokens"] = sum(len(i) for i in ids)
+            for c in concs:
+                samples[(kind, c)].append(_run(eng, ids, c, args.output_len, 0.0, **sched))
+                print(kind, f"round {rep + 1}", samples[(kind, c)][-1][0], flush=True)
+            if rep == 0 and "sampled" not in skip:
+                # Gemma 3's own generation defaults (top-k 64, top-p 0.95): the bounded filters
+                for key, extra in (("", {}), ("_top_k_64", {"top_k": 64, "top_p": 0.95})):
+                    r = _run(eng, ids, max(concs), args.output_len, 0.7, **sched, **extra)[0]
+                    e2e[f"{kind}_temperature_0.7{key}"] = r
+                    print(f"{kind} t=0.7{key}", r, flush=True)
+            eng = _close(eng)
+    runs = {key: runs[0] for key, runs in samples.items()}
+    rows = []
+    for c in concs:
+        none = [r[0]["tok_s"] for r in samples[("none", c)]]
+        spec = [r[0]["tok_s"] for r in samples[("dspark", c)]]
+        rows.append({
+            "concurrency": c,
+            "none": runs[("none", c)][0],
+            "dspark": runs[("dspark", c)][0],
+            "none_tok_s_by_round": none,
+            "dspark_tok_s_by_round": spec,
+            "speedup": statistics.median(spec) / statistics.median(none),
+            "speedup_by_round": [b / a for a, b in zip(none, spec, strict=True)],
+            "spec_equals_nonspec": sum(
+                a == b for a, b in zip(runs[("dspark", c)][1], runs[("none", c)][1], strict=True)
+            ),
+        })  # fmt: skip
+    e2e["greedy"] = rows
+    return runs, ids
+
+
 def main(argv: list[str]) -> int:
     args, rest = _args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -316,7 +376,12 @@ def main(argv: list[str]) -> int:
 
         args.drafter_out = f"python/unimem/data/drafters/{model_key(args.model_path)}"
     skip = set(filter(None, args.skip.split(",")))
+    if args.device == "cpu" and "deterministic" not in skip:
+        print("deterministic inference is CUDA only: skipped on the CPU", flush=True)
+        skip.add("deterministic")
     concs = [int(c) for c in args.concurrency.split(",")]
+    if len(set(concs)) != len(concs) or min(concs) < 1:
+        _fail(f"--concurrency takes distinct positive values, got {args.concurrency}")
     report: dict = {
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none (cpu dry run)",
         "torch": torch.__version__,
@@ -356,48 +421,14 @@ def main(argv: list[str]) -> int:
         speculative_draft_model_path=drafter,
     )
     e2e: dict = {"requests": len(texts), "output_len": args.output_len, "gamma": args.gamma,
-                 "schedule": args.schedule, "rounds": args.rounds}  # fmt: skip
+                 "schedule": args.schedule, "rounds": args.rounds,
+                 "repeats": args.repeats}  # fmt: skip
     if args.rounds < 1:
         _fail(f"--rounds must be >= 1, got {args.rounds}")
+    if args.repeats < 1:
+        _fail(f"--repeats must be >= 1, got {args.repeats}")
     sched = {"schedule": args.schedule, "rounds": args.rounds}
-    runs: dict = {}
-    eng = _engine(args)
-    ids = [eng.tokenizer.encode(t)[: args.max_prompt_len] for t in texts]
-    e2e["prompt_tokens"] = sum(len(i) for i in ids)
-    for c in concs:
-        runs[("none", c)] = _run(eng, ids, c, args.output_len, 0.0, **sched)
-        print("no spec", runs[("none", c)][0], flush=True)
-    if "sampled" not in skip:
-        for key, extra in (("", {}), ("_top_k_64", {"top_k": 64, "top_p": 0.95})):
-            r = _run(eng, ids, max(concs), args.output_len, 0.7, **sched, **extra)[0]
-            e2e[f"none_temperature_0.7{key}"] = r
-            print(f"no spec t=0.7{key}", r, flush=True)
-    eng = _close(eng)
-    eng = _engine(args, **spec_kw)
-    for c in concs:
-        runs[("dspark", c)] = _run(eng, ids, c, args.output_len, 0.0, **sched)
-        print("dspark", runs[("dspark", c)][0], flush=True)
-    if "sampled" not in skip:
-        e2e["dspark_temperature_0.7"] = _run(eng, ids, max(concs), args.output_len, 0.7, **sched)[0]
-        print("dspark t=0.7", e2e["dspark_temperature_0.7"], flush=True)
-        # Gemma 3's own generation defaults (top-k 64, top-p 0.95): the bounded filters
-        e2e["dspark_temperature_0.7_top_k_64"] = _run(
-            eng, ids, max(concs), args.output_len, 0.7, **sched, top_k=64, top_p=0.95
-        )[0]
-        print("dspark t=0.7 top-k 64", e2e["dspark_temperature_0.7_top_k_64"], flush=True)
-    eng = _close(eng)
-    e2e["greedy"] = [
-        {
-            "concurrency": c,
-            "none": runs[("none", c)][0],
-            "dspark": runs[("dspark", c)][0],
-            "speedup": runs[("dspark", c)][0]["tok_s"] / runs[("none", c)][0]["tok_s"],
-            "spec_equals_nonspec": sum(
-                a == b for a, b in zip(runs[("dspark", c)][1], runs[("none", c)][1], strict=True)
-            ),
-        }
-        for c in concs
-    ]
+    runs, ids = _greedy_comparison(args, texts, concs, spec_kw, skip, e2e)
     big = max(concs)
     if "unified" not in skip:
         eng = _engine(args, enable_unified_memory=True, **spec_kw)
@@ -445,10 +476,13 @@ def main(argv: list[str]) -> int:
         json.dump(report, f, indent=1)
         f.write("\n")
     for row in e2e["greedy"]:
+        none = statistics.median(row["none_tok_s_by_round"])
+        spec = statistics.median(row["dspark_tok_s_by_round"])
+        rounds = ", ".join(f"{r:.2f}x" for r in row["speedup_by_round"])
         print(
-            f"concurrency {row['concurrency']:3d}: none {row['none']['tok_s']:9.1f} tok/s, "
-            f"dspark {row['dspark']['tok_s']:9.1f} tok/s ({row['speedup']:.2f}x), accept "
-            f"{row['dspark'].get('accept_length', float('nan')):.3f}"
+            f"concurrency {row['concurrency']:3d}: none {none:9.1f} tok/s, dspark {spec:9.1f} "
+            f"tok/s (medians of {args.repeats}: {row['speedup']:.2f}x; rounds {rounds}), "
+            f"accept {row['dspark'].get('accept_length', float('nan')):.3f}"
         )
     print(f"wrote {args.json} ({report['seconds']:.0f} s)")
     return 0
