@@ -70,3 +70,30 @@ def test_a_request_alone_equals_it_among_others(cpu_mode):
     alone = run(prompts[1:2])[0]
     assert cpu_mode, "the GEMMs did not go through bi_matmul"
     assert run(prompts)[1] == alone
+
+
+def test_padded_extends_keep_the_invariance(cpu_mode, monkeypatch):
+    """A model without recurrent state: short extends padded to a bucket
+    (``UNIMEM_EXTEND_GRAPHS=on``, run eagerly here) give the ragged extends' tokens and
+    log-probabilities, and a request admitted alone (its own bucket) those it gets admitted
+    with four others. (FA4's side of this is ``test_deterministic_gpu.py``'s.)"""
+    cfg = dataclasses.replace(preset("tiny"), dtype=torch.float32, d_model=32, ffn_dim=64,
+                              vocab_size=64, head_dim_k=16, head_dim_v=16, n_q_heads=2,
+                              n_kv_heads=1, layer_pattern=("swa", "full"))  # fmt: skip
+    model = HybridModel(cfg, seed=11)
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(5, 30, (5,), generator=g).tolist()  # 5 prompts, one bucket
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+    def run(mode: str, idx: list[int]) -> list[tuple[list[int], list[float]]]:
+        monkeypatch.setenv("UNIMEM_EXTEND_GRAPHS", mode)
+        pool = UnifiedMemory(memory_spec(cfg, 16), 2 << 20, 9, cfg.max_context)
+        eng = EngineCore(model, pool, TorchReferenceBackend(), 9, 256, logprobs=True)
+        assert bool(eng.runner.extend_lanes) is (mode == "on")
+        reqs = [eng.submit(prompts[i], 2) for i in idx]
+        eng.run()
+        return [(list(r.output), list(r.output_logprobs)) for r in reqs]
+
+    ragged = run("off", list(range(5)))
+    assert run("on", list(range(5))) == ragged
+    assert run("on", [3]) == [ragged[3]]

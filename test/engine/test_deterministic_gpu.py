@@ -1,8 +1,11 @@
 """Deterministic inference on the GPU (batch-invariant mode, FA4, CUDA graphs, bf16): one
 request's tokens alone == among 47 others == after being retracted and re-admitted under
-memory pressure, and speculative (DSPARK) == non-speculative. Marked gpu."""
+memory pressure, and speculative (DSPARK) == non-speculative; padded (recorded) extends
+give the ragged extends' bits. Marked gpu."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -76,3 +79,41 @@ def test_alone_equals_batched_equals_retracted_and_spec_equals_decode(setup):
     spec_pressed, retracted, eng = _run(setup, everyone, "unified", spec=True, arena_scale=0.33)
     assert eng.scheduler.retractions > 0
     assert spec_pressed == batched
+
+
+def test_padded_extends_give_the_ragged_extends_bits(monkeypatch):
+    """Batch-invariant mode, a model without recurrent state (FULL + SWA), CUDA graphs: short
+    extends padded to a bucket and replayed (``UNIMEM_EXTEND_GRAPHS=on``) give the ragged
+    eager extends' tokens and log-probabilities bit for bit, eight requests admitted
+    together and one alone. What ``auto`` needs before it may pad in deterministic mode: a
+    request's extend lands in a bucket or not depending on who else is admitted."""
+    cfg = dataclasses.replace(
+        preset("gpu_test"),
+        layer_pattern=("swa", "full", "swa", "full"),
+        gdn_heads=0,
+        gdn_head_dim_k=0,
+        gdn_head_dim_v=0,
+    )
+    dev = torch.device("cuda")
+    model = HybridModel(cfg, seed=11, device=dev)
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(5, 30, (8,), generator=g).tolist()  # 8 x < 30 tokens: one bucket
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+    def run(mode: str, idx: list[int]) -> list[tuple[list[int], list[float]]]:
+        monkeypatch.setenv("UNIMEM_EXTEND_GRAPHS", mode)
+        mspec = memory_spec(cfg, PAGE, ())
+        pages = 9 * -(-(30 + OUT) // PAGE)
+        pool = StaticMemory(mspec, pages, pages, 9, 9, cfg.max_context, dev)
+        eng = EngineCore(model, pool, _fa4(), 9, 256, cuda_graphs=True, logprobs=True)
+        assert bool(eng.runner.extend_graphs) is (mode == "on")
+        reqs = [eng.submit(prompts[i], OUT) for i in idx]
+        eng.run()
+        return [(list(r.output), list(r.output_logprobs)) for r in reqs]
+
+    with batch_invariant.use_batch_invariant():
+        ragged = run("off", list(range(8)))
+        padded = run("on", list(range(8)))
+        alone = run("on", [3])
+    assert padded == ragged
+    assert alone[0] == ragged[3]

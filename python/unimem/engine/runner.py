@@ -102,8 +102,11 @@ class ModelRunner:
     ``padded_extend`` (default: ``UNIMEM_EXTEND_GRAPHS``, whose ``auto`` means "with
     ``cuda_graphs``"): short extends run padded to a bucket (module docstring), recorded with
     ``cuda_graphs`` (eager without: only the tests want that); not for models with recurrent
-    state layers (their chunked prefill plans on host lengths) nor in batch-invariant mode
-    (an extend's bits must not depend on its bucket), where extends stay eager.
+    state layers (their chunked prefill plans on host lengths). ``auto`` also leaves them
+    eager in batch-invariant mode: there a padded extend must give the ragged extend's bits
+    (a request's extend may land in a bucket or not, depending on who else is admitted),
+    which only the GPU test ``test_deterministic_gpu.py`` can show (FA4's kernels); ``on``
+    (or ``padded_extend=True``) pads there too.
 
     Sampling (temperature > 0) runs in extend, decode and verify steps (speculative sampling
     in verify). :attr:`verify_lens_override` and :attr:`planned_lengths` are the verify
@@ -163,10 +166,12 @@ class ModelRunner:
             self.drafts = self.verifier.drafts
         if padded_extend is None:
             mode = envs.get("UNIMEM_EXTEND_GRAPHS")
-            padded_extend = mode == "on" or (mode == "auto" and cuda_graphs)
+            padded_extend = mode == "on" or (
+                mode == "auto" and cuda_graphs and not batch_invariant.enabled()
+            )
         self.extend_lanes: tuple[int, ...] = ()
         self.extend_tokens: tuple[int, ...] = ()
-        if padded_extend and not pool.spec.has(LayerKind.STATE) and not batch_invariant.enabled():
+        if padded_extend and not pool.spec.has(LayerKind.STATE):
             self.extend_lanes = tuple(b for b in EXTEND_LANES if b + 1 <= max_bs)
             self.extend_tokens = tuple(t for t in EXTEND_TOKENS if t <= max_tokens)
             if not self.extend_lanes or not self.extend_tokens:
