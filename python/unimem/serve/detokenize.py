@@ -15,16 +15,36 @@ a stop string is held back, a stop string ends the text right before it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher"]
+__all__ = ["IncrementalDetokenizer", "StopMatcher", "rust_decoder"]
 
 REPLACEMENT = "\ufffd"
 
 
+def rust_decoder(tokenizer) -> Callable[[list[int], bool], str] | None:
+    """The ``tokenizers`` (Rust) decoder behind a transformers tokenizer whose ``decode`` is
+    exactly that decoder's (transformers' ``TokenizersBackend`` with its own ``_decode`` and
+    no ``clean_up_tokenization_spaces``), else None. Called directly it returns the same
+    text at half the cost (Gemma 3's tokenizer, six ids: 4.6 -> 2.2 µs; every streamed chunk
+    decodes twice)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its decode
+        return None
+    if not isinstance(tokenizer, TokenizersBackend):
+        return None
+    if type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return tokenizer._tokenizer.decode
+
+
 class IncrementalDetokenizer:
     """Text deltas of a growing list of token ids (module docstring). ``tokenizer``: anything
-    with ``decode(ids, skip_special_tokens=...)``."""
+    with ``decode(ids, skip_special_tokens=...)`` (a transformers tokenizer over a Rust one
+    is read through :func:`rust_decoder`: the same text, less overhead)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -33,8 +53,11 @@ class IncrementalDetokenizer:
         self.emitted = ""
         self._prefix = 0  # start of the decoding window
         self._read = 0  # ids before this are in ``emitted``
+        self._rust = rust_decoder(tokenizer)
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._rust is not None:
+            return self._rust(list(ids), skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
     def push(self, ids: Sequence[int]) -> str:
