@@ -90,3 +90,47 @@ def test_greedy_comparison_runs_rounds_in_abba_order(monkeypatch):
     assert e2e["none_temperature_0.7"]["sampled"] == "none"
     assert e2e["dspark_temperature_0.7_top_k_64"]["sampled"] == "dspark"
     assert runs[("dspark", 4)][0]["tok_s"] == 150.0
+
+
+def test_cpu_dry_run_writes_the_report(tmp_path):
+    """The whole script on the CPU (a tiny Gemma 3 with a tokenizer, an untrained drafter):
+    it runs, and its JSON has what results.md reads — per concurrency every round's tok/s
+    and the ratio of the medians, static == unified, adaptive against fixed."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import tiny_gemma3
+    import tiny_tokenizer
+
+    from unimem.models.loader import load_checkpoint
+    from unimem.speculative.checkpoint import save_drafter
+    from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+
+    ckpt = tmp_path / "ckpt"
+    hf = tiny_gemma3.build(ckpt, num_hidden_layers=2,
+                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    tiny_tokenizer.save(ckpt, hf.config.vocab_size)
+    model = load_checkpoint(ckpt, dtype="float32").model
+    drafter = DsparkDrafter(draft_config_for(model.config, num_layers=1), model.embed_weight,
+                            model.lm_head_weight, seed=1)  # fmt: skip
+    save_drafter(drafter, tmp_path / "drafter")
+    prompts = tmp_path / "held.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"text": t, "split": "heldout"}) + "\n" for t in ("a b", "c d e", "f"))
+    )
+    out = tmp_path / "report.json"
+    rc = _tool().main([
+        "--model-path", str(ckpt), "--device", "cpu", "--drafter", str(tmp_path / "drafter"),
+        "--eval-prompts", str(prompts), "--eval-split", "heldout", "--skip", "lmhead,sampled",
+        "--concurrency", "1,2", "--output-len", "3", "--rounds", "2", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    e2e = json.loads(out.read_text())["end_to_end"]
+    assert [row["concurrency"] for row in e2e["greedy"]] == [1, 2]
+    for row in e2e["greedy"]:
+        assert len(row["none_tok_s_by_round"]) == len(row["dspark_tok_s_by_round"]) == 2
+        n = row["none"]["requests"]  # 3 prompts; at 2 in flight 2 rounds x 2
+        assert row["speedup"] > 0 and row["spec_equals_nonspec"] == n  # float32: exact
+    assert e2e["unified"]["static_equals_unified"] == 4  # rounds x concurrency > 3 prompts
+    assert "vs_fixed" in e2e["adaptive"] and "deterministic" not in e2e  # CUDA only
