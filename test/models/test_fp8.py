@@ -303,3 +303,36 @@ def test_make_checkpoint_writes_the_80b_shape_layer_by_layer(tmp_path):
     assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == FP8_DTYPE
     assert model.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
     assert torch.isfinite(model.reference_forward([torch.arange(12)])[0]).all()
+
+
+def test_device_drivers_run_on_the_cpu(ckpts, tmp_path):
+    """The two FP8 drivers of ``tools/device/gpu_fp8.sh`` end to end on the CPU, so that a GPU
+    run does not find their faults: ``fp8_agreement.py`` (online FP8 against the model,
+    teacher-forced) and ``fp8_serve_big.py`` (``launch_server`` on an FP8 checkpoint under
+    concurrent requests)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src, dst = ckpts
+    tools = Path(__file__).resolve().parents[2] / "tools" / "device"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\nthe quick brown fox\none two three\n")
+    agree = tmp_path / "agree.json"
+    subprocess.run(
+        [sys.executable, str(tools / "fp8_agreement.py"), "--model-path", str(src),
+         "--prompts", str(prompts), "--requests", "3", "--tokens", "6", "--device", "cpu",
+         "--goal", "0", "--json", str(agree)],
+        check=True, timeout=300,
+    )  # fmt: skip
+    a = json.loads(agree.read_text())
+    assert a["meets_goal"] and 0 <= a["top1_agreement"] <= 1
+    served = tmp_path / "served.json"
+    subprocess.run(
+        [sys.executable, str(tools / "fp8_serve_big.py"), "--model-path", str(dst), "--device",
+         "cpu", "--vocab", "64", "--requests", "4", "--concurrency", "2", "--prompt-tokens", "8",
+         "--output-tokens", "4", "--json", str(served), "--", "--quantization", "fp8"],
+        check=True, timeout=300,
+    )  # fmt: skip
+    s = json.loads(served.read_text())
+    assert s["quantization"] == "fp8" and s["requests"] == 4 and s["output_tok_s"] > 0
