@@ -35,16 +35,11 @@ from unimem.models.gguf.reader import GGUFError, GGUFFile, read_gguf
 from unimem.models.gguf.tokenizer import build_tokenizer
 from unimem_kernel import envs
 
-__all__ = ["CONVERTER_VERSION", "cache_root", "convert_gguf", "converted_checkpoint", "file_key"]
+__all__ = ["CONVERTER_VERSION", "convert_gguf", "converted_checkpoint", "file_key"]
 
 CONVERTER_VERSION = 2
 SUPPORTED_ARCHITECTURES = (gemma3.ARCHITECTURE,)
 PROVENANCE_FILE = "unimem_gguf.json"
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints are kept (module docstring): ``envs.cache_root()``."""
-    return envs.cache_root()
 
 
 def file_sha256(path: Path) -> str:
@@ -110,7 +105,7 @@ def converted_checkpoint(
             f"{src}: sha256 {digest[:12]}… differs from the expected {expected_sha256[:12]}… "
             "(a damaged file: delete it and load again to reassemble it)"
         )
-    base = Path(root) if root is not None else cache_root()
+    base = Path(root) if root is not None else envs.cache_root()
     target = base / "gguf" / f"{src.stem}-{file_key(digest)}"
     if (target / PROVENANCE_FILE).is_file():
         return target
