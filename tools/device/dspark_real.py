@@ -55,6 +55,9 @@ from pathlib import Path
 
 import torch
 
+DEFAULT_ROUNDS = 8
+"""Closed loops: at least this many times the concurrency in requests (``--rounds``)."""
+
 DEFAULT_TRAIN = [
     "--bos-prompts", "6144", "--prompt-len", "24", "--gen-len", "128",
     "--gen-chunk", "1024", "--gen-time-budget", "90",
@@ -102,7 +105,7 @@ def _args(argv):
     p.add_argument(
         "--rounds",
         type=int,
-        default=8,
+        default=DEFAULT_ROUNDS,
         help="closed schedule: at least this many times the concurrency in requests (at 48 "
         "in flight, 3 rounds last half a second on an H100: too short to be steady)",
     )
@@ -247,7 +250,9 @@ def _steps_by_kind(started: list[tuple[float, str, int]], t_end: float) -> dict:
     }
 
 
-def _run(engine, ids, conc, output_len, temperature, schedule="closed", rounds=8, **extra):
+def _run(
+    engine, ids, conc, output_len, temperature, schedule="closed", rounds=DEFAULT_ROUNDS, **extra
+):
     """``conc`` concurrent requests over ``ids`` (``schedule``: module docstring; closed:
     ``max(len(ids), rounds * conc)`` requests, the prompts repeated); tok/s over all,
     accept length, outputs. ``extra``: more sampling parameters (top_k, top_p)."""
@@ -382,6 +387,10 @@ def main(argv: list[str]) -> int:
     concs = [int(c) for c in args.concurrency.split(",")]
     if len(set(concs)) != len(concs) or min(concs) < 1:
         _fail(f"--concurrency takes distinct positive values, got {args.concurrency}")
+    if args.rounds < 1:  # before any training or engine: a bad flag costs no device time
+        _fail(f"--rounds must be >= 1, got {args.rounds}")
+    if args.repeats < 1:
+        _fail(f"--repeats must be >= 1, got {args.repeats}")
     report: dict = {
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none (cpu dry run)",
         "torch": torch.__version__,
@@ -423,10 +432,6 @@ def main(argv: list[str]) -> int:
     e2e: dict = {"requests": len(texts), "output_len": args.output_len, "gamma": args.gamma,
                  "schedule": args.schedule, "rounds": args.rounds,
                  "repeats": args.repeats}  # fmt: skip
-    if args.rounds < 1:
-        _fail(f"--rounds must be >= 1, got {args.rounds}")
-    if args.repeats < 1:
-        _fail(f"--repeats must be >= 1, got {args.repeats}")
     sched = {"schedule": args.schedule, "rounds": args.rounds}
     runs, ids = _greedy_comparison(args, texts, concs, spec_kw, skip, e2e)
     big = max(concs)
