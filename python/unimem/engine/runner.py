@@ -62,7 +62,7 @@ from unimem.engine.step_io import (
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32, upload_int32_into
-from unimem.models import batch_invariant, gdn_prefill
+from unimem.models import gdn_prefill
 from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardMode
@@ -102,11 +102,10 @@ class ModelRunner:
     ``padded_extend`` (default: ``UNIMEM_EXTEND_GRAPHS``, whose ``auto`` means "with
     ``cuda_graphs``"): short extends run padded to a bucket (module docstring), recorded with
     ``cuda_graphs`` (eager without: only the tests want that); not for models with recurrent
-    state layers (their chunked prefill plans on host lengths). ``auto`` also leaves them
-    eager in batch-invariant mode: there a padded extend must give the ragged extend's bits
-    (a request's extend may land in a bucket or not, depending on who else is admitted),
-    which only the GPU test ``test_deterministic_gpu.py`` can show (FA4's kernels); ``on``
-    (or ``padded_extend=True``) pads there too.
+    state layers (their chunked prefill plans on host lengths). Batch-invariant mode pads
+    too: a padded extend gives the ragged extend's bits there (a request's extend may land
+    in a bucket or not, depending on who else is admitted) — ``test_deterministic_cpu.py``
+    on the CPU, ``test_deterministic_gpu.py`` under FA4 and CUDA graphs.
 
     Sampling (temperature > 0) runs in extend, decode and verify steps (speculative sampling
     in verify). :attr:`verify_lens_override` and :attr:`planned_lengths` are the verify
@@ -166,9 +165,7 @@ class ModelRunner:
             self.drafts = self.verifier.drafts
         if padded_extend is None:
             mode = envs.get("UNIMEM_EXTEND_GRAPHS")
-            padded_extend = mode == "on" or (
-                mode == "auto" and cuda_graphs and not batch_invariant.enabled()
-            )
+            padded_extend = mode == "on" or (mode == "auto" and cuda_graphs)
         self.extend_lanes: tuple[int, ...] = ()
         self.extend_tokens: tuple[int, ...] = ()
         if padded_extend and not pool.spec.has(LayerKind.STATE):
