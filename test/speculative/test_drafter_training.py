@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -287,6 +288,41 @@ def test_resume_continues_where_it_stopped(gemma, tmp_path):
     # the same batches as an uninterrupted run (the generator's state was saved); the
     # learning rates differ only through the schedule's horizon (4 then 6 steps)
     assert resumed.history[-1]["loss"] == pytest.approx(whole.history[-1]["loss"], rel=0.2)
+
+
+def test_resume_counts_the_time_budget_over_the_whole_run(gemma, tmp_path):
+    """A resumed run goes on down the cosine of the training seconds its earlier processes
+    spent (a fresh horizon warmed the learning rate back up: on the GPU that undid a run's
+    annealing), and one whose time budget is spent trains no further."""
+    _, model = gemma
+    seqs, lens = _text(model, 8, seed=3, gen_len=12)
+    dc = draft_config_for(model.config, num_layers=1)
+    data = teacher_forced_states(model, seqs, lens, dc.target_layers)
+    start = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=17)
+    cfg = TrainConfig(
+        steps=100_000, batch=4, anchors_per_step=4, gamma=GAMMA, warmup=0, eval_every=10**6,
+        save_every=2, checkpoint_dir=str(tmp_path), head_steps=0, progress=False,
+        time_budget_s=1000.0, lr=1e-3,
+    )  # fmt: skip
+    first = train_drafter(start, data, None, dataclasses.replace(cfg, steps=2))
+    assert first.history[0]["lr"] == pytest.approx(1e-3, rel=1e-3)
+    state_file = tmp_path / "train_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert 0.0 < state["trained_s"] < 1000.0
+
+    def resume_after(seconds: float) -> tuple[list[dict], str | None]:
+        state["trained_s"] = seconds  # as if the earlier processes had trained that long
+        torch.save(state, state_file)
+        run = train_drafter(start, data, None, dataclasses.replace(cfg, steps=3))
+        return run.history, run.stopped_by
+
+    # 90 % of the budget spent: the schedule's progress at step 3 is max(2 / 3, 0.9)
+    history, _ = resume_after(900.0)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert history[-1]["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(0.9 * math.pi)), rel=1e-2)
+    history, stopped_by = resume_after(1000.0)  # all of it: no step more
+    assert [h["step"] for h in history] == [1, 2]
+    assert stopped_by == "time"
 
 
 @pytest.mark.gpu

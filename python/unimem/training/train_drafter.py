@@ -157,7 +157,13 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--eval-every", type=int, default=t.eval_every)
     r.add_argument("--save-every", type=int, default=t.save_every)
     r.add_argument("--checkpoint-dir", help="resumable training state (continued if present)")
-    r.add_argument("--time-budget", type=float, default=None, help="training seconds at most")
+    r.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="training seconds at most, counted over the whole run: a run resumed from "
+        "--checkpoint-dir goes on with what its earlier processes left (its cosine too)",
+    )
     r.add_argument(
         "--soft-top-k",
         type=int,

@@ -9,14 +9,18 @@ teacher-forced previous token; the confidence head by binary cross-entropy, deta
 * ``batch`` sequences and ``anchors_per_step`` anchors per step, AdamW, gradient clipping
   (the confidence head on its own), learning rate: linear warm-up over ``warmup`` steps,
   then a cosine to zero over the run — the run's progress being the larger of
-  ``step / steps`` and ``elapsed / time_budget_s`` (seconds of this process's training
-  loop, from after the first evaluation), so a time-budgeted run still anneals;
+  ``step / steps`` and ``elapsed / time_budget_s`` (seconds of the training loop, from
+  after the first evaluation, summed over the processes of a resumed run), so a
+  time-budgeted run still anneals — and a resumed one goes on down its cosine instead of
+  warming back up;
 * evaluation on held-out sequences every ``eval_every`` steps and at the end:
   :func:`offline_accept_lengths` (the engine's greedy chain schedule replayed offline, no
   acceptance control);
-* resumable: with ``checkpoint_dir`` the student, the optimiser, the step, the batch
-  generator and the history are saved every ``save_every`` steps (atomically) and a run
-  with the same directory continues from there;
+* resumable: with ``checkpoint_dir`` the student, the optimiser, the step, the training
+  loop's seconds so far, the batch generator and the history are saved every
+  ``save_every`` steps (atomically) and a run with the same directory continues from
+  there: both budgets (``steps``, ``time_budget_s``) count the whole run, so a resumed run
+  whose budget is spent trains no further (raise a budget to train on);
 * a progress line (``\\r``-updated on a terminal, a line every ~2 % otherwise);
 * afterwards ``head_steps`` steps of the confidence head alone on ``calibration``
   sequences held out of the drafter's own data (the head must learn the final drafter's
@@ -307,6 +311,7 @@ def train_drafter(
         [{"params": body}, {"params": head}], lr=cfg.lr, weight_decay=cfg.weight_decay
     )
     step = 0
+    trained_s = 0.0  # training-loop seconds of the processes before this one (resume)
     ckpt = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     if ckpt is not None and (ckpt / STATE_NAME).is_file():
         # loaded on the CPU: the generator's state must stay a CPU ByteTensor (mapped onto
@@ -317,9 +322,10 @@ def train_drafter(
         opt.load_state_dict(state["optimizer"])
         g.set_state(state["generator"])
         step = state["step"]
+        trained_s = float(state.get("trained_s", 0.0))
         result.history = state["history"]
         result.accept_before = state.get("accept_before")
-        _log(log, f"resumed from {ckpt / STATE_NAME} at step {step}")
+        _log(log, f"resumed from {ckpt / STATE_NAME} at step {step} ({trained_s:.0f} s trained)")
 
     def evaluate() -> float | None:
         if held is None:
@@ -338,7 +344,7 @@ def train_drafter(
     last_eval = None
     try:
         while step < cfg.steps:
-            elapsed = time.perf_counter() - t_loop
+            elapsed = trained_s + time.perf_counter() - t_loop
             if cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s:
                 result.stopped_by = "time"
                 break
@@ -378,6 +384,7 @@ def train_drafter(
                     ckpt,
                     {
                         "step": step,
+                        "trained_s": trained_s + time.perf_counter() - t_loop,
                         "student": student.state_dict(),
                         "optimizer": opt.state_dict(),
                         "generator": g.get_state(),
