@@ -55,6 +55,10 @@ def test_step_profile_model_flags_are_checked_before_anything_runs():
     assert out.returncode == 2 and "need --model-path" in out.stderr, out.stderr
     out = _bench("step-profile", "--model-path", "gemma-3-270m", "--quantization", "fp8")
     assert out.returncode == 2 and "--model-path runs the Engine's own" in out.stderr, out.stderr
+    # a plain decode step is --no-speculation, not gamma 0 (which failed deep in the Engine)
+    out = _bench("step-profile", "--model-path", "gemma-3-270m", "--gamma", "0")
+    assert out.returncode == 2 and "--gamma must be >= 1" in out.stderr, out.stderr
+    assert "--no-speculation" in out.stderr
 
 
 def test_step_profile_host_only_runs_on_the_cpu(tmp_path):

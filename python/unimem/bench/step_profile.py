@@ -444,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if (args.drafter or args.no_speculation or args.extend) and not args.model_path:
         ap.error("--drafter, --no-speculation and --extend need --model-path")
+    for name in ("requests", "gamma", "steps", "replays"):
+        if getattr(args, name) < 1:
+            ap.error(
+                f"--{name} must be >= 1, got {getattr(args, name)}"
+                + ("; --no-speculation (with --model-path) profiles the plain decode step"
+                   if name == "gamma" else "")
+            )  # fmt: skip
     if args.model_path and (args.quantization or args.split_kv_max_bs != str(SPLIT_KV_MAX_BS)):
         ap.error("--model-path runs the Engine's own settings: no --quantization or "
                  "--split-kv-max-bs with it")  # fmt: skip
