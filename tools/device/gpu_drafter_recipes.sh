@@ -16,6 +16,9 @@
 # Markov rank 16, a 32 768-token draft vocabulary, gamma 7; the first variant adds soft
 # targets, the target's own top-16 distribution at every position, at half the loss; the
 # second weighs block column i's loss 0.8 ** i).
+# Several device calls: the recipes' drafters stay in /tmp/recipe_K on the machine, so a
+# later call with SKIP_BASE=1 (the base recipe already trained there) and the remaining
+# VARIANTS adds /tmp/recipe_K+1.. and reports every recipe trained so far.
 # Output: $OUT (or ./gpu-out): drafter_recipes.json (per recipe: flags, held-out accept
 # length before/after, steps, weights bytes) and gpu_drafter_recipes.log.
 set -uo pipefail
@@ -48,9 +51,16 @@ base=(--model-path "$MODEL" --device cuda --text-cache "$text"
   --time-budget "$budget" --eval-every 1000 --head-steps 100 --no-progress)
 gpu_banner
 status=0
-say "base recipe (generates $text unless it exists)"
-run python3 -m unimem.training.train_drafter "${base[@]}" --out /tmp/recipe_0 || status=1
-i=0
+if [ "${SKIP_BASE:-0}" = 1 ] && [ -f /tmp/recipe_0/training.json ]; then
+  say "base recipe: kept from an earlier call (/tmp/recipe_0)"
+else
+  rm -rf /tmp/recipe_[0-9]*  # a call that trains the base recipe starts the set over
+  say "base recipe (generates $text unless it exists)"
+  run python3 -m unimem.training.train_drafter "${base[@]}" --out /tmp/recipe_0 || status=1
+  mkdir -p /tmp/recipe_0 && echo "(base)" > /tmp/recipe_0/flags.txt
+fi
+i=0  # the next recipe goes after those an earlier call left
+while [ -d "/tmp/recipe_$((i + 1))" ]; do i=$((i + 1)); done
 while IFS= read -r flags; do
   [ -z "$flags" ] && continue
   i=$((i + 1))
@@ -58,9 +68,8 @@ while IFS= read -r flags; do
   # shellcheck disable=SC2086  # the flags split into arguments on purpose
   run python3 -m unimem.training.train_drafter "${base[@]}" $flags --out "/tmp/recipe_$i" \
     || status=1
-  echo "$flags" > "/tmp/recipe_$i/flags.txt"
+  mkdir -p "/tmp/recipe_$i" && echo "$flags" > "/tmp/recipe_$i/flags.txt"
 done <<< "$variants"
-echo "(base)" > /tmp/recipe_0/flags.txt
 python3 - "$out/drafter_recipes.json" "$i" <<'PY' | tee -a "$log"
 import json, sys
 from pathlib import Path
