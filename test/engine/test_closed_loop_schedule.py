@@ -124,9 +124,15 @@ def test_cpu_dry_run_writes_the_report(tmp_path):
         "--model-path", str(ckpt), "--device", "cpu", "--drafter", str(tmp_path / "drafter"),
         "--eval-prompts", str(prompts), "--eval-split", "heldout", "--skip", "lmhead,sampled",
         "--concurrency", "1,2", "--output-len", "3", "--rounds", "2", "--json", str(out),
+        "--engine-arg", "enable_prefill_delayer=true",
+        "--engine-arg", "prefill_delayer_max_delay_passes=2",
     ])  # fmt: skip
     assert rc == 0
-    e2e = json.loads(out.read_text())["end_to_end"]
+    report = json.loads(out.read_text())
+    assert report["settings"]["engine_overrides"] == {
+        "enable_prefill_delayer": True, "prefill_delayer_max_delay_passes": 2,
+    }  # fmt: skip
+    e2e = report["end_to_end"]
     assert [row["concurrency"] for row in e2e["greedy"]] == [1, 2]
     for row in e2e["greedy"]:
         assert len(row["none_tok_s_by_round"]) == len(row["dspark_tok_s_by_round"]) == 2
@@ -134,3 +140,43 @@ def test_cpu_dry_run_writes_the_report(tmp_path):
         assert row["speedup"] > 0 and row["spec_equals_nonspec"] == n  # float32: exact
     assert e2e["unified"]["static_equals_unified"] == 4  # rounds x concurrency > 3 prompts
     assert "vs_fixed" in e2e["adaptive"] and "deterministic" not in e2e  # CUDA only
+
+
+def test_engine_args_reach_every_engine_and_bad_ones_fail_first(monkeypatch):
+    """``--engine-arg NAME=VALUE``: JSON values (else strings) for every engine the run
+    builds; an unknown name, a missing ``=`` or one of the script's own settings is refused
+    before anything runs."""
+    import argparse
+
+    import pytest
+
+    import unimem.engine.api
+
+    dr = _tool()
+    got = dr.engine_overrides(
+        ["enable_prefill_delayer=true", "prefill_delayer_max_delay_passes=4", "dtype=bfloat16"]
+    )
+    assert got == {
+        "enable_prefill_delayer": True, "prefill_delayer_max_delay_passes": 4, "dtype": "bfloat16",
+    }  # fmt: skip
+    built = []
+    monkeypatch.setattr(unimem.engine.api, "Engine", lambda **kw: built.append(kw))
+    args = argparse.Namespace(
+        model_path="m", device="cpu", mem_fraction_static=None, engine_overrides=got
+    )
+    dr._engine(args)
+    dr._engine(args, speculative_algorithm="DSPARK")
+    assert built[0] == {"model_path": "m", "device": "cpu", **got}
+    assert built[1] == built[0] | {"speculative_algorithm": "DSPARK"}
+    for bad, says in [
+        ("no_such_arg=1", "Engine has no argument 'no_such_arg'"),
+        ("enable_prefill_delayer", "NAME=VALUE"),
+        ("speculative_algorithm=DSPARK", "set by the script itself"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            dr.engine_overrides([bad])
+    built.clear()
+    with pytest.raises(SystemExit) as stop:  # before any training or engine
+        dr.main(["--model-path", "m", "--device", "cpu", "--eval-prompts", __file__,
+                 "--json", "/nowhere.json", "--engine-arg", "no_such_arg=1"])  # fmt: skip
+    assert stop.value.code == 2 and built == []

@@ -45,6 +45,7 @@ prompts would be trained on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -121,6 +122,14 @@ def _args(argv):
     p.add_argument(
         "--skip", default="", help="comma list of: lmhead,sampled,unified,adaptive,deterministic"
     )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an Engine argument for every engine of the run, DSPARK's and plain's alike "
+        "(repeatable; VALUE as JSON, else a string), e.g. enable_prefill_delayer=true",
+    )
     own, rest = argv, []
     if "--" in argv:
         i = argv.index("--")
@@ -191,9 +200,42 @@ def _lm_head_bench(drafter_dir: str, gamma: int) -> list[dict]:
     return out
 
 
+def engine_overrides(items: list[str]) -> dict:
+    """``--engine-arg NAME=VALUE`` items as Engine keyword arguments: VALUE parsed as JSON
+    (``true``, ``4``, ``0.5``), else kept as a string. Names are checked against
+    :class:`~unimem.engine.args.EngineArgs` (``ValueError`` naming the bad item), so a typo
+    fails before any training or engine start; the speculative settings, the model, the
+    device and the memory kinds are the script's own."""
+    from unimem.engine.args import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    own = {
+        "model_path", "device", "speculative_algorithm", "speculative_draft_model_path",
+        "speculative_num_draft_tokens", "enable_unified_memory", "enable_deterministic_inference",
+        "mem_fraction_static",
+    }  # fmt: skip
+    out: dict = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"--engine-arg takes NAME=VALUE, got {item!r}")
+        if name not in known:
+            raise ValueError(f"--engine-arg {item!r}: Engine has no argument {name!r}")
+        if name in own:
+            raise ValueError(f"--engine-arg {item!r}: {name} is set by the script itself")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[name] = value
+    return out
+
+
 def _engine(args, **kw):
     from unimem.engine.api import Engine
 
+    kw = args.engine_overrides | kw
     gc.collect()  # the engine closed before this one (``_close``) holds GPU memory until now
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -391,6 +433,10 @@ def main(argv: list[str]) -> int:
         _fail(f"--rounds must be >= 1, got {args.rounds}")
     if args.repeats < 1:
         _fail(f"--repeats must be >= 1, got {args.repeats}")
+    try:
+        args.engine_overrides = engine_overrides(args.engine_arg)
+    except ValueError as e:
+        _fail(str(e))
     report: dict = {
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none (cpu dry run)",
         "torch": torch.__version__,
