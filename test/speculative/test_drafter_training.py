@@ -269,12 +269,17 @@ def test_per_batch_states_train_as_stored_ones(gemma, tmp_path):
     assert not _store_states(model, seqs, 3, parser().parse_args([*base, "--states", "per-batch"]))
 
 
-def test_resume_continues_where_it_stopped(gemma, tmp_path):
-    _, model = gemma
+def _resume_case(model):
+    """The resume tests' training text (eight short continuations with their states) and a
+    one-layer drafter to train on it."""
     seqs, lens = _text(model, 8, seed=3, gen_len=12)
     dc = draft_config_for(model.config, num_layers=1)
     data = teacher_forced_states(model, seqs, lens, dc.target_layers)
-    start = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=17)
+    return data, DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=17)
+
+
+def test_resume_continues_where_it_stopped(gemma, tmp_path):
+    data, start = _resume_case(gemma[1])
     kw = dict(
         batch=4, anchors_per_step=4, gamma=GAMMA, warmup=0, eval_every=100, save_every=2,
         checkpoint_dir=str(tmp_path), head_steps=0, progress=False,
@@ -294,11 +299,7 @@ def test_resume_counts_the_time_budget_over_the_whole_run(gemma, tmp_path):
     """A resumed run goes on down the cosine of the training seconds its earlier processes
     spent (a fresh horizon warmed the learning rate back up: on the GPU that undid a run's
     annealing), and one whose time budget is spent trains no further."""
-    _, model = gemma
-    seqs, lens = _text(model, 8, seed=3, gen_len=12)
-    dc = draft_config_for(model.config, num_layers=1)
-    data = teacher_forced_states(model, seqs, lens, dc.target_layers)
-    start = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=17)
+    data, start = _resume_case(gemma[1])
     cfg = TrainConfig(
         steps=100_000, batch=4, anchors_per_step=4, gamma=GAMMA, warmup=0, eval_every=10**6,
         save_every=2, checkpoint_dir=str(tmp_path), head_steps=0, progress=False,
