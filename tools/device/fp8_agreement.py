@@ -74,7 +74,9 @@ def score(prompts, gen, ref, got, tokens: int, dev) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", required=True)
-    ap.add_argument("--prompts", required=True, help="a text file, one prompt per line")
+    ap.add_argument(
+        "--prompts", required=True, help="a text file, one prompt a line (\\n in a line: a newline)"
+    )
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt.tokenizer is None:
         raise SystemExit(f"{args.model_path}: no tokenizer (the prompts need one)")
     with open(args.prompts) as f:
-        lines = [line.rstrip("\n") for line in f if line.strip()]
+        # one prompt a line; a literal backslash-n inside a line stands for a newline
+        lines = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
     if len(lines) < args.requests:
         raise SystemExit(f"--prompts has {len(lines)} prompts, {args.requests} needed")
     prompts = [ckpt.tokenizer.encode(t) for t in lines[: args.requests]]
