@@ -5,7 +5,10 @@
 - a short distillation lowers the loss and raises the greedy accept length measured through
   the engine on held-out prompts over the untrained drafter it started from, and the
   distilled drafter's speculative outputs equal non-speculative greedy outputs;
-- the command line writes a checkpoint that ``validate --speculative-draft-model-path`` runs.
+- the command line writes a checkpoint that ``validate --speculative-draft-model-path`` runs;
+- a drafter re-windowed to a bounded context (every layer SWA-hosted) keeps its training
+  forward equal to the inference function, and the engine applies its window: its accept
+  length follows the offline replay of the same windowed drafter, not the unbounded one's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from unimem.models.forward_context import masked_attention
 from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.checkpoint import load_drafter, save_drafter
-from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for, with_context_window
 from unimem.training.distill import (
     DistillConfig,
     distill,
@@ -66,11 +69,14 @@ def _untrained(model, seed=17):
     return DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=seed)
 
 
-def test_training_forward_is_the_inference_function(mini):
+@pytest.mark.parametrize("context_window", [None, 6])
+def test_training_forward_is_the_inference_function(mini, context_window):
     """``block_logits_dense`` at every anchor == ``block_logits`` with the context K/V of
     the positions before the anchor and a dense causal (windowed) attention."""
     cfg, model = mini
     drafter = _untrained(model)
+    if context_window is not None:
+        drafter.config = with_context_window(drafter.config, context_window, cfg)
     dc = drafter.config
     data = greedy_rollouts(model, random_prompts(2, 12, cfg.vocab_size, 5), 20, dc.target_layers)
     anchors = torch.tensor([1, 5, 12, 20, 30])  # past the SWA draft window (8) too
@@ -145,6 +151,19 @@ def test_distillation_lowers_the_loss_and_raises_the_accept_length(mini, tmp_pat
     # the offline replay of the engine's schedule measures the same kind of number
     held = greedy_rollouts(model, prompts, 32, distilled.config.target_layers)
     assert offline_accept_length(distilled, held, GAMMA) > accept_u + 0.5
+
+    # re-windowed to 4 positions of context (prompts 16 + outputs 32 go far past it): the
+    # engine drafts with the window — its accept length follows the offline replay of the
+    # windowed drafter (the two schedules differ by ~0.02 at most here), which is away from
+    # the unbounded drafter's
+    unbounded = offline_accept_length(distilled, held, GAMMA)
+    distilled.config = with_context_window(distilled.config, 4, cfg)
+    assert distilled.config.layer_hosts == ("swa", "swa") and distilled.config.window == 4
+    out_w, accept_w = _engine_run(model, prompts, 32, distilled)
+    assert out_w == ref
+    windowed = offline_accept_length(distilled, held, GAMMA)
+    assert abs(windowed - unbounded) > 0.08, (windowed, unbounded)
+    assert abs(accept_w - windowed) < 0.04, (accept_w, windowed, unbounded)
 
 
 def test_command_line_writes_a_checkpoint_validate_runs(tmp_path, capsys):

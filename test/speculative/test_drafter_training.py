@@ -10,6 +10,9 @@
 - the most frequent tokens make the draft vocabulary; prompt files with splits;
 - the shipped drafter of a model is used by default by ``Engine`` (DSPARK), an explicit
   drafter path wins, a drafter that does not fit is ignored;
+- the draft layers' context window (``--context-window``): every layer SWA-hosted, the
+  default on targets with SWA layers, refused where the target cannot host it; the shipped
+  drafters attend no further back than the sequences they trained on;
 - slow tier: the whole command (``python -m unimem.training.train_drafter``: Engine-written
   data, training, checkpoint) and the engine's own accept length on held-out prompts
   (no acceptance control) against the untrained drafter, outputs exact.
@@ -29,7 +32,7 @@ import torch
 from unimem.models.loader import load_checkpoint
 from unimem.speculative import shipped
 from unimem.speculative.checkpoint import save_drafter
-from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for, with_context_window
 from unimem.training.distill import Rollouts, greedy_rollouts
 from unimem.training.prompt_sets import read_prompts
 from unimem.training.teacher_forcing import (
@@ -387,6 +390,58 @@ def test_model_key():
         "Gemma-3-270M-BF16",
     ):
         assert shipped.model_key(name) == "gemma-3-270m", name
+
+
+def test_context_window_hosts_every_draft_layer_on_swa(gemma):
+    import argparse
+
+    from unimem.training.train_drafter import DEFAULT_CONTEXT_WINDOW, context_window
+
+    _, model = gemma
+    c = model.config  # SWA window 8
+    dc = draft_config_for(c, num_layers=3, context_window=6)
+    assert dc.layer_hosts == ("swa",) * 3 and dc.window == 6
+    base = draft_config_for(c)
+    assert base.layer_hosts == ("full", "swa")
+    w = with_context_window(base, 4, c)
+    assert w.layer_hosts == ("swa", "swa") and w.window == 4
+    assert dataclasses.replace(w, layer_hosts=base.layer_hosts, window=base.window) == base
+    for bad in (0, 9, 2.5):
+        with pytest.raises(ValueError, match="context window"):
+            with_context_window(base, bad, c)
+    no_swa = dataclasses.replace(c, layer_pattern=("full",) * c.num_layers, window=None)
+    with pytest.raises(ValueError, match="needs a target with SWA layers"):
+        draft_config_for(no_swa, context_window=4)
+
+    def args(w):
+        return argparse.Namespace(context_window=w)
+
+    assert context_window(args(None), c) == min(DEFAULT_CONTEXT_WINDOW, c.window)
+    assert context_window(args(0), c) is None and context_window(args(5), c) == 5
+    assert context_window(args(None), no_swa) is None  # FULL-hosted layers, unbounded
+    with pytest.raises(ValueError, match="--context-window must be >= 0"):
+        context_window(args(-1), c)
+    with pytest.raises(ValueError, match="SWA window 8"):
+        context_window(args(9), c)
+    with pytest.raises(ValueError, match="needs a target with SWA layers"):
+        context_window(args(4), no_swa)
+
+
+def test_shipped_drafters_attend_no_further_back_than_they_trained():
+    """A drafter meets, at any output length, only contexts as long as its training
+    sequences (``with_context_window``): each shipped drafter's layers are SWA-hosted with a
+    window no longer than its training command's prompt + continuation."""
+    import shlex
+
+    dirs = [d for d in shipped.DRAFTERS_DIR.iterdir() if (d / "config.json").is_file()]
+    assert dirs
+    for d in dirs:
+        config = json.loads((d / "config.json").read_text())
+        argv = shlex.split(json.loads((d / "training.json").read_text())["command"])
+        prompt_len = int(argv[argv.index("--prompt-len") + 1])
+        gen_len = int(argv[argv.index("--gen-len") + 1])
+        assert set(config["layer_hosts"]) == {"swa"}, d
+        assert config["window"] <= prompt_len + gen_len, d
 
 
 def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch):

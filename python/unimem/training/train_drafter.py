@@ -56,8 +56,14 @@ import torch
 from unimem.engine.api import Engine
 from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES
 from unimem.models.base import CausalLM
+from unimem.models.config import HybridConfig
 from unimem.speculative.checkpoint import save_drafter
-from unimem.speculative.drafter import DsparkDrafter, draft_config_for
+from unimem.speculative.drafter import (
+    DsparkDrafter,
+    check_context_window,
+    draft_config_for,
+    with_context_window,
+)
 from unimem.training.draft_data import bos_prompts, continuations, encode_prompts
 from unimem.training.prompt_sets import read_prompts
 from unimem.training.teacher_forcing import states_of, teacher_forced_states, tokens_only
@@ -87,6 +93,29 @@ def _floats(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers, comma-separated: {text!r}") from None
+
+
+DEFAULT_CONTEXT_WINDOW = 128
+"""The draft layers' window by default (``--context-window``): within the default training
+sequences (``--prompt-len`` 24 + ``--gen-len`` 128), and measured on the shipped Gemma 3
+drafter (``with_context_window``'s docstring)."""
+
+
+def context_window(args: argparse.Namespace, target: HybridConfig) -> int | None:
+    """The draft layers' context window of this run (``--context-window``): None for the
+    alternating FULL/SWA layout (``0``, or the default on a target without SWA layers).
+    ``ValueError`` for a negative window, or an explicit one the target cannot host."""
+    w = args.context_window
+    if w is not None and w < 0:
+        raise ValueError(f"--context-window must be >= 0, got {w}")
+    if w == 0:
+        return None
+    if w is None:
+        if "swa" not in target.layer_pattern or target.window is None:
+            return None
+        return min(DEFAULT_CONTEXT_WINDOW, target.window)
+    check_context_window(w, target)
+    return w
 
 
 def parser() -> argparse.ArgumentParser:
@@ -146,7 +175,16 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--draft-vocab", type=int, default=32768, help="reduced draft vocabulary (0: full)"
     )
-    d.add_argument("--init", help="start from this drafter checkpoint")
+    d.add_argument(
+        "--context-window",
+        type=int,
+        default=None,
+        help="every draft layer SWA-hosted, attending the last N positions (default: "
+        f"{DEFAULT_CONTEXT_WINDOW} when the target has SWA layers; 0: FULL and SWA layers in "
+        "turn, the FULL ones with unbounded context). Keep it within the training sequences' "
+        "length: a drafter meets only contexts it trained on at any output length",
+    )
+    d.add_argument("--init", help="start from this drafter checkpoint (re-windowed as above)")
     r = p.add_argument_group("training")
     r.add_argument("--gamma", type=int, default=t.gamma)
     r.add_argument("--steps", type=int, default=t.steps)
@@ -247,6 +285,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
     t_start = time.perf_counter() - t0  # loading, kernel compilation, graph capture
     log(f"data: generating engine started in {t_start:.1f} s")
     model = engine.model
+    context_window(args, model.config)  # an impossible window fails before the generation
     if cached:
         seqs, lens, made = load_text(cache, args.model_path, model.config.vocab_size)
         log(f"data: {len(seqs)} sequences from {cache} (made by: {made['command']})")
@@ -424,6 +463,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     model, seqs, lens = text.model, text.sequences, text.prompt_lens
     held_seqs, held_lens = text.held_sequences, text.held_prompt_lens
     c = model.config
+    window = context_window(args, c)
     dc = draft_config_for(
         c,
         num_layers=args.draft_layers,
@@ -431,7 +471,9 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         target_layers=args.target_layers,
         ffn_dim=args.draft_ffn_dim,
         draft_vocab_size=args.draft_vocab or None,
+        context_window=window,
     )
+    log(f"drafter: layers hosted {dc.layer_hosts}, window {dc.window}")
     # the last sixteenth of the training sequences calibrates the confidence head only
     cut = max(1, len(seqs) // 16) if len(seqs) > 1 and args.head_steps else 0
     train_seqs, train_lens = seqs[: len(seqs) - cut], lens[: len(seqs) - cut]
@@ -469,6 +511,8 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         from unimem.speculative.checkpoint import load_drafter
 
         drafter = load_drafter(args.init, model)
+        if window is not None:
+            drafter.config = with_context_window(drafter.config, window, c)
     else:
         d2t = frequent_tokens(train, dc.draft_vocab_size, c.vocab_size) if dc.reduced else None
         drafter = DsparkDrafter(
@@ -518,6 +562,8 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
             "soft_top_k": args.soft_top_k,
             "soft_weight": args.soft_weight if args.soft_top_k else 0.0,
             "position_decay": args.position_decay,
+            "layer_hosts": list(result.drafter.config.layer_hosts),
+            "window": result.drafter.config.window,
         },
         weights_bytes=weights,
         # every evaluation and every 50th step: the file ships beside the drafter
