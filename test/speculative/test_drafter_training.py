@@ -12,7 +12,8 @@
   drafter path wins, a drafter that does not fit is ignored;
 - the draft layers' context window (``--context-window``): every layer SWA-hosted, the
   default on targets with SWA layers, refused where the target cannot host it; the shipped
-  drafters attend no further back than the sequences they trained on;
+  drafters attend no further back than the sequences they trained on; the held-out
+  continuations run ``--eval-len`` tokens;
 - slow tier: the whole command (``python -m unimem.training.train_drafter``: Engine-written
   data, training, checkpoint) and the engine's own accept length on held-out prompts
   (no acceptance control) against the untrained drafter, outputs exact.
@@ -556,6 +557,34 @@ def test_text_cache_is_written_once_then_read_instead_of_generating(gemma, tmp_p
     argv[argv.index(str(cache))] = str(junk)
     with pytest.raises(ValueError, match="not a training text"):
         generate(parser().parse_args(argv), log=quiet)
+
+
+def test_held_out_continuations_run_eval_len_tokens(gemma, tmp_path):
+    """The held-out yardstick is ``--eval-len`` greedy tokens long (longer than the training
+    text: what long outputs meet), capped by the model's context; ``--eval-len 0`` is
+    refused before anything is generated."""
+    from unimem.training.train_drafter import generate, parser
+
+    path, model = gemma
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"text": f"w{i} w{i + 3}"}) + "\n" for i in range(3)))
+    quiet = lambda *_: None  # noqa: E731
+
+    def argv(eval_len):
+        return [
+            "--model-path", str(path), "--out", str(tmp_path / "d"), "--device", "cpu",
+            "--dtype", "float32", "--bos-prompts", "2", "--prompt-len", "4", "--gen-len", "5",
+            "--temperatures", "0", "--eval-prompts", str(held), "--eval-len", str(eval_len),
+        ]  # fmt: skip
+
+    text = generate(parser().parse_args(argv(40)), log=quiet)
+    assert max(len(s) - p for s, p in zip(text.sequences, text.prompt_lens, strict=True)) <= 5
+    new = [len(s) - p for s, p in zip(text.held_sequences, text.held_prompt_lens, strict=True)]
+    assert len(new) == 3 and max(new) == 40 and min(new) >= 2
+    text = generate(parser().parse_args(argv(10**6)), log=quiet)
+    assert max(map(len, text.held_sequences)) <= model.config.max_context
+    with pytest.raises(ValueError, match="--eval-len must be >= 1"):
+        generate(parser().parse_args(argv(0)), log=quiet)
 
 
 @pytest.mark.slow

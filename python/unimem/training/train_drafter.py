@@ -8,8 +8,8 @@
    ``--gen-chunk`` prompts until all are done or ``--gen-time-budget`` is spent; the engine
    admits new prompts in batches (its prefill delayer, ``--gen-delay-passes``), since
    continuations end at ``<eos>`` a few at a time. The held-out
-   prompts (``--eval-prompts``, ``--eval-split``) get greedy continuations: the yardstick,
-   never trained on.
+   prompts (``--eval-prompts``, ``--eval-split``) get greedy continuations of ``--eval-len``
+   tokens, longer than the training text: the yardstick, never trained on.
 2. **States**: the target's residual streams at the drafter's ``--target-layers``,
    recomputed by batched teacher-forced passes over the finished sequences
    (:mod:`unimem.training.teacher_forcing`) — all at once and stored (``--states stored``),
@@ -96,9 +96,9 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 DEFAULT_CONTEXT_WINDOW = 128
-"""The draft layers' window by default (``--context-window``): within the default training
-sequences (``--prompt-len`` 24 + ``--gen-len`` 128), and measured on the shipped Gemma 3
-drafter (``with_context_window``'s docstring)."""
+"""The draft layers' window by default (``--context-window``): within the training sequences
+of the defaults (``--prompt-len`` 32 + ``--gen-len`` 160) and of the shipped Gemma 3 drafter
+(24 + 128), and measured on that drafter (``with_context_window``'s docstring)."""
 
 
 def context_window(args: argparse.Namespace, target: HybridConfig) -> int | None:
@@ -139,6 +139,14 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-split", help="its held-out split (a file with splits)")
     g.add_argument("--eval-sequences", type=int, default=64, help="held-out prompts used")
     g.add_argument("--gen-len", type=int, default=160, help="continuation tokens")
+    g.add_argument(
+        "--eval-len",
+        type=int,
+        default=512,
+        help="greedy tokens of each held-out continuation (at most the model's context "
+        "after the prompt): longer than the training text, so the yardstick meets what long "
+        "outputs meet",
+    )
     g.add_argument("--temperatures", type=_floats, default=(0.0, 0.7, 1.0))
     g.add_argument(
         "--gen-mem-fraction",
@@ -261,6 +269,8 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         raise ValueError("--device cuda given but no CUDA device is available")
     if args.bos_prompts < 0:
         raise ValueError(f"--bos-prompts must be >= 0, got {args.bos_prompts}")
+    if args.eval_len < 1:
+        raise ValueError(f"--eval-len must be >= 1, got {args.eval_len}")
     kwargs = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
     kwargs["random_seed"] = args.seed
     # every prompt is new text: a prefix cache would only insert and evict
@@ -391,8 +401,13 @@ def _held_out(engine: Engine, args: argparse.Namespace) -> tuple[list[list[int]]
         return [], []
     texts = read_prompts(args.eval_prompts, args.eval_split)[: args.eval_sequences]
     held_p = encode_prompts(engine, texts, args.max_prompt_len)
+    room = engine.model.config.max_context - max((len(p) for p in held_p), default=0)
     return continuations(
-        engine, held_p, args.gen_len, temperatures=(0.0,), seed=args.seed + 2 * 10**6
+        engine,
+        held_p,
+        max(1, min(args.eval_len, room)),
+        temperatures=(0.0,),
+        seed=args.seed + 2 * 10**6,
     )
 
 
