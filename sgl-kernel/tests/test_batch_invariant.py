@@ -133,6 +133,23 @@ def grouped_case(gen, counts, k, n, dtype, device, tail=0, transposed_weight=Fal
     return x, w, offs
 
 
+def test_grouped_row_tiles_bound_every_routing():
+    """The launch bound covers the tiles of any split of ``t`` rows over ``e`` experts and
+    the tail, and never exceeds the old ``cdiv(t, bm) + e + 1``."""
+    from unimem_kernel._dispatch import grouped_row_tiles
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        e = int(torch.randint(1, 600, (1,), generator=gen))
+        t = int(torch.randint(0, 80, (1,), generator=gen))
+        bm = int(2 ** torch.randint(4, 8, (1,), generator=gen))
+        seg = torch.randint(0, e + 1, (t,), generator=gen)  # segment e: the tail
+        counts = torch.bincount(seg, minlength=e + 1)
+        tiles = int(((counts + bm - 1) // bm).sum())
+        assert tiles <= grouped_row_tiles(t, e, bm) <= -(-t // bm) + e + 1
+    assert grouped_row_tiles(10, 512, 16) == 11  # one token, top-10 of 512 experts
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
@@ -141,6 +158,9 @@ def grouped_case(gen, counts, k, n, dtype, device, tail=0, transposed_weight=Fal
         ([3, 0, 17, 1, 9], 0, True, False),  # an empty expert, one-row expert, odd sizes
         ([0, 20, 0, 5], 4, False, True),  # tail rows past offs[-1]: zeros
         ([0, 0, 0], 0, True, False),  # T = 0
+        # decode-like: many experts, few rows (the launch's row tiles bounded by the rows)
+        ([0] * 17 + [1] + [0] * 9 + [2] + [0] * 12, 1, True, False),
+        ([1] * 5 + [0] * 30, 0, False, False),
     ],
 )
 def test_grouped_matches_reference(

@@ -105,12 +105,19 @@ def test_reference_is_the_dequantised_product():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gather", [False, True])
-def test_grouped_gemm_kernel_matches_reference(device, gather, triton_backend):
+@pytest.mark.parametrize(
+    "ends, t",
+    [
+        ([4, 4, 9], 11),  # expert 1 empty, rows 9.. the tail
+        ([0] * 20 + [1] * 7 + [3] * 13, 3),  # decode-like: 40 experts, 3 rows, 2 experts used
+    ],
+)
+def test_grouped_gemm_kernel_matches_reference(device, gather, ends, t, triton_backend):
     gen = torch.Generator().manual_seed(3)
-    e, k, n, t = 3, 160, 48, 11
+    e, k, n = len(ends), 160, 48
     x = torch.randn(t, k, generator=gen).bfloat16()
     wq, ws = _weights(n, k, gen, (e,))
-    offs = torch.tensor([4, 4, 9], dtype=torch.int32)  # expert 1 empty, rows 9.. the tail
+    offs = torch.tensor(ends, dtype=torch.int32)
     rows = torch.randperm(t, generator=gen) if gather else None
     dev = torch.device(device)
     y = fp8_grouped_linear(
@@ -120,7 +127,7 @@ def test_grouped_gemm_kernel_matches_reference(device, gather, triton_backend):
     ref = fp8_gemm_reference(xq, xs, wq, ws, out_dtype=torch.float32, offs=offs, rows=rows)
     assert y.shape == (t, n)
     _assert_gemm_close(y, ref)
-    assert torch.all(y[9:] == 0)
+    assert torch.all(y[ends[-1] :] == 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -36,7 +36,15 @@ import torch
 
 from unimem_kernel import envs
 
-__all__ = ["OPS", "KernelOp", "kernel_op", "next_pow2", "records_autograd", "use_triton"]
+__all__ = [
+    "OPS",
+    "KernelOp",
+    "grouped_row_tiles",
+    "kernel_op",
+    "next_pow2",
+    "records_autograd",
+    "use_triton",
+]
 
 
 def use_triton(t: torch.Tensor, switch: str | None = None) -> bool:
@@ -185,3 +193,14 @@ def kernel_op(
         raise ValueError(f"kernel op {name} is declared in {known.__module__} too")
     OPS[name] = op
     return op
+
+
+def grouped_row_tiles(t: int, e: int, block_m: int) -> int:
+    """Row tiles a grouped launch over ``t`` rows and ``e`` experts needs at most: the
+    segments (``e`` experts and the tail) are cut into ``block_m``-row tiles, which is at
+    most ``cdiv(t, block_m)`` full tiles plus one partial tile per non-empty segment — and
+    at most ``min(e + 1, t)`` segments are non-empty. A host-known bound (capturable); the
+    programs past the real tiles exit at once. Bounding by ``t`` matters at decode: one
+    token routed to 10 of 512 experts needs 11 row tiles, not 514 mostly-empty ones, each
+    of which still loads and scans all ``e`` offsets."""
+    return -(-t // block_m) + min(e + 1, t)

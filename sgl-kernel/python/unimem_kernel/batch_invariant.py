@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import kernel_op, next_pow2
+from unimem_kernel._dispatch import grouped_row_tiles, kernel_op, next_pow2
 
 __all__ = [
     "MatmulConfig",
@@ -458,9 +458,7 @@ def bi_grouped_linear_triton(
     if t == 0 or n == 0:
         return out
     cfg = _matmul_config(x.dtype, k, n) if config is None else config
-    # Row tiles over all segments: at most cdiv(T, BLOCK_M) full tiles plus one partial tile
-    # per segment (E experts and the tail). Host-known bound: capturable.
-    row_tiles = triton.cdiv(t, cfg.block_m) + e + 1
+    row_tiles = grouped_row_tiles(t, e, cfg.block_m)
     col_tiles = triton.cdiv(n, cfg.block_n)
     grid = (col_tiles, row_tiles) if cols_fastest else (row_tiles, col_tiles)
     _bi_grouped_kernel[grid](

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from unimem_kernel import envs
-from unimem_kernel._dispatch import kernel_op, next_pow2, use_triton
+from unimem_kernel._dispatch import grouped_row_tiles, kernel_op, next_pow2, use_triton
 
 __all__ = [
     "FP8_DTYPE",
@@ -461,7 +461,7 @@ def _launch(a, xs, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tens
     cfg = fp8_gemm_config(max(t // e, 1), invariant, (n, k), a.device)
     split = 1 if grouped else _split_k(cfg, t, n, kg, a.device)
     dest = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=a.device)
-    row_tiles = triton.cdiv(t, cfg.block_m) + (e + 1 if grouped else 0)
+    row_tiles = grouped_row_tiles(t, e, cfg.block_m) if grouped else triton.cdiv(t, cfg.block_m)
     grid = (row_tiles, triton.cdiv(n, cfg.block_n), split)
     fused = xs is None
     _fp8_gemm_kernel[grid](
