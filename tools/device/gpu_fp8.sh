@@ -22,8 +22,9 @@
 #               activation quantisation fused into the GEMMs (UNIMEM_FP8_ACT_QUANT=fused), with
 #               the kernel breakdown -> profile_small_{bf16,fp8,fp8_fused}.json
 #   bench     : `python -m unimem bench --preset small` (48 x 512 -> 2048, DSPARK)
-#               in bf16, with --quantization fp8, and fp8 fused -> bench_bf16_h200.json,
-#               bench_fp8_h200.json (docs/results/bench_fp8_h200.json), bench_fp8_fused_h200.json
+#               in bf16, with --quantization fp8, and fp8 fused -> bench_small_bf16_TAG.json,
+#               bench_fp8_TAG.json (docs/results/bench_fp8_TAG.json), bench_fp8_fused_TAG.json
+#               (TAG: h200 or h100, the card it ran on)
 #   qwen3next : make_checkpoint.py's Qwen3-Next `bench` checkpoint (2048 hidden, 24 layers,
 #               64 experts), `python -m unimem bench --model-path` 48 x 512 -> 512 in bf16 and
 #               --quantization fp8 -> qwen3next_{bf16,fp8}.json (ms/step in each)
@@ -101,11 +102,13 @@ for part in $parts; do
           || fail "profile $q"
       done ;;
     bench)
-      run python3 -m unimem bench --preset small --json "$out/bench_bf16_h200.json" || fail "bench bf16"
+      tag=$(gpu_tag)
+      run python3 -m unimem bench --preset small --json "$out/bench_small_bf16_$tag.json" \
+        || fail "bench bf16"
       UNIMEM_FP8_ACT_QUANT=separate run python3 -m unimem bench --preset small --quantization fp8 \
-        --json "$out/bench_fp8_h200.json" || fail "bench fp8"
+        --json "$out/bench_fp8_$tag.json" || fail "bench fp8"
       UNIMEM_FP8_ACT_QUANT=fused run python3 -m unimem bench --preset small --quantization fp8 \
-        --json "$out/bench_fp8_fused_h200.json" || fail "bench fp8 fused" ;;
+        --json "$out/bench_fp8_fused_$tag.json" || fail "bench fp8 fused" ;;
     qwen3next)
       ck=/tmp/ckpt_qwen3_next_bench
       { [ -f "$ck/make_checkpoint.json" ] \
