@@ -13,7 +13,8 @@
 - the draft layers' context window (``--context-window``): every layer SWA-hosted, the
   default on targets with SWA layers, refused where the target cannot host it; the shipped
   drafters attend no further back than the sequences they trained on; the held-out
-  continuations run ``--eval-len`` tokens;
+  continuations run ``--eval-len`` tokens; the offline evaluations give the same numbers in
+  anchor chunks, and by output position (``python -m unimem.training.accept_by_position``);
 - slow tier: the whole command (``python -m unimem.training.train_drafter``: Engine-written
   data, training, checkpoint) and the engine's own accept length on held-out prompts
   (no acceptance control) against the untrained drafter, outputs exact.
@@ -136,6 +137,66 @@ def test_training_on_the_targets_text_raises_the_accept_length(gemma, tmp_path):
     cal = result.calibration
     assert cal is not None and cal.bce < 0.5 and abs(cal.mean_survival - cal.base_rate) < 0.25
     assert (tmp_path / "state" / "train_state.pt").is_file()
+
+
+def test_offline_evaluations_in_chunks_and_by_output_position(gemma, monkeypatch):
+    """The offline evaluations split long sequences into anchor chunks without changing a
+    number, and the accept length by output position partitions the replay's verify steps."""
+    from unimem.training import distill
+    from unimem.training.distill import confidence_calibration
+    from unimem.training.trainer import offline_accept_by_position
+
+    _, model = gemma
+    seqs, lens = _text(model, 5, seed=9, gen_len=40)
+    dc = draft_config_for(model.config, num_layers=1, draft_vocab_size=64)
+    d = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=3)
+    data = teacher_forced_states(model, seqs, lens, dc.target_layers)
+    whole = offline_accept_lengths(d, data, GAMMA, rows_per_pass=2)
+    calib = confidence_calibration(d, data, GAMMA)
+    by_pos = offline_accept_by_position(d, data, GAMMA, edges=(0, 8, 16, 32))
+    monkeypatch.setattr(distill, "LOGITS_PER_PASS", GAMMA * 64 * 3)  # 1-3 anchors a pass
+    assert offline_accept_lengths(d, data, GAMMA, rows_per_pass=2) == whole
+    chunked = confidence_calibration(d, data, GAMMA)
+    assert chunked.n == calib.n and chunked.base_rate == calib.base_rate
+    assert chunked.bce == pytest.approx(calib.bce, rel=1e-5)
+    assert chunked.ece == pytest.approx(calib.ece, abs=1e-9)
+    assert set(by_pos) == {"all", "0-7", "8-15", "16-31", "32-"}
+    assert by_pos["all"]["accept"] == pytest.approx(whole)
+    assert sum(v["steps"] for k, v in by_pos.items() if k != "all") == by_pos["all"]["steps"]
+    total = sum(v["accept"] * v["steps"] for k, v in by_pos.items() if k != "all")
+    assert total / by_pos["all"]["steps"] == pytest.approx(whole)
+    with pytest.raises(ValueError, match="edges must start at 0"):
+        offline_accept_by_position(d, data, GAMMA, edges=(4, 8))
+
+
+def test_accept_by_position_command(gemma, tmp_path, capsys):
+    """``python -m unimem.training.accept_by_position``: the drafter as saved and re-windowed,
+    by output position, in a table and a JSON; an impossible window fails before the
+    generation."""
+    from unimem.training.accept_by_position import main
+
+    path, model = gemma
+    d = tmp_path / "drafter"
+    dc = draft_config_for(model.config, num_layers=2)
+    save_drafter(DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=5), d)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"w{i} w{i + 5} w{i + 9}\n" for i in range(3)))
+    out = tmp_path / "acc.json"
+    base = ["--model-path", str(path), "--drafter", str(d), "--prompts", str(prompts),
+            "--requests", "3", "--tokens", "24", "--gamma", str(GAMMA), "--device", "cpu",
+            "--dtype", "float32", "--edges", "0,8,16"]  # fmt: skip
+    assert main([*base, "--windows", "4,8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["variants"]) == ["as saved", "window 4", "window 8"]
+    assert report["variants"]["window 4"]["layer_hosts"] == ["swa", "swa"]
+    assert report["variants"]["as saved"]["layer_hosts"] == ["full", "swa"]
+    for v in report["variants"].values():
+        acc = v["accept"]
+        assert set(acc) == {"all", "0-7", "8-15", "16-"}
+        assert sum(acc[k]["steps"] for k in ("0-7", "8-15", "16-")) == acc["all"]["steps"]
+    assert "window 8 (swa+swa, 8)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="SWA window 8"):
+        main([*base, "--windows", "9"])
 
 
 def test_soft_targets_are_the_targets_own_distribution(gemma):

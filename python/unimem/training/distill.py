@@ -124,6 +124,12 @@ class DistillConfig:
             raise ValueError(f"DistillConfig.eval_prompts must be >= 0, got {self.eval_prompts}")
 
 
+LOGITS_PER_PASS = 1 << 26
+"""Draft logits (rows x anchors x gamma x vocabulary) one pass of an offline evaluation holds
+at most (:func:`confidence_calibration`, ``trainer.offline_accept_lengths``): long held-out
+sequences are split into anchor chunks under this bound (256 MiB of float32)."""
+
+
 @dataclass
 class Rollouts:
     """Target greedy continuations, padded to ``S``: ``tokens [N, S]`` (prompt + output),
@@ -293,21 +299,37 @@ def confidence_calibration(drafter: DsparkDrafter, data: Rollouts, gamma: int) -
     every block row whose target exists (module docstring). ``ValueError`` without a head."""
     if not drafter.config.confidence:
         raise ValueError("confidence_calibration: the drafter has no confidence head")
-    first = int(data.prompt_lens.min())
-    anchors = torch.arange(first, int(data.lengths.max()) - 1, device=data.tokens.device)
-    out = distill_losses(
-        drafter, data.tokens, data.hidden, anchors, gamma, data.prompt_lens, data.lengths
-    )
-    valid = out.valid
-    s = out.survival[valid].double()
-    y = out.accepted[valid].double()
+    # passes of a few sequences and a bounded number of anchors: long held-out sequences
+    # would otherwise hold every anchor's block logits at once
+    rows = 8
+    step = max(1, LOGITS_PER_PASS // (rows * gamma * drafter.config.out_vocab))
+    surv, acc = [], []
+    bce_sum = 0.0
+    n = 0
+    for start in range(0, len(data), rows):
+        part = data.select(torch.arange(start, min(len(data), start + rows)))
+        first, last = int(part.prompt_lens.min()), int(part.lengths.max()) - 1
+        for a0 in range(first, last, step):
+            anchors = torch.arange(a0, min(last, a0 + step), device=part.tokens.device)
+            out = distill_losses(
+                drafter, part.tokens, part.hidden, anchors, gamma, part.prompt_lens, part.lengths
+            )
+            if not out.n:
+                continue
+            surv.append(out.survival[out.valid].double().cpu())
+            acc.append(out.accepted[out.valid].double().cpu())
+            bce_sum += float(out.bce) * out.n
+            n += out.n
+    if not n:
+        raise ValueError("confidence_calibration: no block row of data has a target")
+    s, y = torch.cat(surv), torch.cat(acc)
     bins = torch.clamp((s * 10).long(), max=9)
     ece = 0.0
     for k in range(10):
         m = bins == k
         if m.any():
             ece += float(m.sum()) / len(s) * abs(float(s[m].mean() - y[m].mean()))
-    return Calibration(float(out.bce), ece, float(y.mean()), float(s.mean()), out.n)
+    return Calibration(bce_sum / n, ece, float(y.mean()), float(s.mean()), n)
 
 
 def _set_trainable(drafter: DsparkDrafter, on: bool) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from unimem.speculative.drafter import DsparkDrafter
+from unimem.training import distill
 from unimem.training.distill import (
     Calibration,
     Rollouts,
@@ -55,6 +56,7 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "frequent_tokens",
+    "offline_accept_by_position",
     "offline_accept_lengths",
     "train_drafter",
 ]
@@ -144,17 +146,22 @@ def frequent_tokens(data: Rollouts, k: int, vocab: int) -> torch.Tensor:
     return order[:k].clone()
 
 
+def _anchor_chunks(first: int, last: int, rows: int, gamma: int, vocab: int, device):
+    """``arange(first, last)`` in chunks of at most ``distill.LOGITS_PER_PASS`` logits."""
+    step = max(1, distill.LOGITS_PER_PASS // max(1, rows * gamma * vocab))
+    for a0 in range(first, last, step):
+        yield torch.arange(a0, min(last, a0 + step), device=device)
+
+
 @torch.no_grad()
-def offline_accept_lengths(
-    drafter: DsparkDrafter, data: Rollouts, gamma: int, rows_per_pass: int = 16
-) -> float:
-    """Committed tokens per verify step of greedy chain speculation on ``data`` (as
-    :func:`unimem.training.distill.offline_accept_length`: the first anchor at each
-    prompt's end, accept the longest matching prefix, advance by accepted + 1), with the
-    drafts of every anchor computed in batched passes of ``rows_per_pass`` sequences and
-    the replay on the host."""
-    steps = committed = 0
+def _replay(
+    drafter: DsparkDrafter, data: Rollouts, gamma: int, rows_per_pass: int
+) -> list[tuple[int, int]]:
+    """``(output position, accepted drafts)`` of every verify step of greedy chain
+    speculation replayed on ``data`` (:func:`offline_accept_lengths`)."""
+    out: list[tuple[int, int]] = []
     n = len(data)
+    vocab = drafter.config.out_vocab
     for start in range(0, n, rows_per_pass):
         part = data.select(torch.arange(start, min(n, start + rows_per_pass)))
         first = int(part.prompt_lens.min())
@@ -164,11 +171,14 @@ def offline_accept_lengths(
         s = last + gamma + 1
         tokens = part.tokens[:, : min(s, part.tokens.shape[1])]
         hidden = [h[:, : tokens.shape[1]] for h in part.hidden]
-        anchors = torch.arange(first, last, device=tokens.device)
-        base = block_logits_dense(drafter, tokens, hidden, anchors, gamma)
-        b, a = base.shape[:2]
-        picks = drafter.pick(base.reshape(b * a, gamma, -1), tokens[:, anchors].reshape(-1))
-        picks = picks.reshape(b, a, gamma).cpu()
+        b = tokens.shape[0]
+        chunks = []
+        for anchors in _anchor_chunks(first, last, b, gamma, vocab, tokens.device):
+            base = block_logits_dense(drafter, tokens, hidden, anchors, gamma)
+            a = base.shape[1]
+            picks = drafter.pick(base.reshape(b * a, gamma, -1), tokens[:, anchors].reshape(-1))
+            chunks.append(picks.reshape(b, a, gamma).cpu())
+        picks = torch.cat(chunks, dim=1)
         toks = part.tokens.cpu()
         for i in range(b):
             p, end = int(part.prompt_lens[i]), int(part.lengths[i])
@@ -177,10 +187,48 @@ def offline_accept_lengths(
                 truth = toks[i, pos + 1 : min(end, pos + 1 + gamma)]
                 drafts = picks[i, pos - first, : truth.shape[0]]
                 accepted = int((drafts == truth).long().cumprod(0).sum())
-                steps += 1
-                committed += accepted + 1
+                out.append((pos - p, accepted))
                 pos += accepted + 1
-    return committed / steps if steps else 0.0
+    return out
+
+
+def offline_accept_lengths(
+    drafter: DsparkDrafter, data: Rollouts, gamma: int, rows_per_pass: int = 16
+) -> float:
+    """Committed tokens per verify step of greedy chain speculation on ``data`` (as
+    :func:`unimem.training.distill.offline_accept_length`: the first anchor at each
+    prompt's end, accept the longest matching prefix, advance by accepted + 1), with the
+    drafts of every anchor computed in batched passes of ``rows_per_pass`` sequences (and
+    anchor chunks of at most ``distill.LOGITS_PER_PASS`` logits) and the replay on the host."""
+    steps = _replay(drafter, data, gamma, rows_per_pass)
+    return sum(a + 1 for _, a in steps) / len(steps) if steps else 0.0
+
+
+def offline_accept_by_position(
+    drafter: DsparkDrafter,
+    data: Rollouts,
+    gamma: int,
+    edges: tuple[int, ...] = (0, 64, 128, 256, 512, 1024),
+    rows_per_pass: int = 16,
+) -> dict[str, dict]:
+    """:func:`offline_accept_lengths` by where the verify step starts in the output: for each
+    bucket ``[edges[k], edges[k + 1])`` (the last one open) its accept length and verify
+    steps, keyed ``"lo-hi"`` (``"lo-"`` for the last); ``"all"`` over every step. Empty
+    buckets are left out. A drafter that only met short contexts in training shows it here
+    (its accept length falls in the late buckets)."""
+    if not edges or edges[0] != 0 or list(edges) != sorted(set(edges)):
+        raise ValueError(f"edges must start at 0 and increase, got {edges}")
+    steps = _replay(drafter, data, gamma, rows_per_pass)
+    out: dict[str, dict] = {}
+    if steps:
+        out["all"] = {"accept": sum(a + 1 for _, a in steps) / len(steps), "steps": len(steps)}
+    for k, lo in enumerate(edges):
+        hi = edges[k + 1] if k + 1 < len(edges) else None
+        got = [a for pos, a in steps if pos >= lo and (hi is None or pos < hi)]
+        if got:
+            key = f"{lo}-{'' if hi is None else hi - 1}"
+            out[key] = {"accept": sum(a + 1 for a in got) / len(got), "steps": len(got)}
+    return out
 
 
 class _Progress:
