@@ -321,11 +321,10 @@ def with_context_window(
     positions only (the weights do not change: attention masks and lane hosts do).
 
     Why: a drafter attends its context with the positions it met in training. One trained on
-    sequences of ``T`` tokens, given a FULL-hosted layer (unbounded context) at position
-    ``4 T``, sees attention distributions it never learned and its drafts collapse: the
-    shipped Gemma 3 270M drafter, trained on ~150-token sequences, accepted 2.7-5.1 tokens a
-    step in the first 128 output tokens and 1.6 past 256 (offline, 1 024-token greedy
-    outputs); with every layer at a 128-token window it accepted 5.1-5.5 at every length.
+    sequences of ``T`` tokens, given a FULL-hosted layer (unbounded context), meets contexts
+    it never saw once outputs run past ``T``, and its drafts collapse: the shipped Gemma 3
+    270M drafter, trained on ~150-token sequences, accepted 1.6-2.2 tokens a step past output
+    128 (offline, four prompts x 1 024 greedy tokens); re-windowed to 128 positions, 5.1-5.5.
     With ``window <= T`` every context it meets at any length is one it trained on.
     ``target`` (optional): ``ValueError`` unless it has SWA layers of at least ``window``."""
     check_context_window(window, target)
