@@ -489,6 +489,36 @@ def test_context_window_hosts_every_draft_layer_on_swa(gemma):
         context_window(args(4), no_swa)
 
 
+def test_windowed_drafter_in_the_engine_static_and_unified(gemma, tmp_path):
+    """A drafter whose layers are all SWA-hosted (a bounded context window) runs in the
+    Engine with static pools and with the unified arena alike: outputs equal plain decoding
+    and the two memories verify and accept the same."""
+    from unimem.engine.api import Engine
+
+    path, model = gemma
+    dc = draft_config_for(model.config, num_layers=2, context_window=6)
+    d = tmp_path / "windowed"
+    save_drafter(DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=5), d)
+    prompts = [[BOS, 7 + i, 30 + 3 * i, 11] for i in range(4)]
+    params = {"max_new_tokens": 40}  # past the window, and past the target's SWA window (8)
+    kw = dict(model_path=str(path), dtype="float32", max_total_tokens=1024)
+
+    def run(**extra):
+        eng = Engine(**kw, **extra)
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        eng.shutdown()
+        meta = [(o["meta_info"].get("spec_verify_ct"), o["meta_info"].get("spec_accept_length"))
+                for o in outs]  # fmt: skip
+        return [o["output_ids"] for o in outs], meta
+
+    ref, _ = run()
+    spec = dict(speculative_algorithm="DSPARK", speculative_draft_model_path=str(d))
+    static, m_static = run(**spec)
+    unified, m_unified = run(**spec, enable_unified_memory=True)
+    assert static == ref and unified == ref
+    assert m_static == m_unified and all(n and n >= 1 for n, _ in m_static)
+
+
 def test_shipped_drafters_attend_no_further_back_than_they_trained():
     """A drafter meets, at any output length, only contexts as long as its training
     sequences (``with_context_window``): each shipped drafter's layers are SWA-hosted with a
