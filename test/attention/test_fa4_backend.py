@@ -114,20 +114,33 @@ MODES = {
 
 
 def run_and_compare(
-    mode, page_size, window, hq, hkv, dk, dv, split_kv=False, sinks=False, narrow_tile=True
+    mode,
+    page_size,
+    window,
+    hq,
+    hkv,
+    dk,
+    dv,
+    split_kv=False,
+    sinks=False,
+    narrow_tile=True,
+    full_table=False,
 ):
     """``split_kv``: the step is marked uniform (decode, verify) and the backend takes its
     split-KV kernel for it; else FA4 itself. ``sinks``: random per-head attention sinks.
-    ``narrow_tile``: the backend's option (FA4's 64-row tile for short steps). Returns the
-    backend's output."""
+    ``narrow_tile``: the backend's option (FA4's 64-row tile for short steps).
+    ``full_table``: the window applies to a FULL page table (every page of the context
+    present: a FULL-hosted draft layer with a context window). Returns the backend's
+    output."""
     from unimem.attention.fa4_backend import FA4Backend
 
     ctx, qn = MODES[mode]
     k_cache, v_cache, meta, q, k, v = build_gpu_case(
-        ctx, qn, page_size=page_size, hq=hq, hkv=hkv, dk=dk, dv=dv, window=window
-    )
+        ctx, qn, page_size=page_size, hq=hq, hkv=hkv, dk=dk, dv=dv,
+        window=None if full_table else window,
+    )  # fmt: skip
     scale = 1.0 / math.sqrt(dk)
-    swa = window is not None
+    swa = window is not None and not full_table
     backend = FA4Backend(split_kv_max_bs=16 if split_kv else 0, narrow_tile=narrow_tile)
     if split_kv:
         meta = dataclasses.replace(meta, uniform_q=True)
@@ -178,6 +191,19 @@ def test_split_kv_path_matches_reference(mode, page_size, window):
     # Qwen3-Next's attention (16 / 2 heads of 256) and gpt-oss's (64 / 8 of 64, sinks)
     run_and_compare(mode, page_size, window, hq=16, hkv=2, dk=256, dv=256, split_kv=True)
     run_and_compare(mode, 16, window, hq=64, hkv=8, dk=64, dv=64, split_kv=True, sinks=True)
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("split_kv", [False, True])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_window_over_a_full_table_matches_reference(mode, split_kv):
+    """A sliding window over a FULL page table (a FULL-hosted draft layer with a context
+    window: all its pages present, the window a mask only), FA4 and the split-KV kernel, at
+    the Gemma 3 drafter's head layout."""
+    if split_kv and mode == "extend":
+        pytest.skip("the split-KV kernel takes uniform decode/verify steps only")
+    run_and_compare(mode, 64, 48, hq=4, hkv=1, dk=256, dv=256, split_kv=split_kv, full_table=True)
 
 
 # (page size, Hq, Hkv, head dim, sinks): the small preset's attention, Qwen3-Next's, gpt-oss's

@@ -10,9 +10,10 @@
 - the most frequent tokens make the draft vocabulary; prompt files with splits;
 - the shipped drafter of a model is used by default by ``Engine`` (DSPARK), an explicit
   drafter path wins, a drafter that does not fit is ignored;
-- the draft layers' context window (``--context-window``): every layer SWA-hosted, the
-  default on targets with SWA layers, refused where the target cannot host it; the shipped
-  drafters attend no further back than the sequences they trained on; the held-out
+- the draft layers' context window (``--context-window``, the default): every layer
+  SWA-hosted where the target's SWA layers reach, else FULL-hosted with the window as a
+  mask; a windowed drafter in the Engine, static and unified; the shipped drafters attend no
+  further back than the sequences they trained on; the held-out
   continuations run ``--eval-len`` tokens; the offline evaluations give the same numbers in
   anchor chunks, and by output position (``python -m unimem.training.accept_by_position``);
 - slow tier: the whole command (``python -m unimem.training.train_drafter``: Engine-written
@@ -195,8 +196,12 @@ def test_accept_by_position_command(gemma, tmp_path, capsys):
         assert set(acc) == {"all", "0-7", "8-15", "16-"}
         assert sum(acc[k]["steps"] for k in ("0-7", "8-15", "16-")) == acc["all"]["steps"]
     assert "window 8 (swa+swa, 8)" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="SWA window 8"):
-        main([*base, "--windows", "9"])
+    # past the target's SWA window (8): FULL-hosted layers with the window
+    assert main([*base, "--windows", "12", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["variants"]["window 12"]
+    assert row["layer_hosts"] == ["full", "full"] and row["context_window"] == 12
+    with pytest.raises(ValueError, match="context window must be an int >= 1"):
+        main([*base, "--windows", "0"])
 
 
 def test_soft_targets_are_the_targets_own_distribution(gemma):
@@ -454,7 +459,7 @@ def test_model_key():
         assert shipped.model_key(name) == "gemma-3-270m", name
 
 
-def test_context_window_hosts_every_draft_layer_on_swa(gemma):
+def test_context_window_bounds_every_draft_layer(gemma):
     import argparse
 
     from unimem.training.train_drafter import DEFAULT_CONTEXT_WINDOW, context_window
@@ -462,31 +467,36 @@ def test_context_window_hosts_every_draft_layer_on_swa(gemma):
     _, model = gemma
     c = model.config  # SWA window 8
     dc = draft_config_for(c, num_layers=3, context_window=6)
-    assert dc.layer_hosts == ("swa",) * 3 and dc.window == 6
+    assert dc.layer_hosts == ("swa",) * 3 and dc.window == 6 and dc.context_window is None
+    assert [dc.layer_window(j) for j in range(3)] == [6, 6, 6]
     base = draft_config_for(c)
-    assert base.layer_hosts == ("full", "swa")
+    assert base.layer_hosts == ("full", "swa") and base.context_window is None
+    assert [base.layer_window(j) for j in range(2)] == [None, 4]
     w = with_context_window(base, 4, c)
     assert w.layer_hosts == ("swa", "swa") and w.window == 4
     assert dataclasses.replace(w, layer_hosts=base.layer_hosts, window=base.window) == base
-    for bad in (0, 9, 2.5):
-        with pytest.raises(ValueError, match="context window"):
-            with_context_window(base, bad, c)
+    # past the target's SWA window, or on a target without SWA layers: FULL-hosted layers
+    # attend the window (their lanes keep every position)
+    wide = with_context_window(base, 9, c)
+    assert wide.layer_hosts == ("full", "full") and wide.window is None
+    assert wide.context_window == 9 and [wide.layer_window(j) for j in range(2)] == [9, 9]
+    assert all(lane.layer.window is None for lane in wide.lanes())
     no_swa = dataclasses.replace(c, layer_pattern=("full",) * c.num_layers, window=None)
-    with pytest.raises(ValueError, match="needs a target with SWA layers"):
-        draft_config_for(no_swa, context_window=4)
+    full = draft_config_for(no_swa, context_window=5)
+    assert full.layer_hosts == ("full", "full") and full.context_window == 5
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="context window must be an int >= 1"):
+            with_context_window(base, bad, c)
+    with pytest.raises(ValueError, match="DraftConfig.context_window"):
+        dataclasses.replace(base, context_window=0)
 
     def args(w):
         return argparse.Namespace(context_window=w)
 
-    assert context_window(args(None), c) == min(DEFAULT_CONTEXT_WINDOW, c.window)
-    assert context_window(args(0), c) is None and context_window(args(5), c) == 5
-    assert context_window(args(None), no_swa) is None  # FULL-hosted layers, unbounded
+    assert context_window(args(None)) == DEFAULT_CONTEXT_WINDOW
+    assert context_window(args(0)) is None and context_window(args(5)) == 5
     with pytest.raises(ValueError, match="--context-window must be >= 0"):
-        context_window(args(-1), c)
-    with pytest.raises(ValueError, match="SWA window 8"):
-        context_window(args(9), c)
-    with pytest.raises(ValueError, match="needs a target with SWA layers"):
-        context_window(args(4), no_swa)
+        context_window(args(-1))
 
 
 def test_windowed_drafter_in_the_engine_static_and_unified(gemma, tmp_path):
@@ -521,8 +531,8 @@ def test_windowed_drafter_in_the_engine_static_and_unified(gemma, tmp_path):
 
 def test_shipped_drafters_attend_no_further_back_than_they_trained():
     """A drafter meets, at any output length, only contexts as long as its training
-    sequences (``with_context_window``): each shipped drafter's layers are SWA-hosted with a
-    window no longer than its training command's prompt + continuation."""
+    sequences (``with_context_window``): each of a shipped drafter's layers attends a window
+    no longer than its training command's prompt + continuation."""
     import shlex
 
     dirs = [d for d in shipped.DRAFTERS_DIR.iterdir() if (d / "config.json").is_file()]
@@ -532,8 +542,9 @@ def test_shipped_drafters_attend_no_further_back_than_they_trained():
         argv = shlex.split(json.loads((d / "training.json").read_text())["command"])
         prompt_len = int(argv[argv.index("--prompt-len") + 1])
         gen_len = int(argv[argv.index("--gen-len") + 1])
-        assert set(config["layer_hosts"]) == {"swa"}, d
-        assert config["window"] <= prompt_len + gen_len, d
+        for host in config["layer_hosts"]:
+            reach = config["window"] if host == "swa" else config.get("context_window")
+            assert reach is not None and reach <= prompt_len + gen_len, (d, host, reach)
 
 
 def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch):

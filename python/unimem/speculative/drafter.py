@@ -105,7 +105,9 @@ class DraftConfig:
     size runs). ``confidence``: the drafter has a confidence head (:meth:`DsparkDrafter.survival`;
     False for checkpoints written before it existed: their verify lengths stay fixed).
     ``draft_vocab_size``: ``K`` for a reduced draft vocabulary (module docstring; None: the
-    target's whole vocabulary).
+    target's whole vocabulary). ``context_window``: the attention window of the FULL-hosted
+    layers (None: their whole context) — a mask only, their K/V stay in FULL units
+    (:func:`with_context_window` says why; SWA-hosted layers attend ``window``).
     """
 
     vocab_size: int
@@ -125,6 +127,7 @@ class DraftConfig:
     gamma: int | None = None
     confidence: bool = False
     draft_vocab_size: int | None = None
+    context_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layer_hosts", "target_layers"):
@@ -169,6 +172,9 @@ class DraftConfig:
                 )
         elif self.window is not None:
             raise ValueError("DraftConfig.window must be None without swa layers")
+        cw = self.context_window
+        if cw is not None and (not _is_int(cw) or cw < 1):
+            raise ValueError(f"DraftConfig.context_window must be None or an int >= 1, got {cw!r}")
         if self.n_q_heads % self.n_kv_heads:
             raise ValueError(
                 f"DraftConfig.n_kv_heads ({self.n_kv_heads}) must divide n_q_heads "
@@ -204,13 +210,14 @@ class DraftConfig:
         return len(self.layer_hosts)
 
     def layer_window(self, j: int) -> int | None:
-        """The sliding window of draft layer ``j`` (None for a FULL-hosted layer)."""
-        return self.window if self.layer_hosts[j] == "swa" else None
+        """The sliding window draft layer ``j`` attends: ``window`` for an SWA-hosted layer,
+        ``context_window`` for a FULL-hosted one (None: its whole context)."""
+        return self.window if self.layer_hosts[j] == "swa" else self.context_window
 
     def lanes(self) -> tuple[DraftLane, ...]:
         """Draft lane ``j`` of the memory spec holds draft layer ``j``'s K/V rows."""
         out = []
-        for j, host in enumerate(self.layer_hosts):
+        for host in self.layer_hosts:
             kind = LayerKind.FULL if host == "full" else LayerKind.SWA
             layer = AttentionLayerSpec(
                 kind=kind,
@@ -218,7 +225,9 @@ class DraftConfig:
                 k_head_dim=self.head_dim_k,
                 v_head_dim=self.head_dim_v,
                 dtype=self.dtype,
-                window=self.layer_window(j),
+                # the memory's window: a FULL lane keeps every position (a context window
+                # is a mask only)
+                window=self.window if host == "swa" else None,
             )
             out.append(DraftLane(kind, layer))
         return tuple(out)
@@ -259,7 +268,7 @@ def draft_config_for(
 ) -> DraftConfig:
     """A drafter for ``config``: ``num_layers`` layers alternating FULL and SWA hosts (only
     the kinds the target has), SWA window half the target's — or, with ``context_window``,
-    every layer SWA-hosted with that window (:func:`with_context_window`) — the target's
+    every layer attending that window (:func:`with_context_window`'s hosts) — the target's
     head shapes and dtype, context from three target layers (low, middle, last) unless
     ``target_layers`` names them, the target's MLP width unless ``ffn_dim``, the whole
     vocabulary unless ``draft_vocab_size``, with a confidence head."""
@@ -267,9 +276,11 @@ def draft_config_for(
     kinds = [k for k in ("full", "swa") if k in has]
     if not kinds:
         raise ValueError("a DSPARK drafter needs a target with FULL or SWA layers to host it")
+    swa_hosted = context_window is not None and _swa_can_host(context_window, config)
     if context_window is not None:
-        check_context_window(context_window, config)
-        kinds = ["swa"]
+        check_context_window(context_window)
+        if swa_hosted:
+            kinds = ["swa"]
     hosts = tuple(kinds[j % len(kinds)] for j in range(num_layers))
     n = config.num_layers
     if target_layers is None:
@@ -288,47 +299,57 @@ def draft_config_for(
         head_dim_k=config.head_dim_k,
         head_dim_v=config.head_dim_v,
         ffn_dim=ffn_dim or config.ffn_dim,
-        window=(context_window or max(1, config.window // 2)) if "swa" in hosts else None,
+        window=(context_window if swa_hosted else max(1, config.window // 2))
+        if "swa" in hosts
+        else None,
         markov_rank=markov_rank,
         rope_theta=config.rope_theta,
         rms_eps=config.rms_eps,
         dtype=config.dtype,
         confidence=True,
         draft_vocab_size=draft_vocab_size,
+        context_window=None if swa_hosted else context_window,
     )
 
 
-def check_context_window(window: object, target: HybridConfig | None) -> None:
-    """``ValueError`` unless ``window`` is an int >= 1 that ``target`` (when given) can host:
-    it has SWA layers and their window is at least ``window``."""
+def _swa_can_host(window: int, target: HybridConfig | None) -> bool:
+    """Whether ``target``'s SWA units can hold draft layers attending ``window`` positions
+    (no target: assumed so)."""
+    if target is None:
+        return True
+    has_swa = "swa" in target.layer_pattern and target.window is not None
+    return has_swa and window <= target.window
+
+
+def check_context_window(window: object) -> None:
+    """``ValueError`` unless ``window`` is an int >= 1 (a draft context window)."""
     if not _is_int(window) or window < 1:
         raise ValueError(f"context window must be an int >= 1, got {window!r}")
-    if target is None:
-        return
-    if "swa" not in target.layer_pattern or target.window is None:
-        raise ValueError(
-            "a bounded draft context window needs a target with SWA layers to host the draft "
-            "layers (this target has none: its drafter keeps FULL-hosted layers)"
-        )
-    if window > target.window:
-        raise ValueError(f"context window {window} exceeds the target's SWA window {target.window}")
 
 
 def with_context_window(
     config: DraftConfig, window: int, target: HybridConfig | None = None
 ) -> DraftConfig:
-    """``config`` with every draft layer SWA-hosted and attending the last ``window``
-    positions only (the weights do not change: attention masks and lane hosts do).
+    """``config`` with every draft layer attending the last ``window`` positions only (the
+    weights do not change: attention masks and lane hosts do). Where ``target`` has SWA
+    layers of at least ``window`` (or no ``target`` is given) every layer is SWA-hosted, its
+    K/V retired as the target's SWA layers retire theirs; otherwise the layers are
+    FULL-hosted with ``context_window`` — the same attention, the K/V of the whole context
+    kept.
 
     Why: a drafter attends its context with the positions it met in training. One trained on
     sequences of ``T`` tokens, given a FULL-hosted layer (unbounded context), meets contexts
     it never saw once outputs run past ``T``, and its drafts collapse: the shipped Gemma 3
     270M drafter, trained on ~150-token sequences, accepted 1.6-2.2 tokens a step past output
     128 (offline, four prompts x 1 024 greedy tokens); re-windowed to 128 positions, 5.1-5.5.
-    With ``window <= T`` every context it meets at any length is one it trained on.
-    ``target`` (optional): ``ValueError`` unless it has SWA layers of at least ``window``."""
-    check_context_window(window, target)
-    return replace(config, layer_hosts=("swa",) * config.num_layers, window=int(window))
+    With ``window <= T`` every context it meets at any length is one it trained on."""
+    check_context_window(window)
+    w = int(window)
+    if _swa_can_host(w, target):
+        return replace(
+            config, layer_hosts=("swa",) * config.num_layers, window=w, context_window=None
+        )
+    return replace(config, layer_hosts=("full",) * config.num_layers, window=None, context_window=w)
 
 
 # ---------------------------------------------------------------------- modules

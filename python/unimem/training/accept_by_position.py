@@ -5,7 +5,7 @@ The target writes ``--tokens`` greedy tokens after each of ``--requests`` prompt
 EOS ignored: long outputs); its residual streams are recomputed by teacher forcing; the
 engine's greedy chain schedule is replayed offline
 (:func:`~unimem.training.trainer.offline_accept_by_position`) for the drafter as saved and for
-each ``--windows`` value with every draft layer SWA-hosted at that window
+each ``--windows`` value with every draft layer attending that window
 (:func:`~unimem.speculative.drafter.with_context_window`; weights unchanged). A drafter whose
 accept length falls in the late buckets met contexts longer than it trained on.
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {
             "layer_hosts": list(config.layer_hosts),
             "window": config.window,
+            "context_window": config.context_window,
             "accept": offline_accept_by_position(drafter, data, args.gamma, args.edges),
         }
     drafter.config = saved
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'drafter':<28} {'all':>6} " + " ".join(f"{k:>9}" for k in keys))
     for name, row in rows.items():
         acc = row["accept"]
-        label = f"{name} ({'+'.join(row['layer_hosts'])}, {row['window']})"
+        reach = row["window"] if row["context_window"] is None else row["context_window"]
+        label = f"{name} ({'+'.join(row['layer_hosts'])}, {reach})"
         print(
             f"{label:<28} {acc['all']['accept']:6.2f} "
             + " ".join(f"{acc[k]['accept']:9.2f}" if k in acc else f"{'-':>9}" for k in keys)

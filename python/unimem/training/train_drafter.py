@@ -56,14 +56,8 @@ import torch
 from unimem.engine.api import Engine
 from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES
 from unimem.models.base import CausalLM
-from unimem.models.config import HybridConfig
 from unimem.speculative.checkpoint import save_drafter
-from unimem.speculative.drafter import (
-    DsparkDrafter,
-    check_context_window,
-    draft_config_for,
-    with_context_window,
-)
+from unimem.speculative.drafter import DsparkDrafter, draft_config_for, with_context_window
 from unimem.training.draft_data import bos_prompts, continuations, encode_prompts
 from unimem.training.prompt_sets import read_prompts
 from unimem.training.teacher_forcing import states_of, teacher_forced_states, tokens_only
@@ -101,21 +95,16 @@ of the defaults (``--prompt-len`` 32 + ``--gen-len`` 160) and of the shipped Gem
 (24 + 128), and measured on that drafter (``with_context_window``'s docstring)."""
 
 
-def context_window(args: argparse.Namespace, target: HybridConfig) -> int | None:
-    """The draft layers' context window of this run (``--context-window``): None for the
-    alternating FULL/SWA layout (``0``, or the default on a target without SWA layers).
-    ``ValueError`` for a negative window, or an explicit one the target cannot host."""
+def context_window(args: argparse.Namespace) -> int | None:
+    """The draft layers' context window of this run (``--context-window``; None: ``0``, the
+    alternating FULL/SWA layout with unbounded FULL layers). ``ValueError`` for a negative
+    window."""
     w = args.context_window
-    if w is not None and w < 0:
-        raise ValueError(f"--context-window must be >= 0, got {w}")
-    if w == 0:
-        return None
     if w is None:
-        if "swa" not in target.layer_pattern or target.window is None:
-            return None
-        return min(DEFAULT_CONTEXT_WINDOW, target.window)
-    check_context_window(w, target)
-    return w
+        return DEFAULT_CONTEXT_WINDOW
+    if w < 0:
+        raise ValueError(f"--context-window must be >= 0, got {w}")
+    return w or None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -187,10 +176,11 @@ def parser() -> argparse.ArgumentParser:
         "--context-window",
         type=int,
         default=None,
-        help="every draft layer SWA-hosted, attending the last N positions (default: "
-        f"{DEFAULT_CONTEXT_WINDOW} when the target has SWA layers; 0: FULL and SWA layers in "
-        "turn, the FULL ones with unbounded context). Keep it within the training sequences' "
-        "length: a drafter meets only contexts it trained on at any output length",
+        help=f"every draft layer attends the last N positions (default {DEFAULT_CONTEXT_WINDOW}; "
+        "SWA-hosted where the target's SWA layers reach that far, else FULL-hosted with a "
+        "window; 0: FULL and SWA layers in turn, the FULL ones with unbounded context). Keep "
+        "it within the training sequences' length: a drafter meets only contexts it trained "
+        "on at any output length",
     )
     d.add_argument("--init", help="start from this drafter checkpoint (re-windowed as above)")
     r = p.add_argument_group("training")
@@ -271,6 +261,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         raise ValueError(f"--bos-prompts must be >= 0, got {args.bos_prompts}")
     if args.eval_len < 1:
         raise ValueError(f"--eval-len must be >= 1, got {args.eval_len}")
+    context_window(args)  # a negative window fails before the generation
     kwargs = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
     kwargs["random_seed"] = args.seed
     # every prompt is new text: a prefix cache would only insert and evict
@@ -295,7 +286,6 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
     t_start = time.perf_counter() - t0  # loading, kernel compilation, graph capture
     log(f"data: generating engine started in {t_start:.1f} s")
     model = engine.model
-    context_window(args, model.config)  # an impossible window fails before the generation
     if cached:
         seqs, lens, made = load_text(cache, args.model_path, model.config.vocab_size)
         log(f"data: {len(seqs)} sequences from {cache} (made by: {made['command']})")
@@ -478,7 +468,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     model, seqs, lens = text.model, text.sequences, text.prompt_lens
     held_seqs, held_lens = text.held_sequences, text.held_prompt_lens
     c = model.config
-    window = context_window(args, c)
+    window = context_window(args)
     dc = draft_config_for(
         c,
         num_layers=args.draft_layers,
@@ -488,7 +478,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         draft_vocab_size=args.draft_vocab or None,
         context_window=window,
     )
-    log(f"drafter: layers hosted {dc.layer_hosts}, window {dc.window}")
+    log(f"drafter: layers hosted {dc.layer_hosts}, windows {dc.window} / {dc.context_window}")
     # the last sixteenth of the training sequences calibrates the confidence head only
     cut = max(1, len(seqs) // 16) if len(seqs) > 1 and args.head_steps else 0
     train_seqs, train_lens = seqs[: len(seqs) - cut], lens[: len(seqs) - cut]
@@ -579,6 +569,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
             "position_decay": args.position_decay,
             "layer_hosts": list(result.drafter.config.layer_hosts),
             "window": result.drafter.config.window,
+            "context_window": result.drafter.config.context_window,
         },
         weights_bytes=weights,
         # every evaluation and every 50th step: the file ships beside the drafter
