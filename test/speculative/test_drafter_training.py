@@ -481,9 +481,15 @@ def test_context_window_bounds_every_draft_layer(gemma):
     assert wide.layer_hosts == ("full", "full") and wide.window is None
     assert wide.context_window == 9 and [wide.layer_window(j) for j in range(2)] == [9, 9]
     assert all(lane.layer.window is None for lane in wide.lanes())
+    assert draft_config_for(c, context_window=9).layer_hosts == ("full", "full")
     no_swa = dataclasses.replace(c, layer_pattern=("full",) * c.num_layers, window=None)
     full = draft_config_for(no_swa, context_window=5)
     assert full.layer_hosts == ("full", "full") and full.context_window == 5
+    swa_only = dataclasses.replace(c, layer_pattern=("swa",) * c.num_layers)
+    with pytest.raises(ValueError, match="no FULL layers to host"):
+        draft_config_for(swa_only, context_window=9)
+    with pytest.raises(ValueError, match="context window must be an int >= 1"):
+        draft_config_for(c, context_window=0)
     for bad in (0, 2.5):
         with pytest.raises(ValueError, match="context window must be an int >= 1"):
             with_context_window(base, bad, c)

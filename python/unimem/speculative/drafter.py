@@ -276,11 +276,10 @@ def draft_config_for(
     kinds = [k for k in ("full", "swa") if k in has]
     if not kinds:
         raise ValueError("a DSPARK drafter needs a target with FULL or SWA layers to host it")
-    swa_hosted = context_window is not None and _swa_can_host(context_window, config)
+    swa_hosted = False
     if context_window is not None:
-        check_context_window(context_window)
-        if swa_hosted:
-            kinds = ["swa"]
+        kinds = [_context_window_host(context_window, config)]
+        swa_hosted = kinds == ["swa"]
     hosts = tuple(kinds[j % len(kinds)] for j in range(num_layers))
     n = config.num_layers
     if target_layers is None:
@@ -312,13 +311,21 @@ def draft_config_for(
     )
 
 
-def _swa_can_host(window: int, target: HybridConfig | None) -> bool:
-    """Whether ``target``'s SWA units can hold draft layers attending ``window`` positions
-    (no target: assumed so)."""
+def _context_window_host(window: object, target: HybridConfig | None) -> str:
+    """The host of draft layers attending ``window`` positions: ``"swa"`` where ``target``'s
+    SWA layers reach that far (no target: assumed so), else ``"full"``. ``ValueError`` for
+    an invalid window, or a target with neither (SWA layers too short, no FULL layers)."""
+    check_context_window(window)
     if target is None:
-        return True
-    has_swa = "swa" in target.layer_pattern and target.window is not None
-    return has_swa and window <= target.window
+        return "swa"
+    if "swa" in target.layer_pattern and target.window is not None and window <= target.window:
+        return "swa"
+    if "full" in target.layer_pattern:
+        return "full"
+    raise ValueError(
+        f"context window {window} exceeds the target's SWA window {target.window} and the "
+        "target has no FULL layers to host a windowed draft layer"
+    )
 
 
 def check_context_window(window: object) -> None:
@@ -335,7 +342,7 @@ def with_context_window(
     layers of at least ``window`` (or no ``target`` is given) every layer is SWA-hosted, its
     K/V retired as the target's SWA layers retire theirs; otherwise the layers are
     FULL-hosted with ``context_window`` — the same attention, the K/V of the whole context
-    kept.
+    kept (``ValueError`` for a target with neither).
 
     Why: a drafter attends its context with the positions it met in training. One trained on
     sequences of ``T`` tokens, given a FULL-hosted layer (unbounded context), meets contexts
@@ -343,9 +350,9 @@ def with_context_window(
     270M drafter, trained on ~150-token sequences, accepted 1.6-2.2 tokens a step past output
     128 (offline, four prompts x 1 024 greedy tokens); re-windowed to 128 positions, 5.1-5.5.
     With ``window <= T`` every context it meets at any length is one it trained on."""
-    check_context_window(window)
+    host = _context_window_host(window, target)
     w = int(window)
-    if _swa_can_host(w, target):
+    if host == "swa":
         return replace(
             config, layer_hosts=("swa",) * config.num_layers, window=w, context_window=None
         )
