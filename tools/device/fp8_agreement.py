@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", required=True)
     ap.add_argument(
-        "--prompts", required=True, help="a text file, one prompt a line (\\n in a line: a newline)"
+        "--prompts", required=True, help="a prompt file (text lines or .jsonl: prompt_sets)"
     )
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=128)
@@ -87,15 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     from unimem.models.fp8_convert import quantize_model_online
     from unimem.models.fp8_linear import weight_bytes
     from unimem.models.loader import load_checkpoint
+    from unimem.training.prompt_sets import read_prompts
 
     dev = torch.device(args.device)
     t0 = time.perf_counter()
     ckpt = load_checkpoint(args.model_path, dtype="bfloat16", device=dev)
     if ckpt.tokenizer is None:
         raise SystemExit(f"{args.model_path}: no tokenizer (the prompts need one)")
-    with open(args.prompts) as f:
-        # one prompt a line; a literal backslash-n inside a line stands for a newline
-        lines = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+    lines = read_prompts(args.prompts)
     if len(lines) < args.requests:
         raise SystemExit(f"--prompts has {len(lines)} prompts, {args.requests} needed")
     prompts = [ckpt.tokenizer.encode(t) for t in lines[: args.requests]]

@@ -69,7 +69,6 @@ __all__ = [
     "DraftAttention",
     "DraftConfig",
     "DsparkDrafter",
-    "check_context_window",
     "draft_config_for",
     "with_context_window",
 ]
@@ -315,7 +314,8 @@ def _context_window_host(window: object, target: HybridConfig | None) -> str:
     """The host of draft layers attending ``window`` positions: ``"swa"`` where ``target``'s
     SWA layers reach that far (no target: assumed so), else ``"full"``. ``ValueError`` for
     an invalid window, or a target with neither (SWA layers too short, no FULL layers)."""
-    check_context_window(window)
+    if not _is_int(window) or window < 1:
+        raise ValueError(f"context window must be an int >= 1, got {window!r}")
     if target is None:
         return "swa"
     if "swa" in target.layer_pattern and target.window is not None and window <= target.window:
@@ -326,12 +326,6 @@ def _context_window_host(window: object, target: HybridConfig | None) -> str:
         f"context window {window} exceeds the target's SWA window {target.window} and the "
         "target has no FULL layers to host a windowed draft layer"
     )
-
-
-def check_context_window(window: object) -> None:
-    """``ValueError`` unless ``window`` is an int >= 1 (a draft context window)."""
-    if not _is_int(window) or window < 1:
-        raise ValueError(f"context window must be an int >= 1, got {window!r}")
 
 
 def with_context_window(

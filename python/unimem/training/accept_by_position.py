@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = engine.model
     drafter = load_drafter(args.drafter, model, dtype=torch.float32)
-    for w in args.windows:  # an impossible window fails before the generation
-        with_context_window(drafter.config, w, model.config)
+    saved = drafter.config
+    # built before the generation: an impossible window fails at once
+    variants = [("as saved", saved)]
+    variants += [(f"window {w}", with_context_window(saved, w, model.config)) for w in args.windows]
     if args.prompts == "short":
         from unimem.data.prompts import short_prompts
 
@@ -93,9 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     data = teacher_forced_states(
         model, seqs, [len(p) for p in prompts], drafter.config.target_layers
     )
-    saved = drafter.config
-    variants = [("as saved", saved)]
-    variants += [(f"window {w}", with_context_window(saved, w, model.config)) for w in args.windows]
     rows = {}
     for name, config in variants:
         drafter.config = config

@@ -130,6 +130,14 @@ at most (:func:`confidence_calibration`, ``trainer.offline_accept_lengths``): lo
 sequences are split into anchor chunks under this bound (256 MiB of float32)."""
 
 
+def anchor_chunks(first: int, last: int, rows: int, gamma: int, vocab: int, device):
+    """``arange(first, last)`` (anchors of ``rows`` sequences) in chunks of at most
+    :data:`LOGITS_PER_PASS` logits."""
+    step = max(1, LOGITS_PER_PASS // max(1, rows * gamma * vocab))
+    for a0 in range(first, last, step):
+        yield torch.arange(a0, min(last, a0 + step), device=device)
+
+
 @dataclass
 class Rollouts:
     """Target greedy continuations, padded to ``S``: ``tokens [N, S]`` (prompt + output),
@@ -302,15 +310,14 @@ def confidence_calibration(drafter: DsparkDrafter, data: Rollouts, gamma: int) -
     # passes of a few sequences and a bounded number of anchors: long held-out sequences
     # would otherwise hold every anchor's block logits at once
     rows = 8
-    step = max(1, LOGITS_PER_PASS // (rows * gamma * drafter.config.out_vocab))
+    vocab = drafter.config.out_vocab
     surv, acc = [], []
     bce_sum = 0.0
     n = 0
     for start in range(0, len(data), rows):
         part = data.select(torch.arange(start, min(len(data), start + rows)))
         first, last = int(part.prompt_lens.min()), int(part.lengths.max()) - 1
-        for a0 in range(first, last, step):
-            anchors = torch.arange(a0, min(last, a0 + step), device=part.tokens.device)
+        for anchors in anchor_chunks(first, last, rows, gamma, vocab, part.tokens.device):
             out = distill_losses(
                 drafter, part.tokens, part.hidden, anchors, gamma, part.prompt_lens, part.lengths
             )

@@ -146,13 +146,6 @@ def frequent_tokens(data: Rollouts, k: int, vocab: int) -> torch.Tensor:
     return order[:k].clone()
 
 
-def _anchor_chunks(first: int, last: int, rows: int, gamma: int, vocab: int, device):
-    """``arange(first, last)`` in chunks of at most ``distill.LOGITS_PER_PASS`` logits."""
-    step = max(1, distill.LOGITS_PER_PASS // max(1, rows * gamma * vocab))
-    for a0 in range(first, last, step):
-        yield torch.arange(a0, min(last, a0 + step), device=device)
-
-
 @torch.no_grad()
 def _replay(
     drafter: DsparkDrafter, data: Rollouts, gamma: int, rows_per_pass: int
@@ -173,7 +166,7 @@ def _replay(
         hidden = [h[:, : tokens.shape[1]] for h in part.hidden]
         b = tokens.shape[0]
         chunks = []
-        for anchors in _anchor_chunks(first, last, b, gamma, vocab, tokens.device):
+        for anchors in distill.anchor_chunks(first, last, b, gamma, vocab, tokens.device):
             base = block_logits_dense(drafter, tokens, hidden, anchors, gamma)
             a = base.shape[1]
             picks = drafter.pick(base.reshape(b * a, gamma, -1), tokens[:, anchors].reshape(-1))
@@ -199,9 +192,15 @@ def offline_accept_lengths(
     :func:`unimem.training.distill.offline_accept_length`: the first anchor at each
     prompt's end, accept the longest matching prefix, advance by accepted + 1), with the
     drafts of every anchor computed in batched passes of ``rows_per_pass`` sequences (and
-    anchor chunks of at most ``distill.LOGITS_PER_PASS`` logits) and the replay on the host."""
+    anchor chunks, :func:`~unimem.training.distill.anchor_chunks`) and the replay on the
+    host."""
     steps = _replay(drafter, data, gamma, rows_per_pass)
-    return sum(a + 1 for _, a in steps) / len(steps) if steps else 0.0
+    return _committed_per_step([a for _, a in steps])
+
+
+def _committed_per_step(accepted: list[int]) -> float:
+    """Tokens committed per verify step (accepted drafts + 1), 0 for no step."""
+    return sum(a + 1 for a in accepted) / len(accepted) if accepted else 0.0
 
 
 def offline_accept_by_position(
@@ -221,13 +220,13 @@ def offline_accept_by_position(
     steps = _replay(drafter, data, gamma, rows_per_pass)
     out: dict[str, dict] = {}
     if steps:
-        out["all"] = {"accept": sum(a + 1 for _, a in steps) / len(steps), "steps": len(steps)}
+        out["all"] = {"accept": _committed_per_step([a for _, a in steps]), "steps": len(steps)}
     for k, lo in enumerate(edges):
         hi = edges[k + 1] if k + 1 < len(edges) else None
         got = [a for pos, a in steps if pos >= lo and (hi is None or pos < hi)]
         if got:
             key = f"{lo}-{'' if hi is None else hi - 1}"
-            out[key] = {"accept": sum(a + 1 for a in got) / len(got), "steps": len(got)}
+            out[key] = {"accept": _committed_per_step(got), "steps": len(got)}
     return out
 
 
