@@ -1,5 +1,6 @@
 """gumbel_argmax: the Triton kernel (through the interpreter on CPU) equals its torch
-reference; the noise is a pure function of (key, vocab index); filtered entries never win."""
+reference; the noise is a pure function of (key, vocab index); filtered entries never win.
+position_keys and hash_uniform: their one-launch kernels give the references' bits."""
 
 from __future__ import annotations
 
@@ -7,12 +8,18 @@ import math
 
 import pytest
 import torch
+from kernel_devices import DEVICES
 
 from unimem_kernel.sampling import (
     gumbel_argmax,
     gumbel_argmax_reference,
     gumbel_argmax_triton,
     hash_uniform,
+    hash_uniform_reference,
+    hash_uniform_triton,
+    position_keys,
+    position_keys_reference,
+    position_keys_triton,
     row_keys,
     stream_keys,
 )
@@ -118,3 +125,44 @@ def test_stream_keys_are_deterministic_distinct_and_uniform():
     assert abs(float(torch.corrcoef(torch.stack([u1, u2]))[0, 1])) < 0.08
     with pytest.raises(ValueError, match="stream"):
         stream_keys(keys, -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stream", [0, 1, 3, 2**32 - 1])
+def test_position_keys_kernel_gives_the_references_bits(device, stream):
+    """Seeds over the whole int64 range (negative ones, ones above 2**32), positions past
+    2**32 (only their low 32 bits count), a length that is not a multiple of the block."""
+    g = torch.Generator().manual_seed(stream % 1000)
+    n = 300
+    seeds = torch.randint(-(2**63), 2**63 - 1, (n,), generator=g, dtype=torch.int64)
+    seeds[:4] = torch.tensor([0, -1, 2**32, -(2**63)])
+    positions = torch.randint(0, 2**40, (n,), generator=g, dtype=torch.int64)
+    seeds, positions = seeds.to(device), positions.to(device)
+    want = position_keys_reference(seeds, positions, stream)
+    got = position_keys_triton(seeds, positions, stream)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(want, stream_keys(row_keys(seeds, positions), stream))
+    assert position_keys_triton(seeds[:0], positions[:0], stream).shape == (0,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n, vocab", [(1, 1), (7, 1), (3, 1000), (2, 70_001)])
+def test_hash_uniform_kernel_gives_the_references_bits(device, n, vocab):
+    keys = row_keys(torch.arange(n) * 977 - 5, torch.arange(n) + 3).to(device)
+    want = hash_uniform_reference(keys, vocab)
+    got = hash_uniform_triton(keys, vocab)
+    assert got.shape == (n, vocab) and torch.equal(got, want)
+
+
+def test_key_ops_refuse_bad_arguments():
+    s = torch.arange(4)
+    with pytest.raises(ValueError, match="seeds and positions must be"):
+        position_keys(s, s[:3], 1)
+    with pytest.raises(ValueError, match="integer"):
+        position_keys(s.float(), s, 1)
+    with pytest.raises(ValueError, match="stream"):
+        position_keys(s, s, 2**32)
+    with pytest.raises(ValueError, match="keys must be"):
+        hash_uniform(s[:, None], 3)
+    with pytest.raises(ValueError, match="vocab"):
+        hash_uniform(s, -1)

@@ -59,6 +59,34 @@ def test_step_profile_model_flags_are_checked_before_anything_runs():
     out = _bench("step-profile", "--model-path", "gemma-3-270m", "--gamma", "0")
     assert out.returncode == 2 and "--gamma must be >= 1" in out.stderr, out.stderr
     assert "--no-speculation" in out.stderr
+    # sampling flags: filters without a temperature, and values SamplingOptions refuses
+    out = _bench("step-profile", "--top-k", "64")
+    assert out.returncode == 2 and "need --temperature" in out.stderr, out.stderr
+    out = _bench("step-profile", "--temperature", "0.7", "--top-p", "1.5")
+    assert out.returncode == 2 and "top_p" in out.stderr, out.stderr
+
+
+def test_step_profile_replays_the_sampled_graphs_of_the_requests_rule():
+    """A sampled profile replays (and attributes) the step the engine runs for its requests:
+    the sampled graphs of their cut-off rule, not the greedy ones."""
+    from types import SimpleNamespace
+
+    from unimem.bench.step_profile import sampling_options, step_graphs
+    from unimem.models.sampler import BOUNDED, SORTED, UNFILTERED
+
+    runner = SimpleNamespace(
+        graphs="greedy", sample_graphs={r: r for r in (SORTED, BOUNDED, UNFILTERED)}
+    )
+
+    def args(t, k=-1, p=1.0):
+        return SimpleNamespace(temperature=t, top_k=k, top_p=p)
+
+    assert sampling_options(args(0.0)) is None
+    assert step_graphs(runner, sampling_options(args(0.0))) == "greedy"
+    assert step_graphs(runner, sampling_options(args(0.7))) == UNFILTERED
+    assert step_graphs(runner, sampling_options(args(0.7, 64, 0.95))) == BOUNDED
+    assert step_graphs(runner, sampling_options(args(0.7, -1, 0.9))) == SORTED
+    assert sampling_options(args(0.7, 64)).seed == 0
 
 
 def test_step_profile_host_only_runs_on_the_cpu(tmp_path):

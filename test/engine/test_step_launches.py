@@ -109,6 +109,44 @@ def test_gpt_oss_decode_step_has_no_torch_router_or_bias_glue(tmp_path, monkeypa
         assert names.get("aten.index", 0) <= 1 and names.get("aten.addmm", 0) <= 3, names
 
 
+SAMPLED_VERIFY_EXTRA = 240
+"""Launches a sampled DSPARK verify step (gamma 7) may add to the greedy one: the drafter's
+per-column draws and the accept (222 on the tiny Gemma 3 below). Each noise key derived
+with torch integer ops cost ~80 launches: ~930 more than greedy, 4.0 ms against 1.4 ms for
+the greedy step of 48 requests on an H100."""
+
+
+def test_dspark_sampled_verify_step_launches(gemma_path, monkeypatch):
+    """A sampled verify step (temperature 0.7: every filter off) launches at most
+    ``SAMPLED_VERIFY_EXTRA`` kernels more than the greedy one, none of them the torch integer
+    ops of noise keys (one ``position_keys`` launch per set of keys)."""
+    from unimem.engine.sampling import SamplingOptions
+
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    counts = {}
+    for temperature in (0.0, 0.7):
+        eng = unimem.Engine(
+            model_path=str(gemma_path), device="cpu", dtype="float32", page_size=4,
+            speculative_algorithm="DSPARK",
+        )  # fmt: skip
+        core = eng.core
+        for i, p in enumerate([list(range(5, 14)), list(range(7, 17))]):
+            opts = SamplingOptions(temperature=temperature, seed=i) if temperature else None
+            core.submit(p, 40, sampling=opts)
+        for _ in range(3):  # prefill, then verify steps
+            core.step()
+        counts[temperature] = count_step_launches(core)
+        eng.shutdown()
+    greedy, sampled = counts[0.0], counts[0.7]
+    assert sampled.total - greedy.total <= SAMPLED_VERIFY_EXTRA, sampled.summary()
+    names = {n for _, n in sampled.names}
+    assert (
+        not {"aten.bitwise_xor", "aten.bitwise_and", "aten.__rshift__", "aten.__lshift__"} & names
+    )
+    keys = sum(c for (_, n), c in sampled.names.items() if n == "triton._position_keys_kernel")
+    assert 1 <= keys <= 3, sampled.summary()  # draft, accept and residual streams
+
+
 @pytest.fixture(scope="module")
 def qwen3_5_path(tmp_path_factory):
     import tiny_qwen3_5

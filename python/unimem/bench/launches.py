@@ -24,6 +24,7 @@ triton; with the references the count measures the reference code, not the step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from unimem.models.sampler import batch_cut_rule
 
 # aten ops that launch no kernel (views, allocation, metadata)
 NO_LAUNCH = {
@@ -187,13 +190,20 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def count_step_launches(core, width: int | None = None) -> StepLaunches:
     """Launches of one eager decode (or, with a chain, verify) step of ``core``'s running
-    batch (``width`` lanes; default all running requests). The step is run once first so
-    that first-use work (Triton compiles, caches) stays out of the count, then once counted;
-    both advance the requests (call after the prefill, with tokens to spare)."""
+    batch (``width`` lanes; default all running requests), the step the engine launches for
+    it: the greedy one, or where a request samples the sampled one of the batch's cut-off
+    rule. The step is run once first so that first-use work (Triton compiles, caches) stays
+    out of the count, then once counted; both advance the requests (call after the prefill,
+    with tokens to spare)."""
     runner = core.runner
-    width = width or len(core.scheduler.running)
-    runner._uniform_step(width)
+    reqs = core.scheduler.running
+    width = width or len(reqs)
+    step = functools.partial(runner._uniform_step, width)
+    if any(not r.sampling.greedy for r in reqs):
+        rule = batch_cut_rule(r.sampling.cut_rule for r in reqs)
+        step = functools.partial(runner._sampling_step, width, rule)
+    step()
     counter = _Counter(decoder_layers(runner.model))
     with _attend_as_one(counter, runner.backend), _triton_launches(counter), _AtenOps(counter):
-        runner._uniform_step(width)
+        step()
     return counter.result

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
+import functools
 import gc
 import io
 import json
@@ -63,6 +65,7 @@ import triton
 
 from unimem.attention.fa4_backend import SPLIT_KV_MAX_BS, FA4Backend, split_kv_batch
 from unimem.engine.core import EngineCore
+from unimem.engine.sampling import SamplingOptions
 from unimem.engine.step_io import StagedResult
 from unimem.memory.static import StaticMemory
 from unimem.memory.unified import UnifiedMemory
@@ -142,16 +145,35 @@ def model_engine(kind: str, args, device: str = "cuda"):
     )  # fmt: skip
 
 
+def sampling_options(args) -> SamplingOptions | None:
+    """The requests' sampling (``--temperature``, ``--top-k``, ``--top-p``; seeded): None for
+    greedy."""
+    if args.temperature <= 0:
+        return None
+    return SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=0)
+
+
+def step_graphs(runner, sampling: SamplingOptions | None):
+    """The recorded steps the engine replays for a batch of requests that all pick with
+    ``sampling``: the greedy set, or the set of its cut-off rule."""
+    if sampling is None:
+        return runner.graphs
+    return runner.sample_graphs[sampling.cut_rule]
+
+
 def measure(eng: EngineCore, kind: str, args, prompts) -> dict:
     """Steady-state numbers of ``eng``'s step loop (one memory ``kind``: "static" or
     "unified"): submit ``prompts``, run until every request holds ``args.input_len`` tokens,
-    then measure (module docstring)."""
+    then measure (module docstring). With ``--temperature``, every request samples (each its
+    own seed) and the sampled step of its cut-off rule is the one replayed and profiled."""
     dev = eng.runner.device
     cfg = eng.model.config
     backend = eng.runner.backend
     split_kv_max_bs = backend.split_kv_max_bs
-    for p in prompts:
-        eng.submit(p, OUTPUT_LEN)
+    sampling = sampling_options(args)
+    for i, p in enumerate(prompts):
+        opts = None if sampling is None else dataclasses.replace(sampling, seed=i)
+        eng.submit(p, OUTPUT_LEN, sampling=opts)
     while any(r.kv_len < args.input_len for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     for _ in range(10):
@@ -182,17 +204,18 @@ def measure(eng: EngineCore, kind: str, args, prompts) -> dict:
 
     # 2. GPU time of one verify step (graph replays back to back)
     runner = eng.runner
+    graphs = step_graphs(runner, sampling)
     bs = len(eng.scheduler.running)
-    width = runner.graphs.bucket(bs)
+    width = graphs.bucket(bs)
     gpu_ms = median_ms(
-        lambda: runner.graphs.replay(width), warmup=1, iters=args.replays, repeats=1, device=dev
+        lambda: graphs.replay(width), warmup=1, iters=args.replays, repeats=1, device=dev
     )
 
     # 3. kernel breakdown
     n_prof = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(n_prof):
-            runner.graphs.replay(width)
+            graphs.replay(width)
         torch.cuda.synchronize()
     per_cat: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
@@ -206,10 +229,11 @@ def measure(eng: EngineCore, kind: str, args, prompts) -> dict:
             per_kernel[evt.key[:160]] += us / 1000 / n_prof
             per_kernel_calls[evt.key[:160]] += evt.count / n_prof
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top_kernels]
-    launch_sites = attribute_ops(runner, width, args.attribute) if args.attribute else []
+    launch_sites = attribute_ops(runner, width, args.attribute, sampling) if args.attribute else []
     return {
         "memory": kind,
         "step": "verify" if eng.chain is not None else "decode",
+        "sampling": None if sampling is None else dataclasses.asdict(sampling) | {"seed": "index"},
         "accept_length": (
             sum(r.verified_tokens for r in eng.scheduler.running)
             / max(1, sum(r.verify_steps for r in eng.scheduler.running))
@@ -237,8 +261,11 @@ def measure(eng: EngineCore, kind: str, args, prompts) -> dict:
     }
 
 
-def attribute_ops(runner, width: int, top: int) -> list[dict]:
-    """One eager verify step of ``width`` lanes (the lanes staged by the last launch) under
+def attribute_ops(
+    runner, width: int, top: int, sampling: SamplingOptions | None = None
+) -> list[dict]:
+    """One eager step of ``width`` lanes (the lanes staged by the last launch; the sampled
+    step of ``sampling``'s cut-off rule where given) under
     ``torch.profiler`` with Python stacks and shapes: the ``top`` (torch op, launch site)
     pairs by GPU time, in ms per step. The op is the outermost aten op under the Python caller
     (``aten::to`` rather than the ``aten::copy_`` that launched the kernel; matrix products
@@ -246,10 +273,14 @@ def attribute_ops(runner, width: int, top: int) -> list[dict]:
     its recorded stack. Runs after every other measurement: it advances
     the device state."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    runner._uniform_step(width)  # the eager path's own first-use work, outside the profile
+    if sampling is None:
+        step = functools.partial(runner._uniform_step, width)
+    else:
+        step = functools.partial(runner._sampling_step, width, sampling.cut_rule)
+    step()  # the eager path's own first-use work, outside the profile
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=acts, with_stack=True, record_shapes=True) as prof:
-        runner._uniform_step(width)
+        step()
         torch.cuda.synchronize()
     ms: dict[tuple[str, str], float] = defaultdict(float)
     calls: dict[tuple[str, str], int] = defaultdict(int)
@@ -313,6 +344,10 @@ def measure_extend(engine, args, prompts: list[list[int]], calls: int = 10) -> d
 
     ids = [p[: args.input_len] for p in prompts[: args.requests]]
     params = {"max_new_tokens": 1, "ignore_eos": True}
+    sampling = sampling_options(args)
+    if sampling is not None:
+        params |= {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                   "top_p": sampling.top_p, "seed": 0}  # fmt: skip
     for _ in range(3):  # compiles what the extend runs first (FA4's prefill variants)
         engine.generate(input_ids=ids, sampling_params=params)
     torch.cuda.synchronize()
@@ -440,8 +475,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --model-path: also time the extend step alone (module docstring)",
     )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request samples at this temperature (with --top-k / --top-p): the sampled "
+        "step of their cut-off rule is measured (default 0: greedy)",
+    )
+    ap.add_argument("--top-k", type=int, default=-1, help="with --temperature (-1: off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    try:
+        sampling_options(args)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.temperature <= 0 and (args.top_k != -1 or args.top_p != 1.0):
+        ap.error("--top-k and --top-p need --temperature > 0")
     if (args.drafter or args.no_speculation or args.extend) and not args.model_path:
         ap.error("--drafter, --no-speculation and --extend need --model-path")
     for name in ("requests", "gamma", "steps", "replays"):

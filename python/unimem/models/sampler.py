@@ -143,12 +143,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """``u [N, vocab]`` float32 in ``(0, 1)``: a pure function of ``(seeds[n],
     positions[n], v)`` (:func:`unimem_kernel.sampling.hash_uniform` of the row keys)."""
-    return kernel.hash_uniform(kernel.row_keys(seeds, positions), vocab)
+    return kernel.hash_uniform(kernel.position_keys(seeds, positions, 0), vocab)
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Standard Gumbel noise ``-log(-log(u))`` of :func:`hash_uniform`, ``[N, vocab]``."""
-    return kernel.gumbel_noise(kernel.row_keys(seeds, positions), vocab)
+    return kernel.gumbel_noise(kernel.position_keys(seeds, positions, 0), vocab)
 
 
 # ------------------------------------------------------------------- filters and sampling
@@ -349,6 +349,6 @@ def sample(
     t = torch.where(live, temperature.float(), 1.0)
     scaled = logits.float() / t[:, None]
     cut = keep_threshold(scaled, top_k, top_p.float(), min_p.float(), rule)
-    keys = kernel.row_keys(seeds, positions)
+    keys = kernel.position_keys(seeds, positions, 0)
     drawn = kernel.gumbel_argmax(scaled, cut.contiguous(), keys, torch.empty_like(greedy))
     return torch.where(live, drawn, greedy)

@@ -134,11 +134,15 @@ class DraftRunner:
             ref, take = self._control_decisions(seq_lens, rids, base.shape[1])
         t, k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
         d2t = self.drafter.d2t if self.drafter.config.reduced else None
+        # every column's noise keys in one launch: column i proposes the token at position
+        # seq_len + i + 1
+        gamma = base.shape[1]
+        cols = torch.arange(1, gamma + 1, device=start.device)
+        keys = spec_sampling.stream_keys(params.seeds, start[:, None] + cols[None, :], DRAFT)
 
         def choose(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-            pos = start + (i + 1)  # column i proposes the token at position seq_len + i + 1
             q = filtered_probs(logits, t, k, top_p, min_p, params.rule)
-            drawn = spec_sampling.draw(q, spec_sampling.stream_keys(params.seeds, pos, DRAFT))
+            drawn = spec_sampling.draw(q, keys[:, i])
             idx = torch.where(live, drawn, torch.argmax(logits, dim=-1))  # draft ids
             qx = q.gather(1, idx[:, None])[:, 0]
             tok = idx if d2t is None else d2t[idx]

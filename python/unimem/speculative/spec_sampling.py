@@ -81,7 +81,8 @@ def stream_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> to
     s = seeds.long()
     if positions.dim() == 2:
         s = s[:, None].expand_as(positions)
-    return kernel.stream_keys(kernel.row_keys(s, positions), stream)
+    flat = kernel.position_keys(s.reshape(-1), positions.long().reshape(-1), stream)
+    return flat.reshape(positions.shape)
 
 
 def uniforms(keys: torch.Tensor) -> torch.Tensor:

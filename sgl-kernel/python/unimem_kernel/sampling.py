@@ -1,4 +1,4 @@
-"""Gumbel-max draw over filtered logits with counter-based noise.
+"""Gumbel-max draw over filtered logits with counter-based noise, and the noise's keys.
 
 ``gumbel_argmax(scaled, cut, keys, out)``: for every row ``n`` of ``scaled [N, V]`` (float32),
 ``out[n] = argmax_v(scaled[n, v] + g(keys[n], v))`` over the ``v`` with
@@ -12,6 +12,12 @@ its partials (the smallest index among equal scores). The maximum and its first 
 depend on how the row is cut, so the draw is the same for any split. (One program per row
 walked a 262 144-token row alone: ~0.5 ms per draw at one row on an H100, most of a sampled
 decode step.)
+
+The keys: :func:`position_keys` ``(seeds [N], positions [N], stream)`` is the key of each
+``(seed, position)`` in random stream ``stream`` — :func:`stream_keys` of :func:`row_keys` —
+in one launch (composed of torch integer ops, one key costs ~80 tiny kernels: a sampled
+DSPARK step derived ~10 sets of keys, ~800 of its ~1 250 launches). :func:`hash_uniform`
+``(keys [N], vocab)`` is the uniform ``[N, vocab]`` of the draw, also one launch.
 
 The hash is lowbias32 (a bijection of 32-bit values) applied twice to a Weyl sequence of the
 vocabulary index offset by the key; the uniform takes its top 23 bits, centred in their
@@ -39,6 +45,11 @@ __all__ = [
     "gumbel_argmax_triton",
     "gumbel_noise",
     "hash_uniform",
+    "hash_uniform_reference",
+    "hash_uniform_triton",
+    "position_keys",
+    "position_keys_reference",
+    "position_keys_triton",
     "row_keys",
     "stream_keys",
 ]
@@ -136,6 +147,68 @@ def gumbel_argmax_triton(
     return out
 
 
+KEYS_BLOCK = 256
+"""Keys (or uniforms) per program of :func:`position_keys` / :func:`hash_uniform`."""
+
+
+@triton.jit
+def _position_keys_kernel(
+    seeds_ptr, pos_ptr, out_ptr, n,
+    HAS_STREAM: tl.constexpr, STREAM_SALT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Keys ``[n]`` of ``(seed, position)`` pairs: :func:`row_keys`, then with ``HAS_STREAM``
+    the re-hash with ``STREAM_SALT`` (``_mix32_int(stream ^ _SALT)``) of :func:`stream_keys`.
+    uint64 arithmetic on values below ``2**32`` (products masked back to 32 bits)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    seed = tl.load(seeds_ptr + offs, mask=mask, other=0).to(tl.uint64)  # the same 64 bits
+    pos = tl.load(pos_ptr + offs, mask=mask, other=0).to(tl.uint64)
+    h = _mix32_u64((seed & 0xFFFFFFFF) ^ 0x5BD1E995)
+    h = _mix32_u64(h ^ (seed >> 32))
+    h = _mix32_u64(h ^ (pos & 0xFFFFFFFF))
+    if HAS_STREAM:
+        h = _mix32_u64(h ^ STREAM_SALT)
+    tl.store(out_ptr + offs, h.to(tl.int64), mask=mask)
+
+
+@triton.jit
+def _hash_uniform_kernel(keys_ptr, out_ptr, total, vocab, BLOCK: tl.constexpr):
+    """``out`` (``[N, vocab]`` flattened, ``total`` entries): the uniform of
+    :func:`hash_uniform` of each entry's row key and vocabulary index."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    key = tl.load(keys_ptr + offs // vocab, mask=mask, other=0).to(tl.uint64)
+    v = (offs % vocab).to(tl.uint64)
+    x = (key + ((v * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
+    x = _mix32_u64(_mix32_u64(x) ^ key)
+    u = ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+    tl.store(out_ptr + offs, u, mask=mask)
+
+
+def position_keys_triton(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """Triton launcher of :func:`position_keys` (arguments already checked): one launch."""
+    n = seeds.shape[0]
+    out = torch.empty(n, dtype=torch.int64, device=seeds.device)
+    if n:
+        _position_keys_kernel[(triton.cdiv(n, KEYS_BLOCK),)](
+            seeds.long().contiguous(), positions.long().contiguous(), out, n,
+            HAS_STREAM=stream != 0, STREAM_SALT=_mix32_int(stream ^ _SALT) if stream else 0,
+            BLOCK=KEYS_BLOCK,
+        )  # fmt: skip
+    return out
+
+
+def hash_uniform_triton(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Triton launcher of :func:`hash_uniform` (arguments already checked): one launch."""
+    n = keys.shape[0]
+    out = torch.empty(n, vocab, dtype=torch.float32, device=keys.device)
+    if n * vocab:
+        _hash_uniform_kernel[(triton.cdiv(n * vocab, KEYS_BLOCK),)](
+            keys.long().contiguous(), out, n * vocab, vocab, BLOCK=KEYS_BLOCK
+        )
+    return out
+
+
 # ------------------------------------------------------------------- torch reference
 
 
@@ -184,12 +257,61 @@ def stream_keys(keys: torch.Tensor, stream: int) -> torch.Tensor:
     return _mix32(keys.long() ^ _mix32_int(stream ^ _SALT))
 
 
-def hash_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+def position_keys_reference(
+    seeds: torch.Tensor, positions: torch.Tensor, stream: int
+) -> torch.Tensor:
+    """Keys ``[N]`` (int64 in ``[0, 2**32)``) of stream ``stream`` at int64 ``seeds [N]`` and
+    ``positions [N]``: ``stream_keys(row_keys(seeds, positions), stream)``."""
+    return stream_keys(row_keys(seeds, positions), stream)
+
+
+def _check_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> None:
+    if seeds.dim() != 1 or positions.shape != seeds.shape:
+        raise ValueError(
+            f"seeds and positions must be [N] each, got {tuple(seeds.shape)} and "
+            f"{tuple(positions.shape)}"
+        )
+    if seeds.device != positions.device:
+        raise ValueError("seeds and positions must be on one device")
+    if seeds.is_floating_point() or positions.is_floating_point():
+        raise ValueError("seeds and positions must be integer tensors")
+    if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream <= _M32:
+        raise ValueError(f"stream must be an int in [0, 2**32), got {stream!r}")
+
+
+position_keys = kernel_op(
+    "position_keys",
+    triton=position_keys_triton,
+    reference=position_keys_reference,
+    device_of="seeds",
+    check=_check_keys,
+)
+
+
+def hash_uniform_reference(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """``u [N, vocab]`` float32 in ``(0, 1)``, a pure function of ``(keys[n], v)``."""
     key = keys.long()[:, None]
     v = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]
     x = _mix32(_mix32((key + _mul32(v, _WEYL)) & _M32) ^ key)
     return ((x >> 9) * 2 + 1).float() * (1.0 / (1 << 24))
+
+
+def _check_uniform(keys: torch.Tensor, vocab: int) -> None:
+    if keys.dim() != 1 or keys.is_floating_point():
+        raise ValueError(
+            f"keys must be an integer [N] tensor, got {tuple(keys.shape)} {keys.dtype}"
+        )
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0:
+        raise ValueError(f"vocab must be an int >= 0, got {vocab!r}")
+
+
+hash_uniform = kernel_op(
+    "hash_uniform",
+    triton=hash_uniform_triton,
+    reference=hash_uniform_reference,
+    device_of="keys",
+    check=_check_uniform,
+)
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
