@@ -381,7 +381,8 @@ def _paged_attention_launches() -> list[tuple[str, Callable[[], None]]]:
 
 def _sampling_launches() -> list[tuple[str, Callable[[], None]]]:
     """The Gumbel-max draw of a sampled token: Gemma 3's 262 144-token vocabulary at 1 and 48
-    rows, the small preset's 32 000 at 384 (a verify's rows)."""
+    rows, the small preset's 32 000 at 384 (a verify's rows); the noise keys of each stream
+    and the accept uniforms at a verify's 48 x 7 rows."""
     import torch
 
     from unimem_kernel import sampling
@@ -392,9 +393,19 @@ def _sampling_launches() -> list[tuple[str, Callable[[], None]]]:
         out = torch.empty(rows, dtype=torch.int64)
         sampling.gumbel_argmax(scaled, scaled.max(dim=-1).values - 1.0, keys, out)
 
+    def keys(n: int, stream: int):
+        sampling.position_keys(torch.arange(n) - 7, torch.arange(n), stream)
+
     return [
-        (f"gumbel_argmax rows {rows} vocab {vocab}", lambda r=rows, v=vocab: call(r, v))
-        for rows, vocab in ((1, 262144), (48, 262144), (384, 32000))
+        *(
+            (f"gumbel_argmax rows {rows} vocab {vocab}", lambda r=rows, v=vocab: call(r, v))
+            for rows, vocab in ((1, 262144), (48, 262144), (384, 32000))
+        ),
+        *(
+            (f"position_keys stream {stream}", lambda s=stream: keys(336, s))
+            for stream in (0, 1, 2, 3)  # the token, draft, accept and residual streams
+        ),
+        ("hash_uniform 336 x 1", lambda: sampling.hash_uniform(torch.arange(336), 1)),
     ]
 
 
@@ -842,7 +853,13 @@ _KERNELS = {
     "unimem_kernel.kv_store": _in("kv_store", "_store_kv_kernel", "_rope_store_kernel"),
     "unimem_kernel.norm_gemv": _in("norm_gemv", "_norm_linear_kernel"),
     "unimem_kernel.paged_attention": _in("paged_attention", "_split_kv_kernel", "_combine_kernel"),
-    "unimem_kernel.sampling": _in("sampling", "_gumbel_partial_kernel", "_gumbel_pick_kernel"),
+    "unimem_kernel.sampling": _in(
+        "sampling",
+        "_gumbel_partial_kernel",
+        "_gumbel_pick_kernel",
+        "_position_keys_kernel",
+        "_hash_uniform_kernel",
+    ),
     "unimem_kernel.greedy_accept": _in("greedy_accept", "_row_argmax_kernel", "_accept_kernel"),
     "unimem_kernel.greedy_pick": _in("greedy_pick", "_partial_kernel", "_combine_kernel"),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
