@@ -164,3 +164,22 @@ def test_step_profile_sizes_a_real_models_pool_for_its_requests(tmp_path, kind, 
         engine.core.check_request(list(range(3, 3 + args.input_len)), OUTPUT_LEN)
     finally:
         engine.shutdown()
+
+
+def test_step_profile_real_prompts_start_every_request_at_the_input_length():
+    """``step-profile --model-path`` prompts: exactly ``--input-len`` tokens each, distinct,
+    real text (a request that starts short grows to the steady state while faster ones finish:
+    the profile of "48 requests" measured fewer)."""
+    from unimem.bench.step_profile import real_prompts
+    from unimem.data.prompts import short_prompts
+
+    def encode(text):  # one id per word, a <bos> first: a tokenizer's shape
+        return [2] + [hash(w) % 50_000 for w in text.split()]
+
+    for length in (16, 512, 5000):
+        prompts = real_prompts(encode, 6, length)
+        assert [len(p) for p in prompts] == [length] * 6
+        assert len({tuple(p) for p in prompts}) == 6
+        assert all(p[0] == 2 and p.count(2) == 1 for p in prompts)  # encoded once
+    texts = short_prompts()
+    assert real_prompts(encode, 2, 40)[1] == encode("\n\n".join(texts[1:] + texts[:1]))[:40]

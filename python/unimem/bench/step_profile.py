@@ -27,7 +27,8 @@ parts 2-3 advance the device state past what the host read, so they come last.
 ``--model-path M`` measures a real model's step instead, built as ``unimem.Engine`` builds it
 (its CUDA graphs, its attention backend's defaults): DSPARK's verify step with the drafter
 shipped for it (``--drafter DIR``: another), the acceptance control off, on the package's
-real prompts; ``--no-speculation``: its plain decode step. Each JSON run then also names the
+real prompts (joined and cut to ``--input-len`` tokens each, :func:`real_prompts`);
+``--no-speculation``: its plain decode step. Each JSON run then also names the
 model, the drafter and the accept length.
 
     python -m unimem bench step-profile --model-path gemma-3-270m --requests 1 --json v1.json
@@ -179,6 +180,11 @@ def measure(eng: EngineCore, kind: str, args, prompts) -> dict:
     for _ in range(10):
         eng.step()
     torch.cuda.synchronize()
+    if len(eng.scheduler.running) != len(prompts):
+        raise RuntimeError(
+            f"{len(eng.scheduler.running)} of {len(prompts)} requests running at the steady "
+            "state (the others finished or wait): the profile would measure a smaller batch"
+        )
 
     # 1. engine loop, host share
     waited = Stopwatch()
@@ -546,19 +552,35 @@ def main(argv: list[str] | None = None) -> int:
     return _finish(args, gpu, results)
 
 
-def _main_model(args) -> int:
-    """``--model-path``: the real model's steady-state step per memory kind."""
+def real_prompts(encode, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of exactly ``length`` token ids each (``encode``: text -> ids): prompt
+    ``i`` is the package's short real prompts joined by blank lines, starting at the
+    ``i``-th, encoded once and cut. Every request starts at ``length`` tokens, so the steady
+    state begins after the prefill: grown from short prompts, the requests with the longest
+    accepts ran out of output while the slowest reached ``length``, and a profile of "48
+    requests" measured the 26-32 left."""
     from unimem.data.prompts import short_prompts
 
+    texts = short_prompts()
+    out = []
+    for i in range(n):
+        order = texts[i % len(texts) :] + texts[: i % len(texts)]
+        text = "\n\n".join(order)
+        ids = encode(text)
+        while len(ids) < length:
+            text = text + "\n\n" + text
+            ids = encode(text)
+        out.append(ids[:length])
+    return out
+
+
+def _main_model(args) -> int:
+    """``--model-path``: the real model's steady-state step per memory kind."""
     gpu = torch.cuda.get_device_name()
     results = []
     for kind in args.memory.split(","):
         engine = model_engine(kind, args)
-        texts = short_prompts()
-        prompts = [  # at most input_len tokens: the pool is sized for that (model_engine)
-            engine.tokenizer.encode(texts[i % len(texts)])[: args.input_len]
-            for i in range(args.requests)
-        ]
+        prompts = real_prompts(engine.tokenizer.encode, args.requests, args.input_len)
         step = "decode (no speculation)" if args.no_speculation else f"DSPARK gamma {args.gamma}"
         print(f"{gpu}: {args.model_path}, {args.requests} requests, {step}, drafter "
               f"{engine.drafter_path}, page {args.page_size}, {kind}; steady state from "
