@@ -379,6 +379,25 @@ def _paged_attention_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _draw_probs_launches() -> list[tuple[str, Callable[[], None]]]:
+    """A sampled draft column's draw with its distribution: the Gemma 3 drafter's 32 768-token
+    vocabulary at 48 rows, in bf16 (the drafter's logits) and float32."""
+    import torch
+
+    from unimem_kernel.draw_probs import draw_with_probs
+
+    def call(rows: int, vocab: int, dtype):
+        logits = torch.randn(rows, vocab).to(dtype)
+        t = torch.full((rows,), 0.7)
+        draw_with_probs(logits, t, torch.full((rows,), float("-inf")), torch.arange(rows))
+
+    return [
+        (f"draw_with_probs rows 48 vocab 32768 {name}",
+         lambda n=name: call(48, 32768, getattr(torch, n)))
+        for name in ("bfloat16", "float32")
+    ]  # fmt: skip
+
+
 def _sampling_launches() -> list[tuple[str, Callable[[], None]]]:
     """The Gumbel-max draw of a sampled token: Gemma 3's 262 144-token vocabulary at 1 and 48
     rows, the small preset's 32 000 at 384 (a verify's rows); the noise keys of each stream
@@ -860,6 +879,7 @@ _KERNELS = {
         "_position_keys_kernel",
         "_hash_uniform_kernel",
     ),
+    "unimem_kernel.draw_probs": _in("draw_probs", "_draw_partial_kernel", "_draw_write_kernel"),
     "unimem_kernel.greedy_accept": _in("greedy_accept", "_row_argmax_kernel", "_accept_kernel"),
     "unimem_kernel.greedy_pick": _in("greedy_pick", "_partial_kernel", "_combine_kernel"),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
@@ -881,6 +901,7 @@ _LAUNCHES = {
     "unimem_kernel.norm_gemv": _norm_gemv_launches,
     "unimem_kernel.paged_attention": _paged_attention_launches,
     "unimem_kernel.sampling": _sampling_launches,
+    "unimem_kernel.draw_probs": _draw_probs_launches,
     "unimem_kernel.greedy_accept": _greedy_accept_launches,
     "unimem_kernel.greedy_pick": _greedy_pick_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,

@@ -26,6 +26,7 @@ lanes of the target's own pages, reached through the pool's per-lane views.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -34,9 +35,10 @@ from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.models import batch_invariant
-from unimem.models.sampler import SamplingRows, filtered_probs
+from unimem.models.sampler import UNFILTERED, SamplingRows, keep_threshold
 from unimem.speculative import spec_sampling
 from unimem.speculative.chain import DsparkChain
+from unimem_kernel.draw_probs import draw_with_probs
 
 __all__ = ["DraftRunner"]
 
@@ -121,11 +123,12 @@ class DraftRunner:
         included) under the lane's temperature and top-k / top-p / min-p
         (:func:`unimem.models.sampler.filtered_probs`), over the drafter's own vocabulary
         (a reduced one: the same distribution as over the target's with ``-inf`` off
-        ``d2t``, in ``K`` entries instead of the target's ``V``) — with the draft stream's
-        noise at the token's position; a greedy lane picks exactly as :meth:`propose` (its
-        ``q`` is never read). A draft the acceptance control replaces gets the point mass on
-        the reference as its proposal. With ``survival``: ``(tokens, proposals, survival
-        [bs, gamma] float32)``."""
+        ``d2t``, in ``K`` entries instead of the target's ``V``) — the Gumbel-max draw over
+        the column's kept tempered logits with the draft stream's noise at the token's
+        position (:func:`unimem_kernel.draw_probs.draw_with_probs`); a greedy lane picks
+        exactly as :meth:`propose` (its ``q`` is never read). A draft the acceptance control
+        replaces gets the point mass on the reference as its proposal. With ``survival``:
+        ``(tokens, proposals, survival [bs, gamma] float32)``."""
         base, hidden = self._block_forward(rows, seq_lens, anchors)
         control = self.chain.control
         start = seq_lens.long()
@@ -139,14 +142,22 @@ class DraftRunner:
         gamma = base.shape[1]
         cols = torch.arange(1, gamma + 1, device=start.device)
         keys = spec_sampling.stream_keys(params.seeds, start[:, None] + cols[None, :], DRAFT)
+        keys = keys.t().contiguous()  # [gamma, bs]: a column's keys contiguous
+
+        no_cut = torch.full_like(t, -math.inf, dtype=torch.float32)
+        t_cut = torch.where(live, t.float(), 1.0)  # the sampler's scaling of a row's cut-off
+        replaced = torch.zeros_like(live)
 
         def choose(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-            q = filtered_probs(logits, t, k, top_p, min_p, params.rule)
-            drawn = spec_sampling.draw(q, keys[:, i])
-            idx = torch.where(live, drawn, torch.argmax(logits, dim=-1))  # draft ids
-            qx = q.gather(1, idx[:, None])[:, 0]
+            cut = no_cut
+            if params.rule != UNFILTERED:
+                cut = keep_threshold(
+                    logits.float() / t_cut[:, None], k, top_p.float(), min_p.float(), params.rule
+                )
+            # the draw, q (filtered_probs's distribution) and q(x) in two launches
+            idx, q, qx = draw_with_probs(logits, t, cut, keys[i])  # draft ids
             tok = idx if d2t is None else d2t[idx]
-            point = torch.zeros_like(live)
+            point = replaced
             if control is not None:
                 point = take[:, i]
                 tok = torch.where(point, ref[:, i].long(), tok)
