@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from unimem_kernel._dispatch import kernel_op, next_pow2
-from unimem_kernel.sampling import _mix32_u64, gumbel_argmax_reference
+from unimem_kernel.sampling import _uniform_u64, gumbel_argmax_reference
 
 __all__ = [
     "SPLIT",
@@ -88,11 +88,8 @@ def _draw_partial_kernel(
         sv = sv * alpha + e
         mv = new_m
         # the Gumbel draw (the noise of unimem_kernel.sampling's draw at this index)
-        v = idx.to(tl.uint64)
-        h = (key + ((v * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
-        h = _mix32_u64(_mix32_u64(h) ^ key)
-        u = ((h >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
-        score = tl.where(kept, s + -tl.log(-tl.log(u)), float("-inf"))
+        g = -tl.log(-tl.log(_uniform_u64(key, idx.to(tl.uint64))))
+        score = tl.where(kept, s + g, float("-inf"))
         best_i = tl.where(score > best, idx, best_i)  # strictly: a lane keeps its first
         best = tl.maximum(best, score)
         raw_i = tl.where(x > raw, idx, raw_i)

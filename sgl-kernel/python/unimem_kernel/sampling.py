@@ -70,6 +70,16 @@ def _mix32_u64(x):
     return x ^ (x >> 16)
 
 
+@triton.jit
+def _uniform_u64(key, v):
+    """The uniform of :func:`hash_uniform` at vocabulary index ``v`` (uint64) of a row's key
+    (uint64 below ``2**32``), float32 in ``(0, 1)``: the one definition every kernel draws
+    its noise with."""
+    x = (key + ((v * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
+    x = _mix32_u64(_mix32_u64(x) ^ key)
+    return ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+
+
 BLOCK = 1024
 """Logits per loop step of a program of the draw."""
 
@@ -99,11 +109,7 @@ def _gumbel_partial_kernel(
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
         x_s = tl.load(row + offs, mask=mask, other=-float("inf"))
-        v = offs.to(tl.uint64)
-        x = (key + ((v * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
-        x = _mix32_u64(_mix32_u64(x) ^ key)
-        u = ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
-        g = -tl.log(-tl.log(u))
+        g = -tl.log(-tl.log(_uniform_u64(key, offs.to(tl.uint64))))
         score = tl.where(mask & (x_s >= cut), x_s + g, -float("inf"))
         blk_max = tl.max(score, axis=0)
         blk_idx = tl.min(tl.where(mask & (score == blk_max), offs, hi), axis=0).to(tl.int64)
@@ -178,11 +184,7 @@ def _hash_uniform_kernel(keys_ptr, out_ptr, total, vocab, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     key = tl.load(keys_ptr + offs // vocab, mask=mask, other=0).to(tl.uint64)
-    v = (offs % vocab).to(tl.uint64)
-    x = (key + ((v * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
-    x = _mix32_u64(_mix32_u64(x) ^ key)
-    u = ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
-    tl.store(out_ptr + offs, u, mask=mask)
+    tl.store(out_ptr + offs, _uniform_u64(key, (offs % vocab).to(tl.uint64)), mask=mask)
 
 
 def position_keys_triton(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
