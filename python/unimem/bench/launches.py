@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from unimem.models.sampler import batch_cut_rule
-
 # aten ops that launch no kernel (views, allocation, metadata)
 NO_LAUNCH = {
     "_reshape_alias", "_unsafe_view", "alias", "as_strided", "detach", "dim", "empty",
@@ -198,10 +196,7 @@ def count_step_launches(core, width: int | None = None) -> StepLaunches:
     runner = core.runner
     reqs = core.scheduler.running
     width = width or len(reqs)
-    step = functools.partial(runner._uniform_step, width)
-    if any(not r.sampling.greedy for r in reqs):
-        rule = batch_cut_rule(r.sampling.cut_rule for r in reqs)
-        step = functools.partial(runner._sampling_step, width, rule)
+    step = functools.partial(runner.eager_step, width, runner.step_rule(reqs))
     step()
     counter = _Counter(decoder_layers(runner.model))
     with _attend_as_one(counter, runner.backend), _triton_launches(counter), _AtenOps(counter):

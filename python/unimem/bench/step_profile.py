@@ -279,10 +279,8 @@ def attribute_ops(
     its recorded stack. Runs after every other measurement: it advances
     the device state."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    if sampling is None:
-        step = functools.partial(runner._uniform_step, width)
-    else:
-        step = functools.partial(runner._sampling_step, width, sampling.cut_rule)
+    rule = None if sampling is None else sampling.cut_rule
+    step = functools.partial(runner.eager_step, width, rule)
     step()  # the eager path's own first-use work, outside the profile
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=acts, with_stack=True, record_shapes=True) as prof:

@@ -286,18 +286,29 @@ class ModelRunner:
             [r.rid for r in batch.reqs],
             width,
         )
-        draw = any(not r.sampling.greedy for r in batch.reqs)
-        rule = batch_cut_rule(r.sampling.cut_rule for r in batch.reqs) if draw else SORTED
-        graphs = self.graphs
-        if draw:
-            graphs = self.sample_graphs.get(rule)
+        rule = self.step_rule(batch.reqs)
+        graphs = self.graphs if rule is None else self.sample_graphs.get(rule)
         if graphs is not None:
             graphs.replay(width)
-        elif draw:
-            self._sampling_step(width, rule)
         else:
-            self._uniform_step(width)
+            self.eager_step(width, rule)
         return bs
+
+    @staticmethod
+    def step_rule(reqs) -> str | None:
+        """The step ``reqs`` take: None for the greedy one (no request samples), else the
+        cut-off rule of the sampled one (:func:`~unimem.models.sampler.batch_cut_rule`)."""
+        if all(r.sampling.greedy for r in reqs):
+            return None
+        return batch_cut_rule(r.sampling.cut_rule for r in reqs)
+
+    def eager_step(self, width: int, rule: str | None = None) -> None:
+        """The decode (or verify) step of ``width`` staged lanes run eagerly: the greedy one
+        (``rule`` None) or the sampled one of ``rule`` (:meth:`step_rule`)."""
+        if rule is None:
+            self._uniform_step(width)
+        else:
+            self._sampling_step(width, rule)
 
     def _uniform_step(self, width: int) -> None:
         if self.chain is not None:

@@ -144,16 +144,19 @@ class DraftRunner:
         keys = spec_sampling.stream_keys(params.seeds, start[:, None] + cols[None, :], DRAFT)
         keys = keys.t().contiguous()  # [gamma, bs]: a column's keys contiguous
 
-        no_cut = torch.full_like(t, -math.inf, dtype=torch.float32)
-        t_cut = torch.where(live, t.float(), 1.0)  # the sampler's scaling of a row's cut-off
+        filtered = params.rule != UNFILTERED
+        if filtered:  # the sampler's scaling of a row before its cut-off
+            t_cut = torch.where(live, t.float(), 1.0)
+        else:
+            no_cut = torch.full_like(t, -math.inf, dtype=torch.float32)
         replaced = torch.zeros_like(live)
 
         def choose(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-            cut = no_cut
-            if params.rule != UNFILTERED:
-                cut = keep_threshold(
-                    logits.float() / t_cut[:, None], k, top_p.float(), min_p.float(), params.rule
-                )
+            if filtered:
+                scaled = logits.float() / t_cut[:, None]
+                cut = keep_threshold(scaled, k, top_p.float(), min_p.float(), params.rule)
+            else:
+                cut = no_cut
             # the draw, q (filtered_probs's distribution) and q(x) in two launches
             idx, q, qx = draw_with_probs(logits, t, cut, keys[i])  # draft ids
             tok = idx if d2t is None else d2t[idx]
