@@ -502,8 +502,44 @@ def _greedy_pick_launches() -> list[tuple[str, Callable[[], None]]]:
 
     from unimem_kernel import greedy_pick
 
+    def tempered(stats: bool, cut: bool):
+        rows = 48 * 8
+        op = greedy_pick.tempered_token_stats if stats else greedy_pick.tempered_token_probs
+        op(torch.randn(rows, 262144), torch.full((rows,), 0.7), torch.zeros(rows).long(),
+           torch.zeros(rows) if cut else None)  # fmt: skip
+
     return [("greedy_logprob V=262144", lambda: greedy_pick.greedy_logprob(
-        torch.randn(4, 262144), torch.zeros(4, 8)[:, 0]))]  # fmt: skip
+        torch.randn(4, 262144), torch.zeros(4, 8)[:, 0]))] + [
+        (f"tempered_token_{'stats' if s else 'probs'} 48 x 8 rows V=262144"
+         f"{' cut' if c else ''}", lambda s=s, c=c: tempered(s, c))
+        for s in (False, True) for c in (False, True)
+    ]  # fmt: skip
+
+
+def _residual_draw_launches() -> list[tuple[str, Callable[[], None]]]:
+    """A sampled verify step's last draw: 48 lanes of 8 rows over Gemma 3's 262 144-token
+    vocabulary, the proposal over a 32 768-token draft vocabulary (and over the full one)."""
+    import torch
+
+    from unimem_kernel.residual_draw import residual_draw
+
+    def call(reduced: bool, dtype):
+        n, vw, vocab = 48, 8, 262144
+        k = 32768 if reduced else vocab
+        t2d = torch.full((vocab,), k).long() if reduced else None
+        residual_draw(
+            torch.randn(n * vw, vocab).to(dtype), vw, torch.zeros(n).long(),
+            torch.full((n,), vw - 1).long(), torch.full((n,), 0.7), torch.zeros(n * vw),
+            torch.zeros(n * vw), torch.zeros(n, vw - 1, k), t2d,
+            torch.zeros(n, vw - 1, dtype=torch.bool), torch.zeros(n, vw - 1).long(),
+            torch.arange(n),
+        )  # fmt: skip
+
+    return [
+        (f"residual_draw 48 x 8 V=262144 {'K=32768' if r else 'full'} {name}",
+         lambda r=r, n=name: call(r, getattr(torch, n)))
+        for r in (True, False) for name in ("float32", "bfloat16")
+    ]  # fmt: skip
 
 
 def _greedy_accept_launches() -> list[tuple[str, Callable[[], None]]]:
@@ -881,7 +917,12 @@ _KERNELS = {
     ),
     "unimem_kernel.draw_probs": _in("draw_probs", "_draw_partial_kernel", "_draw_write_kernel"),
     "unimem_kernel.greedy_accept": _in("greedy_accept", "_row_argmax_kernel", "_accept_kernel"),
-    "unimem_kernel.greedy_pick": _in("greedy_pick", "_partial_kernel", "_combine_kernel"),
+    "unimem_kernel.greedy_pick": _in(
+        "greedy_pick", "_partial_kernel", "_combine_kernel", "_token_prob_kernel"
+    ),
+    "unimem_kernel.residual_draw": _in(
+        "residual_draw", "_residual_partial_kernel", "_residual_pick_kernel"
+    ),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
     "unimem_kernel.expert_combine": _in("expert_combine", "_moe_combine_kernel"),
     "unimem_kernel.expert_route": _in(
@@ -904,6 +945,7 @@ _LAUNCHES = {
     "unimem_kernel.draw_probs": _draw_probs_launches,
     "unimem_kernel.greedy_accept": _greedy_accept_launches,
     "unimem_kernel.greedy_pick": _greedy_pick_launches,
+    "unimem_kernel.residual_draw": _residual_draw_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
     "unimem_kernel.expert_combine": _expert_combine_launches,
     "unimem_kernel.expert_route": _expert_route_launches,

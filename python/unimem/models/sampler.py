@@ -42,7 +42,11 @@ from dataclasses import dataclass
 import torch
 
 import unimem_kernel.sampling as kernel
-from unimem_kernel.greedy_pick import greedy_logprob, tempered_token_probs
+from unimem_kernel.greedy_pick import (
+    greedy_logprob,
+    tempered_token_probs,
+    tempered_token_stats,
+)
 
 __all__ = [
     "BOUNDED",
@@ -55,6 +59,7 @@ __all__ = [
     "cut_rule",
     "filtered_probs",
     "filtered_token_probs",
+    "filtered_token_stats",
     "gumbel_noise",
     "hash_uniform",
     "THRESHOLD_CHUNK_ELEMENTS",
@@ -167,21 +172,24 @@ def _row_chunks(n: int, vocab: int) -> list[slice]:
     return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
-def _over_row_chunks(fn, first: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+def _over_row_chunks(fn, first: torch.Tensor, *rest: torch.Tensor):
     """``fn`` of the rows of ``first [N, V]`` and the per-row ``rest``, one chunk of rows
-    (:data:`THRESHOLD_CHUNK_ELEMENTS`) at a time, the results written into one output; a
-    single chunk is ``fn`` itself, with no copy."""
+    (:data:`THRESHOLD_CHUNK_ELEMENTS`) at a time, the results written into one output (one
+    per tensor where ``fn`` returns a tuple of per-row tensors); a single chunk is ``fn``
+    itself, with no copy."""
     n, vocab = first.shape
     chunks = _row_chunks(n, vocab)
     if len(chunks) == 1:
         return fn(first, *rest)
-    out = None
+    outs = None
     for c in chunks:
         part = fn(first[c], *(t[c] for t in rest))
-        if out is None:
-            out = part.new_empty((n, *part.shape[1:]))
-        out[c] = part
-    return out
+        parts = part if isinstance(part, tuple) else (part,)
+        if outs is None:
+            outs = tuple(x.new_empty((n, *x.shape[1:])) for x in parts)
+        for o, x in zip(outs, parts, strict=True):
+            o[c] = x
+    return outs if isinstance(part, tuple) else outs[0]
 
 
 def keep_threshold(
@@ -328,6 +336,41 @@ def _filtered_token_rows(
     threshold = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
     cut = threshold(scaled, top_k, top_p.float(), min_p.float())
     return tempered_token_probs(logits, temperature, tokens, cut.float())
+
+
+def filtered_token_stats(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    tokens: torch.Tensor,
+    rule: str = SORTED,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`filtered_token_probs` with what the same pass finds of each row besides:
+    ``(probs [N], lse [N], first [N], cut [N])`` — ``lse`` the log-sum-exp of the row's kept
+    tempered values, ``first`` the first index of their maximum (on a temperature-0 row the
+    row's first ``argmax``: the greedy token), ``cut`` the row's cut-off (float32, ``-inf``
+    where nothing is cut). A sampled verify step's one pass over its ``[bs x (gamma + 1),
+    V]`` logits: the drafts' probabilities, the greedy lanes' tokens, and each row's
+    normaliser and cut-off for the last token's draw
+    (:func:`unimem_kernel.residual_draw.residual_draw`)."""
+    _check_rule(rule)
+    fn = functools.partial(_filtered_token_stat_rows, rule=rule)
+    return _over_row_chunks(fn, logits, temperature, top_k, top_p, min_p, tokens)
+
+
+def _filtered_token_stat_rows(
+    logits, temperature, top_k, top_p, min_p, tokens, rule: str = SORTED
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if rule == UNFILTERED:
+        cut = torch.full_like(temperature, -math.inf, dtype=torch.float32)
+        return (*tempered_token_stats(logits, temperature, tokens), cut)
+    t = torch.where(temperature > 0, temperature.float(), 1.0)
+    scaled = logits.float() / t[:, None]
+    threshold = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
+    cut = threshold(scaled, top_k, top_p.float(), min_p.float()).float()
+    return (*tempered_token_stats(logits, temperature, tokens, cut), cut)
 
 
 def sample(

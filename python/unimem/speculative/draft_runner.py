@@ -174,6 +174,7 @@ class DraftRunner:
             torch.stack([c[0] for c in cols], dim=1),
             torch.stack([c[2] for c in cols], dim=1),
             d2t,
+            None if d2t is None else self.drafter.t2d,
         )
         if survival:
             return tokens, proposals, self.drafter.survival(hidden, anchors, tokens)

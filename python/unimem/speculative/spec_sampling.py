@@ -31,14 +31,16 @@ Everything is fixed-shape torch on device tensors with no host read (capturable)
 ``log(probs)``.
 
 What the accept needs of ``p`` and ``q`` is little: each drafted token's probability under
-both (``px``, ``qx``: ``[bs, gamma]``) and, per lane, the one row its last token is drawn
-from. :func:`chain_accept_rows` takes exactly that (the rows as functions of the column), so
-that the engine never materialises ``[bs, gamma + 1, V]`` distributions: the verify step
-computes ``px`` by one normalising pass over the logits
-(:func:`unimem.models.sampler.filtered_token_probs`) and builds one filtered row per lane, and
-the drafter's proposals stay in its own (reduced) vocabulary (:class:`Proposals`).
-:func:`chain_accept` is the same accept over materialised ``q`` and ``p`` (tests, and the
-definition the compact form is checked against).
+both (``px``, ``qx``: ``[bs, gamma]``) and, per lane, one draw from the row the chain stopped
+at. :func:`chain_accept_rows` takes exactly that (the draw as a function of the row), so that
+the engine never materialises ``[bs, gamma + 1, V]`` distributions: the verify step computes
+``px`` by one normalising pass over the logits
+(:func:`unimem.models.sampler.filtered_token_stats`) and draws the last token over the
+target's vocabulary in one more (:func:`unimem_kernel.residual_draw.residual_draw`), the
+drafter's proposals staying in its own (reduced) vocabulary (:class:`Proposals`).
+:func:`rows_draw` is that draw from materialised rows — :func:`residual_distribution` and
+:func:`draw`, the definition; :func:`chain_accept` is the accept over materialised ``q`` and
+``p`` (tests, and the definition the compact form is checked against).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ __all__ = [
     "draw",
     "replace_proposal",
     "residual_distribution",
+    "rows_draw",
     "stream_keys",
     "uniforms",
 ]
@@ -136,14 +139,16 @@ class Proposals(NamedTuple):
     ``qx [bs, gamma]`` float32 (the probability each token was proposed with), ``q_draft [bs,
     gamma, K]`` float32 (each column's distribution over the drafter's ``K``-token
     vocabulary), ``point [bs, gamma]`` bool (the acceptance control replaced the token: its
-    proposal is the point mass on it) and ``d2t [K]`` int64 (draft id to target id; None when
-    the drafter scores the whole target vocabulary)."""
+    proposal is the point mass on it), ``d2t [K]`` int64 (draft id to target id) and ``t2d
+    [V]`` int64 (target id to draft id, ``K`` off the draft vocabulary) — both None when the
+    drafter scores the whole target vocabulary."""
 
     tokens: torch.Tensor
     qx: torch.Tensor
     q_draft: torch.Tensor
     point: torch.Tensor
     d2t: torch.Tensor | None
+    t2d: torch.Tensor | None = None
 
     def rows(self, col: torch.Tensor, vocab: int) -> torch.Tensor:
         """``[bs, vocab]`` float32: lane ``b``'s proposal distribution of column ``col[b]``
@@ -193,17 +198,35 @@ def chain_accept(
     def rows(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         return x.gather(1, col[:, None, None].expand(bs, 1, vocab))[:, 0]
 
-    return chain_accept_rows(
-        draft, qx, px, lambda col: rows(q, col), lambda col: rows(p, col), seeds, positions, limit
-    )
+    last = rows_draw(lambda col: rows(q, col), lambda col: rows(p, col), gamma)
+    return chain_accept_rows(draft, qx, px, last, seeds, positions, limit)
+
+
+def rows_draw(
+    q_rows: Callable[[torch.Tensor], torch.Tensor],
+    p_rows: Callable[[torch.Tensor], torch.Tensor],
+    gamma: int,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The last draw of :func:`chain_accept_rows` from materialised rows: ``q_rows(col)`` /
+    ``p_rows(col)`` (``col [bs]`` int64) give lane ``b``'s rows ``[bs, V]`` of column
+    ``col[b]`` (``q_rows`` is asked for columns ``< gamma`` only); the draw is
+    :func:`draw` over :func:`residual_distribution` of ``p`` and ``q`` (``q`` counting as 0
+    at ``col >= end``)."""
+
+    def last(col: torch.Tensor, end: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        p_row = p_rows(col)
+        q_row = q_rows(col.clamp(max=gamma - 1)) if gamma else torch.zeros_like(p_row)
+        q_row = q_row * (col < end).to(q_row.dtype)[:, None]
+        return draw(residual_distribution(p_row, q_row), keys)
+
+    return last
 
 
 def chain_accept_rows(
     draft: torch.Tensor,
     qx: torch.Tensor,
     px: torch.Tensor,
-    q_rows: Callable[[torch.Tensor], torch.Tensor],
-    p_rows: Callable[[torch.Tensor], torch.Tensor],
+    last_draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     seeds: torch.Tensor,
     positions: torch.Tensor,
     limit: torch.Tensor | None = None,
@@ -211,9 +234,11 @@ def chain_accept_rows(
     """:func:`chain_accept` from what it reads of ``q`` and ``p`` (module docstring):
     ``qx [bs, gamma]`` and ``px [bs, gamma]`` float32, each drafted token's probability under
     the distribution it was drawn from and under the target's row that predicts it;
-    ``q_rows(col)`` / ``p_rows(col)`` (``col [bs]`` int64) the rows ``[bs, V]`` of lane
-    ``b``'s column ``col[b]`` (``q_rows`` is asked for columns ``< gamma`` only). Called
-    once each. The other arguments and the result as :func:`chain_accept`."""
+    ``last_draw(col, end, keys)`` (each ``[bs]`` int64; called once) each lane's last token,
+    drawn with the noise of ``keys[b]`` from ``norm(max(0, p - q))`` of lane ``b``'s column
+    ``col[b]`` — ``q`` counting as 0 at ``col[b] >= end[b]`` (the bonus row) — or from ``p``
+    where that has no mass (:func:`rows_draw` over materialised rows, the definition). The
+    other arguments and the result as :func:`chain_accept`."""
     bs, gamma = draft.shape
     if qx.shape != (bs, gamma) or px.shape != (bs, gamma):
         raise ValueError(
@@ -232,13 +257,9 @@ def chain_accept_rows(
     # the bonus from p where q counts as 0 -- past the drafts, or at a ragged chain's end);
     # only that row is materialised, [bs, V], not the whole [bs, gamma + 1, V] chain
     sel = accepted.long()
-    p_row = p_rows(sel)
-    q_row = q_rows(sel.clamp(max=gamma - 1)) if gamma else torch.zeros_like(p_row)
     end = torch.full_like(sel, gamma) if limit is None else limit.long()
-    q_row = q_row * (sel < end).to(q_row.dtype)[:, None]
-    residual = residual_distribution(p_row, q_row)
-    keys = stream_keys(seeds, positions, STREAM_RESIDUAL).gather(1, sel[:, None])[:, 0]
-    repl = draw(residual, keys)
+    keys = stream_keys(seeds, positions.gather(1, sel[:, None])[:, 0], STREAM_RESIDUAL)
+    repl = last_draw(sel, end, keys)
     cols = torch.arange(gamma + 1, device=draft.device)[None, :]
     d_pad = torch.cat([d, torch.zeros_like(d[:, :1])], dim=1)
     tokens = torch.where(cols < accepted.long()[:, None], d_pad, repl[:, None])

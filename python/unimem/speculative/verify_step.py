@@ -47,11 +47,7 @@ from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardMode
 from unimem.models.paged_context import GdnVerifyBuffers, PackedLanes, PagedContext, PagedLayers
-from unimem.models.sampler import (
-    SamplingRows,
-    filtered_probs,
-    filtered_token_probs,
-)
+from unimem.models.sampler import SamplingRows, filtered_token_stats
 from unimem.speculative import spec_sampling
 from unimem.speculative.accept import greedy_accept
 from unimem.speculative.chain import DsparkChain
@@ -61,6 +57,7 @@ from unimem_kernel import gdn as gdn_ops
 from unimem_kernel import gdn_reference
 from unimem_kernel.greedy_accept import greedy_verify_accept
 from unimem_kernel.greedy_pick import greedy_logprob
+from unimem_kernel.residual_draw import residual_draw
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
 __all__ = ["GDN_REPLAY_COMMIT", "CommitRows", "VerifyLanes", "VerifyResult", "VerifyStep"]
@@ -257,12 +254,14 @@ class VerifyStep:
         input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
         ctx = self._context(meta, lanes, width * vw)
         logits = self.model.forward(input_ids, ctx)
-        # the rows' argmax, the accepted prefix and the bonus token in two launches; with
-        # log-probabilities each row's log-sum-exp in the same pass over the logits
-        tokens, accepted, bonus, *lse = greedy_verify_accept(logits, draft, lse=self.logprobs)
-        if params is not None:
+        if params is None or self.logprobs:
+            # the rows' argmax, the accepted prefix and the bonus token in two launches; with
+            # log-probabilities each row's log-sum-exp in the same pass over the logits
+            tokens, accepted, bonus, *lse = greedy_verify_accept(logits, draft, lse=self.logprobs)
+        if params is not None:  # a sampled batch's greedy lanes: from the sampled pass
+            greedy = (accepted, tokens) if self.logprobs else None
             accepted, tokens = self._sampled_accept(
-                logits, draft, proposals, tokens, accepted, seq_lens, params
+                logits, draft, proposals, seq_lens, params, greedy=greedy
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
         self.commit_gdn(accepted, lanes.vslots, lanes.state_slots)
@@ -369,7 +368,7 @@ class VerifyStep:
         if params is not None:
             uniform_logits = logits[src]
             accepted, tokens = self._sampled_accept(
-                uniform_logits, draft, proposals, tokens, accepted, seq_lens, params, limit
+                uniform_logits, draft, proposals, seq_lens, params, limit, (accepted, tokens)
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
         self.commit_gdn(accepted, lanes.vslots, lanes.state_slots)
@@ -390,23 +389,24 @@ class VerifyStep:
         logits: torch.Tensor,
         draft: torch.Tensor,
         proposals: spec_sampling.Proposals,
-        target: torch.Tensor,
-        greedy_accepted: torch.Tensor,
         seq_lens: torch.Tensor,
         params: SamplingRows,
         limit: torch.Tensor | None = None,
+        greedy: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Speculative sampling (:func:`unimem.speculative.spec_sampling.chain_accept_rows`)
         for the lanes with temperature > 0 over the uniform ``logits [bs * (gamma + 1), V]``,
-        each row's token at position ``seq_len + 1 + j``: every drafted token's probability
-        under the target's filtered row that predicts it, by one normalising pass
-        (:func:`~unimem.models.sampler.filtered_token_probs`), and one filtered row per lane
-        (the one its last token is drawn from) — never the ``[bs, gamma + 1, V]``
-        distributions. Greedy lanes keep ``greedy_accepted`` and ``target``. ``limit [bs]``:
-        a ragged verify's chain lengths. Returns ``(accepted [bs] int32, tokens [bs, gamma +
-        1])``."""
-        width, vw = target.shape
-        vocab = logits.shape[-1]
+        each row's token at position ``seq_len + 1 + j``: one pass over the logits
+        (:func:`~unimem.models.sampler.filtered_token_stats`) gives every drafted token's
+        probability under the target's filtered row that predicts it, each row's
+        normaliser, cut-off and first argmax; one more draws each lane's last token from the
+        row its chain stopped at (:func:`unimem_kernel.residual_draw.residual_draw`) — never
+        a ``[bs, V]`` distribution, let alone ``[bs, gamma + 1, V]``. Greedy lanes take their
+        rows' argmax and the greedy accept, or ``greedy = (accepted [bs], tokens [bs, gamma +
+        1])`` where the caller has them already. ``limit [bs]``: a ragged verify's chain
+        lengths. Returns ``(accepted [bs] int32, tokens [bs, gamma + 1])``."""
+        width, gamma = draft.shape
+        vw = gamma + 1
 
         def rows(x: torch.Tensor) -> torch.Tensor:  # a lane's parameter for each of its rows
             return x[:, None].expand(width, vw).reshape(-1)
@@ -414,20 +414,24 @@ class VerifyStep:
         t, k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
         # row j of a lane predicts its draft j; the last row's token is a placeholder
         asked = torch.cat([draft.long(), draft.new_zeros(width, 1)], dim=1).reshape(-1)
-        px = filtered_token_probs(
+        px, lse, first, cut = filtered_token_stats(
             logits, rows(t), rows(k), rows(top_p), rows(min_p), asked, params.rule
-        ).reshape(width, vw)[:, : vw - 1]
-        uniform = logits.reshape(width, vw, vocab)
+        )
+        px = px.reshape(width, vw)[:, :gamma]
+        if greedy is None:
+            target = first.reshape(width, vw)
+            greedy = (greedy_accept(draft, target, limit).accepted, target)
 
-        def p_rows(col: torch.Tensor) -> torch.Tensor:
-            row = uniform.gather(1, col[:, None, None].expand(width, 1, vocab))[:, 0]
-            return filtered_probs(row, t, k, top_p, min_p, params.rule)
+        def last_draw(col: torch.Tensor, end: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+            return residual_draw(
+                logits, vw, col, end, t.float(), cut, lse, proposals.q_draft, proposals.t2d,
+                proposals.point, proposals.tokens, keys,
+            )  # fmt: skip
 
         positions = seq_lens.long()[:, None] + 1 + self._arange[:vw][None, :]
         s = spec_sampling.chain_accept_rows(
-            draft, proposals.qx, px, lambda col: proposals.rows(col, vocab), p_rows,
-            params.seeds, positions, limit,
-        )  # fmt: skip
+            draft, proposals.qx, px, last_draw, params.seeds, positions, limit
+        )
         live = params.temperature > 0
-        accepted = torch.where(live, s.accepted, greedy_accepted)
-        return accepted, torch.where(live[:, None], s.tokens, target)
+        accepted = torch.where(live, s.accepted, greedy[0])
+        return accepted, torch.where(live[:, None], s.tokens, greedy[1])

@@ -25,7 +25,11 @@ sampled verify step needs of each row, in two launches instead of a ``where`` ov
 tempered logits, a ``logsumexp`` of several passes and an argmax. The same chunks and
 combination as above, so a row's value depends on that row only; the division and the
 comparison with the cut are torch's own, so a token is kept or cut exactly as the sampler
-keeps or cuts it.
+keeps or cuts it. ``tempered_token_stats`` is the same two launches returning also each
+row's log-sum-exp of its kept tempered values and the first index of their maximum (on a
+temperature-0 row: the logits' own, the greedy token): a sampled verify step's greedy lanes
+take their tokens from it, and its last draw (:mod:`unimem_kernel.residual_draw`) its
+normaliser, with no other pass over the logits.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ __all__ = [
     "tempered_token_probs",
     "tempered_token_probs_reference",
     "tempered_token_probs_triton",
+    "tempered_token_stats",
+    "tempered_token_stats_reference",
+    "tempered_token_stats_triton",
 ]
 
 SPLIT = 4096
@@ -124,8 +131,9 @@ def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
 
 
 @triton.jit
-def _token_prob_kernel(x_ptr, t_ptr, c_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr, stride_x,
-                       n_split, BS: tl.constexpr, CUT: tl.constexpr):  # fmt: skip
+def _token_prob_kernel(x_ptr, t_ptr, c_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr, lse_ptr,
+                       first_ptr, stride_x, n_split, BS: tl.constexpr, CUT: tl.constexpr,
+                       STATS: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     big_m, first, total = _row_chunks(m_ptr, i_ptr, s_ptr, row, n_split, BS)
     t = tl.load(t_ptr + row).to(tl.float32)
@@ -134,10 +142,14 @@ def _token_prob_kernel(x_ptr, t_ptr, c_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr,
     sx = tl.math.div_rn(
         tl.load(x_ptr + row * stride_x + tok).to(tl.float32), tl.where(live, t, 1.0)
     )
-    prob = tl.exp(sx - (tl.log(total) + big_m))
+    lse = tl.log(total) + big_m
+    prob = tl.exp(sx - lse)
     if CUT:
         prob = tl.where(sx >= tl.load(c_ptr + row).to(tl.float32), prob, 0.0)
     tl.store(p_ptr + row, tl.where(live, prob, tl.where(tok == first, 1.0, 0.0)))
+    if STATS:
+        tl.store(lse_ptr + row, lse)
+        tl.store(first_ptr + row, first)
 
 
 def greedy_logprob_reference(
@@ -229,14 +241,15 @@ def tempered_token_probs_reference(
     return torch.where(live, prob, greedy)
 
 
-def tempered_token_probs_triton(
+def _tempered_launch(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     tokens: torch.Tensor,
-    cut: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Triton launcher of :func:`tempered_token_probs` (arguments already checked; float32
-    logits): two launches."""
+    cut: torch.Tensor | None,
+    stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The two launches of :func:`tempered_token_probs` (with ``stats`` also each row's
+    log-sum-exp and first argmax, :func:`tempered_token_stats`)."""
     n, v = logits.shape
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     t = temperature.contiguous()
@@ -247,13 +260,28 @@ def tempered_token_probs_triton(
     s = torch.empty_like(m)
     i = torch.empty(n, n_split, dtype=torch.int64, device=x.device)
     prob = torch.empty(n, dtype=torch.float32, device=x.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x.device) if stats else None
+    first = torch.empty(n, dtype=torch.int64, device=x.device) if stats else None
     if n:
         _partial_kernel[(n, n_split)](x, t, c, m, i, s, v, x.stride(0), n_split,
                                       SPLIT_=SPLIT, BLOCK=_BLOCK, TEMPERED=True,
                                       CUT=cut is not None)  # fmt: skip
-        _token_prob_kernel[(n,)](x, t, c, tok, m, i, s, prob, x.stride(0), n_split,
-                                 BS=next_pow2(n_split), CUT=cut is not None)  # fmt: skip
-    return prob
+        _token_prob_kernel[(n,)](x, t, c, tok, m, i, s, prob,
+                                 lse if stats else prob, first if stats else tok, x.stride(0),
+                                 n_split, BS=next_pow2(n_split), CUT=cut is not None,
+                                 STATS=stats)  # fmt: skip
+    return prob, lse, first
+
+
+def tempered_token_probs_triton(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    tokens: torch.Tensor,
+    cut: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton launcher of :func:`tempered_token_probs` (arguments already checked; float32
+    logits): two launches."""
+    return _tempered_launch(logits, temperature, tokens, cut, stats=False)[0]
 
 
 def _check_tempered(
@@ -282,6 +310,48 @@ tempered_token_probs = kernel_op(
     "tempered_token_probs",
     triton=tempered_token_probs_triton,
     reference=tempered_token_probs_reference,
+    device_of="logits",
+    check=_check_tempered,
+)
+
+
+def tempered_token_stats_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    tokens: torch.Tensor,
+    cut: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(probs [N], lse [N], first [N])``: ``probs`` as :func:`tempered_token_probs`; ``lse``
+    (float32) the log-sum-exp of each row's kept tempered values (of the logits themselves on
+    a row of temperature 0); ``first`` (int64) the first index of their maximum — on a row of
+    temperature 0 the row's first ``argmax``, the greedy token. Arguments as
+    :func:`tempered_token_probs`; what a sampled verify step keeps of each row for the
+    greedy lanes' tokens and the last token's draw (:mod:`unimem_kernel.residual_draw`)."""
+    live = temperature > 0
+    t = torch.where(live, temperature.float(), 1.0)
+    scaled = logits.float() / t[:, None]
+    if cut is not None:
+        scaled = torch.where(scaled >= torch.where(live, cut, -math.inf)[:, None], scaled,
+                             -math.inf)  # fmt: skip
+    probs = tempered_token_probs_reference(logits, temperature, tokens, cut)
+    return probs, torch.logsumexp(scaled, dim=-1), torch.argmax(scaled, dim=-1)
+
+
+def tempered_token_stats_triton(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    tokens: torch.Tensor,
+    cut: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher of :func:`tempered_token_stats` (arguments already checked; float32
+    logits): the two launches of :func:`tempered_token_probs`."""
+    return _tempered_launch(logits, temperature, tokens, cut, stats=True)
+
+
+tempered_token_stats = kernel_op(
+    "tempered_token_stats",
+    triton=tempered_token_stats_triton,
+    reference=tempered_token_stats_reference,
     device_of="logits",
     check=_check_tempered,
 )
