@@ -553,6 +553,29 @@ def test_a_bounded_row_draws_the_same_in_any_batch(monkeypatch):
     assert torch.equal(cut[bounded], full[bounded])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tempered_cut_off_needs_no_tempered_copy(dtype):
+    """tempered_keep_threshold(logits, t) is keep_threshold(logits / t) value for value under
+    every rule: the leading values found among the logits and divided afterwards are the
+    tempered row's (a vocabulary past TOP_K_BOUND, bounded and whole-row rows, a greedy row,
+    masked tokens, bf16 logits divided in float32 as the sampler divides them)."""
+    g = torch.Generator().manual_seed(17)
+    n, vocab = 9, sampling_mod.TOP_K_BOUND * 2 + 37
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
+    logits[3, ::5] = -math.inf
+    temperature = torch.rand(n, generator=g) + 0.3
+    temperature[5] = 0.0
+    top_k = torch.randint(1, 300, (n,), generator=g, dtype=torch.int32)
+    top_k[::4] = -1
+    top_p = torch.rand(n, generator=g).clamp(min=0.3)
+    min_p = torch.rand(n, generator=g) * 0.05
+    scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    for rule in sampling_mod.CUT_RULES:
+        want = sampling_mod.keep_threshold(scaled, top_k, top_p, min_p, rule)
+        got = sampling_mod.tempered_keep_threshold(logits, temperature, top_k, top_p, min_p, rule)
+        assert got.dtype == torch.float32 and torch.equal(got, want), rule
+
+
 def test_an_unfiltered_row_draws_the_same_in_any_batch():
     """Rows with no filter (top-k off, top-p 1, min-p 0) promised UNFILTERED sort nothing
     (cut-off -inf) and give bit for bit the probabilities and tokens the SORTED rule gives

@@ -9,11 +9,12 @@ parameter tensors (:class:`SamplingRows`).
    always kept. Filters keep every token whose scaled logit is at least the cut-off value of
    the last kept rank, so tokens tied at the cut-off are kept together. A row with ``0 <
    top_k <=`` :data:`TOP_K_BOUND` finds its cut-off among its ``TOP_K_BOUND`` largest logits
-   (``torch.topk``, probabilities from the softmax of the whole row), any other row in its
-   whole sorted row: which rule a row takes depends on its own top-k only, never on the
-   batch. A batch whose every sampled row is bounded (:attr:`SamplingRows.rule`
-   :data:`BOUNDED`, known on the host) skips the whole-row sort: one order of magnitude less
-   work over a 262 144-token vocabulary; one whose sampled rows have no filter at all
+   (``torch.topk``; the filters compare probabilities with each other, so each value's
+   weight relative to the largest is all they need), any other row in its whole sorted row:
+   which rule a row takes depends on its own top-k only, never on the batch. A batch whose
+   every sampled row is bounded (:attr:`SamplingRows.rule` :data:`BOUNDED`, known on the
+   host) skips the whole-row sort: one order of magnitude less work over a 262 144-token
+   vocabulary; one whose sampled rows have no filter at all
    (:data:`UNFILTERED`: top-k off, top-p 1, min-p 0) sorts nothing: its cut-off is ``-inf``,
    the value the sorted rule finds for such a row (its smallest logit) keeps the same tokens;
 3. a token is drawn by the Gumbel-max trick: ``argmax(filtered + g)`` with ``g =
@@ -65,6 +66,7 @@ __all__ = [
     "THRESHOLD_CHUNK_ELEMENTS",
     "keep_threshold",
     "sample",
+    "tempered_keep_threshold",
     "token_logprobs",
 ]
 
@@ -215,33 +217,79 @@ def keep_threshold(
     return _over_row_chunks(fn, scaled, top_k, top_p, min_p)
 
 
+def tempered_keep_threshold(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    rule: str = SORTED,
+) -> torch.Tensor:
+    """:func:`keep_threshold` of ``logits / t`` (``t`` the row's temperature, 1 where it is 0),
+    float32 ``[N]``, without the tempered ``[N, V]`` copy: the leading values are found among
+    the logits and divided afterwards — the same values, since dividing by ``t > 0`` keeps
+    their order (ties apart, which are equal values). ``logits [N, V]`` any float dtype;
+    ``temperature [N]``; the rest as :func:`keep_threshold`."""
+    _check_rule(rule)
+    if rule == UNFILTERED:
+        return torch.full((logits.shape[0],), -math.inf, device=logits.device)
+    t = torch.where(temperature > 0, temperature.float(), 1.0)
+    fn = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
+    return _over_row_chunks(fn, logits, top_k, top_p.float(), min_p.float(), t).float()
+
+
+def _descending(values: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+    """``values [N, W]`` (already in descending order) divided by each row's ``t`` (float32),
+    or as they are (``t`` None: already scaled)."""
+    return values if t is None else values.float() / t[:, None]
+
+
 def _keep_threshold_rows(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    values: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows of either rule: the bounded cut-off where ``0 < top_k <= TOP_K_BOUND`` (and the
-    vocabulary is larger than the bound), the whole-row one elsewhere."""
-    vocab = scaled.shape[1]
-    desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    full = _cut(desc, torch.softmax(desc, dim=-1), top_k, top_p, min_p)
+    vocabulary is larger than the bound), the whole-row one elsewhere. ``values``: the
+    scaled logits, or the logits with ``t`` their rows' temperatures."""
+    vocab = values.shape[1]
+    desc = _descending(torch.sort(values, dim=-1, descending=True, stable=True)[0], t)
+    full = _cut(desc, _relative_probs(desc), top_k, top_p, min_p)
     if vocab <= TOP_K_BOUND:
         return full
     bounded = (top_k > 0) & (top_k <= TOP_K_BOUND)
-    return torch.where(bounded, _bounded_threshold_rows(scaled, top_k, top_p, min_p), full)
+    return torch.where(bounded, _bounded_threshold_rows(values, top_k, top_p, min_p, t), full)
 
 
 def _bounded_threshold_rows(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    values: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The cut-off among each row's ``TOP_K_BOUND`` largest values (top-k clamped to the
-    bound), their probabilities from the softmax of the whole row."""
-    vocab = scaled.shape[1]
+    bound). The filters compare probabilities with each other only (top-p over the kept
+    ones' renormalised mass, min-p against the largest), so they take each value's weight
+    relative to the row's largest (:func:`_relative_probs`): no pass over the whole row
+    beyond the top-k. ``values`` and ``t`` as :func:`_keep_threshold_rows`'."""
+    vocab = values.shape[1]
     if vocab <= TOP_K_BOUND:
-        desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
-        return _cut(desc, torch.softmax(desc, dim=-1), top_k, top_p, min_p)
-    desc, idx = torch.topk(scaled, TOP_K_BOUND, dim=-1, sorted=True)
-    probs = torch.softmax(scaled, dim=-1).gather(1, idx)
+        desc = _descending(torch.sort(values, dim=-1, descending=True, stable=True)[0], t)
+        return _cut(desc, _relative_probs(desc), top_k, top_p, min_p)
+    desc = _descending(torch.topk(values, TOP_K_BOUND, dim=-1, sorted=True)[0], t)
     k = torch.where((top_k > 0) & (top_k <= TOP_K_BOUND), top_k, TOP_K_BOUND)
-    return _cut(desc, probs, k, top_p, min_p)
+    return _cut(desc, _relative_probs(desc), k, top_p, min_p)
+
+
+def _relative_probs(desc: torch.Tensor) -> torch.Tensor:
+    """``exp(desc - desc[:, :1])``: the probabilities of values sorted in descending order up
+    to their row's normaliser, which :func:`_cut` never needs (its filters are ratios). Both
+    cut-off rules take them: a bounded row's leading weights are the sorted rule's, value for
+    value (its sums may round in another order)."""
+    return torch.exp(desc - desc[:, :1])
 
 
 def _cut(
@@ -331,11 +379,8 @@ def _filtered_token_rows(
     # the token's value (two launches on a GPU)
     if rule == UNFILTERED:
         return tempered_token_probs(logits, temperature, tokens)
-    t = torch.where(temperature > 0, temperature.float(), 1.0)
-    scaled = logits.float() / t[:, None]
-    threshold = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
-    cut = threshold(scaled, top_k, top_p.float(), min_p.float())
-    return tempered_token_probs(logits, temperature, tokens, cut.float())
+    cut = tempered_keep_threshold(logits, temperature, top_k, top_p, min_p, rule)
+    return tempered_token_probs(logits, temperature, tokens, cut)
 
 
 def filtered_token_stats(
@@ -366,10 +411,7 @@ def _filtered_token_stat_rows(
     if rule == UNFILTERED:
         cut = torch.full_like(temperature, -math.inf, dtype=torch.float32)
         return (*tempered_token_stats(logits, temperature, tokens), cut)
-    t = torch.where(temperature > 0, temperature.float(), 1.0)
-    scaled = logits.float() / t[:, None]
-    threshold = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
-    cut = threshold(scaled, top_k, top_p.float(), min_p.float()).float()
+    cut = tempered_keep_threshold(logits, temperature, top_k, top_p, min_p, rule)
     return (*tempered_token_stats(logits, temperature, tokens, cut), cut)
 
 

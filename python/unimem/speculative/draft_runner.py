@@ -35,7 +35,7 @@ from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.models import batch_invariant
-from unimem.models.sampler import UNFILTERED, SamplingRows, keep_threshold
+from unimem.models.sampler import UNFILTERED, SamplingRows, tempered_keep_threshold
 from unimem.speculative import spec_sampling
 from unimem.speculative.chain import DsparkChain
 from unimem_kernel.draw_probs import draw_with_probs
@@ -145,16 +145,13 @@ class DraftRunner:
         keys = keys.t().contiguous()  # [gamma, bs]: a column's keys contiguous
 
         filtered = params.rule != UNFILTERED
-        if filtered:  # the sampler's scaling of a row before its cut-off
-            t_cut = torch.where(live, t.float(), 1.0)
-        else:
+        if not filtered:
             no_cut = torch.full_like(t, -math.inf, dtype=torch.float32)
         replaced = torch.zeros_like(live)
 
         def choose(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-            if filtered:
-                scaled = logits.float() / t_cut[:, None]
-                cut = keep_threshold(scaled, k, top_p.float(), min_p.float(), params.rule)
+            if filtered:  # the sampler's cut-off of the tempered row, without a tempered copy
+                cut = tempered_keep_threshold(logits, t, k, top_p, min_p, params.rule)
             else:
                 cut = no_cut
             # the draw, q (filtered_probs's distribution) and q(x) in two launches
