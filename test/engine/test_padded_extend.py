@@ -16,6 +16,7 @@ import torch
 
 from unimem.engine.api import Engine
 from unimem.engine.runner import EXTEND_LANES, EXTEND_TOKENS
+from unimem.models.sampler import BOUNDED
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 import tiny_gpt_oss  # noqa: E402
@@ -45,9 +46,9 @@ def _run(ckpt, monkeypatch, padded: bool, **extra):
     calls = []
     real = runner._extend_padded
 
-    def spy(lanes, tokens, draw=False):
-        calls.append((lanes, tokens, draw))
-        return real(lanes, tokens, draw=draw)
+    def spy(lanes, tokens, rule=None):
+        calls.append((lanes, tokens, rule))
+        return real(lanes, tokens, rule=rule)
 
     runner._extend_padded = spy
     prompts = _prompts()
@@ -67,7 +68,8 @@ def test_padded_extend_equals_the_ragged_extend(gemma2_ckpt, monkeypatch, spec):
     got, calls, lanes = _run(gemma2_ckpt, monkeypatch, True, **spec)
     assert lanes == EXTEND_LANES[:3]  # buckets need one more lane than their requests: <= 5
     assert calls and all(t in EXTEND_TOKENS for _, t, _ in calls)
-    assert any(draw for _, _, draw in calls) and any(not draw for _, _, draw in calls)
+    # greedy extends, and sampled ones under the batch's cut-off rule (top-k 20: bounded)
+    assert {rule for _, _, rule in calls} == {None, BOUNDED}
     assert got[-1]["meta_info"]["cached_tokens"] > 0  # an extend over a cached prefix
     for a, b in zip(got, want, strict=True):
         assert a["output_ids"] == b["output_ids"]

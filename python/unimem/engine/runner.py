@@ -181,9 +181,9 @@ class ModelRunner:
         )
         """Capture-stable inputs of padded extends: rows, prefix lengths, chunk lengths,
         virtual state slots and known next tokens (``_xlanes`` entries each), then token ids."""
-        self.extend_graphs: dict[tuple[int, bool], StepGraphs] = {}
-        """Recorded padded extends, per (request bucket, whether a lane samples), each over
-        the token buckets."""
+        self.extend_graphs: dict[tuple[int, str | None], StepGraphs] = {}
+        """Recorded padded extends, per (request bucket, the step's rule: None where no lane
+        samples, else the cut-off rule of :meth:`step_rule`), each over the token buckets."""
         self.graphs: StepGraphs | None = None
         self.sample_graphs: dict[str, StepGraphs] = {}
         """Graphs of the steps that sample, one set per cut-off rule (:data:`CUT_RULES`), in
@@ -208,19 +208,19 @@ class ModelRunner:
                     self.sample_graphs[rule] = graphs
                     pool = graphs.pool
                 for lanes in self.extend_lanes:
-                    for draw in (False, True):
+                    for rule in (None, *CUT_RULES):
                         graphs = StepGraphs(
-                            functools.partial(self._extend_padded, lanes, draw=draw),
+                            functools.partial(self._extend_padded, lanes, rule=rule),
                             functools.partial(self._pad_extend, lanes),
                             self.extend_tokens, self.device, pool=pool,
                         )  # fmt: skip
-                        self.extend_graphs[(lanes, draw)] = graphs
+                        self.extend_graphs[(lanes, rule)] = graphs
             log.info(
                 "captured %d CUDA graphs in %.1f s: %d batch sizes (1 .. %d) x %d step kinds"
                 " and %d padded extends",
                 len(buckets) * (1 + len(CUT_RULES)), time.perf_counter() - t0,
                 len(buckets), max(buckets), 1 + len(CUT_RULES),
-                2 * len(self.extend_lanes) * len(self.extend_tokens),
+                (1 + len(CUT_RULES)) * len(self.extend_lanes) * len(self.extend_tokens),
             )  # fmt: skip
 
     @property
@@ -366,8 +366,9 @@ class ModelRunner:
         params = None
         floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
         self.sampling.write(rows, floats, ints)
-        if any(not r.sampling.greedy for r in reqs):
-            params = DeviceSamplingState.lanes(floats, ints)
+        rule = self.step_rule(reqs)
+        if rule is not None:  # the lanes sample under the batch's cut-off rule, as its steps
+            params = DeviceSamplingState.lanes(floats, ints, rule)
         self._extend_forward(
             rows, prefix, ext, vslots, nxt, input_ids, params, bs,
             num_tokens=len(ids), max_seqlen_q=max(lens),
@@ -442,12 +443,12 @@ class ModelRunner:
         upload_int32_into(self._xin, host)
         floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
         self.sampling.write(self._xin[:bs], floats, ints)
-        draw = any(not r.sampling.greedy for r in reqs)
-        graphs = self.extend_graphs.get((lanes, draw))
+        rule = self.step_rule(reqs)
+        graphs = self.extend_graphs.get((lanes, rule))
         if graphs is not None:
             graphs.replay(tokens)
         else:
-            self._extend_padded(lanes, tokens, draw=draw)
+            self._extend_padded(lanes, tokens, rule=rule)
 
     def _extend_views(self, lanes: int, tokens: int) -> tuple[torch.Tensor, ...]:
         """``(rows, prefix, ext, vslots, known_next, input_ids)`` of a padded extend of
@@ -464,14 +465,15 @@ class ModelRunner:
             t.fill_(value)
         ext[lanes].fill_(tokens)
 
-    def _extend_padded(self, lanes: int, tokens: int, draw: bool = False) -> None:
+    def _extend_padded(self, lanes: int, tokens: int, rule: str | None = None) -> None:
         """The extend of the staged padded inputs (:meth:`_extend_views`): device inputs
         only, so it can be recorded. Each real lane runs :meth:`_extend`'s body
         (:meth:`_extend_forward`); the padding lanes sit on row 0 (their K/V go to the sink
         slots; the request state's row 0 is never written) and their outputs are not
-        stored."""
+        stored. ``rule``: None where no lane samples, else the cut-off rule the sampled lanes
+        promise (:meth:`step_rule`)."""
         rows, prefix, ext, vslots, nxt, input_ids = self._extend_views(lanes, tokens)
-        params = self.sampling.read(rows) if draw else None
+        params = self.sampling.read(rows, rule) if rule is not None else None
         self._extend_forward(
             rows, prefix, ext, vslots, nxt, input_ids, params, lanes,
             num_tokens=tokens, max_seqlen_q=tokens,
