@@ -516,6 +516,23 @@ def _greedy_pick_launches() -> list[tuple[str, Callable[[], None]]]:
     ]  # fmt: skip
 
 
+def _sorted_cut_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The sampler's cut-off over a row's leading values: the bounded rule's 256 of 48 x 8
+    verify rows, and a whole sorted row of Gemma 3's vocabulary."""
+    import torch
+
+    from unimem_kernel.sorted_cut import sorted_cut
+
+    def call(rows: int, width: int):
+        sorted_cut(torch.randn(rows, width), torch.full((rows,), 64, dtype=torch.int32),
+                   torch.full((rows,), 0.95), torch.zeros(rows))  # fmt: skip
+
+    return [
+        ("sorted_cut 384 rows x 256", lambda: call(384, 256)),
+        ("sorted_cut 8 rows x 262144", lambda: call(8, 262144)),
+    ]
+
+
 def _residual_draw_launches() -> list[tuple[str, Callable[[], None]]]:
     """A sampled verify step's last draw: 48 lanes of 8 rows over Gemma 3's 262 144-token
     vocabulary, the proposal over a 32 768-token draft vocabulary (and over the full one)."""
@@ -923,6 +940,7 @@ _KERNELS = {
     "unimem_kernel.residual_draw": _in(
         "residual_draw", "_residual_partial_kernel", "_residual_pick_kernel"
     ),
+    "unimem_kernel.sorted_cut": _in("sorted_cut", "_sorted_cut_kernel"),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
     "unimem_kernel.expert_combine": _in("expert_combine", "_moe_combine_kernel"),
     "unimem_kernel.expert_route": _in(
@@ -946,6 +964,7 @@ _LAUNCHES = {
     "unimem_kernel.greedy_accept": _greedy_accept_launches,
     "unimem_kernel.greedy_pick": _greedy_pick_launches,
     "unimem_kernel.residual_draw": _residual_draw_launches,
+    "unimem_kernel.sorted_cut": _sorted_cut_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
     "unimem_kernel.expert_combine": _expert_combine_launches,
     "unimem_kernel.expert_route": _expert_route_launches,

@@ -32,6 +32,7 @@ from unimem.models.synthetic import HybridModel
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem_kernel import greedy_pick as gp
+from unimem_kernel.sorted_cut import sorted_cut_reference
 
 
 def _rows(n, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0):
@@ -546,7 +547,7 @@ def test_a_bounded_row_draws_the_same_in_any_batch(monkeypatch):
     # the unbounded rows: exactly the whole-row rule
     scaled = logits / temperature[:, None]
     desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    full = sampling_mod._cut(desc, torch.softmax(desc, -1), top_k, top_p, min_p)
+    full = sorted_cut_reference(desc, top_k, top_p, min_p)
     cut = sampling_mod.keep_threshold(scaled, top_k, top_p, min_p)
     assert torch.equal(cut[~bounded], full[~bounded])
     # and the two rules agree on these rows' cut-offs where both apply

@@ -48,6 +48,7 @@ from unimem_kernel.greedy_pick import (
     tempered_token_probs,
     tempered_token_stats,
 )
+from unimem_kernel.sorted_cut import sorted_cut
 
 __all__ = [
     "BOUNDED",
@@ -256,7 +257,7 @@ def _keep_threshold_rows(
     scaled logits, or the logits with ``t`` their rows' temperatures."""
     vocab = values.shape[1]
     desc = _descending(torch.sort(values, dim=-1, descending=True, stable=True)[0], t)
-    full = _cut(desc, _relative_probs(desc), top_k, top_p, min_p)
+    full = sorted_cut(desc, top_k, top_p, min_p)
     if vocab <= TOP_K_BOUND:
         return full
     bounded = (top_k > 0) & (top_k <= TOP_K_BOUND)
@@ -272,47 +273,16 @@ def _bounded_threshold_rows(
 ) -> torch.Tensor:
     """The cut-off among each row's ``TOP_K_BOUND`` largest values (top-k clamped to the
     bound). The filters compare probabilities with each other only (top-p over the kept
-    ones' renormalised mass, min-p against the largest), so they take each value's weight
-    relative to the row's largest (:func:`_relative_probs`): no pass over the whole row
-    beyond the top-k. ``values`` and ``t`` as :func:`_keep_threshold_rows`'."""
+    ones' renormalised mass, min-p against the largest), so they need each value's weight
+    relative to the row's largest (:func:`unimem_kernel.sorted_cut.sorted_cut`): no pass
+    over the whole row beyond the top-k. ``values`` and ``t`` as :func:`_keep_threshold_rows`'."""
     vocab = values.shape[1]
     if vocab <= TOP_K_BOUND:
         desc = _descending(torch.sort(values, dim=-1, descending=True, stable=True)[0], t)
-        return _cut(desc, _relative_probs(desc), top_k, top_p, min_p)
+        return sorted_cut(desc, top_k, top_p, min_p)
     desc = _descending(torch.topk(values, TOP_K_BOUND, dim=-1, sorted=True)[0], t)
     k = torch.where((top_k > 0) & (top_k <= TOP_K_BOUND), top_k, TOP_K_BOUND)
-    return _cut(desc, _relative_probs(desc), k, top_p, min_p)
-
-
-def _relative_probs(desc: torch.Tensor) -> torch.Tensor:
-    """``exp(desc - desc[:, :1])``: the probabilities of values sorted in descending order up
-    to their row's normaliser, which :func:`_cut` never needs (its filters are ratios). Both
-    cut-off rules take them: a bounded row's leading weights are the sorted rule's, value for
-    value (its sums may round in another order)."""
-    return torch.exp(desc - desc[:, :1])
-
-
-def _cut(
-    desc: torch.Tensor,
-    probs: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-) -> torch.Tensor:
-    """The filters over values sorted in descending order ``desc [N, W]`` with their
-    probabilities ``probs`` (top-k counted among the ``W``): the last kept value per row."""
-    vocab = desc.shape[1]
-    ranks = torch.arange(vocab, device=desc.device)[None, :]
-    k = torch.where(top_k[:, None] > 0, top_k[:, None].long(), vocab)
-    keep = ranks < k
-    pk = probs * keep
-    before = torch.cumsum(pk, dim=-1) - pk  # mass of higher-ranked kept tokens
-    total = pk.sum(dim=-1, keepdim=True)
-    keep &= (before < top_p[:, None] * total) | (top_p[:, None] >= 1.0)
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    keep |= ranks == 0
-    last = keep.sum(dim=-1, keepdim=True) - 1  # kept ranks form a prefix
-    return desc.gather(1, last)[:, 0]
+    return sorted_cut(desc, k, top_p, min_p)
 
 
 def filtered_probs(
