@@ -654,12 +654,20 @@ def test_filtered_token_probs_is_the_filtered_distribution_at_the_token(rule):
         )
         assert got.dtype == torch.float32 and got.shape == (n,)
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-9)
-    chunked = sampling_mod.THRESHOLD_CHUNK_ELEMENTS
-    try:  # a few rows per chunk: the same values
-        sampling_mod.THRESHOLD_CHUNK_ELEMENTS = vocab * 5
+    chunked = sampling_mod.THRESHOLD_CHUNK_ELEMENTS, sampling_mod.BOUNDED_CHUNK_ELEMENTS
+    try:  # a few rows per chunk (either rule's chunks): the same values
+        sampling_mod.THRESHOLD_CHUNK_ELEMENTS = sampling_mod.BOUNDED_CHUNK_ELEMENTS = vocab * 5
         again = sampling_mod.filtered_token_probs(
             logits, temperature, top_k, top_p, min_p, tokens, rule
         )
+        stats = sampling_mod.filtered_token_stats(
+            logits, temperature, top_k, top_p, min_p, tokens, rule
+        )
     finally:
-        sampling_mod.THRESHOLD_CHUNK_ELEMENTS = chunked
+        sampling_mod.THRESHOLD_CHUNK_ELEMENTS, sampling_mod.BOUNDED_CHUNK_ELEMENTS = chunked
     assert torch.equal(again, got)
+    args = (logits, temperature, top_k, top_p, min_p, tokens, rule)
+    whole = sampling_mod.filtered_token_stats(*args)
+    for a, b in zip(stats, whole, strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(whole[0], got, rtol=2e-6, atol=1e-9)

@@ -170,18 +170,32 @@ is tens of GiB at the largest captured batch, memory the pools were sized withou
 chunks it is ~0.6 GiB whatever the batch; rows are independent, so the result is the same."""
 
 
-def _row_chunks(n: int, vocab: int) -> list[slice]:
-    rows = max(1, THRESHOLD_CHUNK_ELEMENTS // max(vocab, 1))
+BOUNDED_CHUNK_ELEMENTS = 1 << 28
+"""Logits per chunk of rows where no whole row is sorted (:data:`BOUNDED` and
+:data:`UNFILTERED` cut-offs and what reads them): the temporaries are per row, not per logit,
+so the chunks only keep ``torch.topk``'s element count within 32-bit indexing (1 024 rows of a
+262 144-token vocabulary) — a verify step's rows in one call, not one per 64 rows."""
+
+
+def _chunk_elements(rule: str) -> int:
+    """Logits per chunk of rows for a cut-off of ``rule``."""
+    return THRESHOLD_CHUNK_ELEMENTS if rule == SORTED else BOUNDED_CHUNK_ELEMENTS
+
+
+def _row_chunks(n: int, vocab: int, elements: int | None = None) -> list[slice]:
+    if elements is None:  # read at call time (tests shrink it)
+        elements = THRESHOLD_CHUNK_ELEMENTS
+    rows = max(1, elements // max(vocab, 1))
     return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
-def _over_row_chunks(fn, first: torch.Tensor, *rest: torch.Tensor):
+def _over_row_chunks(fn, first: torch.Tensor, *rest: torch.Tensor, elements: int | None = None):
     """``fn`` of the rows of ``first [N, V]`` and the per-row ``rest``, one chunk of rows
-    (:data:`THRESHOLD_CHUNK_ELEMENTS`) at a time, the results written into one output (one
-    per tensor where ``fn`` returns a tuple of per-row tensors); a single chunk is ``fn``
-    itself, with no copy."""
+    (``elements`` logits, :data:`THRESHOLD_CHUNK_ELEMENTS` by default) at a time, the results
+    written into one output (one per tensor where ``fn`` returns a tuple of per-row
+    tensors); a single chunk is ``fn`` itself, with no copy."""
     n, vocab = first.shape
-    chunks = _row_chunks(n, vocab)
+    chunks = _row_chunks(n, vocab, elements)
     if len(chunks) == 1:
         return fn(first, *rest)
     outs = None
@@ -215,7 +229,7 @@ def keep_threshold(
     if rule == UNFILTERED:
         return torch.full((scaled.shape[0],), -math.inf, device=scaled.device)
     fn = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
-    return _over_row_chunks(fn, scaled, top_k, top_p, min_p)
+    return _over_row_chunks(fn, scaled, top_k, top_p, min_p, elements=_chunk_elements(rule))
 
 
 def tempered_keep_threshold(
@@ -236,7 +250,9 @@ def tempered_keep_threshold(
         return torch.full((logits.shape[0],), -math.inf, device=logits.device)
     t = torch.where(temperature > 0, temperature.float(), 1.0)
     fn = _bounded_threshold_rows if rule == BOUNDED else _keep_threshold_rows
-    return _over_row_chunks(fn, logits, top_k, top_p.float(), min_p.float(), t).float()
+    return _over_row_chunks(
+        fn, logits, top_k, top_p.float(), min_p.float(), t, elements=_chunk_elements(rule)
+    ).float()
 
 
 def _descending(values: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
@@ -339,7 +355,9 @@ def filtered_token_probs(
     tempered copy at all)."""
     _check_rule(rule)
     fn = functools.partial(_filtered_token_rows, rule=rule)
-    return _over_row_chunks(fn, logits, temperature, top_k, top_p, min_p, tokens)
+    return _over_row_chunks(
+        fn, logits, temperature, top_k, top_p, min_p, tokens, elements=_chunk_elements(rule)
+    )
 
 
 def _filtered_token_rows(
@@ -372,7 +390,9 @@ def filtered_token_stats(
     (:func:`unimem_kernel.residual_draw.residual_draw`)."""
     _check_rule(rule)
     fn = functools.partial(_filtered_token_stat_rows, rule=rule)
-    return _over_row_chunks(fn, logits, temperature, top_k, top_p, min_p, tokens)
+    return _over_row_chunks(
+        fn, logits, temperature, top_k, top_p, min_p, tokens, elements=_chunk_elements(rule)
+    )
 
 
 def _filtered_token_stat_rows(
