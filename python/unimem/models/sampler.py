@@ -291,7 +291,8 @@ def _bounded_threshold_rows(
     bound). The filters compare probabilities with each other only (top-p over the kept
     ones' renormalised mass, min-p against the largest), so they need each value's weight
     relative to the row's largest (:func:`unimem_kernel.sorted_cut.sorted_cut`): no pass
-    over the whole row beyond the top-k. ``values`` and ``t`` as :func:`_keep_threshold_rows`'."""
+    over the whole row beyond the top-k. ``values`` and ``t`` as in
+    :func:`_keep_threshold_rows`."""
     vocab = values.shape[1]
     if vocab <= TOP_K_BOUND:
         desc = _descending(torch.sort(values, dim=-1, descending=True, stable=True)[0], t)
