@@ -63,16 +63,31 @@ def weight_t(gen, n, k, dtype, device, transposed):
 # ------------------------------------------------------------------- GEMM
 
 
+def by_dtype(cases, fast):
+    """Every case in float32 and in bf16; ``fast[i]`` names the dtypes of case ``i`` the fast
+    tier runs (the others: the slow tier). The costlier cases run in one dtype each there,
+    the two covering both; the cheap ones in both."""
+    return [
+        pytest.param(
+            dtype, *case, id=f"{did}-{i}", marks=() if did in fast[i] else pytest.mark.slow
+        )
+        for i, case in enumerate(cases)
+        for dtype, did in ((F32, "f32"), (BF16, "bf16"))
+    ]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "m, k, n, has_bias, transposed",
-    [
-        (37, 45, 29, True, True),  # odd K and N, several tiles each way
-        (40, 64, 64, False, True),
-        (1, 33, 50, True, False),  # contiguous b
-        (0, 16, 24, True, True),  # M = 0
-    ],
+    "dtype, m, k, n, has_bias, transposed",
+    by_dtype(
+        [
+            (37, 45, 29, True, True),  # odd K and N, several tiles each way
+            (40, 64, 64, False, True),
+            (1, 33, 50, True, False),  # contiguous b
+            (0, 16, 24, True, True),  # M = 0
+        ],
+        fast=[{"f32"}, {"bf16"}, {"f32", "bf16"}, {"f32", "bf16"}],
+    ),
 )
 def test_matmul_matches_reference(triton_backend, device, dtype, m, k, n, has_bias, transposed):
     gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
@@ -151,17 +166,19 @@ def test_grouped_row_tiles_bound_every_routing():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "counts, tail, has_bias, transposed_weight",
-    [
-        ([3, 0, 17, 1, 9], 0, True, False),  # an empty expert, one-row expert, odd sizes
-        ([0, 20, 0, 5], 4, False, True),  # tail rows past offs[-1]: zeros
-        ([0, 0, 0], 0, True, False),  # T = 0
-        # decode-like: many experts, few rows (the launch's row tiles bounded by the rows)
-        ([0] * 17 + [1] + [0] * 9 + [2] + [0] * 12, 1, True, False),
-        ([1] * 5 + [0] * 30, 0, False, False),
-    ],
+    "dtype, counts, tail, has_bias, transposed_weight",
+    by_dtype(
+        [
+            ([3, 0, 17, 1, 9], 0, True, False),  # an empty expert, one-row expert, odd sizes
+            ([0, 20, 0, 5], 4, False, True),  # tail rows past offs[-1]: zeros
+            ([0, 0, 0], 0, True, False),  # T = 0
+            # decode-like: many experts, few rows (the launch's row tiles bounded by the rows)
+            ([0] * 17 + [1] + [0] * 9 + [2] + [0] * 12, 1, True, False),
+            ([1] * 5 + [0] * 30, 0, False, False),
+        ],
+        fast=[{"bf16"}, {"f32"}, {"f32", "bf16"}, {"f32"}, {"bf16"}],
+    ),
 )
 def test_grouped_matches_reference(
     triton_backend, device, dtype, counts, tail, has_bias, transposed_weight

@@ -201,11 +201,28 @@ def close(a, b, **kw) -> None:
 
 
 ACTIVATIONS = [pytest.param(None, id="linear"), pytest.param("silu", id="silu")]
+SLOW = pytest.mark.slow
+F32S, BF16S = (F32, F32), (BF16, F32)
+
+
+def pairs(first, second, fast):
+    """``first`` x ``second`` as ``(a, b)`` params, ``id`` ``"a-b"``; the pairs whose ids are in
+    ``fast`` (one pair per value of each: the activation or head layout is a constexpr
+    branch, the dtype the loads' and stores' casts) run in the fast tier, the others in the
+    slow tier."""
+    out = []
+    for a in first:
+        for b in second:
+            pid = f"{a.id}-{b.id}"
+            marks = [*a.marks, *b.marks, *(() if pid in fast else (SLOW,))]
+            out.append(pytest.param(a.values[0], b.values[0], id=pid, marks=marks))
+    return out
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtypes", DTYPES)
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize(
+    "activation,dtypes", pairs(ACTIVATIONS, DTYPES, fast={"linear-f32", "silu-bf16"})
+)
 def test_conv_decode(device, dtypes, activation):
     dtype, sdt = dtypes
     gen = torch.Generator().manual_seed(1)
@@ -230,9 +247,10 @@ def test_conv_decode(device, dtypes, activation):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("t_len", [1, 4])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize(
+    "activation,dtypes", pairs(ACTIVATIONS, DTYPES, fast={"linear-f32", "silu-bf16"})
+)
 def test_conv_verify(device, dtypes, t_len, activation):
     dtype, sdt = dtypes
     gen = torch.Generator().manual_seed(2 + t_len)
@@ -258,9 +276,10 @@ def test_conv_verify(device, dtypes, t_len, activation):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("block_t", [4, pytest.param(None, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize(
+    "activation,dtypes", pairs(ACTIVATIONS, DTYPES, fast={"linear-f32", "silu-bf16"})
+)
 def test_conv_extend(device, dtypes, block_t, activation):
     """Ragged: lengths 0 (no initial state: slot zeroed), 2 (< K-1: the final state mixes old
     state and inputs), padded, 11 (several token blocks with block_t=4), 0 with a state."""
@@ -311,8 +330,7 @@ def test_conv_refuses_an_unknown_activation():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtypes", DTYPES)
-@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("heads,dtypes", pairs(HEADS, DTYPES, fast={"h2-f32", "h4k2-bf16"}))
 def test_rule_decode(device, dtypes, heads):
     dtype, sdt = dtypes
     h, hk = heads
@@ -334,9 +352,8 @@ def test_rule_decode(device, dtypes, heads):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("t_len", [1, 4])
-@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("heads,dtypes", pairs(HEADS, DTYPES, fast={"h2-f32", "h4k2-bf16"}))
 def test_rule_verify(device, dtypes, t_len, heads):
     dtype, sdt = dtypes
     h, hk = heads
@@ -361,7 +378,8 @@ def test_rule_verify(device, dtypes, t_len, heads):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("dtypes", [pytest.param(F32S, id="f32", marks=SLOW),
+                                    pytest.param(BF16S, id="bf16")])  # fmt: skip
 @pytest.mark.parametrize("heads", GROUPED_HEADS)
 def test_rule_extend(device, dtypes, heads):
     """Ragged: zero tokens without an initial state (slot zeroed), one token, padded, 20 tokens
@@ -457,14 +475,19 @@ def run_mixer(mode, arena, ref, bounds, x, w, g, beta, slots_l, init_l, device, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", ["decode", "verify", "extend"])
 @pytest.mark.parametrize(
-    "dtypes",
-    [
-        pytest.param((F32, F32), id="f32", marks=pytest.mark.slow),
-        pytest.param((BF16, F32), id="bf16"),
-        pytest.param((F64, F64), id="f64"),
-    ],
+    "mode,dtypes",
+    pairs(
+        [pytest.param(m, id=m) for m in ("decode", "verify", "extend")],
+        [
+            pytest.param(F32S, id="f32"),
+            pytest.param(BF16S, id="bf16"),
+            pytest.param((F64, F64), id="f64"),
+        ],
+        # bf16 (the serving dtype) through decode and verify, float64 (the tiny preset's,
+        # checked tightest) through extend; float32 and the other pairs: the slow tier
+        fast={"decode-bf16", "verify-bf16", "extend-f64"},
+    ),
 )
 @pytest.mark.parametrize("heads", GROUPED_HEADS)
 def test_gdn_forward(device, mode, dtypes, heads):

@@ -311,19 +311,20 @@ def test_public_entries_and_bad_inputs(monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "batch_invariant",
+    "batch_invariant, n_layers",
     [
-        pytest.param(False, id="step"),
-        pytest.param(True, id="batch_invariant", marks=pytest.mark.slow),
+        pytest.param(False, 2, id="step"),
+        pytest.param(False, 3, id="step-3_layers", marks=pytest.mark.slow),
+        pytest.param(True, 3, id="batch_invariant", marks=pytest.mark.slow),
     ],
 )
-def test_replay_commit_of_all_layers_in_one_launch(device, batch_invariant):
+def test_replay_commit_of_all_layers_in_one_launch(device, batch_invariant, n_layers):
     """A ReplayCommitPlan commits every layer's first ``bs`` lanes in one launch per kernel,
     bitwise what one replay commit per layer gives (padded and skipped lanes untouched);
     a layer whose tensors do not line up with layer 0's makes the plan commit layer by
-    layer, with the same result."""
+    layer, with the same result. (The fast tier: two layers; the slow tier: three.)"""
     gen = torch.Generator().manual_seed(31)
-    h, hk, t_len, max_bs, n_layers = 4, 2, 4, 5, 3
+    h, hk, t_len, max_bs = 4, 2, 4, 5
     layers = [Layer(gen, h, hk, **SMALL, num_slots=7, dtype=BF16, sdt=F32, device=device)
               for _ in range(n_layers)]  # fmt: skip
     records = [ly.record(max_bs, t_len) for ly in layers]
@@ -368,14 +369,14 @@ def test_replay_commit_of_all_layers_in_one_launch(device, batch_invariant):
     odd = Layer(gen, h, hk, **SMALL, num_slots=9, dtype=BF16, sdt=F32, device=device)
     odd_ssm = odd.ssm[:7]  # same shape, its own slot stride (a gap of 16)
     odd_ssm = odd_ssm.as_strided(odd_ssm.shape, (odd_ssm.stride(0) + 4, *odd_ssm.stride()[1:]))
-    odd_ssm.copy_(layers[2].ssm)
+    odd_ssm.copy_(layers[-1].ssm)  # the last layer's SSM states, in a view of its own
     mixed = gdn.ReplayCommitPlan(records, [ly.conv for ly in layers],
-                                 [layers[0].ssm, layers[1].ssm, odd_ssm])  # fmt: skip
+                                 [*(ly.ssm for ly in layers[:-1]), odd_ssm])  # fmt: skip
     assert not mixed.stacked
     acc = torch.tensor([3, 0, 1, 2], dtype=torch.int32, device=device)
     start = odd_ssm.clone()
     # the direct commit on the odd view itself (its strides are part of the compiled kernel)
-    gdn.gdn_replay_commit_triton(records[2].lanes(bs), acc, layers[2].conv.clone(), odd_ssm,
+    gdn.gdn_replay_commit_triton(records[-1].lanes(bs), acc, layers[-1].conv.clone(), odd_ssm,
                                  slots, hk, **tiles)  # fmt: skip
     want = odd_ssm.clone()
     odd_ssm.copy_(start)

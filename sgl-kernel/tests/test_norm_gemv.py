@@ -66,8 +66,22 @@ def _triton(monkeypatch):
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
 
 
+SLOW = pytest.mark.slow
+
+# Row counts and dtypes of test_matches_reference. The fast tier: one row (the one-row tile)
+# in float32 and 17 rows (two row tiles, the second ragged) in bf16, every mode each; the slow
+# tier adds the other pairs and 3 rows (one partial tile: its masked rows are 17's too).
+M_DTYPES = [
+    pytest.param(1, F32, id="1-f32"),
+    pytest.param(1, BF16, id="1-bf16", marks=SLOW),
+    pytest.param(3, F32, id="3-f32", marks=SLOW),
+    pytest.param(3, BF16, id="3-bf16", marks=SLOW),
+    pytest.param(17, F32, id="17-f32", marks=SLOW),
+    pytest.param(17, BF16, id="17-bf16"),
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "mode,act,zero_centered",
     [
@@ -80,7 +94,7 @@ def _triton(monkeypatch):
         (3, None, False),
     ],  # fmt: skip
 )
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("m,dtype", M_DTYPES)
 def test_matches_reference(device, dtype, mode, act, zero_centered, m):
     k, n = (40, 2 * 40) if device == "cpu" else (640, 2 * 2048)
     x, w, nw, kw = inputs(m, k, n, dtype, device, mode, seed=m + 10 * mode)
@@ -101,9 +115,16 @@ def test_matches_reference(device, dtype, mode, act, zero_centered, m):
         assert stream is None and ref_stream is None
 
 
-@pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("mode,act", [(2, "gelu_tanh"), (0, None), (3, "silu")])
-@pytest.mark.parametrize("block_k", [64, 16])
+@pytest.mark.parametrize(
+    "block_k,m",
+    [
+        pytest.param(64, 1),  # a one-row tile covering all of K (a small model's tables')
+        pytest.param(64, 3, marks=SLOW),
+        pytest.param(16, 1, marks=SLOW),
+        pytest.param(16, 3),  # the first of three K steps, then the rest
+    ],
+)
 def test_first_k_tile_loaded_ahead(mode, act, m, block_k):
     """The kernel loads the first ``BLOCK_K`` of its weights before the norms (all of ``K``
     for a tile that covers it, the one-row tables' tiles at a small model's shapes; the
