@@ -16,8 +16,8 @@ draws that token for every lane ``b`` without materialising ``p``, ``q`` or the 
 - ``q`` is the proposal of column ``col[b]`` when ``col[b] < end[b]`` (else 0: the bonus
   row): ``q [N, G, K]`` over the drafter's ``K``-token vocabulary read through ``t2d [V]``
   (int64: the draft id of each target id, ``K`` off the draft vocabulary — the drafter's
-  ``t2d`` buffer; ``None`` when ``K == V``), or the point mass on ``draft[b, col[b]]`` where ``point[b, col[b]]`` (the
-  acceptance control replaced that draft);
+  ``t2d`` buffer; ``None`` when ``K == V``), or the point mass on ``draft[b, col[b]]``
+  where ``point[b, col[b]]`` (the acceptance control replaced that draft);
 - the token is the Gumbel-max draw over ``log(max(0, p - q))`` with the noise of
   ``keys[b]`` (the uniform of :func:`unimem_kernel.sampling.hash_uniform`), which draws from
   the normalised residual without computing its mass; where no token has ``p > q``, the same
