@@ -72,7 +72,17 @@ def test_a_request_alone_equals_it_among_others(cpu_mode):
     assert run(prompts)[1] == alone
 
 
-def test_padded_extends_keep_the_invariance(cpu_mode, monkeypatch):
+@pytest.mark.parametrize(
+    "length_range",
+    [
+        # prompts of [4, 5, 12, 20, 5] tokens: 46 in the bucket of 64; request 3 (past the
+        # window of 16) alone in the bucket of 32
+        pytest.param((3, 29), id="64_tokens"),
+        # [16, 19, 22, 15, 11]: 83 tokens in the bucket of 128, request 3 alone in that of 16
+        pytest.param((5, 30), id="128_tokens", marks=pytest.mark.slow),
+    ],
+)
+def test_padded_extends_keep_the_invariance(cpu_mode, monkeypatch, length_range):
     """A model without recurrent state: short extends padded to a bucket
     (``UNIMEM_EXTEND_GRAPHS=on``, run eagerly here) give the ragged extends' tokens and
     log-probabilities, and a request admitted alone (its own bucket) those it gets admitted
@@ -82,7 +92,7 @@ def test_padded_extends_keep_the_invariance(cpu_mode, monkeypatch):
                               n_kv_heads=1, layer_pattern=("swa", "full"))  # fmt: skip
     model = HybridModel(cfg, seed=11)
     g = torch.Generator().manual_seed(5)
-    lengths = torch.randint(5, 30, (5,), generator=g).tolist()  # 5 prompts, one bucket
+    lengths = torch.randint(*length_range, (5,), generator=g).tolist()  # 5 prompts, one bucket
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
     def run(mode: str, idx: list[int]) -> list[tuple[list[int], list[float]]]:

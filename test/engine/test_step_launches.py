@@ -135,7 +135,7 @@ def test_dspark_sampled_verify_step_launches(gemma_path, monkeypatch):
         for i, p in enumerate([list(range(5, 14)), list(range(7, 17))]):
             opts = SamplingOptions(temperature=temperature, seed=i) if temperature else None
             core.submit(p, 40, sampling=opts)
-        for _ in range(3):  # prefill, then verify steps
+        for _ in range(2):  # prefill, then a verify step: the requests are verifying
             core.step()
         counts[temperature] = count_step_launches(core)
         eng.shutdown()
@@ -155,17 +155,27 @@ def test_dspark_sampled_verify_step_launches(gemma_path, monkeypatch):
     assert softmax == 0, sampled.summary()  # no distribution is materialised for the draw
 
 
-@pytest.fixture(scope="module")
-def qwen3_5_path(tmp_path_factory):
+@pytest.fixture(
+    scope="module",
+    params=[
+        # the fast tier's checkpoint: one GDN layer, then the full-attention one
+        pytest.param({"num_hidden_layers": 2, "full_attention_interval": 2}, id="gdn-full"),
+        # the default tiny shape (GDN, GDN, GDN, full attention): 3x the GDN layers' cost
+        pytest.param({}, id="gdn3-full", marks=pytest.mark.slow),
+    ],
+)
+def qwen3_5_path(request, tmp_path_factory):
     import tiny_qwen3_5
 
-    return _tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5_launches"), tiny_qwen3_5.build)
+    path = tmp_path_factory.mktemp("qwen3_5_launches")
+    return _tiny_checkpoint(path, tiny_qwen3_5.build, **request.param)
 
 
 def test_qwen3_5_small_body_launches_and_tokens(qwen3_5_path, monkeypatch):
     """Qwen3.5 (dense): a small step's MLP is two norm_linear launches (the residual add,
     the zero-centred pre-norm, gate/up and SwiGLU; down) instead of add + norm, a GEMM,
-    SwiGLU and a GEMM; the same greedy tokens as the layer-by-layer body (float32)."""
+    SwiGLU and a GEMM; the same greedy tokens as the layer-by-layer body (float32). The fast
+    tier's checkpoint has one layer of each kind; the slow tier's the default four."""
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
     outs = {}
     for rows in ("16", "0"):
@@ -186,13 +196,14 @@ def test_qwen3_5_small_body_launches_and_tokens(qwen3_5_path, monkeypatch):
 
 
 SYNTHETIC_PROMPTS = [list(range(5, 11)), list(range(9, 16))]
+SYNTHETIC_LAYERS = ("gdn", "swa", "gdn", "full")
 
 
-def _synthetic_core():
+def _synthetic_core(layers=SYNTHETIC_LAYERS):
     cfg = dataclasses.replace(
         preset("tiny"), dtype=torch.float32, d_model=64, n_q_heads=2, n_kv_heads=1,
         head_dim_k=16, head_dim_v=16, ffn_dim=64, gdn_heads=2, gdn_head_dim_k=16,
-        gdn_head_dim_v=16, layer_pattern=("gdn", "swa", "gdn", "full"), window=8,
+        gdn_head_dim_v=16, layer_pattern=layers, window=8,
     )  # fmt: skip
     model = HybridModel(cfg, seed=0)
     pool = StaticMemory(memory_spec(cfg, 4, ()), 16, 16, 2, 2, cfg.max_context, "cpu")
@@ -219,14 +230,22 @@ def test_qwen3_next_shaped_synthetic_decode_step_launches_per_layer(monkeypatch,
             assert "triton._norm_linear_kernel" not in names, names
 
 
-def test_synthetic_small_body_decodes_as_the_layered_one(monkeypatch):
+@pytest.mark.parametrize(
+    "layers",
+    [
+        # every layer kind, a stream passed from attention to GDN and from GDN to attention
+        pytest.param(("swa", "gdn", "full"), id="swa-gdn-full"),
+        pytest.param(SYNTHETIC_LAYERS, id="gdn-swa-gdn-full", marks=pytest.mark.slow),
+    ],
+)
+def test_synthetic_small_body_decodes_as_the_layered_one(monkeypatch, layers):
     """The norm_linear MLP (interpreter) and the layer-by-layer one give the same greedy
     tokens, float32."""
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
     outs = {}
     for rows in ("16", "0"):
         monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", rows)
-        core = _synthetic_core()
+        core = _synthetic_core(layers)
         reqs = [core.submit(p, 6) for p in SYNTHETIC_PROMPTS]
         core.run()
         outs[rows] = [list(r.output) for r in reqs]

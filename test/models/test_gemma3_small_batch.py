@@ -11,6 +11,8 @@ the layer-by-layer body.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import tiny_gemma3
 import torch
@@ -40,13 +42,21 @@ def model(tmp_path_factory):
     return load_model(path, dtype=torch.float32)
 
 
-def _decode(model, prompts, rows_limit, monkeypatch):
-    """Extend ``prompts`` then decode one token each; the decode step's logits and capture."""
-    monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", str(rows_limit))
+def _extend(model, prompts):
+    """A cache holding ``prompts`` but their last tokens (one extend step: more rows than the
+    small body takes, the layer-by-layer body whatever the limit) and its slots."""
     cache = DenseCache(model.config, max_requests=len(prompts))
     slots = [cache.alloc() for _ in prompts]
     ids = torch.cat([p[:-1] for p in prompts])
     model(ids, DenseContext(cache, slots, [len(p) - 1 for p in prompts], "extend"))
+    return cache, slots
+
+
+def _decode(model, extended, prompts, rows_limit, monkeypatch):
+    """Decode one token each from a copy of the ``extended`` cache; the decode step's logits
+    and capture."""
+    monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", str(rows_limit))
+    cache, slots = copy.deepcopy(extended)
     ctx = Recording(cache, slots, [1] * len(prompts), "decode")
     logits = model(torch.stack([p[-1] for p in prompts]), ctx)
     return logits, ctx.hidden
@@ -66,12 +76,14 @@ def test_small_body_equals_layer_body(model, monkeypatch):
     monkeypatch.setattr(norm_gemv, "norm_linear_triton", spy)
     monkeypatch.setenv("UNIMEM_NORM_LINEAR_ROWS", "16")
     assert model.takes_norm_linear(torch.zeros(len(prompts), model.config.d_model))
-    small, small_hidden = _decode(model, prompts, 16, monkeypatch)
+    extended = _extend(model, prompts)  # both bodies decode from the same cache
+    assert calls == []
+    small, small_hidden = _decode(model, extended, prompts, 16, monkeypatch)
     n_layers = len(model.model.layers)
     # per layer: q/k/v with its norms, o_proj, gate/up with GeGLU, down
     assert len(calls) == 4 * n_layers and calls.count("gelu_tanh") == n_layers
     calls.clear()
-    layered, layered_hidden = _decode(model, prompts, 0, monkeypatch)
+    layered, layered_hidden = _decode(model, extended, prompts, 0, monkeypatch)
     assert calls == []
     err = ((small - layered).norm() / layered.norm()).item()
     assert err <= 1e-5, err
