@@ -45,7 +45,6 @@ import torch
 import unimem_kernel.sampling as kernel
 from unimem_kernel.greedy_pick import (
     greedy_logprob,
-    tempered_token_probs,
     tempered_token_stats,
 )
 from unimem_kernel.sorted_cut import sorted_cut
@@ -351,25 +350,9 @@ def filtered_token_probs(
     value, ``exp(s_x - lse)`` where kept, 0 where cut; temperature-0 rows: 1 for their argmax,
     else 0. Equal to the gather from :func:`filtered_probs` up to float32 rounding (the
     softmax normalises in another order). ``tokens [N]`` int64; other arguments as there.
-    After the cut-off, one pass over the logits
-    (:func:`unimem_kernel.greedy_pick.tempered_token_probs`; :data:`UNFILTERED` needs no
-    tempered copy at all)."""
-    _check_rule(rule)
-    fn = functools.partial(_filtered_token_rows, rule=rule)
-    return _over_row_chunks(
-        fn, logits, temperature, top_k, top_p, min_p, tokens, elements=_chunk_elements(rule)
-    )
-
-
-def _filtered_token_rows(
-    logits, temperature, top_k, top_p, min_p, tokens, rule: str = SORTED
-) -> torch.Tensor:
-    # the cut-off (none for UNFILTERED), then one pass over the logits for the kept mass and
-    # the token's value (two launches on a GPU)
-    if rule == UNFILTERED:
-        return tempered_token_probs(logits, temperature, tokens)
-    cut = tempered_keep_threshold(logits, temperature, top_k, top_p, min_p, rule)
-    return tempered_token_probs(logits, temperature, tokens, cut)
+    After the cut-off, one pass over the logits (:func:`filtered_token_stats`, whose other
+    results it drops)."""
+    return filtered_token_stats(logits, temperature, top_k, top_p, min_p, tokens, rule)[0]
 
 
 def filtered_token_stats(
