@@ -15,6 +15,10 @@ Shapes: ``bench_gemm_shapes.SHAPES`` (the ``small`` preset at ``--m`` rows). Var
   the Triton quantisation launch + the Triton block-scaled GEMM), and ``gemm`` alone;
   ``invariant``: the same with the batch-invariant tile; ``fused_quant``: one launch that
   quantises the activations in its loads (``UNIMEM_FP8_ACT_QUANT=fused``);
+- ``fp8_linear_dispatched`` (always): :func:`unimem_kernel.fp8_linear` as the engine calls it,
+  with the weight's ``[N/128, K/128]`` block table: cuBLASLt from ``LT_MIN_ROWS`` rows on an
+  SM90 GPU, the Triton kernel below (:func:`unimem_kernel.fp8_gemm.use_lt`; the row's
+  ``dispatch`` says which): ``--m 48 128 256 384 512`` shows the crossover;
 - ``fp8 block scaled_mm`` (``--gemm scaled_mm|both``): cuBLASLt's block scaling through
   ``torch._scaled_mm`` with the same scales, after the same Triton activation quantisation.
   PyTorch (``ScaledBlas.cpp``: ``is_blockwise_1x128_scaling`` / ``_128x128``, checked on
@@ -142,11 +146,13 @@ def measure_shape(m: int, name: str, g: torch.Generator, args) -> dict:
             row[label] = {"error": str(e).splitlines()[0][:160]}
     row["quant_us"] = time_us(lambda: quant_rows(a))
     from unimem_kernel.fp8_gemm import (
+        device_capability,
         fp8_gemm,
         fp8_linear,
         fp8_quantize_groups,
         quantize_blocks,
         quantize_blockwise,
+        use_lt,
     )
 
     row["group_quant_us"] = time_us(lambda: fp8_quantize_groups(a))
@@ -156,7 +162,11 @@ def measure_shape(m: int, name: str, g: torch.Generator, args) -> dict:
     wq_b, ws_rows = quantize_blockwise(w)
     _, ws_block = quantize_blocks(w)
     xq, xs = fp8_quantize_groups(a)
-    variants = []
+    lt = use_lt(m, n, k, invariant=False, capability=device_capability(dev), has_blocks=True)
+    row["dispatch"] = "cublaslt" if lt else "triton"
+    variants = [
+        ("fp8_linear_dispatched", lambda: fp8_linear(a, wq_b, ws_rows, block_scales=ws_block))
+    ]
     if args.gemm in ("triton", "both"):
         variants += [
             ("fp8_block_triton", lambda: fp8_linear(a, wq_b, ws_rows)),
@@ -286,9 +296,10 @@ def main(argv=None) -> int:
                     if "us" in r
                     else f"{label} n/a ({r['error']})"
                 )
+            via = f" | dispatched to {row['dispatch']}" if "dispatch" in row else ""
             print(f"M {m:5d} {name:8s} " + " | ".join(cells)
                   + f" | torch quant {row['quant_us']:.1f} | group quant "
-                  f"{row['group_quant_us']:.1f}")  # fmt: skip
+                  f"{row['group_quant_us']:.1f}{via}")  # fmt: skip
     if args.moe:
         for m in args.m:
             row = measure_moe(m, g, args)

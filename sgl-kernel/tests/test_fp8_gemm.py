@@ -11,15 +11,22 @@ from kernel_devices import DEVICES
 from unimem_kernel.fp8_gemm import (
     FP8_DTYPE,
     FP8_MAX,
+    LT_MIN_ROWS,
     Fp8GemmConfig,
+    collapse_block_scales,
+    device_capability,
+    expand_block_scales,
     fp8_gemm,
     fp8_gemm_config,
+    fp8_gemm_lt,
     fp8_gemm_reference,
     fp8_grouped_linear,
     fp8_linear,
     fp8_quantize_groups,
     fp8_quantize_groups_reference,
     num_groups,
+    quantize_blocks,
+    use_lt,
 )
 
 
@@ -242,3 +249,181 @@ def test_quantisation_is_a_multiply_by_the_ieee_reciprocal():
     inv = (448 / a.double()).float()
     want = (x.view(3, 2, 128) * inv[..., None]).clamp(-448, 448).to(FP8_DTYPE)
     assert torch.equal(q.float(), want.view(3, 256).float())
+
+
+# ------------------------------------------------------------------- cuBLASLt dispatch
+
+_LT_YES = dict(rows=384, n=3072, k=2048)
+"""A product :func:`use_lt` sends to cuBLASLt on SM90 (the verify step's qkv at 48 x 8 rows)."""
+
+
+def _lt(**kw) -> bool:
+    args = {**_LT_YES, "invariant": False, "capability": (9, 0), "has_blocks": True, **kw}
+    rows, n, k = args.pop("rows"), args.pop("n"), args.pop("k")
+    return use_lt(rows, n, k, **args)
+
+
+def test_use_lt_says_yes_only_when_every_condition_holds(monkeypatch):
+    monkeypatch.delenv("UNIMEM_FP8_LT_MIN_ROWS", raising=False)
+    assert _lt() and _lt(out_dtype=torch.float16)
+    assert _lt(rows=LT_MIN_ROWS) and not _lt(rows=LT_MIN_ROWS - 4)
+    for capability in (None, (8, 9), (10, 0), (12, 0), (9, 1)):  # CPU, Ada, Blackwell
+        assert not _lt(capability=capability), capability
+    assert not _lt(invariant=True)  # batch-invariant mode keeps the Triton fixed tile
+    assert not _lt(has_blocks=False)  # no block table (not block-uniform, or not FP8 dense)
+    assert not _lt(out_dtype=torch.float32)
+    assert not _lt(rows=386)  # the activation scales' M extent: a multiple of 4
+    assert not _lt(n=3072 + 64)  # N a multiple of 128
+    assert not _lt(k=2048 + 128) and _lt(k=2048 + 512)  # K / 128 a multiple of 4
+    monkeypatch.setenv("UNIMEM_FP8_LT_MIN_ROWS", "48")
+    assert _lt(rows=48) and not _lt(rows=44)
+    assert not _lt(rows=48, invariant=True) and not _lt(rows=48, capability=None)
+    monkeypatch.setenv("UNIMEM_FP8_LT_MIN_ROWS", "100000")
+    assert not _lt()
+    monkeypatch.setenv("UNIMEM_FP8_LT_MIN_ROWS", "-1")
+    with pytest.raises(ValueError, match="UNIMEM_FP8_LT_MIN_ROWS"):
+        _lt()
+
+
+def test_collapse_block_scales_is_the_inverse_of_the_expansion_for_uniform_blocks():
+    gen = torch.Generator().manual_seed(10)
+    w = torch.randn(384, 512, generator=gen)
+    _, blocks = quantize_blocks(w)  # [3, 4]
+    rows = expand_block_scales(blocks, 384)
+    table = collapse_block_scales(rows, 512)
+    assert table is not None and table.is_contiguous() and table.dtype == torch.float32
+    assert torch.equal(table, blocks)
+    assert table.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
+    one = collapse_block_scales(rows[:128], 512)  # a single block row: still a copy
+    assert torch.equal(one, blocks[:1])
+    assert one.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
+    # rows moved within a block keep it uniform; rows moved across blocks do not
+    within = rows[torch.cat([torch.arange(127, -1, -1), torch.arange(128, 384)])]
+    assert torch.equal(collapse_block_scales(within, 512), blocks)
+    across = rows.clone()
+    across[[5, 200]] = across[[200, 5]]
+    assert collapse_block_scales(across, 512) is None
+    # sizes off the 128 grid, and a NaN scale, give no table
+    assert collapse_block_scales(rows[:320], 512) is None
+    assert collapse_block_scales(rows[:, :3], 300) is None
+    nan = rows.clone()
+    nan[0, 0] = float("nan")
+    assert collapse_block_scales(nan, 512) is None
+    with pytest.raises(ValueError, match="row scales"):
+        collapse_block_scales(rows, 1024)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_m_major_scales_are_the_row_major_ones_transposed(device, triton_backend):
+    """``m_major=True``: the quantisation launch writes the scales ``[M, KG]`` with strides
+    ``(1, M)`` (cuBLASLt's layout) directly, the same bits as the row-major ones; the
+    Triton GEMM reads either layout."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(37, 300, generator=gen) * 3).bfloat16().to(device)
+    q, s = fp8_quantize_groups(x)
+    qm, sm = fp8_quantize_groups(x, m_major=True)
+    assert s.stride() == (3, 1) and sm.shape == (37, 3) and sm.stride() == (1, 37)
+    assert torch.equal(qm.view(torch.uint8), q.view(torch.uint8))
+    bits = lambda t: t.t().contiguous().view(torch.int32)  # noqa: E731
+    assert torch.equal(bits(sm), bits(s))
+    rq, rs = fp8_quantize_groups_reference(x.cpu(), m_major=True)
+    assert rs.stride() == (1, 37) and torch.equal(rs.view(torch.int32), s.cpu().view(torch.int32))
+    wq, ws = (t.to(device) for t in _weights(32, 300, gen))
+    row_major = fp8_gemm(q, s, wq, ws, out_dtype=torch.float32)
+    assert torch.equal(fp8_gemm(qm, sm, wq, ws, out_dtype=torch.float32), row_major)
+
+
+def test_fp8_linear_off_sm90_ignores_the_block_table(triton_backend):
+    """Where :func:`use_lt` says no (here: the CPU), a block table changes nothing."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(8, 128, generator=gen).bfloat16()
+    w = torch.randn(128, 128, generator=gen)
+    wq, blocks = quantize_blocks(w)
+    ws = expand_block_scales(blocks, 128)
+    plain = fp8_linear(x, wq, ws)
+    assert torch.equal(fp8_linear(x, wq, ws, block_scales=blocks), plain)
+
+
+def _sm90() -> torch.device:
+    dev = torch.device("cuda")
+    if device_capability(dev) != (9, 0):
+        pytest.skip("cuBLASLt's 1x128 / 128x128 block scaling: SM90 only")
+    return dev
+
+
+def _lt_operands(m: int, n: int, k: int, dev: torch.device, seed: int):
+    """``(x [m, k] bf16, wq [n, k] e4m3, ws [n, KG] row scales, blocks [n/128, KG])``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16().to(dev)
+    wq, blocks = quantize_blocks(torch.randn(n, k, generator=gen) / k**0.5)
+    return x, wq.to(dev), expand_block_scales(blocks, n).to(dev), blocks.to(dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(384, 640, 1024), (260, 3072, 2048)])
+def test_lt_gemm_matches_reference(m, n, k):
+    """cuBLASLt's block-scaled product against the reference on the same quantised operands
+    (the M-major scales of the quantisation launch, the block table); an odd number of
+    128-row blocks, ``M`` not a multiple of 8."""
+    dev = _sm90()
+    x, wq, ws, blocks = _lt_operands(m, n, k, dev, seed=13)
+    xq, xs = fp8_quantize_groups(x, m_major=True)
+    y = fp8_gemm_lt(xq, xs, wq, blocks, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = fp8_gemm_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), out_dtype=torch.float32)
+    _assert_gemm_close(y, ref)
+    with pytest.raises(ValueError, match="strides"):
+        fp8_gemm_lt(xq, xs.contiguous(), wq, blocks, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_lt_gemm_adds_a_bias_in_its_epilogue():
+    """``fp8_gemm_lt``'s ``bias`` (not used by ``fp8_linear``'s dispatch, which keeps biased
+    products on the Triton kernel): the reference's product plus the bias."""
+    dev = _sm90()
+    x, wq, ws, blocks = _lt_operands(256, 384, 512, dev, seed=14)
+    bias = torch.randn(384, generator=torch.Generator().manual_seed(14)).bfloat16().to(dev)
+    xq, xs = fp8_quantize_groups(x, m_major=True)
+    y = fp8_gemm_lt(xq, xs, wq, blocks, out_dtype=torch.bfloat16, bias=bias)
+    ref = fp8_gemm_reference(
+        xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), out_dtype=torch.float32, bias=bias.cpu()
+    )
+    _assert_gemm_close(y, ref)
+
+
+@pytest.mark.gpu
+def test_dispatched_fp8_linear_at_384_rows_replays_in_a_cuda_graph():
+    """At 384 rows on SM90 ``fp8_linear`` with a block table runs cuBLASLt (the bits of
+    :func:`fp8_gemm_lt`), close to the Triton kernel's product; inside a CUDA graph it
+    writes its (poisoned) output with the eager bits; batch invariance keeps the Triton
+    tile."""
+    dev = _sm90()
+    m, n, k = 384, 3072, 2048
+    x, wq, ws, blocks = _lt_operands(m, n, k, dev, seed=15)
+    assert use_lt(m, n, k, invariant=False, capability=(9, 0), has_blocks=True)
+    eager = fp8_linear(x, wq, ws, block_scales=blocks)
+    xq, xs = fp8_quantize_groups(x, m_major=True)
+    assert torch.equal(eager, fp8_gemm_lt(xq, xs, wq, blocks, out_dtype=torch.bfloat16))
+    rq, rs = fp8_quantize_groups(x)
+    _assert_gemm_close(eager, fp8_gemm_reference(
+        rq.cpu(), rs.cpu(), wq.cpu(), ws.cpu(), out_dtype=torch.float32))  # fmt: skip
+    fixed = fp8_linear(x, wq, ws, invariant=True, block_scales=blocks)
+    assert torch.equal(fixed, fp8_linear(x, wq, ws, invariant=True))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (cuBLASLt handle, Triton compile) outside
+        fp8_linear(x, wq, ws, block_scales=blocks)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(x, wq, ws, block_scales=blocks)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    x.copy_(torch.randn(m, k, generator=torch.Generator().manual_seed(16)).bfloat16().to(dev))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fp8_linear(x, wq, ws, block_scales=blocks))
+    assert not torch.equal(out, eager)

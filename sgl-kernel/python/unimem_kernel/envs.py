@@ -71,6 +71,13 @@ def _positive_float(raw: str) -> float:
     return v
 
 
+def _row_count(raw: str) -> int:
+    v = int(raw)
+    if v < 0:
+        raise ValueError("expected a row count >= 0")
+    return v
+
+
 def _rows_limit(raw: str) -> int:
     v = int(raw)
     if not 0 <= v <= 64:
@@ -107,6 +114,15 @@ _ALL = (
         "Where FP8 activations are quantised: separate (a launch of its own) or fused "
         "(inside the GEMM; Triton on a GPU only).",
         choices=("separate", "fused"),
+    ),
+    EnvSwitch(
+        "UNIMEM_FP8_LT_MIN_ROWS",
+        None,
+        "Fewest rows for which a dense FP8 linear with a block table runs on cuBLASLt's "
+        "block-scaled GEMM (torch._scaled_mm) instead of the Triton kernel, on SM90 and "
+        "outside deterministic inference (unimem_kernel.fp8_gemm.use_lt); unset: "
+        "fp8_gemm.LT_MIN_ROWS (256).",
+        parse=_row_count,
     ),
     EnvSwitch(
         "UNIMEM_NORM_LINEAR_CONFIG",

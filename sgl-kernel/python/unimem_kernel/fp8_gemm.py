@@ -21,9 +21,13 @@ to the output dtype once.
 Ops (Triton kernel on CUDA, torch reference of the same semantics elsewhere, as every op of
 this package; ``UNIMEM_KERNEL_BACKEND`` forces either):
 
-- :func:`fp8_quantize_groups`: ``x [M, K]`` -> ``(xq [M, K] e4m3, xs [M, KG] float32)``;
+- :func:`fp8_quantize_groups`: ``x [M, K]`` -> ``(xq [M, K] e4m3, xs [M, KG] float32)``
+  (``xs`` row-major, or M-major for cuBLASLt);
 - :func:`fp8_linear`: ``x [..., K]`` (bf16/fp16/fp32) times ``wq^T``: quantise, then one
-  GEMM launch (:func:`fp8_gemm`);
+  GEMM launch: the Triton kernel (:func:`fp8_gemm`), or with many rows on an H100-class
+  GPU (SM90) cuBLASLt's block-scaled GEMM (:func:`fp8_gemm_lt` through
+  ``torch._scaled_mm``; :func:`use_lt` decides, the weight's ``[N/128, KG]`` block table
+  given);
 - :func:`fp8_grouped_linear`: rows grouped by expert (``offs``, the cumulative end rows,
   ``torch._grouped_mm``'s convention) times their expert's ``wq [E, N, K]``, optionally
   gathering ``x[rows]`` in the loads: the MoE layers' routed experts.
@@ -63,11 +67,15 @@ __all__ = [
     "FP8_MAX",
     "GROUP",
     "SCALE_FLOOR",
+    "LT_MIN_ROWS",
     "Fp8GemmConfig",
+    "collapse_block_scales",
     "dequantize",
+    "device_capability",
     "expand_block_scales",
     "fp8_gemm",
     "fp8_gemm_config",
+    "fp8_gemm_lt",
     "fp8_gemm_reference",
     "fp8_gemm_triton",
     "fp8_grouped_linear",
@@ -77,6 +85,7 @@ __all__ = [
     "fp8_quantize_groups_triton",
     "quantize_blocks",
     "quantize_blockwise",
+    "use_lt",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -100,10 +109,11 @@ def num_groups(k: int) -> int:
 
 @triton.jit
 def _quant_groups_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # program (r, g): rows [r * BLOCK_R, ...) and column group g
+    # program (r, g): rows [r * BLOCK_R, ...) and column group g; scale (m, g) at
+    # s_ptr + m * stride_sm + g * stride_sg (row-major (KG, 1) or M-major (1, M))
     rm = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     g = tl.program_id(1)
     kk = g * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -117,16 +127,21 @@ def _quant_groups_kernel(
     # (the interpreter's e4m3 cast truncates where the GPU's rounds to nearest even: under
     # the interpreter q_ptr is float32 and the caller casts with torch, which rounds as the GPU)
     tl.store(q_ptr + rm[:, None] * stride_qm + kk[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + rm * stride_sm + g, s, mask=rm < M)
+    tl.store(s_ptr + rm * stride_sm + g * stride_sg, s, mask=rm < M)
 
 
 QUANT_ROWS = 8
 """Rows per program of the quantisation kernel."""
 
 
-def fp8_quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (float, unit stride along ``K``) -> ``(xq [M, K] e4m3, xs [M, KG]
-    float32)``, per token and group of 128 columns (module docstring)."""
+def fp8_quantize_groups_reference(
+    x: torch.Tensor, m_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (float, unit stride along ``K``) -> ``(xq [M, K] e4m3 contiguous, xs
+    [M, KG] float32)``, per token and group of 128 columns (module docstring). ``xs`` is
+    row-major (strides ``(KG, 1)``), or with ``m_major`` M-major (strides ``(1, M)``: the
+    layout cuBLASLt's 1 x 128 block scaling reads, :func:`fp8_gemm_lt`) with the same
+    values. Both are new tensors owned by the caller."""
     m, k = x.shape
     kg = num_groups(k)
     xf = x.float()
@@ -139,27 +154,36 @@ def fp8_quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     s = amax / top
     inv = top / amax
     q = (pad.view(m, kg, GROUP) * inv[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    if m_major:
+        s = s.t().contiguous().t()
     return q.view(m, kg * GROUP)[:, :k].to(FP8_DTYPE).contiguous(), s
 
 
-def fp8_quantize_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher of :func:`fp8_quantize_groups` (``x`` checked): one launch."""
+def fp8_quantize_groups_triton(
+    x: torch.Tensor, m_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of :func:`fp8_quantize_groups` (``x`` checked): one launch, which
+    writes the scales in their layout directly (``m_major``: into a ``[KG, M]`` buffer seen
+    transposed; no copy launch)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
     kg = num_groups(k)
     interp = _interpreting()
     q = torch.empty(m, k, dtype=torch.float32 if interp else FP8_DTYPE, device=x.device)
-    s = torch.empty(m, kg, dtype=torch.float32, device=x.device)
+    if m_major:
+        s = torch.empty(kg, m, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(m, kg, dtype=torch.float32, device=x.device)
     if m and k:
         _quant_groups_kernel[(triton.cdiv(m, QUANT_ROWS), kg)](
-            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
             BLOCK_R=QUANT_ROWS, BLOCK_K=GROUP, num_warps=4,
         )  # fmt: skip
     return (q.to(FP8_DTYPE) if interp else q), s
 
 
-def _check_quantize(x: torch.Tensor) -> None:
+def _check_quantize(x: torch.Tensor, m_major: bool = False) -> None:
     if x.dim() != 2:
         raise ValueError(f"fp8_quantize_groups: x must be [M, K], got {tuple(x.shape)}")
 
@@ -403,6 +427,8 @@ def fp8_gemm_triton(
     K."""
     if xq.stride(1) != 1:
         xq = xq.contiguous()
+    if xs is not None and xs.shape[1] > 1 and xs.stride(1) != 1:
+        xs = xs.contiguous()  # the kernel reads the scales row-major
     return _launch(xq, xs, wq, ws, out_dtype, bias, offs, rows, invariant)
 
 
@@ -561,6 +587,164 @@ fp8_gemm = kernel_op(
 )
 
 
+# ------------------------------------------------------------------- cuBLASLt (dense)
+
+LT_MIN_ROWS = 256
+"""Fewest rows for which :func:`fp8_linear` takes cuBLASLt's block-scaled GEMM
+(:func:`use_lt`); ``UNIMEM_FP8_LT_MIN_ROWS`` overrides it. Measured on an H100 (2026-12-06,
+activation quantisation included): at 384 rows cuBLASLt beats the Triton kernel (gate_up
+11264 x 2048: 21.1 vs 33.7 us, qkv 3072 x 2048: 12.3 vs 16.9, 12352 x 2048: 30.4 vs 48.6),
+at 48 rows the Triton kernel wins (11.6 vs 12.0, 7.7 vs 11.3, 11.9 vs 15.0)."""
+
+LT_CAPABILITY = (9, 0)
+"""The one compute capability whose cuBLASLt has the 1 x 128 / 128 x 128 block scaling
+PyTorch reaches (``_scaled_mm``'s "DeepSeek-style" scaling: SM90 only)."""
+
+LT_OUT_DTYPES = (torch.bfloat16, torch.float16)
+"""Output dtypes :func:`fp8_linear` sends to cuBLASLt (the models' GPU dtypes)."""
+
+LT_ALIGN = 4
+"""cuBLASLt reads the 1 x 128 activation scales with their ``M`` extent, and the 128 x 128
+weight scales with their ``K / 128`` extent, padded to a multiple of 4 (TransformerEngine lays
+them out so; PyTorch's block-scaling tests pad the 128 x 128 table), while ``_scaled_mm``
+accepts only the unpadded strides ``M`` and ``K / 128``: the two agree when ``M`` and
+``K / 128`` are multiples of 4, so :func:`use_lt` requires that."""
+
+
+def lt_min_rows() -> int:
+    """:data:`LT_MIN_ROWS`, or ``UNIMEM_FP8_LT_MIN_ROWS`` when set."""
+    forced = envs.get("UNIMEM_FP8_LT_MIN_ROWS")
+    return LT_MIN_ROWS if forced is None else forced
+
+
+def use_lt(
+    rows: int,
+    n: int,
+    k: int,
+    *,
+    invariant: bool,
+    capability: tuple[int, int] | None,
+    has_blocks: bool,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> bool:
+    """Whether a dense FP8 product of ``rows`` activation rows by an ``N x K`` weight runs on
+    cuBLASLt (:func:`fp8_gemm_lt`) rather than the Triton kernel. A pure function of its
+    arguments (and ``UNIMEM_FP8_LT_MIN_ROWS``): ``capability`` is the device's compute
+    capability, None off CUDA. Yes only when all hold: the capability is
+    :data:`LT_CAPABILITY` (SM90); not ``invariant`` (batch-invariant mode keeps the Triton
+    kernel's fixed tile); ``has_blocks`` (the weight has its ``[N/128, K/128]`` block table);
+    ``out_dtype`` in :data:`LT_OUT_DTYPES`; ``rows >=`` :func:`lt_min_rows` and a multiple
+    of :data:`LT_ALIGN`; ``N`` a multiple of 128 and ``K`` of ``128 * LT_ALIGN``
+    (:data:`LT_ALIGN` says why)."""
+    return (
+        capability == LT_CAPABILITY
+        and not invariant
+        and has_blocks
+        and out_dtype in LT_OUT_DTYPES
+        and rows >= lt_min_rows()
+        and rows % LT_ALIGN == 0
+        and n % GROUP == 0
+        and k % (GROUP * LT_ALIGN) == 0
+    )
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s CUDA compute capability (cached per device), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def fp8_gemm_lt(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    wq: torch.Tensor,
+    block_scales: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dense scaled product of :func:`fp8_gemm_reference` on cuBLASLt's block-scaled
+    GEMM (``torch._scaled_mm``, 1 x 128 activation and 128 x 128 weight scaling; SM90 with
+    cuBLASLt >= 12.9). ``xq [M, K]`` e4m3 row-major, ``xs [M, KG]`` float32 M-major
+    (strides ``(1, M)``: :func:`fp8_quantize_groups` with ``m_major``); ``wq [N, K]`` e4m3
+    row-major (passed as its ``[K, N]`` column-major transpose) and ``block_scales [N/128,
+    KG]`` float32 row-major (one scale per 128 x 128 block: :func:`collapse_block_scales`;
+    passed transposed, a view); ``N`` and ``K`` multiples of 128. ``bias [N]`` of
+    ``out_dtype`` (bf16 or fp16), added in cuBLASLt's epilogue (:func:`fp8_linear` never
+    sends a bias here). Returns a new ``[M, N]``
+    tensor of ``out_dtype`` (from the caching allocator: capturable in a CUDA graph).
+    The operands are read, never kept. ValueError naming the operand otherwise. The sums run
+    in cuBLASLt's order, so the result matches the Triton kernel's within float32 rounding,
+    not bit for bit."""
+    _check_lt(xq, xs, wq, block_scales, out_dtype, bias)
+    return torch._scaled_mm(
+        xq, wq.t(), scale_a=xs, scale_b=block_scales.t(), bias=bias, out_dtype=out_dtype
+    )
+
+
+def _check_lt(xq, xs, wq, block_scales, out_dtype, bias) -> None:
+    m, k = xq.shape
+    n = wq.shape[0]
+    kg = num_groups(k)
+    if xq.dtype != FP8_DTYPE or not xq.is_contiguous():
+        raise ValueError(f"fp8_gemm_lt: xq must be [M, K] e4m3 row-major, got {xq.dtype}")
+    if wq.dim() != 2 or wq.shape[1] != k or wq.dtype != FP8_DTYPE or not wq.is_contiguous():
+        raise ValueError(
+            f"fp8_gemm_lt: wq must be [N, {k}] e4m3 row-major, got {tuple(wq.shape)} {wq.dtype}"
+        )
+    if n % GROUP or k % GROUP:
+        raise ValueError(f"fp8_gemm_lt: N {n} and K {k} must be multiples of {GROUP}")
+    m_major = xs.stride(0) == 1 and (kg == 1 or xs.stride(1) == m)
+    if xs.shape != (m, kg) or xs.dtype != torch.float32 or not (m <= 1 or m_major):
+        raise ValueError(
+            f"fp8_gemm_lt: xs must be [{m}, {kg}] float32 with strides (1, {m}), got "
+            f"{tuple(xs.shape)} {xs.dtype} strides {xs.stride()}"
+        )
+    want = (n // GROUP, kg)
+    if (
+        block_scales.shape != want
+        or block_scales.dtype != torch.float32
+        or not block_scales.is_contiguous()
+    ):
+        raise ValueError(
+            f"fp8_gemm_lt: block_scales must be {want} float32 row-major, got "
+            f"{tuple(block_scales.shape)} {block_scales.dtype}"
+        )
+    if out_dtype not in LT_OUT_DTYPES:
+        raise ValueError(f"fp8_gemm_lt: out_dtype must be one of {LT_OUT_DTYPES}, got {out_dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != out_dtype):
+        raise ValueError(
+            f"fp8_gemm_lt: bias must be [{n}] {out_dtype}, got {tuple(bias.shape)} {bias.dtype}"
+        )
+
+
+def _takes_lt(
+    x2: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    invariant: bool,
+    block_scales: torch.Tensor | None,
+) -> bool:
+    """Whether :func:`fp8_linear` runs ``x2 [M, K]`` on cuBLASLt: the kernels' side of the
+    ops is in use on a CUDA tensor (``UNIMEM_KERNEL_BACKEND``), there is no bias (the
+    models' FP8 linears have none; a product with one stays on the Triton kernel) and
+    :func:`use_lt` says yes."""
+    if block_scales is None or bias is not None or not x2.is_cuda or not use_triton(x2):
+        return False
+    if _interpreting():
+        return False
+    return use_lt(
+        x2.shape[0], n, x2.shape[1], invariant=invariant,
+        capability=device_capability(x2.device), has_blocks=True, out_dtype=x2.dtype,
+    )  # fmt: skip
+
+
 # ------------------------------------------------------------------- entry points
 
 
@@ -571,18 +755,31 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     *,
     invariant: bool = False,
+    block_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., K]`` times FP8 weight ``wq [N, K]`` (scales ``ws [N, KG]``) transposed:
-    ``x`` quantised per token and group (:func:`fp8_quantize_groups`), then
-    :func:`fp8_gemm`. Returns ``[..., N]`` in ``x``'s dtype."""
+    ``x`` quantised per token and group (:func:`fp8_quantize_groups`), then one GEMM.
+    Returns ``[..., N]`` in ``x``'s dtype.
+
+    The GEMM: cuBLASLt's block-scaled one (:func:`fp8_gemm_lt`, the scales written M-major
+    by the quantisation launch) where :func:`use_lt` says so — which needs
+    ``block_scales [N/128, KG]``, the weight's 128 x 128 block scales (``ws`` collapsed,
+    :func:`collapse_block_scales`; the caller owns it) — else the Triton kernel
+    (:func:`fp8_gemm`). ``UNIMEM_FP8_ACT_QUANT=fused`` always takes the Triton kernel with
+    the quantisation in its loads."""
     k = x.shape[-1]
+    n = wq.shape[0]
     x2 = x.reshape(-1, k)
     if fused_quantization(x2):
         y = fp8_gemm(x2, None, wq, ws, out_dtype=x.dtype, bias=bias, invariant=invariant)
-        return y.reshape(*x.shape[:-1], wq.shape[0])
+        return y.reshape(*x.shape[:-1], n)
+    if _takes_lt(x2, n, bias, invariant, block_scales):
+        xq, xs = fp8_quantize_groups(x2, m_major=True)
+        y = fp8_gemm_lt(xq, xs, wq, block_scales, out_dtype=x.dtype, bias=bias)
+        return y.reshape(*x.shape[:-1], n)
     xq, xs = fp8_quantize_groups(x2)
     y = fp8_gemm(xq, xs, wq, ws, out_dtype=x.dtype, bias=bias, invariant=invariant)
-    return y.reshape(*x.shape[:-1], wq.shape[0])
+    return y.reshape(*x.shape[:-1], n)
 
 
 def fp8_grouped_linear(
@@ -638,6 +835,26 @@ def dequantize(q: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
     """``q [..., N, K]`` times its per-row-group scales ``[..., N, KG]``, float32."""
     k = q.shape[-1]
     return q.float() * row_scales.repeat_interleave(GROUP, dim=-1)[..., :k]
+
+
+def collapse_block_scales(row_scales: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The inverse of :func:`expand_block_scales` for a 2-D weight of ``k`` columns:
+    ``row_scales [N, KG]`` -> the block table ``[N/128, KG]`` float32 (row-major, a new
+    tensor the caller owns; what :func:`fp8_gemm_lt` takes), or None when ``N`` or ``k`` is
+    not a multiple of 128 or some 128-row block's rows differ (a model that moved rows
+    across block boundaries; NaN scales count as differing). Reads the scales on the host
+    (a device sync): for load time. ValueError when ``KG`` does not fit ``k``."""
+    if row_scales.dim() != 2 or row_scales.shape[1] != num_groups(k):
+        raise ValueError(
+            f"row scales {tuple(row_scales.shape)} are not [N, {num_groups(k)}] for K {k}"
+        )
+    n, kg = row_scales.shape
+    if n == 0 or n % GROUP or k % GROUP:
+        return None
+    blocks = row_scales.reshape(n // GROUP, GROUP, kg)
+    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
+        return None
+    return blocks[:, 0].float().clone(memory_format=torch.contiguous_format)
 
 
 def expand_block_scales(block_scales: torch.Tensor, n: int) -> torch.Tensor:
