@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import tiny_qwen3_5
 import tiny_qwen3_next
 import tiny_tokenizer
 import torch
@@ -27,6 +28,7 @@ from unimem.models import fp8_convert, fp8_linear
 from unimem.models.fp8_checkpoint import write_fp8_checkpoint
 from unimem.models.loader import load_model
 from unimem.models.quant_config import Fp8Config, resolve_quantization
+from unimem.models.stacked_linear import stacks_of
 from unimem.models.synthetic import HybridModel
 from unimem_kernel.fp8_gemm import FP8_DTYPE, fp8_quantize_groups_reference
 
@@ -112,9 +114,9 @@ def _dequantised(model_dir, fp8_model):
     return model
 
 
-def _fake_quant_matmul(x, weight, scale):
+def _fake_quant_matmul(x, weight, scale, *, block_scales=None):
     """The FP8 product in float64 torch: activations quantised as the kernel does, both
-    operands dequantised."""
+    operands dequantised (the block table, if any, is the same scales)."""
     x2 = x.reshape(-1, x.shape[-1])
     q, s = fp8_quantize_groups_reference(x2)
     xd = fp8_linear.dequantize(q, s).double()
@@ -190,6 +192,101 @@ def test_synthetic_preset_quantizes_in_place():
     y = fp8_linear.linear(x, mlp, "gate_up")
     ref = F.linear(x, w)
     assert float((y - ref).abs().max() / ref.abs().max()) < 0.08
+
+
+def _block_tables(model) -> dict[str, torch.Tensor]:
+    return {n: b for n, b in model.named_buffers() if n.endswith(fp8_linear.BLOCKS_SUFFIX)}
+
+
+def _expected_block_tables(model) -> dict[str, torch.Tensor]:
+    """What the block tables must be, found by other means: for each 2-D FP8 weight with
+    ``N`` and ``K`` multiples of 128 whose rows' scales repeat the first row of their
+    128-row block, that first row of each block."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dtype != FP8_DTYPE or p.dim() != 2 or p.shape[0] % 128 or p.shape[1] % 128:
+            continue
+        rows = model.get_parameter(name + fp8_linear.SCALE_SUFFIX)
+        firsts = rows[::128]
+        if torch.equal(firsts.repeat_interleave(128, dim=0), rows):
+            out[name + fp8_linear.BLOCKS_SUFFIX] = firsts
+    return out
+
+
+def _strip_block_tables(model) -> None:
+    """Remove every block table (modules' buffers and stacked runs'): the Triton path only."""
+    for name in _block_tables(model):
+        path, leaf = name.rsplit(".", 1)
+        delattr(model.get_submodule(path), leaf)
+    for stack in stacks_of(model):
+        for run in stack._runs:
+            run.block_scales = None
+
+
+def _check_block_tables(model, present: list[str], absent: list[str]) -> None:
+    """The tables are exactly the expected ones (and not vacuously: ``present`` are among
+    them, ``absent`` not), buffers outside the state dict and the weight bytes."""
+    tables, want = _block_tables(model), _expected_block_tables(model)
+    assert tables.keys() == want.keys()
+    for name, table in tables.items():
+        assert table.is_contiguous() and torch.equal(table, want[name]), name
+    assert set(present) <= tables.keys() and not set(absent) & tables.keys()
+    assert not any(k.endswith(fp8_linear.BLOCKS_SUFFIX) for k in model.state_dict())
+    params = {n for n, _ in model.named_parameters()}
+    assert not any(n.endswith(fp8_linear.BLOCKS_SUFFIX) for n in params)
+
+
+def test_block_tables_of_the_synthetic_preset():
+    """Online FP8 of a synthetic model (``quantize_model_online``) registers each
+    block-uniform FP8 weight's ``[N/128, KG]`` block table; the CPU logits (always the
+    Triton / reference path) are those without them, and the weight bytes too."""
+    from unimem.models.presets import preset
+
+    model = HybridModel(preset("tiny"), seed=0)
+    fp8_convert.quantize_model_online(model)
+    _check_block_tables(
+        model,
+        present=["layers.0.mlp.gate_up_scale_blocks", "layers.0.mixer.o_proj_scale_blocks"],
+        absent=["layers.0.mixer.qkv_proj_scale_blocks"],  # 448 rows: not a multiple of 128
+    )
+    prompts = _prompts(model.config.vocab_size)[:2]
+    got, size = model.reference_forward(prompts), fp8_linear.weight_bytes(model)
+    _strip_block_tables(model)
+    for a, b in zip(got, model.reference_forward(prompts), strict=True):
+        assert torch.equal(a, b)
+    assert fp8_linear.weight_bytes(model) == size
+
+
+def test_block_tables_at_load(tmp_path):
+    """``load_model`` with ``--quantization fp8`` and from the FP8 checkpoint: the same block
+    tables, on the modules whose weights are block-uniform multiples of 128 (a tiny Qwen3.5
+    of width 128), and on the stacked runs whose stacks are (MLP gate/up: yes; q/k/v: no,
+    k and v have a block scale each within one 128-row block); CPU logits unchanged."""
+    src, dst = tmp_path / "bf16", tmp_path / "fp8"
+    tiny_qwen3_5.build(src, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       full_attention_interval=2)  # fmt: skip
+    write_fp8_checkpoint(src, dst)
+    online, stored = load_model(src, quantization="fp8"), load_model(dst)
+    layer = "model.layers.{}.{}.weight_scale_blocks"
+    for model in (online, stored):
+        _check_block_tables(
+            model,
+            present=[layer.format(1, "self_attn.q_proj"), layer.format(1, "self_attn.o_proj"),
+                     layer.format(0, "mlp.down_proj"), layer.format(0, "linear_attn.in_proj_qkv")],
+            absent=[layer.format(1, "self_attn.k_proj"), layer.format(0, "linear_attn.in_proj_z"),
+                    layer.format(0, "linear_attn.out_proj")],
+        )  # fmt: skip
+        mlp, attn = model.model.layers[0].mlp, model.model.layers[1].self_attn
+        gate_up = torch.cat([mlp.gate_proj.weight_scale_blocks, mlp.up_proj.weight_scale_blocks])
+        assert torch.equal(mlp.gate_up._runs[0].block_scales, gate_up)
+        assert attn.qkv._runs[0].fp8 and attn.qkv._runs[0].block_scales is None
+    a, b = _block_tables(online), _block_tables(stored)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    prompts = _prompts(stored.config.vocab_size)[:2]
+    got = stored.reference_forward(prompts)
+    _strip_block_tables(stored)
+    for x, y in zip(got, stored.reference_forward(prompts), strict=True):
+        assert torch.equal(x, y)
 
 
 def _engine(path, **kw):

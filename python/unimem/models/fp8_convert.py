@@ -14,6 +14,13 @@ block-wise (:func:`~unimem.models.fp8_linear.quantize_blockwise`) and followed b
 
 Online (:func:`quantize_model_online`): a model whose weights are loaded already is
 quantised in place (:func:`quantize_in_place`).
+
+Block tables (:func:`attach_block_scales`, once the FP8 weights and scales are filled: by
+:func:`unimem.models.loader.load_model` after the checkpoint stream, by
+:func:`quantize_in_place` at its end): each 2-D FP8 weight whose row scales are uniform over
+every 128-row block gets its ``[N/128, KG]`` block table as a non-persistent buffer
+(:mod:`unimem.models.fp8_linear`), each FP8 run of a
+:class:`~unimem.models.stacked_linear.StackedRows` the table of its stack.
 """
 
 from __future__ import annotations
@@ -27,7 +34,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from unimem.models.fp8_linear import SCALE_SUFFIX, expand_block_scales, quantize_blockwise
+from unimem.models.fp8_linear import (
+    BLOCKS_SUFFIX,
+    SCALE_SUFFIX,
+    collapse_block_scales,
+    expand_block_scales,
+    quantize_blockwise,
+)
 from unimem.models.quant_config import Fp8Config, online_config
 from unimem.models.stacked_linear import stacks_of
 from unimem_kernel.fp8_gemm import FP8_DTYPE, num_groups
@@ -35,6 +48,7 @@ from unimem_kernel.fp8_gemm import FP8_DTYPE, num_groups
 __all__ = [
     "FP8_MODELS",
     "SYNTHETIC_LINEARS",
+    "attach_block_scales",
     "check_supported",
     "checkpoint_keys",
     "convert_params",
@@ -129,7 +143,41 @@ def quantize_in_place(model: nn.Module, names: Iterable[str]) -> None:
         module.register_parameter(leaf + SCALE_SUFFIX, nn.Parameter(s, requires_grad=False))
     for stack in stacks_of(model):
         stack.regroup()
+    attach_block_scales(model)
     _release_cached_memory(model)
+
+
+def attach_block_scales(model: nn.Module) -> list[str]:
+    """After the FP8 weights and scales of ``model`` are filled: register on each module
+    with a 2-D FP8 parameter ``<leaf>`` (and its ``<leaf>_scale_inv [N, KG]``) the
+    non-persistent buffer ``<leaf>_scale_blocks [N/128, KG]`` float32, the scales collapsed
+    to one per 128 x 128 block (:func:`~unimem.models.fp8_linear.collapse_block_scales`),
+    where ``N`` and ``K`` are multiples of 128 and every 128-row block's rows have the same
+    scales — checked, not assumed: a model's row re-layout may cross block boundaries. Any
+    other FP8 weight (and the stacked experts, ``[E, N, K]``: grouped products stay on the
+    Triton kernel) gets none, and loses a stale one. Then each
+    :class:`~unimem.models.stacked_linear.StackedRows` does the same for its FP8 runs.
+    The tables live beside the scales (same device), are owned by their module and are
+    not parameters (:func:`~unimem.models.fp8_linear.weight_bytes` and the state dict are
+    unchanged). Reads the scales on the host. Returns the buffers' names."""
+    names = []
+    for path, module in model.named_modules():
+        for leaf, p in list(module._parameters.items()):
+            scale = module._parameters.get(leaf + SCALE_SUFFIX)
+            if p is None or scale is None:
+                continue
+            table = None
+            if p.dtype == FP8_DTYPE and p.dim() == 2:
+                table = collapse_block_scales(scale.detach(), p.shape[-1])
+            name = leaf + BLOCKS_SUFFIX
+            if table is None:
+                module._buffers.pop(name, None)
+                continue
+            module.register_buffer(name, table, persistent=False)
+            names.append(f"{path}.{name}" if path else name)
+    for stack in stacks_of(model):
+        stack.attach_block_scales()
+    return names
 
 
 def _release_cached_memory(model: nn.Module) -> None:

@@ -252,6 +252,8 @@ def load_model(
         weights = fp8_convert.fp8_weight_stream(model, fp8, names, weights)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     load_weights_into(model, weights, tie, str(root))
+    if fp8 is not None:
+        fp8_convert.attach_block_scales(model)  # the FP8 weights' block tables, once filled
     return model.eval()
 
 

@@ -38,7 +38,9 @@ class StackedRows:
     After some parts became FP8 (:func:`unimem.models.fp8_convert.convert_params`: an e4m3
     ``weight`` with its ``weight_scale_inv [N_i, KG]``), :meth:`regroup` stacks consecutive
     parts of one kind as one run (FP8 runs stack their scales too); :meth:`linear` then
-    runs one GEMM per run."""
+    runs one GEMM per run. After loading, :meth:`attach_block_scales` gives each FP8 run
+    the block table of its stack where it has one (the cuBLASLt path of
+    :func:`unimem.models.fp8_linear.fp8_matmul`)."""
 
     def __init__(self, *modules: nn.Module) -> None:
         if not modules:
@@ -68,6 +70,21 @@ class StackedRows:
                 runs.append(_Run(self._modules[start:i]))
                 start = i
         self._runs = runs
+
+    def attach_block_scales(self) -> int:
+        """Give every intact FP8 run the ``[sum N_i / 128, KG]`` block table of its stacked
+        scales (:func:`~unimem.models.fp8_linear.collapse_block_scales`: None where the
+        stack is not block-uniform; the run owns it); call once the weights are filled
+        (:func:`unimem.models.fp8_convert.attach_block_scales`). Returns the number of
+        runs that got one."""
+        count = 0
+        for r in self._runs:
+            r.block_scales = None
+            if r.fp8 and r.intact():
+                w, s = r.stacks[0], r.stacks[1]
+                r.block_scales = fp8_linear.collapse_block_scales(s, w.shape[-1])
+                count += r.block_scales is not None
+        return count
 
     def stacked(self) -> bool:
         """Whether :meth:`linear` runs one GEMM per run (every part is still its row range
@@ -123,6 +140,7 @@ class _Run:
                     row += n
             self.stacks.append(stack)
         self.names = names
+        self.block_scales: torch.Tensor | None = None  # StackedRows.attach_block_scales
 
     def intact(self) -> bool:
         if self.stacks is None:
@@ -141,7 +159,9 @@ class _Run:
         if self.intact():
             bias = self.stacks[-1] if self.has_bias else None
             if self.fp8:
-                y = fp8_linear.fp8_matmul(x, self.stacks[0], self.stacks[1])
+                y = fp8_linear.fp8_matmul(
+                    x, self.stacks[0], self.stacks[1], block_scales=self.block_scales
+                )
                 y = y if bias is None else y + bias
             else:
                 y = F.linear(x, self.stacks[0], bias)
