@@ -61,6 +61,7 @@ from unimem.speculative.drafter import DsparkDrafter, draft_config_for, with_con
 from unimem.training.draft_data import bos_prompts, continuations, encode_prompts
 from unimem.training.prompt_sets import read_prompts
 from unimem.training.teacher_forcing import states_of, teacher_forced_states, tokens_only
+from unimem.training.train_forward import SOFT_LOSSES
 from unimem.training.trainer import TrainConfig, frequent_tokens, train_drafter
 
 __all__ = [
@@ -212,6 +213,19 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0.5,
         help="the soft targets' share of the loss (with --soft-top-k)",
+    )
+    r.add_argument(
+        "--soft-temperature",
+        type=float,
+        default=t.soft_temperature,
+        help="compare the soft targets at this temperature (the one users sample at)",
+    )
+    r.add_argument(
+        "--soft-loss",
+        choices=list(SOFT_LOSSES),
+        default=t.soft_loss,
+        help="the soft term: cross-entropy or total variation (speculative sampling's "
+        "rejection probability)",
     )
     r.add_argument(
         "--position-decay",
@@ -540,6 +554,8 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         progress=not args.no_progress,
         soft_weight=args.soft_weight if args.soft_top_k else 0.0,
         position_decay=args.position_decay,
+        soft_temperature=args.soft_temperature,
+        soft_loss=args.soft_loss,
     )
     result = train_drafter(drafter, train, held, cfg, calibration=calib, states=states, log=log)
     out = Path(args.out)
@@ -567,6 +583,8 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
             "soft_top_k": args.soft_top_k,
             "soft_weight": args.soft_weight if args.soft_top_k else 0.0,
             "position_decay": args.position_decay,
+            "soft_temperature": args.soft_temperature if args.soft_top_k else 1.0,
+            "soft_loss": args.soft_loss if args.soft_top_k else "ce",
             "layer_hosts": list(result.drafter.config.layer_hosts),
             "window": result.drafter.config.window,
             "context_window": result.drafter.config.context_window,

@@ -40,6 +40,7 @@ from unimem.models.nn_ops import rms_norm
 from unimem.speculative.drafter import DsparkDrafter
 
 __all__ = [
+    "SOFT_LOSSES",
     "DistillLoss",
     "block_forward_dense",
     "block_logits_dense",
@@ -159,6 +160,10 @@ def block_forward_dense(
     return logits.reshape(b, a, gamma, c.out_vocab), h.reshape(b, a, gamma, c.d_model)
 
 
+SOFT_LOSSES = ("ce", "tv")
+"""The soft term of :func:`distill_losses`: cross-entropy or total variation."""
+
+
 class DistillLoss(NamedTuple):
     """``ce``: mean cross-entropy of the drafts; ``bce``: mean binary cross-entropy of the
     confidence head (zero without one); ``n``: targets counted; ``survival [B, A, gamma]`` the
@@ -208,6 +213,8 @@ def distill_losses(
     soft: tuple[torch.Tensor, torch.Tensor] | None = None,
     soft_weight: float = 0.0,
     position_decay: float = 1.0,
+    soft_temperature: float = 1.0,
+    soft_loss: str = "ce",
 ) -> DistillLoss:
     """:func:`distill_loss` and, for a drafter with a confidence head, its binary
     cross-entropy against :func:`confidence_targets` over the same entries (module
@@ -224,7 +231,18 @@ def distill_losses(
     ``(1 - w)`` times its cross-entropy against the token plus ``w`` times its cross-entropy
     against the target's distribution at the previous position — the one that picked the
     token — over its ``k`` tokens that the drafter can propose, renormalised (none of them:
-    no term). On greedy text that distribution is the verifier's at every block row."""
+    no term). On greedy text that distribution is the verifier's at every block row.
+
+    ``soft_temperature`` ``T``: the soft term compares the distributions at ``T`` (the
+    target's ``probs ** (1 / T)`` renormalised over those tokens, the drafter's
+    ``softmax(logits / T)``) — the temperature speculative sampling runs at. ``soft_loss``:
+    ``"ce"`` the cross-entropy above; ``"tv"`` ``1 - sum min(p, q)`` over the ``k`` tokens,
+    the probability that a draft sampled from ``q`` is rejected by a verifier sampling from
+    ``p`` (what speculative sampling's accept length is made of; Leviathan et al. 2023)."""
+    if soft_loss not in SOFT_LOSSES:
+        raise ValueError(f"soft_loss must be one of {SOFT_LOSSES}, got {soft_loss!r}")
+    if not soft_temperature > 0:
+        raise ValueError(f"soft_temperature must be > 0, got {soft_temperature}")
     base, h = block_forward_dense(drafter, tokens, hidden, anchors, gamma)
     b, s = tokens.shape
     anchors = anchors.to(tokens.device).long()
@@ -258,9 +276,18 @@ def distill_losses(
         at = idx(prev_pos)
         dids = drafter.to_draft(soft_ids[:, at].reshape(b, *prev_pos.shape, k))
         p = soft_probs[:, at].reshape(b, *prev_pos.shape, k).float() * (dids < vocab)
+        if soft_temperature != 1.0:
+            p = p.clamp_min(0.0) ** (1.0 / soft_temperature)
+            logp_t = torch.log_softmax(logits / soft_temperature, dim=-1)
+        else:
+            logp_t = logp
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
-        soft_ce = -(p * logp.gather(-1, dids.clamp(max=vocab - 1))).sum(-1)
-        ce = (1.0 - soft_weight) * ce + soft_weight * soft_ce
+        at_ids = logp_t.gather(-1, dids.clamp(max=vocab - 1))
+        if soft_loss == "tv":
+            soft_term = 1.0 - torch.minimum(p, at_ids.exp() * (dids < vocab)).sum(-1)
+        else:
+            soft_term = -(p * at_ids).sum(-1)
+        ce = (1.0 - soft_weight) * ce + soft_weight * soft_term
     n = int(valid.sum())
     survival = accepted = None
     bce = ce.sum() * 0.0

@@ -50,7 +50,7 @@ from unimem.training.distill import (
     confidence_calibration,
     copy_drafter,
 )
-from unimem.training.train_forward import block_logits_dense, distill_losses
+from unimem.training.train_forward import SOFT_LOSSES, block_logits_dense, distill_losses
 
 __all__ = [
     "TrainConfig",
@@ -90,6 +90,12 @@ class TrainConfig:
     position_decay: float = 1.0
     """Block column ``i``'s cross-entropy weighs ``position_decay ** i``
     (:func:`~unimem.training.train_forward.distill_losses`); 1: every column alike."""
+    soft_temperature: float = 1.0
+    """The temperature the soft term compares the distributions at (1: as the target wrote
+    them; the temperature users sample at to train for speculative sampling)."""
+    soft_loss: str = "ce"
+    """The soft term: ``"ce"`` (cross-entropy) or ``"tv"`` (total variation, the rejection
+    probability of speculative sampling)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "gamma", "eval_every", "save_every"):
@@ -109,6 +115,11 @@ class TrainConfig:
         d = self.position_decay
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d <= 1.0:
             raise ValueError(f"TrainConfig.position_decay must be in (0, 1], got {d!r}")
+        if self.soft_loss not in SOFT_LOSSES:
+            raise ValueError(f"TrainConfig.soft_loss must be one of {SOFT_LOSSES}")
+        t = self.soft_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"TrainConfig.soft_temperature must be > 0, got {t!r}")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"TrainConfig.time_budget_s must be > 0, got {self.time_budget_s}")
 
@@ -406,6 +417,7 @@ def train_drafter(
                     student, part.tokens, part.hidden, anchors, cfg.gamma,
                     part.prompt_lens, part.lengths, soft=soft(part),
                     soft_weight=cfg.soft_weight, position_decay=cfg.position_decay,
+                    soft_temperature=cfg.soft_temperature, soft_loss=cfg.soft_loss,
                 )  # fmt: skip
             opt.zero_grad(set_to_none=True)
             (out.ce + out.bce).backward()
