@@ -333,8 +333,8 @@ def test_m_major_scales_are_the_row_major_ones_transposed(device, triton_backend
     assert torch.equal(fp8_gemm(qm, sm, wq, ws, out_dtype=torch.float32), row_major)
 
 
-def test_fp8_linear_off_sm90_ignores_the_block_table(triton_backend):
-    """Where :func:`use_lt` says no (here: the CPU), a block table changes nothing."""
+def test_fp8_linear_off_sm90_ignores_the_block_table():
+    """Off SM90 (here: CPU tensors), a block table changes nothing."""
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(8, 128, generator=gen).bfloat16()
     w = torch.randn(128, 128, generator=gen)
@@ -342,6 +342,28 @@ def test_fp8_linear_off_sm90_ignores_the_block_table(triton_backend):
     ws = expand_block_scales(blocks, 128)
     plain = fp8_linear(x, wq, ws)
     assert torch.equal(fp8_linear(x, wq, ws, block_scales=blocks), plain)
+
+
+def test_lt_operand_errors_name_the_operand():
+    """``fp8_gemm_lt`` checks its operands before cuBLASLt sees them (CPU tensors here): the
+    layouts and the :data:`LT_ALIGN` sizes it needs (``K / 128`` off a multiple of 4 gives
+    wrong products there, ``M`` off one an error)."""
+    gen = torch.Generator().manual_seed(17)
+
+    def call(m=8, n=256, k=512, m_major=True, out_dtype=torch.bfloat16, blocks=None):
+        xq, xs = fp8_quantize_groups_reference(torch.randn(m, k, generator=gen), m_major)
+        wq, table = quantize_blocks(torch.randn(n, k, generator=gen))
+        return fp8_gemm_lt(xq, xs, wq, table if blocks is None else blocks, out_dtype=out_dtype)
+
+    for kw in (dict(k=640), dict(m=6), dict(n=320)):
+        with pytest.raises(ValueError, match="must be a multiple"):
+            call(**kw)
+    with pytest.raises(ValueError, match="strides"):
+        call(m_major=False)
+    with pytest.raises(ValueError, match="block_scales"):
+        call(blocks=torch.ones(1, 4))
+    with pytest.raises(ValueError, match="out_dtype"):
+        call(out_dtype=torch.float32)
 
 
 def _sm90() -> torch.device:

@@ -604,11 +604,13 @@ LT_OUT_DTYPES = (torch.bfloat16, torch.float16)
 """Output dtypes :func:`fp8_linear` sends to cuBLASLt (the models' GPU dtypes)."""
 
 LT_ALIGN = 4
-"""cuBLASLt reads the 1 x 128 activation scales with their ``M`` extent, and the 128 x 128
-weight scales with their ``K / 128`` extent, padded to a multiple of 4 (TransformerEngine lays
-them out so; PyTorch's block-scaling tests pad the 128 x 128 table), while ``_scaled_mm``
-accepts only the unpadded strides ``M`` and ``K / 128``: the two agree when ``M`` and
-``K / 128`` are multiples of 4, so :func:`use_lt` requires that."""
+"""``M`` and ``K / 128`` must be multiples of this. cuBLASLt reads the 128 x 128 weight scales
+with their ``K / 128`` extent padded to a multiple of 4 (as TransformerEngine lays them out
+and PyTorch's block-scaling tests pad them), while ``_scaled_mm`` accepts only the unpadded
+stride ``K / 128``; and it refuses 1 x 128 activation scales whose ``M`` is not a multiple of
+4. Seen on an H100 (torch 2.11, 2026-12-06): ``K / 128`` of 17 or 5 gave wrong products
+(max error 58 % and 100 % of the largest value), ``M`` of 385, 386, 387, 258, 5 or 1
+``CUBLAS_STATUS_NOT_SUPPORTED``."""
 
 
 def lt_min_rows() -> int:
@@ -675,7 +677,8 @@ def fp8_gemm_lt(
     (strides ``(1, M)``: :func:`fp8_quantize_groups` with ``m_major``); ``wq [N, K]`` e4m3
     row-major (passed as its ``[K, N]`` column-major transpose) and ``block_scales [N/128,
     KG]`` float32 row-major (one scale per 128 x 128 block: :func:`collapse_block_scales`;
-    passed transposed, a view); ``N`` and ``K`` multiples of 128. ``bias [N]`` of
+    passed transposed, a view); ``N`` a multiple of 128, ``K`` of 512 and ``M`` of 4
+    (:data:`LT_ALIGN`). ``bias [N]`` of
     ``out_dtype`` (bf16 or fp16), added in cuBLASLt's epilogue (:func:`fp8_linear` never
     sends a bias here). Returns a new ``[M, N]``
     tensor of ``out_dtype`` (from the caching allocator: capturable in a CUDA graph).
@@ -698,8 +701,11 @@ def _check_lt(xq, xs, wq, block_scales, out_dtype, bias) -> None:
         raise ValueError(
             f"fp8_gemm_lt: wq must be [N, {k}] e4m3 row-major, got {tuple(wq.shape)} {wq.dtype}"
         )
-    if n % GROUP or k % GROUP:
-        raise ValueError(f"fp8_gemm_lt: N {n} and K {k} must be multiples of {GROUP}")
+    if n % GROUP or k % (GROUP * LT_ALIGN) or m % LT_ALIGN:
+        raise ValueError(
+            f"fp8_gemm_lt: N {n} must be a multiple of {GROUP}, K {k} of {GROUP * LT_ALIGN} "
+            f"and M {m} of {LT_ALIGN} (LT_ALIGN)"
+        )
     m_major = xs.stride(0) == 1 and (kg == 1 or xs.stride(1) == m)
     if xs.shape != (m, kg) or xs.dtype != torch.float32 or not (m <= 1 or m_major):
         raise ValueError(
