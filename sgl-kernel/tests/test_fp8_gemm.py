@@ -273,7 +273,8 @@ def test_use_lt_says_yes_only_when_every_condition_holds(monkeypatch):
     assert not _lt(has_blocks=False)  # no block table (not block-uniform, or not FP8 dense)
     assert not _lt(out_dtype=torch.float32)
     assert not _lt(rows=386)  # the activation scales' M extent: a multiple of 4
-    assert not _lt(n=3072 + 64)  # N a multiple of 128
+    assert _lt(n=8224) and _lt(n=3072 + 16)  # N need not fill its last 128-row block
+    assert not _lt(n=3072 + 8)  # but is a multiple of 16 (LT_N_ALIGN)
     assert not _lt(k=2048 + 128) and _lt(k=2048 + 512)  # K / 128 a multiple of 4
     monkeypatch.setenv("UNIMEM_FP8_LT_MIN_ROWS", "48")
     assert _lt(rows=48) and not _lt(rows=44)
@@ -303,8 +304,13 @@ def test_collapse_block_scales_is_the_inverse_of_the_expansion_for_uniform_block
     across = rows.clone()
     across[[5, 200]] = across[[200, 5]]
     assert collapse_block_scales(across, 512) is None
-    # sizes off the 128 grid, and a NaN scale, give no table
-    assert collapse_block_scales(rows[:320], 512) is None
+    # a short last block is one more table row (uniform over the rows it has); K off the
+    # 128 grid, a short block whose rows differ, and a NaN scale give no table
+    assert torch.equal(collapse_block_scales(rows[:320], 512), blocks)
+    assert torch.equal(collapse_block_scales(rows[:272], 512), blocks)
+    mixed = rows[:320].clone()
+    mixed[300] = mixed[300] * 2
+    assert collapse_block_scales(mixed, 512) is None
     assert collapse_block_scales(rows[:, :3], 300) is None
     nan = rows.clone()
     nan[0, 0] = float("nan")
@@ -355,7 +361,7 @@ def test_lt_operand_errors_name_the_operand():
         wq, table = quantize_blocks(torch.randn(n, k, generator=gen))
         return fp8_gemm_lt(xq, xs, wq, table if blocks is None else blocks, out_dtype=out_dtype)
 
-    for kw in (dict(k=640), dict(m=6), dict(n=320)):
+    for kw in (dict(k=640), dict(m=6), dict(n=264)):
         with pytest.raises(ValueError, match="must be a multiple"):
             call(**kw)
     with pytest.raises(ValueError, match="strides"):
@@ -374,7 +380,7 @@ def _sm90() -> torch.device:
 
 
 def _lt_operands(m: int, n: int, k: int, dev: torch.device, seed: int):
-    """``(x [m, k] bf16, wq [n, k] e4m3, ws [n, KG] row scales, blocks [n/128, KG])``."""
+    """``(x [m, k] bf16, wq [n, k] e4m3, ws [n, KG] row scales, blocks [ceil(n/128), KG])``."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).bfloat16().to(dev)
     wq, blocks = quantize_blocks(torch.randn(n, k, generator=gen) / k**0.5)
@@ -382,11 +388,12 @@ def _lt_operands(m: int, n: int, k: int, dev: torch.device, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", [(384, 640, 1024), (260, 3072, 2048)])
+@pytest.mark.parametrize("m, n, k", [(384, 640, 1024), (260, 3072, 2048), (384, 8224, 2048)])
 def test_lt_gemm_matches_reference(m, n, k):
     """cuBLASLt's block-scaled product against the reference on the same quantised operands
     (the M-major scales of the quantisation launch, the block table); an odd number of
-    128-row blocks, ``M`` not a multiple of 8."""
+    128-row blocks, ``M`` not a multiple of 8, ``N`` ending in a short block (the small
+    preset's GDN input projection)."""
     dev = _sm90()
     x, wq, ws, blocks = _lt_operands(m, n, k, dev, seed=13)
     xq, xs = fp8_quantize_groups(x, m_major=True)

@@ -18,7 +18,7 @@ quantised in place (:func:`quantize_in_place`).
 Block tables (:func:`attach_block_scales`, once the FP8 weights and scales are filled: by
 :func:`unimem.models.loader.load_model` after the checkpoint stream, by
 :func:`quantize_in_place` at its end): each 2-D FP8 weight whose row scales are uniform over
-every 128-row block gets its ``[N/128, KG]`` block table as a non-persistent buffer
+every 128-row block gets its ``[ceil(N/128), KG]`` block table as a non-persistent buffer
 (:mod:`unimem.models.fp8_linear`), each FP8 run of a
 :class:`~unimem.models.stacked_linear.StackedRows` the table of its stack.
 """
@@ -150,12 +150,13 @@ def quantize_in_place(model: nn.Module, names: Iterable[str]) -> None:
 def attach_block_scales(model: nn.Module) -> list[str]:
     """After the FP8 weights and scales of ``model`` are filled: register on each module
     with a 2-D FP8 parameter ``<leaf>`` (and its ``<leaf>_scale_inv [N, KG]``) the
-    non-persistent buffer ``<leaf>_scale_blocks [N/128, KG]`` float32, the scales collapsed
-    to one per 128 x 128 block (:func:`~unimem.models.fp8_linear.collapse_block_scales`),
-    where ``N`` and ``K`` are multiples of 128 and every 128-row block's rows have the same
-    scales — checked, not assumed: a model's row re-layout may cross block boundaries. Any
-    other FP8 weight (and the stacked experts, ``[E, N, K]``: grouped products stay on the
-    Triton kernel) gets none, and loses a stale one. Then each
+    non-persistent buffer ``<leaf>_scale_blocks [ceil(N/128), KG]`` float32, the scales
+    collapsed to one per 128 x 128 block, the last one possibly short
+    (:func:`~unimem.models.fp8_linear.collapse_block_scales`), where ``K`` is a multiple of
+    128 and every 128-row block's rows have the same scales — checked, not assumed: a
+    model's row re-layout may cross block boundaries. Any other FP8 weight (and the stacked
+    experts, ``[E, N, K]``: grouped products stay on the Triton kernel) gets none, and
+    loses a stale one. Then each
     :class:`~unimem.models.stacked_linear.StackedRows` does the same for its FP8 runs.
     The tables live beside the scales (same device), are owned by their module and are
     not parameters (:func:`~unimem.models.fp8_linear.weight_bytes` and the state dict are

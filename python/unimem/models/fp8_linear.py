@@ -11,7 +11,7 @@ and scales alike and no row range depends on block alignment.
 
 Block tables. A 2-D FP8 weight whose scales are uniform over each 128-row block (online
 quantisation, and the hub's checkpoints unless a model moved rows across block boundaries)
-also gets, after loading, a non-persistent buffer ``<name>_scale_blocks [N/128, KG]``
+also gets, after loading, a non-persistent buffer ``<name>_scale_blocks [ceil(N/128), KG]``
 float32: the checkpoint's 128 x 128 block scales
 (:func:`~unimem.models.fp8_convert.attach_block_scales`; not a parameter, not in the state
 dict). With it, products with many rows on an SM90 GPU run on cuBLASLt's block-scaled GEMM
@@ -83,7 +83,7 @@ def fp8_matmul(
     block_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., K]`` times FP8 ``weight [N, K]`` (``scale [N, KG]``; its block table
-    ``block_scales [N/128, KG]`` when it has one) transposed, in ``x``'s dtype
+    ``block_scales [ceil(N/128), KG]`` when it has one) transposed, in ``x``'s dtype
     (:func:`unimem_kernel.fp8_linear`: cuBLASLt or the Triton kernel; the Triton kernel's
     fixed tile under batch invariance)."""
     invariant = batch_invariant.covers(x)

@@ -72,7 +72,7 @@ class StackedRows:
         self._runs = runs
 
     def attach_block_scales(self) -> int:
-        """Give every intact FP8 run the ``[sum N_i / 128, KG]`` block table of its stacked
+        """Give every intact FP8 run the ``[ceil(sum N_i / 128), KG]`` block table of its stacked
         scales (:func:`~unimem.models.fp8_linear.collapse_block_scales`: None where the
         stack is not block-uniform; the run owns it); call once the weights are filled
         (:func:`unimem.models.fp8_convert.attach_block_scales`). Returns the number of

@@ -26,7 +26,7 @@ this package; ``UNIMEM_KERNEL_BACKEND`` forces either):
 - :func:`fp8_linear`: ``x [..., K]`` (bf16/fp16/fp32) times ``wq^T``: quantise, then one
   GEMM launch: the Triton kernel (:func:`fp8_gemm`), or with many rows on an H100-class
   GPU (SM90) cuBLASLt's block-scaled GEMM (:func:`fp8_gemm_lt` through
-  ``torch._scaled_mm``; :func:`use_lt` decides, the weight's ``[N/128, KG]`` block table
+  ``torch._scaled_mm``; :func:`use_lt` decides, the weight's ``[ceil(N/128), KG]`` block table
   given);
 - :func:`fp8_grouped_linear`: rows grouped by expert (``offs``, the cumulative end rows,
   ``torch._grouped_mm``'s convention) times their expert's ``wq [E, N, K]``, optionally
@@ -68,6 +68,7 @@ __all__ = [
     "GROUP",
     "SCALE_FLOOR",
     "LT_MIN_ROWS",
+    "LT_N_ALIGN",
     "Fp8GemmConfig",
     "collapse_block_scales",
     "dequantize",
@@ -603,6 +604,12 @@ PyTorch reaches (``_scaled_mm``'s "DeepSeek-style" scaling: SM90 only)."""
 LT_OUT_DTYPES = (torch.bfloat16, torch.float16)
 """Output dtypes :func:`fp8_linear` sends to cuBLASLt (the models' GPU dtypes)."""
 
+LT_N_ALIGN = 16
+"""cuBLASLt's FP8 GEMM wants ``N`` (the output's leading dimension) a multiple of 16; ``N``
+need not fill its last 128-row block (the block table has ``ceil(N / 128)`` rows): on an
+H100 the GDN input projections, ``N`` 8 224 and 12 352, gave the Triton kernel's errors at
+48-384 rows (``bench_fp8_gemm.py``, ``fp8_gemm_rows_h100.json``, 2026-12-06)."""
+
 LT_ALIGN = 4
 """``M`` and ``K / 128`` must be multiples of this. cuBLASLt reads the 128 x 128 weight scales
 with their ``K / 128`` extent padded to a multiple of 4 (as TransformerEngine lays them out
@@ -634,10 +641,10 @@ def use_lt(
     arguments (and ``UNIMEM_FP8_LT_MIN_ROWS``): ``capability`` is the device's compute
     capability, None off CUDA. Yes only when all hold: the capability is
     :data:`LT_CAPABILITY` (SM90); not ``invariant`` (batch-invariant mode keeps the Triton
-    kernel's fixed tile); ``has_blocks`` (the weight has its ``[N/128, K/128]`` block table);
+    kernel's fixed tile); ``has_blocks`` (the weight has its ``[ceil(N/128), K/128]`` block table);
     ``out_dtype`` in :data:`LT_OUT_DTYPES`; ``rows >=`` :func:`lt_min_rows` and a multiple
-    of :data:`LT_ALIGN`; ``N`` a multiple of 128 and ``K`` of ``128 * LT_ALIGN``
-    (:data:`LT_ALIGN` says why)."""
+    of :data:`LT_ALIGN`; ``N`` a multiple of :data:`LT_N_ALIGN` and ``K`` of
+    ``128 * LT_ALIGN`` (:data:`LT_ALIGN` says why)."""
     return (
         capability == LT_CAPABILITY
         and not invariant
@@ -645,7 +652,7 @@ def use_lt(
         and out_dtype in LT_OUT_DTYPES
         and rows >= lt_min_rows()
         and rows % LT_ALIGN == 0
-        and n % GROUP == 0
+        and n % LT_N_ALIGN == 0
         and k % (GROUP * LT_ALIGN) == 0
     )
 
@@ -675,12 +682,12 @@ def fp8_gemm_lt(
     GEMM (``torch._scaled_mm``, 1 x 128 activation and 128 x 128 weight scaling; SM90 with
     cuBLASLt >= 12.9). ``xq [M, K]`` e4m3 row-major, ``xs [M, KG]`` float32 M-major
     (strides ``(1, M)``: :func:`fp8_quantize_groups` with ``m_major``); ``wq [N, K]`` e4m3
-    row-major (passed as its ``[K, N]`` column-major transpose) and ``block_scales [N/128,
-    KG]`` float32 row-major (one scale per 128 x 128 block: :func:`collapse_block_scales`;
-    passed transposed, a view); ``N`` a multiple of 128, ``K`` of 512 and ``M`` of 4
-    (:data:`LT_ALIGN`). ``bias [N]`` of
-    ``out_dtype`` (bf16 or fp16), added in cuBLASLt's epilogue (:func:`fp8_linear` never
-    sends a bias here). Returns a new ``[M, N]``
+    row-major (passed as its ``[K, N]`` column-major transpose) and ``block_scales
+    [ceil(N/128), KG]`` float32 row-major (one scale per 128 x 128 block, the last one
+    possibly short: :func:`collapse_block_scales`; passed transposed, a view); ``N`` a
+    multiple of 16 (:data:`LT_N_ALIGN`), ``K`` of 512 and ``M`` of 4 (:data:`LT_ALIGN`).
+    ``bias [N]`` of ``out_dtype`` (bf16 or fp16), added in cuBLASLt's epilogue
+    (:func:`fp8_linear` never sends a bias here). Returns a new ``[M, N]``
     tensor of ``out_dtype`` (from the caching allocator: capturable in a CUDA graph).
     The operands are read, never kept. ValueError naming the operand otherwise. The sums run
     in cuBLASLt's order, so the result matches the Triton kernel's within float32 rounding,
@@ -701,10 +708,10 @@ def _check_lt(xq, xs, wq, block_scales, out_dtype, bias) -> None:
         raise ValueError(
             f"fp8_gemm_lt: wq must be [N, {k}] e4m3 row-major, got {tuple(wq.shape)} {wq.dtype}"
         )
-    if n % GROUP or k % (GROUP * LT_ALIGN) or m % LT_ALIGN:
+    if n % LT_N_ALIGN or k % (GROUP * LT_ALIGN) or m % LT_ALIGN:
         raise ValueError(
-            f"fp8_gemm_lt: N {n} must be a multiple of {GROUP}, K {k} of {GROUP * LT_ALIGN} "
-            f"and M {m} of {LT_ALIGN} (LT_ALIGN)"
+            f"fp8_gemm_lt: N {n} must be a multiple of {LT_N_ALIGN}, K {k} of "
+            f"{GROUP * LT_ALIGN} and M {m} of {LT_ALIGN} (LT_ALIGN)"
         )
     m_major = xs.stride(0) == 1 and (kg == 1 or xs.stride(1) == m)
     if xs.shape != (m, kg) or xs.dtype != torch.float32 or not (m <= 1 or m_major):
@@ -712,7 +719,7 @@ def _check_lt(xq, xs, wq, block_scales, out_dtype, bias) -> None:
             f"fp8_gemm_lt: xs must be [{m}, {kg}] float32 with strides (1, {m}), got "
             f"{tuple(xs.shape)} {xs.dtype} strides {xs.stride()}"
         )
-    want = (n // GROUP, kg)
+    want = ((n + GROUP - 1) // GROUP, kg)
     if (
         block_scales.shape != want
         or block_scales.dtype != torch.float32
@@ -769,7 +776,7 @@ def fp8_linear(
 
     The GEMM: cuBLASLt's block-scaled one (:func:`fp8_gemm_lt`, the scales written M-major
     by the quantisation launch) where :func:`use_lt` says so — which needs
-    ``block_scales [N/128, KG]``, the weight's 128 x 128 block scales (``ws`` collapsed,
+    ``block_scales [ceil(N/128), KG]``, the weight's 128 x 128 block scales (``ws`` collapsed,
     :func:`collapse_block_scales`; the caller owns it) — else the Triton kernel
     (:func:`fp8_gemm`). ``UNIMEM_FP8_ACT_QUANT=fused`` always takes the Triton kernel with
     the quantisation in its loads."""
@@ -845,19 +852,23 @@ def dequantize(q: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
 
 def collapse_block_scales(row_scales: torch.Tensor, k: int) -> torch.Tensor | None:
     """The inverse of :func:`expand_block_scales` for a 2-D weight of ``k`` columns:
-    ``row_scales [N, KG]`` -> the block table ``[N/128, KG]`` float32 (row-major, a new
-    tensor the caller owns; what :func:`fp8_gemm_lt` takes), or None when ``N`` or ``k`` is
-    not a multiple of 128 or some 128-row block's rows differ (a model that moved rows
-    across block boundaries; NaN scales count as differing). Reads the scales on the host
-    (a device sync): for load time. ValueError when ``KG`` does not fit ``k``."""
+    ``row_scales [N, KG]`` -> the block table ``[ceil(N/128), KG]`` float32 (row-major, a
+    new tensor the caller owns; what :func:`fp8_gemm_lt` takes; a last block of fewer than
+    128 rows is one table row too), or None when ``k`` is not a multiple of 128, ``N`` is 0
+    or some 128-row block's rows differ (a model that moved rows across block boundaries;
+    NaN scales count as differing). Reads the scales on the host (a device sync): for load
+    time. ValueError when ``KG`` does not fit ``k``."""
     if row_scales.dim() != 2 or row_scales.shape[1] != num_groups(k):
         raise ValueError(
             f"row scales {tuple(row_scales.shape)} are not [N, {num_groups(k)}] for K {k}"
         )
     n, kg = row_scales.shape
-    if n == 0 or n % GROUP or k % GROUP:
+    if n == 0 or k % GROUP:
         return None
-    blocks = row_scales.reshape(n // GROUP, GROUP, kg)
+    nb = (n + GROUP - 1) // GROUP
+    pad = nb * GROUP - n  # the last block's missing rows repeat its last row
+    full = torch.cat([row_scales, row_scales[-1:].expand(pad, kg)]) if pad else row_scales
+    blocks = full.reshape(nb, GROUP, kg)
     if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
         return None
     return blocks[:, 0].float().clone(memory_format=torch.contiguous_format)
