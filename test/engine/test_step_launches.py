@@ -118,28 +118,64 @@ from materialised rows (the filtered row, the proposal scattered to the target's
 the residual, its draw) ~35 more."""
 
 
-def test_dspark_sampled_verify_step_launches(gemma_path, monkeypatch):
+FILTERED_VERIFY_EXTRA = 190
+"""Launches a sampled DSPARK verify step (gamma 7) under top-k 20 / top-p 0.9 may add to the
+greedy one (168 on the tiny Gemma 3 below): each cut-off — one per draft column and one for
+the verify rows — is the leading values (``torch.topk``), a few ops to find them among the
+logits, and one ``sorted_cut`` launch. Before that kernel, with the cut-off's whole-row
+softmax and tempered copy, the step took ~360 more than greedy."""
+
+
+def _verify_step_launches(path, **sampling):
+    """The launches of one DSPARK verify step of two requests of the tiny Gemma 3 at
+    ``path``, greedy (no ``sampling``) or sampled with those options."""
+    from unimem.engine.sampling import SamplingOptions
+
+    eng = unimem.Engine(
+        model_path=str(path), device="cpu", dtype="float32", page_size=4,
+        speculative_algorithm="DSPARK",
+    )  # fmt: skip
+    core = eng.core
+    for i, p in enumerate([list(range(5, 14)), list(range(7, 17))]):
+        core.submit(p, 40, sampling=SamplingOptions(seed=i, **sampling) if sampling else None)
+    for _ in range(2):  # prefill, then a verify step: the requests are verifying
+        core.step()
+    counts = count_step_launches(core)
+    eng.shutdown()
+    return counts
+
+
+@pytest.fixture(scope="module")
+def greedy_verify_launches(gemma_path):
+    """The greedy verify step's launches (the baseline of the sampled ones), counted once."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+        return _verify_step_launches(gemma_path)
+
+
+def test_dspark_filtered_verify_step_launches(gemma_path, greedy_verify_launches, monkeypatch):
+    """Top-k 20 / top-p 0.9 at temperature 0.7: at most ``FILTERED_VERIFY_EXTRA`` launches
+    more than greedy, one ``sorted_cut`` per cut-off (7 draft columns, the verify rows), and
+    no softmax or sort of whole rows."""
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    greedy = greedy_verify_launches
+    filtered = _verify_step_launches(gemma_path, temperature=0.7, top_k=20, top_p=0.9)
+    assert filtered.total - greedy.total <= FILTERED_VERIFY_EXTRA, filtered.summary()
+
+    def launches(name: str) -> int:
+        return sum(c for (_, n), c in filtered.names.items() if n == name)
+
+    assert launches("triton._sorted_cut_kernel") == 8, filtered.summary()
+    assert launches("aten._softmax") == 0 and launches("aten.sort") == 0, filtered.summary()
+
+
+def test_dspark_sampled_verify_step_launches(gemma_path, greedy_verify_launches, monkeypatch):
     """A sampled verify step (temperature 0.7: every filter off) launches at most
     ``SAMPLED_VERIFY_EXTRA`` kernels more than the greedy one, none of them the torch integer
     ops of noise keys (one ``position_keys`` launch per set of keys)."""
-    from unimem.engine.sampling import SamplingOptions
-
     monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
-    counts = {}
-    for temperature in (0.0, 0.7):
-        eng = unimem.Engine(
-            model_path=str(gemma_path), device="cpu", dtype="float32", page_size=4,
-            speculative_algorithm="DSPARK",
-        )  # fmt: skip
-        core = eng.core
-        for i, p in enumerate([list(range(5, 14)), list(range(7, 17))]):
-            opts = SamplingOptions(temperature=temperature, seed=i) if temperature else None
-            core.submit(p, 40, sampling=opts)
-        for _ in range(2):  # prefill, then a verify step: the requests are verifying
-            core.step()
-        counts[temperature] = count_step_launches(core)
-        eng.shutdown()
-    greedy, sampled = counts[0.0], counts[0.7]
+    greedy = greedy_verify_launches
+    sampled = _verify_step_launches(gemma_path, temperature=0.7)
     assert sampled.total - greedy.total <= SAMPLED_VERIFY_EXTRA, sampled.summary()
     names = {n for _, n in sampled.names}
     assert (
