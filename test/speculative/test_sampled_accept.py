@@ -110,7 +110,7 @@ def test_estimate_equals_simulated_speculative_sampling(gemma):
     dc = draft_config_for(model.config, num_layers=1)
     drafter = _trained_drafter(model, dc, g)
     prefix = _sample(model, [2], 1, 9, g)[0].tolist()  # a context and its anchor token
-    n = 3000
+    n = 2000
     seqs = _sample(model, prefix, n, GAMMA, g)
     plen = len(prefix) - 1  # the anchor (the context's last token) is the first anchor
     # one anchor per sequence: anchor plen drafts positions plen+1 .. plen+GAMMA
@@ -122,7 +122,7 @@ def test_estimate_equals_simulated_speculative_sampling(gemma):
     one = teacher_forced_states(model, [prefix], [plen], dc.target_layers)
     base = block_logits_dense(drafter, one.tokens, one.hidden, torch.tensor([plen]), GAMMA)
     for scale in (1.0, 0.5, 0.0):
-        sim = _simulate(model, drafter, prefix, base[0, 0], scale, 6000, g)
+        sim = _simulate(model, drafter, prefix, base[0, 0], scale, 4000, g)
         got = est[scale]["accept"]
         assert 1.0 <= got <= GAMMA + 1
         assert abs(got - sim) < 0.08, (scale, got, sim)
