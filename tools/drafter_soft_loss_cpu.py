@@ -33,7 +33,7 @@ def main() -> int:
     from unimem.engine.api import Engine
     from unimem.speculative import shipped
     from unimem.speculative.checkpoint import load_drafter
-    from unimem.training.draft_data import bos_prompts, continuations, encode_prompts
+    from unimem.training.draft_data import bos_prompts, continuations, text_continuations
     from unimem.training.sampled_accept import sampled_accept_lengths
     from unimem.training.teacher_forcing import teacher_forced_states
     from unimem.training.trainer import TrainConfig, train_drafter
@@ -61,15 +61,11 @@ def main() -> int:
     seqs, lens = continuations(
         engine, prompts, args.gen_len, temperatures=(args.temperature,), seed=888000
     )
-    held = encode_prompts(engine, short_prompts()[: args.held], 64)
-    params = [{"max_new_tokens": args.held_len, "temperature": args.temperature, "seed": i,
-               "ignore_eos": True} for i in range(len(held))]  # fmt: skip
-    outs = engine.generate(input_ids=held, sampling_params=params)
-    held_seqs = [q + o["output_ids"] for q, o in zip(held, outs, strict=True)]
-    layers = drafter.config.target_layers
-    held_data = teacher_forced_states(
-        model, held_seqs, [len(q) for q in held], layers, soft_top_k=256
+    held_seqs, held_lens = text_continuations(
+        engine, short_prompts()[: args.held], 64, args.held_len, temperature=args.temperature
     )
+    layers = drafter.config.target_layers
+    held_data = teacher_forced_states(model, held_seqs, held_lens, layers, soft_top_k=256)
     train = teacher_forced_states(model, seqs, lens, layers, soft_top_k=64)
     t = args.temperature
     rows = {"base": sampled_accept_lengths(drafter, held_data, 7, t, (1.0,))[1.0]}

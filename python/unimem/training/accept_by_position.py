@@ -26,8 +26,8 @@ import torch
 from unimem.engine.api import Engine
 from unimem.speculative.checkpoint import load_drafter
 from unimem.speculative.drafter import with_context_window
-from unimem.training.draft_data import encode_prompts
-from unimem.training.prompt_sets import read_prompts
+from unimem.training.draft_data import text_continuations
+from unimem.training.prompt_sets import prompt_texts
 from unimem.training.teacher_forcing import teacher_forced_states
 from unimem.training.trainer import offline_accept_by_position
 
@@ -79,22 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     # built before the generation: an impossible window fails at once
     variants = [("as saved", saved)]
     variants += [(f"window {w}", with_context_window(saved, w, model.config)) for w in args.windows]
-    if args.prompts == "short":
-        from unimem.data.prompts import short_prompts
-
-        texts = short_prompts()
-    else:
-        texts = read_prompts(args.prompts, args.split)
+    texts = prompt_texts(args.prompts, args.split)
     if len(texts) < args.requests:
         raise SystemExit(f"--prompts has {len(texts)} prompts, --requests {args.requests}")
-    prompts = encode_prompts(engine, texts[: args.requests], args.max_prompt_len)
-    params = {"max_new_tokens": args.tokens, "temperature": 0.0, "ignore_eos": True}
-    outs = engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
-    engine.shutdown()
-    seqs = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
-    data = teacher_forced_states(
-        model, seqs, [len(p) for p in prompts], drafter.config.target_layers
+    seqs, prompt_lens = text_continuations(
+        engine, texts[: args.requests], args.max_prompt_len, args.tokens
     )
+    engine.shutdown()
+    data = teacher_forced_states(model, seqs, prompt_lens, drafter.config.target_layers)
     rows = {}
     for name, config in variants:
         drafter.config = config
@@ -121,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(model.device),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "prompts": args.prompts,
-        "requests": len(prompts),
+        "requests": len(seqs),
         "tokens": args.tokens,
         "gamma": args.gamma,
         "variants": rows,

@@ -10,6 +10,8 @@
   continuation) and their prompt lengths, ready for
   :func:`unimem.training.teacher_forcing.teacher_forced_states`.
 * :func:`encode_prompts`: text prompts encoded by the engine's tokenizer, cut to a length.
+* :func:`text_continuations`: text prompts encoded and continued a fixed number of tokens
+  (EOS ignored): the held-out sequences a drafter is scored on.
 
 Every request is seeded (``seed + i``), so the same engine and arguments give the same text.
 """
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 
 from unimem.engine.api import Engine
 
-__all__ = ["bos_id", "bos_prompts", "continuations", "encode_prompts"]
+__all__ = ["bos_id", "bos_prompts", "continuations", "encode_prompts", "text_continuations"]
 
 
 def bos_id(engine: Engine) -> int:
@@ -100,3 +102,26 @@ def continuations(
             seqs.append([*p, *o["output_ids"]])
             lens.append(len(p))
     return seqs, lens
+
+
+def text_continuations(
+    engine: Engine,
+    texts: Sequence[str],
+    max_prompt_len: int,
+    tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[list[int]], list[int]]:
+    """``(sequences, prompt_lens)``: each of ``texts`` encoded (:func:`encode_prompts`, cut
+    to ``max_prompt_len``) and continued by exactly ``tokens`` tokens (EOS ignored) at
+    ``temperature``, request ``i`` seeded ``seed + i``, in one batched generation."""
+    prompts = encode_prompts(engine, texts, max_prompt_len)
+    params = [
+        {"max_new_tokens": tokens, "temperature": temperature, "seed": seed + i,
+         "ignore_eos": True}
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    seqs = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
+    return seqs, [len(p) for p in prompts]

@@ -10,7 +10,8 @@ Two formats, by extension:
 
 :func:`read_prompts` with ``split`` keeps the entries of that split only; a file without
 splits has none, so asking for one is an error (a held-out set must be named, never
-guessed).
+guessed). :func:`prompt_texts` adds the package's own short real prompts under the name
+``"short"``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["read_prompts"]
+__all__ = ["prompt_texts", "read_prompts"]
 
 
 def read_prompts(path: str | os.PathLike, split: str | None = None) -> list[str]:
@@ -59,3 +60,14 @@ def read_prompts(path: str | os.PathLike, split: str | None = None) -> list[str]
         what = f" of split {split!r}" if split is not None else ""
         raise ValueError(f"prompt file {path}: no prompts{what}")
     return out
+
+
+def prompt_texts(spec: str, split: str | None = None) -> list[str]:
+    """``"short"``: the package's short real prompts (:func:`unimem.data.prompts.
+    short_prompts`; ``split`` ignored); otherwise the prompt file ``spec``
+    (:func:`read_prompts` with ``split``)."""
+    if spec == "short":
+        from unimem.data.prompts import short_prompts
+
+        return short_prompts()
+    return read_prompts(spec, split)

@@ -185,8 +185,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from unimem.engine.api import Engine
     from unimem.speculative.checkpoint import load_drafter
-    from unimem.training.draft_data import encode_prompts
-    from unimem.training.prompt_sets import read_prompts
+    from unimem.training.draft_data import text_continuations
+    from unimem.training.prompt_sets import prompt_texts
     from unimem.training.teacher_forcing import teacher_forced_states
 
     args = parser().parse_args(argv)
@@ -201,33 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = engine.model
     drafter = load_drafter(args.drafter, model, dtype=torch.float32)
-    if args.prompts == "short":
-        from unimem.data.prompts import short_prompts
-
-        texts = short_prompts()
-    else:
-        texts = read_prompts(args.prompts, args.split)
+    texts = prompt_texts(args.prompts, args.split)
     if len(texts) < args.requests:
         raise SystemExit(f"--prompts has {len(texts)} prompts, --requests {args.requests}")
-    prompts = encode_prompts(engine, texts[: args.requests], args.max_prompt_len)
-    params = [
-        {
-            "max_new_tokens": args.tokens,
-            "temperature": args.temperature,
-            "seed": args.seed + i,
-            "ignore_eos": True,
-        }
-        for i in range(len(prompts))
-    ]
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    seqs, prompt_lens = text_continuations(
+        engine, texts[: args.requests], args.max_prompt_len, args.tokens,
+        temperature=args.temperature, seed=args.seed,
+    )  # fmt: skip
     engine.shutdown()
-    seqs = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
     data = teacher_forced_states(
-        model,
-        seqs,
-        [len(p) for p in prompts],
-        drafter.config.target_layers,
-        soft_top_k=args.top_k_probs,
+        model, seqs, prompt_lens, drafter.config.target_layers, soft_top_k=args.top_k_probs
     )
     rows = sampled_accept_lengths(drafter, data, args.gamma, args.temperature, args.scales)
     print(f"temperature {args.temperature}, gamma {args.gamma}, {len(seqs)} sequences")
@@ -242,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(model.device),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "prompts": args.prompts,
-        "requests": len(prompts),
+        "requests": len(seqs),
         "tokens": args.tokens,
         "temperature": args.temperature,
         "gamma": args.gamma,
