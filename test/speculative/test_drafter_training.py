@@ -26,8 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -51,20 +49,8 @@ from unimem.training.trainer import (
     train_drafter,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-import tiny_gemma3  # noqa: E402
-import tiny_tokenizer  # noqa: E402
-
 GAMMA = 4
 BOS = 2
-
-
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt") / "tiny-gemma"
-    tiny_gemma3.build(path, max_position_embeddings=512)
-    tiny_tokenizer.save(path, 500)
-    return path, load_checkpoint(path, dtype="float32").model
 
 
 @torch.no_grad()

@@ -14,13 +14,10 @@ briefly on the target's text with the temperature's soft term.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from unimem.models.loader import load_checkpoint
 from unimem.speculative.checkpoint import save_drafter
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 from unimem.training.sampled_accept import main, sampled_accept_lengths
@@ -28,21 +25,9 @@ from unimem.training.teacher_forcing import BatchedSequencesContext, teacher_for
 from unimem.training.train_forward import block_logits_dense, distill_losses
 from unimem.training.trainer import TrainConfig, train_drafter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-import tiny_gemma3  # noqa: E402
-import tiny_tokenizer  # noqa: E402
-
 GAMMA = 3
 T = 0.7
 VOCAB = 500
-
-
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt") / "tiny-gemma"
-    tiny_gemma3.build(path, max_position_embeddings=512)
-    tiny_tokenizer.save(path, VOCAB)
-    return path, load_checkpoint(path, dtype="float32").model
 
 
 @torch.no_grad()
