@@ -242,24 +242,14 @@ def test_gemm_config_spec_round_trips_and_bad_specs_are_named(monkeypatch):
 def test_row_counts_between_swept_ones_take_the_nearest_swept_tile_on_a_log_scale():
     a, b, c = (Fp8GemmConfig.parse(x) for x in ("16x32,4,4,4", "64x32,4,3,1", "64x256,8,3,1"))
     swept = [(16, a), (48, b), (384, c)]
-    # switches at sqrt(16 * 48) = 27.7 and sqrt(48 * 384) = 135.8
-    picks = {
-        r: nearest_swept_config(swept, r) for r in (0, 1, 16, 27, 28, 64, 128, 135, 136, 256, 4096)
-    }
+    # switches at sqrt(16 * 48) = 27.7 and sqrt(48 * 384) = 135.8; above 384 the defaults
+    rows = (0, 1, 16, 27, 28, 64, 128, 135, 136, 256, 384, 385, 8192)
+    picks = {r: nearest_swept_config(swept, r) for r in rows}
     assert picks == {
-        0: a,
-        1: a,
-        16: a,
-        27: a,
-        28: b,
-        64: b,
-        128: b,
-        135: b,
-        136: c,
-        256: c,
-        4096: c,
-    }
-    assert nearest_swept_config([(48, b)], 1000) == b
+        0: a, 1: a, 16: a, 27: a, 28: b, 64: b, 128: b, 135: b, 136: c, 256: c, 384: c,
+        385: None, 8192: None,
+    }  # fmt: skip
+    assert nearest_swept_config([(48, b)], 20) == b
 
 
 def test_quantisation_is_a_multiply_by_the_ieee_reciprocal():

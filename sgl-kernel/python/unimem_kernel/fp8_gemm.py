@@ -254,8 +254,8 @@ _BY_ROWS = (
 
 TUNED_CONFIGS = Path(__file__).with_name("fp8_gemm_configs.json")
 """``{gpu name: {"N,K": [[rows, "BMxBN,warps,stages,splitk"], ...]}}`` (ascending ``rows``,
-the row counts swept at; written by the FP8 GEMM micro-benchmark's sweep; other row counts
-take the nearest swept one's tile, :func:`nearest_swept_config`)."""
+the row counts swept at; written by the FP8 GEMM micro-benchmark's sweep; other row counts up
+to the largest take the nearest swept one's tile, :func:`nearest_swept_config`)."""
 
 
 @functools.cache
@@ -267,14 +267,17 @@ def _tuned(device_name: str) -> dict[str, list[tuple[int, Fp8GemmConfig]]]:
             for shape, rows in table.items()}  # fmt: skip
 
 
-def nearest_swept_config(swept: list[tuple[int, Fp8GemmConfig]], rows: int) -> Fp8GemmConfig:
+def nearest_swept_config(swept: list[tuple[int, Fp8GemmConfig]], rows: int) -> Fp8GemmConfig | None:
     """The tile swept at the row count nearest ``rows`` on a log scale (``swept``: ``(rows
-    swept at, tile)``, ascending, not empty). Between two swept counts ``a < b`` the switch
-    is at ``sqrt(a * b)``: a tile chosen for ``b`` rows spreads its columns over fewer,
-    wider programs (e.g. 64 x 256 at 384 rows), which at a third of those rows leaves most
-    SMs idle (H100, qkv 3 072 x 2 048: 16.3 us at 64 rows against 7.7 at 48 with the
-    48-row tile; ``docs/results/fp8_gemm_rows_h100.json``)."""
+    swept at, tile)``, ascending, not empty); None above the largest swept count (prefill:
+    the defaults by rows take it). Between two swept counts ``a < b`` the switch is at
+    ``sqrt(a * b)``: a tile chosen for ``b`` rows spreads its columns over fewer, wider
+    programs (e.g. 64 x 256 at 384 rows), which at a third of those rows leaves most SMs
+    idle (H100, qkv 3 072 x 2 048: 16.3 us at 64 rows with the 384-row tile, 7.7 at 48 with
+    the 48-row one; ``docs/results/fp8_gemm_rows_h100.json``)."""
     rows = max(rows, 1)
+    if rows > swept[-1][0]:
+        return None
     for (lo, lo_cfg), (hi, _) in zip(swept, swept[1:], strict=False):
         if rows * rows <= lo * hi:
             return lo_cfg
@@ -298,8 +301,9 @@ def fp8_gemm_config(
         return Fp8GemmConfig.parse(forced)
     if shape is not None and device is not None and device.type == "cuda":
         swept = _tuned(torch.cuda.get_device_name(device)).get(f"{shape[0]},{shape[1]}")
-        if swept:
-            return nearest_swept_config(swept, rows_per_group)
+        cfg = nearest_swept_config(swept, rows_per_group) if swept else None
+        if cfg is not None:
+            return cfg
     for max_rows, cfg in _BY_ROWS:
         if rows_per_group <= max_rows:
             return cfg
