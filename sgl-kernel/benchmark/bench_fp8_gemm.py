@@ -16,8 +16,9 @@ Shapes: ``bench_gemm_shapes.SHAPES`` (the ``small`` preset at ``--m`` rows). Var
   ``invariant``: the same with the batch-invariant tile; ``fused_quant``: one launch that
   quantises the activations in its loads (``UNIMEM_FP8_ACT_QUANT=fused``);
 - ``fp8_linear_dispatched`` (always): :func:`unimem_kernel.fp8_linear` as the engine calls it,
-  with the weight's ``[N/128, K/128]`` block table: cuBLASLt from ``LT_MIN_ROWS`` rows on an
-  SM90 GPU, the Triton kernel below (:func:`unimem_kernel.fp8_gemm.use_lt`; the row's
+  with the weight's ``[ceil(N/128), K/128]`` block table: cuBLASLt from
+  :func:`unimem_kernel.fp8_gemm.lt_min_rows` rows (by ``N``) on an SM90 GPU, the Triton
+  kernel below (:func:`unimem_kernel.fp8_gemm.use_lt`; the row's
   ``dispatch`` says which): ``--m 48 128 256 384 512`` shows the crossover;
 - ``fp8 block scaled_mm`` (``--gemm scaled_mm|both``): cuBLASLt's block scaling through
   ``torch._scaled_mm`` with the same scales, after the same Triton activation quantisation.

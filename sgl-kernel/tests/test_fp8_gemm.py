@@ -11,7 +11,10 @@ from kernel_devices import DEVICES
 from unimem_kernel.fp8_gemm import (
     FP8_DTYPE,
     FP8_MAX,
+    LT_MIN_N,
     LT_MIN_ROWS,
+    LT_WIDE_MIN_ROWS,
+    LT_WIDE_N,
     Fp8GemmConfig,
     collapse_block_scales,
     device_capability,
@@ -281,6 +284,10 @@ def test_use_lt_says_yes_only_when_every_condition_holds(monkeypatch):
     monkeypatch.delenv("UNIMEM_FP8_LT_MIN_ROWS", raising=False)
     assert _lt() and _lt(out_dtype=torch.float16)
     assert _lt(rows=LT_MIN_ROWS) and not _lt(rows=LT_MIN_ROWS - 4)
+    # by shape: wide weights from fewer rows, narrow ones never
+    assert _lt(rows=LT_WIDE_MIN_ROWS, n=LT_WIDE_N) and not _lt(rows=LT_WIDE_MIN_ROWS - 4, n=8224)
+    assert not _lt(rows=LT_WIDE_MIN_ROWS, n=LT_WIDE_N - 16)
+    assert _lt(n=LT_MIN_N) and not _lt(n=LT_MIN_N - 16) and not _lt(rows=4096, n=512)
     for capability in (None, (8, 9), (10, 0), (12, 0), (9, 1)):  # CPU, Ada, Blackwell
         assert not _lt(capability=capability), capability
     assert not _lt(invariant=True)  # batch-invariant mode keeps the Triton fixed tile
@@ -290,8 +297,9 @@ def test_use_lt_says_yes_only_when_every_condition_holds(monkeypatch):
     assert _lt(n=8224) and _lt(n=3072 + 16)  # N need not fill its last 128-row block
     assert not _lt(n=3072 + 8)  # but is a multiple of 16 (LT_N_ALIGN)
     assert not _lt(k=2048 + 128) and _lt(k=2048 + 512)  # K / 128 a multiple of 4
-    monkeypatch.setenv("UNIMEM_FP8_LT_MIN_ROWS", "48")
-    assert _lt(rows=48) and not _lt(rows=44)
+    monkeypatch.setenv("UNIMEM_FP8_LT_MIN_ROWS", "48")  # the rows rule for every shape
+    assert _lt(rows=48) and not _lt(rows=44) and _lt(rows=48, n=512)
+    assert not _lt(rows=44, n=LT_WIDE_N)
     assert not _lt(rows=48, invariant=True) and not _lt(rows=48, capability=None)
     monkeypatch.setenv("UNIMEM_FP8_LT_MIN_ROWS", "100000")
     assert not _lt()

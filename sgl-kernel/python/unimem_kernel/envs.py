@@ -120,8 +120,9 @@ _ALL = (
         None,
         "Fewest rows for which a dense FP8 linear with a block table runs on cuBLASLt's "
         "block-scaled GEMM (torch._scaled_mm) instead of the Triton kernel, on SM90 and "
-        "outside deterministic inference (unimem_kernel.fp8_gemm.use_lt); unset: "
-        "fp8_gemm.LT_MIN_ROWS (256).",
+        "outside deterministic inference (unimem_kernel.fp8_gemm.use_lt), for every weight "
+        "shape; unset: by shape, fp8_gemm.lt_min_rows (128 rows for N >= 8192, 256 for "
+        "N >= 1024, never below).",
         parse=_row_count,
     ),
     EnvSwitch(

@@ -67,8 +67,11 @@ __all__ = [
     "FP8_MAX",
     "GROUP",
     "SCALE_FLOOR",
+    "LT_MIN_N",
     "LT_MIN_ROWS",
     "LT_N_ALIGN",
+    "LT_WIDE_MIN_ROWS",
+    "LT_WIDE_N",
     "Fp8GemmConfig",
     "collapse_block_scales",
     "dequantize",
@@ -610,10 +613,25 @@ fp8_gemm = kernel_op(
 
 LT_MIN_ROWS = 256
 """Fewest rows for which :func:`fp8_linear` takes cuBLASLt's block-scaled GEMM
-(:func:`use_lt`); ``UNIMEM_FP8_LT_MIN_ROWS`` overrides it. Measured on an H100 (2026-12-06,
-activation quantisation included): at 384 rows cuBLASLt beats the Triton kernel (gate_up
-11264 x 2048: 21.1 vs 33.7 us, qkv 3072 x 2048: 12.3 vs 16.9, 12352 x 2048: 30.4 vs 48.6),
-at 48 rows the Triton kernel wins (11.6 vs 12.0, 7.7 vs 11.3, 11.9 vs 15.0)."""
+(:func:`use_lt`) for a weight of :data:`LT_MIN_N` to :data:`LT_WIDE_N` output rows (wider:
+:data:`LT_WIDE_MIN_ROWS`; narrower: never). Measured on an H100 (2026-12-06, activation
+quantisation included, ``docs/results/fp8_gemm_rows_tiles_h100.json``): at 256 rows cuBLASLt
+beats the Triton kernel (qkv 3072 x 2048: 12.1 vs 16.6 us, gate_up 11264 x 2048: 19.0 vs
+31.9), at 128 rows it loses on such shapes (qkv 11.7 vs 10.5, down 2048 x 5632: 21.0 vs
+14.2). ``UNIMEM_FP8_LT_MIN_ROWS`` replaces this rule for every shape."""
+
+LT_WIDE_N = 8192
+"""From this many output rows (``N``) a weight counts as wide: cuBLASLt from
+:data:`LT_WIDE_MIN_ROWS` rows. Same H100 run, 128 rows: 11 264 x 2 048 11.9 vs 17.8 us,
+12 352 x 2 048 12.7 vs 17.7, 8 224 x 2 048 11.9 vs 13.5, 8 192 x 2 048 11.5 vs 11.8; at 64
+rows cuBLASLt's fixed ~11.5 us loses to the Triton kernel's 7.8-11.9 on most shapes."""
+
+LT_WIDE_MIN_ROWS = 128
+"""Fewest rows for cuBLASLt on a wide weight (:data:`LT_WIDE_N`)."""
+
+LT_MIN_N = 1024
+"""Below this many output rows the Triton kernel at every row count: at 384 rows a 512 x
+2 048 weight took 10.2 us on cuBLASLt against 7.9 on the Triton kernel (same run)."""
 
 LT_CAPABILITY = (9, 0)
 """The one compute capability whose cuBLASLt has the 1 x 128 / 128 x 128 block scaling
@@ -638,10 +656,17 @@ stride ``K / 128``; and it refuses 1 x 128 activation scales whose ``M`` is not 
 ``CUBLAS_STATUS_NOT_SUPPORTED``."""
 
 
-def lt_min_rows() -> int:
-    """:data:`LT_MIN_ROWS`, or ``UNIMEM_FP8_LT_MIN_ROWS`` when set."""
+def lt_min_rows(n: int) -> int | None:
+    """Fewest rows for which an ``N``-output-row weight goes to cuBLASLt (None: never, by
+    the row count): ``UNIMEM_FP8_LT_MIN_ROWS`` when set, whatever ``N``; else
+    :data:`LT_WIDE_MIN_ROWS` from :data:`LT_WIDE_N`, :data:`LT_MIN_ROWS` from
+    :data:`LT_MIN_N`, None below."""
     forced = envs.get("UNIMEM_FP8_LT_MIN_ROWS")
-    return LT_MIN_ROWS if forced is None else forced
+    if forced is not None:
+        return forced
+    if n >= LT_WIDE_N:
+        return LT_WIDE_MIN_ROWS
+    return LT_MIN_ROWS if n >= LT_MIN_N else None
 
 
 def use_lt(
@@ -660,15 +685,17 @@ def use_lt(
     capability, None off CUDA. Yes only when all hold: the capability is
     :data:`LT_CAPABILITY` (SM90); not ``invariant`` (batch-invariant mode keeps the Triton
     kernel's fixed tile); ``has_blocks`` (the weight has its ``[ceil(N/128), K/128]`` block table);
-    ``out_dtype`` in :data:`LT_OUT_DTYPES`; ``rows >=`` :func:`lt_min_rows` and a multiple
-    of :data:`LT_ALIGN`; ``N`` a multiple of :data:`LT_N_ALIGN` and ``K`` of
+    ``out_dtype`` in :data:`LT_OUT_DTYPES`; ``rows >=`` :func:`lt_min_rows` of ``N`` and a
+    multiple of :data:`LT_ALIGN`; ``N`` a multiple of :data:`LT_N_ALIGN` and ``K`` of
     ``128 * LT_ALIGN`` (:data:`LT_ALIGN` says why)."""
+    min_rows = lt_min_rows(n)
     return (
         capability == LT_CAPABILITY
         and not invariant
         and has_blocks
         and out_dtype in LT_OUT_DTYPES
-        and rows >= lt_min_rows()
+        and min_rows is not None
+        and rows >= min_rows
         and rows % LT_ALIGN == 0
         and n % LT_N_ALIGN == 0
         and k % (GROUP * LT_ALIGN) == 0
