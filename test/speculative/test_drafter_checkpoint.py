@@ -12,7 +12,13 @@ from safetensors.torch import load_file, save_file
 from unimem.models.forward_context import masked_attention
 from unimem.models.presets import preset
 from unimem.models.synthetic import HybridModel
-from unimem.speculative.checkpoint import load_drafter, save_drafter
+from unimem.speculative.checkpoint import (
+    FP8_MATRICES,
+    ROW_SCALE,
+    fp8_rows,
+    load_drafter,
+    save_drafter,
+)
 from unimem.speculative.drafter import DsparkDrafter, draft_config_for
 
 
@@ -114,6 +120,74 @@ def test_load_casts_to_the_requested_dtype(tiny, tmp_path):
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
     assert loaded.config.lanes()[0].layer.dtype == torch.float32
     torch.testing.assert_close(loaded.fc.double(), drafter.fc, rtol=1e-6, atol=0)
+
+
+def test_fp8_weights_store_the_projections_in_float8_with_row_scales(tiny, tmp_path):
+    _, model = tiny
+    drafter = _drafter(model, gamma=5)
+    save_drafter(drafter, tmp_path / "bf", fp8_weights=False)
+    save_drafter(drafter, tmp_path / "f8", fp8_weights=True)
+    saved = load_file(str(tmp_path / "f8" / "model.safetensors"))
+    params = dict(drafter.named_parameters())
+    quantised = {n for n in params if n.rsplit(".", 1)[-1] in FP8_MATRICES}
+    assert {"fc", "layers.0.qkv_proj", "layers.1.down"} <= quantised
+    assert set(saved) == set(params) | {n + ROW_SCALE for n in quantised}
+    for n in quantised:
+        assert saved[n].dtype == torch.float8_e4m3fn and saved[n + ROW_SCALE].dtype == torch.float32
+        assert saved[n].float().abs().amax(dim=1).eq(448).all(), n  # each row's largest at 448
+    assert saved["markov_u"].dtype == drafter.markov_u.dtype  # the rest as it was
+    loaded = load_drafter(tmp_path / "f8", model)
+    for name, p in loaded.named_parameters():
+        ref = params[name]
+        if name in quantised:  # e4m3: 3 mantissa bits, rounding error <= 2^-4 of the row's max
+            q, scale = fp8_rows(ref)
+            assert torch.equal(p, (q.float() * scale[:, None]).double()), name
+            err = (p - ref).abs() / ref.abs().amax(dim=1, keepdim=True)
+            assert 0 < err.max() <= 2**-4, name
+        else:
+            assert torch.equal(p, ref), name
+    f8 = (tmp_path / "f8" / "model.safetensors").stat().st_size
+    bf = (tmp_path / "bf" / "model.safetensors").stat().st_size
+    assert f8 < bf  # float64 tiny drafter: the matrices 8 -> 1 byte (+ 4 a row)
+    # the drafter still drafts: its proposals from the dequantised weights are those of a
+    # drafter holding exactly those values
+    tokens, base = _proposals(loaded)
+    assert torch.isfinite(base).all() and tokens.shape == (3, 5)
+
+
+def test_fp8_rows_maps_each_rows_largest_magnitude_to_448_and_zero_rows_stay_zero():
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [3e-3, 1e-3, -6e-3]])
+    q, scale = fp8_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.tolist() == pytest.approx(
+        [2 / 448, 1.0, 6e-3 / 448]
+    )
+    assert q.float()[[0, 2]].abs().amax(dim=1).tolist() == [448.0, 448.0]
+    assert q.float()[1].eq(0).all()
+    torch.testing.assert_close(q.float() * scale[:, None], w, rtol=2**-4, atol=0)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ("drop_scale", "needs a 2-D shape and its per-row scale 'fc.row_scale'"),
+        ("bad_scale", "'fc.row_scale' must be float32 \\[256\\]"),
+        ("scale_of_plain", "scales 'mask_embed', which is .*not float8"),
+    ],
+)
+def test_fp8_weights_with_a_wrong_scale_are_refused_by_name(tiny, tmp_path, edit, match):
+    _, model = tiny
+    save_drafter(_drafter(model), tmp_path, fp8_weights=True)
+    path = tmp_path / "model.safetensors"
+    t = load_file(str(path))
+    if edit == "drop_scale":
+        del t["fc" + ROW_SCALE]
+    elif edit == "bad_scale":
+        t["fc" + ROW_SCALE] = t["fc" + ROW_SCALE][:-1].contiguous()
+    else:
+        t["mask_embed" + ROW_SCALE] = torch.ones(1)
+    save_file(t, str(path))
+    with pytest.raises(ValueError, match=match):
+        load_drafter(tmp_path, model)
 
 
 def _edit_config(path, **changes):

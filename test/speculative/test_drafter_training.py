@@ -16,6 +16,9 @@
   further back than the sequences they trained on; the held-out
   continuations run ``--eval-len`` tokens; the offline evaluations give the same numbers in
   anchor chunks, and by output position (``python -m unimem.training.accept_by_position``);
+- a trained drafter grows deeper (``with_extra_layers``, ``--init`` with more
+  ``--draft-layers``) drafting exactly as before until trained, and its projections can be
+  stored in float8 (``--fp8-weights``);
 - slow tier: the whole command (``python -m unimem.training.train_drafter``: Engine-written
   data, training, checkpoint) and the engine's own accept length on held-out prompts
   (no acceptance control) against the untrained drafter, outputs exact.
@@ -33,7 +36,12 @@ import torch
 from unimem.models.loader import load_checkpoint
 from unimem.speculative import shipped
 from unimem.speculative.checkpoint import save_drafter
-from unimem.speculative.drafter import DsparkDrafter, draft_config_for, with_context_window
+from unimem.speculative.drafter import (
+    DsparkDrafter,
+    draft_config_for,
+    with_context_window,
+    with_extra_layers,
+)
 from unimem.training.distill import Rollouts, greedy_rollouts
 from unimem.training.prompt_sets import read_prompts
 from unimem.training.teacher_forcing import (
@@ -679,6 +687,83 @@ def test_held_out_continuations_run_eval_len_tokens(gemma, tmp_path):
     assert max(map(len, text.held_sequences)) <= model.config.max_context
     with pytest.raises(ValueError, match="--eval-len must be >= 1"):
         generate(parser().parse_args(argv(0)), log=quiet)
+
+
+def test_a_grown_drafter_drafts_exactly_as_before(gemma):
+    """``with_extra_layers``: the old layers' weights, new layers hosted as the last one
+    with zero output projections — the same block logits bit for bit — and different ones
+    once a new layer's projection moves."""
+    from unimem.training.train_forward import block_forward_dense
+
+    _, model = gemma
+    dc = draft_config_for(model.config, num_layers=1, draft_vocab_size=128)
+    g = torch.Generator().manual_seed(5)
+    d2t = torch.randperm(model.config.vocab_size, generator=g)[:128]
+    small = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=3, d2t=d2t)
+    grown = with_extra_layers(small, 3, seed=9)
+    assert grown.config.num_layers == 3 and grown.config.layer_hosts == dc.layer_hosts * 3
+    assert torch.equal(grown.d2t, small.d2t)
+    for name, t in small.state_dict().items():
+        assert torch.equal(grown.state_dict()[name], t), name
+    for layer in grown.layers[1:]:
+        assert not layer.o_proj.any() and not layer.down.any() and layer.qkv_proj.any()
+    seqs, lens = _text(model, 3, seed=1)
+    data = teacher_forced_states(model, seqs, lens, dc.target_layers)
+    anchors = torch.arange(2, 20, 3)
+    hidden = [h for h in data.hidden]
+    base_small, _ = block_forward_dense(small, data.tokens, hidden, anchors, GAMMA)
+    base_grown, _ = block_forward_dense(grown, data.tokens, hidden, anchors, GAMMA)
+    assert torch.equal(base_small, base_grown)
+    with torch.no_grad():
+        grown.layers[2].down.normal_(generator=g)
+    assert not torch.equal(block_forward_dense(grown, data.tokens, hidden, anchors, GAMMA)[0],
+                           base_small)  # fmt: skip
+    with pytest.raises(ValueError, match="num_layers 1 must exceed the drafter's 1"):
+        with_extra_layers(small, 1, seed=0)
+
+
+def test_train_drafter_grows_its_init_and_stores_fp8_weights(gemma, tmp_path):
+    """``--init`` with more ``--draft-layers`` trains the grown drafter; ``--fp8-weights``
+    writes its projections in float8 with row scales, and it loads back; fewer layers than
+    the init, or other target layers, are refused before anything is generated."""
+    from safetensors.torch import load_file
+
+    from unimem.speculative.checkpoint import ROW_SCALE, load_drafter
+    from unimem.training.train_drafter import generate, parser, train_on
+
+    path, model = gemma
+    init = tmp_path / "init"
+    dc = draft_config_for(model.config, num_layers=1, draft_vocab_size=128)
+    save_drafter(
+        DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=3, d2t=torch.arange(128)),
+        init,
+    )
+    quiet = lambda *_: None  # noqa: E731
+
+    def argv(*extra):
+        return [
+            "--model-path", str(path), "--out", str(tmp_path / "d"), "--device", "cpu",
+            "--dtype", "float32", "--bos-prompts", "6", "--gen-chunk", "6", "--prompt-len", "4",
+            "--gen-len", "12", "--temperatures", "0", "--init", str(init), "--steps", "3",
+            "--batch", "4", "--anchors-per-step", "4", "--gamma", str(GAMMA), "--head-steps",
+            "0", "--draft-vocab", "128", "--no-progress", *extra,
+        ]  # fmt: skip
+
+    args = parser().parse_args(argv("--draft-layers", "2", "--fp8-weights"))
+    args.argv = []
+    summary = train_on(generate(args, log=quiet), args, log=quiet)
+    assert summary["draft_config"]["layers"] == 2 and summary["draft_config"]["fp8_weights"]
+    saved = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert saved["layers.1.down"].dtype == torch.float8_e4m3fn
+    assert "layers.1.down" + ROW_SCALE in saved and saved["markov_u"].dtype == torch.float32
+    loaded = load_drafter(tmp_path / "d", model)
+    assert loaded.config.num_layers == 2 and loaded.layers[1].down.any()  # trained, not zero
+    for bad, match in (
+        (("--draft-layers", "0"), "the --init drafter has 1 layers"),
+        (("--target-layers", "0,1"), r"--target-layers \[0, 1\]: the --init drafter reads"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            generate(parser().parse_args(argv(*bad)), log=quiet)
 
 
 @pytest.mark.slow

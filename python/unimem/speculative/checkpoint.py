@@ -6,7 +6,13 @@ for, dtype — by name, e.g. ``"float64"`` — and the target's ``vocab_size`` /
 fits) plus ``"format": "unimem-dspark-drafter"``. ``model.safetensors`` holds the drafter's own
 parameters by their module names (``fc``, ``layers.0.qkv_proj``, ``markov_u``, ...) and,
 for a reduced draft vocabulary, ``d2t`` (int64, draft id to target id); the target's
-embedding and LM head, which the drafter shares, are never written.
+embedding and LM head, which the drafter shares, are never written. With ``fp8_weights``
+(:func:`save_drafter`) the projection matrices (:data:`FP8_MATRICES`: each layer's
+``qkv_proj``, ``o_proj``, ``gate_up``, ``down`` and the context's ``fc``) are stored as
+float8 e4m3 with one float32 scale per row, ``<name>.row_scale`` (the row's largest
+magnitude / 448), and dequantised to the drafter's dtype at load: half the bytes of bf16
+for the bulk of the weights, so a deeper drafter fits the shipped size limit. Norms, the
+mask embedding, the Markov tables and the confidence head stay as they are.
 
 :func:`load_drafter` rebuilds the drafter on a target and refuses, with a ``ValueError``
 naming the field or tensor, a checkpoint that does not fit it: a different ``vocab_size`` or
@@ -28,11 +34,27 @@ from safetensors.torch import save_file
 from unimem.models.base import CausalLM
 from unimem.speculative.drafter import DraftConfig, DsparkDrafter
 
-__all__ = ["CONFIG_NAME", "FORMAT", "WEIGHTS_NAME", "load_drafter", "save_drafter"]
+__all__ = [
+    "CONFIG_NAME",
+    "FORMAT",
+    "FP8_MATRICES",
+    "ROW_SCALE",
+    "WEIGHTS_NAME",
+    "load_drafter",
+    "save_drafter",
+]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "unimem-dspark-drafter"
+
+FP8_MATRICES = ("qkv_proj", "o_proj", "gate_up", "down", "fc")
+"""Last name components of the parameters ``save_drafter(..., fp8_weights=True)`` stores in
+float8 (module docstring)."""
+ROW_SCALE = ".row_scale"
+"""Suffix of a float8 matrix's per-row float32 scale tensor."""
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
 
 _DTYPES = {
     "float64": torch.float64,
@@ -89,12 +111,31 @@ def config_from_dict(d: dict, dtype: torch.dtype | None = None) -> DraftConfig:
     return DraftConfig(**kwargs)
 
 
-def save_drafter(drafter: DsparkDrafter, path: str | os.PathLike) -> None:
+def fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [R, C] float8 e4m3, scale [R] float32)`` with ``q * scale[:, None]`` ~ ``w``:
+    each row scaled so that its largest magnitude maps to 448 (a row of zeros: scale 1)."""
+    w32 = w.detach().float()
+    amax = w32.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
+    return (w32 / scale[:, None]).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8), scale
+
+
+def save_drafter(
+    drafter: DsparkDrafter, path: str | os.PathLike, *, fp8_weights: bool = False
+) -> None:
     """Write ``drafter`` as a checkpoint directory ``path`` (created if needed; its
-    ``config.json`` and ``model.safetensors`` are overwritten)."""
+    ``config.json`` and ``model.safetensors`` are overwritten). ``fp8_weights``: the
+    :data:`FP8_MATRICES` in float8 with per-row scales (module docstring)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in drafter.state_dict().items()}
+    tensors = {}
+    for name, t in drafter.state_dict().items():
+        t = t.detach().to("cpu")
+        if fp8_weights and name.rsplit(".", 1)[-1] in FP8_MATRICES:
+            q, scale = fp8_rows(t)
+            tensors[name], tensors[name + ROW_SCALE] = q.contiguous(), scale.contiguous()
+        else:
+            tensors[name] = t.contiguous()
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": FORMAT})
     with open(out / CONFIG_NAME, "w") as f:
         json.dump(config_to_dict(drafter.config), f, indent=2)
@@ -182,6 +223,8 @@ def load_drafter(
             raise ValueError(f"drafter checkpoint {path}: {e}") from None
         params = dict(drafter.named_parameters())
         names = stored - ({"d2t"} if config.reduced else set())
+        scales = {n for n in names if n.endswith(ROW_SCALE) and n[: -len(ROW_SCALE)] in names}
+        names -= scales
         missing = sorted(set(params) - names)
         if missing:
             raise ValueError(f"drafter checkpoint {path}: missing tensor {missing[0]!r}")
@@ -195,7 +238,31 @@ def load_drafter(
                     f"drafter checkpoint {path}: tensor {name!r} has shape {tuple(t.shape)}, "
                     f"the config needs {tuple(p.shape)}"
                 )
+            if t.dtype == _FP8:
+                t = _dequantised(f, stored, name, t, path)
+            elif name + ROW_SCALE in scales:
+                raise ValueError(
+                    f"drafter checkpoint {path}: tensor {name + ROW_SCALE!r} scales "
+                    f"{name!r}, which is {t.dtype}, not float8"
+                )
             # copied into the parameter's own (aligned) storage: a tensor read from the file
             # may sit at another alignment, and CPU GEMMs may round differently for it
             p.data.copy_(t)
     return drafter
+
+
+def _dequantised(f, stored: set[str], name: str, q: torch.Tensor, path) -> torch.Tensor:
+    """The float32 values of float8 matrix ``name`` stored in the open file ``f`` with its
+    per-row scale; ``ValueError`` naming the tensor if the scale is missing or misshapen."""
+    if q.dim() != 2 or name + ROW_SCALE not in stored:
+        raise ValueError(
+            f"drafter checkpoint {path}: float8 tensor {name!r} needs a 2-D shape and its "
+            f"per-row scale {name + ROW_SCALE!r}"
+        )
+    scale = f.get_tensor(name + ROW_SCALE)
+    if tuple(scale.shape) != (q.shape[0],) or scale.dtype != torch.float32:
+        raise ValueError(
+            f"drafter checkpoint {path}: tensor {name + ROW_SCALE!r} must be float32 "
+            f"[{q.shape[0]}], got {scale.dtype} {tuple(scale.shape)}"
+        )
+    return q.float() * scale[:, None]

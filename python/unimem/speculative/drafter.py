@@ -71,6 +71,7 @@ __all__ = [
     "DsparkDrafter",
     "draft_config_for",
     "with_context_window",
+    "with_extra_layers",
 ]
 
 DRAFT_HOSTS = ("full", "swa")
@@ -351,6 +352,35 @@ def with_context_window(
             config, layer_hosts=("swa",) * config.num_layers, window=w, context_window=None
         )
     return replace(config, layer_hosts=("full",) * config.num_layers, window=None, context_window=w)
+
+
+def with_extra_layers(drafter: DsparkDrafter, num_layers: int, seed: int) -> DsparkDrafter:
+    """A drafter of ``num_layers`` layers that computes exactly what ``drafter`` does: its
+    weights, then ``num_layers - drafter.config.num_layers`` new layers after its last one,
+    hosted and windowed as that one, freshly drawn from ``seed`` except their output
+    projections (``o_proj``, ``down``), which are zero — each new layer adds nothing to the
+    residual stream until training moves them. How a trained drafter grows deeper without
+    losing what it learned (the new layers' inputs still get gradients through the zeroed
+    projections' own). Same device, dtype and draft vocabulary; ``ValueError`` unless
+    ``num_layers`` exceeds the drafter's."""
+    c = drafter.config
+    extra = num_layers - c.num_layers
+    if extra < 1:
+        raise ValueError(
+            f"with_extra_layers: num_layers {num_layers} must exceed the drafter's {c.num_layers}"
+        )
+    config = replace(c, layer_hosts=c.layer_hosts + (c.layer_hosts[-1],) * extra)
+    d2t = drafter.d2t if c.reduced else None
+    grown = DsparkDrafter(config, drafter.embed, drafter.lm_head, seed=seed, d2t=d2t)
+    own = drafter.state_dict()
+    with torch.no_grad():
+        for name, t in grown.state_dict().items():
+            if name in own:
+                t.copy_(own[name])
+        for layer in grown.layers[c.num_layers :]:
+            layer.o_proj.zero_()
+            layer.down.zero_()
+    return grown
 
 
 # ---------------------------------------------------------------------- modules

@@ -57,7 +57,12 @@ from unimem.engine.api import Engine
 from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES
 from unimem.models.base import CausalLM
 from unimem.speculative.checkpoint import save_drafter
-from unimem.speculative.drafter import DsparkDrafter, draft_config_for, with_context_window
+from unimem.speculative.drafter import (
+    DsparkDrafter,
+    draft_config_for,
+    with_context_window,
+    with_extra_layers,
+)
 from unimem.training.draft_data import bos_prompts, continuations, encode_prompts
 from unimem.training.prompt_sets import read_prompts
 from unimem.training.teacher_forcing import states_of, teacher_forced_states, tokens_only
@@ -166,7 +171,13 @@ def parser() -> argparse.ArgumentParser:
         "between them; the first round always runs)",
     )
     d = p.add_argument_group("drafter")
-    d.add_argument("--draft-layers", type=int, default=2, help="draft layers (1-3 tried)")
+    d.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="draft layers (default 2; with --init, the init's: more than it has grows it, "
+        "new layers appended with zero output projections)",
+    )
     d.add_argument("--target-layers", type=_ints, default=None, help="e.g. 1,9,17")
     d.add_argument("--markov-rank", type=int, default=16)
     d.add_argument("--draft-ffn-dim", type=int, default=None, help="default: the target's")
@@ -184,6 +195,12 @@ def parser() -> argparse.ArgumentParser:
         "on at any output length",
     )
     d.add_argument("--init", help="start from this drafter checkpoint (re-windowed as above)")
+    d.add_argument(
+        "--fp8-weights",
+        action="store_true",
+        help="store the drafter's projection matrices in float8 with per-row scales (half "
+        "their bf16 bytes; unimem.speculative.checkpoint)",
+    )
     r = p.add_argument_group("training")
     r.add_argument("--gamma", type=int, default=t.gamma)
     r.add_argument("--steps", type=int, default=t.steps)
@@ -260,6 +277,35 @@ class TargetText:
     info: dict = field(default_factory=dict)
 
 
+def drafter_shape(args: argparse.Namespace) -> tuple[int, tuple[int, ...] | None]:
+    """``(layers, target_layers)`` of the drafter to train: ``--draft-layers`` (default 2)
+    and ``--target-layers`` (None: the target's default); with ``--init``, the init's layer
+    count unless ``--draft-layers`` asks for more (it then grows) and always the init's
+    target layers (its context reads them). ``ValueError`` for fewer layers than the init
+    has, fewer than 1, or other target layers than the init's."""
+    if args.init:
+        from unimem.speculative.checkpoint import read_config
+
+        init = read_config(args.init)
+        have = init.num_layers
+        if args.draft_layers is not None and args.draft_layers < have:
+            raise ValueError(
+                f"--draft-layers {args.draft_layers}: the --init drafter has {have} layers "
+                "(a drafter grows, it is not cut)"
+            )
+        if args.target_layers is not None and tuple(args.target_layers) != init.target_layers:
+            raise ValueError(
+                f"--target-layers {list(args.target_layers)}: the --init drafter reads "
+                f"{list(init.target_layers)}"
+            )
+        layers = have if args.draft_layers is None else args.draft_layers
+        return layers, init.target_layers
+    n = 2 if args.draft_layers is None else args.draft_layers
+    if n < 1:
+        raise ValueError(f"--draft-layers must be >= 1, got {n}")
+    return n, args.target_layers
+
+
 def run(args: argparse.Namespace, log=print) -> dict:
     """The pipeline of the module docstring; returns the summary written to
     ``training.json``."""
@@ -276,6 +322,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
     if args.eval_len < 1:
         raise ValueError(f"--eval-len must be >= 1, got {args.eval_len}")
     context_window(args)  # a negative window fails before the generation
+    drafter_shape(args)  # and so does a shape the init cannot give
     kwargs = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
     kwargs["random_seed"] = args.seed
     # every prompt is new text: a prefix cache would only insert and evict
@@ -483,11 +530,12 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     held_seqs, held_lens = text.held_sequences, text.held_prompt_lens
     c = model.config
     window = context_window(args)
+    num_layers, target_layers = drafter_shape(args)
     dc = draft_config_for(
         c,
-        num_layers=args.draft_layers,
+        num_layers=num_layers,
         markov_rank=args.markov_rank,
-        target_layers=args.target_layers,
+        target_layers=target_layers,
         ffn_dim=args.draft_ffn_dim,
         draft_vocab_size=args.draft_vocab or None,
         context_window=window,
@@ -532,6 +580,9 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         drafter = load_drafter(args.init, model)
         if window is not None:
             drafter.config = with_context_window(drafter.config, window, c)
+        if dc.num_layers > drafter.config.num_layers:
+            log(f"drafter: {drafter.config.num_layers} layers grown to {dc.num_layers}")
+            drafter = with_extra_layers(drafter, dc.num_layers, seed=args.seed + 17)
     else:
         d2t = frequent_tokens(train, dc.draft_vocab_size, c.vocab_size) if dc.reduced else None
         drafter = DsparkDrafter(
@@ -559,8 +610,9 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
     )
     result = train_drafter(drafter, train, held, cfg, calibration=calib, states=states, log=log)
     out = Path(args.out)
-    save_drafter(result.drafter, out)
+    save_drafter(result.drafter, out, fp8_weights=args.fp8_weights)
     weights = (out / "model.safetensors").stat().st_size
+    rc = result.drafter.config
     seconds = dict(text.info["seconds"])
     seconds.update(states=t_states - t_gen, training=result.seconds)
     seconds["total"] = seconds["generation"] + time.perf_counter() - t_gen
@@ -574,11 +626,12 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         accept_after=result.accept_after,
         calibration=None if result.calibration is None else vars(result.calibration),
         draft_config={
-            "layers": dc.num_layers,
-            "target_layers": list(dc.target_layers),
-            "markov_rank": dc.markov_rank,
-            "ffn_dim": dc.ffn_dim,
-            "draft_vocab_size": dc.draft_vocab_size,
+            "layers": rc.num_layers,
+            "target_layers": list(rc.target_layers),
+            "markov_rank": rc.markov_rank,
+            "ffn_dim": rc.ffn_dim,
+            "draft_vocab_size": rc.draft_vocab_size,
+            "fp8_weights": args.fp8_weights,
             "gamma": args.gamma,
             "soft_top_k": args.soft_top_k,
             "soft_weight": args.soft_weight if args.soft_top_k else 0.0,
