@@ -499,16 +499,26 @@ def test_context_window_bounds_every_draft_layer(gemma):
         context_window(args(-1))
 
 
-def test_windowed_drafter_in_the_engine_static_and_unified(gemma, tmp_path):
+@pytest.mark.parametrize("kind", ["windowed", "grown_fp8"])
+def test_windowed_drafter_in_the_engine_static_and_unified(gemma, tmp_path, kind):
     """A drafter whose layers are all SWA-hosted (a bounded context window) runs in the
     Engine with static pools and with the unified arena alike: outputs equal plain decoding
-    and the two memories verify and accept the same."""
+    and the two memories verify and accept the same. ``grown_fp8``: the same drafter grown
+    to 3 layers (the new one's output projections then drawn, so that it computes) and
+    stored with float8 projections."""
     from unimem.engine.api import Engine
 
     path, model = gemma
     dc = draft_config_for(model.config, num_layers=2, context_window=6)
-    d = tmp_path / "windowed"
-    save_drafter(DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=5), d)
+    d = tmp_path / kind
+    drafter = DsparkDrafter(dc, model.embed_weight, model.lm_head_weight, seed=5)
+    if kind == "grown_fp8":
+        drafter = with_extra_layers(drafter, 3, seed=6)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for w in (drafter.layers[2].o_proj, drafter.layers[2].down):
+                w.copy_(torch.randn(w.shape, generator=g) * 0.02)
+    save_drafter(drafter, d, fp8_weights=kind == "grown_fp8")
     prompts = [[BOS, 7 + i, 30 + 3 * i, 11] for i in range(4)]
     params = {"max_new_tokens": 40}  # past the window, and past the target's SWA window (8)
     kw = dict(model_path=str(path), dtype="float32", max_total_tokens=1024)
