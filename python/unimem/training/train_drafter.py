@@ -56,7 +56,7 @@ import torch
 from unimem.engine.api import Engine
 from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES
 from unimem.models.base import CausalLM
-from unimem.speculative.checkpoint import save_drafter
+from unimem.speculative.checkpoint import read_config, save_drafter
 from unimem.speculative.drafter import (
     DsparkDrafter,
     draft_config_for,
@@ -284,8 +284,6 @@ def drafter_shape(args: argparse.Namespace) -> tuple[int, tuple[int, ...] | None
     target layers (its context reads them). ``ValueError`` for fewer layers than the init
     has, fewer than 1, or other target layers than the init's."""
     if args.init:
-        from unimem.speculative.checkpoint import read_config
-
         init = read_config(args.init)
         have = init.num_layers
         if args.draft_layers is not None and args.draft_layers < have:
