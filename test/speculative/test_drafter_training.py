@@ -557,6 +557,16 @@ def test_shipped_drafters_attend_no_further_back_than_they_trained():
             assert reach is not None and reach <= prompt_len + gen_len, (d, host, reach)
 
 
+def test_shipped_drafters_fit_the_repositorys_size_limit():
+    """A drafter kept in the repository is at most 20 MB (``data/drafters/README.md``): a
+    deeper one ships with ``--fp8-weights``."""
+    dirs = [d for d in shipped.DRAFTERS_DIR.iterdir() if (d / "config.json").is_file()]
+    assert dirs
+    for d in dirs:
+        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        assert size <= 20_000_000, (d, size)
+
+
 def test_engine_uses_the_shipped_drafter_by_default(gemma, tmp_path, monkeypatch):
     from unimem.engine.api import Engine
 
