@@ -10,7 +10,7 @@
 #               graph; a tiny FP8 Qwen3-Next on CUDA graphs, static == unified, deterministic
 #               alone == batched)
 #   sweep     : sgl-kernel/benchmark/bench_fp8_gemm.py --sweep (<= 3 min): the Triton FP8 GEMM's tiles
-#               (row/column tile, warps, stages, split-K) per shape at 48, 384, 16, 128 rows
+#               (row/column tile, warps, stages, split-K) per shape at 48, 128, 16, 384 rows (the budget may stop the last)
 #               -> fp8_sweep.json and the tuned table fp8_gemm_configs.json, which is also
 #               installed into this working copy (unimem_kernel/) for the parts after it;
 #               commit it from --out to keep it
