@@ -269,6 +269,7 @@ class Engine:
                 args.gamma,
                 verify_lengths=args.speculative_verify_lengths,
                 verify_budget=args.speculative_verify_budget,
+                sampled_verify=args.speculative_sampling_verify,
             )
             lanes = drafter.config.lanes()
         spec = memory_spec(config, args.page_size, lanes)

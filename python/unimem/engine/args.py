@@ -61,6 +61,8 @@ QUANTIZATION_METHODS = ("fp8",)
 """``quantization`` values (``unimem.models.quant_config.QUANTIZATION_METHODS``)."""
 VERIFY_LENGTHS = ("fixed", "adaptive")
 """``speculative_verify_lengths`` values (:class:`~unimem.speculative.chain.DsparkChain`)."""
+SAMPLED_VERIFY = ("token", "block")
+"""``speculative_sampling_verify`` values (``unimem.speculative.spec_sampling.SAMPLED_VERIFY``)."""
 ATTENTION_BACKENDS = ("fa4", "torch")
 DEVICES = ("cpu", "cuda")
 
@@ -107,6 +109,9 @@ class EngineArgs:
     request's length from the drafter's confidence head under ``speculative_verify_budget``
     tokens per step over the batch (None: no cut), see
     :mod:`unimem.speculative.verify_lengths`.
+    ``speculative_sampling_verify`` (unimem only, DSPARK): how a sampled request's chain is
+    verified — "token" (draft by draft, the original rule) or "block" (jointly: as exact,
+    never fewer tokens a step in expectation; :mod:`unimem.speculative.spec_sampling`).
     ``enable_deterministic_inference`` (SGLang's name, CUDA only): batch-invariant kernels
     process-wide while the engine lives (:mod:`unimem.models.batch_invariant`), so that a
     request's tokens do not depend on the other requests, the batch bucket or the step kind.
@@ -150,6 +155,7 @@ class EngineArgs:
     mamba_track_interval: int | None = None
     speculative_verify_lengths: str = "fixed"
     speculative_verify_budget: int | None = None
+    speculative_sampling_verify: str = "token"
     enable_deterministic_inference: bool = False
     quantization: str | None = None
     enable_prefill_delayer: bool = False
@@ -262,6 +268,13 @@ class EngineArgs:
             and self.speculative_verify_lengths != "adaptive"
         ):
             raise ValueError("speculative_verify_budget needs speculative_verify_lengths adaptive")
+        if self.speculative_sampling_verify not in SAMPLED_VERIFY:
+            raise ValueError(
+                f"speculative_sampling_verify must be one of {SAMPLED_VERIFY}, "
+                f"got {self.speculative_sampling_verify!r}"
+            )
+        if self.speculative_sampling_verify != "token" and self.speculative_algorithm is None:
+            raise ValueError("speculative_sampling_verify block needs speculative_algorithm DSPARK")
 
     def _check_radix_cache(self) -> None:
         if not isinstance(self.disable_radix_cache, bool):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 from unimem.engine.args import (
     ATTENTION_BACKENDS,
+    SAMPLED_VERIFY,
     UNSUPPORTED_SGLANG_ARGS,
     VERIFY_LENGTHS,
     EngineArgs,
@@ -257,6 +258,13 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         type=int,
         help="unimem only, with --speculative-verify-lengths adaptive: tokens verified per "
         "step over the batch (default: no cut)",
+    )
+    r.add_argument(
+        "--speculative-sampling-verify",
+        choices=SAMPLED_VERIFY,
+        default="token",
+        help="unimem only, DSPARK: verify a sampled request's drafts one by one (token) or "
+        "jointly (block: as exact, more tokens a step in expectation)",
     )
     r.add_argument(
         "--nnodes", type=int, default=1, help="with --tp-size: the ranks spread over N machines"

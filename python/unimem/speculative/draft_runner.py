@@ -42,8 +42,6 @@ from unimem_kernel.draw_probs import draw_with_probs
 
 __all__ = ["DraftRunner"]
 
-DRAFT = spec_sampling.STREAM_DRAFT
-
 
 class DraftRunner:
     """Runs ``chain.drafter`` over ``pool``'s draft lanes with ``backend`` (module docstring).
@@ -124,11 +122,12 @@ class DraftRunner:
         (:func:`unimem.models.sampler.filtered_probs`), over the drafter's own vocabulary
         (a reduced one: the same distribution as over the target's with ``-inf`` off
         ``d2t``, in ``K`` entries instead of the target's ``V``) — the Gumbel-max draw over
-        the column's kept tempered logits with the draft stream's noise at the token's
-        position (:func:`unimem_kernel.draw_probs.draw_with_probs`); a greedy lane picks
-        exactly as :meth:`propose` (its ``q`` is never read). A draft the acceptance control
-        replaces gets the point mass on the reference as its proposal. With ``survival``:
-        ``(tokens, proposals, survival [bs, gamma] float32)``."""
+        the column's kept tempered logits with the draft stream's noise
+        (:func:`~unimem.speculative.spec_sampling.draft_keys`: at the token's position, or
+        by step under block verification; :func:`unimem_kernel.draw_probs.draw_with_probs`);
+        a greedy lane picks exactly as :meth:`propose` (its ``q`` is never read). A draft the
+        acceptance control replaces gets the point mass on the reference as its proposal.
+        With ``survival``: ``(tokens, proposals, survival [bs, gamma] float32)``."""
         base, hidden = self._block_forward(rows, seq_lens, anchors)
         control = self.chain.control
         start = seq_lens.long()
@@ -137,11 +136,10 @@ class DraftRunner:
             ref, take = self._control_decisions(seq_lens, rids, base.shape[1])
         t, k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
         d2t = self.drafter.d2t if self.drafter.config.reduced else None
-        # every column's noise keys in one launch: column i proposes the token at position
-        # seq_len + i + 1
+        # every column's noise keys in one launch (column i proposes the token at position
+        # seq_len + i + 1): by position, or by step under block verification
         gamma = base.shape[1]
-        cols = torch.arange(1, gamma + 1, device=start.device)
-        keys = spec_sampling.stream_keys(params.seeds, start[:, None] + cols[None, :], DRAFT)
+        keys = spec_sampling.draft_keys(params.seeds, start, gamma, self.chain.sampled_verify)
         keys = keys.t().contiguous()  # [gamma, bs]: a column's keys contiguous
 
         filtered = params.rule != UNFILTERED

@@ -16,6 +16,20 @@ are then distributed exactly as tokens sampled one by one from ``p`` (Leviathan 
 Chen et al. 2023). :func:`residual_distribution` is looked up at call time, so a test can
 replace it (and a wrong residual is caught by the distribution test).
 
+*Block verification* (``verify="block"``; Sun et al., "Block Verification Accelerates
+Speculative Decoding", ICLR 2025) decides the chain jointly instead of draft by draft, and is
+as exact while never committing fewer tokens in expectation. With ``r_j = p_j(x_{j+1}) /
+q_j(x_{j+1})``, the weights ``w_0 = 1``, ``w_i = min(1, w_{i-1} r_{i-1})``
+(:func:`block_weights`), the masses ``rho_i = sum_v max(0, w_i p_i(v) - q_i(v))`` and stop
+probabilities ``h_i = rho_i / (rho_i + 1 - w_i)`` for ``i`` below the chain's end, ``h_end =
+w_end``: going down from the end, the step keeps the first ``i`` drafts with probability
+``h_i`` (``h_0 = 1``), then draws its last token from ``norm(max(0, w_i p_i - q_i))`` — from
+``p_end`` after a whole chain. The drafts past the kept ones influence that decision, so a
+step's draft noise and stop uniforms are keyed by the step (:func:`step_keys`), not by the
+position a token lands on: a position drafted again in a later step must not reuse noise an
+earlier decision depended on. (Token verification's drafts past the first rejection influence
+nothing, so they keep position keys.)
+
 Randomness is counter-based, never a generator's state: every draw is a pure function of the
 request's seed, the absolute position of the token it concerns (its index in prompt + output)
 and a *stream* id — :data:`STREAM_DRAFT` (the drafter's Gumbel noise), :data:`STREAM_ACCEPT`
@@ -53,19 +67,31 @@ import torch
 import unimem_kernel.sampling as kernel
 
 __all__ = [
+    "SAMPLED_VERIFY",
+    "STEP_COLUMNS",
     "STREAM_ACCEPT",
+    "STREAM_BLOCK_DRAFT",
+    "STREAM_BLOCK_STOP",
     "STREAM_DRAFT",
     "STREAM_RESIDUAL",
     "ChainSample",
     "Proposals",
+    "block_stop_probabilities",
+    "block_weights",
     "chain_accept",
+    "chain_accept_block",
+    "chain_accept_block_rows",
     "chain_accept_rows",
+    "compact_residual_mass",
+    "draft_keys",
     "draw",
     "replace_proposal",
     "residual_distribution",
     "rows_draw",
+    "step_keys",
     "stream_keys",
     "uniforms",
+    "weighted_residual",
 ]
 
 STREAM_DRAFT = 1
@@ -74,6 +100,16 @@ STREAM_ACCEPT = 2
 """The uniform that decides whether the draft at a position is accepted."""
 STREAM_RESIDUAL = 3
 """Gumbel noise of the target's draw at a position (residual after a rejection, or bonus)."""
+STREAM_BLOCK_DRAFT = 4
+"""Block verification: the drafter's Gumbel noise of a step's column (:func:`step_keys`)."""
+STREAM_BLOCK_STOP = 5
+"""Block verification: the uniform of a step's stop decision at a column (:func:`step_keys`)."""
+STEP_COLUMNS = 64
+"""Columns a step's keys can tell apart (:func:`step_keys`): ``gamma + 1 <= STEP_COLUMNS``."""
+
+SAMPLED_VERIFY = ("token", "block")
+"""How a sampled verify step decides its chain: draft by draft (:func:`chain_accept_rows`) or
+jointly (:func:`chain_accept_block_rows`)."""
 
 _FLOOR = torch.finfo(torch.float32).min  # a finite cut: log(0) = -inf entries are never drawn
 
@@ -86,6 +122,31 @@ def stream_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> to
         s = s[:, None].expand_as(positions)
     flat = kernel.position_keys(s.reshape(-1), positions.long().reshape(-1), stream)
     return flat.reshape(positions.shape)
+
+
+def step_keys(seeds: torch.Tensor, first: torch.Tensor, count: int, stream: int) -> torch.Tensor:
+    """``[bs, count]`` keys of ``stream`` for columns ``0 .. count - 1`` of the verify step
+    whose first row predicts position ``first [bs]`` (``seq_len + 1``: it grows every step of
+    a request, so no two of its steps share keys). ``count <= STEP_COLUMNS``."""
+    if count > STEP_COLUMNS:
+        raise ValueError(f"a step has at most {STEP_COLUMNS} columns of keys, asked {count}")
+    cols = torch.arange(count, device=first.device)
+    return stream_keys(seeds, first.long()[:, None] * STEP_COLUMNS + cols[None, :], stream)
+
+
+def draft_keys(
+    seeds: torch.Tensor, seq_lens: torch.Tensor, gamma: int, verify: str
+) -> torch.Tensor:
+    """``[bs, gamma]`` keys of the drafter's Gumbel noise for a step from committed lengths
+    ``seq_lens [bs]`` (column ``i`` proposes the token at ``seq_len + 1 + i``): by position
+    under token verification, by step under block verification (module docstring)."""
+    first = seq_lens.long() + 1
+    if verify == "block":
+        return step_keys(seeds, first, gamma, STREAM_BLOCK_DRAFT)
+    if verify != "token":
+        raise ValueError(f"verify must be one of {SAMPLED_VERIFY}, got {verify!r}")
+    cols = torch.arange(gamma, device=first.device)
+    return stream_keys(seeds, first[:, None] + cols[None, :], STREAM_DRAFT)
 
 
 def uniforms(keys: torch.Tensor) -> torch.Tensor:
@@ -211,12 +272,17 @@ def rows_draw(
     ``p_rows(col)`` (``col [bs]`` int64) give lane ``b``'s rows ``[bs, V]`` of column
     ``col[b]`` (``q_rows`` is asked for columns ``< gamma`` only); the draw is
     :func:`draw` over :func:`residual_distribution` of ``p`` and ``q`` (``q`` counting as 0
-    at ``col >= end``)."""
+    at ``col >= end``). With ``weight [bs]`` (block verification's ``w``, in ``(0, 1]``) the
+    residual is ``norm(max(0, w p - q))``, drawn as ``norm(max(0, p - q / w))``."""
 
-    def last(col: torch.Tensor, end: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def last(
+        col: torch.Tensor, end: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         p_row = p_rows(col)
         q_row = q_rows(col.clamp(max=gamma - 1)) if gamma else torch.zeros_like(p_row)
         q_row = q_row * (col < end).to(q_row.dtype)[:, None]
+        if weight is not None:
+            return draw(weighted_residual(p_row, q_row, weight.to(q_row.dtype)[:, None]), keys)
         return draw(residual_distribution(p_row, q_row), keys)
 
     return last
@@ -264,3 +330,151 @@ def chain_accept_rows(
     d_pad = torch.cat([d, torch.zeros_like(d[:, :1])], dim=1)
     tokens = torch.where(cols < accepted.long()[:, None], d_pad, repl[:, None])
     return ChainSample(accepted, tokens)
+
+
+def block_weights(
+    px: torch.Tensor, qx: torch.Tensor, end: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Block verification's ``w [bs, gamma + 1]`` float32 from ``px, qx [bs, gamma]``:
+    ``w_0 = 1``, ``w_i = min(1, w_{i-1} px_{i-1} / qx_{i-1})`` — in closed form ``exp(S_i -
+    max_{j <= i} S_j)`` with ``S`` the running sum of ``log(px / qx)`` (one cumsum and one
+    cummax, no loop over columns). Columns at or past ``end [bs]`` (a ragged chain's) count
+    as ratio 1 (their ``w`` is never read)."""
+    bs, gamma = px.shape
+    ratio = torch.log(px.float()) - torch.log(qx.float())
+    valid = qx > 0
+    if end is not None:
+        valid = valid & (torch.arange(gamma, device=px.device)[None, :] < end.long()[:, None])
+    ratio = torch.where(valid, ratio, 0.0)
+    run = torch.cat([ratio.new_zeros(bs, 1), torch.cumsum(ratio, dim=1)], dim=1)
+    return torch.exp(run - torch.cummax(run, dim=1).values)
+
+
+def block_stop_probabilities(w: torch.Tensor, rho: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """Block verification's ``h [bs, gamma + 1]``: the probability of keeping exactly the
+    first ``i`` drafts once no longer prefix was kept — ``rho_i / (rho_i + 1 - w_i)`` below
+    the chain's ``end [bs]`` (1 where that is 0 / 0), ``w_end`` at it, 0 past it; ``h_0 = 1``.
+    ``w [bs, gamma + 1]`` from :func:`block_weights`, ``rho [bs, gamma]`` the residual masses
+    ``sum_v max(0, w_i p_i(v) - q_i(v))``."""
+    bs, width = w.shape
+    rho = rho.float().clamp(min=0.0)
+    den = rho + (1.0 - w[:, : width - 1])
+    mid = torch.where(den > 0, rho / torch.where(den > 0, den, 1.0), 1.0)
+    mid = torch.cat([mid, mid.new_zeros(bs, 1)], dim=1)
+    cols = torch.arange(width, device=w.device)[None, :]
+    e = end.long()[:, None]
+    h = torch.where(cols == e, w, torch.where(cols < e, mid, 0.0))
+    return torch.where(cols == 0, 1.0, h)
+
+
+def weighted_residual(p: torch.Tensor, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, w p - q))`` along the last dimension for ``w`` broadcast against it (as
+    ``norm(max(0, p - q / w))``; :func:`residual_distribution`'s fallback to ``p``)."""
+    return residual_distribution(p, q / w)
+
+
+def chain_accept_block_rows(
+    draft: torch.Tensor,
+    qx: torch.Tensor,
+    px: torch.Tensor,
+    residual_mass: Callable[[torch.Tensor], torch.Tensor],
+    last_draw: Callable[..., torch.Tensor],
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    limit: torch.Tensor | None = None,
+) -> ChainSample:
+    """Block verification (module docstring) of one sampled verify step; arguments and result
+    as :func:`chain_accept_rows`, plus ``residual_mass(w [bs, gamma]) -> [bs, gamma]``
+    float32: ``sum_v max(0, w_i p_i(v) - q_i(v))`` of each lane's column ``i`` (read below
+    the chain's end only). ``last_draw(col, end, keys, weight)`` draws from
+    ``norm(max(0, weight p - q))`` (``weight [bs]``; 1 where the whole chain is kept, whose
+    draw is the bonus from ``p``). Fixed shapes, no host read."""
+    bs, gamma = draft.shape
+    if qx.shape != (bs, gamma) or px.shape != (bs, gamma):
+        raise ValueError(
+            f"need qx and px [{bs}, {gamma}] for draft [{bs}, {gamma}], "
+            f"got {tuple(qx.shape)} and {tuple(px.shape)}"
+        )
+    if positions.shape != (bs, gamma + 1):
+        raise ValueError(f"positions must be [{bs}, {gamma + 1}], got {tuple(positions.shape)}")
+    end = torch.full((bs,), gamma, device=draft.device) if limit is None else limit.long()
+    w = block_weights(px, qx, end)  # [bs, gamma + 1]
+    rho = residual_mass(w[:, :gamma])
+    h = block_stop_probabilities(w, rho, end)
+    cols = torch.arange(gamma + 1, device=draft.device)[None, :]
+    # going down from the end, the first column whose uniform falls below its h; h_0 = 1
+    eta = uniforms(step_keys(seeds, positions[:, 0], gamma + 1, STREAM_BLOCK_STOP))
+    stop = (eta < h) | (cols == 0)
+    accepted = torch.where(stop, cols, 0).amax(dim=1).to(torch.int32)
+    sel = accepted.long()
+    weight = torch.where(sel < end, w.gather(1, sel[:, None])[:, 0], 1.0)
+    keys = stream_keys(seeds, positions.gather(1, sel[:, None])[:, 0], STREAM_RESIDUAL)
+    repl = last_draw(sel, end, keys, weight)
+    d_pad = torch.cat([draft.long(), draft.new_zeros(bs, 1, dtype=torch.long)], dim=1)
+    tokens = torch.where(cols < sel[:, None], d_pad, repl[:, None])
+    return ChainSample(accepted, tokens)
+
+
+def chain_accept_block(
+    draft: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    limit: torch.Tensor | None = None,
+) -> ChainSample:
+    """Block verification over materialised ``q [bs, gamma, V]`` and ``p [bs, gamma + 1, V]``
+    (arguments as :func:`chain_accept`): the definition
+    :func:`chain_accept_block_rows`' compact callers are checked against."""
+    bs, gamma = draft.shape
+    vocab = p.shape[-1]
+    if q.shape != (bs, gamma, vocab) or p.shape != (bs, gamma + 1, vocab):
+        raise ValueError(
+            f"need q [{bs}, {gamma}, V] and p [{bs}, {gamma + 1}, V] for draft [{bs}, {gamma}], "
+            f"got {tuple(q.shape)} and {tuple(p.shape)}"
+        )
+    d = draft.long()
+    px = p[:, :gamma].gather(2, d[:, :, None])[:, :, 0].float()
+    qx = q.gather(2, d[:, :, None])[:, :, 0].float()
+
+    def rows(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, col[:, None, None].expand(bs, 1, vocab))[:, 0]
+
+    def residual_mass(w: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(w[:, :, None] * p[:, :gamma].float() - q.float(), min=0.0).sum(-1)
+
+    last = rows_draw(lambda col: rows(q, col), lambda col: rows(p, col), gamma)
+    return chain_accept_block_rows(draft, qx, px, residual_mass, last, seeds, positions, limit)
+
+
+def compact_residual_mass(
+    logits: torch.Tensor,
+    vw: int,
+    temperature: torch.Tensor,
+    cut: torch.Tensor,
+    lse: torch.Tensor,
+    proposals: Proposals,
+    px: torch.Tensor,
+    w: torch.Tensor,
+) -> torch.Tensor:
+    """``[bs, gamma]`` float32: ``sum_v max(0, w_i p_i(v) - q_i(v))`` for every lane and
+    column without a ``[bs, gamma, V]`` distribution. ``p`` as
+    :func:`unimem_kernel.residual_draw.residual_draw` reads it (row ``b * vw + i`` of
+    ``logits [M, V]`` over ``temperature [bs]``, kept where ``>= cut``, ``exp(s - lse)``);
+    ``q`` the proposals. Since ``p`` sums to 1 and ``q`` lives on the draft vocabulary,
+    the mass is ``w - sum_k min(w p(d2t[k]), q(k))``: one gather of ``[bs, gamma, K]``
+    logits. Where the acceptance control replaced a draft (``q`` the point mass on it) it is
+    ``w (1 - px)``. Temperature-0 lanes get garbage (never read)."""
+    bs, gamma = w.shape
+    lane = torch.arange(bs, device=logits.device)
+    rows = (lane[:, None] * vw + torch.arange(gamma, device=logits.device)[None, :]).reshape(-1)
+    d2t = proposals.d2t
+    x = logits[rows] if d2t is None else logits[rows[:, None], d2t[None, :]]
+    t = temperature.float().clamp(min=torch.finfo(torch.float32).tiny)
+    s = x.float() / t.repeat_interleave(gamma)[:, None]
+    p = torch.where(s >= cut[rows].float()[:, None], torch.exp(s - lse[rows].float()[:, None]), 0.0)
+    q = proposals.q_draft.reshape(bs * gamma, -1).float()
+    wf = w.reshape(-1, 1).float()
+    overlap = torch.minimum(wf * p, q).sum(dim=1).reshape(bs, gamma)
+    mass = w.float() - overlap
+    return torch.where(proposals.point, w.float() * (1.0 - px.float()), mass).clamp(min=0.0)

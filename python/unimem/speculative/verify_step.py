@@ -401,9 +401,13 @@ class VerifyStep:
         probability under the target's filtered row that predicts it, each row's
         normaliser, cut-off and first argmax; one more draws each lane's last token from the
         row its chain stopped at (:func:`unimem_kernel.residual_draw.residual_draw`) — never
-        a ``[bs, V]`` distribution, let alone ``[bs, gamma + 1, V]``. Greedy lanes take their
-        rows' argmax and the greedy accept, or ``greedy = (accepted [bs], tokens [bs, gamma +
-        1])`` where the caller has them already. ``limit [bs]``: a ragged verify's chain
+        a ``[bs, V]`` distribution, let alone ``[bs, gamma + 1, V]``. Under block verification
+        (``chain.sampled_verify``,
+        :func:`~unimem.speculative.spec_sampling.chain_accept_block_rows`) one gather of
+        every column's target logits over the draft vocabulary gives the residual masses
+        (:func:`~unimem.speculative.spec_sampling.compact_residual_mass`). Greedy lanes take
+        their rows' argmax and the greedy accept, or ``greedy = (accepted [bs], tokens [bs,
+        gamma + 1])`` where the caller has them already. ``limit [bs]``: a ragged verify's chain
         lengths. Returns ``(accepted [bs] int32, tokens [bs, gamma + 1])``."""
         width, gamma = draft.shape
         vw = gamma + 1
@@ -422,16 +426,35 @@ class VerifyStep:
             target = first.reshape(width, vw)
             greedy = (greedy_accept(draft, target, limit).accepted, target)
 
-        def last_draw(col: torch.Tensor, end: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        def last_draw(
+            col: torch.Tensor,
+            end: torch.Tensor,
+            keys: torch.Tensor,
+            weight: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            q = proposals.q_draft
+            if weight is not None:  # norm(max(0, w p - q)) is norm(max(0, p - q / w))
+                q = q / weight[:, None, None]
             return residual_draw(
-                logits, vw, col, end, t.float(), cut, lse, proposals.q_draft, proposals.t2d,
+                logits, vw, col, end, t.float(), cut, lse, q, proposals.t2d,
                 proposals.point, proposals.tokens, keys,
             )  # fmt: skip
 
         positions = seq_lens.long()[:, None] + 1 + self._arange[:vw][None, :]
-        s = spec_sampling.chain_accept_rows(
-            draft, proposals.qx, px, last_draw, params.seeds, positions, limit
-        )
+        if self.chain.sampled_verify == "block":
+
+            def residual_mass(w: torch.Tensor) -> torch.Tensor:
+                return spec_sampling.compact_residual_mass(
+                    logits, vw, t, cut, lse, proposals, px, w
+                )
+
+            s = spec_sampling.chain_accept_block_rows(
+                draft, proposals.qx, px, residual_mass, last_draw, params.seeds, positions, limit
+            )
+        else:
+            s = spec_sampling.chain_accept_rows(
+                draft, proposals.qx, px, last_draw, params.seeds, positions, limit
+            )
         live = params.temperature > 0
         accepted = torch.where(live, s.accepted, greedy[0])
         return accepted, torch.where(live[:, None], s.tokens, greedy[1])
