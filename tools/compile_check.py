@@ -559,6 +559,31 @@ def _residual_draw_launches() -> list[tuple[str, Callable[[], None]]]:
     ]  # fmt: skip
 
 
+def _block_overlap_launches() -> list[tuple[str, Callable[[], None]]]:
+    """Block verification's overlaps: 48 lanes of 7 columns over Gemma 3's 262 144-token
+    vocabulary, the proposals over a 32 768-token draft vocabulary (and over the full one)."""
+    import torch
+
+    from unimem_kernel.block_overlap import block_overlap
+
+    def call(reduced: bool, dtype):
+        n, vw, vocab = 48, 8, 262144
+        k = 32768 if reduced else vocab
+        t2d = torch.full((vocab,), k).long() if reduced else None
+        d2t = torch.arange(k).long() if reduced else None
+        block_overlap(
+            torch.randn(n * vw, vocab).to(dtype), vw, torch.full((n,), 0.7),
+            torch.zeros(n * vw), torch.zeros(n * vw), torch.zeros(n, vw - 1, k), t2d, d2t,
+            torch.ones(n, vw - 1),
+        )  # fmt: skip
+
+    return [
+        (f"block_overlap 48 x 7 V=262144 {'K=32768' if r else 'full'} {name}",
+         lambda r=r, n=name: call(r, getattr(torch, n)))
+        for r in (True, False) for name in ("float32", "bfloat16")
+    ]  # fmt: skip
+
+
 def _greedy_accept_launches() -> list[tuple[str, Callable[[], None]]]:
     """The fixed verify's greedy accept (``small`` preset: 48 x 8 rows of 32 000)."""
     import torch
@@ -940,6 +965,7 @@ _KERNELS = {
     "unimem_kernel.residual_draw": _in(
         "residual_draw", "_residual_partial_kernel", "_residual_pick_kernel"
     ),
+    "unimem_kernel.block_overlap": _in("block_overlap", "_overlap_partial_kernel"),
     "unimem_kernel.sorted_cut": _in("sorted_cut", "_sorted_cut_kernel"),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
     "unimem_kernel.expert_combine": _in("expert_combine", "_moe_combine_kernel"),
@@ -964,6 +990,7 @@ _LAUNCHES = {
     "unimem_kernel.greedy_accept": _greedy_accept_launches,
     "unimem_kernel.greedy_pick": _greedy_pick_launches,
     "unimem_kernel.residual_draw": _residual_draw_launches,
+    "unimem_kernel.block_overlap": _block_overlap_launches,
     "unimem_kernel.sorted_cut": _sorted_cut_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
     "unimem_kernel.expert_combine": _expert_combine_launches,

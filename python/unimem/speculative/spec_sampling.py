@@ -65,6 +65,7 @@ from typing import NamedTuple
 import torch
 
 import unimem_kernel.sampling as kernel
+from unimem_kernel.block_overlap import block_overlap
 
 __all__ = [
     "SAMPLED_VERIFY",
@@ -458,23 +459,16 @@ def compact_residual_mass(
     w: torch.Tensor,
 ) -> torch.Tensor:
     """``[bs, gamma]`` float32: ``sum_v max(0, w_i p_i(v) - q_i(v))`` for every lane and
-    column without a ``[bs, gamma, V]`` distribution. ``p`` as
-    :func:`unimem_kernel.residual_draw.residual_draw` reads it (row ``b * vw + i`` of
-    ``logits [M, V]`` over ``temperature [bs]``, kept where ``>= cut``, ``exp(s - lse)``);
-    ``q`` the proposals. Since ``p`` sums to 1 and ``q`` lives on the draft vocabulary,
-    the mass is ``w - sum_k min(w p(d2t[k]), q(k))``: one gather of ``[bs, gamma, K]``
-    logits. Where the acceptance control replaced a draft (``q`` the point mass on it) it is
-    ``w (1 - px)``. Temperature-0 lanes get garbage (never read)."""
-    bs, gamma = w.shape
-    lane = torch.arange(bs, device=logits.device)
-    rows = (lane[:, None] * vw + torch.arange(gamma, device=logits.device)[None, :]).reshape(-1)
-    d2t = proposals.d2t
-    x = logits[rows] if d2t is None else logits[rows[:, None], d2t[None, :]]
-    t = temperature.float().clamp(min=torch.finfo(torch.float32).tiny)
-    s = x.float() / t.repeat_interleave(gamma)[:, None]
-    p = torch.where(s >= cut[rows].float()[:, None], torch.exp(s - lse[rows].float()[:, None]), 0.0)
-    q = proposals.q_draft.reshape(bs * gamma, -1).float()
-    wf = w.reshape(-1, 1).float()
-    overlap = torch.minimum(wf * p, q).sum(dim=1).reshape(bs, gamma)
+    column without a ``[bs, gamma, V]`` distribution: since ``p`` sums to 1 it is ``w -
+    sum_v min(w p(v), q(v))``, the overlap in one pass over the verify rows' logits
+    (:func:`unimem_kernel.block_overlap.block_overlap`: ``p`` as ``residual_draw`` reads it,
+    row ``b * vw + i`` of ``logits [M, V]`` over ``temperature [bs]``, kept where ``>= cut``,
+    ``exp(s - lse)``; ``q`` the proposals' columns over the draft vocabulary). Where the
+    acceptance control replaced a draft (``q`` the point mass on it) it is ``w (1 - px)``.
+    Temperature-0 lanes get garbage (never read)."""
+    overlap = block_overlap(
+        logits, vw, temperature.float(), cut.float(), lse.float(),
+        proposals.q_draft.float(), proposals.t2d, proposals.d2t, w.float(),
+    )  # fmt: skip
     mass = w.float() - overlap
     return torch.where(proposals.point, w.float() * (1.0 - px.float()), mass).clamp(min=0.0)

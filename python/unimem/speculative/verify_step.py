@@ -403,8 +403,8 @@ class VerifyStep:
         row its chain stopped at (:func:`unimem_kernel.residual_draw.residual_draw`) — never
         a ``[bs, V]`` distribution, let alone ``[bs, gamma + 1, V]``. Under block verification
         (``chain.sampled_verify``,
-        :func:`~unimem.speculative.spec_sampling.chain_accept_block_rows`) one gather of
-        every column's target logits over the draft vocabulary gives the residual masses
+        :func:`~unimem.speculative.spec_sampling.chain_accept_block_rows`) one more pass over
+        the logits gives the residual masses
         (:func:`~unimem.speculative.spec_sampling.compact_residual_mass`). Greedy lanes take
         their rows' argmax and the greedy accept, or ``greedy = (accepted [bs], tokens [bs,
         gamma + 1])`` where the caller has them already. ``limit [bs]``: a ragged verify's chain
