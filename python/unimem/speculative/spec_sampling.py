@@ -246,6 +246,14 @@ def chain_accept(
     accept of ``gamma = limit[b]``; rows of ``p`` past ``limit`` are never used. Only the
     one row a lane draws from (its first rejection, or the bonus) becomes a residual
     distribution: ``[bs, V]`` temporaries, not ``[bs, gamma + 1, V]``."""
+    px, qx, last = _dense_inputs(draft, q, p)
+    return chain_accept_rows(draft, qx, px, last, seeds, positions, limit)
+
+
+def _dense_inputs(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor):
+    """``(px, qx, last_draw)`` of a chain over materialised ``q [bs, gamma, V]`` and ``p [bs,
+    gamma + 1, V]``: each draft's probabilities under both and :func:`rows_draw` over their
+    rows (``ValueError`` on other shapes)."""
     bs, gamma = draft.shape
     vocab = p.shape[-1]
     if q.shape != (bs, gamma, vocab) or p.shape != (bs, gamma + 1, vocab):
@@ -260,8 +268,7 @@ def chain_accept(
     def rows(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         return x.gather(1, col[:, None, None].expand(bs, 1, vocab))[:, 0]
 
-    last = rows_draw(lambda col: rows(q, col), lambda col: rows(p, col), gamma)
-    return chain_accept_rows(draft, qx, px, last, seeds, positions, limit)
+    return px, qx, rows_draw(lambda col: rows(q, col), lambda col: rows(p, col), gamma)
 
 
 def rows_draw(
@@ -289,6 +296,20 @@ def rows_draw(
     return last
 
 
+def _check_compact(
+    draft: torch.Tensor, qx: torch.Tensor, px: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """The shapes :func:`chain_accept_rows` and :func:`chain_accept_block_rows` take."""
+    bs, gamma = draft.shape
+    if qx.shape != (bs, gamma) or px.shape != (bs, gamma):
+        raise ValueError(
+            f"need qx and px [{bs}, {gamma}] for draft [{bs}, {gamma}], "
+            f"got {tuple(qx.shape)} and {tuple(px.shape)}"
+        )
+    if positions.shape != (bs, gamma + 1):
+        raise ValueError(f"positions must be [{bs}, {gamma + 1}], got {tuple(positions.shape)}")
+
+
 def chain_accept_rows(
     draft: torch.Tensor,
     qx: torch.Tensor,
@@ -307,13 +328,7 @@ def chain_accept_rows(
     where that has no mass (:func:`rows_draw` over materialised rows, the definition). The
     other arguments and the result as :func:`chain_accept`."""
     bs, gamma = draft.shape
-    if qx.shape != (bs, gamma) or px.shape != (bs, gamma):
-        raise ValueError(
-            f"need qx and px [{bs}, {gamma}] for draft [{bs}, {gamma}], "
-            f"got {tuple(qx.shape)} and {tuple(px.shape)}"
-        )
-    if positions.shape != (bs, gamma + 1):
-        raise ValueError(f"positions must be [{bs}, {gamma + 1}], got {tuple(positions.shape)}")
+    _check_compact(draft, qx, px, positions)
     d = draft.long()
     u = uniforms(stream_keys(seeds, positions[:, :gamma], STREAM_ACCEPT))
     ok = u * qx < px  # u < p / q without dividing (q(x) > 0 for a drawn x)
@@ -391,13 +406,7 @@ def chain_accept_block_rows(
     ``norm(max(0, weight p - q))`` (``weight [bs]``; 1 where the whole chain is kept, whose
     draw is the bonus from ``p``). Fixed shapes, no host read."""
     bs, gamma = draft.shape
-    if qx.shape != (bs, gamma) or px.shape != (bs, gamma):
-        raise ValueError(
-            f"need qx and px [{bs}, {gamma}] for draft [{bs}, {gamma}], "
-            f"got {tuple(qx.shape)} and {tuple(px.shape)}"
-        )
-    if positions.shape != (bs, gamma + 1):
-        raise ValueError(f"positions must be [{bs}, {gamma + 1}], got {tuple(positions.shape)}")
+    _check_compact(draft, qx, px, positions)
     end = torch.full((bs,), gamma, device=draft.device) if limit is None else limit.long()
     w = block_weights(px, qx, end)  # [bs, gamma + 1]
     rho = residual_mass(w[:, :gamma])
@@ -427,24 +436,12 @@ def chain_accept_block(
     """Block verification over materialised ``q [bs, gamma, V]`` and ``p [bs, gamma + 1, V]``
     (arguments as :func:`chain_accept`): the definition
     :func:`chain_accept_block_rows`' compact callers are checked against."""
-    bs, gamma = draft.shape
-    vocab = p.shape[-1]
-    if q.shape != (bs, gamma, vocab) or p.shape != (bs, gamma + 1, vocab):
-        raise ValueError(
-            f"need q [{bs}, {gamma}, V] and p [{bs}, {gamma + 1}, V] for draft [{bs}, {gamma}], "
-            f"got {tuple(q.shape)} and {tuple(p.shape)}"
-        )
-    d = draft.long()
-    px = p[:, :gamma].gather(2, d[:, :, None])[:, :, 0].float()
-    qx = q.gather(2, d[:, :, None])[:, :, 0].float()
-
-    def rows(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        return x.gather(1, col[:, None, None].expand(bs, 1, vocab))[:, 0]
+    px, qx, last = _dense_inputs(draft, q, p)
+    gamma = draft.shape[1]
 
     def residual_mass(w: torch.Tensor) -> torch.Tensor:
         return torch.clamp(w[:, :, None] * p[:, :gamma].float() - q.float(), min=0.0).sum(-1)
 
-    last = rows_draw(lambda col: rows(q, col), lambda col: rows(p, col), gamma)
     return chain_accept_block_rows(draft, qx, px, residual_mass, last, seeds, positions, limit)
 
 
