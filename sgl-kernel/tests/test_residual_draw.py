@@ -92,6 +92,21 @@ def test_kernel_gives_the_references_tokens(device, n, vw, vocab, k, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab, k", [(4100, 900), (3000, 3000)])
+def test_a_weight_divides_the_proposal(device, vocab, k):
+    # block verification's draw from norm(max(0, w p - q)): the kernel's tokens are the
+    # reference's, and the reference's are those of the proposal divided beforehand (the
+    # point mass left at 1); its distribution is checked below
+    args = _case(5, 3, vocab, k, device, seed=vocab + 1)
+    weight = torch.tensor([0.35, 1.0, 0.05, 0.6, 0.8], device=device)
+    want = residual_draw_reference(*args, weight)
+    assert torch.equal(residual_draw_triton(*args, weight), want)
+    q = args[7]
+    divided = residual_draw_reference(*args[:7], q / weight[:, None, None], *args[8:])
+    assert torch.equal(divided, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_strided_rows_and_an_empty_batch(device):
     args = _case(5, 3, 3000, 700, device, seed=5)
     logits = args[0]
@@ -105,9 +120,10 @@ def test_strided_rows_and_an_empty_batch(device):
     assert empty.shape == (0,)
 
 
-def _draws(p, q, lanes=24_000, point=False):
+def _draws(p, q, lanes=24_000, point=False, weight=None):
     """``lanes`` draws of the reference from one row ``p`` (given as logits ``log p``) with
-    proposal ``q`` (full vocabulary), each with its own key."""
+    proposal ``q`` (full vocabulary) and block verification's ``weight`` (a float or None),
+    each with its own key."""
     vocab = p.numel()
     logits = torch.log(p)[None].expand(lanes, vocab).contiguous()
     ones = torch.ones(lanes)
@@ -119,6 +135,7 @@ def _draws(p, q, lanes=24_000, point=False):
         logits, 1, torch.zeros(lanes, dtype=torch.int64), torch.ones(lanes, dtype=torch.int64),
         ones, torch.full((lanes,), -math.inf), lse, q3, None, pt,
         torch.full((lanes, 1), 2, dtype=torch.int64), keys,
+        None if weight is None else torch.full((lanes,), weight),
     )  # fmt: skip
 
 
@@ -141,6 +158,16 @@ Q = torch.tensor([0.10, 0.40, 0.05, 0.15, 0.20, 0.10])
 def test_the_draw_follows_the_normalised_residual():
     r = torch.clamp(P - Q, min=0)
     assert _chi2_pvalue(_draws(P, Q), r / r.sum()) > 0.01
+
+
+def test_a_weighted_draw_follows_the_weighted_residual():
+    # w = 0.5: max(0, w p - q) keeps tokens 0 and 2 at 0.05 each; the unweighted residual
+    # (0.20 and 0.15) is refused by the same test
+    r = torch.clamp(0.5 * P - Q, min=0)
+    assert _chi2_pvalue(_draws(P, Q, weight=0.5), r / r.sum()) > 0.01
+    unweighted = torch.clamp(P - Q, min=0)
+    assert _chi2_pvalue(_draws(P, Q), r / r.sum()) < 0.01
+    assert _chi2_pvalue(_draws(P, Q, weight=0.5), unweighted / unweighted.sum()) < 0.01
 
 
 def test_a_replaced_draft_subtracts_its_point_mass():
@@ -197,5 +224,9 @@ def test_bad_arguments_are_refused():
     bad[8] = args[8].int()
     with pytest.raises(ValueError, match="t2d must be int64"):
         residual_draw(*bad)
+    with pytest.raises(ValueError, match="weight must be"):
+        residual_draw(*args, torch.ones(4))
+    with pytest.raises(ValueError, match="weight must be float32"):
+        residual_draw(*args, torch.ones(5, dtype=torch.float64))
     with pytest.raises(ValueError, match="temperature, tokens and cut must be"):
         tempered_token_stats(torch.randn(3, 10), torch.ones(2), torch.zeros(3, dtype=torch.long))

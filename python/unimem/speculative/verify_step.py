@@ -432,12 +432,11 @@ class VerifyStep:
             keys: torch.Tensor,
             weight: torch.Tensor | None = None,
         ) -> torch.Tensor:
-            q = proposals.q_draft
-            if weight is not None:  # norm(max(0, w p - q)) is norm(max(0, p - q / w))
-                q = q / weight[:, None, None]
+            # block verification's norm(max(0, w p - q)): the kernel divides q by w
             return residual_draw(
-                logits, vw, col, end, t.float(), cut, lse, q, proposals.t2d,
+                logits, vw, col, end, t.float(), cut, lse, proposals.q_draft, proposals.t2d,
                 proposals.point, proposals.tokens, keys,
+                None if weight is None else weight.float(),
             )  # fmt: skip
 
         positions = seq_lens.long()[:, None] + 1 + self._arange[:vw][None, :]

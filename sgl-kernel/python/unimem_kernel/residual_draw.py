@@ -5,7 +5,8 @@ verify row the chain stopped at (``unimem.speculative.spec_sampling``): after a 
 column ``c`` from the residual ``norm(max(0, p_c - q_c))``; after a full chain (``c`` at the
 chain's end) from ``p_c`` itself; and from ``p_c`` too where the residual has no mass.
 
-``residual_draw(logits, vw, col, end, temperature, cut, lse, q, t2d, point, draft, keys)``
+``residual_draw(logits, vw, col, end, temperature, cut, lse, q, t2d, point, draft, keys,
+weight=None)``
 draws that token for every lane ``b`` without materialising ``p``, ``q`` or the residual:
 
 - ``p`` is row ``r = b * vw + col[b]`` of ``logits [M, V]`` tempered (``s = logits / t``,
@@ -17,7 +18,10 @@ draws that token for every lane ``b`` without materialising ``p``, ``q`` or the 
   row): ``q [N, G, K]`` over the drafter's ``K``-token vocabulary read through ``t2d [V]``
   (int64: the draft id of each target id, ``K`` off the draft vocabulary — the drafter's
   ``t2d`` buffer; ``None`` when ``K == V``), or the point mass on ``draft[b, col[b]]``
-  where ``point[b, col[b]]`` (the acceptance control replaced that draft);
+  where ``point[b, col[b]]`` (the acceptance control replaced that draft); with ``weight
+  [N]`` (float32, optional) the drafter's proposal divided by ``weight[b]`` first (block
+  verification's ``norm(max(0, w p - q))`` is ``norm(max(0, p - q / w))``; the point mass
+  stays 1, which no ``w p`` reaches);
 - the token is the Gumbel-max draw over ``log(max(0, p - q))`` with the noise of
   ``keys[b]`` (the uniform of :func:`unimem_kernel.sampling.hash_uniform`), which draws from
   the normalised residual without computing its mass; where no token has ``p > q``, the same
@@ -60,8 +64,9 @@ _BIG = tl.constexpr(2**62)
 @triton.jit
 def _residual_partial_kernel(
     x_ptr, stride_x, vw, col_ptr, end_ptr, t_ptr, cut_ptr, lse_ptr, q_ptr, stride_qn,
-    stride_qc, t2d_ptr, K, point_ptr, draft_ptr, G, keys_ptr, part_ptr, idx_ptr, V, n_split,
-    SPLIT_: tl.constexpr, BLOCK: tl.constexpr, REDUCED: tl.constexpr,
+    stride_qc, t2d_ptr, K, point_ptr, draft_ptr, G, keys_ptr, w_ptr, part_ptr, idx_ptr, V,
+    n_split, SPLIT_: tl.constexpr, BLOCK: tl.constexpr, REDUCED: tl.constexpr,
+    SCALED: tl.constexpr,
 ):  # fmt: skip
     """Program ``(lane, sp)``: over chunk ``sp`` of the lane's row, ``part[.., 0]`` the best
     residual score ``log(p - q) + g`` (``-inf`` where no ``p > q``) and ``part[.., 1]`` the
@@ -82,6 +87,8 @@ def _residual_partial_kernel(
     is_point = tl.load(point_ptr + b * G + cq) != 0
     ptok = tl.load(draft_ptr + b * G + cq).to(tl.int64)
     key = tl.load(keys_ptr + b).to(tl.uint64)
+    if SCALED:
+        w = tl.load(w_ptr + b).to(tl.float32)
     q_row = q_ptr + b * stride_qn + cq * stride_qc
     cols = tl.arange(0, BLOCK)
     best_r = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -101,6 +108,8 @@ def _residual_partial_kernel(
             qv = tl.load(q_row + d, mask=inside & (d < K), other=0.0)
         else:
             qv = tl.load(q_row + idx, mask=inside, other=0.0)
+        if SCALED:
+            qv = tl.math.div_rn(qv, w)
         qv = tl.where(is_point, tl.where(idx == ptok, 1.0, 0.0), qv)
         qv = tl.where(q_on, qv, 0.0)
         g = -tl.log(-tl.log(_uniform_u64(key, idx.to(tl.uint64))))
@@ -153,6 +162,7 @@ def residual_draw_reference(
     point: torch.Tensor,
     draft: torch.Tensor,
     keys: torch.Tensor,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N]`` int64: each lane's last token (module docstring). ``logits [M, V]`` (any float
     dtype, computed in float32; ``M >= N * vw``: lane ``b``'s rows are ``b * vw ..``),
@@ -160,7 +170,8 @@ def residual_draw_reference(
     end — ``q`` counts as 0 at ``col >= end``), ``temperature [N]`` float32, ``cut [M]`` and
     ``lse [M]`` float32 (per logits row: the kept values' lower bound, ``-inf`` for none, and
     their log-sum-exp), ``q [N, G, K]`` float32, ``t2d [V]`` int64 or None (``K == V``),
-    ``point [N, G]`` bool, ``draft [N, G]`` int64 target ids, ``keys [N]`` int64. ``G >= 1``."""
+    ``point [N, G]`` bool, ``draft [N, G]`` int64 target ids, ``keys [N]`` int64, ``weight
+    [N]`` float32 or None (the proposal's divisor). ``G >= 1``."""
     n, vocab = col.shape[0], logits.shape[1]
     lane = torch.arange(n, device=logits.device)
     row = lane * vw + col.long()
@@ -171,6 +182,8 @@ def residual_draw_reference(
     p = torch.where(kept, torch.exp(s - lse[row].float()[:, None]), 0.0)
     cq = col.long().clamp(max=q.shape[1] - 1)
     qd = q[lane, cq].float()  # [N, K]
+    if weight is not None:
+        qd = qd / weight.float()[:, None]
     if t2d is None:
         qt = qd
     else:
@@ -201,6 +214,7 @@ def residual_draw_triton(
     point: torch.Tensor,
     draft: torch.Tensor,
     keys: torch.Tensor,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`residual_draw` (arguments already checked): two launches."""
     n, vocab = col.shape[0], logits.shape[1]
@@ -218,8 +232,9 @@ def residual_draw_triton(
         x, x.stride(0), vw, col.contiguous(), end.contiguous(), temperature.contiguous(),
         cut.contiguous(), lse.contiguous(), qc, qc.stride(0), qc.stride(1),
         t2d if t2d is not None else col, q.shape[2], point_u8, draft.contiguous(), q.shape[1],
-        keys.contiguous(), part, idx, vocab, n_split,
-        SPLIT_=SPLIT, BLOCK=_BLOCK, REDUCED=t2d is not None,
+        keys.contiguous(), weight.contiguous() if weight is not None else temperature, part,
+        idx, vocab, n_split, SPLIT_=SPLIT, BLOCK=_BLOCK, REDUCED=t2d is not None,
+        SCALED=weight is not None,
     )  # fmt: skip
     _residual_pick_kernel[(n,)](part, idx, out, n_split, BS=next_pow2(n_split), num_warps=1)
     return out
@@ -238,6 +253,7 @@ def _check(
     point: torch.Tensor,
     draft: torch.Tensor,
     keys: torch.Tensor,
+    weight: torch.Tensor | None = None,
 ) -> None:
     if logits.dim() != 2 or logits.shape[1] == 0 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [M, V] tensor, got {tuple(logits.shape)}")
@@ -253,6 +269,8 @@ def _check(
         "cut": (cut, (m,)), "lse": (lse, (m,)), "point": (point, (n, g)),
         "draft": (draft, (n, g)), "keys": (keys, (n,)),
     }  # fmt: skip
+    if weight is not None:
+        shapes["weight"] = (weight, (n,))
     if t2d is not None:
         shapes["t2d"] = (t2d, (vocab,))
     elif k != vocab:
@@ -266,6 +284,8 @@ def _check(
         raise ValueError(f"q must be on the logits' device ({logits.device})")
     if any(t.dtype != torch.float32 for t in (temperature, cut, lse, q)):
         raise ValueError("temperature, cut, lse and q must be float32")
+    if weight is not None and weight.dtype != torch.float32:
+        raise ValueError("weight must be float32")
     if point.dtype != torch.bool:
         raise ValueError("point must be bool")
     if t2d is not None and t2d.dtype != torch.int64:
