@@ -15,12 +15,18 @@ as ``"stop"`` with the text cut right before it. A matched stop token (EOS inclu
 output ids but not the text (SGLang trims it). A client that disconnects — noticed by polling
 ``request.is_disconnected()`` while the request runs, or by the stream's cancellation —
 aborts the request.
+
+A request whose reader falls behind the engine (many streams on one event loop) reads every
+delta that has queued up as one (:func:`next_delta`): one piece, one detokenizer pass and one
+streamed chunk for all of them, so that the HTTP side's work per token shrinks as its load
+grows instead of its queues; a reader that keeps up still gets each delta as it comes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +36,7 @@ from unimem.serve.detokenize import IncrementalDetokenizer, StopMatcher
 from unimem.serve.engine_loop import Delta, EngineLoop, Submission
 from unimem.serve.errors import ApiError
 
-__all__ = ["GenParams", "Generation", "Piece", "Serving"]
+__all__ = ["GenParams", "Generation", "Piece", "Serving", "next_delta"]
 
 DISCONNECT_POLL_S = 0.5
 """How often a request waiting for tokens checks whether its client is still there."""
@@ -297,6 +303,35 @@ def _no_sink(delta: Delta) -> None:  # replaced by Generation before submission
     raise RuntimeError("submission without a sink")
 
 
+async def next_delta(queue: asyncio.Queue, held: deque) -> Delta | None:
+    """The request's next delta: everything queued by now (``queue``, then ``held``: what an
+    earlier call took but could not join) as one — the tokens and log-probabilities of
+    consecutive deltas concatenated, the last one's finish — or None where the client went
+    away. A delta with an error is never joined to another (the tokens before it still come
+    first); nothing is joined past a finish or a None. Waits only when nothing is queued."""
+    if not held:
+        held.append(await queue.get())
+    while not queue.empty():
+        held.append(queue.get_nowait())
+    delta = held.popleft()
+    while (
+        delta is not None
+        and held
+        and held[0] is not None
+        and delta.finish_reason is None
+        and delta.error is None
+        and held[0].error is None
+    ):
+        nxt = held.popleft()
+        delta = Delta(
+            delta.tokens + nxt.tokens,
+            delta.logprobs + nxt.logprobs,
+            nxt.finish_reason,
+            nxt.cached_tokens,
+        )
+    return delta
+
+
 class Generation:
     """One submitted request (module docstring). ``http_request``: the Starlette request
     (for disconnects; None: never polled). ``params``: the request's :class:`GenParams`
@@ -343,9 +378,10 @@ class Generation:
             if self.http_request is not None
             else None
         )
+        held: deque[Delta | None] = deque()
         try:
             while self.finish_reason is None:
-                delta = await queue.get()  # no suspension when a delta is already queued
+                delta = await next_delta(queue, held)  # all that has queued up, as one
                 if delta is None:
                     self.disconnected = True
                     return  # finally aborts
