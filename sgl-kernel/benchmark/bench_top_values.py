@@ -2,10 +2,10 @@
 bounded cut-off), GPU time per call inside CUDA graphs.
 
 For each ``--rows`` x ``--vocab`` (default: 1, 48 and 384 rows — one request, 48 decode
-lanes, 48 lanes' verify rows at gamma 7 — of Gemma 3's 262 144 logits, and 384 rows of a
-32 768-token draft vocabulary), float32 logits drawn fresh per shape (``randn * 4``): first
-checks that both give the same values, then times both. Prints one line per shape; ``--json
-PATH`` writes them with the GPU's name.
+lanes, 48 lanes' verify rows at gamma 7 — of Gemma 3's 262 144 logits; ``--extra``: 48 rows
+of a 32 768-token draft vocabulary, a draft column's, and 384 of them), float32 logits drawn
+fresh per shape (``randn * 4``): first checks that both give the same values, then times
+both. Prints one line per shape; ``--json PATH`` writes them with the GPU's name.
 
     python sgl-kernel/benchmark/bench_top_values.py --json out.json
 """
@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,48,384")
     ap.add_argument("--vocab", default="262144")
-    ap.add_argument("--extra", default="384x32768", help="more RxV shapes, comma-separated")
+    ap.add_argument(
+        "--extra", default="48x32768,384x32768", help="more RxV shapes, comma-separated"
+    )
     ap.add_argument("--w", type=int, default=256)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

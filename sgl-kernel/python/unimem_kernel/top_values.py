@@ -187,4 +187,5 @@ top_values = kernel_op(
     reference=top_values_reference,
     device_of="x",
     check=_check,
+    switch="UNIMEM_TOP_VALUES",
 )
