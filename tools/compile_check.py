@@ -982,11 +982,7 @@ _KERNELS = {
     "unimem_kernel.block_overlap": _in("block_overlap", "_overlap_partial_kernel"),
     "unimem_kernel.sorted_cut": _in("sorted_cut", "_sorted_cut_kernel"),
     "unimem_kernel.top_values": _in(
-        "top_values",
-        "_digit_hist_kernel",
-        "_digit_pick_kernel",
-        "_gather_above_kernel",
-        "_threshold_value_kernel",
+        "top_values", "_digit_hist_kernel", "_gather_kernel", "_sort_rows_kernel"
     ),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
     "unimem_kernel.expert_combine": _in("expert_combine", "_moe_combine_kernel"),

@@ -12,17 +12,19 @@ The kernel maps each float to an unsigned 32-bit key with the same order (``_ord
 the sign bit flipped for non-negative values, every bit for negative ones) and finds the key
 of the ``w``-th largest value one 8-bit digit at a time, from the top: per digit, programs
 over ``(row, chunk of CHUNK values)`` count the values whose key agrees with the digits found
-so far into a 256-bin histogram per row (atomic adds of the non-empty bins); one program a row
-then picks the bin the ``w``-th largest falls in and how many of the values still needed lie
-in it. After four digits the threshold key ``T`` is exact and so is ``need``, the number of
-values equal to ``T``'s value among the ``w``. A last pass writes every value with a key
-above ``T`` (``w - need`` of them) into the row's output at positions an atomic counter hands
-out; the remaining ``need`` places take ``T``'s value, and a sort of the ``[N, w]`` output
-puts them in order. Five reads of ``x`` in all, every program busy whatever ``N`` is; no host
-reads, fixed shapes: capturable. Equal keys are equal values (``-0.0`` and ``0.0`` are
-different keys, equal values), so the result is the reference's value for value. Rows must
-not hold NaN (a NaN with its sign bit set would order as the smallest value; ``torch.topk``
-takes every NaN as the largest). float64 goes to the reference.
+so far into a 256-bin histogram per row and digit (atomic adds of the non-empty bins); from
+those histograms every later program resolves the digits found so far itself (the bin the
+``w``-th largest falls in, and how many of the values still needed lie in it), so no launch
+sits between two passes. After four digits the threshold key ``T`` is exact and so is
+``need``, the number of values equal to ``T``'s value among the ``w``. A last pass writes
+every value with a key above ``T`` (``w - need`` of them) into the row's output at positions
+an atomic counter hands out, the remaining ``need`` places take ``T``'s value, and a bitonic sort of
+the ``[N, w]`` output puts them in order. Five reads of ``x`` and seven launches in all (a
+scratch buffer zeroed, four histograms, the gather, the sort), every program busy whatever
+``N`` is; no host reads, fixed shapes: capturable. Equal keys are equal values (``-0.0``
+and ``0.0`` are different keys, equal values), so the result is the reference's value for
+value. Rows must not hold NaN (a NaN with its sign bit set would order as the smallest
+value; ``torch.topk`` takes every NaN as the largest). float64 goes to the reference.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_kernel._dispatch import kernel_op
+from unimem_kernel._dispatch import kernel_op, next_pow2
 
 __all__ = ["CHUNK", "top_values", "top_values_reference", "top_values_triton"]
 
@@ -60,14 +62,35 @@ def _value_of(key):
 
 
 @triton.jit
-def _digit_hist_kernel(x_ptr, stride_x, V, prefix_ptr, hist_ptr, SHIFT: tl.constexpr,
+def _resolved(hist_ptr, row, w, DIGITS: tl.constexpr, BINS: tl.constexpr):
+    """``(prefix, need)`` after the row's first ``DIGITS`` digits: per digit, from its
+    histogram ``hist[digit, row]``, the bin where the count of values from the top first
+    reaches ``need`` (the digit of the ``need``-th largest value still open), and ``need``
+    less the values in the bins above it. ``prefix``: the digits found, in place (uint32)."""
+    bins = tl.arange(0, BINS)
+    prefix = tl.zeros((), tl.uint32)
+    need = w
+    for j in tl.static_range(DIGITS):
+        h = tl.load(hist_ptr + (j * tl.num_programs(0) + row) * BINS + bins)
+        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # values in the bins above each bin
+        hit = (above < need) & (above + h >= need)
+        digit = tl.max(tl.where(hit, bins, -1), axis=0)
+        need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
+        prefix = prefix | (digit.to(tl.uint32) << (24 - 8 * j))
+    return prefix, need
+
+
+@triton.jit
+def _digit_hist_kernel(x_ptr, stride_x, V, w, hist_ptr, DIGIT: tl.constexpr,
                        CHUNK_: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):  # fmt: skip
-    """Program ``(row, chunk)``: the histogram of digit ``(key >> SHIFT) & 255`` over the
-    chunk's values whose key agrees with ``prefix[row]`` above that digit, added into
-    ``hist[row]`` (non-empty bins only)."""
+    """Program ``(row, chunk)``: the histogram of key digit ``DIGIT`` (8 bits, from the top)
+    over the chunk's values whose key agrees with the digits resolved so far (each program
+    resolves them again from the earlier histograms: no launch in between), added into
+    ``hist[DIGIT, row]`` (non-empty bins only)."""
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1).to(tl.int64) * CHUNK_
-    prefix = tl.load(prefix_ptr + row).to(tl.uint32)
+    prefix, _ = _resolved(hist_ptr, row, w, DIGIT, BINS)
+    shift: tl.constexpr = 24 - 8 * DIGIT
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((2 * BINS,), tl.int32)
     for off in range(0, CHUNK_, BLOCK):
@@ -75,43 +98,33 @@ def _digit_hist_kernel(x_ptr, stride_x, V, prefix_ptr, hist_ptr, SHIFT: tl.const
         inside = idx < V
         x = tl.load(x_ptr + row * stride_x + idx, mask=inside, other=0.0).to(tl.float32)
         key = _order_key(x)
-        digit = ((key >> SHIFT) & 0xFF).to(tl.int32)
-        if SHIFT < 24:
-            inside = inside & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        digit = ((key >> shift) & 0xFF).to(tl.int32)
+        if DIGIT > 0:
+            inside = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
         # values outside (past V, or off the prefix) land in the upper half, never added
         acc += tl.histogram(tl.where(inside, digit, BINS), 2 * BINS)
     bins = tl.arange(0, 2 * BINS)
-    tl.atomic_add(hist_ptr + row * BINS + bins, acc, mask=(bins < BINS) & (acc > 0))
+    out = hist_ptr + (DIGIT * tl.num_programs(0) + row) * BINS
+    tl.atomic_add(out + bins, acc, mask=(bins < BINS) & (acc > 0))
 
 
 @triton.jit
-def _digit_pick_kernel(hist_ptr, prefix_ptr, need_ptr, SHIFT: tl.constexpr,
-                       BINS: tl.constexpr):  # fmt: skip
-    """Program ``row``: the digit the row's ``need``-th largest remaining value has (the bin
-    where the count from the top first reaches ``need``), appended to ``prefix``; ``need``
-    less the values in the bins above it; the histogram zeroed for the next digit."""
+def _gather_kernel(x_ptr, stride_x, V, w, hist_ptr, count_ptr, out_ptr, stride_o,
+                   DIGITS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+                   BINS: tl.constexpr, WP: tl.constexpr):  # fmt: skip
+    """Program ``(row, chunk)``: the chunk's values with a key above the threshold ``T``
+    (resolved from the histograms), written to ``out[row]`` at the places ``count[row]``
+    hands out (``w - need`` of them over the row); chunk 0 also writes ``T``'s value into
+    the row's last ``need`` places."""
     row = tl.program_id(0).to(tl.int64)
-    bins = tl.arange(0, BINS)
-    h = tl.load(hist_ptr + row * BINS + bins)
-    need = tl.load(need_ptr + row)
-    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # values in the bins above each bin
-    hit = (above < need) & (above + h >= need)
-    digit = tl.max(tl.where(hit, bins, -1), axis=0)
-    need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
-    prefix = tl.load(prefix_ptr + row).to(tl.uint32) | (digit.to(tl.uint32) << SHIFT)
-    tl.store(prefix_ptr + row, prefix.to(tl.int64))  # uint32 -> int64: zero-extended
-    tl.store(need_ptr + row, need)
-    tl.store(hist_ptr + row * BINS + bins, tl.zeros((BINS,), tl.int32))
-
-
-@triton.jit
-def _gather_above_kernel(x_ptr, stride_x, V, prefix_ptr, count_ptr, out_ptr, stride_o,
-                         CHUNK_: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Program ``(row, chunk)``: the chunk's values with a key above the threshold
-    ``prefix[row]``, written to ``out[row]`` at the places ``count[row]`` hands out."""
-    row = tl.program_id(0).to(tl.int64)
-    start = tl.program_id(1).to(tl.int64) * CHUNK_
-    threshold = tl.load(prefix_ptr + row).to(tl.uint32)
+    chunk = tl.program_id(1)
+    threshold, need = _resolved(hist_ptr, row, w, DIGITS, BINS)
+    if chunk == 0:
+        place = tl.arange(0, WP)
+        fill = (place >= w - need) & (place < w)
+        tied = tl.zeros((WP,), tl.uint32) + threshold
+        tl.store(out_ptr + row * stride_o + place, _value_of(tied), mask=fill)
+    start = chunk.to(tl.int64) * CHUNK_
     cols = tl.arange(0, BLOCK)
     for off in range(0, CHUNK_, BLOCK):
         idx = start + off + cols
@@ -127,11 +140,13 @@ def _gather_above_kernel(x_ptr, stride_x, V, prefix_ptr, count_ptr, out_ptr, str
 
 
 @triton.jit
-def _threshold_value_kernel(prefix_ptr, value_ptr, N, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    key = tl.load(prefix_ptr + i, mask=m, other=0).to(tl.uint32)
-    tl.store(value_ptr + i, _value_of(key), mask=m)
+def _sort_rows_kernel(v_ptr, stride_v, out_ptr, stride_o, w, WP: tl.constexpr):
+    """Program ``row``: the row's ``w`` values in descending order (a bitonic sort of
+    ``WP >= w`` places, the spare ones ``-inf``)."""
+    row = tl.program_id(0).to(tl.int64)
+    place = tl.arange(0, WP)
+    v = tl.load(v_ptr + row * stride_v + place, mask=place < w, other=float("-inf"))
+    tl.store(out_ptr + row * stride_o + place, tl.sort(v, descending=True), mask=place < w)
 
 
 def top_values_reference(x: torch.Tensor, w: int) -> torch.Tensor:
@@ -141,34 +156,29 @@ def top_values_reference(x: torch.Tensor, w: int) -> torch.Tensor:
 
 
 def top_values_triton(x: torch.Tensor, w: int) -> torch.Tensor:
-    """Triton launcher of :func:`top_values` (arguments already checked): ``2 * 4 + 2``
-    launches and a sort of ``[N, w]``."""
+    """Triton launcher of :func:`top_values` (arguments already checked): a zeroed scratch
+    buffer, four histogram launches, one gather and a sort of ``[N, w]``."""
     n, vocab = x.shape
     dev = x.device
     if n == 0:
         return x.new_empty(0, w)
     xc = x if x.stride(1) == 1 else x.contiguous()
     chunks = triton.cdiv(vocab, CHUNK)
-    hist = torch.zeros(n, _BINS, dtype=torch.int32, device=dev)
-    prefix = torch.zeros(n, dtype=torch.int64, device=dev)  # the threshold key's bits so far
-    need = torch.full((n,), w, dtype=torch.int32, device=dev)
+    scratch = torch.zeros(_DIGITS * n * _BINS + n, dtype=torch.int32, device=dev)
+    hist, count = scratch[: _DIGITS * n * _BINS], scratch[_DIGITS * n * _BINS :]
     for digit in range(_DIGITS):
-        shift = 8 * (_DIGITS - 1 - digit)
         _digit_hist_kernel[(n, chunks)](
-            xc, xc.stride(0), vocab, prefix, hist, SHIFT=shift, CHUNK_=CHUNK, BLOCK=_BLOCK,
+            xc, xc.stride(0), vocab, w, hist, DIGIT=digit, CHUNK_=CHUNK, BLOCK=_BLOCK,
             BINS=_BINS,
         )  # fmt: skip
-        _digit_pick_kernel[(n,)](hist, prefix, need, SHIFT=shift, BINS=_BINS, num_warps=1)
     out = torch.empty(n, w, dtype=torch.float32, device=dev)
-    count = torch.zeros(n, dtype=torch.int32, device=dev)
-    _gather_above_kernel[(n, chunks)](
-        xc, xc.stride(0), vocab, prefix, count, out, out.stride(0), CHUNK_=CHUNK, BLOCK=_BLOCK
-    )
-    value = torch.empty(n, dtype=torch.float32, device=dev)
-    _threshold_value_kernel[(triton.cdiv(n, 256),)](prefix, value, n, BLOCK=256)
-    place = torch.arange(w, device=dev)[None, :]
-    out = torch.where(place >= (w - need)[:, None], value[:, None], out)  # the ties at T
-    return torch.sort(out, dim=-1, descending=True).values.to(x.dtype)
+    _gather_kernel[(n, chunks)](
+        xc, xc.stride(0), vocab, w, hist, count, out, out.stride(0), DIGITS=_DIGITS,
+        CHUNK_=CHUNK, BLOCK=_BLOCK, BINS=_BINS, WP=next_pow2(w),
+    )  # fmt: skip
+    desc = torch.empty(n, w, dtype=torch.float32, device=dev)
+    _sort_rows_kernel[(n,)](out, out.stride(0), desc, desc.stride(0), w, WP=next_pow2(w))
+    return desc.to(x.dtype)
 
 
 def _check(x: torch.Tensor, w: int) -> bool | None:
