@@ -584,20 +584,6 @@ def _block_overlap_launches() -> list[tuple[str, Callable[[], None]]]:
     ]  # fmt: skip
 
 
-def _top_values_launches() -> list[tuple[str, Callable[[], None]]]:
-    """The bounded cut-off's 256 largest logits: 48 x 8 verify rows of Gemma 3's 262 144,
-    float32 logits (and bf16)."""
-    import torch
-
-    from unimem_kernel.top_values import top_values
-
-    return [
-        (f"top_values 384 x 262144 w=256 {name}",
-         lambda n=name: top_values(torch.randn(384, 262144).to(getattr(torch, n)), 256))
-        for name in ("float32", "bfloat16")
-    ]  # fmt: skip
-
-
 def _greedy_accept_launches() -> list[tuple[str, Callable[[], None]]]:
     """The fixed verify's greedy accept (``small`` preset: 48 x 8 rows of 32 000)."""
     import torch
@@ -981,9 +967,6 @@ _KERNELS = {
     ),
     "unimem_kernel.block_overlap": _in("block_overlap", "_overlap_partial_kernel"),
     "unimem_kernel.sorted_cut": _in("sorted_cut", "_sorted_cut_kernel"),
-    "unimem_kernel.top_values": _in(
-        "top_values", "_digit_hist_kernel", "_gather_kernel", "_sort_rows_kernel"
-    ),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
     "unimem_kernel.expert_combine": _in("expert_combine", "_moe_combine_kernel"),
     "unimem_kernel.expert_route": _in(
@@ -1009,7 +992,6 @@ _LAUNCHES = {
     "unimem_kernel.residual_draw": _residual_draw_launches,
     "unimem_kernel.block_overlap": _block_overlap_launches,
     "unimem_kernel.sorted_cut": _sorted_cut_launches,
-    "unimem_kernel.top_values": _top_values_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
     "unimem_kernel.expert_combine": _expert_combine_launches,
     "unimem_kernel.expert_route": _expert_route_launches,

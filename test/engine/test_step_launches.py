@@ -118,15 +118,12 @@ from materialised rows (the filtered row, the proposal scattered to the target's
 the residual, its draw) ~35 more."""
 
 
-FILTERED_VERIFY_EXTRA = 225
+FILTERED_VERIFY_EXTRA = 190
 """Launches a sampled DSPARK verify step (gamma 7) under top-k 20 / top-p 0.9 may add to the
-greedy one (217 on the tiny Gemma 3 below): each cut-off — one per draft column and one for
-the verify rows — is the leading values (``unimem_kernel.top_values``: a zeroed scratch
-buffer, four histogram passes, a gather and a sort, ~6 launches more than ``torch.topk``'s
-168 in all, for a select that reads each row five times instead of one thread block a row),
-a few ops to find them among the logits, and one ``sorted_cut`` launch. Before that kernel,
-with the cut-off's whole-row softmax and tempered copy, the step took ~360 more than
-greedy."""
+greedy one (168 on the tiny Gemma 3 below): each cut-off — one per draft column and one for
+the verify rows — is the leading values (``torch.topk``), a few ops to find them among the
+logits, and one ``sorted_cut`` launch. Before that kernel, with the cut-off's whole-row
+softmax and tempered copy, the step took ~360 more than greedy."""
 
 
 def _verify_step_launches(path, **sampling):

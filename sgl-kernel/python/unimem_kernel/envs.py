@@ -96,13 +96,6 @@ _ALL = (
         choices=("auto", "triton", "reference"),
     ),
     EnvSwitch(
-        "UNIMEM_TOP_VALUES",
-        "on",
-        "off: the sampler's bounded cut-off takes its 256 largest logits a row from torch.topk "
-        "instead of the radix-select kernel (unimem_kernel.top_values), to measure it.",
-        choices=("on", "off"),
-    ),
-    EnvSwitch(
         "UNIMEM_FUSED_OPS",
         "on",
         "off: the fused norm/RoPE/activation ops run their torch reference even on CUDA "
