@@ -540,7 +540,7 @@ def _residual_draw_launches() -> list[tuple[str, Callable[[], None]]]:
 
     from unimem_kernel.residual_draw import residual_draw
 
-    def call(reduced: bool, dtype):
+    def call(reduced: bool, dtype, weighted: bool = False):
         n, vw, vocab = 48, 8, 262144
         k = 32768 if reduced else vocab
         t2d = torch.full((vocab,), k).long() if reduced else None
@@ -549,13 +549,16 @@ def _residual_draw_launches() -> list[tuple[str, Callable[[], None]]]:
             torch.full((n,), vw - 1).long(), torch.full((n,), 0.7), torch.zeros(n * vw),
             torch.zeros(n * vw), torch.zeros(n, vw - 1, k), t2d,
             torch.zeros(n, vw - 1, dtype=torch.bool), torch.zeros(n, vw - 1).long(),
-            torch.arange(n),
+            torch.arange(n), torch.ones(n) if weighted else None,
         )  # fmt: skip
 
     return [
         (f"residual_draw 48 x 8 V=262144 {'K=32768' if r else 'full'} {name}",
          lambda r=r, n=name: call(r, getattr(torch, n)))
         for r in (True, False) for name in ("float32", "bfloat16")
+    ] + [  # block verification's draw: the proposal divided by the lane's weight
+        ("residual_draw 48 x 8 V=262144 K=32768 float32 weighted",
+         lambda: call(True, torch.float32, weighted=True)),
     ]  # fmt: skip
 
 
