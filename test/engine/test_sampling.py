@@ -554,6 +554,35 @@ def test_a_bounded_row_draws_the_same_in_any_batch(monkeypatch):
     assert torch.equal(cut[bounded], full[bounded])
 
 
+def test_bounded_cut_offs_read_the_leading_values_by_chunk_maxima(monkeypatch):
+    """Over a vocabulary long enough for the select by chunk maxima
+    (:func:`unimem_kernel.top_values.top_values`, the bound lowered to 8 so 1 031 tokens are
+    64 of it and more), a bounded batch's cut-offs equal those from ``torch.topk`` over the
+    whole row (``UNIMEM_TOP_VALUES=topk``) and the whole-row sorted rule's, ties and masked
+    tokens included."""
+    from unimem_kernel.top_values import default_chunk
+
+    monkeypatch.setattr(sampling_mod, "TOP_K_BOUND", 8)
+    g = torch.Generator().manual_seed(29)
+    n, vocab = 10, 1031
+    assert default_chunk(vocab, 8) > 1
+    logits = torch.randn(n, vocab, generator=g) * 3
+    logits[2] = torch.randint(-2, 3, (vocab,), generator=g).float()  # ties at the cut
+    logits[4, ::3] = -math.inf
+    temperature = torch.rand(n, generator=g) + 0.3
+    top_k = torch.randint(1, 9, (n,), generator=g, dtype=torch.int32)
+    top_p = torch.rand(n, generator=g).clamp(min=0.3)
+    min_p = torch.rand(n, generator=g) * 0.05
+    args = (logits, temperature, top_k, top_p, min_p)
+    chunked = sampling_mod.tempered_keep_threshold(*args, sampling_mod.BOUNDED)
+    monkeypatch.setenv("UNIMEM_TOP_VALUES", "topk")
+    whole = sampling_mod.tempered_keep_threshold(*args, sampling_mod.BOUNDED)
+    assert torch.equal(chunked, whole)
+    scaled = logits / temperature[:, None]
+    desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    assert torch.equal(chunked, sorted_cut_reference(desc, top_k, top_p, min_p))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_tempered_cut_off_needs_no_tempered_copy(dtype):
     """tempered_keep_threshold(logits, t) is keep_threshold(logits / t) value for value under

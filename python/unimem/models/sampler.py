@@ -9,8 +9,9 @@ parameter tensors (:class:`SamplingRows`).
    always kept. Filters keep every token whose scaled logit is at least the cut-off value of
    the last kept rank, so tokens tied at the cut-off are kept together. A row with ``0 <
    top_k <=`` :data:`TOP_K_BOUND` finds its cut-off among its ``TOP_K_BOUND`` largest logits
-   (``torch.topk``; the filters compare probabilities with each other, so each value's
-   weight relative to the largest is all they need), any other row in its whole sorted row:
+   (:func:`unimem_kernel.top_values.top_values`: ``torch.topk``'s values, selected among the
+   chunks with the largest maxima; the filters compare probabilities with each other, so each
+   value's weight relative to the largest is all they need), any other row in its whole sorted row:
    which rule a row takes depends on its own top-k only, never on the batch. A batch whose
    every sampled row is bounded (:attr:`SamplingRows.rule` :data:`BOUNDED`, known on the
    host) skips the whole-row sort: one order of magnitude less work over a 262 144-token
@@ -43,11 +44,13 @@ from dataclasses import dataclass
 import torch
 
 import unimem_kernel.sampling as kernel
+from unimem_kernel import envs
 from unimem_kernel.greedy_pick import (
     greedy_logprob,
     tempered_token_stats,
 )
 from unimem_kernel.sorted_cut import sorted_cut
+from unimem_kernel.top_values import top_values
 
 __all__ = [
     "BOUNDED",
@@ -172,7 +175,7 @@ chunks it is ~0.6 GiB whatever the batch; rows are independent, so the result is
 BOUNDED_CHUNK_ELEMENTS = 1 << 28
 """Logits per chunk of rows where no whole row is sorted (:data:`BOUNDED` and
 :data:`UNFILTERED` cut-offs and what reads them): the temporaries are per row, not per logit,
-so the chunks only keep ``torch.topk``'s element count within 32-bit indexing (1 024 rows of a
+so the chunks only keep the top-k's element count within 32-bit indexing (1 024 rows of a
 262 144-token vocabulary) — a verify step's rows in one call, not one per 64 rows."""
 
 
@@ -296,9 +299,17 @@ def _bounded_threshold_rows(
     if vocab <= TOP_K_BOUND:
         desc = _descending(torch.sort(values, dim=-1, descending=True, stable=True)[0], t)
         return sorted_cut(desc, top_k, top_p, min_p)
-    desc = _descending(torch.topk(values, TOP_K_BOUND, dim=-1, sorted=True)[0], t)
+    desc = _descending(_leading_values(values), t)
     k = torch.where((top_k > 0) & (top_k <= TOP_K_BOUND), top_k, TOP_K_BOUND)
     return sorted_cut(desc, k, top_p, min_p)
+
+
+def _leading_values(values: torch.Tensor) -> torch.Tensor:
+    """Each row's :data:`TOP_K_BOUND` largest values, descending (``UNIMEM_TOP_VALUES``:
+    the select by chunk maxima, or ``torch.topk`` over the whole row to measure it)."""
+    if envs.get("UNIMEM_TOP_VALUES") == "topk":
+        return torch.topk(values, TOP_K_BOUND, dim=-1, sorted=True).values
+    return top_values(values, TOP_K_BOUND)
 
 
 def filtered_probs(

@@ -96,6 +96,14 @@ _ALL = (
         choices=("auto", "triton", "reference"),
     ),
     EnvSwitch(
+        "UNIMEM_TOP_VALUES",
+        "chunked",
+        "topk: the sampler's bounded cut-off takes its 256 largest logits a row from one "
+        "torch.topk over the whole row instead of the select by chunk maxima "
+        "(unimem_kernel.top_values), to measure it.",
+        choices=("chunked", "topk"),
+    ),
+    EnvSwitch(
         "UNIMEM_FUSED_OPS",
         "on",
         "off: the fused norm/RoPE/activation ops run their torch reference even on CUDA "
