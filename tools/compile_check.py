@@ -502,17 +502,26 @@ def _greedy_pick_launches() -> list[tuple[str, Callable[[], None]]]:
 
     from unimem_kernel import greedy_pick
 
-    def tempered(stats: bool, cut: bool):
+    def tempered(stats: bool, cut: bool, raw: bool = False):
         rows = 48 * 8
-        op = greedy_pick.tempered_token_stats if stats else greedy_pick.tempered_token_probs
-        op(torch.randn(rows, 262144), torch.full((rows,), 0.7), torch.zeros(rows).long(),
-           torch.zeros(rows) if cut else None)  # fmt: skip
+        args = (torch.randn(rows, 262144), torch.full((rows,), 0.7), torch.zeros(rows).long(),
+                torch.zeros(rows) if cut else None)  # fmt: skip
+        if raw:
+            greedy_pick.tempered_token_stats(*args, raw=True)
+        elif stats:
+            greedy_pick.tempered_token_stats(*args)
+        else:
+            greedy_pick.tempered_token_probs(*args)
 
     return [("greedy_logprob V=262144", lambda: greedy_pick.greedy_logprob(
         torch.randn(4, 262144), torch.zeros(4, 8)[:, 0]))] + [
         (f"tempered_token_{'stats' if s else 'probs'} 48 x 8 rows V=262144"
          f"{' cut' if c else ''}", lambda s=s, c=c: tempered(s, c))
         for s in (False, True) for c in (False, True)
+    ] + [
+        (f"tempered_token_stats raw 48 x 8 rows V=262144{' cut' if c else ''}",
+         lambda c=c: tempered(True, c, raw=True))
+        for c in (False, True)
     ]  # fmt: skip
 
 

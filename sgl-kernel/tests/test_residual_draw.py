@@ -8,7 +8,7 @@
   of 6), and from ``p`` where ``q >= p`` everywhere; a wrong normaliser fails the same test.
 - ``tempered_token_stats``: its probabilities are ``tempered_token_probs``'s, its
   log-sum-exp and first argmax the kept tempered values' (a temperature-0 row's: the greedy
-  token).
+  token); asked for, the untempered log-sum-exp from the same pass, the rest unchanged.
 """
 
 from __future__ import annotations
@@ -206,6 +206,12 @@ def test_tempered_token_stats_match_the_reference(device):
         assert torch.equal(first, want_first)
         greedy = t == 0
         assert torch.equal(first[greedy], logits[greedy].argmax(dim=-1))
+        # raw: the untempered, uncut log-sum-exp from the same pass; the rest unchanged
+        *same, raw = tempered_token_stats_triton(logits, t, tokens, cut, raw=True)
+        assert all(torch.equal(a, b) for a, b in zip(same, (probs, lse, first), strict=True))
+        want_raw = tempered_token_stats_reference(logits, t, tokens, cut, raw=True)[3]
+        torch.testing.assert_close(want_raw, torch.logsumexp(logits.double(), -1).float())
+        torch.testing.assert_close(raw, want_raw, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments_are_refused():

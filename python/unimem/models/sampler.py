@@ -374,30 +374,37 @@ def filtered_token_stats(
     min_p: torch.Tensor,
     tokens: torch.Tensor,
     rule: str = SORTED,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    raw: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """:func:`filtered_token_probs` with what the same pass finds of each row besides:
     ``(probs [N], lse [N], first [N], cut [N])`` — ``lse`` the log-sum-exp of the row's kept
     tempered values, ``first`` the first index of their maximum (on a temperature-0 row the
     row's first ``argmax``: the greedy token), ``cut`` the row's cut-off (float32, ``-inf``
-    where nothing is cut). A sampled verify step's one pass over its ``[bs x (gamma + 1),
-    V]`` logits: the drafts' probabilities, the greedy lanes' tokens, and each row's
-    normaliser and cut-off for the last token's draw
-    (:func:`unimem_kernel.residual_draw.residual_draw`)."""
+    where nothing is cut); with ``raw`` a fifth, ``raw_lse [N]``, the log-sum-exp of the
+    logits themselves (untempered, uncut: what reported log-probabilities subtract). A
+    sampled verify step's one pass over its ``[bs x (gamma + 1), V]`` logits: the drafts'
+    probabilities, the greedy lanes' tokens, each row's normaliser and cut-off for the last
+    token's draw (:func:`unimem_kernel.residual_draw.residual_draw`) and the committed
+    tokens' log-probabilities."""
     _check_rule(rule)
-    fn = functools.partial(_filtered_token_stat_rows, rule=rule)
+    fn = functools.partial(_filtered_token_stat_rows, rule=rule, raw=raw)
     return _over_row_chunks(
         fn, logits, temperature, top_k, top_p, min_p, tokens, elements=_chunk_elements(rule)
     )
 
 
 def _filtered_token_stat_rows(
-    logits, temperature, top_k, top_p, min_p, tokens, rule: str = SORTED
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits, temperature, top_k, top_p, min_p, tokens, rule: str = SORTED, raw: bool = False
+) -> tuple[torch.Tensor, ...]:
     if rule == UNFILTERED:
         cut = torch.full_like(temperature, -math.inf, dtype=torch.float32)
-        return (*tempered_token_stats(logits, temperature, tokens), cut)
-    cut = tempered_keep_threshold(logits, temperature, top_k, top_p, min_p, rule)
-    return (*tempered_token_stats(logits, temperature, tokens, cut), cut)
+        probs, lse, first, *raw_lse = tempered_token_stats(logits, temperature, tokens, raw=raw)
+    else:
+        cut = tempered_keep_threshold(logits, temperature, top_k, top_p, min_p, rule)
+        probs, lse, first, *raw_lse = tempered_token_stats(
+            logits, temperature, tokens, cut, raw=raw
+        )
+    return (probs, lse, first, cut, *raw_lse)
 
 
 def sample(

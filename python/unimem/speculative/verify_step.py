@@ -254,14 +254,15 @@ class VerifyStep:
         input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
         ctx = self._context(meta, lanes, width * vw)
         logits = self.model.forward(input_ids, ctx)
-        if params is None or self.logprobs:
+        if params is None:
             # the rows' argmax, the accepted prefix and the bonus token in two launches; with
             # log-probabilities each row's log-sum-exp in the same pass over the logits
             tokens, accepted, bonus, *lse = greedy_verify_accept(logits, draft, lse=self.logprobs)
-        if params is not None:  # a sampled batch's greedy lanes: from the sampled pass
-            greedy = (accepted, tokens) if self.logprobs else None
-            accepted, tokens = self._sampled_accept(
-                logits, draft, proposals, seq_lens, params, greedy=greedy
+        else:
+            # a sampled batch: its greedy lanes' tokens and every row's untempered
+            # log-sum-exp come from the sampled pass, no greedy pass over the logits
+            accepted, tokens, *lse = self._sampled_accept(
+                logits, draft, proposals, seq_lens, params, raw_lse=self.logprobs
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
         self.commit_gdn(accepted, lanes.vslots, lanes.state_slots)
@@ -355,20 +356,20 @@ class VerifyStep:
         # length repeat its last row; the accept never reads them)
         cols = torch.minimum(self._arange[:vw][None, :], lengths.long()[:, None] - 1)
         src = (packed.cu_seqlens[:-1].long()[:, None] + cols).reshape(-1)
-        # each packed row's argmax (and, with log-probabilities, its own log-probability)
-        # in one pass over the logits
-        if self.logprobs:
-            row_tokens, row_logprobs = greedy_logprob(logits)
-        else:
-            row_tokens = torch.argmax(logits, dim=-1)
-        tokens = row_tokens[src].reshape(width, vw)
         limit = lengths - 1
-        accepted, bonus = greedy_accept(draft, tokens, limit)
-        uniform_logits = None
-        if params is not None:
+        if params is None:
+            # each packed row's argmax (and, with log-probabilities, its own
+            # log-probability) in one pass over the logits
+            if self.logprobs:
+                row_tokens, row_logprobs = greedy_logprob(logits)
+            else:
+                row_tokens = torch.argmax(logits, dim=-1)
+            tokens = row_tokens[src].reshape(width, vw)
+            accepted, bonus = greedy_accept(draft, tokens, limit)
+        else:  # the greedy lanes and the log-sum-exps from the sampled pass
             uniform_logits = logits[src]
-            accepted, tokens = self._sampled_accept(
-                uniform_logits, draft, proposals, seq_lens, params, limit, (accepted, tokens)
+            accepted, tokens, *raw_lse = self._sampled_accept(
+                uniform_logits, draft, proposals, seq_lens, params, limit, self.logprobs
             )
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
         self.commit_gdn(accepted, lanes.vslots, lanes.state_slots)
@@ -376,12 +377,15 @@ class VerifyStep:
         self.drafts.write_context(ctx.hidden, meta, keep)
         commit(bonus, tokens, accepted, ())
         logprobs = None
-        if self.logprobs:
+        if self.logprobs and params is None:
             # log p(t) = logits[t] - lse = (logits[t] - logits[argmax]) + log p(argmax): a
             # gather per row (exactly the row's own log-probability where t is its argmax)
             chosen = logits[src, tokens.reshape(-1)]
             top = logits[src, row_tokens[src]]
             logprobs = ((chosen - top) + row_logprobs[src]).float().reshape(width, vw)
+        elif self.logprobs:
+            chosen = uniform_logits.gather(1, tokens.reshape(-1, 1))[:, 0]
+            logprobs = (chosen - raw_lse[0]).float().reshape(width, vw)
         return VerifyResult(lengths, logprobs)
 
     def _sampled_accept(
@@ -392,8 +396,8 @@ class VerifyStep:
         seq_lens: torch.Tensor,
         params: SamplingRows,
         limit: torch.Tensor | None = None,
-        greedy: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raw_lse: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """Speculative sampling (:func:`unimem.speculative.spec_sampling.chain_accept_rows`)
         for the lanes with temperature > 0 over the uniform ``logits [bs * (gamma + 1), V]``,
         each row's token at position ``seq_len + 1 + j``: one pass over the logits
@@ -406,9 +410,11 @@ class VerifyStep:
         :func:`~unimem.speculative.spec_sampling.chain_accept_block_rows`) one more pass over
         the logits gives the residual masses
         (:func:`~unimem.speculative.spec_sampling.compact_residual_mass`). Greedy lanes take
-        their rows' argmax and the greedy accept, or ``greedy = (accepted [bs], tokens [bs,
-        gamma + 1])`` where the caller has them already. ``limit [bs]``: a ragged verify's chain
-        lengths. Returns ``(accepted [bs] int32, tokens [bs, gamma + 1])``."""
+        their rows' argmax (the first pass's first maximum of a temperature-0 row) and the
+        greedy accept. ``limit [bs]``: a ragged verify's chain lengths. Returns ``(accepted
+        [bs] int32, tokens [bs, gamma + 1])``, with ``raw_lse`` also each row's untempered
+        log-sum-exp ``[bs * (gamma + 1)]`` float32 from the same first pass (what the
+        committed tokens' log-probabilities subtract)."""
         width, gamma = draft.shape
         vw = gamma + 1
 
@@ -418,13 +424,12 @@ class VerifyStep:
         t, k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
         # row j of a lane predicts its draft j; the last row's token is a placeholder
         asked = torch.cat([draft.long(), draft.new_zeros(width, 1)], dim=1).reshape(-1)
-        px, lse, first, cut = filtered_token_stats(
-            logits, rows(t), rows(k), rows(top_p), rows(min_p), asked, params.rule
+        px, lse, first, cut, *raw = filtered_token_stats(
+            logits, rows(t), rows(k), rows(top_p), rows(min_p), asked, params.rule, raw_lse
         )
         px = px.reshape(width, vw)[:, :gamma]
-        if greedy is None:
-            target = first.reshape(width, vw)
-            greedy = (greedy_accept(draft, target, limit).accepted, target)
+        target = first.reshape(width, vw)
+        greedy = (greedy_accept(draft, target, limit).accepted, target)
 
         def last_draw(
             col: torch.Tensor,
@@ -456,4 +461,4 @@ class VerifyStep:
             )
         live = params.temperature > 0
         accepted = torch.where(live, s.accepted, greedy[0])
-        return accepted, torch.where(live[:, None], s.tokens, greedy[1])
+        return (accepted, torch.where(live[:, None], s.tokens, greedy[1]), *raw)

@@ -29,7 +29,9 @@ keeps or cuts it. ``tempered_token_stats`` is the same two launches returning al
 row's log-sum-exp of its kept tempered values and the first index of their maximum (on a
 temperature-0 row: the logits' own, the greedy token): a sampled verify step's greedy lanes
 take their tokens from it, and its last draw (:mod:`unimem_kernel.residual_draw`) its
-normaliser, with no other pass over the logits.
+normaliser, with no other pass over the logits; with ``raw=True`` the same pass also sums the
+untempered, uncut row (``raw_lse``, one more online sum), so the committed tokens' reported
+log-probabilities need no greedy pass either.
 """
 
 from __future__ import annotations
@@ -62,18 +64,21 @@ _BIG = 2**62
 
 
 @triton.jit
-def _partial_kernel(x_ptr, t_ptr, c_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_split,
-                    SPLIT_: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr,
-                    CUT: tl.constexpr):  # fmt: skip
+def _partial_kernel(x_ptr, t_ptr, c_ptr, m_ptr, i_ptr, s_ptr, rm_ptr, rs_ptr, V, stride_x,
+                    n_split, SPLIT_: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr,
+                    CUT: tl.constexpr, RAW: tl.constexpr):  # fmt: skip
     # program (row, sp): max, first index of it and sum(exp(x - max)) of chunk sp of the row
     # (TEMPERED: of x / t, t the row's temperature or 1 where it is 0, divided as torch
-    # divides; CUT: values below the row's cut count as -inf, on rows of t > 0)
+    # divides; CUT: values below the row's cut count as -inf, on rows of t > 0; RAW: also
+    # the max and sum(exp(x - max)) of the logits themselves, untempered and uncut)
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mv = tl.full((BLOCK,), float("-inf"), tl.float32)
     sv = tl.zeros((BLOCK,), tl.float32)
     iv = tl.zeros((BLOCK,), tl.int64)
+    rmv = tl.full((BLOCK,), float("-inf"), tl.float32)
+    rsv = tl.zeros((BLOCK,), tl.float32)
     start = sp.to(tl.int64) * SPLIT_
     t = 1.0
     cut = float("-inf")
@@ -86,6 +91,11 @@ def _partial_kernel(x_ptr, t_ptr, c_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_spl
         idx = start + off + cols
         x = tl.load(x_ptr + row * stride_x + idx, mask=idx < V, other=float("-inf"))
         x = x.to(tl.float32)
+        if RAW:
+            new_rm = tl.maximum(rmv, x)
+            r_alpha = tl.where(rmv == new_rm, 1.0, tl.exp(rmv - new_rm))
+            rsv = rsv * r_alpha + tl.where(x == float("-inf"), 0.0, tl.exp(x - new_rm))
+            rmv = new_rm
         if TEMPERED:
             x = tl.math.div_rn(x, t)
             if CUT:
@@ -103,6 +113,10 @@ def _partial_kernel(x_ptr, t_ptr, c_ptr, m_ptr, i_ptr, s_ptr, V, stride_x, n_spl
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
     tl.store(i_ptr + out, i)
+    if RAW:
+        rm = tl.max(rmv, axis=0)
+        tl.store(rm_ptr + out, rm)
+        tl.store(rs_ptr + out, tl.sum(rsv * tl.where(rmv == rm, 1.0, tl.exp(rmv - rm)), axis=0))
 
 
 @triton.jit
@@ -131,9 +145,9 @@ def _combine_kernel(m_ptr, i_ptr, s_ptr, tok_ptr, lp_ptr, stride_lp, n_split,
 
 
 @triton.jit
-def _token_prob_kernel(x_ptr, t_ptr, c_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr, lse_ptr,
-                       first_ptr, stride_x, n_split, BS: tl.constexpr, CUT: tl.constexpr,
-                       STATS: tl.constexpr):  # fmt: skip
+def _token_prob_kernel(x_ptr, t_ptr, c_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, rm_ptr, rs_ptr,
+                       p_ptr, lse_ptr, first_ptr, raw_ptr, stride_x, n_split, BS: tl.constexpr,
+                       CUT: tl.constexpr, STATS: tl.constexpr, RAW: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     big_m, first, total = _row_chunks(m_ptr, i_ptr, s_ptr, row, n_split, BS)
     t = tl.load(t_ptr + row).to(tl.float32)
@@ -150,6 +164,9 @@ def _token_prob_kernel(x_ptr, t_ptr, c_ptr, tok_ptr, m_ptr, i_ptr, s_ptr, p_ptr,
     if STATS:
         tl.store(lse_ptr + row, lse)
         tl.store(first_ptr + row, first)
+    if RAW:
+        raw_m, _, raw_total = _row_chunks(rm_ptr, i_ptr, rs_ptr, row, n_split, BS)
+        tl.store(raw_ptr + row, tl.log(raw_total) + raw_m)
 
 
 def greedy_logprob_reference(
@@ -184,9 +201,9 @@ def greedy_logprob_triton(
     lp = out_logprobs if out_logprobs is not None else torch.empty(n, dtype=torch.float32,
                                                                     device=x.device)  # fmt: skip
     if n:
-        _partial_kernel[(n, n_split)](x, x, x, m, i, s, v, x.stride(0), n_split,
+        _partial_kernel[(n, n_split)](x, x, x, m, i, s, m, s, v, x.stride(0), n_split,
                                       SPLIT_=SPLIT, BLOCK=_BLOCK, TEMPERED=False,
-                                      CUT=False)  # fmt: skip
+                                      CUT=False, RAW=False)  # fmt: skip
         _combine_kernel[(n,)](m, i, s, tok, lp, lp.stride(0), n_split, BS=next_pow2(n_split))
     return tok, lp
 
@@ -247,9 +264,11 @@ def _tempered_launch(
     tokens: torch.Tensor,
     cut: torch.Tensor | None,
     stats: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    raw: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The two launches of :func:`tempered_token_probs` (with ``stats`` also each row's
-    log-sum-exp and first argmax, :func:`tempered_token_stats`)."""
+    log-sum-exp and first argmax, :func:`tempered_token_stats`; with ``raw`` also the
+    untempered log-sum-exp)."""
     n, v = logits.shape
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     t = temperature.contiguous()
@@ -262,15 +281,19 @@ def _tempered_launch(
     prob = torch.empty(n, dtype=torch.float32, device=x.device)
     lse = torch.empty(n, dtype=torch.float32, device=x.device) if stats else None
     first = torch.empty(n, dtype=torch.int64, device=x.device) if stats else None
+    rm = torch.empty_like(m) if raw else m
+    rs = torch.empty_like(m) if raw else s
+    raw_lse = torch.empty(n, dtype=torch.float32, device=x.device) if raw else None
     if n:
-        _partial_kernel[(n, n_split)](x, t, c, m, i, s, v, x.stride(0), n_split,
+        _partial_kernel[(n, n_split)](x, t, c, m, i, s, rm, rs, v, x.stride(0), n_split,
                                       SPLIT_=SPLIT, BLOCK=_BLOCK, TEMPERED=True,
-                                      CUT=cut is not None)  # fmt: skip
-        _token_prob_kernel[(n,)](x, t, c, tok, m, i, s, prob,
-                                 lse if stats else prob, first if stats else tok, x.stride(0),
-                                 n_split, BS=next_pow2(n_split), CUT=cut is not None,
-                                 STATS=stats)  # fmt: skip
-    return prob, lse, first
+                                      CUT=cut is not None, RAW=raw)  # fmt: skip
+        _token_prob_kernel[(n,)](x, t, c, tok, m, i, s, rm, rs, prob,
+                                 lse if stats else prob, first if stats else tok,
+                                 raw_lse if raw else prob, x.stride(0), n_split,
+                                 BS=next_pow2(n_split), CUT=cut is not None, STATS=stats,
+                                 RAW=raw)  # fmt: skip
+    return (prob, lse, first) + ((raw_lse,) if raw else ())
 
 
 def tempered_token_probs_triton(
@@ -289,6 +312,7 @@ def _check_tempered(
     temperature: torch.Tensor,
     tokens: torch.Tensor,
     cut: torch.Tensor | None = None,
+    raw: bool = False,
 ) -> bool:
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits must be [N, V] with V >= 1, got {tuple(logits.shape)}")
@@ -320,13 +344,17 @@ def tempered_token_stats_reference(
     temperature: torch.Tensor,
     tokens: torch.Tensor,
     cut: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    raw: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``(probs [N], lse [N], first [N])``: ``probs`` as :func:`tempered_token_probs`; ``lse``
     (float32) the log-sum-exp of each row's kept tempered values (of the logits themselves on
     a row of temperature 0); ``first`` (int64) the first index of their maximum — on a row of
     temperature 0 the row's first ``argmax``, the greedy token. Arguments as
     :func:`tempered_token_probs`; what a sampled verify step keeps of each row for the
-    greedy lanes' tokens and the last token's draw (:mod:`unimem_kernel.residual_draw`)."""
+    greedy lanes' tokens and the last token's draw (:mod:`unimem_kernel.residual_draw`).
+    ``raw``: a fourth output, ``raw_lse [N]`` float32, the log-sum-exp of the logits
+    themselves (untempered, uncut) — each committed token's reported log-probability is
+    ``logits[token] - raw_lse``, so a sampled verify step needs no greedy pass for it."""
     live = temperature > 0
     t = torch.where(live, temperature.float(), 1.0)
     scaled = logits.float() / t[:, None]
@@ -334,7 +362,8 @@ def tempered_token_stats_reference(
         scaled = torch.where(scaled >= torch.where(live, cut, -math.inf)[:, None], scaled,
                              -math.inf)  # fmt: skip
     probs = tempered_token_probs_reference(logits, temperature, tokens, cut)
-    return probs, torch.logsumexp(scaled, dim=-1), torch.argmax(scaled, dim=-1)
+    out = (probs, torch.logsumexp(scaled, dim=-1), torch.argmax(scaled, dim=-1))
+    return out + ((torch.logsumexp(logits.float(), dim=-1),) if raw else ())
 
 
 def tempered_token_stats_triton(
@@ -342,10 +371,12 @@ def tempered_token_stats_triton(
     temperature: torch.Tensor,
     tokens: torch.Tensor,
     cut: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    raw: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Triton launcher of :func:`tempered_token_stats` (arguments already checked; float32
-    logits): the two launches of :func:`tempered_token_probs`."""
-    return _tempered_launch(logits, temperature, tokens, cut, stats=True)
+    logits): the two launches of :func:`tempered_token_probs`, the untempered log-sum-exp
+    (``raw``) summed in the same pass."""
+    return _tempered_launch(logits, temperature, tokens, cut, stats=True, raw=raw)
 
 
 tempered_token_stats = kernel_op(
