@@ -2,10 +2,11 @@
 
 ``top_values(x, w)``: ``x [N, V]`` (any float dtype, unit stride along ``V``), ``1 <= w <= V``
 -> ``[N, w]`` in ``x``'s dtype, equal to ``torch.topk(x, w, dim=-1, sorted=True).values`` (the
-values, not their indices; :func:`top_values_reference`). The sampler's bounded cut-off
-(:mod:`unimem.models.sampler`) takes the 256 largest logits of every row it samples — a
-sampled verify step's ``bs x (gamma + 1)`` rows of 262 144 logits — and ``torch.topk`` over
-such rows costs ~1.3 ms at 384 of them on an H100 for what is one pass over 400 MB.
+values, not their indices: that is its reference, and the path of short rows). The sampler's
+bounded cut-off (:mod:`unimem.models.sampler`) takes the 256 largest logits of every row it
+samples — a sampled verify step's ``bs x (gamma + 1)`` rows of 262 144 logits — and
+``torch.topk`` over such rows costs ~1.3 ms at 384 of them on an H100 for what is one pass
+over 400 MB.
 
 The select by chunk maxima: split each row into ``V // chunk`` chunks of ``chunk`` values
 (the ``V % chunk`` values left over form a tail); take every chunk's maximum (one
@@ -30,12 +31,7 @@ import math
 
 import torch
 
-__all__ = [
-    "CHUNKED_MIN_RATIO",
-    "default_chunk",
-    "top_values",
-    "top_values_reference",
-]
+__all__ = ["CHUNKED_MIN_RATIO", "default_chunk", "top_values"]
 
 CHUNKED_MIN_RATIO = 64
 """A row is selected by chunk maxima only when ``V >= CHUNKED_MIN_RATIO * w`` (the default
@@ -54,11 +50,6 @@ def default_chunk(vocab: int, w: int) -> int:
     return 1 << round(math.log2(math.sqrt(vocab / w)))
 
 
-def top_values_reference(x: torch.Tensor, w: int) -> torch.Tensor:
-    """``torch.topk(x, w, dim=-1, sorted=True).values``: the semantics of :func:`top_values`."""
-    return torch.topk(x, w, dim=-1, sorted=True).values
-
-
 def top_values(x: torch.Tensor, w: int, chunk: int | None = None) -> torch.Tensor:
     """Each row's ``w`` largest values in descending order (module docstring). ``x [N, V]``
     with unit stride along ``V`` (a slice of rows is fine); ``chunk`` overrides
@@ -74,7 +65,7 @@ def top_values(x: torch.Tensor, w: int, chunk: int | None = None) -> torch.Tenso
         raise ValueError(f"top_values: chunk must be >= 1, got {chunk}")
     chunks = vocab // chunk
     if chunk == 1 or chunks < w or n == 0:
-        return top_values_reference(x, w)
+        return torch.topk(x, w, dim=-1, sorted=True).values
     if x.stride(1) != 1:
         x = x.contiguous()
     body = x.narrow(1, 0, chunks * chunk).unflatten(1, (chunks, chunk))  # [N, C, chunk] view
