@@ -122,7 +122,7 @@ FILTERED_VERIFY_EXTRA = 190
 """Launches a sampled DSPARK verify step (gamma 7) under top-k 20 / top-p 0.9 may add to the
 greedy one (168 on the tiny Gemma 3 below): each cut-off — one per draft column and one for
 the verify rows — is the leading values (one ``torch.topk`` over this tiny vocabulary; over a
-262 144-token one the select by chunk maxima adds four launches a cut-off), a few ops to find
+262 144-token one the select by chunk maxima adds three launches a cut-off), a few ops to find
 them among the logits, and one ``sorted_cut`` launch. Before that kernel, with the cut-off's
 whole-row softmax and tempered copy, the step took ~360 more than greedy."""
 

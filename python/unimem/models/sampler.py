@@ -396,14 +396,12 @@ def filtered_token_stats(
 def _filtered_token_stat_rows(
     logits, temperature, top_k, top_p, min_p, tokens, rule: str = SORTED, raw: bool = False
 ) -> tuple[torch.Tensor, ...]:
-    if rule == UNFILTERED:
-        cut = torch.full_like(temperature, -math.inf, dtype=torch.float32)
-        probs, lse, first, *raw_lse = tempered_token_stats(logits, temperature, tokens, raw=raw)
-    else:
+    cut = None
+    if rule != UNFILTERED:
         cut = tempered_keep_threshold(logits, temperature, top_k, top_p, min_p, rule)
-        probs, lse, first, *raw_lse = tempered_token_stats(
-            logits, temperature, tokens, cut, raw=raw
-        )
+    probs, lse, first, *raw_lse = tempered_token_stats(logits, temperature, tokens, cut, raw=raw)
+    if cut is None:  # nothing cut
+        cut = torch.full_like(temperature, -math.inf, dtype=torch.float32)
     return (probs, lse, first, cut, *raw_lse)
 
 
