@@ -235,7 +235,10 @@ def engine_overrides(items: list[str]) -> dict:
 def _engine(args, **kw):
     from unimem.engine.api import Engine
 
-    kw = args.engine_overrides | kw
+    overrides = args.engine_overrides
+    if kw.get("speculative_algorithm") is None:  # speculative_* overrides: the DSPARK engines'
+        overrides = {k: v for k, v in overrides.items() if not k.startswith("speculative_")}
+    kw = overrides | kw
     gc.collect()  # the engine closed before this one (``_close``) holds GPU memory until now
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
