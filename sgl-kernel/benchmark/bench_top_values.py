@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         help="more RxV shapes, comma-separated",
     )
     ap.add_argument("--w", type=int, default=256)
-    ap.add_argument("--chunks", default="0,8,16,64,128", help="chunk sizes; 0 = the default")
+    ap.add_argument("--chunks", default="0,8,16,32,64,128,256", help="chunk sizes; 0 = the default")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

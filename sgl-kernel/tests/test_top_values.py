@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernel_devices import DEVICES
 
-from unimem_kernel.top_values import CHUNKED_MIN_RATIO, default_chunk, top_values
+from unimem_kernel.top_values import CHUNKED_MIN_RATIO, MAX_CHUNK, default_chunk, top_values
 
 
 def top_values_reference(x, w):
@@ -70,11 +70,16 @@ def test_strided_rows_and_no_rows(device):
     assert top_values(x[:0], 10, 16).shape == (0, 10)
 
 
-def test_default_chunk_balances_the_two_selections():
-    assert default_chunk(262_144, 256) == 32  # 8 192 maxima, 8 192 candidates
+def test_default_chunk_leaves_eight_chunks_a_kept_value():
+    assert default_chunk(262_144, 256) == MAX_CHUNK == 128  # 2 048 maxima, 32 768 candidates
+    assert default_chunk(151_936, 256) == 64  # Qwen's vocabulary: 2 374 chunks and a tail
     assert default_chunk(32_768, 256) == 16
+    assert default_chunk(CHUNKED_MIN_RATIO * 256, 256) == 8  # the shortest chunked rows
     assert default_chunk(CHUNKED_MIN_RATIO * 256 - 1, 256) == 1  # short rows: torch.topk whole
-    assert default_chunk(151_936, 256) == 32  # Qwen's vocabulary leaves a tail
+    assert default_chunk(1 << 24, 256) == MAX_CHUNK  # capped at the largest measured
+    for vocab, w in [(262_144, 256), (151_936, 256), (32_768, 256), (200_000, 64)]:
+        chunk = default_chunk(vocab, w)
+        assert vocab // chunk >= 8 * w and chunk & (chunk - 1) == 0
     x = torch.randn(3, 151_936)
     assert torch.equal(top_values(x, 256), top_values_reference(x, 256))
 

@@ -21,7 +21,7 @@ largest value for ``amax`` and ``torch.topk`` alike, so rows holding NaN agree t
 Five torch launches (the maxima, a top-``w`` of them, the gather, the final top-``w``, and a
 copy for a tail), fixed shapes, no host reads: capturable in CUDA graphs. The cost is one read
 of the row plus two selections over ``V / chunk`` and ``w * chunk`` values; the default chunk
-(:func:`default_chunk`) balances the two. Rows too short for ``w`` chunks go to
+(:func:`default_chunk`) is the one measured fastest. Rows too short for ``w`` chunks go to
 ``torch.topk`` whole.
 """
 
@@ -31,23 +31,31 @@ import math
 
 import torch
 
-__all__ = ["CHUNKED_MIN_RATIO", "default_chunk", "top_values"]
+__all__ = ["CHUNKED_MIN_RATIO", "MAX_CHUNK", "default_chunk", "top_values"]
 
 CHUNKED_MIN_RATIO = 64
 """A row is selected by chunk maxima only when ``V >= CHUNKED_MIN_RATIO * w`` (the default
 chunk is then at least 8 values); shorter rows are one ``torch.topk``, which the extra
 launches would not beat."""
 
+MAX_CHUNK = 128
+"""The largest default chunk: the largest one measured (``bench_top_values.py``)."""
+
 
 def default_chunk(vocab: int, w: int) -> int:
     """The chunk :func:`top_values` uses for rows of ``vocab`` values and ``w`` of them kept:
-    the power of two nearest ``sqrt(vocab / w)``, which makes the two selections (over
-    ``vocab / chunk`` maxima and ``w * chunk`` candidates) about the same width — 32 for
-    262 144 values and ``w = 256`` (8 192 and 8 192). ``1`` (no chunks: ``torch.topk`` over
-    the whole row) when ``vocab < CHUNKED_MIN_RATIO * w``."""
+    the largest power of two that leaves at least ``8 * w`` chunks, at most
+    :data:`MAX_CHUNK` — 128 for 262 144 values and ``w = 256`` (2 048 maxima, 32 768
+    candidates), 64 for 151 936. Measured on an H200 (``docs/results/top_values_h200.json``,
+    float32, chunks 8 to 128 against ``torch.topk``): at 384 rows of 262 144 values 128 takes
+    574 us, 64 628 us and 32 (the chunk that makes both selections 8 192 wide) 951 us,
+    against ``torch.topk``'s 1 198 — the maxima's reduction over few contiguous values is
+    what a small chunk makes slow, not the selections; at 48 rows 141 / 166 / 225 against
+    250 us; at one row 128 ties ``torch.topk`` (80 us) where 32 loses (97). ``1`` (no chunks:
+    ``torch.topk`` over the whole row) when ``vocab < CHUNKED_MIN_RATIO * w``."""
     if w < 1 or vocab < CHUNKED_MIN_RATIO * w:
         return 1
-    return 1 << round(math.log2(math.sqrt(vocab / w)))
+    return min(MAX_CHUNK, 1 << int(math.log2(vocab // (8 * w))))
 
 
 def top_values(x: torch.Tensor, w: int, chunk: int | None = None) -> torch.Tensor:
