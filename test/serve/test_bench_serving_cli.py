@@ -128,3 +128,16 @@ def test_short_prompts_are_the_packages_real_ones_cycled(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == texts + texts[:3]
     assert all(r["output_tokens_count"] == 7 and r["prompt_tokens_count"] > 0 for r in rows)
+
+
+def test_engine_time_per_iteration_in_milliseconds():
+    from unimem.bench.serving import engine_time_per_iteration
+
+    t = {"iterations": 200, "iteration_seconds": 0.5, "step_seconds": 0.4,
+         "step_cpu_seconds": 0.1}  # fmt: skip
+    got = engine_time_per_iteration(t)
+    assert got["iterations"] == 200
+    assert got["iteration_ms"] == pytest.approx(2.5) and got["step_ms"] == pytest.approx(2.0)
+    assert got["step_cpu_ms"] == pytest.approx(0.5) and got["step_wait_ms"] == pytest.approx(1.5)
+    assert engine_time_per_iteration(None) is None  # a server that reports none
+    assert engine_time_per_iteration({**t, "iterations": 0}) is None

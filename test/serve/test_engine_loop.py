@@ -98,6 +98,31 @@ def test_deltas_add_up_to_engine_outputs_and_abort_returns_memory(engine):
         loop.stop()
     assert sink.done.is_set() and sink.deltas[-1].finish_reason == "abort"
     assert engine.flush_cache()  # the thread has stopped: the engine is ours
+
+
+def test_the_snapshot_says_where_the_engine_threads_time_went(engine):
+    """Working iterations are counted and timed (their wall time, the steps' wall and CPU
+    time inside them); an idle loop adds none."""
+    loop = EngineLoop(engine.core)
+    assert loop.snapshot()["engine_time"] == {
+        "iterations": 0, "iteration_seconds": 0.0, "step_seconds": 0.0, "step_cpu_seconds": 0.0,
+    }  # fmt: skip
+    loop.start()
+    try:
+        _, sink = _submit(loop, [5, 6, 7], 12)
+        assert sink.done.wait(TIMEOUT_S)
+        # the snapshot is published inside an iteration: one more brings this one's time in
+        assert loop.call(lambda core: None).result(TIMEOUT_S) is None
+        t = loop.snapshot()["engine_time"]
+        assert t["iterations"] >= 12  # a prefill and eleven decode steps at least
+        assert 0 < t["step_seconds"] <= t["iteration_seconds"]
+        assert 0 < t["step_cpu_seconds"] <= t["step_seconds"] + 1e-3
+        time.sleep(0.3)  # idle: nothing is added
+        assert loop.call(lambda core: None).result(TIMEOUT_S) is None
+        later = loop.snapshot()["engine_time"]
+        assert 1 <= later["iterations"] - t["iterations"] <= 2  # the calls', no idle ones
+    finally:
+        loop.stop()
     assert engine.pool.used_bytes() == 0
     late = Collector()
     loop.submit(Submission([5], 2, frozenset(), None, late))

@@ -531,3 +531,12 @@ def test_metrics_parse(server):
     assert gen and gen[0] > 0
     ttft = families["unimem:time_to_first_token_seconds"].samples
     assert any(s.name.endswith("_count") and s.value > 0 for s in ttft)
+    # where the engine thread's time went: its working iterations and the steps inside them
+    took = {
+        n: families["unimem:" + n].samples[0].value
+        for n in ("engine_iterations", "engine_iteration_seconds", "engine_step_seconds",
+                  "engine_step_cpu_seconds")
+    }  # fmt: skip
+    assert took["engine_iterations"] > 0
+    assert 0 < took["engine_step_seconds"] <= took["engine_iteration_seconds"]
+    assert 0 < took["engine_step_cpu_seconds"] <= took["engine_step_seconds"] + 1e-3

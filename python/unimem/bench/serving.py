@@ -6,8 +6,9 @@ For each of the two the suite starts ``python -m unimem.launch_server`` on a loo
 (same flags, plus ``--enable-unified-memory`` for the arena, plus ``--speculative-algorithm
 DSPARK`` for the speculating one), runs GuideLLM
 (``pip install -e ".[bench]"``) against its ``/v1/completions`` at several concurrencies, reads
-the server's own counters (peak bytes, retractions, compactions) from ``/get_server_info``, and
-stops the server by its pid. It prints output throughput, TTFT and ITL p50/p99 per
+the server's own counters (peak bytes, retractions, compactions, the engine thread's time per
+iteration and per step, wall and CPU) from ``/get_server_info``, and stops the server by its
+pid. It prints output throughput, TTFT and ITL p50/p99 per
 concurrency for both and their ratios (unified / static, DSPARK / none); ``--json`` writes
 them, ``--plot PATH.png`` draws throughput and latency vs concurrency (matplotlib is imported
 only then). ``--model-path`` is whatever the server takes (a checkpoint directory, a GGUF
@@ -465,6 +466,7 @@ def run_mode(
         "spec_verified_tokens_total",
     )
     server_stats = {k: info.get(k) for k in keys}
+    server_stats["engine_time"] = engine_time_per_iteration(info.get("engine_time"))
     steps = server_stats["spec_verify_steps_total"]
     return {
         "levels": parse_results(out),
@@ -473,6 +475,24 @@ def run_mode(
         "speculation": "DSPARK" if spec else None,
         # committed tokens per verify step over the whole run, warm-up included
         "accept_length": server_stats["spec_verified_tokens_total"] / steps if steps else None,
+    }
+
+
+def engine_time_per_iteration(t: dict | None) -> dict | None:
+    """The server's engine-thread time (``/get_server_info``'s ``engine_time``, the whole run,
+    warm-up included) per working iteration, milliseconds: the iteration's wall time, the
+    step's wall time, the thread's CPU time in the step, and the step's wait (wall minus
+    CPU: the GPU, or the GIL held by the HTTP side). None when the server reported none."""
+    if not t or not t.get("iterations"):
+        return None
+    n = t["iterations"]
+    step, cpu = t["step_seconds"], t["step_cpu_seconds"]
+    return {
+        "iterations": n,
+        "iteration_ms": 1e3 * t["iteration_seconds"] / n,
+        "step_ms": 1e3 * step / n,
+        "step_cpu_ms": 1e3 * cpu / n,
+        "step_wait_ms": 1e3 * (step - cpu) / n,
     }
 
 
@@ -516,6 +536,13 @@ def report(results: dict) -> str:
             drafter = s.get("drafter_path") or "the seeded untrained drafter"
             line += f" accept_length={results[m]['accept_length']:.3f} drafter={drafter}"
         lines.append(line)
+        t = s.get("engine_time")
+        if t:
+            lines.append(
+                f"{m}: engine thread, per iteration over the run: {t['iteration_ms']:.3f} ms "
+                f"(step {t['step_ms']:.3f} ms wall, {t['step_cpu_ms']:.3f} CPU, "
+                f"{t['step_wait_ms']:.3f} waiting; {t['iterations']} iterations)"
+            )
     return "\n".join(lines)
 
 

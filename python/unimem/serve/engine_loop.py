@@ -12,8 +12,16 @@ the HTTP side does waits on a step, and nothing in a step waits on HTTP.
 
 After every step (and every inbox drain) the thread publishes a snapshot of the engine's
 state (:meth:`EngineLoop.snapshot`: running and queued requests, memory in use per kind,
-compactions, retractions, token counters, the prefix cache's statistics), which
-``/get_server_info`` and ``/metrics`` read without touching the core.
+compactions, retractions, token counters, the prefix cache's statistics, where the thread's
+time went), which ``/get_server_info`` and ``/metrics`` read without touching the core.
+
+Where the thread's time goes (``engine_time`` in the snapshot, :class:`EngineTime`): per
+working iteration (one inbox drain, one step, its deltas) the wall time of the whole
+iteration and of ``core.step()`` alone, and the thread's CPU time inside ``core.step()``.
+A step's wall time beyond its CPU time is waiting — for the GPU, or for Python's GIL while
+the HTTP side holds it; the same model's step time with no server around (``python -m unimem
+bench``, ``tools/device/dspark_real.py``) tells the two apart. Four clock reads an
+iteration.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from unimem.engine.api import cache_stats
 from unimem.engine.core import EngineCore
@@ -33,7 +41,7 @@ from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.spec import LayerKind
 
-__all__ = ["Delta", "EngineLoop", "Handle", "Submission"]
+__all__ = ["Delta", "EngineLoop", "EngineTime", "Handle", "Submission"]
 
 log = logging.getLogger("unimem.serve")
 
@@ -93,6 +101,19 @@ class Handle:
 
 
 @dataclass
+class EngineTime:
+    """The engine thread's time over its working iterations (module docstring), seconds:
+    ``iterations`` counted, ``iteration_seconds`` their wall time (inbox, step, deltas),
+    ``step_seconds`` the wall time inside ``core.step()``, ``step_cpu_seconds`` the thread's
+    CPU time inside it. Idle waits for work are in none of them."""
+
+    iterations: int = 0
+    iteration_seconds: float = 0.0
+    step_seconds: float = 0.0
+    step_cpu_seconds: float = 0.0
+
+
+@dataclass
 class _Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -127,6 +148,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self._counters = _Counters()
+        self._time = EngineTime()
         self._history: deque[tuple[float, int, int]] = deque()
         self._snapshot: dict = {}
         self._publish()
@@ -247,14 +269,22 @@ class EngineLoop:
                 if not inbox and not busy and not stopping:
                     self._publish()  # idle: keep the throughput gauges current
                     continue
+                start = time.perf_counter()
                 self._handle(inbox)
                 if stopping:
                     for h in list(self._active):
                         self._abort(h)
                     self._emit()
                     return
+                step_start, cpu_start = time.perf_counter(), time.thread_time()
                 busy = self.core.step()
+                step_end, cpu_end = time.perf_counter(), time.thread_time()
                 self._emit()
+                t = self._time
+                t.iterations += 1
+                t.step_seconds += step_end - step_start
+                t.step_cpu_seconds += cpu_end - cpu_start
+                t.iteration_seconds += time.perf_counter() - start
         except Exception as e:  # a broken engine: fail every request, keep the process up
             log.exception("engine loop failed")
             with self._cond:
@@ -428,6 +458,7 @@ class EngineLoop:
             "prefix_cache": cache_stats(self.core),
             "prefill_delayer": None if sched.delayer is None else sched.delayer.stats(),
             "engine_error": self.error,
+            "engine_time": asdict(self._time),  # as of the iteration before
         }
 
 

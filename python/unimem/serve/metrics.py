@@ -222,6 +222,27 @@ class _SnapshotCollector:
         for reason, n in sorted(s["requests_finished"].items()):
             finished.add_metric([*self.label_values, reason], n)
         yield finished
+        t = s["engine_time"]
+        yield c(
+            "unimem:engine_iterations",
+            "Working iterations of the engine thread (inbox, one step, its deltas).",
+            t["iterations"],
+        )
+        yield c(
+            "unimem:engine_iteration_seconds",
+            "Wall time of the engine thread's working iterations.",
+            t["iteration_seconds"],
+        )
+        yield c(
+            "unimem:engine_step_seconds",
+            "Wall time inside the engine's steps (GPU waits and GIL waits included).",
+            t["step_seconds"],
+        )
+        yield c(
+            "unimem:engine_step_cpu_seconds",
+            "CPU time of the engine thread inside its steps.",
+            t["step_cpu_seconds"],
+        )
         steps = s["spec_verify_steps_total"]
         yield g(
             "unimem:spec_accept_length",
