@@ -542,6 +542,25 @@ def _sorted_cut_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _chunk_maxima_launches() -> list[tuple[str, Callable[[], None]]]:
+    """The select's chunk maxima at its default chunk (128) over a verify step's 48 x 8 rows
+    of Gemma 3's logits, float32 and bf16, and at the shortest default chunk (8)."""
+    import torch
+
+    from unimem_kernel.chunk_maxima import chunk_maxima
+
+    def call(rows: int, vocab: int, chunk: int, dtype):
+        chunk_maxima(torch.randn(rows, vocab).to(dtype), chunk)
+
+    return [
+        ("chunk_maxima 384 x 262144 chunk 128 float32",
+         lambda: call(384, 262144, 128, torch.float32)),
+        ("chunk_maxima 384 x 262144 chunk 128 bfloat16",
+         lambda: call(384, 262144, 128, torch.bfloat16)),
+        ("chunk_maxima 48 x 16384 chunk 8 float32", lambda: call(48, 16384, 8, torch.float32)),
+    ]  # fmt: skip
+
+
 def _residual_draw_launches() -> list[tuple[str, Callable[[], None]]]:
     """A sampled verify step's last draw: 48 lanes of 8 rows over Gemma 3's 262 144-token
     vocabulary, the proposal over a 32 768-token draft vocabulary (and over the full one)."""
@@ -979,6 +998,7 @@ _KERNELS = {
     ),
     "unimem_kernel.block_overlap": _in("block_overlap", "_overlap_partial_kernel"),
     "unimem_kernel.sorted_cut": _in("sorted_cut", "_sorted_cut_kernel"),
+    "unimem_kernel.chunk_maxima": _in("chunk_maxima", "_chunk_max_kernel"),
     "unimem_kernel.draft_pick": _in("draft_pick", "_markov_pick_kernel"),
     "unimem_kernel.expert_combine": _in("expert_combine", "_moe_combine_kernel"),
     "unimem_kernel.expert_route": _in(
@@ -1004,6 +1024,7 @@ _LAUNCHES = {
     "unimem_kernel.residual_draw": _residual_draw_launches,
     "unimem_kernel.block_overlap": _block_overlap_launches,
     "unimem_kernel.sorted_cut": _sorted_cut_launches,
+    "unimem_kernel.chunk_maxima": _chunk_maxima_launches,
     "unimem_kernel.draft_pick": _markov_pick_launches,
     "unimem_kernel.expert_combine": _expert_combine_launches,
     "unimem_kernel.expert_route": _expert_route_launches,

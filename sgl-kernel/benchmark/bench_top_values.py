@@ -5,8 +5,10 @@ For each ``--rows`` x ``--vocab`` (default: 1, 48 and 384 rows — one request, 
 lanes, 48 lanes' verify rows at gamma 7 — of Gemma 3's 262 144 logits; ``--extra``: 48 and
 384 rows of a 32 768-token draft vocabulary, and 384 of Qwen's 151 936), float32 logits drawn
 fresh per shape (``randn * 4``, ties at the top of one row), and each chunk of ``--chunks``
-(``0``: the default one for the shape): checks the values equal ``torch.topk``'s, then times
-both. Prints one line per shape and chunk; ``--json PATH`` writes them with the GPU's name.
+(``0``: the default one for the shape), with its chunk maxima taken each way of ``--maxima``
+(``torch``'s amax, the ``kernel`` of :mod:`unimem_kernel.chunk_maxima`): checks the values
+equal ``torch.topk``'s, then times both. Prints one line per shape, chunk and way; ``--json
+PATH`` writes them with the GPU's name.
 
     python sgl-kernel/benchmark/bench_top_values.py --json out.json
 """
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--w", type=int, default=256)
     ap.add_argument("--chunks", default="0,8,16,32,64,128,256", help="chunk sizes; 0 = the default")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument(
+        "--maxima", default="torch,kernel", help="how the chunk maxima are taken (top_values)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -59,23 +64,25 @@ def main(argv: list[str] | None = None) -> int:
             ref_ms = graph_median_ms(lambda x=x: top_values_reference(x, args.w))
             asked = [int(c) for c in args.chunks.split(",")]
             chunks = sorted({c or default_chunk(vocab, args.w) for c in asked})
-            for chunk in chunks:
+            for chunk, how in [(c, m) for c in chunks for m in args.maxima.split(",")]:
                 if chunk > 1 and vocab // chunk < args.w:
                     continue
-                got = top_values(x, args.w, chunk)
+                got = top_values(x, args.w, chunk, maxima=how)
                 if not torch.equal(got, want):
-                    print(f"{n} x {vocab} chunk {chunk}: differs from torch.topk", file=sys.stderr)
+                    print(f"{n} x {vocab} chunk {chunk} maxima {how}: differs from torch.topk",
+                          file=sys.stderr)  # fmt: skip
                     return 1
-                ms = graph_median_ms(lambda x=x, c=chunk: top_values(x, args.w, c))
+                ms = graph_median_ms(lambda x=x, c=chunk, m=how: top_values(x, args.w, c, maxima=m))
                 row = {
                     "rows": n, "vocab": vocab, "w": args.w, "dtype": dtype_name, "chunk": chunk,
-                    "default": chunk == default_chunk(vocab, args.w), "torch_topk_us": ref_ms * 1e3,
-                    "top_values_us": ms * 1e3, "speedup": ref_ms / ms, "same": True,
+                    "maxima": how, "default": chunk == default_chunk(vocab, args.w),
+                    "torch_topk_us": ref_ms * 1e3, "top_values_us": ms * 1e3,
+                    "speedup": ref_ms / ms, "same": True,
                 }  # fmt: skip
                 rows_out.append(row)
                 mark = "*" if row["default"] else " "
-                print(f"{dtype_name:8s} {n:5d} x {vocab:7d} chunk {chunk:4d}{mark}: torch.topk "
-                      f"{ref_ms * 1e3:8.1f}  top_values {ms * 1e3:8.1f}  "
+                print(f"{dtype_name:8s} {n:5d} x {vocab:7d} chunk {chunk:4d}{mark} {how:6s}: "
+                      f"torch.topk {ref_ms * 1e3:8.1f}  top_values {ms * 1e3:8.1f}  "
                       f"({ref_ms / ms:.2f}x)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

@@ -42,10 +42,12 @@ def _rows(n, vocab, seed, dtype=torch.float32):
      (7, 2048, 256, 8, torch.float32), (7, 2048, 16, 128, torch.float32),
      (7, 500, 100, 4, torch.float32), (7, 5, 1, 2, torch.float32)],
 )  # fmt: skip
-def test_gives_topk_values(device, n, vocab, w, chunk, dtype):
+@pytest.mark.parametrize("maxima", ["torch", "kernel"])
+def test_gives_topk_values(device, n, vocab, w, chunk, dtype, maxima, monkeypatch):
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")  # "kernel": the interpreter on CPU
     x = _rows(n, vocab, seed=vocab + w, dtype=dtype).to(device)
     want = top_values_reference(x, w)
-    got = top_values(x, w, chunk)
+    got = top_values(x, w, chunk, maxima=maxima)
     assert got.dtype == x.dtype and got.shape == (n, w)
     assert torch.allclose(got.float(), want.float(), rtol=0, atol=0, equal_nan=True)
 
@@ -94,3 +96,5 @@ def test_bad_arguments_are_refused():
         top_values(torch.randn(50), 5)
     with pytest.raises(ValueError, match="chunk"):
         top_values(x, 5, 0)
+    with pytest.raises(ValueError, match="maxima must be"):
+        top_values(x, 5, 2, maxima="triton")

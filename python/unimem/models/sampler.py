@@ -306,10 +306,12 @@ def _bounded_threshold_rows(
 
 def _leading_values(values: torch.Tensor) -> torch.Tensor:
     """Each row's :data:`TOP_K_BOUND` largest values, descending (``UNIMEM_TOP_VALUES``:
-    the select by chunk maxima, or ``torch.topk`` over the whole row to measure it)."""
-    if envs.get("UNIMEM_TOP_VALUES") == "topk":
+    the select by chunk maxima — its maxima by torch, or by a Triton kernel — or
+    ``torch.topk`` over the whole row to measure it)."""
+    how = envs.get("UNIMEM_TOP_VALUES")
+    if how == "topk":
         return torch.topk(values, TOP_K_BOUND, dim=-1, sorted=True).values
-    return top_values(values, TOP_K_BOUND)
+    return top_values(values, TOP_K_BOUND, maxima="kernel" if how == "kernel" else "torch")
 
 
 def filtered_probs(

@@ -100,8 +100,10 @@ _ALL = (
         "chunked",
         "topk: the sampler's bounded cut-off takes its 256 largest logits a row from one "
         "torch.topk over the whole row instead of the select by chunk maxima "
-        "(unimem_kernel.top_values), to measure it.",
-        choices=("chunked", "topk"),
+        "(unimem_kernel.top_values), to measure it; kernel: the select with its chunk "
+        "maxima from a Triton kernel (unimem_kernel.chunk_maxima) instead of torch's amax, "
+        "not yet the default (not yet timed on a GPU).",
+        choices=("chunked", "topk", "kernel"),
     ),
     EnvSwitch(
         "UNIMEM_FUSED_OPS",

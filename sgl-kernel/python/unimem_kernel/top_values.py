@@ -18,9 +18,10 @@ maximum — ``w`` distinct values of the candidates at least ``y`` — so for an
 candidates hold as many values at or above it as the top ``w`` of the row does. NaN is the
 largest value for ``amax`` and ``torch.topk`` alike, so rows holding NaN agree too.
 
-Five torch launches (the maxima, a top-``w`` of them, the gather, the final top-``w``, and a
-copy for a tail), fixed shapes, no host reads: capturable in CUDA graphs. The cost is one read
-of the row plus two selections over ``V / chunk`` and ``w * chunk`` values; the default chunk
+Five torch launches (the maxima — :mod:`.chunk_maxima`'s reference, or its kernel on
+request —, a top-``w`` of them, the gather, the final top-``w``, and a copy for a tail), fixed
+shapes, no host reads: capturable in CUDA graphs. The cost is one read of the row plus two
+selections over ``V / chunk`` and ``w * chunk`` values; the default chunk
 (:func:`default_chunk`) is the one measured fastest. Rows too short for ``w`` chunks go to
 ``torch.topk`` whole.
 """
@@ -30,6 +31,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from unimem_kernel.chunk_maxima import chunk_maxima, chunk_maxima_reference
 
 __all__ = ["CHUNKED_MIN_RATIO", "MAX_CHUNK", "default_chunk", "top_values"]
 
@@ -58,10 +61,15 @@ def default_chunk(vocab: int, w: int) -> int:
     return min(MAX_CHUNK, 1 << int(math.log2(vocab // (8 * w))))
 
 
-def top_values(x: torch.Tensor, w: int, chunk: int | None = None) -> torch.Tensor:
+def top_values(
+    x: torch.Tensor, w: int, chunk: int | None = None, maxima: str = "torch"
+) -> torch.Tensor:
     """Each row's ``w`` largest values in descending order (module docstring). ``x [N, V]``
     with unit stride along ``V`` (a slice of rows is fine); ``chunk`` overrides
-    :func:`default_chunk` (benchmarks sweep it; ``1`` is ``torch.topk`` whole)."""
+    :func:`default_chunk` (benchmarks sweep it; ``1`` is ``torch.topk`` whole); ``maxima``:
+    how the chunk maxima are taken — ``"torch"`` (``amax``), or ``"kernel"``
+    (:func:`unimem_kernel.chunk_maxima.chunk_maxima`'s Triton kernel on CUDA; not yet timed
+    on a GPU, hence not the default). Either way the same values."""
     if x.dim() != 2:
         raise ValueError(f"top_values takes [N, V] rows, got shape {tuple(x.shape)}")
     n, vocab = x.shape
@@ -71,13 +79,16 @@ def top_values(x: torch.Tensor, w: int, chunk: int | None = None) -> torch.Tenso
         chunk = default_chunk(vocab, w)
     if chunk < 1:
         raise ValueError(f"top_values: chunk must be >= 1, got {chunk}")
+    if maxima not in ("torch", "kernel"):
+        raise ValueError(f"top_values: maxima must be 'torch' or 'kernel', got {maxima!r}")
     chunks = vocab // chunk
     if chunk == 1 or chunks < w or n == 0:
         return torch.topk(x, w, dim=-1, sorted=True).values
     if x.stride(1) != 1:
         x = x.contiguous()
     body = x.narrow(1, 0, chunks * chunk).unflatten(1, (chunks, chunk))  # [N, C, chunk] view
-    kept = torch.topk(body.amax(dim=-1), w, dim=-1, sorted=False).indices  # [N, w]
+    take = chunk_maxima if maxima == "kernel" else chunk_maxima_reference
+    kept = torch.topk(take(x, chunk), w, dim=-1, sorted=False).indices  # [N, w]
     candidates = body.gather(1, kept[:, :, None].expand(n, w, chunk)).flatten(1)
     if vocab > chunks * chunk:
         candidates = torch.cat([candidates, x[:, chunks * chunk :]], dim=1)
