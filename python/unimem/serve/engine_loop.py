@@ -20,7 +20,7 @@ working iteration (one inbox drain, one step, its deltas) the wall time of the w
 iteration and of ``core.step()`` alone, and the thread's CPU time inside ``core.step()``.
 A step's wall time beyond its CPU time is waiting — for the GPU, or for Python's GIL while
 the HTTP side holds it; the same model's step time with no server around (``python -m unimem
-bench``, ``tools/device/dspark_real.py``) tells the two apart. Four clock reads an
+bench``, ``tools/device/dspark_real.py``) tells the two apart. Six clock reads an
 iteration.
 """
 
