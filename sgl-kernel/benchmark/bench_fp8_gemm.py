@@ -42,7 +42,8 @@ Each time: ``--iters`` calls in one CUDA graph, the median of ``--repeats`` samp
 row count, times the Triton GEMM alone under every candidate tile (``BMxBN``, warps, stages,
 split-K; pruned by the row count), checks each against the reference, and writes the
 fastest per shape and row count as the tuned table ``unimem_kernel/fp8_gemm_configs.json``
-reads (``--sweep-out``; copy it there to use it), printing per row bf16, the default tile,
+reads (``--sweep-out``: this GPU's entry replaces its old one, other GPUs' entries in an
+existing file stay; copy it there to use it), printing per row bf16, the default tile,
 the best tile and the quantisation launch; also the fastest single tile without split-K over
 all swept sizes (the candidate for the batch-invariant tile). ``--sweep-budget-s`` stops early
 (the table then holds what was swept).

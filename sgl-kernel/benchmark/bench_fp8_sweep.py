@@ -134,9 +134,18 @@ def sweep(args, g: torch.Generator) -> int:
             if all(s in r["times_us"] for r in results)}  # fmt: skip
     inv = min(full, key=full.get) if full else None
     print(f"fastest tile without split-K over all swept sizes (invariant candidate): {inv}")
+    # the table is keyed by GPU name: this card's entry replaces its old one, other cards' stay
+    tables = {}
+    if os.path.exists(args.sweep_out):
+        with open(args.sweep_out) as f:
+            tables = json.load(f)
+    tables[props.name] = table
     with open(args.sweep_out, "w") as f:
-        json.dump({props.name: table}, f, indent=1)
-    print(f"wrote the tuned table {args.sweep_out} (copy to unimem_kernel/fp8_gemm_configs.json)")
+        json.dump(tables, f, indent=1)
+    print(
+        f"wrote this GPU's entry of the tuned table {args.sweep_out} "
+        f"({len(tables)} GPU(s); copy to unimem_kernel/fp8_gemm_configs.json)"
+    )
     if args.json:
         out = {"gpu": props.name, "torch": torch.__version__, "sweep": results,
                "invariant_candidate": inv, "table": {props.name: table}}  # fmt: skip

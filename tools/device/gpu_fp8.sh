@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 on one GPU (issue 43), in one device call, from the repository root:
 #   bash tools/device/gpu_fp8.sh [--out DIR] [--parts "P..."] [--model-path GEMMA] [--prompts FILE]
-#        [--big-layers N]
+#        [--big-layers N|auto]
 # Parts (default: all, in this order). Estimated 18-23 min in total on an H200: with calls
 # limited to 10 min run three, same --out: --parts "tests sweep gemm profile" (~9 min),
 # --parts "bench qwen3next" (~7 min), --parts "gemma big" (~6 min). The sweep's table only
@@ -32,11 +32,14 @@
 #               branch gguf) with --prompts (>= 24 lines), 128 tokens each: top-1 agreement
 #               (goal >= 98 %) and mean |delta log-prob| -> gemma_fp8_agreement.json
 #   big       : the Qwen3-Next-80B shape (hidden 2048, 512 experts) with --big-layers layers
-#               (default 24: ~40 GB of FP8 shards, the disk holds 64 GB) written FP8 by
+#               (default 24: ~40 GB of FP8 shards, the disk holds 64 GB; `auto`: as many
+#               of the 48 as the free disk holds) written FP8 by
 #               make_checkpoint.py on the GPU, then served by launch_server
 #               (tools/device/fp8_serve_big.py): load time, weight bytes, single-stream and
-#               32-concurrent decode throughput -> big_fp8_serve.json; the shards are deleted
-#               afterwards
+#               32-concurrent decode throughput -> big_fp8_serve.json; then the single
+#               stream's decode step with its kernel breakdown (`bench step-profile
+#               --no-speculation --requests 1`) -> big_fp8_profile_1.json; the shards are
+#               deleted afterwards
 # Output: --out (default ./gpu-out): the JSON files above and gpu_fp8.log. Every command runs
 # under `timeout $STEP_TIMEOUT` (default 420 s). Exit 1 if any part failed (named at the end).
 set -uo pipefail
@@ -86,6 +89,8 @@ for part in $parts; do
       run python3 -m pytest -q -m gpu sgl-kernel/tests/test_fp8_gemm.py test/models/test_fp8.py \
         || fail tests ;;
     sweep)
+      # the sweep adds this GPU's entry to a copy of the committed table (other GPUs' stay)
+      cp sgl-kernel/python/unimem_kernel/fp8_gemm_configs.json "$out/fp8_gemm_configs.json"
       run python3 sgl-kernel/benchmark/bench_fp8_gemm.py --sweep --sweep-out "$out/fp8_gemm_configs.json" \
         --json "$out/fp8_sweep.json" \
         && cp "$out/fp8_gemm_configs.json" sgl-kernel/python/unimem_kernel/fp8_gemm_configs.json \
@@ -126,9 +131,15 @@ for part in $parts; do
       rc=$?
       [ "$rc" = 0 ] || fail "gemma (exit $rc; 3 = agreement below the goal)" ;;
     big)
+      avail=$(df -Pm /tmp | awk 'NR == 2 {print $4}')
+      if [ "$big_layers" = auto ]; then
+        # as many of the 48 layers as /tmp holds, 4 GB left over (one layer ~1.66 GB of FP8)
+        big_layers=$(( (avail - 1500 - 4000) / 1700 ))
+        [ "$big_layers" -gt 48 ] && big_layers=48
+        say "big: $avail MB free in /tmp -> $big_layers layers"
+      fi
       ck=/tmp/ckpt_qwen3_next_80b_fp8_l$big_layers
       need=$(( big_layers * 1700 + 1500 ))  # MB: ~1.66 GB of FP8 per layer + bf16 tables
-      avail=$(df -Pm /tmp | awk 'NR == 2 {print $4}')
       if [ ! -f "$ck/make_checkpoint.json" ] && [ "$avail" -lt "$need" ]; then
         fail "big: $avail MB free in /tmp, $need MB needed for $big_layers layers"
         continue
@@ -141,6 +152,10 @@ for part in $parts; do
         --requests 64 --concurrency 32 --prompt-tokens 256 --output-tokens 128 \
         --json "$out/big_fp8_serve.json" -- --quantization fp8 --mem-fraction-static 0.88 \
         --max-running-requests 64 --page-size 64 || fail "big serve"
+      # where one stream's decode step goes (an FP8 checkpoint runs in FP8 without the flag)
+      run python3 -m unimem bench step-profile --model-path "$ck" --no-speculation \
+        --requests 1 --input-len 256 --page-size 64 --memory static --steps 30 --replays 10 \
+        --json "$out/big_fp8_profile_1.json" || fail "big profile"
       rm -rf "$ck" ;;
     *) fail "unknown part $part" ;;
   esac
