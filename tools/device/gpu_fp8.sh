@@ -41,7 +41,8 @@
 #               --no-speculation --requests 1`) -> big_fp8_profile_1.json; the shards are
 #               deleted afterwards
 # Output: --out (default ./gpu-out): the JSON files above and gpu_fp8.log. Every command runs
-# under `timeout $STEP_TIMEOUT` (default 420 s). Exit 1 if any part failed (named at the end).
+# under `timeout $STEP_TIMEOUT` (default 420 s); VARIANTS (default "bf16 fp8 fp8_fused") names the
+# runs of the profile and bench parts. Exit 1 if any part failed (named at the end).
 set -uo pipefail
 out=gpu-out
 parts="tests sweep gemm profile bench qwen3next gemma big"
@@ -61,6 +62,8 @@ done
 mkdir -p "$out"
 log="$out/gpu_fp8.log"
 step_timeout=${STEP_TIMEOUT:-420}
+# the variants the profile and bench parts run (VARIANTS="bf16 fp8" leaves the fused one out)
+variants=${VARIANTS:-bf16 fp8 fp8_fused}
 # shellcheck source=tools/device/gpu_env.sh
 source tools/device/gpu_env.sh
 failed=()
@@ -99,7 +102,7 @@ for part in $parts; do
       run python3 sgl-kernel/benchmark/bench_fp8_gemm.py --m 48 384 --moe --json "$out/fp8_gemm.json" \
         || fail gemm ;;
     profile)
-      for q in bf16 fp8 fp8_fused; do
+      for q in $variants; do
         flag=(); [ "$q" != bf16 ] && flag=(--quantization fp8)
         act=separate; [ "$q" = fp8_fused ] && act=fused
         UNIMEM_FP8_ACT_QUANT=$act run python3 -m unimem bench step-profile --memory static \
@@ -108,12 +111,13 @@ for part in $parts; do
       done ;;
     bench)
       tag=$(gpu_tag)
-      run python3 -m unimem bench --preset small --json "$out/bench_small_bf16_$tag.json" \
-        || fail "bench bf16"
-      UNIMEM_FP8_ACT_QUANT=separate run python3 -m unimem bench --preset small --quantization fp8 \
-        --json "$out/bench_fp8_$tag.json" || fail "bench fp8"
-      UNIMEM_FP8_ACT_QUANT=fused run python3 -m unimem bench --preset small --quantization fp8 \
-        --json "$out/bench_fp8_fused_$tag.json" || fail "bench fp8 fused" ;;
+      for q in $variants; do
+        flag=(); [ "$q" != bf16 ] && flag=(--quantization fp8)
+        act=separate; [ "$q" = fp8_fused ] && act=fused
+        name=bench_${q}_$tag; [ "$q" = bf16 ] && name=bench_small_bf16_$tag
+        UNIMEM_FP8_ACT_QUANT=$act run python3 -m unimem bench --preset small "${flag[@]}" \
+          --json "$out/$name.json" || fail "bench $q"
+      done ;;
     qwen3next)
       ck=/tmp/ckpt_qwen3_next_bench
       { [ -f "$ck/make_checkpoint.json" ] \
