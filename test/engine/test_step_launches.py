@@ -307,3 +307,20 @@ def test_gemma3_fused_step_body_decodes_as_the_reference(gemma_path, monkeypatch
         a = [lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]]
         b = [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_fp8_decode_step_counts_the_quantisation_as_one_launch(monkeypatch):
+    """Online FP8 (interpreter): each FP8 linear is one activation quantisation and one GEMM
+    launch; the interpreter's float32 -> e4m3 cast after the quantisation kernel (the compiled
+    kernel stores e4m3 itself) is not counted as a launch of its own."""
+    from unimem.models.fp8_convert import quantize_model_online
+
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    core = _synthetic_core()
+    quantize_model_online(core.model)
+    counts = count_step_launches(_decoding(core, SYNTHETIC_PROMPTS))
+    for i in range(len(counts.per_layer())):
+        names = counts.layer_names(i)
+        assert names.get("triton._fp8_gemm_kernel", 0) >= 2, names
+        assert names.get("triton._quant_groups_kernel") == names["triton._fp8_gemm_kernel"], names
+        assert "aten._to_copy" not in names, names

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from unimem_kernel import in_interpreter_stand_in
+
 # aten ops that launch no kernel (views, allocation, metadata)
 NO_LAUNCH = {
     "_reshape_alias", "_unsafe_view", "alias", "as_strided", "detach", "dim", "empty",
@@ -103,8 +105,10 @@ class _Counter:
         return OUTSIDE
 
     def record(self, name: str) -> None:
-        if self.quiet:
-            return  # inside a counted launch (the interpreter's copies, attention's ops)
+        if self.quiet or in_interpreter_stand_in():
+            # inside a counted launch (the interpreter's copies, attention's ops), or a torch
+            # op standing in for what a compiled kernel does in its own launch
+            return
         self.result.add(self.layer(), name)
 
 

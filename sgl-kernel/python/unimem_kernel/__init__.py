@@ -5,6 +5,7 @@ kernel and a torch reference of identical semantics (see ``_dispatch``). Nothing
 about pools, requests or models.
 """
 
+from unimem_kernel._dispatch import in_interpreter_stand_in
 from unimem_kernel.batch_invariant import (
     MatmulConfig,
     bi_grouped_linear,
@@ -110,6 +111,7 @@ __all__ = [
     "fp8_linear",
     "fp8_quantize_groups",
     "fp8_quantize_groups_reference",
+    "in_interpreter_stand_in",
     "MatmulConfig",
     "StateCommitPlan",
     "add_rms_norm",

@@ -27,8 +27,10 @@ redirects the op too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,8 @@ __all__ = [
     "OPS",
     "KernelOp",
     "grouped_row_tiles",
+    "in_interpreter_stand_in",
+    "interpreter_stand_in",
     "kernel_op",
     "next_pow2",
     "records_autograd",
@@ -67,6 +71,27 @@ def records_autograd(*tensors: torch.Tensor | None) -> bool:
     to its reference: a module that also trains (the drafter under distillation) calls the
     same ops."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+_stand_in = threading.local()
+
+
+@contextlib.contextmanager
+def interpreter_stand_in():
+    """Marks torch ops (run inside it, this thread) that stand in for work the compiled
+    kernel does in its own launch and the interpreter cannot (its e4m3 stores truncate, so
+    the FP8 quantisation stores float32 and casts after): a launch counter
+    (``unimem.bench.launches``) counts them as part of that launch, not as launches."""
+    _stand_in.depth = getattr(_stand_in, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _stand_in.depth -= 1
+
+
+def in_interpreter_stand_in() -> bool:
+    """Whether this thread is inside :func:`interpreter_stand_in`."""
+    return getattr(_stand_in, "depth", 0) > 0
 
 
 def next_pow2(n: int) -> int:

@@ -60,7 +60,13 @@ import triton
 import triton.language as tl
 
 from unimem_kernel import envs
-from unimem_kernel._dispatch import grouped_row_tiles, kernel_op, next_pow2, use_triton
+from unimem_kernel._dispatch import (
+    grouped_row_tiles,
+    interpreter_stand_in,
+    kernel_op,
+    next_pow2,
+    use_triton,
+)
 
 __all__ = [
     "FP8_DTYPE",
@@ -185,7 +191,10 @@ def fp8_quantize_groups_triton(
             x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
             BLOCK_R=QUANT_ROWS, BLOCK_K=GROUP, num_warps=4,
         )  # fmt: skip
-    return (q.to(FP8_DTYPE) if interp else q), s
+    if interp:  # the compiled kernel stores e4m3 itself
+        with interpreter_stand_in():
+            q = q.to(FP8_DTYPE)
+    return q, s
 
 
 def _check_quantize(x: torch.Tensor, m_major: bool = False) -> None:
