@@ -5,8 +5,11 @@ holds; any checkpoint works).
 Starts the server (``--model-path``, ``--device``, extra flags after ``--``), times process
 start to a healthy ``/health`` (the load: reading the shards, building the pools, capturing
 the CUDA graphs), reads ``weight_bytes`` and the pool sizes from ``/get_server_info``, then:
-one request alone (``--output-tokens`` greedy tokens, ``ignore_eos``: single-stream decode
-tok/s), and ``--requests`` requests at ``--concurrency`` at once (random-token prompts of
+one request alone (``--output-tokens`` greedy tokens, ``ignore_eos``; after a warm-up request
+at the same prompt length): its tokens over its whole time (``single_stream_tok_s``), the time
+of a one-token request (``single_stream_ttft_s``) and the decode rate past it
+(``single_stream_decode_tok_s``, tokens after the first over the time after it), and
+``--requests`` requests at ``--concurrency`` at once (random-token prompts of
 ``--prompt-tokens``; output tok/s over the wall time). Stops the server by its pid; writes
 ``--json``. Exits 1 with the server's log tail when anything fails.
 
@@ -99,9 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(0)
         prompts = [[rng.randrange(4, args.vocab) for _ in range(args.prompt_tokens)]
                    for _ in range(args.requests)]  # fmt: skip
-        _complete(url, prompts[0][:16], 8)  # warm-up
+        # warm-up at the measured prompt length (a prompt of its own: no prefix reuse), so that
+        # no first-use work (kernel compiles of that extend length) lands in the timed requests
+        _complete(url, prompts[-1], 8)
+        _, first = _complete(url, prompts[1], 1)  # time to the first token alone
         n, dt = _complete(url, prompts[0], args.output_tokens)
-        result["single_stream_tok_s"] = round(n / dt, 1)
+        result["single_stream_tok_s"] = round(n / dt, 1)  # the request's whole time
+        result["single_stream_ttft_s"] = round(first, 4)
+        result["single_stream_decode_tok_s"] = round((n - 1) / max(dt - first, 1e-9), 1)
         t1 = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
             done = list(pool.map(lambda p: _complete(url, p, args.output_tokens), prompts))
