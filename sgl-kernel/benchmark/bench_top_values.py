@@ -5,10 +5,10 @@ For each ``--rows`` x ``--vocab`` (default: 1, 48 and 384 rows — one request, 
 lanes, 48 lanes' verify rows at gamma 7 — of Gemma 3's 262 144 logits; ``--extra``: 48 and
 384 rows of a 32 768-token draft vocabulary, and 384 of Qwen's 151 936), float32 logits drawn
 fresh per shape (``randn * 4``, ties at the top of one row), and each chunk of ``--chunks``
-(``0``: the default one for the shape), with its chunk maxima taken each way of ``--maxima``
-(``torch``'s amax, the ``kernel`` of :mod:`unimem_kernel.chunk_maxima`): checks the values
-equal ``torch.topk``'s, then times both. Prints one line per shape, chunk and way; ``--json
-PATH`` writes them with the GPU's name.
+(``0``: the default one for the shape, rows and way), with its chunk maxima taken each way
+of ``--maxima`` (``torch``'s amax, the ``kernel`` of :mod:`unimem_kernel.chunk_maxima`):
+checks the values equal ``torch.topk``'s, then times both. Prints one line per shape, chunk
+and way; ``--json PATH`` writes them with the GPU's name.
 
     python sgl-kernel/benchmark/bench_top_values.py --json out.json
 """
@@ -63,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             want = top_values_reference(x, args.w)
             ref_ms = graph_median_ms(lambda x=x: top_values_reference(x, args.w))
             asked = [int(c) for c in args.chunks.split(",")]
-            chunks = sorted({c or default_chunk(vocab, args.w) for c in asked})
-            for chunk, how in [(c, m) for c in chunks for m in args.maxima.split(",")]:
+            maxima = args.maxima.split(",")
+            defaults = {default_chunk(vocab, args.w, n, m) for m in maxima} if 0 in asked else set()
+            chunks = sorted({c for c in asked if c} | defaults)
+            for chunk, how in [(c, m) for c in chunks for m in maxima]:
                 if chunk > 1 and vocab // chunk < args.w:
                     continue
                 got = top_values(x, args.w, chunk, maxima=how)
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 ms = graph_median_ms(lambda x=x, c=chunk, m=how: top_values(x, args.w, c, maxima=m))
                 row = {
                     "rows": n, "vocab": vocab, "w": args.w, "dtype": dtype_name, "chunk": chunk,
-                    "maxima": how, "default": chunk == default_chunk(vocab, args.w),
+                    "maxima": how, "default": chunk == default_chunk(vocab, args.w, n, how),
                     "torch_topk_us": ref_ms * 1e3, "top_values_us": ms * 1e3,
                     "speedup": ref_ms / ms, "same": True,
                 }  # fmt: skip

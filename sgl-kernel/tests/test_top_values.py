@@ -13,7 +13,14 @@ import pytest
 import torch
 from kernel_devices import DEVICES
 
-from unimem_kernel.top_values import CHUNKED_MIN_RATIO, MAX_CHUNK, default_chunk, top_values
+from unimem_kernel.top_values import (
+    CHUNKED_MIN_RATIO,
+    MANY_ROWS,
+    MANY_ROWS_CHUNK,
+    MAX_CHUNK,
+    default_chunk,
+    top_values,
+)
 
 
 def top_values_reference(x, w):
@@ -84,6 +91,18 @@ def test_default_chunk_leaves_eight_chunks_a_kept_value():
         assert vocab // chunk >= 8 * w and chunk & (chunk - 1) == 0
     x = torch.randn(3, 151_936)
     assert torch.equal(top_values(x, 256), top_values_reference(x, 256))
+
+
+def test_default_chunk_is_smaller_for_many_rows_with_the_kernels_maxima():
+    # the kernel reads a row at its bandwidth whatever the chunk: many rows take short chunks
+    assert default_chunk(262_144, 256, MANY_ROWS) == MANY_ROWS_CHUNK == 32
+    assert default_chunk(262_144, 256, MANY_ROWS - 1) == MAX_CHUNK
+    assert default_chunk(262_144, 256, 384, maxima="torch") == MAX_CHUNK  # amax: long chunks
+    assert default_chunk(151_936, 256, 384) == 32
+    assert default_chunk(32_768, 256, 384) == 16  # already below the many-rows chunk
+    assert default_chunk(CHUNKED_MIN_RATIO * 256 - 1, 256, 384) == 1
+    x = torch.randn(MANY_ROWS, 16_384)
+    assert torch.equal(top_values(x, 32), top_values_reference(x, 32))
 
 
 def test_bad_arguments_are_refused():

@@ -558,8 +558,9 @@ def test_bounded_cut_offs_read_the_leading_values_by_chunk_maxima(monkeypatch):
     """Over a vocabulary long enough for the select by chunk maxima
     (:func:`unimem_kernel.top_values.top_values`, the bound lowered to 8 so 1 031 tokens are
     64 of it and more), a bounded batch's cut-offs equal those from ``torch.topk`` over the
-    whole row (``UNIMEM_TOP_VALUES=topk``), those with the maxima from the Triton kernel
-    (``kernel``) and the whole-row sorted rule's, ties and masked tokens included."""
+    whole row (``UNIMEM_TOP_VALUES=topk``), those with the maxima from torch's ``amax``
+    (``amax``) and the whole-row sorted rule's, ties and masked tokens included; the default
+    takes the maxima from the Triton kernel (the interpreter here)."""
     from unimem_kernel.top_values import default_chunk
 
     monkeypatch.setattr(sampling_mod, "TOP_K_BOUND", 8)
@@ -574,13 +575,13 @@ def test_bounded_cut_offs_read_the_leading_values_by_chunk_maxima(monkeypatch):
     top_p = torch.rand(n, generator=g).clamp(min=0.3)
     min_p = torch.rand(n, generator=g) * 0.05
     args = (logits, temperature, top_k, top_p, min_p)
+    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
     chunked = sampling_mod.tempered_keep_threshold(*args, sampling_mod.BOUNDED)
     monkeypatch.setenv("UNIMEM_TOP_VALUES", "topk")
     whole = sampling_mod.tempered_keep_threshold(*args, sampling_mod.BOUNDED)
     assert torch.equal(chunked, whole)
-    # the chunk maxima from the Triton kernel (the interpreter here) give the same cut-offs
-    monkeypatch.setenv("UNIMEM_TOP_VALUES", "kernel")
-    monkeypatch.setenv("UNIMEM_KERNEL_BACKEND", "triton")
+    # the chunk maxima from torch's amax give the same cut-offs
+    monkeypatch.setenv("UNIMEM_TOP_VALUES", "amax")
     assert torch.equal(sampling_mod.tempered_keep_threshold(*args, sampling_mod.BOUNDED), whole)
     scaled = logits / temperature[:, None]
     desc, _ = torch.sort(scaled, dim=-1, descending=True, stable=True)

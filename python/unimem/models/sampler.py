@@ -306,12 +306,12 @@ def _bounded_threshold_rows(
 
 def _leading_values(values: torch.Tensor) -> torch.Tensor:
     """Each row's :data:`TOP_K_BOUND` largest values, descending (``UNIMEM_TOP_VALUES``:
-    the select by chunk maxima — its maxima by torch, or by a Triton kernel — or
-    ``torch.topk`` over the whole row to measure it)."""
+    the select by chunk maxima — its maxima by a Triton kernel on CUDA, or by torch's amax
+    to measure it — or ``torch.topk`` over the whole row to measure it)."""
     how = envs.get("UNIMEM_TOP_VALUES")
     if how == "topk":
         return torch.topk(values, TOP_K_BOUND, dim=-1, sorted=True).values
-    return top_values(values, TOP_K_BOUND, maxima="kernel" if how == "kernel" else "torch")
+    return top_values(values, TOP_K_BOUND, maxima="torch" if how == "amax" else "kernel")
 
 
 def filtered_probs(

@@ -98,12 +98,11 @@ _ALL = (
     EnvSwitch(
         "UNIMEM_TOP_VALUES",
         "chunked",
-        "topk: the sampler's bounded cut-off takes its 256 largest logits a row from one "
-        "torch.topk over the whole row instead of the select by chunk maxima "
-        "(unimem_kernel.top_values), to measure it; kernel: the select with its chunk "
-        "maxima from a Triton kernel (unimem_kernel.chunk_maxima) instead of torch's amax, "
-        "not yet the default (not yet timed on a GPU).",
-        choices=("chunked", "topk", "kernel"),
+        "How the sampler's bounded cut-off takes its 256 largest logits a row: chunked (the "
+        "select by chunk maxima, unimem_kernel.top_values, its maxima from the Triton kernel "
+        "unimem_kernel.chunk_maxima on CUDA), amax (the same select with torch's amax for the "
+        "maxima, to measure it) or topk (one torch.topk over the whole row, to measure it).",
+        choices=("chunked", "amax", "topk"),
     ),
     EnvSwitch(
         "UNIMEM_FUSED_OPS",

@@ -18,12 +18,12 @@ maximum — ``w`` distinct values of the candidates at least ``y`` — so for an
 candidates hold as many values at or above it as the top ``w`` of the row does. NaN is the
 largest value for ``amax`` and ``torch.topk`` alike, so rows holding NaN agree too.
 
-Five torch launches (the maxima — :mod:`.chunk_maxima`'s reference, or its kernel on
-request —, a top-``w`` of them, the gather, the final top-``w``, and a copy for a tail), fixed
-shapes, no host reads: capturable in CUDA graphs. The cost is one read of the row plus two
-selections over ``V / chunk`` and ``w * chunk`` values; the default chunk
-(:func:`default_chunk`) is the one measured fastest. Rows too short for ``w`` chunks go to
-``torch.topk`` whole.
+Five torch launches (the maxima — :mod:`.chunk_maxima`'s Triton kernel on CUDA, its
+reference ``amax`` elsewhere or on request —, a top-``w`` of them, the gather, the final
+top-``w``, and a copy for a tail), fixed shapes, no host reads: capturable in CUDA graphs. The
+cost is one read of the row plus two selections over ``V / chunk`` and ``w * chunk`` values;
+the default chunk (:func:`default_chunk`) is the one measured fastest. Rows too short for
+``w`` chunks go to ``torch.topk`` whole.
 """
 
 from __future__ import annotations
@@ -34,7 +34,14 @@ import torch
 
 from unimem_kernel.chunk_maxima import chunk_maxima, chunk_maxima_reference
 
-__all__ = ["CHUNKED_MIN_RATIO", "MAX_CHUNK", "default_chunk", "top_values"]
+__all__ = [
+    "CHUNKED_MIN_RATIO",
+    "MANY_ROWS",
+    "MANY_ROWS_CHUNK",
+    "MAX_CHUNK",
+    "default_chunk",
+    "top_values",
+]
 
 CHUNKED_MIN_RATIO = 64
 """A row is selected by chunk maxima only when ``V >= CHUNKED_MIN_RATIO * w`` (the default
@@ -44,43 +51,58 @@ launches would not beat."""
 MAX_CHUNK = 128
 """The largest default chunk: the largest one measured (``bench_top_values.py``)."""
 
+MANY_ROWS = 128
+"""From this many rows on, the kernel's maxima take chunks of at most :data:`MANY_ROWS_CHUNK`
+(:func:`default_chunk`)."""
 
-def default_chunk(vocab: int, w: int) -> int:
-    """The chunk :func:`top_values` uses for rows of ``vocab`` values and ``w`` of them kept:
-    the largest power of two that leaves at least ``8 * w`` chunks, at most
-    :data:`MAX_CHUNK` — 128 for 262 144 values and ``w = 256`` (2 048 maxima, 32 768
-    candidates), 64 for 151 936. Measured on an H200 (``docs/results/top_values_h200.json``,
-    float32, chunks 8 to 128 against ``torch.topk``): at 384 rows of 262 144 values 128 takes
-    574 us, 64 628 us and 32 (the chunk that makes both selections 8 192 wide) 951 us,
-    against ``torch.topk``'s 1 198 — the maxima's reduction over few contiguous values is
-    what a small chunk makes slow, not the selections; at 48 rows 141 / 166 / 225 against
-    250 us; at one row 128 ties ``torch.topk`` (80 us) where 32 loses (97). ``1`` (no chunks:
-    ``torch.topk`` over the whole row) when ``vocab < CHUNKED_MIN_RATIO * w``."""
+MANY_ROWS_CHUNK = 32
+
+
+def default_chunk(vocab: int, w: int, rows: int = 1, maxima: str = "kernel") -> int:
+    """The chunk :func:`top_values` uses for ``rows`` rows of ``vocab`` values, ``w`` of them
+    kept, the maxima taken by ``maxima``: the largest power of two that leaves at least
+    ``8 * w`` chunks, at most :data:`MAX_CHUNK` — 128 for 262 144 values and ``w = 256``
+    (2 048 maxima, 32 768 candidates), 64 for 151 936 — and with the kernel's maxima from
+    :data:`MANY_ROWS` rows on at most :data:`MANY_ROWS_CHUNK`. ``1`` (no chunks:
+    ``torch.topk`` over the whole row) when ``vocab < CHUNKED_MIN_RATIO * w``.
+
+    Measured (``bench_top_values.py``, float32, ``w = 256``, 262 144 values; µs per call
+    against ``torch.topk``): with ``amax`` a small chunk is slow — torch's reduction over few
+    contiguous values (H200, ``docs/results/top_values_h200.json``: at 384 rows 574 us at
+    chunk 128, 951 at 32, ``torch.topk`` 1 198). The kernel reads the row at its bandwidth
+    whatever the chunk, so the selections decide (H100, ``top_values_h100.json``): at 384
+    rows 349 us at chunk 32 against 508 at 128 (``amax``: 589; ``torch.topk`` 1 264); at 48
+    rows 134 at 128, 151 at 32; at one row 79 at 128, 101 at 32. The row count where 32
+    starts to win lies between 48 and 384 (not measured in between); 128 rows is a verify
+    step of 16 requests at gamma 7. At 151 936 values and 384 rows 32 takes 287 us, 64 302."""
     if w < 1 or vocab < CHUNKED_MIN_RATIO * w:
         return 1
-    return min(MAX_CHUNK, 1 << int(math.log2(vocab // (8 * w))))
+    chunk = min(MAX_CHUNK, 1 << int(math.log2(vocab // (8 * w))))
+    if maxima == "kernel" and rows >= MANY_ROWS:
+        chunk = min(chunk, MANY_ROWS_CHUNK)
+    return chunk
 
 
 def top_values(
-    x: torch.Tensor, w: int, chunk: int | None = None, maxima: str = "torch"
+    x: torch.Tensor, w: int, chunk: int | None = None, maxima: str = "kernel"
 ) -> torch.Tensor:
     """Each row's ``w`` largest values in descending order (module docstring). ``x [N, V]``
     with unit stride along ``V`` (a slice of rows is fine); ``chunk`` overrides
     :func:`default_chunk` (benchmarks sweep it; ``1`` is ``torch.topk`` whole); ``maxima``:
-    how the chunk maxima are taken — ``"torch"`` (``amax``), or ``"kernel"``
-    (:func:`unimem_kernel.chunk_maxima.chunk_maxima`'s Triton kernel on CUDA; not yet timed
-    on a GPU, hence not the default). Either way the same values."""
+    how the chunk maxima are taken — ``"kernel"``
+    (:func:`unimem_kernel.chunk_maxima.chunk_maxima`: its Triton kernel on CUDA, ``amax``
+    elsewhere) or ``"torch"`` (``amax`` always, to measure it). Either way the same values."""
     if x.dim() != 2:
         raise ValueError(f"top_values takes [N, V] rows, got shape {tuple(x.shape)}")
     n, vocab = x.shape
     if not 1 <= w <= vocab:
         raise ValueError(f"top_values needs 1 <= w <= V, got w = {w} for V = {vocab}")
-    if chunk is None:
-        chunk = default_chunk(vocab, w)
-    if chunk < 1:
-        raise ValueError(f"top_values: chunk must be >= 1, got {chunk}")
     if maxima not in ("torch", "kernel"):
         raise ValueError(f"top_values: maxima must be 'torch' or 'kernel', got {maxima!r}")
+    if chunk is None:
+        chunk = default_chunk(vocab, w, n, maxima)
+    if chunk < 1:
+        raise ValueError(f"top_values: chunk must be >= 1, got {chunk}")
     chunks = vocab // chunk
     if chunk == 1 or chunks < w or n == 0:
         return torch.topk(x, w, dim=-1, sorted=True).values
