@@ -44,6 +44,10 @@ from unimem_kernel._dispatch import kernel_op, next_pow2
 __all__ = ["ExpertRoute", "moe_route", "moe_route_reference", "moe_route_triton"]
 
 _BLOCK = 128  # pairs per program of the count and place kernels ([BLOCK, BLOCK] rank compare)
+# Fewer pairs than _BLOCK take one program of the next power of two of them (at least this
+# many): a decode step's one token routed to 10 of 512 experts scans a [16, 512] table, not
+# a [128, 512] one (the place kernel took 9.4 us a layer at one token on an H100 with 128).
+_MIN_BLOCK = 16
 _SCAN_ELEMENTS = 16384  # histogram entries the scan holds at once (rows x padded experts)
 # Histogram entries (blocks x padded experts) up to which the place kernel scans the count
 # kernel's table itself, saving the scan's launch: a decode or verify step (384 tokens x top 8
@@ -158,9 +162,10 @@ def _check(topk_ids: torch.Tensor, num_experts: int) -> None:
 
 def moe_route_reference(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
     """Group the pairs of ``topk_ids [T, k]`` by expert (module docstring); identical outputs on
-    either side. The kernels allocate the five outputs and one ``[cdiv(P, 128), E]`` int32
-    scratch; the reference raises on an expert id outside ``[0, E)`` (that check reads the ids
-    on the host)."""
+    either side. The kernels allocate the five outputs and one ``[cdiv(P, B), E]`` int32
+    scratch (``B`` pairs a program: 128, or fewer pairs' next power of two, at least 16);
+    the reference raises on an expert id outside ``[0, E)`` (that check reads the ids on
+    the host)."""
     _check(topk_ids, num_experts)
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
@@ -191,16 +196,17 @@ def moe_route_triton(topk_ids: torch.Tensor, num_experts: int) -> ExpertRoute:
     if n == 0:
         ends.zero_()
         return ExpertRoute(order, inverse, token, expert, ends)
-    nb = triton.cdiv(n, _BLOCK)
+    block = min(_BLOCK, max(_MIN_BLOCK, next_pow2(n)))
+    nb = triton.cdiv(n, block)
     e_block = next_pow2(num_experts)
     hist = torch.empty(nb, num_experts, dtype=torch.int32, device=dev)
-    _count_kernel[(nb,)](ids, hist, n, num_experts, BLOCK=_BLOCK, E_BLOCK=e_block, num_warps=4)
+    _count_kernel[(nb,)](ids, hist, n, num_experts, BLOCK=block, E_BLOCK=e_block, num_warps=4)
     scan_in_place = next_pow2(nb) * e_block <= _PLACE_SCAN_ELEMENTS
     if not scan_in_place:
         rows = max(1, min(next_pow2(nb), _SCAN_ELEMENTS // e_block))
         _scan_kernel[(1,)](hist, ends, nb, num_experts, ROWS=rows, E_BLOCK=e_block, num_warps=4)
     _place_kernel[(nb,)](
-        ids, hist, order, inverse, token, expert, ends, n, num_experts, nb, K=k, BLOCK=_BLOCK,
+        ids, hist, order, inverse, token, expert, ends, n, num_experts, nb, K=k, BLOCK=block,
         SCAN=scan_in_place, E_BLOCK=e_block, NB_BLOCK=next_pow2(nb) if scan_in_place else 1,
         num_warps=4,
     )  # fmt: skip
