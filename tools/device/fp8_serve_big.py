@@ -100,13 +100,16 @@ def main(argv: list[str] | None = None) -> int:
             result[key] = info.get(key)
         result["quantization"] = info["server_args"].get("quantization")
         rng = random.Random(0)
+        # three prompts of their own (no prefix shared with any other request): the warm-up,
+        # the one-token request and the single stream; then the concurrent ones
         prompts = [[rng.randrange(4, args.vocab) for _ in range(args.prompt_tokens)]
-                   for _ in range(args.requests)]  # fmt: skip
-        # warm-up at the measured prompt length (a prompt of its own: no prefix reuse), so that
-        # no first-use work (kernel compiles of that extend length) lands in the timed requests
-        _complete(url, prompts[-1], 8)
-        _, first = _complete(url, prompts[1], 1)  # time to the first token alone
-        n, dt = _complete(url, prompts[0], args.output_tokens)
+                   for _ in range(args.requests + 3)]  # fmt: skip
+        warm, one, single, prompts = prompts[0], prompts[1], prompts[2], prompts[3:]
+        # the warm-up at the measured prompt length, so that no first-use work (kernel
+        # compiles of that extend length) lands in the timed requests
+        _complete(url, warm, 8)
+        _, first = _complete(url, one, 1)  # time to the first token alone
+        n, dt = _complete(url, single, args.output_tokens)
         result["single_stream_tok_s"] = round(n / dt, 1)  # the request's whole time
         result["single_stream_ttft_s"] = round(first, 4)
         result["single_stream_decode_tok_s"] = round((n - 1) / max(dt - first, 1e-9), 1)
