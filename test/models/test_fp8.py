@@ -436,3 +436,4 @@ def test_device_drivers_run_on_the_cpu(ckpts, tmp_path):
     )  # fmt: skip
     s = json.loads(served.read_text())
     assert s["quantization"] == "fp8" and s["requests"] == 4 and s["output_tok_s"] > 0
+    assert s["single_stream_ttft_s"] > 0 and s["single_stream_decode_tok_s"] > 0
