@@ -543,8 +543,9 @@ def _sorted_cut_launches() -> list[tuple[str, Callable[[], None]]]:
 
 
 def _chunk_maxima_launches() -> list[tuple[str, Callable[[], None]]]:
-    """The select's chunk maxima at its default chunk (128) over a verify step's 48 x 8 rows
-    of Gemma 3's logits, float32 and bf16, and at the shortest default chunk (8)."""
+    """The select's chunk maxima at its default chunks over a verify step's 48 x 8 rows of
+    Gemma 3's logits (32 from 128 rows on, float32 and bf16; 128 below), and at the shortest
+    default chunk (8)."""
     import torch
 
     from unimem_kernel.chunk_maxima import chunk_maxima
@@ -553,10 +554,12 @@ def _chunk_maxima_launches() -> list[tuple[str, Callable[[], None]]]:
         chunk_maxima(torch.randn(rows, vocab).to(dtype), chunk)
 
     return [
-        ("chunk_maxima 384 x 262144 chunk 128 float32",
-         lambda: call(384, 262144, 128, torch.float32)),
-        ("chunk_maxima 384 x 262144 chunk 128 bfloat16",
-         lambda: call(384, 262144, 128, torch.bfloat16)),
+        ("chunk_maxima 384 x 262144 chunk 32 float32",
+         lambda: call(384, 262144, 32, torch.float32)),
+        ("chunk_maxima 384 x 262144 chunk 32 bfloat16",
+         lambda: call(384, 262144, 32, torch.bfloat16)),
+        ("chunk_maxima 48 x 262144 chunk 128 float32",
+         lambda: call(48, 262144, 128, torch.float32)),
         ("chunk_maxima 48 x 16384 chunk 8 float32", lambda: call(48, 16384, 8, torch.float32)),
     ]  # fmt: skip
 
@@ -726,8 +729,9 @@ def _expert_combine_launches() -> list[tuple[str, Callable[[], None]]]:
 
 def _expert_route_launches() -> list[tuple[str, Callable[[], None]]]:
     """The MoE layer's counting sort by expert: a verify step of the Qwen3-Next bench
-    checkpoint (48 x 8 tokens, top 8 of 64: the place kernel scans) and a prefill chunk of the
-    real model's routing (4 096 tokens, top 10 of 512: the scan kernel runs)."""
+    checkpoint (48 x 8 tokens, top 8 of 64: the place kernel scans), one decoding token of the
+    real model's routing (top 10 of 512: one 16-pair program) and a prefill chunk of it
+    (4 096 tokens: the scan kernel runs)."""
     import torch
 
     from unimem_kernel import expert_route
@@ -737,6 +741,7 @@ def _expert_route_launches() -> list[tuple[str, Callable[[], None]]]:
 
     return [
         ("moe_route verify 384 x 8 of 64", lambda: route(384, 8, 64)),
+        ("moe_route decode 1 x 10 of 512", lambda: route(1, 10, 512)),
         ("moe_route prefill 4096 x 10 of 512", lambda: route(4096, 10, 512)),
     ]
 
