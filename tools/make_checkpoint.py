@@ -27,7 +27,9 @@ Sizes:
   qwen3_next 80b: Qwen3-Next-80B-A3B's shape (hidden 2048, 48 layers, 512 experts top-10 of
     width 512 with a shared expert of width 512, GDN 16 key / 32 value heads of dim 128,
     16 query / 2 KV heads of dim 256, vocab 151936); ``--layers`` keeps the first N layers
-    (a multiple of 4 keeps the 3 GDN : 1 attention pattern) so it fits a disk.
+    (a multiple of 4 keeps the 3 GDN : 1 attention pattern) so it fits a disk;
+    ``--overflow-dir`` puts the shards the disk cannot hold on another filesystem (all 48
+    layers are ~83 GB).
 
 ``--fp8`` writes the hub's block-wise FP8 layout (``unimem.models.fp8_checkpoint``:
 ``weight`` e4m3 + ``weight_scale_inv`` per 128 x 128 block for attention, GDN qkvz/out,
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -251,13 +254,27 @@ def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator, device) -> to
     return w / math.sqrt(shape[-1])
 
 
-def write_fp8_direct(meta_model, cfg, out: Path, device: torch.device, seed: int) -> None:
+def write_fp8_direct(
+    meta_model,
+    cfg,
+    out: Path,
+    device: torch.device,
+    seed: int,
+    overflow: Path | None = None,
+    keep_free: int = 2 << 30,
+) -> None:
     """Write ``meta_model``'s parameters (a meta-device HF model: names and shapes only) as
     an FP8 checkpoint in the hub layout, one shard per layer plus one for the rest: each
     tensor drawn on ``device`` (:func:`_draw`), stacked experts split per expert, quantised
     there (:func:`unimem.models.fp8_checkpoint.quantize_tensors`), moved to the CPU and
     saved; ``model.safetensors.index.json`` and ``config.json`` (with its
-    ``quantization_config``) beside them."""
+    ``quantization_config``) beside them.
+
+    ``overflow``: a directory on another filesystem (e.g. ``/dev/shm``) for the shards that
+    would leave ``out``'s filesystem with less than ``keep_free`` bytes; each is written
+    there and linked into ``out`` under its own name, so the checkpoint reads as one
+    directory (a model larger than one disk). Without it such a shard fails with a clear
+    error before anything of it is written."""
     from safetensors.torch import save_file
 
     from unimem.models.fp8_checkpoint import fp8_quantization_config, quantize_tensors
@@ -297,8 +314,23 @@ def write_fp8_direct(meta_model, cfg, out: Path, device: torch.device, seed: int
                 tensors[qname] = qt.contiguous().cpu()
                 weight_map[qname] = shard
             del w, pieces
-        save_file(tensors, str(out / shard), metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        target = out / shard
+        if shutil.disk_usage(out).free - nbytes < keep_free:
+            if overflow is None:
+                raise SystemExit(
+                    f"{shard} ({nbytes / 1e9:.2f} GB) would leave {out}'s disk with less than "
+                    f"{keep_free / 1e9:.1f} GB free: pass --overflow-dir or fewer --layers"
+                )
+            overflow.mkdir(parents=True, exist_ok=True)
+            target = overflow / shard
+            if shutil.disk_usage(overflow).free - nbytes < keep_free:
+                raise SystemExit(f"{shard} ({nbytes / 1e9:.2f} GB) fits neither {out} nor "
+                                 f"{overflow}: fewer --layers")  # fmt: skip
+            (out / shard).unlink(missing_ok=True)
+            (out / shard).symlink_to(target.resolve())
+        save_file(tensors, str(target), metadata={"format": "pt"})
+        total += nbytes
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
@@ -317,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true", help="write the hub's block-wise FP8 layout")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--overflow-dir",
+        help="80b: shards that would leave --out's disk under 2 GB free go here (another "
+        "filesystem, e.g. /dev/shm) and are linked into --out",
+    )
     ap.add_argument(
         "--dtype",
         default="bfloat16",
@@ -344,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         total, active = count_params(model, cfg, args.arch)
         t1 = time.perf_counter()
-        write_fp8_direct(model, cfg, out, torch.device(args.device), args.seed)
+        overflow = Path(args.overflow_dir) if args.overflow_dir else None
+        write_fp8_direct(model, cfg, out, torch.device(args.device), args.seed, overflow)
     else:
         with torch.device(args.device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype))
@@ -370,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": total,
         "active_params": active,
         "device": args.device,
+        "overflow_shards": sum(f.is_symlink() for f in out.glob("*.safetensors")),
         "init_s": round(t1 - t0, 2),
         "save_s": round(t2 - t1, 2),
     }

@@ -405,6 +405,54 @@ def test_make_checkpoint_writes_the_80b_shape_layer_by_layer(tmp_path):
     assert torch.isfinite(model.reference_forward([torch.arange(12)])[0]).all()
 
 
+def test_make_checkpoint_spills_shards_past_a_full_disk(tmp_path, monkeypatch):
+    """A checkpoint larger than --out's disk: the shards that would leave it under the
+    margin go to the overflow directory, linked in place, and the checkpoint loads as one
+    directory; without an overflow directory the writer stops with an error naming both
+    ways out."""
+    import collections
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    script = Path(__file__).resolve().parents[2] / "tools" / "make_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_checkpoint", script)
+    mc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mc)
+    out, spill = tmp_path / "ckpt", tmp_path / "spill"
+    out.mkdir()
+    usage = collections.namedtuple("usage", "total used free")
+
+    def disk_usage(path):  # --out's disk fills after its first two shards
+        if Path(path) == spill:
+            return usage(1 << 40, 0, 1 << 40)
+        written = sum(f.stat().st_size for f in out.glob("*.safetensors") if not f.is_symlink())
+        return usage(1 << 30, written, (1 << 30) - written)
+
+    cfg = tiny_qwen3_next.config()
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    probe = tmp_path / "probe"  # the shards' sizes, written in name order
+    probe.mkdir()
+    mc.write_fp8_direct(meta, cfg, probe, torch.device("cpu"), 0)
+    sizes = [f.stat().st_size for f in sorted(probe.glob("*.safetensors"))]
+    keep_free = (1 << 30) - (sizes[0] + sizes[1] + sizes[2] // 2)  # room for two shards
+    monkeypatch.setattr(mc.shutil, "disk_usage", disk_usage)
+    with pytest.raises(SystemExit, match="--overflow-dir or fewer --layers"):
+        mc.write_fp8_direct(meta, cfg, out, torch.device("cpu"), 0, keep_free=(1 << 30) + 1)
+    mc.write_fp8_direct(meta, cfg, out, torch.device("cpu"), 0, spill, keep_free=keep_free)
+    shards = sorted(out.glob("*.safetensors"))
+    linked = [f for f in shards if f.is_symlink()]
+    assert len(shards) == cfg.num_hidden_layers + 1
+    assert [f.name for f in linked] == [f.name for f in shards[2:]]
+    assert all(f.resolve().parent == spill.resolve() for f in linked)
+    model = load_model(out)
+    assert model.model.layers[-1].mlp.experts.gate_up_proj.dtype == FP8_DTYPE
+    assert torch.isfinite(model.reference_forward([torch.arange(12)])[0]).all()
+
+
 def test_device_drivers_run_on_the_cpu(ckpts, tmp_path):
     """The two FP8 drivers of ``tools/device/gpu_fp8.sh`` end to end on the CPU, so that a GPU
     run does not find their faults: ``fp8_agreement.py`` (online FP8 against the model,

@@ -32,14 +32,16 @@
 #               branch gguf) with --prompts (>= 24 lines), 128 tokens each: top-1 agreement
 #               (goal >= 98 %) and mean |delta log-prob| -> gemma_fp8_agreement.json
 #   big       : the Qwen3-Next-80B shape (hidden 2048, 512 experts) with --big-layers layers
-#               (default 24: ~40 GB of FP8 shards, the disk holds 64 GB; `auto`: as many
-#               of the 48 as the free disk holds) written FP8 by
+#               (default 24: ~42 GB of FP8 shards, the disk holds 64 GB; `auto`: as many
+#               of the 48 as the free disk and BIG_OVERFLOW_MB (default 40000) of RAM in
+#               BIG_OVERFLOW_DIR (default /dev/shm/unimem-big) hold — all 48 on an H200) written FP8 by
 #               make_checkpoint.py on the GPU, then served by launch_server
 #               (tools/device/fp8_serve_big.py): load time, weight bytes, single-stream and
 #               32-concurrent decode throughput -> big_fp8_serve.json; then the single
 #               stream's decode step with its kernel breakdown (`bench step-profile
 #               --no-speculation --requests 1`) -> big_fp8_profile_1.json; the shards are
-#               deleted afterwards
+#               deleted afterwards unless BIG_KEEP=1 (a later call with the same layers then
+#               reuses them); BIG_STEPS (default "serve profile") picks the two runs
 # Output: --out (default ./gpu-out): the JSON files above and gpu_fp8.log. Every command runs
 # under `timeout $STEP_TIMEOUT` (default 420 s); VARIANTS (default "bf16 fp8 fp8_fused") names the
 # runs of the profile and bench parts. Exit 1 if any part failed (named at the end).
@@ -136,31 +138,42 @@ for part in $parts; do
       [ "$rc" = 0 ] || fail "gemma (exit $rc; 3 = agreement below the goal)" ;;
     big)
       avail=$(df -Pm /tmp | awk 'NR == 2 {print $4}')
-      if [ "$big_layers" = auto ]; then
-        # as many of the 48 layers as /tmp holds, 4 GB left over (one layer ~1.66 GB of FP8)
-        big_layers=$(( (avail - 1500 - 4000) / 1700 ))
-        [ "$big_layers" -gt 48 ] && big_layers=48
-        say "big: $avail MB free in /tmp -> $big_layers layers"
+      # shards past /tmp's disk go to RAM (tmpfs), at most BIG_OVERFLOW_MB of it (the server
+      # needs the rest of the machine's 128 GB): all 48 layers are ~83 GB, the disk 64 GB
+      spill=${BIG_OVERFLOW_DIR:-/dev/shm/unimem-big}
+      spill_mb=0
+      if [ "${BIG_OVERFLOW_MB:-40000}" -gt 0 ] && mkdir -p "$spill" 2>/dev/null; then
+        spill_mb=$(df -Pm "$spill" | awk 'NR == 2 {print $4 - 8000}')
+        [ "$spill_mb" -gt "${BIG_OVERFLOW_MB:-40000}" ] && spill_mb=${BIG_OVERFLOW_MB:-40000}
+        [ "$spill_mb" -lt 0 ] && spill_mb=0
       fi
+      if [ "$big_layers" = auto ]; then
+        # as many of the 48 layers as /tmp and the overflow hold, 4 GB of /tmp left over
+        # (one layer ~1.7 GB of FP8)
+        big_layers=$(( (avail + spill_mb - 1500 - 4000) / 1700 ))
+        [ "$big_layers" -gt 48 ] && big_layers=48
+      fi
+      say "big: $avail MB free in /tmp, $spill_mb MB of overflow in $spill -> $big_layers layers"
       ck=/tmp/ckpt_qwen3_next_80b_fp8_l$big_layers
-      need=$(( big_layers * 1700 + 1500 ))  # MB: ~1.66 GB of FP8 per layer + bf16 tables
-      if [ ! -f "$ck/make_checkpoint.json" ] && [ "$avail" -lt "$need" ]; then
-        fail "big: $avail MB free in /tmp, $need MB needed for $big_layers layers"
+      need=$(( big_layers * 1700 + 1500 ))  # MB: ~1.7 GB of FP8 per layer + bf16 tables
+      if [ ! -f "$ck/make_checkpoint.json" ] && [ $(( avail + spill_mb )) -lt "$need" ]; then
+        fail "big: $avail + $spill_mb MB free, $need MB needed for $big_layers layers"
         continue
       fi
       { [ -f "$ck/make_checkpoint.json" ] \
         || run python3 tools/make_checkpoint.py --arch qwen3_next --size 80b --fp8 \
-          --layers "$big_layers" --out "$ck"; } || { fail "big checkpoint"; continue; }
+          --layers "$big_layers" --out "$ck" --overflow-dir "$spill"; } \
+        || { fail "big checkpoint"; continue; }
       run cat "$ck/make_checkpoint.json"
-      run python3 tools/device/fp8_serve_big.py --model-path "$ck" --vocab 151936 \
+      [[ " ${BIG_STEPS:-serve profile} " == *" serve "* ]] && { run python3 tools/device/fp8_serve_big.py --model-path "$ck" --vocab 151936 \
         --requests 64 --concurrency 32 --prompt-tokens 256 --output-tokens 128 \
         --json "$out/big_fp8_serve.json" -- --quantization fp8 --mem-fraction-static 0.88 \
-        --max-running-requests 64 --page-size 64 || fail "big serve"
+        --max-running-requests 64 --page-size 64 || fail "big serve"; }
       # where one stream's decode step goes (an FP8 checkpoint runs in FP8 without the flag)
-      run python3 -m unimem bench step-profile --model-path "$ck" --no-speculation \
+      [[ " ${BIG_STEPS:-serve profile} " == *" profile "* ]] && { run python3 -m unimem bench step-profile --model-path "$ck" --no-speculation \
         --requests 1 --input-len 256 --page-size 64 --memory static --steps 30 --replays 10 \
-        --json "$out/big_fp8_profile_1.json" || fail "big profile"
-      rm -rf "$ck" ;;
+        --json "$out/big_fp8_profile_1.json" || fail "big profile"; }
+      [ "${BIG_KEEP:-0}" = 1 ] || rm -rf "$ck" "$spill" ;;
     *) fail "unknown part $part" ;;
   esac
 done
