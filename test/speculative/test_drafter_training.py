@@ -443,6 +443,46 @@ def test_prompt_files(tmp_path):
         read_prompts(tmp_path / "bad.jsonl")
 
 
+def test_settings_are_checked_before_any_text_is_generated():
+    """``check_args`` refuses a setting that cannot train (here a Markov rank of 0, which the
+    drafter refuses) before the generating engine starts; and every recipe of
+    ``tools/device/gpu_drafter_recipes.sh``'s default list, on its base flags, passes it (a
+    bad variant would otherwise fail only after minutes of generation on the GPU)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from unimem.training.train_drafter import check_args, parser
+
+    def parse(flags: list[str]):
+        return parser().parse_args(["--model-path", "m", "--out", "o", *flags])
+
+    for flags, bad in (
+        (["--markov-rank", "0"], "--markov-rank"),
+        (["--draft-layers", "0"], "--draft-layers"),
+        (["--position-decay", "1.5"], "position_decay"),
+        (["--soft-top-k", "-1"], "--soft-top-k"),
+    ):
+        with pytest.raises(ValueError, match=bad):
+            check_args(parse(flags))
+    script = Path(__file__).resolve().parents[2] / "tools/device/gpu_drafter_recipes.sh"
+    text = script.read_text()
+    base = re.search(r"\nbase=\((.*?)\)\n", text, re.S).group(1)
+    # the shell's variables as values: the default it names ("${X:-240}"), 60 seconds of
+    # training for $budget, else a path
+    base = re.sub(
+        r'"\$\{?(\w+)(?::-(\w+))?\}?"',
+        lambda m: m.group(2) or {"budget": "60"}.get(m.group(1), "x"),
+        base,
+    )
+    variants = re.search(r'variants=\$\{VARIANTS:-"(.*?)"\}', text, re.S).group(1)
+    lines = [v for v in variants.splitlines() if v.strip()]
+    assert len(lines) >= 6
+    for line in lines:
+        args = parser().parse_args([*shlex.split(base), "--out", "o", *shlex.split(line)])
+        check_args(args)
+
+
 def test_model_key():
     for name in (
         "gemma-3-270m",

@@ -15,7 +15,8 @@
 # per line, flags added to the base recipe (2 draft layers over target layers 1, 9, 17,
 # Markov rank 16, a 32 768-token draft vocabulary, gamma 7; the first variant adds soft
 # targets, the target's own top-16 distribution at every position, at half the loss; the
-# second weighs block column i's loss 0.8 ** i).
+# second weighs block column i's loss 0.8 ** i; the Markov bias has rank >= 1, so 4 and 64
+# bracket the base's 16).
 # Several device calls: the recipes' drafters stay in /tmp/recipe_K on the machine, so a
 # later call with SKIP_BASE=1 (the base recipe already trained there) and the remaining
 # VARIANTS adds /tmp/recipe_K+1.. and reports every recipe trained so far.
@@ -39,7 +40,8 @@ variants=${VARIANTS:-"
 --position-decay 0.8
 --draft-layers 1
 --draft-layers 3
---markov-rank 0
+--markov-rank 4
+--markov-rank 64
 --target-layers 5,11,17
 --draft-vocab 8192"}
 base=(--model-path "$MODEL" --device cuda --text-cache "$text"
@@ -70,8 +72,8 @@ while IFS= read -r flags; do
     || status=1
   mkdir -p "/tmp/recipe_$i" && echo "$flags" > "/tmp/recipe_$i/flags.txt"
 done <<< "$variants"
-python3 - "$out/drafter_recipes.json" "$i" <<'PY' | tee -a "$log"
-import json, sys
+python3 - "$out/drafter_recipes.json" "$i" "$budget" "$(gpu_tag)" <<'PY' | tee -a "$log"
+import datetime, json, sys
 from pathlib import Path
 rows = []
 for k in range(int(sys.argv[2]) + 1):
@@ -85,7 +87,8 @@ for k in range(int(sys.argv[2]) + 1):
                  t["accept_before"], "accept_after": t["accept_after"], "steps": t["steps"],
                  "weights_bytes": t["weights_bytes"], "draft_config": t["draft_config"],
                  "sequences": t["sequences"], "text_cache": t.get("text_cache")})
-json.dump({"recipes": rows}, open(sys.argv[1], "w"), indent=1)
+json.dump({"gpu": sys.argv[4], "date": datetime.date.today().isoformat(),
+           "budget_s": float(sys.argv[3]), "recipes": rows}, open(sys.argv[1], "w"), indent=1)
 for r in rows:
     print(f"{r['flags']:<28} accept {r.get('accept_after') or float('nan'):.3f} "
           f"steps {r.get('steps', 0)}")

@@ -304,6 +304,49 @@ def drafter_shape(args: argparse.Namespace) -> tuple[int, tuple[int, ...] | None
     return n, args.target_layers
 
 
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` of ``args`` (``ValueError`` naming a bad setting)."""
+    return TrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        anchors_per_step=args.anchors_per_step,
+        gamma=args.gamma,
+        lr=args.lr,
+        warmup=args.warmup,
+        bf16=not args.no_bf16,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        checkpoint_dir=args.checkpoint_dir,
+        time_budget_s=args.time_budget,
+        head_steps=args.head_steps,
+        seed=args.seed,
+        progress=not args.no_progress,
+        soft_weight=args.soft_weight if args.soft_top_k else 0.0,
+        position_decay=args.position_decay,
+        soft_temperature=args.soft_temperature,
+        soft_loss=args.soft_loss,
+    )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the first setting of ``args`` that cannot train a drafter, before
+    any text is generated (the device, the model and the text are not checked here)."""
+    if args.bos_prompts < 0:
+        raise ValueError(f"--bos-prompts must be >= 0, got {args.bos_prompts}")
+    if args.eval_len < 1:
+        raise ValueError(f"--eval-len must be >= 1, got {args.eval_len}")
+    context_window(args)  # a negative window fails before the generation
+    drafter_shape(args)  # and so does a shape the init cannot give
+    for name, least in (("markov_rank", 1), ("draft_ffn_dim", 1), ("draft_vocab", 0)):
+        v = getattr(args, name)
+        if v is not None and v < least:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be >= {least}, got {v}")
+    if args.soft_top_k < 0:
+        raise ValueError(f"--soft-top-k must be >= 0, got {args.soft_top_k}")
+    train_config(args)  # and the training settings
+
+
 def run(args: argparse.Namespace, log=print) -> dict:
     """The pipeline of the module docstring; returns the summary written to
     ``training.json``."""
@@ -315,12 +358,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
     t0 = time.perf_counter()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda given but no CUDA device is available")
-    if args.bos_prompts < 0:
-        raise ValueError(f"--bos-prompts must be >= 0, got {args.bos_prompts}")
-    if args.eval_len < 1:
-        raise ValueError(f"--eval-len must be >= 1, got {args.eval_len}")
-    context_window(args)  # a negative window fails before the generation
-    drafter_shape(args)  # and so does a shape the init cannot give
+    check_args(args)
     kwargs = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
     kwargs["random_seed"] = args.seed
     # every prompt is new text: a prefix cache would only insert and evict
@@ -586,26 +624,7 @@ def train_on(text: TargetText, args: argparse.Namespace, log=print) -> dict:
         drafter = DsparkDrafter(
             dc, model.embed_weight, model.lm_head_weight, seed=args.seed + 17, d2t=d2t
         )
-    cfg = TrainConfig(
-        steps=args.steps,
-        batch=args.batch,
-        anchors_per_step=args.anchors_per_step,
-        gamma=args.gamma,
-        lr=args.lr,
-        warmup=args.warmup,
-        bf16=not args.no_bf16,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        checkpoint_dir=args.checkpoint_dir,
-        time_budget_s=args.time_budget,
-        head_steps=args.head_steps,
-        seed=args.seed,
-        progress=not args.no_progress,
-        soft_weight=args.soft_weight if args.soft_top_k else 0.0,
-        position_decay=args.position_decay,
-        soft_temperature=args.soft_temperature,
-        soft_loss=args.soft_loss,
-    )
+    cfg = train_config(args)
     result = train_drafter(drafter, train, held, cfg, calibration=calib, states=states, log=log)
     out = Path(args.out)
     save_drafter(result.drafter, out, fp8_weights=args.fp8_weights)
