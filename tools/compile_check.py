@@ -543,8 +543,8 @@ def _sorted_cut_launches() -> list[tuple[str, Callable[[], None]]]:
 
 
 def _chunk_maxima_launches() -> list[tuple[str, Callable[[], None]]]:
-    """The select's chunk maxima at its default chunks over a verify step's 48 x 8 rows of
-    Gemma 3's logits (32 from 128 rows on, float32 and bf16; 128 below), and at the shortest
+    """The select's chunk maxima at its default chunks over a verify step's rows of Gemma 3's
+    logits (48 x 8 rows: 32, float32 and bf16; 16 x 8: 64; 48: 128), and at the shortest
     default chunk (8)."""
     import torch
 
@@ -558,6 +558,8 @@ def _chunk_maxima_launches() -> list[tuple[str, Callable[[], None]]]:
          lambda: call(384, 262144, 32, torch.float32)),
         ("chunk_maxima 384 x 262144 chunk 32 bfloat16",
          lambda: call(384, 262144, 32, torch.bfloat16)),
+        ("chunk_maxima 128 x 262144 chunk 64 float32",
+         lambda: call(128, 262144, 64, torch.float32)),
         ("chunk_maxima 48 x 262144 chunk 128 float32",
          lambda: call(48, 262144, 128, torch.float32)),
         ("chunk_maxima 48 x 16384 chunk 8 float32", lambda: call(48, 16384, 8, torch.float32)),

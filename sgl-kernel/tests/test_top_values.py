@@ -15,9 +15,8 @@ from kernel_devices import DEVICES
 
 from unimem_kernel.top_values import (
     CHUNKED_MIN_RATIO,
-    MANY_ROWS,
-    MANY_ROWS_CHUNK,
     MAX_CHUNK,
+    ROW_CHUNK_CAPS,
     default_chunk,
     top_values,
 )
@@ -94,15 +93,19 @@ def test_default_chunk_leaves_eight_chunks_a_kept_value():
 
 
 def test_default_chunk_is_smaller_for_many_rows_with_the_kernels_maxima():
-    # the kernel reads a row at its bandwidth whatever the chunk: many rows take short chunks
-    assert default_chunk(262_144, 256, MANY_ROWS) == MANY_ROWS_CHUNK == 32
-    assert default_chunk(262_144, 256, MANY_ROWS - 1) == MAX_CHUNK
+    # the kernel reads a row at its bandwidth whatever the chunk: more rows, shorter chunks
+    assert ROW_CHUNK_CAPS == ((192, 32), (64, 64))
+    for rows, chunk in [(1, 128), (48, 128), (63, 128), (64, 64), (128, 64), (191, 64),
+                        (192, 32), (384, 32), (4096, 32)]:  # fmt: skip
+        assert default_chunk(262_144, 256, rows) == chunk, rows
     assert default_chunk(262_144, 256, 384, maxima="torch") == MAX_CHUNK  # amax: long chunks
     assert default_chunk(151_936, 256, 384) == 32
+    assert default_chunk(151_936, 256, 96) == 64  # already at the cap
     assert default_chunk(32_768, 256, 384) == 16  # already below the many-rows chunk
     assert default_chunk(CHUNKED_MIN_RATIO * 256 - 1, 256, 384) == 1
-    x = torch.randn(MANY_ROWS, 16_384)
-    assert torch.equal(top_values(x, 32), top_values_reference(x, 32))
+    for rows in (64, 192):
+        x = torch.randn(rows, 16_384)
+        assert torch.equal(top_values(x, 32), top_values_reference(x, 32))
 
 
 def test_bad_arguments_are_refused():

@@ -36,9 +36,8 @@ from unimem_kernel.chunk_maxima import chunk_maxima, chunk_maxima_reference
 
 __all__ = [
     "CHUNKED_MIN_RATIO",
-    "MANY_ROWS",
-    "MANY_ROWS_CHUNK",
     "MAX_CHUNK",
+    "ROW_CHUNK_CAPS",
     "default_chunk",
     "top_values",
 ]
@@ -51,37 +50,37 @@ launches would not beat."""
 MAX_CHUNK = 128
 """The largest default chunk: the largest one measured (``bench_top_values.py``)."""
 
-MANY_ROWS = 128
-"""From this many rows on, the kernel's maxima take chunks of at most :data:`MANY_ROWS_CHUNK`
-(:func:`default_chunk`)."""
-
-MANY_ROWS_CHUNK = 32
-"""The largest default chunk from :data:`MANY_ROWS` rows on with the kernel's maxima: the
-fastest chunk measured at 384 rows (:func:`default_chunk`)."""
+ROW_CHUNK_CAPS = ((192, 32), (64, 64))
+"""``(rows, cap)``, most rows first: from ``rows`` rows on, the kernel's maxima take chunks of
+at most ``cap`` (:func:`default_chunk`) — the fastest chunk measured at those row counts."""
 
 
 def default_chunk(vocab: int, w: int, rows: int = 1, maxima: str = "kernel") -> int:
     """The chunk :func:`top_values` uses for ``rows`` rows of ``vocab`` values, ``w`` of them
     kept, the maxima taken by ``maxima``: the largest power of two that leaves at least
     ``8 * w`` chunks, at most :data:`MAX_CHUNK` — 128 for 262 144 values and ``w = 256``
-    (2 048 maxima, 32 768 candidates), 64 for 151 936 — and with the kernel's maxima from
-    :data:`MANY_ROWS` rows on at most :data:`MANY_ROWS_CHUNK`. ``1`` (no chunks:
-    ``torch.topk`` over the whole row) when ``vocab < CHUNKED_MIN_RATIO * w``.
+    (2 048 maxima, 32 768 candidates), 64 for 151 936 — and with the kernel's maxima at most
+    the cap :data:`ROW_CHUNK_CAPS` gives ``rows`` (64 from 64 rows on, 32 from 192). ``1``
+    (no chunks: ``torch.topk`` over the whole row) when ``vocab < CHUNKED_MIN_RATIO * w``.
 
     Measured (``bench_top_values.py``, float32, ``w = 256``, 262 144 values; µs per call
     against ``torch.topk``): with ``amax`` a small chunk is slow — torch's reduction over few
     contiguous values (H200, ``docs/results/top_values_h200.json``: at 384 rows 574 us at
     chunk 128, 951 at 32, ``torch.topk`` 1 198). The kernel reads the row at its bandwidth
-    whatever the chunk, so the selections decide (H100, ``top_values_h100.json``): at 384
-    rows 349 us at chunk 32 against 508 at 128 (``amax``: 589; ``torch.topk`` 1 264); at 48
-    rows 134 at 128, 151 at 32; at one row 79 at 128, 101 at 32. The row count where 32
-    starts to win lies between 48 and 384 (not measured in between); 128 rows is a verify
-    step of 16 requests at gamma 7. At 151 936 values and 384 rows 32 takes 287 us, 64 302."""
+    whatever the chunk, so the selections decide (H100, ``top_values_h100.json`` and
+    ``top_values_rows_h100.json``; chunks 32 / 64 / 128): one row 101 / - / 79; 48 rows 150 /
+    133 / 134; 64 rows 160 / 148 / 151; 96 rows 182 / 164 / 174; 128 rows 205 / 184 / 209;
+    192 rows 234 / 236 / 267; 256 rows 277 / 303 / 343; 384 rows 346 / 372 / 506
+    (``amax`` at 128: 589; ``torch.topk`` 1 263). A verify step at gamma 7 has 8 rows a
+    request: 64 rows is 8 requests, 192 is 24. At 151 936 values and 384 rows 32 takes
+    287 us, 64 302."""
     if w < 1 or vocab < CHUNKED_MIN_RATIO * w:
         return 1
     chunk = min(MAX_CHUNK, 1 << int(math.log2(vocab // (8 * w))))
-    if maxima == "kernel" and rows >= MANY_ROWS:
-        chunk = min(chunk, MANY_ROWS_CHUNK)
+    if maxima == "kernel":
+        for least, cap in ROW_CHUNK_CAPS:
+            if rows >= least:
+                return min(chunk, cap)
     return chunk
 
 
