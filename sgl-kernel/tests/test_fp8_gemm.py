@@ -231,6 +231,67 @@ def test_forced_tiles_and_split_k_match_reference(device, spec, triton_backend, 
     _assert_gemm_close(y, ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", ["16x32,4,2,3", "16x16,4,2,8"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_split_k_sum_in_the_kernel_equals_the_second_launch(
+    device, spec, with_bias, triton_backend, monkeypatch
+):
+    """Split-K's ordered sum by the tile's last program (``UNIMEM_FP8_SPLIT_SUM=kernel``)
+    gives the second launch's bits (``separate``), bias added once, at bf16 and float32
+    outputs; its arrival counters are back at zero after each product, so products in a row
+    (and, on CUDA, a CUDA graph's replays on fresh inputs) stay right."""
+    from unimem_kernel.fp8_gemm import tile_counters
+
+    monkeypatch.setenv("UNIMEM_FP8_GEMM_CONFIG", spec)
+    gen = torch.Generator().manual_seed(11)
+    k, n, m = 1100, 72, 3  # 9 groups: 3 runs of 3, or 8 runs (the last of one partial group)
+    dev = torch.device(device)
+    wq, ws = (t.to(dev) for t in _weights(n, k, gen))
+    bias = torch.randn(n, generator=gen).bfloat16().to(dev) if with_bias else None
+
+    def product(x, out_dtype, mode):
+        monkeypatch.setenv("UNIMEM_FP8_SPLIT_SUM", mode)
+        xq, xs = fp8_quantize_groups(x)
+        return fp8_gemm(xq, xs, wq, ws, out_dtype=out_dtype, bias=bias)
+
+    for out_dtype in (torch.bfloat16, torch.float32):
+        for _ in range(2):
+            x = (torch.randn(m, k, generator=gen) * 3).bfloat16().to(dev)
+            want = product(x, out_dtype, "separate")
+            got = product(x, out_dtype, "kernel")
+            assert torch.equal(got, want)
+            assert torch.equal(product(x, out_dtype, "auto"), want)
+            assert torch.isfinite(got).all() and got.abs().sum() > 0
+            assert not tile_counters(dev, 1).any()
+    if dev.type == "cuda":
+        monkeypatch.setenv("UNIMEM_FP8_SPLIT_SUM", "kernel")
+        static = (torch.randn(m, k, generator=gen) * 3).bfloat16().to(dev)
+        product(static, torch.bfloat16, "kernel")  # compiled, counters made, before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = product(static, torch.bfloat16, "kernel")
+        for _ in range(3):
+            x = (torch.randn(m, k, generator=gen) * 3).bfloat16().to(dev)
+            static.copy_(x)
+            out.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, product(x, torch.bfloat16, "separate"))
+        assert not tile_counters(dev, 1).any()
+
+
+def test_split_sum_auto_sums_in_the_kernel_from_its_measured_run_count(monkeypatch):
+    from unimem_kernel.fp8_gemm import SPLIT_SUM_MIN_RUNS, _sums_in_kernel
+
+    monkeypatch.delenv("UNIMEM_FP8_SPLIT_SUM", raising=False)  # auto
+    assert SPLIT_SUM_MIN_RUNS == 8
+    assert _sums_in_kernel(8) and not _sums_in_kernel(7) and not _sums_in_kernel(2)
+    monkeypatch.setenv("UNIMEM_FP8_SPLIT_SUM", "kernel")
+    assert _sums_in_kernel(2)
+    monkeypatch.setenv("UNIMEM_FP8_SPLIT_SUM", "separate")
+    assert not _sums_in_kernel(8)
+
+
 def test_gemm_config_spec_round_trips_and_bad_specs_are_named(monkeypatch):
     cfg = Fp8GemmConfig.parse("32x128,4,3,2")
     assert cfg == Fp8GemmConfig(32, 128, 4, 3, 2) and Fp8GemmConfig.parse(cfg.spec()) == cfg

@@ -125,6 +125,15 @@ _ALL = (
         choices=("separate", "fused"),
     ),
     EnvSwitch(
+        "UNIMEM_FP8_SPLIT_SUM",
+        "auto",
+        "Who sums the Triton FP8 GEMM's split-K partials: kernel (the last of a tile's "
+        "programs to finish; no second launch), separate (a launch of its own), or auto "
+        "(kernel from fp8_gemm.SPLIT_SUM_MIN_RUNS runs on, where it measured faster); the "
+        "same bits either way.",
+        choices=("auto", "kernel", "separate"),
+    ),
+    EnvSwitch(
         "UNIMEM_FP8_LT_MIN_ROWS",
         None,
         "Fewest rows for which a dense FP8 linear with a block table runs on cuBLASLt's "

@@ -43,8 +43,11 @@ arithmetic is then the same whatever the number of rows, so a row's result does 
 on the other rows (activation scales are per row already). ``UNIMEM_FP8_GEMM_CONFIG=
 "BMxBN,warps,stages,splitk"`` forces one tile (sweeps). Outputs are allocated with
 ``torch.empty`` (split-K partials too) and no device value is read on the host: every call
-is capturable in a CUDA graph. Split-K is deterministic (partials summed in a fixed order by a
-second launch, no atomics).
+is capturable in a CUDA graph. Split-K is deterministic: the partials are summed in a fixed
+order, by a second launch or by the last of a tile's programs to finish (an arrival counter
+per tile, :func:`tile_counters`); the same bits either way. ``UNIMEM_FP8_SPLIT_SUM``: ``auto``
+(the default) sums in the kernel from :data:`SPLIT_SUM_MIN_RUNS` runs on, ``kernel`` always,
+``separate`` never.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ __all__ = [
     "FP8_MAX",
     "GROUP",
     "SCALE_FLOOR",
+    "SPLIT_SUM_MIN_RUNS",
     "LT_MIN_N",
     "LT_MIN_ROWS",
     "LT_N_ALIGN",
@@ -94,6 +98,7 @@ __all__ = [
     "fp8_quantize_groups_reference",
     "fp8_quantize_groups_triton",
     "nearest_swept_config",
+    "tile_counters",
     "quantize_blocks",
     "quantize_blockwise",
     "use_lt",
@@ -324,15 +329,18 @@ def fp8_gemm_config(
 
 @triton.jit(do_not_specialize=["T"])
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, rows_ptr, w_ptr, ws_ptr, offs_ptr, bias_ptr, out_ptr,
+    a_ptr, as_ptr, rows_ptr, w_ptr, ws_ptr, offs_ptr, bias_ptr, out_ptr, cnt_ptr, sum_ptr,
     T, N, K, KG, E,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
     GROUPED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
     FUSED_QUANT: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_K: tl.constexpr,
+    SPLIT_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program (p, n, s): row tile p, column tile n, run s of the groups (SPLIT_K > 1: dense
-    # only; the run's float32 partial goes to out_ptr + s * stride_os, bias added later).
+    # only; the run's float32 partial goes to out_ptr + s * stride_os, bias added to the sum;
+    # SPLIT_SUM: the tile's last program to finish writes the sum to sum_ptr [T, N], its
+    # arrivals counted in cnt_ptr[p * n_tiles + n], which it leaves at zero).
     # GROUPED: expert e < E owns rows [offs[e-1], offs[e]), the tail [offs[E-1], T) is
     # written as zeros; row tiles start at each segment's first row and are numbered over all
     # segments in order (found on the device from offs: no host reads). Otherwise one
@@ -397,11 +405,28 @@ def _fp8_gemm_kernel(
         part = tl.dot(a, w, out_dtype=tl.float32)
         sw = tl.load(ws_ptr + we * stride_wse + rn * stride_wsn + g, mask=mask_n, other=0.0)
         acc += part * sa[:, None] * sw[None, :]
-    if HAS_BIAS:
+    if HAS_BIAS and SPLIT_K == 1:
         bias = tl.load(bias_ptr + we * N + rn, mask=mask_n, other=0.0).to(tl.float32)
         acc += tl.where(g_end > 0, bias, 0.0)[None, :]
-    o = out_ptr + tl.program_id(2) * stride_os + rm[:, None] * stride_om + rn[None, :]
-    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask = mask_m[:, None] & mask_n[None, :]
+    part = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    tl.store(part + tl.program_id(2) * stride_os, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_SUM:
+        # every thread's partial is stored before the arrival is counted (barrier, release);
+        # the last arrival (acquire) reads the runs back through L2 (.cg: not a stale L1 line)
+        # and adds them in run order, as _split_sum_kernel does
+        tl.debug_barrier()
+        tile = p * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(part + s * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            dst = sum_ptr + rm[:, None] * N + rn[None, :]
+            tl.store(dst, total.to(sum_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next product
 
 
 @triton.jit
@@ -496,6 +521,48 @@ def _split_k(cfg: Fp8GemmConfig, t: int, n: int, kg: int, device: torch.device) 
     return max(1, min(8, kg // 2, triton.cdiv(2 * sms, tiles)))
 
 
+SPLIT_SUM_MIN_RUNS = 8
+"""``UNIMEM_FP8_SPLIT_SUM=auto`` sums split-K partials in the GEMM kernel from this many runs
+on. Measured (H100, ``bench_fp8_split_sum.py``, ``docs/results/fp8_split_sum_h100.json``; µs
+per GEMM at 1 and 8 rows of Qwen3-Next-80B's dense projections, second launch / in the
+kernel): 8 runs 5.08 / 4.42 and 5.38 / 4.75 (N 1 024, K 2 048); 2 to 4 runs 0.2-0.4 µs
+slower in the kernel (the last program's serial read of the partials, and every program's
+barrier and atomic, outweigh a second launch inside a CUDA graph)."""
+
+_COUNTERS_MIN = 4096
+
+
+def _sums_in_kernel(split: int) -> bool:
+    """Whether a product of ``split`` runs sums them in the kernel (``UNIMEM_FP8_SPLIT_SUM``)."""
+    mode = envs.get("UNIMEM_FP8_SPLIT_SUM")
+    return mode == "kernel" or (mode == "auto" and split >= SPLIT_SUM_MIN_RUNS)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+_kept: list[torch.Tensor] = []  # replaced buffers: graphs captured with them still read them
+
+
+def tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """At least ``n`` int32 arrival counters on ``device``, all zero, for the split-K sum in
+    the GEMM kernel (``SPLIT_SUM``): one buffer per device, made on first use outside a CUDA
+    graph capture, and left at zero by every product that uses it. None where there is none
+    yet, or it is too short, during a capture (which cannot make one): the caller then sums
+    in a second launch. Products on one device share the buffer, so they must not overlap
+    in time (one stream, or streams ordered by events, as the engine's steps and their
+    graphs are); a graph keeps the buffer it was captured with (a replaced one is never
+    freed)."""
+    buf = _counters.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(n, _COUNTERS_MIN, 2 * buf.numel() if buf is not None else 0)
+    if buf is not None:
+        _kept.append(buf)
+    _counters[device] = buf = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -520,20 +587,26 @@ def _launch(a, xs, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tens
     dest = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=a.device)
     row_tiles = grouped_row_tiles(t, e, cfg.block_m) if grouped else triton.cdiv(t, cfg.block_m)
     grid = (row_tiles, triton.cdiv(n, cfg.block_n), split)
+    counters = None
+    if split > 1 and _sums_in_kernel(split):
+        counters = tile_counters(a.device, grid[0] * grid[1])
     fused = xs is None
     _fp8_gemm_kernel[grid](
         a, a if fused else xs, rows if rows is not None else a, wq, ws, offs if grouped else a,
-        bias if bias is not None and split == 1 else out, dest,
+        bias if bias is not None and (split == 1 or counters is not None) else out, dest,
+        counters if counters is not None else dest, out,
         t, n, k, kg, e,
         a.stride(0), 0 if fused else xs.stride(0), wq.stride(0) if grouped else 0,
         wq.stride(-2), ws.stride(0) if grouped else 0, ws.stride(-2), n,
         t * n if split > 1 else 0,
-        GROUPED=grouped, GATHER=rows is not None, HAS_BIAS=bias is not None and split == 1,
+        GROUPED=grouped, GATHER=rows is not None,
+        HAS_BIAS=bias is not None and (split == 1 or counters is not None),
         FUSED_QUANT=fused, BLOCK_E=next_pow2(e + 1), SPLIT_K=split,
+        SPLIT_SUM=counters is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
+    if split > 1 and counters is None:
         block = 1024
         _split_sum_kernel[(triton.cdiv(t * n, block),)](
             dest, bias if bias is not None else dest, out, t * n, n, t * n,
