@@ -34,8 +34,9 @@
 #   big       : the Qwen3-Next-80B shape (hidden 2048, 512 experts) with --big-layers layers
 #               (default 24: ~42 GB of FP8 shards, the disk holds 64 GB; `auto`: as many
 #               of the 48 as the free disk and BIG_OVERFLOW_MB (default 40000) of RAM in
-#               BIG_OVERFLOW_DIR (default /dev/shm/unimem-big) hold — all 48 on an H200) written FP8 by
-#               make_checkpoint.py on the GPU, then served by launch_server
+#               BIG_OVERFLOW_DIR (default /dev/shm/unimem-big) hold — all 48 on an H200,
+#               whose 139 GB take their ~83 GB) written FP8 by make_checkpoint.py on the GPU
+#               (shards past the disk in the overflow, linked), then served by launch_server
 #               (tools/device/fp8_serve_big.py): load time, weight bytes, single-stream and
 #               32-concurrent decode throughput -> big_fp8_serve.json; then the single
 #               stream's decode step with its kernel breakdown (`bench step-profile

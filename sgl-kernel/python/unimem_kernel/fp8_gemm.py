@@ -98,9 +98,9 @@ __all__ = [
     "fp8_quantize_groups_reference",
     "fp8_quantize_groups_triton",
     "nearest_swept_config",
-    "tile_counters",
     "quantize_blocks",
     "quantize_blockwise",
+    "tile_counters",
     "use_lt",
 ]
 
