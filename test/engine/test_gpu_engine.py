@@ -139,3 +139,30 @@ def test_graph_replay_equals_eager_steps():
             eng.submit(p, 60)
         outs.append({r.rid: r.output for r in eng.run()})
     assert outs[0] == outs[1]
+
+
+def test_engine_records_the_cuda_graph_bs_it_is_given(tmp_path):
+    """``cuda_graph_bs`` (SGLang's ``--cuda-graph-bs``): the engine records step graphs for
+    those batch sizes only, its largest caps the running requests, and every batch runs."""
+    pytest.importorskip("flash_attn.cute", reason="FA4 not installed")
+    import tiny_qwen3_next
+    import tiny_tokenizer
+
+    import unimem
+
+    hf = tiny_qwen3_next.build(tmp_path, head_dim=128)
+    tiny_tokenizer.save(tmp_path, hf.config.vocab_size)
+    engine = unimem.Engine(
+        model_path=str(tmp_path), device="cuda", dtype="bfloat16", page_size=4,
+        max_total_tokens=1024, max_running_requests=8, cuda_graph_bs=[1, 3],
+    )  # fmt: skip
+    try:
+        assert engine.max_running_requests == 3
+        assert engine.core.runner.graphs.buckets == (1, 3)
+        g = torch.Generator().manual_seed(3)
+        prompts = torch.randint(0, hf.config.vocab_size, (5, 20), generator=g).tolist()
+        params = {"max_new_tokens": 6, "ignore_eos": True}
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert [len(o["output_ids"]) for o in outs] == [6] * 5
+    finally:
+        engine.shutdown()

@@ -85,6 +85,22 @@ def test_stream_interval_flag():
     assert server.stream_interval == 4
 
 
+def test_cuda_graph_bs_flag():
+    """SGLang's ``--cuda-graph-bs``: the batch sizes to record; the recorded buckets are those
+    up to the running requests, and the running requests themselves."""
+    from unimem.engine.args import graph_buckets
+
+    engine, _ = parse_args(["--model-path", "/m", "--device", "cuda", "--cuda-graph-bs", "64",
+                            "8", "512", "8"])  # fmt: skip
+    assert engine.cuda_graph_bs == (8, 64, 512) and engine.graph_cap() == 512
+    engine, _ = parse_args(["--model-path", "/m", "--device", "cuda"])
+    assert engine.cuda_graph_bs is None and engine.graph_cap() is None
+    assert graph_buckets(None, 48) is None
+    assert graph_buckets((8, 64, 512), 512) == (8, 64, 512)
+    assert graph_buckets((8, 64, 512), 100) == (8, 64, 100)  # max_running_requests 100
+    assert graph_buckets((1,), 1) == (1,)
+
+
 def test_every_engine_argument_has_its_sglang_flag():
     flags = {opt for a in build_parser()._actions for opt in a.option_strings}
     for f in fields(EngineArgs):
@@ -162,6 +178,13 @@ def test_deterministic_inference_flag():
         (["--speculative-algorithm", "EAGLE"], "invalid choice: 'EAGLE'"),
         (["--speculative-num-draft-tokens", "4"], "needs --speculative-algorithm DSPARK"),
         (["--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs applies to device cuda only"),
+        (["--cuda-graph-bs", "8", "16"], "--cuda-graph-bs applies to device cuda only"),
+        (["--cuda-graph-bs", "0", "--device", "cuda"], "--cuda-graph-bs must be a positive int"),
+        (
+            ["--cuda-graph-bs", "64", "--cuda-graph-max-bs", "32", "--device", "cuda"],
+            "--cuda-graph-bs 64 exceeds --cuda-graph-max-bs 32",
+        ),
+        (["--cuda-graph-bs", "--device", "cuda"], "expected at least one argument"),
         (["--port", "70000"], "--port must be in [1, 65535]"),
         (["--stream-interval", "0"], "--stream-interval must be a positive integer"),
         (["--page-size", "many"], "invalid int value"),

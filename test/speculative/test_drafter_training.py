@@ -452,7 +452,7 @@ def test_settings_are_checked_before_any_text_is_generated():
     import shlex
     from pathlib import Path
 
-    from unimem.training.train_drafter import check_args, parser
+    from unimem.training.train_drafter import check_args, gen_graph_bs, parser
 
     def parse(flags: list[str]):
         return parser().parse_args(["--model-path", "m", "--out", "o", *flags])
@@ -462,9 +462,16 @@ def test_settings_are_checked_before_any_text_is_generated():
         (["--draft-layers", "0"], "--draft-layers"),
         (["--position-decay", "1.5"], "position_decay"),
         (["--soft-top-k", "-1"], "--soft-top-k"),
+        (["--gen-graph-bs", "0,8"], "--gen-graph-bs"),
+        (["--gen-graph-bs", "eight"], "--gen-graph-bs"),
     ):
         with pytest.raises(ValueError, match=bad):
             check_args(parse(flags))
+    # the generating engine's graph sizes: a few, and its batch limit (never a cap on it)
+    assert gen_graph_bs(parse(["--max-running", "512"])) == [1, 8, 64, 256, 512]
+    assert gen_graph_bs(parse(["--max-running", "48"])) == [1, 8, 48]
+    assert gen_graph_bs(parse([])) == [1, 8, 64, 256]  # the engine's default limit on CUDA
+    assert gen_graph_bs(parse(["--gen-graph-bs", "all"])) is None
     script = Path(__file__).resolve().parents[2] / "tools/device/gpu_drafter_recipes.sh"
     text = script.read_text()
     base = re.search(r"\nbase=\((.*?)\)\n", text, re.S).group(1)

@@ -40,7 +40,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from unimem.cache import CacheStats, PrefixCache
-from unimem.engine.args import EngineArgs
+from unimem.engine.args import (
+    DEFAULT_CPU_MAX_RUNNING,
+    DEFAULT_CUDA_MAX_RUNNING,
+    EngineArgs,
+    graph_buckets,
+)
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
 from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
@@ -274,9 +279,11 @@ class Engine:
             lanes = drafter.config.lanes()
         spec = memory_spec(config, args.page_size, lanes)
 
-        max_running = args.max_running_requests or (256 if device.type == "cuda" else 16)
-        if args.cuda_graph_max_bs is not None:
-            max_running = min(max_running, args.cuda_graph_max_bs)
+        max_running = args.max_running_requests or (
+            DEFAULT_CUDA_MAX_RUNNING if device.type == "cuda" else DEFAULT_CPU_MAX_RUNNING
+        )
+        if args.graph_cap() is not None:
+            max_running = min(max_running, args.graph_cap())
         ckpt_slots = checkpoint_slots(spec, max_running, not args.disable_radix_cache)
         max_total = args.max_total_tokens
         if max_total is None:
@@ -305,6 +312,7 @@ class Engine:
             logprobs=True,
             random_seed=args.random_seed,
             prefill_delayer=args.prefill_delayer(),
+            graph_buckets=graph_buckets(args.cuda_graph_bs, max_running),
         )
         if groups is not None and groups.rank == 0:
             self.core = LeaderCore(*core_args, groups=groups, **core_kwargs)

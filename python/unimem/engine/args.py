@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES, PrefillDelayer
 from unimem.models.model_path import DEFAULT_MODEL
 
-__all__ = ["EngineArgs", "UNSUPPORTED_SGLANG_ARGS", "SWA_FULL_TOKENS_RATIO"]
+__all__ = ["EngineArgs", "UNSUPPORTED_SGLANG_ARGS", "SWA_FULL_TOKENS_RATIO", "graph_buckets"]
 
 SWA_FULL_TOKENS_RATIO = 0.8
 """SWA pool tokens per FULL pool token in the static split: SGLang's default
@@ -23,6 +23,12 @@ DEFAULT_MAMBA_TRACK_INTERVAL = 512
 """Tokens between the recurrent-state checkpoints of cached prefixes (models with STATE
 layers) when ``mamba_track_interval`` is not given: a step that may end on one copies a
 state slot, and every checkpoint the cache keeps holds one (``docs/prefix_cache.md``)."""
+
+DEFAULT_CUDA_MAX_RUNNING = 256
+"""``max_running_requests`` on CUDA when it is not given (and no graph size caps it)."""
+
+DEFAULT_CPU_MAX_RUNNING = 16
+"""``max_running_requests`` on the CPU when it is not given."""
 
 DEFAULT_CPU_MAX_TOTAL_TOKENS = 16384
 """FULL-pool tokens on the CPU when ``max_total_tokens`` is not given (no memory probe)."""
@@ -74,6 +80,17 @@ def _positive_int(name: str, value: object, allow_none: bool = True) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def graph_buckets(
+    cuda_graph_bs: tuple[int, ...] | None, max_running: int
+) -> tuple[int, ...] | None:
+    """The batch sizes whose step graphs are recorded for ``max_running`` requests: those of
+    ``cuda_graph_bs`` up to ``max_running``, and ``max_running`` itself (every batch needs a
+    graph that holds it); None (the runner's default buckets) without ``cuda_graph_bs``."""
+    if cuda_graph_bs is None:
+        return None
+    return tuple(sorted({b for b in cuda_graph_bs if b < max_running} | {max_running}))
+
+
 @dataclass
 class EngineArgs:
     """What ``unimem.Engine`` and ``python -m unimem.launch_server`` take (SGLang's names).
@@ -81,6 +98,11 @@ class EngineArgs:
     ``model_path``: a checkpoint directory, a ``.gguf`` file or an embedded model's name
     (:func:`unimem.models.model_path.resolve_model_path`); None: the default model,
     ``gemma-3-270m``.
+    ``cuda_graph_max_bs`` / ``cuda_graph_bs`` (SGLang's names, CUDA only): every batch runs a
+    recorded step graph, so the running requests are capped at the largest recorded batch:
+    ``cuda_graph_max_bs`` (default buckets up to it: 1, 2, 4, then every multiple of 8) or
+    the largest of ``cuda_graph_bs``, the batch sizes to record (a batch pads up to the next;
+    :func:`graph_buckets`). Fewer sizes start faster (each is several graphs) and pad more.
     ``max_total_tokens``: tokens of the FULL-attention pool (SGLang's meaning). Without
     ``enable_unified_memory`` the static pools hold that many FULL tokens,
     ``SWA_FULL_TOKENS_RATIO`` times as many SWA tokens and ``max_running_requests`` state
@@ -142,6 +164,7 @@ class EngineArgs:
     attention_backend: str | None = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_draft_model_path: str | None = None
@@ -247,11 +270,37 @@ class EngineArgs:
         self._check_prefill_delayer()
         if self.cuda_graph_max_bs is not None and self.device != "cuda":
             raise ValueError("cuda_graph_max_bs applies to device cuda only")
+        self._check_cuda_graph_bs()
         if self.enable_deterministic_inference and self.device != "cuda":
             raise ValueError(
                 "enable_deterministic_inference applies to device cuda only (the CPU runs "
                 "torch's own kernels)"
             )
+
+    def _check_cuda_graph_bs(self) -> None:
+        if self.cuda_graph_bs is None:
+            return
+        bs = self.cuda_graph_bs
+        if isinstance(bs, (str, bytes)) or not hasattr(bs, "__iter__"):
+            raise ValueError(f"cuda_graph_bs must be a list of batch sizes, got {bs!r}")
+        bs = tuple(bs)
+        if not bs:
+            raise ValueError("cuda_graph_bs must name at least one batch size")
+        for b in bs:
+            _positive_int("cuda_graph_bs", b)
+        if self.device != "cuda":
+            raise ValueError("cuda_graph_bs applies to device cuda only")
+        if self.cuda_graph_max_bs is not None and max(bs) > self.cuda_graph_max_bs:
+            raise ValueError(
+                f"cuda_graph_bs {max(bs)} exceeds cuda_graph_max_bs {self.cuda_graph_max_bs}"
+            )
+        self.cuda_graph_bs = tuple(sorted(set(bs)))
+
+    def graph_cap(self) -> int | None:
+        """The most running requests the recorded graphs allow (None: no cap of theirs)."""
+        if self.cuda_graph_bs is not None:
+            return max(self.cuda_graph_bs)
+        return self.cuda_graph_max_bs
 
     def _check_verify_lengths(self) -> None:
         if self.speculative_verify_lengths not in VERIFY_LENGTHS:

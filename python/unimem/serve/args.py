@@ -62,7 +62,6 @@ SGLANG_ONLY_FLAGS = frozenset(
         "--schedule-conservativeness",
         "--stream-output",
         "--watchdog-timeout",
-        "--cuda-graph-bs",
         "--torch-compile-max-bs",
         "--disable-overlap-schedule",
         "--enable-p2p-check",
@@ -237,6 +236,14 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         "other requests in its batch",
     )
     r.add_argument("--cuda-graph-max-bs", type=int)
+    r.add_argument(
+        "--cuda-graph-bs",
+        type=int,
+        nargs="+",
+        metavar="BS",
+        help="the batch sizes to record step graphs for (a batch pads up to the next; the "
+        "largest caps the running requests); default: 1, 2, 4, then every multiple of 8",
+    )
     r.add_argument(
         "--quantization",
         choices=("fp8",),
