@@ -280,6 +280,21 @@ def test_split_k_sum_in_the_kernel_equals_the_second_launch(
         assert not tile_counters(dev, 1).any()
 
 
+def test_tile_counters_grow_and_keep_what_graphs_may_hold():
+    """One zeroed counter buffer per device, grown (never shrunk) when a product has more
+    tiles; a replaced buffer stays alive (a CUDA graph captured with it still reads it)."""
+    from unimem_kernel.fp8_gemm import _kept, tile_counters
+
+    dev = torch.device("cpu")
+    first = tile_counters(dev, 16)
+    assert first is not None and first.dtype == torch.int32 and not first.any()
+    assert tile_counters(dev, first.numel()) is first
+    grown = tile_counters(dev, first.numel() + 1)
+    assert grown.numel() >= 2 * first.numel() and not grown.any()
+    assert any(k is first for k in _kept)
+    assert tile_counters(dev, 1) is grown
+
+
 def test_split_sum_auto_sums_in_the_kernel_from_its_measured_run_count(monkeypatch):
     from unimem_kernel.fp8_gemm import SPLIT_SUM_MIN_RUNS, _sums_in_kernel
 
