@@ -142,10 +142,11 @@ for part in $parts; do
       # shards past /tmp's disk go to RAM (tmpfs), at most BIG_OVERFLOW_MB of it (the server
       # needs the rest of the machine's 128 GB): all 48 layers are ~83 GB, the disk 64 GB
       spill=${BIG_OVERFLOW_DIR:-/dev/shm/unimem-big}
+      spill_cap=${BIG_OVERFLOW_MB:-40000}
       spill_mb=0
-      if [ "${BIG_OVERFLOW_MB:-40000}" -gt 0 ] && mkdir -p "$spill" 2>/dev/null; then
+      if [ "$spill_cap" -gt 0 ] && mkdir -p "$spill" 2>/dev/null; then
         spill_mb=$(df -Pm "$spill" | awk 'NR == 2 {print $4 - 8000}')
-        [ "$spill_mb" -gt "${BIG_OVERFLOW_MB:-40000}" ] && spill_mb=${BIG_OVERFLOW_MB:-40000}
+        [ "$spill_mb" -gt "$spill_cap" ] && spill_mb=$spill_cap
         [ "$spill_mb" -lt 0 ] && spill_mb=0
       fi
       if [ "$big_layers" = auto ]; then

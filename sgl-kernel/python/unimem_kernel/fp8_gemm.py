@@ -591,16 +591,17 @@ def _launch(a, xs, wq, ws, out_dtype, bias, offs, rows, invariant) -> torch.Tens
     if split > 1 and _sums_in_kernel(split):
         counters = tile_counters(a.device, grid[0] * grid[1])
     fused = xs is None
+    # the bias goes in this launch unless a second one sums the partials
+    kernel_bias = bias is not None and (split == 1 or counters is not None)
     _fp8_gemm_kernel[grid](
         a, a if fused else xs, rows if rows is not None else a, wq, ws, offs if grouped else a,
-        bias if bias is not None and (split == 1 or counters is not None) else out, dest,
+        bias if kernel_bias else out, dest,
         counters if counters is not None else dest, out,
         t, n, k, kg, e,
         a.stride(0), 0 if fused else xs.stride(0), wq.stride(0) if grouped else 0,
         wq.stride(-2), ws.stride(0) if grouped else 0, ws.stride(-2), n,
         t * n if split > 1 else 0,
-        GROUPED=grouped, GATHER=rows is not None,
-        HAS_BIAS=bias is not None and (split == 1 or counters is not None),
+        GROUPED=grouped, GATHER=rows is not None, HAS_BIAS=kernel_bias,
         FUSED_QUANT=fused, BLOCK_E=next_pow2(e + 1), SPLIT_K=split,
         SPLIT_SUM=counters is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP,
