@@ -159,6 +159,8 @@ def test_engine_records_the_cuda_graph_bs_it_is_given(tmp_path):
     try:
         assert engine.max_running_requests == 3
         assert engine.core.runner.graphs.buckets == (1, 3)
+        phases = engine.startup_seconds  # the captures are timed within the step loop's
+        assert 0 < phases["cuda_graphs"] <= phases["step_loop"]
         g = torch.Generator().manual_seed(3)
         prompts = torch.randint(0, hf.config.vocab_size, (5, 20), generator=g).tolist()
         params = {"max_new_tokens": 6, "ignore_eos": True}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from unimem.engine.api import Engine
+from unimem.engine.api import Engine, startup_line
 
 PROMPTS = [[2, 5, 9, 13, 17, 4, 8, 21, 3], [2, 6, 10], [2, 5, 9, 13, 17, 4, 30]]
 PARAMS = [
@@ -64,3 +64,20 @@ def test_warm_up_fits_a_tiny_context(gemma2_ckpt):
     done = eng.warm_up()
     assert done["requests"] == 3 and done["tokens"] >= 3
     eng.shutdown()
+
+
+def test_engine_records_its_start_up_phases(gemma2_ckpt):
+    """``startup_seconds``: each start-up phase in the order it ran (DSPARK's drafter
+    included; on the CPU no CUDA graphs), also in ``get_server_info``, and the log line."""
+    eng = _engine(gemma2_ckpt, speculative_algorithm="DSPARK")
+    phases = eng.startup_seconds
+    assert list(phases) == ["checkpoint", "drafter", "pools", "step_loop"]
+    assert all(sec >= 0 for sec in phases.values()) and phases["checkpoint"] > 0
+    assert eng.get_server_info()["startup_seconds"] == phases
+    eng.shutdown()
+    line = startup_line({"checkpoint": 40.1, "pools": 0.2, "step_loop": 12.0,
+                         "cuda_graphs": 11.2, "warm_up": 3.0})  # fmt: skip
+    assert line == (
+        "start-up 55.3 s: checkpoint 40.1 s, pools 0.2 s, step loop 12.0 s "
+        "(CUDA graphs 11.2 s), warm up 3.0 s"
+    )

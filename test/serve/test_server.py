@@ -501,6 +501,10 @@ def test_models_info_health_flush(server):
     assert "api_key" not in si["server_args"]
     assert si["server_args"]["disable_radix_cache"] is False
     assert si["server_args"]["mamba_track_interval"] == TRACK
+    # the start-up's phases in the order they ran (CPU: no graphs)
+    phases = si["startup_seconds"]
+    assert list(phases) == ["checkpoint", "pools", "step_loop", "warm_up"]
+    assert all(sec >= 0 for sec in phases.values()) and phases["checkpoint"] > 0
     assert server.http.post("/flush_cache").status_code == 200
 
 

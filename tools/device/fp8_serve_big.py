@@ -4,7 +4,8 @@ holds; any checkpoint works).
 
 Starts the server (``--model-path``, ``--device``, extra flags after ``--``), times process
 start to a healthy ``/health`` (the load: reading the shards, building the pools, capturing
-the CUDA graphs), reads ``weight_bytes`` and the pool sizes from ``/get_server_info``, then:
+the CUDA graphs), reads ``weight_bytes``, the pool sizes and the load's phases
+(``startup_seconds``) from ``/get_server_info``, then:
 one request alone (``--output-tokens`` greedy tokens, ``ignore_eos``; after a warm-up request
 at the same prompt length): its tokens over its whole time (``single_stream_tok_s``), the time
 of a one-token request (``single_stream_ttft_s``) and the decode rate past it
@@ -95,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         result["load_s"] = round(time.perf_counter() - t0, 2)
         info = httpx.get(url + "/get_server_info", timeout=30).json()
+        # startup_seconds: where the load went (checkpoint, pools, step loop and its CUDA
+        # graphs, warm-up); the rest of load_s is the process's imports and the HTTP start
         for key in ("weight_bytes", "max_total_num_tokens", "max_running_requests", "cuda_graphs",
-                    "attention_backend"):  # fmt: skip
+                    "attention_backend", "startup_seconds"):  # fmt: skip
             result[key] = info.get(key)
         result["quantization"] = info["server_args"].get("quantization")
         rng = random.Random(0)

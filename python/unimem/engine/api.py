@@ -82,6 +82,36 @@ rows that is 17 GiB: more than the 15 % that the default ``mem_fraction_static``
 80 GiB GPU (an H100 ran out of memory capturing the sampling graphs)."""
 
 
+class StartupLaps:
+    """Seconds per start-up phase, in the order they ran: :meth:`lap` closes the phase that
+    ran since the previous lap (or since construction) under its name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self._t, 3)
+        self._t = now
+
+
+def startup_line(seconds: Mapping[str, float]) -> str:
+    """``start-up 52.3 s: checkpoint 40.1 s, pools 0.2 s, step loop 11.9 s (CUDA graphs
+    11.2 s), warm up 0.1 s`` from :attr:`Engine.startup_seconds` (its phases in the order
+    they ran; the graphs' seconds are part of the step loop's)."""
+    parts = []
+    for name, sec in seconds.items():
+        if name == "cuda_graphs":
+            continue
+        part = f"{name.replace('_', ' ')} {sec:.1f} s"
+        if name == "step_loop" and "cuda_graphs" in seconds:
+            part += f" (CUDA graphs {seconds['cuda_graphs']:.1f} s)"
+        parts.append(part)
+    total = sum(sec for name, sec in seconds.items() if name != "cuda_graphs")
+    return f"start-up {total:.1f} s: " + ", ".join(parts)
+
+
 def step_workspace_bytes(rows: int, vocab: int) -> int:
     """What the default memory split leaves free beside the pools for a largest step of
     ``rows`` logit rows over ``vocab`` tokens (:data:`STEP_BYTES_PER_LOGIT` per logit, plus
@@ -206,6 +236,13 @@ class Engine:
             self._owns_invariance = True
         torch.manual_seed(args.random_seed)
         tp = groups.tensor_parallel() if groups is not None else SINGLE
+        laps = StartupLaps()
+        self.startup_seconds = laps.seconds
+        """Seconds of each start-up phase, in order: ``checkpoint`` (reading the weights onto
+        the device, conversions such as online FP8, the tokenizer), ``drafter`` (DSPARK's),
+        ``pools`` (sizing and building the memory), ``step_loop`` (the scheduler and the
+        runner, whose CUDA-graph captures are also given alone as ``cuda_graphs``); the
+        server adds ``warm_up``. ``/get_server_info`` reports it; the server logs it."""
         error, ckpt = None, None
         try:
             ckpt = load_checkpoint(
@@ -223,6 +260,7 @@ class Engine:
             groups.agree(error)
         elif error is not None:
             raise error
+        laps.lap("checkpoint")
         self.checkpoint = ckpt
         self.model = ckpt.model
         self.tokenizer = None if args.skip_tokenizer_init else ckpt.tokenizer
@@ -277,6 +315,7 @@ class Engine:
                 sampled_verify=args.speculative_sampling_verify,
             )
             lanes = drafter.config.lanes()
+            laps.lap("drafter")
         spec = memory_spec(config, args.page_size, lanes)
 
         max_running = args.max_running_requests or (
@@ -303,6 +342,7 @@ class Engine:
             # checkpoint_interval_pages (each one copies a state slot): docs/prefix_cache.md
             interval = args.checkpoint_interval_pages if spec.has(LayerKind.STATE) else 1
             self.cache = PrefixCache(pool, interval)
+        laps.lap("pools")
         chunk = args.chunked_prefill_size or (8192 if device.type == "cuda" else 512)
         core_args = (self.model, pool, _make_backend(backend_name), max_running, chunk)
         core_kwargs = dict(
@@ -318,6 +358,9 @@ class Engine:
             self.core = LeaderCore(*core_args, groups=groups, **core_kwargs)
         else:
             self.core = EngineCore(*core_args, **core_kwargs)
+        laps.lap("step_loop")
+        if self.core.runner.capture_seconds is not None:
+            self.startup_seconds["cuda_graphs"] = round(self.core.runner.capture_seconds, 3)
         self.backend_name = backend_name
         self.cuda_graphs = cuda_graphs
 
@@ -535,7 +578,8 @@ class Engine:
     def get_server_info(self) -> dict:
         """Capacity and memory use: ``max_total_num_tokens``, ``max_running_requests``,
         ``context_length``, the memory mode, the pool's used / capacity bytes (what the
-        prefix cache holds included) and the cache's statistics (``prefix_cache``)."""
+        prefix cache holds included), the cache's statistics (``prefix_cache``) and the
+        start-up's phases (``startup_seconds``)."""
         stats = self.pool.stats
         return {
             "model_path": self.args.model_path,
@@ -552,6 +596,7 @@ class Engine:
             "disable_radix_cache": self.args.disable_radix_cache,
             "prefix_cache": self.cache_stats(),
             "enable_prefill_delayer": self.args.enable_prefill_delayer,
+            "startup_seconds": dict(self.startup_seconds),
         }
 
     def shutdown(self) -> None:

@@ -184,6 +184,8 @@ class ModelRunner:
         self.extend_graphs: dict[tuple[int, str | None], StepGraphs] = {}
         """Recorded padded extends, per (request bucket, the step's rule: None where no lane
         samples, else the cut-off rule of :meth:`step_rule`), each over the token buckets."""
+        self.capture_seconds: float | None = None
+        """Seconds the start-up's CUDA-graph captures took (None: no graphs)."""
         self.graphs: StepGraphs | None = None
         self.sample_graphs: dict[str, StepGraphs] = {}
         """Graphs of the steps that sample, one set per cut-off rule (:data:`CUT_RULES`), in
@@ -215,10 +217,11 @@ class ModelRunner:
                             self.extend_tokens, self.device, pool=pool,
                         )  # fmt: skip
                         self.extend_graphs[(lanes, rule)] = graphs
+            self.capture_seconds = time.perf_counter() - t0
             log.info(
                 "captured %d CUDA graphs in %.1f s: %d batch sizes (1 .. %d) x %d step kinds"
                 " and %d padded extends",
-                len(buckets) * (1 + len(CUT_RULES)), time.perf_counter() - t0,
+                len(buckets) * (1 + len(CUT_RULES)), self.capture_seconds,
                 len(buckets), max(buckets), 1 + len(CUT_RULES),
                 (1 + len(CUT_RULES)) * len(self.extend_lanes) * len(self.extend_tokens),
             )  # fmt: skip

@@ -72,6 +72,8 @@ def server_info(serving: Serving) -> dict:
         # the drafter checkpoint DSPARK runs (given or shipped); None: no speculation, or
         # the seeded untrained drafter
         "drafter_path": e.drafter_path,
+        # seconds of each start-up phase (Engine.startup_seconds; the warm-up's included)
+        "startup_seconds": dict(e.startup_seconds),
         **serving.loop.snapshot(),
     }
 

@@ -229,5 +229,9 @@ def _main(argv: list[str] | None) -> int:
             "warm-up: %d requests, %d tokens in %.1f s", done["requests"], done["tokens"],
             done["seconds"],
         )  # fmt: skip
+        engine.startup_seconds["warm_up"] = round(done["seconds"], 3)
+    from unimem.engine.api import startup_line
+
+    log.info(startup_line(engine.startup_seconds))
     serve(engine, options, sock)
     return 0

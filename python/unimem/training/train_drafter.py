@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from unimem.engine.api import Engine
+from unimem.engine.api import Engine, startup_line
 from unimem.engine.args import DEFAULT_CUDA_MAX_RUNNING
 from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES
 from unimem.models.base import CausalLM
@@ -417,7 +417,8 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         kwargs["cuda_graph_bs"] = gen_graph_bs(args)
     engine = Engine(**kwargs)
     t_start = time.perf_counter() - t0  # loading, kernel compilation, graph capture
-    log(f"data: generating engine started in {t_start:.1f} s")
+    log(f"data: generating engine {startup_line(engine.startup_seconds)} ({t_start:.1f} s in all)")
+    phases = dict(engine.startup_seconds)  # where the engine's start went
     model = engine.model
     if cached:
         seqs, lens, made = load_text(cache, args.model_path, model.config.vocab_size)
@@ -437,6 +438,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
                 "bos_prompts": 0.0,
                 "generation": time.perf_counter() - t0,
             },
+            engine_startup_seconds=phases,
         )
         return TargetText(model, seqs, lens, held_seqs, held_lens, info)
     file_p: list[list[int]] = []
@@ -507,6 +509,7 @@ def generate(args: argparse.Namespace, log=print) -> TargetText:
         generated_tokens=generated,
         heldout_sequences=len(held_seqs),
         seconds={"engine_start": t_start, "bos_prompts": t_prompts, "generation": t_gen - t0},
+        engine_startup_seconds=phases,
         continuation_tok_s=round(generated / t_cont) if t_cont > 0 else None,
     )
     if cache is not None:
