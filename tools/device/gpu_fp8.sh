@@ -42,7 +42,8 @@
 #               stream's decode step with its kernel breakdown (`bench step-profile
 #               --no-speculation --requests 1`) -> big_fp8_profile_1.json; the shards are
 #               deleted afterwards unless BIG_KEEP=1 (a later call with the same layers then
-#               reuses them); BIG_STEPS (default "serve profile") picks the two runs
+#               reuses them); BIG_STEPS (default "serve profile") picks the runs after the
+#               write ("write": none, the checkpoint only, with BIG_KEEP=1 for a later call)
 # Output: --out (default ./gpu-out): the JSON files above and gpu_fp8.log. Every command runs
 # under `timeout $STEP_TIMEOUT` (default 420 s); VARIANTS (default "bf16 fp8 fp8_fused") names the
 # runs of the profile and bench parts. Exit 1 if any part failed (named at the end).
