@@ -14,6 +14,11 @@
 #               -> fp8_sweep.json and the tuned table fp8_gemm_configs.json, which is also
 #               installed into this working copy (unimem_kernel/) for the parts after it;
 #               commit it from --out to keep it
+#   gemv      : the few-row FP8 product (unimem_kernel.fp8_gemv): its GPU tests, then
+#               sgl-kernel/benchmark/bench_fp8_gemv.py (tiles swept at one row / one token of
+#               Qwen3-Next-80B's shapes, then the default and best tile against the tensor-core
+#               path at 1-8 rows and 1-48 tokens) -> fp8_gemv.json, fp8_gemv_best.txt (the
+#               best tile; GEMV_TILE=best makes the parts after it use it)
 #   gemm      : sgl-kernel/benchmark/bench_fp8_gemm.py at 48 and 384 rows: bf16 vs FP8 rowwise/tensor
 #               (_scaled_mm) vs block-scaled Triton (+ invariant tile) vs block-scaled
 #               _scaled_mm, and the grouped expert GEMM bf16 vs FP8 -> fp8_gemm.json
@@ -43,7 +48,10 @@
 #               --no-speculation --requests 1`) -> big_fp8_profile_1.json; the shards are
 #               deleted afterwards unless BIG_KEEP=1 (a later call with the same layers then
 #               reuses them); BIG_STEPS (default "serve profile") picks the runs after the
-#               write ("write": none, the checkpoint only, with BIG_KEEP=1 for a later call)
+#               write ("write": none, the checkpoint only, with BIG_KEEP=1 for a later call);
+#               BIG_GEMV_ROWS (default: unset, the code's default) lists UNIMEM_FP8_GEMV_ROWS
+#               values to profile one after the other (e.g. "0 4": the tensor-core path, then
+#               the few-row product) -> big_fp8_profile_1_gemvR.json each
 # Output: --out (default ./gpu-out): the JSON files above and gpu_fp8.log. Every command runs
 # under `timeout $STEP_TIMEOUT` (default 420 s); VARIANTS (default "bf16 fp8 fp8_fused") names the
 # runs of the profile and bench parts. Exit 1 if any part failed (named at the end).
@@ -102,6 +110,14 @@ for part in $parts; do
         --json "$out/fp8_sweep.json" \
         && cp "$out/fp8_gemm_configs.json" sgl-kernel/python/unimem_kernel/fp8_gemm_configs.json \
         || fail sweep ;;
+    gemv)
+      run python3 -m pytest -q -m gpu sgl-kernel/tests/test_fp8_gemv.py || fail "gemv tests"
+      run python3 sgl-kernel/benchmark/bench_fp8_gemv.py --json "$out/fp8_gemv.json" \
+        --best-out "$out/fp8_gemv_best.txt" || fail gemv
+      if [ "${GEMV_TILE:-}" = best ] && [ -s "$out/fp8_gemv_best.txt" ]; then
+        export UNIMEM_FP8_GEMV_CONFIG=$(cat "$out/fp8_gemv_best.txt")
+        say "gemv: the parts after this one use tile $UNIMEM_FP8_GEMV_CONFIG"
+      fi ;;
     gemm)
       run python3 sgl-kernel/benchmark/bench_fp8_gemm.py --m 48 384 --moe --json "$out/fp8_gemm.json" \
         || fail gemm ;;
@@ -173,9 +189,15 @@ for part in $parts; do
         --json "$out/big_fp8_serve.json" -- --quantization fp8 --mem-fraction-static 0.88 \
         --max-running-requests 64 --page-size 64 || fail "big serve"; }
       # where one stream's decode step goes (an FP8 checkpoint runs in FP8 without the flag)
-      [[ " ${BIG_STEPS:-serve profile} " == *" profile "* ]] && { run python3 -m unimem bench step-profile --model-path "$ck" --no-speculation \
-        --requests 1 --input-len 256 --page-size 64 --memory static --steps 30 --replays 10 \
-        --json "$out/big_fp8_profile_1.json" || fail "big profile"; }
+      if [[ " ${BIG_STEPS:-serve profile} " == *" profile "* ]]; then
+        for rows in ${BIG_GEMV_ROWS:--}; do
+          name=big_fp8_profile_1; [ "$rows" = - ] || name=big_fp8_profile_1_gemv$rows
+          ( [ "$rows" = - ] || export UNIMEM_FP8_GEMV_ROWS=$rows
+            run python3 -m unimem bench step-profile --model-path "$ck" --no-speculation \
+              --requests 1 --input-len 256 --page-size 64 --memory static --steps 30 \
+              --replays 10 --json "$out/$name.json" ) || fail "big profile $name"
+        done
+      fi
       [ "${BIG_KEEP:-0}" = 1 ] || rm -rf "$ck" "$spill" ;;
     *) fail "unknown part $part" ;;
   esac

@@ -87,7 +87,7 @@ CATEGORIES = [
     ("metadata + write window", re.compile(r"_metadata_kernel|_write_window_kernel")),
     ("state commit", re.compile(r"_commit")),
     ("FP8 activation quantisation", re.compile(r"_quant_groups_kernel")),
-    ("GEMM (projections, MLP, LM heads)", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),
+    ("GEMM (projections, MLP, LM heads)", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas", re.I)),
 ]
 
 
@@ -587,6 +587,7 @@ def _main_model(args) -> int:
         r = measure(engine.core, kind, args, prompts)
         r["model_path"] = args.model_path
         r["drafter_path"] = engine.drafter_path
+        r["startup_seconds"] = dict(engine.startup_seconds)  # where the engine's start went
         if extend is not None:
             r["extend"] = extend
         engine.shutdown()

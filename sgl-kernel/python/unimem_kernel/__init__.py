@@ -33,6 +33,7 @@ from unimem_kernel.fp8_gemm import (
     fp8_quantize_groups,
     fp8_quantize_groups_reference,
 )
+from unimem_kernel.fp8_gemv import fp8_gemv, fp8_gemv_reference
 from unimem_kernel.fused import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -107,6 +108,8 @@ __all__ = [
     "ExpertRoute",
     "fp8_gemm",
     "fp8_gemm_reference",
+    "fp8_gemv",
+    "fp8_gemv_reference",
     "fp8_grouped_linear",
     "fp8_linear",
     "fp8_quantize_groups",

@@ -134,6 +134,27 @@ _ALL = (
         choices=("auto", "kernel", "separate"),
     ),
     EnvSwitch(
+        "UNIMEM_FP8_GEMV_ROWS",
+        1,
+        "Most rows for which a dense FP8 linear runs unimem_kernel.fp8_gemv (one launch on the "
+        "CUDA cores, the activation quantised inside) instead of the quantisation launch and "
+        "the tensor-core GEMM; 0: never. Not under deterministic inference.",
+        parse=_rows_limit,
+    ),
+    EnvSwitch(
+        "UNIMEM_FP8_GEMV_PAIRS",
+        16,
+        "Most (token, expert) rows for which the routed experts' FP8 products run "
+        "unimem_kernel.fp8_gemv; 0: never. Not under deterministic inference.",
+        parse=_row_count,
+    ),
+    EnvSwitch(
+        "UNIMEM_FP8_GEMV_CONFIG",
+        "",
+        "Force one fp8_gemv tile ('BN,G,warps,stages': weight rows per program, groups of 128 "
+        "columns per step); unset: sized by the product (fp8_gemv.fp8_gemv_config).",
+    ),
+    EnvSwitch(
         "UNIMEM_FP8_LT_MIN_ROWS",
         None,
         "Fewest rows for which a dense FP8 linear with a block table runs on cuBLASLt's "

@@ -53,6 +53,7 @@ per tile, :func:`tile_counters`); the same bits either way. ``UNIMEM_FP8_SPLIT_S
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -900,7 +901,9 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x [..., K]`` times FP8 weight ``wq [N, K]`` (scales ``ws [N, KG]``) transposed:
     ``x`` quantised per token and group (:func:`fp8_quantize_groups`), then one GEMM.
-    Returns ``[..., N]`` in ``x``'s dtype.
+    Returns ``[..., N]`` in ``x``'s dtype. A few rows (:func:`unimem_kernel.fp8_gemv.
+    takes_gemv`) take :func:`~unimem_kernel.fp8_gemv.fp8_gemv` instead: one launch on the
+    CUDA cores that quantises the rows itself.
 
     The GEMM: cuBLASLt's block-scaled one (:func:`fp8_gemm_lt`, the scales written M-major
     by the quantisation launch) where :func:`use_lt` says so — which needs
@@ -911,6 +914,8 @@ def fp8_linear(
     k = x.shape[-1]
     n = wq.shape[0]
     x2 = x.reshape(-1, k)
+    if _gemv.takes_gemv(x2, x2.shape[0], False, invariant):
+        return _gemv.fp8_gemv(x2, wq, ws, bias=bias).reshape(*x.shape[:-1], n)
     if fused_quantization(x2):
         y = fp8_gemm(x2, None, wq, ws, out_dtype=x.dtype, bias=bias, invariant=invariant)
         return y.reshape(*x.shape[:-1], n)
@@ -936,7 +941,12 @@ def fp8_grouped_linear(
     """``[T, N]``: row ``i`` of ``a`` (``x``, or ``x[rows]`` read in the loads) times its
     expert's FP8 weight ``wq[e] [N, K]`` transposed, ``e`` the expert owning row ``i`` by
     ``offs [E]`` (int32, non-decreasing, ``offs[-1] <= T``; rows past it are zeros).
-    ``x [M, K]`` is quantised once per token (before the gather). Returns ``x``'s dtype."""
+    ``x [M, K]`` is quantised once per token (before the gather), or, at a few rows
+    (:func:`unimem_kernel.fp8_gemv.takes_gemv`), by :func:`~unimem_kernel.fp8_gemv.
+    fp8_gemv` in its one launch. Returns ``x``'s dtype."""
+    t = rows.shape[0] if rows is not None else x.shape[0]
+    if _gemv.takes_gemv(x, t, True, invariant):
+        return _gemv.fp8_gemv(x, wq, ws, offs, rows, bias)
     if fused_quantization(x):
         return fp8_gemm(
             x, None, wq, ws, out_dtype=x.dtype, bias=bias, offs=offs, rows=rows, invariant=invariant
@@ -1012,3 +1022,9 @@ def expand_block_scales(block_scales: torch.Tensor, n: int) -> torch.Tensor:
         )
     rows = block_scales.float().repeat_interleave(GROUP, dim=-2)
     return rows[..., :n, :].contiguous()
+
+
+# the module of the few-row product that fp8_linear / fp8_grouped_linear dispatch to
+# (imported last: it builds on this module's quantisation and reference; by its module name,
+# since the package's attribute of that name is the op)
+_gemv = importlib.import_module("unimem_kernel.fp8_gemv")
