@@ -23,12 +23,16 @@ tensor-core kernels', so batch-invariant (deterministic) products must not take 
 Rows: every program reads its weight rows once per product row; the programs of one column
 tile's rows run next to each other (the row is the grid's fastest dimension), so a weight
 read for one row is in L2 for the next, and grouped rows, sorted by expert, read their
-expert's weight the same way. Measured on an H100 against the tensor-core path (weights from
-HBM, ``docs/results/fp8_gemv_h100.json``): one row of Qwen3-Next-80B's dense projections
-16-56 % faster, one token's routed experts (10 rows) 18-31 % faster; from two rows of the
-wide projections and from four tokens on, slower or even. :func:`takes_gemv` takes it for
-dense products of at most ``UNIMEM_FP8_GEMV_ROWS`` rows (default 1) and grouped ones of at
-most ``UNIMEM_FP8_GEMV_PAIRS`` rows (default 16).
+expert's weight the same way. Measured on an H100 against the tensor-core path's three
+launches (weights from HBM, ``docs/results/fp8_gemv_h100.json``): one row of Qwen3-Next-80B's
+dense projections 4-55 % faster (``in_proj_qkvz`` 12 288 x 2 048 14.4 -> 13.9 µs, ``out_proj``
+2 048 x 4 096 10.1 -> 7.4, the shared expert's down 2 048 x 512 6.2 -> 2.8); one token's
+routed experts (10 rows) even; from two rows of the wide projections and two tokens of
+experts on, even or slower. In the 80B-shaped model's one-stream decode step both pay (the
+quantisation launches go too): 2.77 -> 2.42 ms (``docs/results/big_fp8_profile_1_*_h100.json``).
+:func:`takes_gemv` takes it for dense products of at most ``UNIMEM_FP8_GEMV_ROWS`` rows
+(default 1) and grouped ones of at most ``UNIMEM_FP8_GEMV_PAIRS`` rows (default 16: one
+token of top-10 routing).
 
 Tiles (:class:`Fp8GemvConfig`): ``BLOCK_N`` weight rows per program, ``GROUPS`` groups of 128
 columns per loop step (``GROUPS * 128 * BLOCK_N`` weight bytes a step), warps and stages;
@@ -105,9 +109,10 @@ def fp8_gemv_config(n: int, k: int, rows: int) -> Fp8GemvConfig:
     """The tile for ``rows`` product rows of an ``[n, k]`` weight: ``UNIMEM_FP8_GEMV_CONFIG``
     if set, else ``BLOCK_N`` the smallest power of two from 4 to 32 that keeps the programs
     (``rows * n / BLOCK_N``) at most :data:`TARGET_PROGRAMS`, ``GROUPS`` all of ``K`` up to
-    :data:`MAX_GROUPS`, 4 warps, one stage. On an H100 this rule's tile is within 5 % of the
-    best of 48 swept for each of Qwen3-Next-80B's one-row products
-    (``docs/results/fp8_gemv_h100.json``)."""
+    :data:`MAX_GROUPS`, 4 warps, one stage. On an H100 (``docs/results/fp8_gemv_h100.json``,
+    16 tiles swept) this rule's tile is the sweep's best, within 1 %, for five of
+    Qwen3-Next-80B's seven one-row products, and 7-16 % slower for ``in_proj_qkvz`` and the
+    experts' down (2 warps there; the two runs disagreed on it)."""
     forced = envs.get("UNIMEM_FP8_GEMV_CONFIG")
     if forced:
         return Fp8GemvConfig.parse(forced)
