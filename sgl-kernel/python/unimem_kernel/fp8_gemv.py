@@ -4,9 +4,9 @@ At one to a few rows a decode step's FP8 projections are weight reads: the tenso
 :mod:`unimem_kernel.fp8_gemm` spends three launches on one of them at one row — the
 activation's quantisation, the GEMM (a 16-row tile of which one row is used) and, where the
 few output tiles leave SMs idle, the sum of its split-K partials. :func:`fp8_gemv` is one
-launch: program ``(n, i)`` quantises row ``i``'s activation itself (its ``K`` elements, a few
+launch: program ``(i, n)`` quantises row ``i``'s activation itself (its ``K`` elements, a few
 KB read from L2 by every program) and multiplies it by its own ``BLOCK_N`` rows of the weight
-on the CUDA cores, so the weight is read once and no partial goes through memory.
+on the CUDA cores, so at one row the weight is read once and no partial goes through memory.
 
 Contract: the product of :func:`unimem_kernel.fp8_gemm.fp8_gemm` with fused quantisation
 (``xs`` None) — ``x [M, K]`` quantised per row and group of 128 columns with
