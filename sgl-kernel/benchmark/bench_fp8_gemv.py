@@ -181,7 +181,7 @@ def main() -> int:
     best = min(totals, key=totals.get)
     print(f"best tile {best.spec()} (sum {totals[best]:.2f} µs)")
 
-    # every row / token count: tensor cores, the default tile, the best tile
+    # every row / token count: tensor cores, the sized tile, the sweep's best
     results = []
     for r, t in itertools.zip_longest(rows_list, tokens_list):
         cases = _cases(shapes, r or rows_list[0], t or tokens_list[0], experts, dev)

@@ -1,8 +1,9 @@
 """The few-row FP8 product (:mod:`unimem_kernel.fp8_gemv`): its in-kernel quantisation gives
 the separate launch's e4m3 values, its products match the torch reference (dense, grouped,
-gathered, with biases, partial last groups, tail rows), ``fp8_linear`` / ``fp8_grouped_linear``
-take it at a few rows per weight and never under batch invariance, and it replays in a CUDA
-graph. Interpreter on the CPU (tiny shapes), the same tests on CUDA."""
+gathered, with biases, partial last groups, tail rows), ``fp8_linear`` /
+``fp8_grouped_linear`` take it at one dense row or a few expert rows, never under batch
+invariance, and it replays in a CUDA graph. Interpreter on the CPU (tiny shapes), the same
+tests on CUDA."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from unimem_kernel.fp8_gemv import (
 )
 
 CONFIGS = [None, Fp8GemvConfig(4, 1, 1, 1), Fp8GemvConfig(16, 8, 4, 3)]
-"""The default tile, one group a step, and more groups a step than ``K`` has."""
+"""The tile sized by the product, one group a step, and more groups a step than ``K`` has."""
 
 
 def _weights(n: int, k: int, gen: torch.Generator, lead: tuple[int, ...] = ()):

@@ -16,7 +16,7 @@
 #               commit it from --out to keep it
 #   gemv      : the few-row FP8 product (unimem_kernel.fp8_gemv): its GPU tests, then
 #               sgl-kernel/benchmark/bench_fp8_gemv.py (tiles swept at one row / one token of
-#               Qwen3-Next-80B's shapes, then the default and best tile against the tensor-core
+#               Qwen3-Next-80B's shapes, then the sized and best tile against the tensor-core
 #               path at 1-8 rows and 1-48 tokens) -> fp8_gemv.json, fp8_gemv_best.txt (the
 #               best tile; GEMV_TILE=best makes the parts after it use it)
 #   gemm      : sgl-kernel/benchmark/bench_fp8_gemm.py at 48 and 384 rows: bf16 vs FP8 rowwise/tensor
