@@ -485,3 +485,5 @@ def test_device_drivers_run_on_the_cpu(ckpts, tmp_path):
     s = json.loads(served.read_text())
     assert s["quantization"] == "fp8" and s["requests"] == 4 and s["output_tok_s"] > 0
     assert s["single_stream_ttft_s"] > 0 and s["single_stream_decode_tok_s"] > 0
+    # where the load went (the server's start-up phases, its warm-up included)
+    assert {"checkpoint", "pools", "step_loop", "warm_up"} <= s["startup_seconds"].keys()

@@ -54,7 +54,9 @@
 #               the few-row product) -> big_fp8_profile_1_gemvR.json each
 # Output: --out (default ./gpu-out): the JSON files above and gpu_fp8.log. Every command runs
 # under `timeout $STEP_TIMEOUT` (default 420 s); VARIANTS (default "bf16 fp8 fp8_fused") names the
-# runs of the profile and bench parts. Exit 1 if any part failed (named at the end).
+# runs of the profile and bench parts. Exit 1 if any part failed (named at the end). The kernel
+# parts (sweep, gemm, gemv) need torch and Triton only; the others also the FA4 bundle and the
+# server's wheels (installed by the bundle's finish call), checked before any part runs.
 set -uo pipefail
 out=gpu-out
 parts="tests sweep gemm profile bench qwen3next gemma big"
@@ -82,13 +84,22 @@ failed=()
 fail() { say "FAILED: $1"; failed+=("$1"); }
 
 gpu_banner
-python3 - <<'EOF' 2>&1 | tee -a "$log" || { echo "gpu_fp8.sh: environment incomplete" >&2; exit 1; }
-import torch, triton, safetensors, transformers, httpx, fastapi  # noqa: F401
+# the kernel parts need torch and Triton only; the others run the engine (FA4) or the server
+kernel_only=1
+for part in $parts; do
+  case "$part" in sweep|gemm|gemv) ;; *) kernel_only=0 ;; esac
+done
+KERNEL_ONLY=$kernel_only python3 - <<'EOF' 2>&1 | tee -a "$log" || { echo "gpu_fp8.sh: environment incomplete" >&2; exit 1; }
+import os
+import torch, triton  # noqa: F401
+if os.environ["KERNEL_ONLY"] != "1":
+    import safetensors, transformers, httpx, fastapi, flash_attn.cute  # noqa: F401
 assert torch.cuda.is_available(), "no CUDA device"
 cap = torch.cuda.get_device_capability()
 assert cap >= (8, 9), f"FP8 tensor cores need sm_89+, got sm_{cap[0]}{cap[1]}"
-print("torch", torch.__version__, "triton", triton.__version__, "transformers",
-      transformers.__version__, "sm", cap, torch.cuda.get_device_name())
+engine = "" if os.environ["KERNEL_ONLY"] == "1" else f" transformers {transformers.__version__}"
+print(f"torch {torch.__version__} triton {triton.__version__}{engine} sm {cap}",
+      torch.cuda.get_device_name())
 EOF
 for part in $parts; do
   case "$part" in
