@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_operands import assert_product_close, fp8_weights
 from kernel_devices import DEVICES
 
 from unimem_kernel.fp8_gemm import (
     FP8_DTYPE,
-    FP8_MAX,
     LT_MIN_N,
     LT_MIN_ROWS,
     LT_WIDE_MIN_ROWS,
@@ -28,20 +28,9 @@ from unimem_kernel.fp8_gemm import (
     fp8_quantize_groups,
     fp8_quantize_groups_reference,
     nearest_swept_config,
-    num_groups,
     quantize_blocks,
     use_lt,
 )
-
-
-def _weights(n: int, k: int, gen: torch.Generator, lead: tuple[int, ...] = ()):
-    w = torch.randn(*lead, n, k, generator=gen) / k**0.5
-    kg = num_groups(k)
-    pad = torch.zeros(*lead, n, kg * 128)
-    pad[..., :k] = w
-    s = pad.view(*lead, n, kg, 128).abs().amax(-1) / FP8_MAX
-    q = (pad.view(*lead, n, kg, 128) / s[..., None]).view(*lead, n, kg * 128)[..., :k]
-    return q.to(FP8_DTYPE), s.float()
 
 
 def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -56,14 +45,6 @@ def _kernel_quantized(x: torch.Tensor, device: str) -> tuple[torch.Tensor, torch
     hides, or excuses, a GEMM difference."""
     q, s = fp8_quantize_groups(x.to(device))
     return q.cpu(), s.cpu()
-
-
-def _assert_gemm_close(y: torch.Tensor, ref: torch.Tensor) -> None:
-    """The kernel's product against the float32 reference on the same operands: only the
-    order (and, on tensor cores, the precision) of the float32 accumulation differs, plus one
-    rounding to ``y``'s dtype (one bf16 ulp: the interpreter's cast truncates)."""
-    rtol = 2**-7 if y.dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(y.cpu().float(), ref, rtol=rtol, atol=1e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -87,24 +68,24 @@ def test_dense_gemm_kernel_matches_reference(device, m, triton_backend):
     gen = torch.Generator().manual_seed(1)
     k, n = 200, 72  # a partial K group and a partial column tile
     x = torch.randn(m, k, generator=gen).bfloat16()
-    wq, ws = _weights(n, k, gen)
+    wq, ws = fp8_weights(n, k, gen)
     bias = torch.randn(n, generator=gen).bfloat16()
     y = fp8_linear(x.to(device), wq.to(device), ws.to(device), bias.to(device))
     xq, xs = _kernel_quantized(x, device)
     ref = fp8_gemm_reference(xq, xs, wq, ws, out_dtype=torch.float32, bias=bias)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    _assert_gemm_close(y, ref)
+    assert_product_close(y, ref)
     y32 = fp8_gemm(
         xq.to(device), xs.to(device), wq.to(device), ws.to(device), out_dtype=torch.float32,
         bias=bias.to(device),
     )  # fmt: skip
-    _assert_gemm_close(y32, ref)
+    assert_product_close(y32, ref)
 
 
 def test_reference_is_the_dequantised_product():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(6, 300, generator=gen)
-    wq, ws = _weights(40, 300, gen)
+    wq, ws = fp8_weights(40, 300, gen)
     xq, xs = fp8_quantize_groups_reference(x)
     y = fp8_gemm_reference(xq, xs, wq, ws, out_dtype=torch.float32)
     exact = _dequant(xq, xs) @ _dequant(wq, ws).t()
@@ -127,7 +108,7 @@ def test_grouped_gemm_kernel_matches_reference(device, gather, ends, t, triton_b
     gen = torch.Generator().manual_seed(3)
     e, k, n = len(ends), 160, 48
     x = torch.randn(t, k, generator=gen).bfloat16()
-    wq, ws = _weights(n, k, gen, (e,))
+    wq, ws = fp8_weights(n, k, gen, (e,))
     offs = torch.tensor(ends, dtype=torch.int32)
     rows = torch.randperm(t, generator=gen) if gather else None
     dev = torch.device(device)
@@ -137,7 +118,7 @@ def test_grouped_gemm_kernel_matches_reference(device, gather, ends, t, triton_b
     xq, xs = _kernel_quantized(x, device)
     ref = fp8_gemm_reference(xq, xs, wq, ws, out_dtype=torch.float32, offs=offs, rows=rows)
     assert y.shape == (t, n)
-    _assert_gemm_close(y, ref)
+    assert_product_close(y, ref)
     assert torch.all(y[ends[-1] :] == 0)
 
 
@@ -146,7 +127,7 @@ def test_invariant_tile_rows_do_not_depend_on_the_batch(device, triton_backend):
     gen = torch.Generator().manual_seed(4)
     k, n = 256, 64
     x = torch.randn(70, k, generator=gen).bfloat16().to(device)
-    wq, ws = (t.to(device) for t in _weights(n, k, gen))
+    wq, ws = (t.to(device) for t in fp8_weights(n, k, gen))
     full = fp8_linear(x, wq, ws, invariant=True)
     for rows in (slice(0, 1), slice(3, 9), slice(33, 70)):
         part = fp8_linear(x[rows], wq, ws, invariant=True)
@@ -155,7 +136,7 @@ def test_invariant_tile_rows_do_not_depend_on_the_batch(device, triton_backend):
 
 def test_shape_errors_name_the_operand():
     gen = torch.Generator().manual_seed(5)
-    wq, ws = _weights(8, 128, gen)
+    wq, ws = fp8_weights(8, 128, gen)
     xq, xs = fp8_quantize_groups_reference(torch.randn(2, 64))
     with pytest.raises(ValueError, match="fp8 weight must be"):
         fp8_gemm(xq, xs, wq, ws, out_dtype=torch.float32)
@@ -168,8 +149,8 @@ def test_shape_errors_name_the_operand():
 def test_fp8_linear_and_grouped_replay_in_a_cuda_graph():
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(6)
-    wq, ws = (t.to(dev) for t in _weights(256, 512, gen))
-    gq, gs = (t.to(dev) for t in _weights(128, 512, gen, (4,)))
+    wq, ws = (t.to(dev) for t in fp8_weights(256, 512, gen))
+    gq, gs = (t.to(dev) for t in fp8_weights(128, 512, gen, (4,)))
     x = torch.randn(48, 512, generator=gen).bfloat16().to(dev)
     offs = torch.tensor([10, 20, 30, 48], dtype=torch.int32, device=dev)
     rows = torch.randperm(48, generator=gen).to(dev)
@@ -197,8 +178,8 @@ def test_fused_activation_quantization_gives_the_same_bits(monkeypatch):
     the bits of the separate quantisation launch, dense and grouped."""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7)
-    wq, ws = (t.to(dev) for t in _weights(200, 384, gen))
-    gq, gs = (t.to(dev) for t in _weights(96, 384, gen, (3,)))
+    wq, ws = (t.to(dev) for t in fp8_weights(200, 384, gen))
+    gq, gs = (t.to(dev) for t in fp8_weights(96, 384, gen, (3,)))
     x = (torch.randn(37, 384, generator=gen) * 4).bfloat16().to(dev)
     offs = torch.tensor([5, 5, 30], dtype=torch.int32, device=dev)
     rows = torch.randperm(37, generator=gen).to(dev)
@@ -219,7 +200,7 @@ def test_forced_tiles_and_split_k_match_reference(device, spec, triton_backend, 
     gen = torch.Generator().manual_seed(8)
     k, n, m = 900, 40, 5  # 8 groups in 3 runs of 3, 3, 2 (the last group partial)
     x = torch.randn(m, k, generator=gen).bfloat16()
-    wq, ws = _weights(n, k, gen)
+    wq, ws = fp8_weights(n, k, gen)
     bias = torch.randn(n, generator=gen).bfloat16()
     xq, xs = _kernel_quantized(x, device)
     ref = fp8_gemm_reference(xq, xs, wq, ws, out_dtype=torch.float32, bias=bias)
@@ -228,7 +209,7 @@ def test_forced_tiles_and_split_k_match_reference(device, spec, triton_backend, 
         xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), out_dtype=torch.float32,
         bias=bias.to(dev),
     )  # fmt: skip
-    _assert_gemm_close(y, ref)
+    assert_product_close(y, ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -247,7 +228,7 @@ def test_split_k_sum_in_the_kernel_equals_the_second_launch(
     gen = torch.Generator().manual_seed(11)
     k, n, m = 1100, 72, 3  # 9 groups: 3 runs of 3, or 8 runs (the last of one partial group)
     dev = torch.device(device)
-    wq, ws = (t.to(dev) for t in _weights(n, k, gen))
+    wq, ws = (t.to(dev) for t in fp8_weights(n, k, gen))
     bias = torch.randn(n, generator=gen).bfloat16().to(dev) if with_bias else None
 
     def product(x, out_dtype, mode):
@@ -432,7 +413,7 @@ def test_m_major_scales_are_the_row_major_ones_transposed(device, triton_backend
     assert torch.equal(bits(sm), bits(s))
     rq, rs = fp8_quantize_groups_reference(x.cpu(), m_major=True)
     assert rs.stride() == (1, 37) and torch.equal(rs.view(torch.int32), s.cpu().view(torch.int32))
-    wq, ws = (t.to(device) for t in _weights(32, 300, gen))
+    wq, ws = (t.to(device) for t in fp8_weights(32, 300, gen))
     row_major = fp8_gemm(q, s, wq, ws, out_dtype=torch.float32)
     assert torch.equal(fp8_gemm(qm, sm, wq, ws, out_dtype=torch.float32), row_major)
 
@@ -498,7 +479,7 @@ def test_lt_gemm_matches_reference(m, n, k):
     y = fp8_gemm_lt(xq, xs, wq, blocks, out_dtype=torch.bfloat16)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     ref = fp8_gemm_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), out_dtype=torch.float32)
-    _assert_gemm_close(y, ref)
+    assert_product_close(y, ref)
     with pytest.raises(ValueError, match="strides"):
         fp8_gemm_lt(xq, xs.contiguous(), wq, blocks, out_dtype=torch.bfloat16)
 
@@ -515,7 +496,7 @@ def test_lt_gemm_adds_a_bias_in_its_epilogue():
     ref = fp8_gemm_reference(
         xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), out_dtype=torch.float32, bias=bias.cpu()
     )
-    _assert_gemm_close(y, ref)
+    assert_product_close(y, ref)
 
 
 @pytest.mark.gpu
@@ -532,7 +513,7 @@ def test_dispatched_fp8_linear_at_384_rows_replays_in_a_cuda_graph():
     xq, xs = fp8_quantize_groups(x, m_major=True)
     assert torch.equal(eager, fp8_gemm_lt(xq, xs, wq, blocks, out_dtype=torch.bfloat16))
     rq, rs = fp8_quantize_groups(x)
-    _assert_gemm_close(eager, fp8_gemm_reference(
+    assert_product_close(eager, fp8_gemm_reference(
         rq.cpu(), rs.cpu(), wq.cpu(), ws.cpu(), out_dtype=torch.float32))  # fmt: skip
     fixed = fp8_linear(x, wq, ws, invariant=True, block_scales=blocks)
     assert torch.equal(fixed, fp8_linear(x, wq, ws, invariant=True))

@@ -11,16 +11,15 @@ import importlib
 
 import pytest
 import torch
+from fp8_operands import assert_product_close, fp8_weights
 from kernel_devices import DEVICES
 
 from unimem_kernel.fp8_gemm import (
     FP8_DTYPE,
-    FP8_MAX,
     fp8_gemm_reference,
     fp8_grouped_linear,
     fp8_linear,
     fp8_quantize_groups_reference,
-    num_groups,
 )
 from unimem_kernel.fp8_gemv import (
     MAX_GROUPS,
@@ -33,23 +32,6 @@ from unimem_kernel.fp8_gemv import (
 
 CONFIGS = [None, Fp8GemvConfig(4, 1, 1, 1), Fp8GemvConfig(16, 8, 4, 3)]
 """The tile sized by the product, one group a step, and more groups a step than ``K`` has."""
-
-
-def _weights(n: int, k: int, gen: torch.Generator, lead: tuple[int, ...] = ()):
-    w = torch.randn(*lead, n, k, generator=gen) / k**0.5
-    kg = num_groups(k)
-    pad = torch.zeros(*lead, n, kg * 128)
-    pad[..., :k] = w
-    s = pad.view(*lead, n, kg, 128).abs().amax(-1) / FP8_MAX
-    q = (pad.view(*lead, n, kg, 128) / s[..., None]).view(*lead, n, kg * 128)[..., :k]
-    return q.to(FP8_DTYPE), s.float()
-
-
-def _assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
-    """Only the float32 summation order differs, plus one rounding to ``y``'s dtype (one bf16
-    ulp: the interpreter's cast truncates)."""
-    rtol = 2**-7 if y.dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(y.cpu().float(), ref.cpu().float(), rtol=rtol, atol=1e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -79,7 +61,7 @@ def test_dense_product_matches_reference(device, config, m, triton_backend):
     gen = torch.Generator().manual_seed(2 + m)
     k, n = 700, 37  # 6 groups, the last partial; a partial last column tile
     x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
-    wq, ws = _weights(n, k, gen)
+    wq, ws = fp8_weights(n, k, gen)
     bias = torch.randn(n, generator=gen).bfloat16()
     dev = torch.device(device)
     for b in (None, bias):
@@ -89,7 +71,7 @@ def test_dense_product_matches_reference(device, config, m, triton_backend):
             config=config,
         )  # fmt: skip
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        _assert_close(y, ref)
+        assert_product_close(y, ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -100,7 +82,7 @@ def test_grouped_product_matches_reference(device, gather, triton_backend):
     gen = torch.Generator().manual_seed(4)
     e, n, k, t = 4, 24, 300, 9
     x = (torch.randn(t, k, generator=gen) * 2).float()
-    wq, ws = _weights(n, k, gen, (e,))
+    wq, ws = fp8_weights(n, k, gen, (e,))
     bias = torch.randn(e, n, generator=gen)
     offs = torch.tensor([2, 2, 5, 7], dtype=torch.int32)  # expert 1 empty; rows 7, 8: tail
     rows = torch.randperm(t, generator=gen) if gather else None
@@ -112,13 +94,13 @@ def test_grouped_product_matches_reference(device, gather, triton_backend):
         x.to(dev), wq.to(dev), ws.to(dev), offs.to(dev),
         None if rows is None else rows.to(dev), bias.to(dev), config=Fp8GemvConfig(8, 2, 2, 2),
     )  # fmt: skip
-    _assert_close(y, ref)
+    assert_product_close(y, ref)
     assert not y[7:].cpu().any()
 
 
 def test_operand_errors_name_the_operand():
     gen = torch.Generator().manual_seed(5)
-    wq, ws = _weights(8, 256, gen)
+    wq, ws = fp8_weights(8, 256, gen)
     x = torch.randn(2, 256)
     with pytest.raises(ValueError, match="x must be"):
         fp8_gemv(x[0], wq, ws)
@@ -174,14 +156,15 @@ def test_linears_take_it_by_rows_per_weight_and_never_when_invariant(monkeypatch
     real = gemv_module.fp8_gemv
     monkeypatch.setattr(gemv_module, "fp8_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(6)
-    wq, ws = _weights(16, 256, gen)
-    gq, gs = _weights(16, 256, gen, (2,))
+    wq, ws = fp8_weights(16, 256, gen)
+    gq, gs = fp8_weights(16, 256, gen, (2,))
     offs = torch.tensor([1, 3], dtype=torch.int32)
     y = fp8_linear(x[:1].bfloat16(), wq, ws)
     g = fp8_grouped_linear(x[:3], gq, gs, offs)
     assert len(calls) == 2
-    _assert_close(y, fp8_gemm_reference(x[:1].bfloat16(), None, wq, ws, out_dtype=torch.float32))
-    _assert_close(g, fp8_gemm_reference(x[:3], None, gq, gs, out_dtype=torch.float32, offs=offs))
+    f32 = torch.float32
+    assert_product_close(y, fp8_gemm_reference(x[:1].bfloat16(), None, wq, ws, out_dtype=f32))
+    assert_product_close(g, fp8_gemm_reference(x[:3], None, gq, gs, out_dtype=f32, offs=offs))
     fp8_linear(x[:1].bfloat16(), wq, ws, invariant=True)
     fp8_linear(x[:2].bfloat16(), wq, ws)  # 2 rows > 1
     fp8_grouped_linear(x.repeat(5, 1), gq, gs, offs)  # 20 rows > 12
@@ -194,8 +177,8 @@ def test_gemv_replays_in_a_cuda_graph():
     outputs in between), dense and grouped with a gather, at one and four rows."""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7)
-    wq, ws = (t.to(dev) for t in _weights(2048, 1024, gen))
-    gq, gs = (t.to(dev) for t in _weights(256, 1024, gen, (16,)))
+    wq, ws = (t.to(dev) for t in fp8_weights(2048, 1024, gen))
+    gq, gs = (t.to(dev) for t in fp8_weights(256, 1024, gen, (16,)))
     x = torch.randn(4, 1024, generator=gen).bfloat16().to(dev)
     offs = torch.tensor([0, 1, 1, 2] + [4] * 12, dtype=torch.int32, device=dev)
     rows = torch.tensor([3, 0, 2, 1], device=dev)
@@ -219,5 +202,5 @@ def test_gemv_replays_in_a_cuda_graph():
             fp8_gemm_reference(x, None, gq, gs, out_dtype=torch.float32, offs=offs, rows=rows),
         )
         for got, want, eager in zip(out, ref, products(), strict=True):
-            _assert_close(got, want)
+            assert_product_close(got, want)
             assert torch.equal(got, eager)
