@@ -86,18 +86,16 @@ def _exact(wq, ws, x) -> torch.Tensor:
 
 class Case:
     """One product: dense ``N x K`` at ``rows`` rows, or the routed experts' gate-up / down at
-    ``rows`` tokens. :attr:`calls`: the argument tuples ``(wq, ws, x, offs, rows)`` the timed
-    calls cycle through."""
+    ``rows`` tokens. ``weights``: the dense weight's copies ``[(wq, ws), ...]``, or the
+    experts' ``(wq, ws)``, made once per shape. :attr:`calls`: the argument tuples ``(wq, ws,
+    x, offs, rows)`` the timed calls cycle through."""
 
-    def __init__(
-        self, kind: str, n: int, k: int, rows: int, dev: torch.device, weights=None
-    ) -> None:
+    def __init__(self, kind: str, n: int, k: int, rows: int, dev: torch.device, weights) -> None:
         self.kind, self.n, self.k, self.rows = kind, n, k, rows
         gen = torch.Generator(device=dev).manual_seed(n * 7 + k + rows)
         if kind == "dense":
             x = torch.randn(rows, k, device=dev, generator=gen).bfloat16() * 3
-            copies = _fp8_weights((), n, k, dev, _copies(n * k))
-            self.calls = [(wq, ws, x, None, None) for wq, ws in copies]
+            self.calls = [(wq, ws, x, None, None) for wq, ws in weights]
             return
         wq, ws = weights
         self.calls = []
@@ -130,8 +128,8 @@ class Case:
         return run
 
 
-def _cases(shapes, rows: int, tokens: int, experts, dev) -> list[Case]:
-    cases = [Case("dense", n, k, rows, dev) for n, k in shapes]
+def _cases(shapes, rows: int, tokens: int, dense, experts, dev) -> list[Case]:
+    cases = [Case("dense", n, k, rows, dev, dense[n, k]) for n, k in shapes]
     cases.append(Case("gate_up", 2 * EXPERT_FFN, HIDDEN, tokens, dev, experts["gate_up"]))
     cases.append(Case("down", HIDDEN, EXPERT_FFN, tokens, dev, experts["down"]))
     return cases
@@ -159,13 +157,14 @@ def main() -> int:
     tokens_list = [int(t) for t in args.tokens.split(",")]
     sweep = [Fp8GemvConfig.parse(s.replace("/", ",")) for s in args.sweep.split(",")]
 
-    # one set of expert weights (the routes vary instead)
+    # the weights, made once: each dense shape's copies, one set of experts (the routes vary)
+    dense = {(n, k): _fp8_weights((), n, k, dev, _copies(n * k)) for n, k in set(shapes)}
     experts = {
         "gate_up": _fp8_weights((EXPERTS,), 2 * EXPERT_FFN, HIDDEN, dev, 1)[0],
         "down": _fp8_weights((EXPERTS,), HIDDEN, EXPERT_FFN, dev, 1)[0],
     }
     # the sweep at the first row and token counts
-    first = _cases(shapes, rows_list[0], tokens_list[0], experts, dev)
+    first = _cases(shapes, rows_list[0], tokens_list[0], dense, experts, dev)
     sweep_rows, totals = [], {}
     for cfg in sweep:
         us = [_time(c.gemv(cfg), c.calls) for c in first]
@@ -184,7 +183,7 @@ def main() -> int:
     # every row / token count: tensor cores, the sized tile, the sweep's best
     results = []
     for r, t in itertools.zip_longest(rows_list, tokens_list):
-        cases = _cases(shapes, r or rows_list[0], t or tokens_list[0], experts, dev)
+        cases = _cases(shapes, r or rows_list[0], t or tokens_list[0], dense, experts, dev)
         for c in cases:
             if c.kind == "dense" and r is None or c.kind != "dense" and t is None:
                 continue
