@@ -70,6 +70,7 @@ _TORCH_TYPES = {
     "int32": "i32",
     "int64": "i64",
     "uint8": "u8",
+    "float8_e4m3fn": "fp8e4nv",
     "bool": "u1",  # as Triton's JIT types a torch.bool pointer
 }
 
@@ -658,6 +659,38 @@ def _lane_commit_launches() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _fp8_gemv_launches() -> list[tuple[str, Callable[[], None]]]:
+    """Qwen3-Next-80B's few-row FP8 products (``unimem_kernel.fp8_gemv``), tiles sized by
+    the product: one row of ``in_proj_qkvz``, ``out_proj`` and the shared expert's down, one
+    token's routed experts (gate-up through the gather, down)."""
+    import importlib
+
+    import torch
+
+    from unimem_kernel.fp8_gemm import FP8_DTYPE, num_groups
+
+    gemv = importlib.import_module("unimem_kernel.fp8_gemv")
+
+    def call(rows: int, n: int, k: int, experts: int = 0, gather: bool = False) -> None:
+        lead = (experts,) if experts else ()
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        wq = torch.zeros(*lead, n, k).to(FP8_DTYPE)
+        ws = torch.ones(*lead, n, num_groups(k))
+        offs = torch.full((experts,), rows, dtype=torch.int32) if experts else None
+        gemv.fp8_gemv(x, wq, ws, offs, torch.arange(rows) if gather else None)
+
+    return [
+        (f"fp8_gemv {name}", lambda a=args: call(*a))
+        for name, args in (
+            ("in_proj_qkvz rows 1", (1, 12288, 2048)),
+            ("out_proj rows 1", (1, 2048, 4096)),
+            ("shared expert down rows 1", (1, 2048, 512)),
+            ("experts gate_up tokens 1", (10, 1024, 2048, 512, True)),
+            ("experts down tokens 1", (10, 2048, 512, 512)),
+        )
+    ]
+
+
 def _rope_angles_launches() -> list[tuple[str, Callable[[], None]]]:
     """RoPE's cos/sin of a verify step (384 positions, the small preset's 64 frequencies),
     plain and with gpt-oss's factor and bf16 cast."""
@@ -1015,6 +1048,7 @@ _KERNELS = {
     "unimem_kernel.lane_commit": _in("lane_commit", "_commit_lanes_kernel"),
     "unimem_kernel.window_lookup": _in("window_lookup", "_window_lookup_kernel"),
     "unimem_kernel.rope_angles": _in("rope_angles", "_rope_cos_sin_kernel"),
+    "unimem_kernel.fp8_gemv": _in("fp8_gemv", "_fp8_gemv_kernel"),
 }
 
 _LAUNCHES = {
@@ -1039,6 +1073,7 @@ _LAUNCHES = {
     "unimem_kernel.lane_commit": _lane_commit_launches,
     "unimem_kernel.window_lookup": _window_lookup_launches,
     "unimem_kernel.rope_angles": _rope_angles_launches,
+    "unimem_kernel.fp8_gemv": _fp8_gemv_launches,
 }
 
 

@@ -103,6 +103,7 @@ def _failures(rows: list[dict], kernels: tuple[str, ...]) -> str:
                 "_place_kernel",
                 "_row_argmax_kernel",
                 "_accept_kernel",
+                "_fp8_gemv_kernel",
             ),
             id="model_ops",
         ),  # fmt: skip
