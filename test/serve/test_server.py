@@ -205,6 +205,11 @@ def test_chat_equals_engine(server, engine):
     )
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want["text"]
+    # any model name is the served model, as SGLang's server takes it, and is echoed back
+    other = server.client.chat.completions.create(
+        model="default", messages=messages, max_tokens=12, temperature=0
+    )
+    assert other.model == "default" and other.choices[0].message.content == want["text"]
     assert got.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
     stream = server.client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
@@ -402,7 +407,7 @@ def _bad_requests(server, engine):
     return [
         ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": ', AUTH, 400),
         ("not an object", "/v1/completions", b"[1, 2]", AUTH, 400),
-        ("unknown model", "/v1/completions", {**ok, "model": "gpt-9"}, AUTH, 404),
+        ("a LoRA adapter", "/v1/completions", {**ok, "model": f"{MODEL}:sql"}, AUTH, 400),
         ("prompt past context", "/v1/completions", {**ok, "prompt": long_prompt}, AUTH, 400),
         ("max_tokens 0", "/v1/completions", {**ok, "max_tokens": 0}, AUTH, 400),
         (
@@ -476,8 +481,9 @@ def test_bad_inputs_get_their_status_while_a_good_request_runs(server, engine):
 
 
 def test_openai_client_raises_typed_errors(server):
-    with pytest.raises(openai.NotFoundError):
-        server.client.completions.create(model="nope", prompt="w5", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model="tiny:adapter", prompt="w5", max_tokens=2)
+    assert e.value.body["param"] == "model" and "adapter" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         server.client.completions.create(model=MODEL, prompt="w5", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"

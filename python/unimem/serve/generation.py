@@ -150,11 +150,20 @@ class Serving:
             )
 
     def check_model(self, name: str | None) -> None:
-        """404 unless ``name`` is the served model name (or omitted)."""
-        if name is not None and name != self.options.served_model_name:
-            raise ApiError(
-                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
-            )
+        """Any ``model`` names the served model, as SGLang's server takes it (its OpenAI routes
+        read ``model`` only for a LoRA adapter, ``base:adapter``; clients written for it often
+        send ``"default"``), except a ``base:adapter`` name other than the served name itself:
+        400, this server serves no adapters (never the base model silently in its place)."""
+        if name is None or name == self.options.served_model_name or ":" not in name:
+            return
+        adapter = name.split(":", 1)[1]
+        raise ApiError(
+            400,
+            f"model {name!r} asks for the LoRA adapter {adapter!r}; this server serves no "
+            f"adapters (its model: {self.options.served_model_name!r})",
+            param="model",
+            code="unsupported_value",
+        )
 
     def max_room(self, prompt_len: int) -> int:
         """The most output tokens a prompt of ``prompt_len`` tokens may ask for: within the

@@ -166,7 +166,9 @@ class _Route:
         rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        head = {"id": rid, "object": obj, "created": created, "model": s.options.served_model_name}
+        # the request's model name, as SGLang answers (the served name when it sent none)
+        model = body.model if body.model is not None else s.options.served_model_name
+        head = {"id": rid, "object": obj, "created": created, "model": model}
         if not body.stream:
             out = await gen.collect()
             if gen.disconnected:  # the client is gone; nobody reads this
