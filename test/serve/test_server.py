@@ -197,6 +197,49 @@ def test_completion_stream_equals_engine(server, engine):
     assert chunks[-1].usage.completion_tokens == want["meta_info"]["completion_tokens"]
 
 
+def test_completion_batch_equals_engine(server, engine):
+    """A batch of prompts (strings and token ids): a choice per prompt, each the engine's own
+    output for it, the usage summed; streamed, each prompt's pieces under its index."""
+    prompts = ["w5 w6 w7", "w40 w41", "w12 w13 w14 w15"]
+    wants = [engine.generate(prompt=p, sampling_params=GREEDY) for p in prompts]
+    got = server.client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=12, temperature=0
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [w["text"] for w in wants]
+    meta = [w["meta_info"] for w in wants]
+    assert got.usage.prompt_tokens == sum(m["prompt_tokens"] for m in meta)
+    assert got.usage.completion_tokens == sum(m["completion_tokens"] for m in meta)
+    ids = [engine.tokenizer.encode(p) for p in prompts[:2]]
+    by_ids = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert [c.text for c in by_ids.choices] == [w["text"] for w in wants[:2]]
+    stream = server.client.completions.create(
+        model=MODEL,
+        prompt=prompts,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finals = ["", "", ""], [None, None, None]
+    chunks = list(stream)
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] += choice.text
+        assert finals[choice.index] is None  # nothing after a choice's last piece
+        finals[choice.index] = choice.finish_reason
+    assert texts == [w["text"] for w in wants]
+    assert finals == [m["finish_reason"]["type"] for m in meta]
+    assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+    # one bad prompt refuses the whole batch before any runs
+    r = server.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [[5, 6], [5, 10**6]], "max_tokens": 2}
+    )
+    assert r.status_code == 400 and "outside the vocabulary" in r.text
+    r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": ["w5"] * 257})
+    assert r.status_code == 400 and "at most 256" in r.text
+
+
 def test_chat_equals_engine(server, engine):
     messages = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w7 w8"}]
     want = engine.generate(input_ids=_chat_ids(engine, messages), sampling_params=GREEDY)
@@ -336,6 +379,23 @@ def test_client_drop_mid_stream_releases_memory(server):
     assert info["used_bytes"] == IDLE["used_bytes"]
     assert info["live_units"] == IDLE["live_units"]
     assert info["requests_finished"].get("abort", 0) == before + 1  # aborted, not run to the end
+
+
+def test_client_drop_mid_batch_stream_aborts_every_prompt(server):
+    before = server.info()["requests_finished"].get("abort", 0)
+    body = {"model": MODEL, "prompt": ["w5 w6 w7", "w8 w9"], "max_tokens": 240,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    client = httpx.Client(base_url=server.url, headers=AUTH, timeout=30)
+    with client, client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        busy = server.info()
+        assert busy["running_requests"] + busy["queued_requests"] == 2
+    info = _idle(server)
+    assert info["used_bytes"] == IDLE["used_bytes"]
+    assert info["requests_finished"].get("abort", 0) == before + 2
 
 
 def test_client_drop_while_waiting_for_a_whole_response_aborts_it(server):

@@ -7,10 +7,17 @@ events of ``text_completion`` / ``chat.completion.chunk`` objects ending in ``da
 the usage in a last chunk with no choices when ``stream_options.include_usage`` is set (and in
 every chunk with ``continuous_usage_stats``, as vLLM does). Each choice also carries SGLang's
 ``matched_stop`` (the stop token id or string that ended it).
+
+A completion's ``prompt`` may be a batch (a list of strings or of token-id lists), as in
+OpenAI's API and SGLang's: each prompt is its own request in the engine, all checked before
+any is queued, and the response has a choice per prompt (``index`` its position; streamed,
+each chunk carries one prompt's piece as it comes), the usage summed over them. An engine
+error or a client that goes away ends all of them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -85,18 +92,73 @@ def _params(body, max_tokens: int | None, max_field: str, defaults: Mapping) -> 
     return p
 
 
-def _usage(gen: Generation) -> dict:
+def _usage(gens: list[Generation]) -> dict:
+    """The usage of a response's generations (one a prompt), summed."""
+    prompt = sum(g.prompt_tokens for g in gens)
+    completion = sum(g.completion_tokens for g in gens)
     return {
-        "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": gen.completion_tokens,
-        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)},
     }
 
 
-async def _first(it: AsyncIterator[Piece]) -> Piece:
-    """The first piece, so that an early error is answered with its status, not a stream."""
+async def _first(it: AsyncIterator):
+    """The first item, so that an early error is answered with its status, not a stream."""
     return await it.__anext__()
+
+
+async def _collect_all(gens: list[Generation]) -> list[Piece]:
+    """Every generation run to its end, concurrently; on the first error the others are
+    cancelled (which aborts them in the engine) before it is raised."""
+    tasks = [asyncio.ensure_future(g.collect()) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _merged_pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+    """``(index, piece)`` of every generation as the pieces come. On an error in one, or when
+    the consumer stops early, the others are cancelled (aborted in the engine)."""
+    if len(gens) == 1:
+        it = gens[0].pieces()
+        try:
+            async for piece in it:
+                yield 0, piece
+        finally:
+            await it.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for piece in gen.pieces():
+                queue.put_nowait((i, piece))
+        except Exception as e:  # noqa: BLE001 (handed to the consumer, which raises it)
+            queue.put_nowait((i, e))
+            return
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    running = len(tasks)
+    try:
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _Route:
@@ -136,8 +198,10 @@ class _Route:
             "text_offset": offsets,
         }
 
-    def choice(self, piece: Piece, want_lp: bool, top: int, offset: int, stream: bool) -> dict:
-        c: dict = {"index": 0}
+    def choice(
+        self, piece: Piece, want_lp: bool, top: int, offset: int, stream: bool, index: int = 0
+    ) -> dict:
+        c: dict = {"index": index}
         if self.kind == "chat":
             if stream:
                 c["delta"] = {"content": piece.text} if piece.text else {}
@@ -154,15 +218,16 @@ class _Route:
         self,
         request: Request,
         body,
-        prompt: list[int],
+        prompts: list[list[int]],
         prompt_field: str,
         params: GenParams,
         want_lp: bool,
         top: int,
     ):
+        """Run ``prompts`` (one, or a completion's batch: module docstring) and answer."""
         s = self.serving
-        sub = s.prepare(prompt, params, prompt_field)
-        gen = Generation(s, sub, params.stop, request, params)
+        subs = [s.prepare(prompt, params, prompt_field) for prompt in prompts]
+        gens = [Generation(s, sub, params.stop, request, params) for sub in subs]
         rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -170,25 +235,28 @@ class _Route:
         model = body.model if body.model is not None else s.options.served_model_name
         head = {"id": rid, "object": obj, "created": created, "model": model}
         if not body.stream:
-            out = await gen.collect()
-            if gen.disconnected:  # the client is gone; nobody reads this
+            outs = await _collect_all(gens)
+            if any(g.disconnected for g in gens):  # the client is gone; nobody reads this
                 raise ApiError(499, "client disconnected", code="client_closed_request")
-            choice = self.choice(out, want_lp, top, 0, stream=False)
-            return JSONResponse({**head, "choices": [choice], "usage": _usage(gen)})
-        it = gen.pieces()
+            choices = [
+                self.choice(out, want_lp, top, 0, stream=False, index=i)
+                for i, out in enumerate(outs)
+            ]
+            return JSONResponse({**head, "choices": choices, "usage": _usage(gens)})
+        it = _merged_pieces(gens)
         first = await _first(it)
         opts = body.stream_options
         usage_last = bool(opts and opts.include_usage)
         usage_each = bool(opts and opts.continuous_usage_stats)
         head["object"] = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return StreamingResponse(
-            self._events(it, first, head, want_lp, top, usage_last, usage_each, gen),
+            self._events(it, first, head, want_lp, top, usage_last, usage_each, gens),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
 
-    async def _events(self, it, first, head, want_lp, top, usage_last, usage_each, gen):
-        offset = 0
+    async def _events(self, it, first, head, want_lp, top, usage_last, usage_each, gens):
+        offsets = [0] * len(gens)  # text streamed so far, per choice
         try:
             if self.kind == "chat":
                 role = {
@@ -197,20 +265,22 @@ class _Route:
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                yield sse({**head, "choices": [role], **self._usage_field(gen, usage_last)})
-            piece: Piece | None = first
-            while piece is not None:
+                yield sse({**head, "choices": [role], **self._usage_field(usage_last)})
+            item: tuple[int, Piece] | None = first
+            while item is not None:
+                i, piece = item
                 if piece.text or piece.finish_reason is not None or (want_lp and piece.token_ids):
-                    chunk = {**head, "choices": [self.choice(piece, want_lp, top, offset, True)]}
+                    choice = self.choice(piece, want_lp, top, offsets[i], True, index=i)
+                    chunk = {**head, "choices": [choice]}
                     if usage_each:
-                        chunk["usage"] = _usage(gen)
+                        chunk["usage"] = _usage(gens)
                     elif usage_last:
                         chunk["usage"] = None
                     yield sse(chunk)
-                offset += len(piece.text)
-                piece = await anext(it, None)
+                offsets[i] += len(piece.text)
+                item = await anext(it, None)
             if usage_last:
-                yield sse({**head, "choices": [], "usage": _usage(gen)})
+                yield sse({**head, "choices": [], "usage": _usage(gens)})
         except ApiError as e:
             yield sse(error_body(e))
         finally:
@@ -218,7 +288,7 @@ class _Route:
         yield sse("[DONE]")
 
     @staticmethod
-    def _usage_field(gen: Generation, usage_last: bool) -> dict:
+    def _usage_field(usage_last: bool) -> dict:
         return {"usage": None} if usage_last else {}
 
 
@@ -234,7 +304,7 @@ def openai_router(serving: Serving) -> APIRouter:
         serving.check_model(body.model)
         refuse_unsupported(body)
         refuse_sglang_unsupported(body)
-        prompt = _completion_prompt(serving, body.prompt)
+        prompts = _completion_prompts(serving, body.prompt)
         lp = body.logprobs
         if lp is not None and lp not in (0, 1):
             raise ApiError(
@@ -247,7 +317,7 @@ def openai_router(serving: Serving) -> APIRouter:
         params.top_logprobs = lp or 0
         params.top_logprobs_field = "logprobs"
         return await completions.run(
-            request, body, prompt, "prompt", params, lp is not None, lp or 0
+            request, body, prompts, "prompt", params, lp is not None, lp or 0
         )
 
     @router.post("/v1/chat/completions")
@@ -282,7 +352,7 @@ def openai_router(serving: Serving) -> APIRouter:
         else:
             params = _params(body, body.max_tokens, "max_tokens", serving.engine.sampling_defaults)
         params.top_logprobs = top
-        return await chats.run(request, body, prompt, "messages", params, body.logprobs, top)
+        return await chats.run(request, body, [prompt], "messages", params, body.logprobs, top)
 
     @router.get("/v1/models")
     async def list_models():
@@ -303,20 +373,30 @@ def openai_router(serving: Serving) -> APIRouter:
     return router
 
 
-def _completion_prompt(serving: Serving, prompt) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-        if len(prompt) != 1:
-            raise ApiError(
-                400,
-                "prompt: batches are not supported; send one prompt per request",
-                param="prompt",
-                code="unsupported_value",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        serving.require_tokenizer()
-        return serving.tokenizer.encode(prompt)
-    return list(prompt)
+MAX_BATCH_PROMPTS = 256
+"""Most prompts one completion request may carry."""
+
+
+def _completion_prompts(serving: Serving, prompt) -> list[list[int]]:
+    """The request's prompts as token ids: one (a string or a list of ids) or a batch (a list
+    of strings or of id lists, at most :data:`MAX_BATCH_PROMPTS`)."""
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
+    prompts = prompt if batch else [prompt]
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise ApiError(
+            400,
+            f"prompt: {len(prompts)} prompts in one request, at most {MAX_BATCH_PROMPTS}",
+            param="prompt",
+            code="invalid_value",
+        )
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            serving.require_tokenizer()
+            out.append(serving.tokenizer.encode(p))
+        else:
+            out.append(list(p))
+    return out
 
 
 def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:

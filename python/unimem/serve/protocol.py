@@ -90,8 +90,8 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields, SGLangCompletionFields):
-    """``POST /v1/completions``. ``prompt``: a string or a list of token ids (a list of one
-    of them is accepted too; batches are refused). ``logprobs``: 0 or 1 (the chosen token's
+    """``POST /v1/completions``. ``prompt``: a string or a list of token ids, or a batch of
+    either (a list of them: a choice per prompt). ``logprobs``: 0 or 1 (the chosen token's
     log-probability; with 1 its top-1 alternative as well, under greedy decoding)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
