@@ -280,3 +280,47 @@ def test_server_options_default_timeouts():
     opts = _options()
     assert opts.graceful_shutdown_timeout > 0 and opts.health_generate_timeout > 0
     assert dataclasses.replace(opts, health_generate_timeout=1.0).health_generate_timeout == 1.0
+
+
+def test_tokenize_and_detokenize_as_sglang_answers(client, engine):
+    """SGLang's ``/v1/tokenize`` and ``/v1/detokenize`` (and the paths without ``/v1``): one
+    prompt or a list, the token counts and the context the server takes; decoding back."""
+    tok = engine.tokenizer
+    r = client.post("/v1/tokenize", json={"model": MODEL, "prompt": "w5 w6 w7"})
+    assert r.status_code == 200, r.text
+    one = r.json()
+    assert one["tokens"] == tok.encode("w5 w6 w7") and one["count"] == len(one["tokens"])
+    assert one["max_model_len"] == _max_model_len(client)
+    r = client.post("/tokenize", json={"prompt": ["w5", "w6 w7"], "add_special_tokens": False})
+    many = r.json()
+    assert many["tokens"] == [tok.encode(t, add_special_tokens=False) for t in ("w5", "w6 w7")]
+    assert many["count"] == [len(t) for t in many["tokens"]]
+    r = client.post("/v1/detokenize", json={"tokens": one["tokens"]})
+    assert r.json()["text"] == tok.decode(one["tokens"], skip_special_tokens=True)
+    r = client.post("/detokenize", json={"tokens": many["tokens"], "skip_special_tokens": False})
+    assert r.json()["text"] == [tok.decode(t) for t in many["tokens"]]
+    r = client.post("/v1/detokenize", json={"tokens": [5, 10**7]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = client.post("/v1/tokenize", json={"prompt": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_chat_template_kwargs_reach_the_template(engine):
+    """``chat_template_kwargs`` are the template's variables (SGLang's field, e.g.
+    ``enable_thinking``); one naming an argument the server sets is a 400."""
+    template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}{{ lead | default('w9') }}{% endif %}"
+    )
+    with TestClient(make_app(engine, _options(chat_template=template))) as c:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+        plain = c.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+        led = c.post(
+            "/v1/chat/completions", json={**body, "chat_template_kwargs": {"lead": "w9 w8 w7"}}
+        )
+        assert led.status_code == 200, led.text
+        assert led.json()["usage"]["prompt_tokens"] == plain + 2
+        r = c.post(
+            "/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": True}}
+        )
+        assert r.status_code == 400 and "'tokenize'" in r.json()["error"]["message"]

@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``.
+``GET /v1/models``, and SGLang's ``POST /v1/tokenize`` / ``/v1/detokenize`` (also without
+``/v1``: ``{"tokens", "count", "max_model_len"}`` and ``{"text"}``, one or a list).
 
 Responses follow OpenAI's shapes: ``usage`` (``prompt_tokens``, ``completion_tokens``,
 ``total_tokens``, ``prompt_tokens_details.cached_tokens``); with ``stream: true`` server-sent
@@ -18,6 +19,7 @@ error or a client that goes away ends all of them.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 import uuid
@@ -33,6 +35,8 @@ from unimem.serve.generation import Generation, GenParams, Piece, Serving
 from unimem.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     check_unicode,
     parse_body,
     refuse_unsupported,
@@ -354,6 +358,43 @@ def openai_router(serving: Serving) -> APIRouter:
         params.top_logprobs = top
         return await chats.run(request, body, [prompt], "messages", params, body.logprobs, top)
 
+    async def tokenize(request: Request):
+        body = parse_body(TokenizeRequest, await read_json(request))
+        serving.check_model(body.model)
+        serving.require_tokenizer()
+        enc = serving.tokenizer.encode
+        if isinstance(body.prompt, str):
+            tokens = enc(body.prompt, add_special_tokens=body.add_special_tokens)
+            count = len(tokens)
+        else:
+            tokens = [enc(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
+            count = [len(t) for t in tokens]
+        return {"tokens": tokens, "count": count, "max_model_len": serving.context_length}
+
+    async def detokenize(request: Request):
+        body = parse_body(DetokenizeRequest, await read_json(request))
+        serving.check_model(body.model)
+        serving.require_tokenizer()
+        batch = bool(body.tokens) and isinstance(body.tokens[0], list)
+        lists = body.tokens if batch else [body.tokens]
+        for ids in lists:
+            bad = [t for t in ids if not 0 <= t < serving.vocab_size]
+            if bad:
+                raise ApiError(
+                    400,
+                    f"tokens: token id {bad[0]} outside the vocabulary [0, {serving.vocab_size})",
+                    param="tokens",
+                    code="invalid_value",
+                )
+        skip = body.skip_special_tokens
+        texts = [serving.tokenizer.decode(ids, skip_special_tokens=skip) for ids in lists]
+        return {"text": texts if batch else texts[0]}
+
+    for path in ("/v1/tokenize", "/tokenize"):
+        router.add_api_route(path, tokenize, methods=["POST"])
+    for path in ("/v1/detokenize", "/detokenize"):
+        router.add_api_route(path, detokenize, methods=["POST"])
+
     @router.get("/v1/models")
     async def list_models():
         return {
@@ -399,6 +440,13 @@ def _completion_prompts(serving: Serving, prompt) -> list[list[int]]:
     return out
 
 
+def _template_arguments(tok) -> set[str]:
+    """The named arguments of ``tok.apply_chat_template`` (what ``chat_template_kwargs`` may
+    not set: the rest reaches the template as variables)."""
+    params = inspect.signature(tok.apply_chat_template).parameters.values()
+    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
 def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
     tok = serving.tokenizer
     if not body.messages:
@@ -414,6 +462,16 @@ def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
             code="no_chat_template",
         )
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    extra = body.chat_template_kwargs or {}
+    taken = sorted(set(extra) & _template_arguments(tok))
+    if taken:
+        raise ApiError(
+            400,
+            f"chat_template_kwargs: {taken[0]!r} is an argument the server sets, not a "
+            "template variable",
+            param="chat_template_kwargs",
+            code="invalid_value",
+        )
     try:
         text = tok.apply_chat_template(
             messages,
@@ -421,6 +479,7 @@ def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
             tokenize=False,
             add_generation_prompt=not body.continue_final_message,
             continue_final_message=body.continue_final_message,
+            **extra,
         )
     except Exception as e:  # a template may refuse a conversation (raise_exception)
         raise ApiError(

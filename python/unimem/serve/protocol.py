@@ -29,8 +29,10 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
     "GenerateRequest",
     "StreamOptions",
+    "TokenizeRequest",
     "check_unicode",
     "error_body",
     "parse_body",
@@ -115,6 +117,22 @@ class ChatCompletionRequest(_SamplingFields, SGLangChatFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+
+
+class TokenizeRequest(_Body):
+    """SGLang's ``POST /v1/tokenize``: ``prompt`` a string or a list of them."""
+
+    model: str | None = None
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    """SGLang's ``POST /v1/detokenize``: ``tokens`` a list of ids or a list of such lists."""
+
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
 
 
 class GenerateRequest(_Body, SGLangGenerateFields):

@@ -13,6 +13,9 @@ field (route)                     status        meaning here
 ``skip_special_tokens`` (OpenAI)  honoured      False: special tokens' text stays in the output
 ``continue_final_message`` (chat) honoured      the last (assistant) message is continued: no
                                                 generation prompt is added after it
+``chat_template_kwargs`` (chat)   honoured      more variables for the chat template (e.g.
+                                                ``enable_thinking``); one that names an
+                                                argument the server sets is refused (400)
 ``separate_reasoning``,           ignored       no reasoning parser: the whole output is
 ``stream_reasoning`` (chat)                     ``content``, nothing is split out
 ``return_hidden_states``          neutral only  ``true`` is refused (400)
@@ -30,6 +33,8 @@ Fields the router forwards only when the client set them (``regex``, ``json_sche
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -59,6 +64,7 @@ class SGLangChatFields(SGLangCompletionFields):
     """What the router adds to ``POST /v1/chat/completions``."""
 
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
