@@ -240,6 +240,35 @@ def test_completion_batch_equals_engine(server, engine):
     assert r.status_code == 400 and "at most 256" in r.text
 
 
+def test_n_choices_are_seeded_requests(server):
+    """``n`` choices of each prompt: choice ``j`` is the request with ``seed + j``; prompts x
+    ``n`` indexed prompt-major; streamed under the same indices."""
+    kw = dict(model=MODEL, max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True})
+    one = [
+        server.client.completions.create(prompt="w5 w6", seed=7 + j, **kw).choices[0].text
+        for j in range(3)
+    ]
+    got = server.client.completions.create(prompt="w5 w6", seed=7, n=3, **kw)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == one
+    assert len(set(one)) > 1  # different seeds, different samples
+    batch = server.client.completions.create(prompt=["w5 w6", "w40"], seed=7, n=3, **kw)
+    assert [c.text for c in batch.choices[:3]] == one
+    assert got.usage.completion_tokens == 30 and batch.usage.completion_tokens == 60
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=6, n=2,
+        temperature=0, stream=True,
+    )  # fmt: skip
+    texts, roles = ["", ""], []
+    for c in chat:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.delta.role:
+                roles.append(ch.index)
+    assert roles == [0, 1]
+    assert texts[0] == texts[1] and texts[0]  # greedy: the same twice
+
+
 def test_chat_equals_engine(server, engine):
     messages = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w7 w8"}]
     want = engine.generate(input_ids=_chat_ids(engine, messages), sampling_params=GREEDY)
@@ -488,7 +517,14 @@ def _bad_requests(server, engine):
             AUTH,
             400,
         ),
-        ("n 2", "/v1/completions", {**ok, "n": 2}, AUTH, 400),
+        ("n 0", "/v1/completions", {**ok, "n": 0}, AUTH, 400),
+        (
+            "n past the choices",
+            "/v1/completions",
+            {**ok, "prompt": ["w5"] * 2, "n": 129},
+            AUTH,
+            400,
+        ),
         ("unknown field", "/v1/completions", {**ok, "frobnicate": 1}, AUTH, 400),
         ("token outside vocab", "/generate", {"input_ids": [5, 10**6]}, AUTH, 400),
         (

@@ -10,15 +10,18 @@ every chunk with ``continuous_usage_stats``, as vLLM does). Each choice also car
 ``matched_stop`` (the stop token id or string that ended it).
 
 A completion's ``prompt`` may be a batch (a list of strings or of token-id lists), as in
-OpenAI's API and SGLang's: each prompt is its own request in the engine, all checked before
-any is queued, and the response has a choice per prompt (``index`` its position; streamed,
-each chunk carries one prompt's piece as it comes), the usage summed over them. An engine
-error or a client that goes away ends all of them.
+OpenAI's API and SGLang's, and ``n`` asks for several choices of each prompt: each (prompt,
+choice) is its own request in the engine (the prefix cache shares their prompt pages), all
+checked before any is queued, and the response has a choice for each (``index`` = prompt
+position x ``n`` + choice; streamed, each chunk carries one choice's piece as it comes), the
+usage summed over them. Choice ``j`` of a request with a ``seed`` samples with ``seed + j``
+(without one, each draws its own). An engine error or a client that goes away ends all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import time
@@ -228,9 +231,11 @@ class _Route:
         want_lp: bool,
         top: int,
     ):
-        """Run ``prompts`` (one, or a completion's batch: module docstring) and answer."""
+        """Run ``prompts`` (one, or a completion's batch), ``params.n`` choices of each (module
+        docstring), and answer."""
         s = self.serving
-        subs = [s.prepare(prompt, params, prompt_field) for prompt in prompts]
+        copies = _choice_params(params, len(prompts))
+        subs = [s.prepare(prompt, c, prompt_field) for prompt in prompts for c in copies]
         gens = [Generation(s, sub, params.stop, request, params) for sub in subs]
         rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
@@ -262,14 +267,15 @@ class _Route:
     async def _events(self, it, first, head, want_lp, top, usage_last, usage_each, gens):
         offsets = [0] * len(gens)  # text streamed so far, per choice
         try:
-            if self.kind == "chat":
-                role = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield sse({**head, "choices": [role], **self._usage_field(usage_last)})
+            if self.kind == "chat":  # each choice opens with the assistant's role
+                for i in range(len(gens)):
+                    role = {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield sse({**head, "choices": [role], **self._usage_field(usage_last)})
             item: tuple[int, Piece] | None = first
             while item is not None:
                 i, piece = item
@@ -415,7 +421,31 @@ def openai_router(serving: Serving) -> APIRouter:
 
 
 MAX_BATCH_PROMPTS = 256
-"""Most prompts one completion request may carry."""
+"""Most prompts one completion request may carry, and most choices (prompts x ``n``) one
+request may ask for."""
+
+
+def _choice_params(params: GenParams, prompts: int) -> list[GenParams]:
+    """The parameters of each of ``params.n`` choices of a prompt (``n`` 1 each; choice ``j``
+    seeded ``seed + j``); 400 naming ``n`` if it is not an int from 1 or the request would
+    run more than :data:`MAX_BATCH_PROMPTS` choices."""
+    n = params.n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ApiError(400, f"n must be an int >= 1, got {n!r}", param="n", code="invalid_value")
+    if n * prompts > MAX_BATCH_PROMPTS:
+        raise ApiError(
+            400,
+            f"n {n} x {prompts} prompt(s) asks for {n * prompts} choices, at most "
+            f"{MAX_BATCH_PROMPTS}",
+            param="n",
+            code="invalid_value",
+        )
+    if n == 1:
+        return [params]
+    seed = params.seed
+    return [
+        dataclasses.replace(params, n=1, seed=None if seed is None else seed + j) for j in range(n)
+    ]
 
 
 def _completion_prompts(serving: Serving, prompt) -> list[list[int]]:
