@@ -100,7 +100,7 @@ def _params(body, max_tokens: int | None, max_field: str, defaults: Mapping) -> 
 
 
 def _usage(gens: list[Generation]) -> dict:
-    """The usage of a response's generations (one a prompt), summed."""
+    """The usage of a response's generations (one a choice), summed."""
     prompt = sum(g.prompt_tokens for g in gens)
     completion = sum(g.completion_tokens for g in gens)
     return {
