@@ -594,6 +594,9 @@ def test_openai_client_raises_typed_errors(server):
 def test_models_info_health_flush(server):
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert server.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("gpt-9")
     assert httpx.get(server.url + "/health").status_code == 200  # no key needed
     assert server.http.get("/health_generate").status_code == 200
     info = server.http.get("/get_model_info").json()

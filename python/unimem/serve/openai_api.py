@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``, and SGLang's ``POST /v1/tokenize`` / ``/v1/detokenize`` (also without
-``/v1``: ``{"tokens", "count", "max_model_len"}`` and ``{"text"}``, one or a list).
+``GET /v1/models`` (and ``/v1/models/{model}``), and SGLang's ``POST /v1/tokenize`` /
+``/v1/detokenize`` (also without ``/v1``: ``{"tokens", "count", "max_model_len"}`` and
+``{"text"}``, one or a list).
 
 Responses follow OpenAI's shapes: ``usage`` (``prompt_tokens``, ``completion_tokens``,
 ``total_tokens``, ``prompt_tokens_details.cached_tokens``); with ``stream: true`` server-sent
@@ -401,21 +402,29 @@ def openai_router(serving: Serving) -> APIRouter:
     for path in ("/v1/detokenize", "/detokenize"):
         router.add_api_route(path, detokenize, methods=["POST"])
 
+    def model_card() -> dict:
+        return {
+            "id": serving.options.served_model_name,
+            "object": "model",
+            "created": int(serving.started),
+            "owned_by": "unimem",
+            "root": serving.engine.args.model_path,
+            "max_model_len": serving.context_length,
+        }
+
     @router.get("/v1/models")
     async def list_models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": serving.options.served_model_name,
-                    "object": "model",
-                    "created": int(serving.started),
-                    "owned_by": "unimem",
-                    "root": serving.engine.args.model_path,
-                    "max_model_len": serving.context_length,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        """OpenAI's model retrieval: the served model's card; 404 for another name (a lookup
+        of what is served, unlike a request's ``model``, which any name may fill)."""
+        if model != serving.options.served_model_name:
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
+        return model_card()
 
     return router
 
