@@ -12,11 +12,12 @@ every chunk with ``continuous_usage_stats``, as vLLM does). Each choice also car
 
 A completion's ``prompt`` may be a batch (a list of strings or of token-id lists), as in
 OpenAI's API and SGLang's, and ``n`` asks for several choices of each prompt: each (prompt,
-choice) is its own request in the engine (the prefix cache shares their prompt pages), all
-checked before any is queued, and the response has a choice for each (``index`` = prompt
-position x ``n`` + choice; streamed, each chunk carries one choice's piece as it comes), the
-usage summed over them. Choice ``j`` of a request with a ``seed`` samples with ``seed + j``
-(without one, each draws its own). An engine error or a client that goes away ends all.
+choice) is its own request in the engine (submitted together, each runs its own prefill:
+the prefix cache holds a prompt only once one has run it), all checked before any is
+queued, and the response has a choice for each (``index`` = prompt position x ``n`` +
+choice; streamed, each chunk carries one choice's piece as it comes), the usage summed over
+them. Choice ``j`` of a request with a ``seed`` samples with ``seed + j`` (without one, each
+draws its own). An engine error or a client that goes away ends all.
 """
 
 from __future__ import annotations
