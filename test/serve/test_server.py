@@ -240,6 +240,25 @@ def test_completion_batch_equals_engine(server, engine):
     assert r.status_code == 400 and "at most 256" in r.text
 
 
+def test_echo_puts_the_prompt_before_each_choice(server, engine):
+    prompts = ["w5 w6 w7", "w40 w41"]
+    wants = [engine.generate(prompt=p, sampling_params=GREEDY)["text"] for p in prompts]
+    kw = dict(model=MODEL, max_tokens=12, temperature=0, echo=True)
+    got = server.client.completions.create(prompt=prompts, **kw)
+    assert [c.text for c in got.choices] == [p + w for p, w in zip(prompts, wants, strict=True)]
+    ids = engine.tokenizer.encode(prompts[0])
+    by_ids = server.client.completions.create(prompt=ids, **kw).choices[0].text
+    assert by_ids == engine.tokenizer.decode(ids) + wants[0]
+    texts = ["", ""]
+    for c in server.client.completions.create(prompt=prompts, stream=True, **kw):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [c.text for c in got.choices]
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(prompt=prompts[0], logprobs=0, **kw)
+    assert e.value.body["param"] == "echo"
+
+
 def test_n_choices_are_seeded_requests(server):
     """``n`` choices of each prompt: choice ``j`` is the request with ``seed + j``; prompts x
     ``n`` indexed prompt-major; streamed under the same indices."""

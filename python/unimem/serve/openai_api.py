@@ -232,11 +232,13 @@ class _Route:
         params: GenParams,
         want_lp: bool,
         top: int,
+        echo: list[str] | None = None,
     ):
         """Run ``prompts`` (one, or a completion's batch), ``params.n`` choices of each (module
-        docstring), and answer."""
+        docstring), and answer. ``echo``: each prompt's text, put before its choices' text."""
         s = self.serving
         copies = _choice_params(params, len(prompts))
+        lead = [echo[i // len(copies)] for i in range(len(prompts) * len(copies))] if echo else None
         subs = [s.prepare(prompt, c, prompt_field) for prompt in prompts for c in copies]
         gens = [Generation(s, sub, params.stop, request, params) for sub in subs]
         rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -249,6 +251,9 @@ class _Route:
             outs = await _collect_all(gens)
             if any(g.disconnected for g in gens):  # the client is gone; nobody reads this
                 raise ApiError(499, "client disconnected", code="client_closed_request")
+            if lead:
+                for out, text in zip(outs, lead, strict=True):
+                    out.text = text + out.text
             choices = [
                 self.choice(out, want_lp, top, 0, stream=False, index=i)
                 for i, out in enumerate(outs)
@@ -261,13 +266,14 @@ class _Route:
         usage_each = bool(opts and opts.continuous_usage_stats)
         head["object"] = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return StreamingResponse(
-            self._events(it, first, head, want_lp, top, usage_last, usage_each, gens),
+            self._events(it, first, head, want_lp, top, usage_last, usage_each, gens, lead),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
 
-    async def _events(self, it, first, head, want_lp, top, usage_last, usage_each, gens):
+    async def _events(self, it, first, head, want_lp, top, usage_last, usage_each, gens, lead):
         offsets = [0] * len(gens)  # text streamed so far, per choice
+        lead = list(lead) if lead else None  # echo: each choice's first piece carries it
         try:
             if self.kind == "chat":  # each choice opens with the assistant's role
                 for i in range(len(gens)):
@@ -281,6 +287,8 @@ class _Route:
             item: tuple[int, Piece] | None = first
             while item is not None:
                 i, piece = item
+                if lead and lead[i]:
+                    piece.text, lead[i] = lead[i] + piece.text, ""
                 if piece.text or piece.finish_reason is not None or (want_lp and piece.token_ids):
                     choice = self.choice(piece, want_lp, top, offsets[i], True, index=i)
                     chunk = {**head, "choices": [choice]}
@@ -318,6 +326,16 @@ def openai_router(serving: Serving) -> APIRouter:
         refuse_sglang_unsupported(body)
         prompts = _completion_prompts(serving, body.prompt)
         lp = body.logprobs
+        echo = None
+        if body.echo:
+            if lp is not None:
+                raise ApiError(
+                    400,
+                    "echo with logprobs: prompt log-probabilities are not supported",
+                    param="echo",
+                    code="unsupported_value",
+                )
+            echo = _prompt_texts(serving, body.prompt, prompts)
         if lp is not None and lp not in (0, 1):
             raise ApiError(
                 400,
@@ -329,7 +347,7 @@ def openai_router(serving: Serving) -> APIRouter:
         params.top_logprobs = lp or 0
         params.top_logprobs_field = "logprobs"
         return await completions.run(
-            request, body, prompts, "prompt", params, lp is not None, lp or 0
+            request, body, prompts, "prompt", params, lp is not None, lp or 0, echo
         )
 
     @router.post("/v1/chat/completions")
@@ -458,9 +476,9 @@ def _choice_params(params: GenParams, prompts: int) -> list[GenParams]:
     ]
 
 
-def _completion_prompts(serving: Serving, prompt) -> list[list[int]]:
-    """The request's prompts as token ids: one (a string or a list of ids) or a batch (a list
-    of strings or of id lists, at most :data:`MAX_BATCH_PROMPTS`)."""
+def _sent_prompts(prompt) -> list:
+    """The prompts as sent: one (a string or a list of ids) or a batch (a list of strings or
+    of id lists), at most :data:`MAX_BATCH_PROMPTS`."""
     batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
     prompts = prompt if batch else [prompt]
     if len(prompts) > MAX_BATCH_PROMPTS:
@@ -470,13 +488,30 @@ def _completion_prompts(serving: Serving, prompt) -> list[list[int]]:
             param="prompt",
             code="invalid_value",
         )
+    return prompts
+
+
+def _completion_prompts(serving: Serving, prompt) -> list[list[int]]:
+    """The request's prompts (:func:`_sent_prompts`) as token ids."""
     out = []
-    for p in prompts:
+    for p in _sent_prompts(prompt):
         if isinstance(p, str):
             serving.require_tokenizer()
             out.append(serving.tokenizer.encode(p))
         else:
             out.append(list(p))
+    return out
+
+
+def _prompt_texts(serving: Serving, prompt, ids: list[list[int]]) -> list[str]:
+    """Each prompt's text for ``echo``: as sent, or its token ids (``ids``) decoded."""
+    out = []
+    for p, toks in zip(_sent_prompts(prompt), ids, strict=True):
+        if isinstance(p, str):
+            out.append(p)
+        else:
+            serving.require_tokenizer()
+            out.append(serving.tokenizer.decode(toks))
     return out
 
 

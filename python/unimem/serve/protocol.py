@@ -94,7 +94,9 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields, SGLangCompletionFields):
     """``POST /v1/completions``. ``prompt``: a string or a list of token ids, or a batch of
     either (a list of them: a choice per prompt). ``logprobs``: 0 or 1 (the chosen token's
-    log-probability; with 1 its top-1 alternative as well, under greedy decoding)."""
+    log-probability; with 1 its top-1 alternative as well, under greedy decoding). ``echo``:
+    each choice's text starts with its prompt (not with ``logprobs``: there are no prompt
+    log-probabilities)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
@@ -153,7 +155,6 @@ UNSUPPORTED_FIELDS = {
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
     "logit_bias": {},
-    "echo": False,
     "suffix": "",
     "best_of": 1,
     "tools": [],
