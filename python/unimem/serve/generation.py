@@ -151,9 +151,10 @@ class Serving:
 
     def check_model(self, name: str | None) -> None:
         """Any ``model`` names the served model, as SGLang's server takes it (its OpenAI routes
-        read ``model`` only for a LoRA adapter, ``base:adapter``; clients written for it often
-        send ``"default"``), except a ``base:adapter`` name other than the served name itself:
-        400, this server serves no adapters (never the base model silently in its place)."""
+        read ``model`` only for a LoRA adapter, ``base:adapter``, so a client written for it
+        may send any name, ``"default"`` say), except a ``base:adapter`` name other than the
+        served name itself: 400, this server serves no adapters (never the base model
+        silently in its place)."""
         if name is None or name == self.options.served_model_name or ":" not in name:
             return
         adapter = name.split(":", 1)[1]
