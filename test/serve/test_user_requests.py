@@ -324,3 +324,16 @@ def test_chat_template_kwargs_reach_the_template(engine):
             "/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": True}}
         )
         assert r.status_code == 400 and "'tokenize'" in r.json()["error"]["message"]
+
+
+def test_parallel_tool_calls_without_tools_is_accepted(client):
+    """``parallel_tool_calls`` qualifies ``tools``; alone it asks for nothing, so any value
+    passes, while ``tools`` themselves stay refused."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False})
+    assert r.status_code == 200, r.text
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    r = client.post(
+        "/v1/chat/completions", json={**body, "tools": [tool], "parallel_tool_calls": False}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

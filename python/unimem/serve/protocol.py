@@ -165,9 +165,12 @@ UNSUPPORTED_FIELDS = {
 
 
 def refuse_unsupported(body: BaseModel) -> None:
-    """400 naming the first field set to something unimem does not implement."""
+    """400 naming the first field set to something unimem does not implement
+    (``parallel_tool_calls`` means nothing without ``tools``: any value passes then)."""
     for name, neutral in UNSUPPORTED_FIELDS.items():
         value = getattr(body, name, None)
+        if name == "parallel_tool_calls" and not getattr(body, "tools", None):
+            continue
         if value is not None and value != neutral:
             raise ApiError(
                 400,
