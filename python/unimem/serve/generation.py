@@ -186,6 +186,17 @@ class Serving:
             raise ApiError(400, str(e), param="temperature", code="unsupported_value") from None
         return None if opts.greedy else opts
 
+    def check_token_ids(self, ids: Sequence[int], field: str) -> None:
+        """400 naming ``field`` if an id of ``ids`` is outside the vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(
+                400,
+                f"{field}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
+                param=field,
+                code="invalid_value",
+            )
+
     def prepare(self, prompt: Sequence[int], p: GenParams, prompt_field: str) -> Submission:
         """Check a request (400 naming the field) and build its submission (without a sink)."""
         prompt = list(prompt)
@@ -193,14 +204,7 @@ class Serving:
             raise ApiError(
                 400, f"{prompt_field} is empty", param=prompt_field, code="invalid_value"
             )
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ApiError(
-                400,
-                f"{prompt_field}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
-                param=prompt_field,
-                code="invalid_value",
-            )
+        self.check_token_ids(prompt, prompt_field)
         if p.n != 1:
             raise ApiError(400, f"n must be 1, got {p.n}", param="n", code="unsupported_value")
         if self.draining:

@@ -121,6 +121,8 @@ async def _first(it: AsyncIterator):
 async def _collect_all(gens: list[Generation]) -> list[Piece]:
     """Every generation run to its end, concurrently; on the first error the others are
     cancelled (which aborts them in the engine) before it is raised."""
+    if len(gens) == 1:  # the common case: no task of its own
+        return [await gens[0].collect()]
     tasks = [asyncio.ensure_future(g.collect()) for g in gens]
     try:
         return list(await asyncio.gather(*tasks))
@@ -404,14 +406,7 @@ def openai_router(serving: Serving) -> APIRouter:
         batch = bool(body.tokens) and isinstance(body.tokens[0], list)
         lists = body.tokens if batch else [body.tokens]
         for ids in lists:
-            bad = [t for t in ids if not 0 <= t < serving.vocab_size]
-            if bad:
-                raise ApiError(
-                    400,
-                    f"tokens: token id {bad[0]} outside the vocabulary [0, {serving.vocab_size})",
-                    param="tokens",
-                    code="invalid_value",
-                )
+            serving.check_token_ids(ids, "tokens")
         skip = body.skip_special_tokens
         texts = [serving.tokenizer.decode(ids, skip_special_tokens=skip) for ids in lists]
         return {"text": texts if batch else texts[0]}
@@ -538,7 +533,7 @@ def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
         )
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     extra = body.chat_template_kwargs or {}
-    taken = sorted(set(extra) & _template_arguments(tok))
+    taken = sorted(set(extra) & _template_arguments(tok)) if extra else []
     if taken:
         raise ApiError(
             400,
