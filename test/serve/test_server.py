@@ -24,6 +24,7 @@ import openai
 import pytest
 import tiny_qwen3_next
 import tiny_tokenizer
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import unimem
@@ -254,9 +255,99 @@ def test_echo_puts_the_prompt_before_each_choice(server, engine):
         for ch in c.choices:
             texts[ch.index] += ch.text
     assert texts == [c.text for c in got.choices]
-    with pytest.raises(openai.BadRequestError) as e:
-        server.client.completions.create(prompt=prompts[0], logprobs=0, **kw)
-    assert e.value.body["param"] == "echo"
+
+
+def _oracle_logprobs(engine, ids: list[int]) -> torch.Tensor:
+    """``[L, vocab]`` log-softmax of every position of ``ids`` from the model's dense oracle."""
+    (logits,) = engine.model.reference_forward([torch.tensor(ids)])
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def _lm_eval_parse(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """What lm-eval's ``local-completions`` reads from a log-likelihood response (its
+    ``parse_logprobs``): the continuation's summed log-probability and whether each of its
+    tokens was the most likely one."""
+    lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops, strict=True))
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, engine):
+    """lm-eval's log-likelihood request (token-id prompts in a batch, ``echo``, ``logprobs:
+    1``, ``max_tokens: 1``, ``temperature: 0``): the continuation's log-likelihood is the
+    model's, ``is_greedy`` holds exactly for the greedy continuation — also for a prompt the
+    server's prefix cache already holds."""
+    ctx = [5, 6, 7, 8, 9, 10, 11]
+    three = {"max_new_tokens": 3, "temperature": 0.0}
+    greedy = engine.generate(input_ids=ctx, sampling_params=three)["output_ids"]
+    other = [40, 41, 42]
+    prompts = [ctx + greedy, ctx + other]
+    server.client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=2)  # cached
+    body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    r = server.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for choice, ids, cont, want_greedy in zip(
+        choices, prompts, (greedy, other), (True, False), strict=True
+    ):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1  # the prompt's tokens, then the output's
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        ref = _oracle_logprobs(engine, ids)
+        for j in range(1, len(ids)):
+            assert lp["token_logprobs"][j] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-4)
+            (best,) = lp["top_logprobs"][j].values()
+            assert best == pytest.approx(float(ref[j - 1].max()), abs=1e-4)
+        total, is_greedy = _lm_eval_parse(choice, len(ctx))
+        want = sum(float(ref[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+        assert total == pytest.approx(want, abs=1e-4)
+        assert is_greedy == want_greedy
+    # the same through the openai client, whole and streamed (the first chunk carries them)
+    kw = dict(model=MODEL, prompt=prompts[0], echo=True, logprobs=1, max_tokens=1, temperature=0)
+    # (alone, not batched: the same up to the CPU GEMMs' rounding at another row count)
+    whole = server.client.completions.create(**kw).choices[0].logprobs
+    batched = choices[0]["logprobs"]["token_logprobs"]
+    assert whole.token_logprobs[0] is None
+    assert whole.token_logprobs[1:] == pytest.approx(batched[1:], abs=1e-5)
+    chunks = list(server.client.completions.create(stream=True, **kw))
+    first = chunks[0].choices[0].logprobs
+    assert len(first.token_logprobs) > len(prompts[0])  # the prompt's, then the output's
+    assert first.token_logprobs[0] is None
+    assert first.token_logprobs[1:] == pytest.approx(whole.token_logprobs[1:], abs=1e-5)
+    assert first.tokens == whole.tokens
+
+
+def test_generate_scores_the_prompt_from_logprob_start_len(server, engine):
+    ids = [5, 6, 7, 8, 9, 10]
+    sp = {"max_new_tokens": 3, "temperature": 0.0}
+    want = engine.generate(input_ids=ids, sampling_params=sp, return_logprob=True,
+                           logprob_start_len=2, top_logprobs_num=1)["meta_info"]  # fmt: skip
+    assert [e[1] for e in want["input_token_logprobs"]] == ids[2:]
+    body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True,
+            "logprob_start_len": 2, "top_logprobs_num": 1,
+            "return_text_in_logprobs": True}  # fmt: skip
+    got = server.http.post("/generate", json=body).json()["meta_info"]
+    ref = _oracle_logprobs(engine, ids)
+    for (lp, tok, text), j in zip(got["input_token_logprobs"], range(2, len(ids)), strict=True):
+        assert tok == ids[j] and text == engine.tokenizer.decode([tok])
+        assert lp == pytest.approx(float(ref[j - 1, tok]), abs=1e-4)
+    for (lp, tok, _), (elp, etok, _) in zip(
+        got["input_token_logprobs"], want["input_token_logprobs"], strict=True
+    ):
+        assert tok == etok and lp == pytest.approx(elp, abs=1e-5)
+    tops = got["input_top_logprobs"]
+    assert [t[0][1] for t in tops] == [int(ref[j - 1].argmax()) for j in range(2, len(ids))]
+    assert [t[0][1] for t in got["output_top_logprobs"]] == [
+        e[1] for e in got["output_token_logprobs"]
+    ]
+    from_zero = dict(body, logprob_start_len=0, top_logprobs_num=0)
+    first = server.http.post("/generate", json=from_zero).json()["meta_info"]
+    assert first["input_token_logprobs"][0] == [None, ids[0], engine.tokenizer.decode([ids[0]])]
+    assert "input_top_logprobs" not in first
+    for bad in (-2, len(ids) + 1):
+        r = server.http.post("/generate", json=dict(body, logprob_start_len=bad))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len"
 
 
 def test_n_choices_are_seeded_requests(server):

@@ -299,10 +299,26 @@ def test_tokenize_and_detokenize_as_sglang_answers(client, engine):
     assert r.json()["text"] == tok.decode(one["tokens"], skip_special_tokens=True)
     r = client.post("/detokenize", json={"tokens": many["tokens"], "skip_special_tokens": False})
     assert r.json()["text"] == [tok.decode(t) for t in many["tokens"]]
+    assert r.json()["prompt"] == r.json()["text"]  # vLLM's name too
     r = client.post("/v1/detokenize", json={"tokens": [5, 10**7]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     r = client.post("/v1/tokenize", json={"prompt": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_tokenizer_info_is_what_lm_evals_remote_tokenizer_reads(client, engine):
+    """vLLM's ``/tokenizer_info``: lm-eval's remote tokenizer detects a server by it (a dict
+    with ``eos_token``) and by ``/tokenize``, then decodes through ``/detokenize``'s
+    ``prompt``."""
+    tok = engine.tokenizer
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+    assert info["chat_template"] == tok.chat_template
+    assert info["model_max_length"] == _max_model_len(client)
+    ids = client.post("/tokenize", json={"prompt": "w5 w6", "add_special_tokens": False}).json()
+    assert ids["tokens"] == tok.encode("w5 w6", add_special_tokens=False)
+    back = client.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert back == "w5 w6"
 
 
 def test_chat_template_kwargs_reach_the_template(engine):

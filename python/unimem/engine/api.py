@@ -49,6 +49,7 @@ from unimem.engine.args import (
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
 from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
+from unimem.engine.prompt_logprobs import check_options
 from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.spec import LayerKind
@@ -409,6 +410,8 @@ class Engine:
         sampling_params: Mapping | Sequence[Mapping] | None = None,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
     ) -> dict | list[dict]:
         """Generate for one prompt (a string or a list of token ids: returns a dict) or a
         batch (a list of either: returns a list of dicts, in order). ``sampling_params``: one
@@ -418,14 +421,30 @@ class Engine:
         step),
         ``finish_reason`` as ``{"type": "stop", "matched": id}`` or ``{"type": "length",
         "length": n}``, and with ``return_logprob`` ``output_token_logprobs``: a
-        ``(logprob, token_id, None)`` triple per output token)."""
+        ``(logprob, token_id, None)`` triple per output token; with ``logprob_start_len`` >= 0
+        also ``input_token_logprobs``, the prompt's from that position (position 0's logprob
+        None; :mod:`unimem.engine.prompt_logprobs`), and with ``top_logprobs_num`` k > 0
+        ``input_top_logprobs``: the k most likely tokens at each of those positions, as
+        triples (None where not scored). SGLang's arguments; ``top_logprobs_num`` scores
+        prompt positions only (at most 20): there are no top tokens of output positions)."""
         if self.core is None:
             raise ValueError("this engine ran the ranks of node_rank > 0: generate on node 0")
         prompts, single = self._prompts(prompt, input_ids)
         params = self._params(sampling_params, len(prompts))
+        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+            raise ValueError(
+                f"logprob_start_len must be -1 (output tokens only) or a prompt position, "
+                f"got {logprob_start_len!r}"
+            )
+        start = logprob_start_len if return_logprob and logprob_start_len >= 0 else None
+        top = top_logprobs_num if start is not None else 0
         for i, ids in enumerate(prompts):
             self._check_request(i, ids, params[i])
-        reqs = [self._submit(ids, p) for ids, p in zip(prompts, params, strict=True)]
+            try:
+                check_options(len(ids), start, top)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        reqs = [self._submit(ids, p, start, top) for ids, p in zip(prompts, params, strict=True)]
         self.core.run()
         outs = [self._result(r, return_logprob) for r in reqs]
         return outs[0] if single else outs
@@ -480,12 +499,15 @@ class Engine:
         self.core.check_request(ids, params.max_new_tokens)
         self.core.check_sampling(params.sampling)
 
-    def _submit(self, ids: list[int], params: SamplingParams) -> Request:
+    def _submit(
+        self, ids: list[int], params: SamplingParams, start: int | None = None, top: int = 0
+    ) -> Request:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
+        scored = {} if start is None else dict(prompt_logprobs_from=start, prompt_top_logprobs=top)
         return self.core.submit(
-            ids, params.max_new_tokens, stop_token_ids=stops, sampling=params.sampling
+            ids, params.max_new_tokens, stop_token_ids=stops, sampling=params.sampling, **scored
         )
 
     def _result(self, req: Request, return_logprob: bool) -> dict:
@@ -507,6 +529,17 @@ class Engine:
             meta["output_token_logprobs"] = [
                 (lp, tok, None) for lp, tok in zip(req.output_logprobs, req.output, strict=True)
             ]
+        start = req.prompt_logprobs_from
+        if start is not None:
+            span = range(start, len(req.prompt))
+            meta["input_token_logprobs"] = [
+                (req.prompt_logprobs[j], req.prompt[j], None) for j in span
+            ]
+            if req.prompt_top_logprobs_k:
+                tops = [req.prompt_top_logprobs[j] for j in span]
+                meta["input_top_logprobs"] = [
+                    None if t is None else [(lp, i, None) for i, lp in t] for t in tops
+                ]
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output, skip_special_tokens=True)

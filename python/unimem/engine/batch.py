@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from unimem.engine.prompt_logprobs import StagedPromptLogprobs
 from unimem.engine.request import Request
 from unimem.models.forward_context import ForwardMode
 
@@ -23,7 +24,9 @@ class Batch:
     step is done; exact for extends). Decode and verify steps read the request's length and
     next token from the device. ``samples[i]``: whether the step produces an output token for
     request ``i`` (extend: the chunk reaches the end of the known tokens; decode and verify:
-    always). ``epochs``: the requests' epochs when the batch was launched."""
+    always). ``epochs``: the requests' epochs when the batch was launched.
+    ``prompt_logprobs``: an extend's prompt log-probabilities on their way to the host (set
+    by the runner at launch, :mod:`unimem.engine.prompt_logprobs`), else None."""
 
     mode: ForwardMode
     reqs: list[Request]
@@ -31,6 +34,7 @@ class Batch:
     starts: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
+    prompt_logprobs: StagedPromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         self.mode = ForwardMode(self.mode)

@@ -19,6 +19,7 @@ from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
 from unimem.engine.batch import Batch
 from unimem.engine.prefill_delay import PrefillDelayer
+from unimem.engine.prompt_logprobs import check_options
 from unimem.engine.request import Request
 from unimem.engine.runner import ModelRunner
 from unimem.engine.sampling import GREEDY, SamplingOptions, default_seed, seed_to_int64
@@ -182,15 +183,22 @@ class EngineCore:
         max_new_tokens: int,
         stop_token_ids: Iterable[int] = (),
         sampling: SamplingOptions | None = None,
+        *,
+        prompt_logprobs_from: int | None = None,
+        prompt_top_logprobs: int = 0,
     ) -> Request:
         """Queue a request of ``prompt`` token ids for up to ``max_new_tokens`` output tokens,
         ending early at any of ``stop_token_ids`` (kept as its last output token), picked by
         ``sampling`` (None: greedy; a seedless one gets a seed from the engine's
-        ``random_seed`` and the request id). ``ValueError`` naming the problem
-        (:meth:`check_request`, :meth:`check_sampling`), before anything is queued."""
+        ``random_seed`` and the request id). ``prompt_logprobs_from``: also score the prompt
+        from that position, with the ``prompt_top_logprobs`` most likely tokens at each
+        (:mod:`unimem.engine.prompt_logprobs`). ``ValueError`` naming the problem
+        (:meth:`check_request`, :meth:`check_sampling`,
+        :func:`~unimem.engine.prompt_logprobs.check_options`), before anything is queued."""
         self.check_request(prompt, max_new_tokens)
         sampling = GREEDY if sampling is None else sampling
         self.check_sampling(sampling)
+        check_options(len(prompt), prompt_logprobs_from, prompt_top_logprobs)
         rid = self._next_rid
         seed = default_seed(self.random_seed, rid) if sampling.seed is None else sampling.seed
         stops = frozenset(int(t) for t in stop_token_ids)
@@ -202,6 +210,12 @@ class EngineCore:
             sampling=sampling,
             seed=seed_to_int64(seed),
         )
+        if prompt_logprobs_from is not None:
+            req.prompt_logprobs_from = prompt_logprobs_from
+            req.prompt_top_logprobs_k = prompt_top_logprobs
+            req.prompt_logprobs = [None] * len(req.prompt)
+            if prompt_top_logprobs:
+                req.prompt_top_logprobs = [None] * len(req.prompt)
         self._next_rid += 1
         self.scheduler.add(req)
         return req
@@ -257,6 +271,8 @@ class EngineCore:
 
     def _account(self, batch: Batch, staged: StagedResult) -> None:
         tokens, counts, logprobs = staged.read()
+        if batch.prompt_logprobs is not None:  # before complete(): it may finish requests
+            batch.prompt_logprobs.apply(batch.reqs, batch.epochs)
         if batch.mode is ForwardMode.VERIFY:
             committed = [row[:c] for row, c in zip(tokens, counts, strict=True)]
             lps = None

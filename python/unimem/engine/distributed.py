@@ -384,9 +384,12 @@ class LeaderCore(EngineCore):
         self._ops: list[tuple] = []
         self._stopped = False
 
-    def submit(self, prompt, max_new_tokens, stop_token_ids=(), sampling=None) -> Request:
-        req = super().submit(prompt, max_new_tokens, stop_token_ids, sampling)
-        op = ("submit", list(req.prompt), max_new_tokens, sorted(req.stop_token_ids), sampling)
+    def submit(
+        self, prompt, max_new_tokens, stop_token_ids=(), sampling=None, **prompt_logprobs
+    ) -> Request:
+        req = super().submit(prompt, max_new_tokens, stop_token_ids, sampling, **prompt_logprobs)
+        stops = sorted(req.stop_token_ids)
+        op = ("submit", list(req.prompt), max_new_tokens, stops, sampling, prompt_logprobs)
         self._ops.append(op)
         return req
 
@@ -429,8 +432,8 @@ def follow(core: EngineCore, groups: TPGroups) -> None:
         cmd, ops = groups.broadcast_object()
         for op in ops:
             if op[0] == "submit":
-                _, prompt, max_new, stops, sampling = op
-                req = core.submit(prompt, max_new, stops, sampling)
+                _, prompt, max_new, stops, sampling, prompt_logprobs = op
+                req = core.submit(prompt, max_new, stops, sampling, **prompt_logprobs)
                 live[req.rid] = req
             elif op[0] == "restart_ids":  # rank 0's ids restarted (after a warm-up)
                 core.restart_request_ids()

@@ -59,7 +59,12 @@ class Request:
     ``stop_token_ids``: output tokens that end the request (EOS and the caller's stop ids);
     the stop token is kept as the last output token and ``finish_reason`` becomes "stop"
     (else "length" once ``max_new_tokens`` are out). ``output_logprobs`` holds each output
-    token's log-probability when the engine computes them. ``error``: why the engine failed
+    token's log-probability when the engine computes them. ``prompt_logprobs_from``: the
+    first prompt position whose log-probability the request asks for (None: none);
+    ``prompt_logprobs[j]`` then holds position ``j``'s (None before that position and at
+    position 0) and, with ``prompt_top_logprobs_k`` > 0, ``prompt_top_logprobs[j]`` the most
+    likely tokens there as ``(token id, log-probability)`` pairs
+    (:mod:`unimem.engine.prompt_logprobs`). ``error``: why the engine failed
     the request (an internal fault met it; ``finish_reason`` is then "abort"), else None.
 
     One step late: ``kv_len`` and ``output`` are what the host has *read*; launched steps not
@@ -90,6 +95,10 @@ class Request:
     stopped: bool = False
     aborted: bool = False
     output_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs_from: int | None = None
+    prompt_top_logprobs_k: int = 0
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     error: str | None = None
     sampling: SamplingOptions = GREEDY
     seed: int = 0

@@ -17,7 +17,9 @@ Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
   ``[-1]`` tokens) runs padded to a (requests, tokens) bucket from capture-stable inputs:
   lanes past the batch on row 0 with no tokens, one more lane on row 0 holding the padding
   tokens (its K/V go to the sink slots, its outputs are never read) — with ``cuda_graphs``
-  recorded per bucket and replayed, otherwise run eagerly (the same function);
+  recorded per bucket and replayed, otherwise run eagerly (the same function). An extend in
+  which a request scores its prompt (:mod:`unimem.engine.prompt_logprobs`) runs ragged: its
+  forward returns every row of that request, which the LM head scores in bounded pieces;
 - *decode*: each lane feeds its row's next token at its row's length (both on the device),
   samples (:func:`unimem.models.sampler.sample` with its row's parameters, or plain argmax
   when no lane of the batch samples) and advances the row;
@@ -50,6 +52,7 @@ import torch
 
 from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import MetadataBuilder
+from unimem.engine import prompt_logprobs
 from unimem.engine.batch import Batch
 from unimem.engine.cuda_graphs import StepGraphs, default_buckets
 from unimem.engine.step_io import (
@@ -352,31 +355,58 @@ class ModelRunner:
             -1 if sampled else r.tokens[s + n]
             for r, s, n, sampled in zip(reqs, starts, lens, batch.samples, strict=True)
         ]
-        if self.extend_lanes and bs <= self.extend_lanes[-1] and len(ids) <= self.extend_tokens[-1]:
+        scored = prompt_logprobs.plan(reqs, starts, lens)
+        if (
+            scored is None
+            and self.extend_lanes
+            and bs <= self.extend_lanes[-1]
+            and len(ids) <= self.extend_tokens[-1]
+        ):
             self._launch_padded_extend(reqs, starts, lens, known_next, ids)
             return
+        extra = []
+        if scored is not None:
+            extra = scored.hidden_rows + scored.head_rows + scored.picks + scored.targets
         packed = upload_int32(
             [r.mem.row for r in reqs]
             + starts
             + lens
             + [r.mem.state_slot for r in reqs]
             + known_next
-            + ids,
+            + ids
+            + extra,
             self.device,
         )
         rows, prefix, ext = packed[:bs], packed[bs : 2 * bs], packed[2 * bs : 3 * bs]
-        vslots, nxt, input_ids = packed[3 * bs : 4 * bs], packed[4 * bs : 5 * bs], packed[5 * bs :]
+        vslots, nxt = packed[3 * bs : 4 * bs], packed[4 * bs : 5 * bs]
+        input_ids = packed[5 * bs : 5 * bs + len(ids)]
+        hidden_rows = None
+        if scored is not None:
+            a = 5 * bs + len(ids)
+            b = a + len(scored.hidden_rows)
+            c = b + bs
+            d = c + len(scored.picks)
+            hidden_rows = (packed[a:b], packed[b:c])
+            picks, targets = packed[c:d], packed[d : d + len(scored.targets)]
         params = None
         floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
         self.sampling.write(rows, floats, ints)
         rule = self.step_rule(reqs)
         if rule is not None:  # the lanes sample under the batch's cut-off rule, as its steps
             params = DeviceSamplingState.lanes(floats, ints, rule)
-        self._extend_forward(
+        hidden = self._extend_forward(
             rows, prefix, ext, vslots, nxt, input_ids, params, bs,
             num_tokens=len(ids), max_seqlen_q=max(lens),
-            cu_seqlens_host=[0, *itertools.accumulate(lens)],
+            cu_seqlens_host=[0, *itertools.accumulate(lens)], hidden_rows=hidden_rows,
         )  # fmt: skip
+        if scored is not None:
+            values, top_ids = prompt_logprobs.score_rows(
+                self.model.head_logits, hidden, picks.long(), targets.long(), scored.top_k,
+                self.model.config.vocab_size,
+            )  # fmt: skip
+            batch.prompt_logprobs = prompt_logprobs.StagedPromptLogprobs.stage(
+                values, top_ids, scored.owners
+            )
 
     def _extend_forward(
         self,
@@ -392,24 +422,34 @@ class ModelRunner:
         num_tokens: int,
         max_seqlen_q: int,
         cu_seqlens_host: list[int] | None = None,
-    ) -> None:
+        hidden_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """An extend's body, ragged or padded: its metadata from the live tables, the
         forward, the drafter's context K/V for every token consumed, each lane's sample at
         its last row (its next token: ``nxt`` where known, else the sample) and new length
         into the device state, and the first ``lanes`` lanes' samples (and log-probabilities)
-        into ``out``. Device work only."""
+        into ``out``. ``hidden_rows``: the rows whose final hidden states the forward
+        returns and each lane's last row among them (a
+        :class:`~unimem.engine.prompt_logprobs.PromptRows`' ``hidden_rows`` and
+        ``head_rows``); default each lane's last row. Returns those hidden states. Device
+        work only."""
         pool = self.pool
         meta = self.builder.extend(
             pool.req_to_token, rows, prefix, ext, pool.full_v2p, pool.swa_v2p,
             num_tokens=num_tokens, max_seqlen_q=max_seqlen_q,
         )  # fmt: skip
-        last = meta.cu_seqlens_q[1:].long() - 1  # each request's last row (device, no upload)
+        if hidden_rows is None:
+            returned = meta.cu_seqlens_q[1:].long() - 1  # each lane's last row (no upload)
+        else:
+            returned = hidden_rows[0].long()
         capture = self.drafts.target_layers if self.drafts is not None else ()
         ctx = PagedContext(
-            ForwardMode.EXTEND, meta, self.layers, self.backend, self._state_slots(vslots), last,
-            capture=capture, cu_seqlens_host=cu_seqlens_host,
+            ForwardMode.EXTEND, meta, self.layers, self.backend, self._state_slots(vslots),
+            returned, capture=capture, cu_seqlens_host=cu_seqlens_host,
         )  # fmt: skip
-        logits = self.model.forward(input_ids.long(), ctx)
+        if hidden_rows is not None:
+            ctx.head_indices = hidden_rows[1].long()
+        logits, hidden = self.model.forward_with_hidden(input_ids.long(), ctx)
         if self.drafts is not None:
             self.drafts.write_context(ctx.hidden, meta)
         # the sampled token's index in prompt + output is the number of tokens consumed
@@ -419,6 +459,7 @@ class ModelRunner:
         self.out.counts[:lanes] = 1
         if self.logprobs:
             self.out.logprobs[:lanes, 0] = token_logprobs(logits[:lanes], sampled[:lanes])
+        return hidden
 
     def _launch_padded_extend(
         self,

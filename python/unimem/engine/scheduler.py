@@ -46,7 +46,10 @@ and :meth:`complete_verify` when read; those of a request that has finished or r
 With a :class:`~unimem.cache.PrefixCache` (``cache``):
 
 - admission goes through ``cache.admit``: a request resumes at the longest cached prefix of
-  the tokens its extend computes (its ``kv_len`` and ``cached_tokens`` start there);
+  the tokens its extend computes (its ``kv_len`` and ``cached_tokens`` start there) — for a
+  request scoring its prompt from position ``s``, of its first ``max(s, 1)`` tokens
+  (:func:`~unimem.engine.prompt_logprobs.cache_match_limit`: the rows it scores are
+  computed);
 - an extend chunk that crosses an anchor point (a multiple of ``page_size *
   checkpoint_interval`` tokens) is cut there, so that chunk boundaries are checkpoints;
 - after every step, a request whose committed length is on an anchor point is inserted into
@@ -72,6 +75,7 @@ from typing import TYPE_CHECKING
 
 from unimem.engine.batch import Batch
 from unimem.engine.prefill_delay import PrefillDelayer
+from unimem.engine.prompt_logprobs import cache_match_limit
 from unimem.engine.request import InFlight, Request, RequestStatus
 from unimem.memory.errors import InternalError, require
 from unimem.memory.pool import MemoryPool, RequestMemory, pages_for
@@ -388,7 +392,11 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running and not self._admission_paused:
             req = self.waiting[0]
             try:
-                adm = self.cache.admit(req.tokens[: self._extend_end(req)], self.chunk_size)
+                # a request scoring its prompt computes the rows it scores (never cached)
+                end = self._extend_end(req)
+                limit = cache_match_limit(req)
+                adm = self.cache.admit(req.tokens[: end if limit is None else min(end, limit)],
+                                       self.chunk_size)  # fmt: skip
             except InternalError as e:
                 self.fail(req, e)
                 continue

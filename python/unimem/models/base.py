@@ -31,13 +31,14 @@ from torch import nn
 
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext, WholeSequenceContext
-from unimem.models.tensor_parallel import SINGLE, Shard, TensorParallel
+from unimem.models.tensor_parallel import SINGLE, Shard, TensorParallel, parallel_logits
 
 
 class ModelOutput(NamedTuple):
-    """Result of :meth:`CausalLM.forward_with_hidden` for the rows ``ctx.logits_indices``:
-    ``logits [N, vocab]`` (float32, or float64 for float64 models) and ``hidden [N, d_model]``,
-    the final-normed hidden states the LM head reads (``config.dtype``)."""
+    """Result of :meth:`CausalLM.forward_with_hidden`: ``hidden [N, d_model]``, the
+    final-normed hidden states the LM head reads (``config.dtype``), of the rows
+    ``ctx.logits_indices``, and ``logits [M, vocab]`` (float32, or float64 for float64
+    models) of those of them that ``ctx.head_indices`` picks (all: ``M == N``)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
@@ -93,8 +94,9 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def forward_with_hidden(self, input_ids: torch.Tensor, ctx: ForwardContext) -> ModelOutput:
         """Run one batch: ``input_ids [T]`` (int, rows laid out as ``ctx`` says) through every
-        layer, calling ``ctx`` for all memory access. Returns logits and final-normed hidden
-        states of the rows ``ctx.logits_indices``, in that order."""
+        layer, calling ``ctx`` for all memory access. Returns the final-normed hidden states
+        of the rows ``ctx.logits_indices`` and the logits (:meth:`head_logits`) of
+        ``ctx.head_rows`` of them, in that order."""
 
     @property
     @abstractmethod
@@ -106,6 +108,15 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def lm_head_weight(self) -> torch.Tensor:
         """The LM head ``[vocab, d_model]`` (the embedding table when tied)."""
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: ``logits [N, vocab]`` (float32, or float64 for a float64 model) of
+        final-normed ``hidden [N, d_model]`` — full vocabulary rows on every tensor-parallel
+        rank. A model whose head does more (Gemma's logit soft-capping) overrides it."""
+        c = self.config
+        return parallel_logits(
+            hidden, self.lm_head_weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
+        )
 
     @property
     def device(self) -> torch.device:

@@ -61,8 +61,14 @@ class ForwardContext(ABC):
     * ``positions [T]`` int64: the absolute position of each token in its request (RoPE
       position; also the cache index its K/V is written at).
     * ``cu_seqlens_q [bs+1]`` int32 or int64: row offsets of the requests.
-    * ``logits_indices [N]`` int64: rows that need logits, in output order — each request's
-      last row in extend, every row in decode and verify.
+    * ``logits_indices [N]`` int64: rows whose final-normed hidden states the model returns,
+      in output order — each request's last row in extend (and every row of a request that
+      asked for its prompt's log-probabilities), every row in decode and verify.
+    * ``head_indices [M]`` int64 or None: which of those ``N`` rows also get logits, in
+      order (None: all of them). An extend with prompt log-probabilities returns the hidden
+      states of every row of such a request but logits only for each request's last row;
+      the engine runs the LM head over the other rows itself, in bounded pieces
+      (:mod:`unimem.engine.prompt_logprobs`).
 
     Calling protocol: one forward per context; the model calls ``attention`` or ``gdn``
     exactly once per layer, in layer order, then ``capture_hidden`` after each layer.
@@ -80,6 +86,12 @@ class ForwardContext(ABC):
         self.positions = positions
         self.cu_seqlens_q = cu_seqlens_q
         self.logits_indices = logits_indices
+        self.head_indices: torch.Tensor | None = None
+
+    def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of ``hidden [N, d]`` (the :meth:`logits_rows` of the final-normed stream)
+        that get logits: ``hidden`` itself unless ``head_indices`` is set."""
+        return hidden if self.head_indices is None else hidden[self.head_indices]
 
     def logits_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x[logits_indices]`` for ``x [T, ...]``: ``x`` itself in decode and verify, where

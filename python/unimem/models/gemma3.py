@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unimem.models import fp8_linear
-from unimem.models.base import CausalLM, ModelOutput, logits_dtype
+from unimem.models.base import CausalLM, ModelOutput
 from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
@@ -60,7 +60,6 @@ from unimem.models.tensor_parallel import (
     heads,
     local_config,
     parallel_embedding,
-    parallel_logits,
     shard,
     vocab_shard,
 )
@@ -610,13 +609,15 @@ class Gemma3ForCausalLM(CausalLM):
                 ctx.capture_hidden(i, x)
         if hidden is None:
             hidden = gemma_rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
-        logits = parallel_logits(
-            hidden, self.lm_head.weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
-        )
+        return ModelOutput(self.head_logits(ctx.head_rows(hidden)), hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied LM head, then ``final_logit_softcapping`` where the config sets one."""
+        logits = super().head_logits(hidden)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return ModelOutput(logits, hidden)
+        return logits
 
     def takes_norm_linear(self, x: torch.Tensor) -> bool:
         """Whether a step of ``x [T, d]`` runs its layers in :func:`unimem_kernel.norm_linear`

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unimem.models.base import CausalLM, ModelOutput, logits_dtype
+from unimem.models.base import CausalLM, ModelOutput
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
 from unimem.models.loader import copy_param
@@ -51,7 +51,6 @@ from unimem.models.tensor_parallel import (
     heads,
     local_config,
     parallel_embedding,
-    parallel_logits,
     row_parallel_linear,
     shard,
     vocab_shard,
@@ -479,10 +478,7 @@ class GptOssForCausalLM(CausalLM):
             x, h = layer(i, x, h, rope, ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
-        logits = parallel_logits(
-            hidden, self.lm_head.weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
-        )
-        return ModelOutput(logits, hidden)
+        return ModelOutput(self.head_logits(ctx.head_rows(hidden)), hidden)
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unimem.models import fp8_linear
-from unimem.models.base import CausalLM, ModelOutput, logits_dtype
+from unimem.models.base import CausalLM, ModelOutput
 from unimem.models.batch_invariant import rms_normalize
 from unimem.models.config import HybridConfig
 from unimem.models.forward_context import ForwardContext
@@ -53,7 +53,6 @@ from unimem.models.tensor_parallel import (
     gdn_qkv_ranges,
     heads,
     parallel_embedding,
-    parallel_logits,
     shard,
     vocab_shard,
 )
@@ -589,10 +588,7 @@ class QwenHybridForCausalLM(CausalLM):
             x, h = layer(i, x, h, self.rotary, cos_sin, ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = zero_centered_rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
-        logits = parallel_logits(
-            hidden, self.lm_head.weight, self.tp, c.vocab_size, logits_dtype(c.dtype)
-        )
-        return ModelOutput(logits, hidden)
+        return ModelOutput(self.head_logits(ctx.head_rows(hidden)), hidden)
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -49,7 +49,6 @@ from unimem.models.tensor_parallel import (
     heads,
     local_config,
     parallel_embedding,
-    parallel_logits,
     shard,
     vocab_shard,
 )
@@ -331,9 +330,7 @@ class HybridModel(CausalLM):
             x, h = layer(i, x, h, rope, ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = rms_norm(ctx.logits_rows(x), self.final_norm, c.rms_eps)
-        out_dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
-        logits = parallel_logits(hidden, self.lm_head, self.tp, c.vocab_size, out_dtype)
-        return ModelOutput(logits, hidden)
+        return ModelOutput(self.head_logits(ctx.head_rows(hidden)), hidden)
 
     @property
     def embed_weight(self) -> torch.Tensor:

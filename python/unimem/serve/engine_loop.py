@@ -41,7 +41,7 @@ from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.spec import LayerKind
 
-__all__ = ["Delta", "EngineLoop", "EngineTime", "Handle", "Submission"]
+__all__ = ["Delta", "EngineLoop", "EngineTime", "Handle", "PromptScores", "Submission"]
 
 log = logging.getLogger("unimem.serve")
 
@@ -53,11 +53,25 @@ IDLE_PUBLISH_S = 1.0
 
 
 @dataclass(frozen=True)
+class PromptScores:
+    """A request's prompt log-probabilities (:mod:`unimem.engine.prompt_logprobs`):
+    ``token_ids`` the prompt, ``logprobs[j]`` position ``j``'s (None where not scored: position
+    0 and before the first scored one), ``top[j]`` its most likely tokens as ``(id,
+    log-probability)`` pairs (None where not scored; ``top`` None when none were asked)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float | None, ...]
+    top: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Delta:
     """New output of one request since its previous delta: ``tokens`` with their
     ``logprobs``; ``finish_reason`` ("stop", "length", "abort") on its last delta, with
     ``cached_tokens`` (prefix-cache hits) and ``error`` (a message if the engine could not
-    run the request: then no tokens follow) with the HTTP ``status`` it is answered with."""
+    run the request: then no tokens follow) with the HTTP ``status`` it is answered with.
+    ``prompt``: the prompt's log-probabilities, on the first delta with tokens of a request
+    that asked for them (its prefill is done by then)."""
 
     tokens: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
@@ -65,6 +79,7 @@ class Delta:
     cached_tokens: int = 0
     error: str | None = None
     status: int = 400
+    prompt: PromptScores | None = None
 
 
 @dataclass
@@ -75,7 +90,9 @@ class Submission:
     measured from it). ``event_loop``: run ``sink`` on this asyncio loop (module
     docstring). ``counted``: False for the server's own probes (``/health_generate``), which
     the metrics leave out. ``stream_interval``: this request's (:class:`EngineLoop`); None:
-    the loop's."""
+    the loop's. ``prompt_logprobs_from`` / ``prompt_top_logprobs``: score the prompt from
+    that position, with that many top tokens (:meth:`EngineCore.submit
+    <unimem.engine.core.EngineCore.submit>`); None: not at all."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -86,6 +103,8 @@ class Submission:
     event_loop: asyncio.AbstractEventLoop | None = None
     counted: bool = True
     stream_interval: int | None = None
+    prompt_logprobs_from: int | None = None
+    prompt_top_logprobs: int = 0
 
 
 class Handle:
@@ -121,6 +140,13 @@ class _Counters:
     verify_steps: int = 0
     verified_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)
+
+
+def _prompt_scores(r: Request) -> PromptScores:
+    top = None
+    if r.prompt_top_logprobs_k:
+        top = tuple(None if t is None else tuple(t) for t in r.prompt_top_logprobs)
+    return PromptScores(tuple(r.prompt), tuple(r.prompt_logprobs), top)
 
 
 class EngineLoop:
@@ -336,8 +362,18 @@ class EngineLoop:
     def _submit(self, h: Handle) -> None:
         s = h.sub
         try:
+            kw = {}
+            if s.prompt_logprobs_from is not None:
+                kw = dict(
+                    prompt_logprobs_from=s.prompt_logprobs_from,
+                    prompt_top_logprobs=s.prompt_top_logprobs,
+                )
             h.req = self.core.submit(
-                s.prompt, s.max_new_tokens, stop_token_ids=s.stop_token_ids, sampling=s.sampling
+                s.prompt,
+                s.max_new_tokens,
+                stop_token_ids=s.stop_token_ids,
+                sampling=s.sampling,
+                **kw,
             )
         except ValueError as e:  # checked on the HTTP side already; a race is still answered
             self._outbox.append((h, Delta(finish_reason="abort", error=str(e))))
@@ -365,6 +401,7 @@ class EngineLoop:
                 continue
             every = h.sub.stream_interval or self.stream_interval
             if done or (n > h.sent and (h.sent == 0 or n - h.sent >= every)):
+                first = h.sent == 0
                 toks = tuple(r.output[h.sent : n])
                 lps = tuple(r.output_logprobs[h.sent : n])
                 self._observe_tokens(h, len(toks), now)
@@ -373,9 +410,11 @@ class EngineLoop:
                 if done:
                     self._finished(h, reason, now)
                 error = r.error if done else None  # an internal fault failed it
-                self._outbox.append(
-                    (h, Delta(toks, lps, reason, r.cached_tokens if done else 0, error))
-                )
+                prompt = None
+                if first and toks and r.prompt_logprobs_from is not None:
+                    prompt = _prompt_scores(r)  # the first tokens: the prefill is done
+                cached = r.cached_tokens if done else 0
+                self._outbox.append((h, Delta(toks, lps, reason, cached, error, prompt=prompt)))
             if not done:
                 still.append(h)
         self._active = still

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from unimem.engine.sampling import SamplingOptions
 from unimem.serve.args import ServerOptions
 from unimem.serve.detokenize import IncrementalDetokenizer, StopMatcher
-from unimem.serve.engine_loop import Delta, EngineLoop, Submission
+from unimem.serve.engine_loop import Delta, EngineLoop, PromptScores, Submission
 from unimem.serve.errors import ApiError
 
 __all__ = ["GenParams", "Generation", "Piece", "Serving", "next_delta"]
@@ -70,7 +70,10 @@ them."""
 class GenParams:
     """A request's generation parameters, named as SGLang names them. ``max_new_tokens``
     None: up to the end of the context. ``top_logprobs``: 0, or 1 (the most likely token
-    beside the chosen one: the chosen one itself under greedy decoding)."""
+    beside the chosen one: the chosen one itself under greedy decoding; at scored prompt
+    positions, the most likely token there). ``prompt_logprobs_from``: score the prompt from
+    that position (None: not at all; :mod:`unimem.engine.prompt_logprobs`), spelled
+    ``prompt_logprobs_field`` in the request."""
 
     max_new_tokens: int | None = None
     temperature: float = DEFAULT_TEMPERATURE
@@ -86,8 +89,10 @@ class GenParams:
     top_logprobs: int = 0
     no_stop_trim: bool = False  # keep the matched stop string / stop token's text
     skip_special_tokens: bool = True
+    prompt_logprobs_from: int | None = None
     max_tokens_field: str = "max_tokens"  # how the request spelled it (errors name it)
     top_logprobs_field: str = "top_logprobs"
+    prompt_logprobs_field: str = "logprob_start_len"
 
     @classmethod
     def with_defaults(cls, defaults: Mapping, **fields) -> GenParams:
@@ -103,13 +108,15 @@ class GenParams:
 class Piece:
     """New output of a request: ``text`` (may be empty), ``token_ids`` and ``logprobs``
     behind it; ``finish_reason`` ("stop", "length", "abort") and ``matched`` (the stop token
-    id or stop string, if any) on the last piece."""
+    id or stop string, if any) on the last piece; ``prompt``: the prompt's log-probabilities
+    on the first piece with tokens of a request that asked for them."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     matched: int | str | None = None
+    prompt: PromptScores | None = None
 
 
 class Serving:
@@ -276,6 +283,18 @@ class Serving:
                 param=top,
                 code="unsupported_value",
             )
+        start = p.prompt_logprobs_from
+        if start is not None and (
+            isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(prompt)
+        ):
+            field_name = p.prompt_logprobs_field
+            raise ApiError(
+                400,
+                f"{field_name} must be a prompt position in [0, {len(prompt)}] (or -1: output "
+                f"tokens only), got {start!r}",
+                param=field_name,
+                code="invalid_value",
+            )
         try:
             self.core.check_request(prompt, n)
         except ValueError as e:
@@ -283,7 +302,10 @@ class Serving:
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops |= self.eos_token_ids
-        return Submission(prompt, n, frozenset(stops), sampling, sink=_no_sink)
+        sub = Submission(prompt, n, frozenset(stops), sampling, sink=_no_sink)
+        if start is not None:
+            sub.prompt_logprobs_from, sub.prompt_top_logprobs = start, p.top_logprobs
+        return sub
 
     async def drain(self, timeout: float) -> None:
         """Graceful shutdown (SIGTERM): stop admitting (new requests get 503 with
@@ -342,6 +364,7 @@ async def next_delta(queue: asyncio.Queue, held: deque) -> Delta | None:
             delta.logprobs + nxt.logprobs,
             nxt.finish_reason,
             nxt.cached_tokens,
+            prompt=delta.prompt if delta.prompt is not None else nxt.prompt,
         )
     return delta
 
@@ -451,7 +474,7 @@ class Generation:
             self.cached_tokens = d.cached_tokens
         if self.detok is None:
             self.finish_reason = reason
-            return Piece("", toks, lps, reason, matched)
+            return Piece("", toks, lps, reason, matched, d.prompt)
         text = self.detok.push(text_ids)
         if reason is not None:
             text += self.detok.finish()
@@ -463,7 +486,7 @@ class Generation:
         elif reason is not None:
             ready += self.stopper.flush()
         self.finish_reason = reason
-        return Piece(ready, toks, lps, reason, matched)
+        return Piece(ready, toks, lps, reason, matched, d.prompt)
 
     async def collect(self) -> Piece:
         """Run to the end; one piece with all the text, ids and log-probabilities. Without
@@ -478,6 +501,8 @@ class Generation:
             out.token_ids += piece.token_ids
             out.logprobs += piece.logprobs
             out.finish_reason, out.matched = piece.finish_reason, piece.matched
+            if piece.prompt is not None:
+                out.prompt = piece.prompt
         if out.finish_reason is None:  # the client went away
             out.finish_reason = "abort"
         return out

@@ -5,7 +5,8 @@
 ``stream``), ``sampling_params`` with SGLang's names (``max_new_tokens`` — default 128 —,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``,
 ``ignore_eos``, ``n``, ``no_stop_trim``, ``skip_special_tokens``), ``stream`` and
-``return_logprob``; it answers ``{"text", "output_ids", "meta_info"}`` with
+``return_logprob`` (with ``logprob_start_len`` and ``top_logprobs_num``: the prompt's
+log-probabilities, :class:`_Logprobs`); it answers ``{"text", "output_ids", "meta_info"}`` with
 ``meta_info.finish_reason`` as SGLang spells it (``{"type": "stop", "matched": ...}``,
 ``{"type": "length", "length": n}``). Streamed, each event carries the text and ids so far
 (SGLang's cumulative stream) and the last is ``data: [DONE]``.
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from unimem.serve.engine_loop import PromptScores
 from unimem.serve.errors import ApiError, error_body
 from unimem.serve.generation import Generation, GenParams, Piece, Serving
 from unimem.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -120,8 +122,8 @@ def _result(
     ids: list[int],
     lps: list[float],
     last: Piece,
-    return_logprob: bool,
-    token_text=None,
+    logprobs: _Logprobs | None,
+    prompt: PromptScores | None = None,
 ) -> dict:
     meta = {
         "id": rid,
@@ -131,12 +133,63 @@ def _result(
         "finish_reason": _finish(last, gen.completion_tokens),
         "e2e_latency": time.monotonic() - gen.arrival,
     }
-    if return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, tok, token_text(tok) if token_text else None]
-            for lp, tok in zip(lps, ids, strict=True)
-        ]
+    if logprobs is not None:
+        meta.update(logprobs.fields(ids, lps, prompt))
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+class _Logprobs:
+    """SGLang's log-probability fields of ``meta_info``: ``output_token_logprobs``
+    (``[logprob, id, text]`` per output token), with ``start`` >= 0 (``logprob_start_len``)
+    ``input_token_logprobs`` from that prompt position (position 0's logprob None), and with
+    ``top`` (``top_logprobs_num`` 1) ``input_top_logprobs`` / ``output_top_logprobs`` (a list
+    of ``[logprob, id, text]`` per position; None where not scored). ``token_text``: the
+    entries' text (``return_text_in_logprobs``), else None."""
+
+    def __init__(self, start: int, top: int, token_text=None) -> None:
+        self.start, self.top, self.token_text = start, top, token_text
+
+    def _entry(self, lp, tok) -> list:
+        return [lp, tok, self.token_text(tok) if self.token_text else None]
+
+    def fields(self, ids: list[int], lps: list[float], prompt: PromptScores | None) -> dict:
+        outputs = [self._entry(lp, t) for lp, t in zip(lps, ids, strict=True)]
+        out = {"output_token_logprobs": outputs}
+        if self.top:
+            # the greedy token is the most likely one (GenParams allows top 1 only greedy)
+            out["output_top_logprobs"] = [[e] for e in outputs]
+        if self.start >= 0 and prompt is not None:
+            span = range(self.start, len(prompt.token_ids))
+            out["input_token_logprobs"] = [
+                self._entry(prompt.logprobs[j], prompt.token_ids[j]) for j in span
+            ]
+            if self.top and prompt.top is not None:
+                tops = [prompt.top[j] for j in span]
+                out["input_top_logprobs"] = [
+                    None if t is None else [self._entry(lp, i) for i, lp in t] for t in tops
+                ]
+        return out
+
+
+def _logprobs_of(body: GenerateRequest, params: list[GenParams], token_text) -> _Logprobs | None:
+    """The request's log-probability fields (None without ``return_logprob``); sets each
+    prompt's :class:`GenParams` to score its prompt from ``logprob_start_len`` (>= 0) with
+    ``top_logprobs_num`` top tokens (checked by :meth:`Serving.prepare`)."""
+    start, top = body.logprob_start_len, body.top_logprobs_num
+    if start < -1:
+        raise ApiError(
+            400,
+            f"logprob_start_len must be -1 (output tokens only) or a prompt position, got {start}",
+            param="logprob_start_len",
+            code="invalid_value",
+        )
+    if not body.return_logprob:
+        return None
+    for p in params:
+        p.top_logprobs, p.top_logprobs_field = top, "top_logprobs_num"
+        if start >= 0:
+            p.prompt_logprobs_from, p.prompt_logprobs_field = start, "logprob_start_len"
+    return _Logprobs(start, top, token_text)
 
 
 def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
@@ -179,6 +232,7 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
             params = [_gen_params(sp, "sampling_params", defaults)] * len(batch)
         if body.stream and not single:
             raise ApiError(400, "stream takes one prompt", param="stream")
+        logprobs = _logprobs_of(body, params, text_of)
         subs = [serving.prepare(ids, p, field) for ids, p in zip(batch, params, strict=True)]
         gens = [
             Generation(serving, s, p.stop, request, p) for s, p in zip(subs, params, strict=True)
@@ -194,8 +248,8 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
                     o.token_ids,
                     o.logprobs,
                     o,
-                    body.return_logprob,
-                    text_of,
+                    logprobs,
+                    o.prompt,
                 )
                 for i, (g, o) in enumerate(zip(gens, outs, strict=True))
             ]
@@ -206,16 +260,15 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
 
         async def events():
             text, ids, lps = "", [], []
-            piece = first
+            piece, prompt = first, first.prompt
             try:
                 while piece is not None:
                     text += piece.text
                     ids += piece.token_ids
                     lps += piece.logprobs
+                    prompt = prompt or piece.prompt
                     if piece.text or piece.token_ids or piece.finish_reason is not None:
-                        yield sse(
-                            _result(gen, rid, text, ids, lps, piece, body.return_logprob, text_of)
-                        )
+                        yield sse(_result(gen, rid, text, ids, lps, piece, logprobs, prompt))
                     piece = await anext(it, None)
             except ApiError as e:
                 yield sse(error_body(e))

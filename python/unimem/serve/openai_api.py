@@ -1,7 +1,10 @@
 """The OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models`` (and ``/v1/models/{model}``), and SGLang's ``POST /v1/tokenize`` /
 ``/v1/detokenize`` (also without ``/v1``: ``{"tokens", "count", "max_model_len"}`` and
-``{"text"}``, one or a list).
+``{"text"}``, one or a list; the text also as vLLM's ``prompt``), and vLLM's ``GET
+/tokenizer_info`` (the special tokens, the chat template, ``model_max_length``): what
+lm-eval's remote tokenizer reads, so that ``lm_eval --model local-completions`` needs no
+local copy of the tokenizer.
 
 Responses follow OpenAI's shapes: ``usage`` (``prompt_tokens``, ``completion_tokens``,
 ``total_tokens``, ``prompt_tokens_details.cached_tokens``); with ``stream: true`` server-sent
@@ -18,6 +21,12 @@ queued, and the response has a choice for each (``index`` = prompt position x ``
 choice; streamed, each chunk carries one choice's piece as it comes), the usage summed over
 them. Choice ``j`` of a request with a ``seed`` samples with ``seed + j`` (without one, each
 draws its own). An engine error or a client that goes away ends all.
+
+``echo`` with ``logprobs`` on a completion scores the prompt
+(:mod:`unimem.engine.prompt_logprobs`): each choice's ``logprobs`` starts with the prompt's
+tokens, their log-probabilities (None for the first) and, with ``logprobs: 1``, the most
+likely token at each — a request as lm-eval's ``local-completions`` sends it for
+log-likelihood tasks (``max_tokens: 1``, ``temperature: 0``, token-id prompts).
 """
 
 from __future__ import annotations
@@ -196,16 +205,26 @@ class _Route:
                     for t, lp in zip(toks, piece.logprobs, strict=True)
                 ]
             }
+        lps: list[float | None] = list(piece.logprobs)
+        tops: list[dict | None] = [{t: lp} for t, lp in zip(toks, lps, strict=True)]
+        scored = piece.prompt
+        if scored is not None:  # echo: the prompt's tokens come first, as scored
+            texts = [s.token_text(t) for t in scored.token_ids]
+            prompt_tops: list[dict | None] = [None] * len(texts)
+            if scored.top is not None:
+                prompt_tops = [
+                    None if at is None else {s.token_text(i): lp for i, lp in at}
+                    for at in scored.top
+                ]
+            toks, lps, tops = texts + toks, list(scored.logprobs) + lps, prompt_tops + tops
         offsets, pos = [], offset
         for t in toks:
             offsets.append(pos)
             pos += len(t)
         return {
             "tokens": toks,
-            "token_logprobs": list(piece.logprobs),
-            "top_logprobs": [{t: lp} for t, lp in zip(toks, piece.logprobs, strict=True)]
-            if top
-            else None,
+            "token_logprobs": lps,
+            "top_logprobs": tops if top else None,
             "text_offset": offsets,
         }
 
@@ -314,6 +333,10 @@ class _Route:
         return {"usage": None} if usage_last else {}
 
 
+SPECIAL_TOKEN_NAMES = ("eos_token", "bos_token", "pad_token", "unk_token")
+"""The tokenizer's special tokens ``/tokenizer_info`` reports (their text; None if unset)."""
+
+
 def openai_router(serving: Serving) -> APIRouter:
     """The OpenAI routes over ``serving``."""
     router = APIRouter()
@@ -330,13 +353,6 @@ def openai_router(serving: Serving) -> APIRouter:
         lp = body.logprobs
         echo = None
         if body.echo:
-            if lp is not None:
-                raise ApiError(
-                    400,
-                    "echo with logprobs: prompt log-probabilities are not supported",
-                    param="echo",
-                    code="unsupported_value",
-                )
             echo = _prompt_texts(serving, body.prompt, prompts)
         if lp is not None and lp not in (0, 1):
             raise ApiError(
@@ -348,6 +364,8 @@ def openai_router(serving: Serving) -> APIRouter:
         params = _params(body, body.max_tokens, "max_tokens", serving.engine.sampling_defaults)
         params.top_logprobs = lp or 0
         params.top_logprobs_field = "logprobs"
+        if body.echo and lp is not None:  # the prompt's log-probabilities lead each choice's
+            params.prompt_logprobs_from = 0
         return await completions.run(
             request, body, prompts, "prompt", params, lp is not None, lp or 0, echo
         )
@@ -409,12 +427,24 @@ def openai_router(serving: Serving) -> APIRouter:
             serving.check_token_ids(ids, "tokens")
         skip = body.skip_special_tokens
         texts = [serving.tokenizer.decode(ids, skip_special_tokens=skip) for ids in lists]
-        return {"text": texts if batch else texts[0]}
+        text = texts if batch else texts[0]
+        return {"text": text, "prompt": text}  # SGLang's name, then vLLM's
+
+    async def tokenizer_info():
+        serving.require_tokenizer()
+        tok = serving.tokenizer
+        info = {name: getattr(tok, name, None) for name in SPECIAL_TOKEN_NAMES}
+        # the template chat requests are rendered with (--chat-template, else the tokenizer's)
+        info["chat_template"] = serving.options.chat_template or getattr(tok, "chat_template", None)
+        info["model_max_length"] = serving.context_length
+        info["tokenizer_class"] = type(tok).__name__
+        return info
 
     for path in ("/v1/tokenize", "/tokenize"):
         router.add_api_route(path, tokenize, methods=["POST"])
     for path in ("/v1/detokenize", "/detokenize"):
         router.add_api_route(path, detokenize, methods=["POST"])
+    router.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
 
     def model_card() -> dict:
         return {

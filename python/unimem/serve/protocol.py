@@ -95,8 +95,9 @@ class CompletionRequest(_SamplingFields, SGLangCompletionFields):
     """``POST /v1/completions``. ``prompt``: a string or a list of token ids, or a batch of
     either (a list of them: a choice per prompt). ``logprobs``: 0 or 1 (the chosen token's
     log-probability; with 1 its top-1 alternative as well, under greedy decoding). ``echo``:
-    each choice's text starts with its prompt (not with ``logprobs``: there are no prompt
-    log-probabilities)."""
+    each choice's text starts with its prompt; with ``logprobs``, so do its log-probabilities
+    (the prompt's tokens scored by the model, the first one None: what lm-eval's
+    log-likelihood tasks read)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
@@ -140,13 +141,17 @@ class DetokenizeRequest(_Body):
 class GenerateRequest(_Body, SGLangGenerateFields):
     """SGLang's ``POST /generate``: ``text`` (a string or a list of them) or ``input_ids``
     (a list of ids or a list of such lists), ``sampling_params`` (SGLang's names),
-    ``stream``, ``return_logprob``, ``rid`` (ignored beyond being echoed)."""
+    ``stream``, ``return_logprob`` with ``logprob_start_len`` (-1: the output tokens only; a
+    prompt position: the prompt's tokens from there too, ``meta_info.input_token_logprobs``)
+    and ``top_logprobs_num`` (0 or 1), ``rid`` (ignored beyond being echoed)."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
     rid: str | None = None
 
 
