@@ -168,3 +168,51 @@ def test_engine_records_the_cuda_graph_bs_it_is_given(tmp_path):
         assert [len(o["output_ids"]) for o in outs] == [6] * 5
     finally:
         engine.shutdown()
+
+
+def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
+    """Requests scoring their prompts (:mod:`unimem.engine.prompt_logprobs`) beside plain ones
+    on the CUDA-graph engine with FA4, chunked (128-token chunks of 150-token prompts) and
+    under ``set_sync_debug_mode("error")``: every scored position equals the dense oracle's
+    log-softmax (a bfloat16 model: within 0.05), the top token is its argmax where the
+    oracle's two best are 0.1 apart, and the outputs are those of a run that scores nothing."""
+    cfg = preset("gpu_test")
+    dev = torch.device("cuda")
+    model = HybridModel(cfg, seed=3, device=dev)
+    prompts = _prompts(cfg, 5, 150)
+    spec = memory_spec(cfg, 16)
+    outs = []
+    for scored in (False, True):
+        pool = UnifiedMemory(spec, 64 * MB, 4, cfg.max_context, dev)
+        eng = EngineCore(model, pool, _fa4(), 4, 128, cuda_graphs=True, logprobs=True)
+        reqs = []
+        for i, p in enumerate(prompts):
+            kw = {}
+            if scored and i % 2 == 0:
+                kw = dict(prompt_logprobs_from=i * 10, prompt_top_logprobs=2)
+            reqs.append(eng.submit(p, 20, **kw))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eng.run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        outs.append([r.output for r in reqs])
+    assert outs[0] == outs[1]
+    for i in (0, 2, 4):
+        req = reqs[i]
+        (logits,) = model.reference_forward([torch.tensor(req.prompt, device=dev)])
+        ref = torch.log_softmax(logits.double(), dim=-1).cpu()
+        first = max(i * 10, 1)
+        assert req.prompt_logprobs[:first] == [None] * first
+        got = torch.tensor(req.prompt_logprobs[first:], dtype=torch.float64)
+        want = ref[first - 1 : -1].gather(1, torch.tensor(req.prompt[first:])[:, None])[:, 0]
+        err = (got - want).abs().max().item()
+        assert err <= 0.05, f"request {i}: largest |delta log-prob| {err:.4f}"
+        rows = ref[first - 1 : -1]
+        best = rows.topk(2, dim=-1).values
+        clear = (best[:, 0] - best[:, 1] > 0.1).tolist()
+        tops = [t[0][0] for t in req.prompt_top_logprobs[first:]]
+        assert any(clear)
+        for top, argmax, ok in zip(tops, rows.argmax(-1).tolist(), clear, strict=True):
+            assert top == argmax or not ok
