@@ -171,9 +171,11 @@ def test_engine_records_the_cuda_graph_bs_it_is_given(tmp_path):
 
 
 def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
-    """Requests scoring their prompts (:mod:`unimem.engine.prompt_logprobs`) beside plain ones
-    on the CUDA-graph engine with FA4, chunked (128-token chunks of 150-token prompts) and
-    under ``set_sync_debug_mode("error")``: every scored position equals the dense oracle's
+    """Requests scoring their prompts (:mod:`unimem.engine.prompt_logprobs`) and asking for
+    their outputs' top tokens (those steps run eagerly) beside plain ones on the CUDA-graph
+    engine with FA4, chunked (128-token chunks of 150-token prompts) and under
+    ``set_sync_debug_mode("error")``: each output's top token is the greedy output itself,
+    every scored position equals the dense oracle's
     log-softmax (a bfloat16 model: within 0.05), the top token is its argmax where the
     oracle's two best are 0.1 apart, and the outputs are those of a run that scores nothing."""
     cfg = preset("gpu_test")
@@ -189,7 +191,7 @@ def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
         for i, p in enumerate(prompts):
             kw = {}
             if scored and i % 2 == 0:
-                kw = dict(prompt_logprobs_from=i * 10, prompt_top_logprobs=2)
+                kw = dict(prompt_logprobs_from=i * 10, prompt_top_logprobs=2, top_logprobs=3)
             reqs.append(eng.submit(p, 20, **kw))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -201,6 +203,8 @@ def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
     assert outs[0] == outs[1]
     for i in (0, 2, 4):
         req = reqs[i]
+        assert [t[0][0] for t in req.output_top_logprobs] == req.output
+        assert all(len(t) == 3 for t in req.output_top_logprobs)
         (logits,) = model.reference_forward([torch.tensor(req.prompt, device=dev)])
         ref = torch.log_softmax(logits.double(), dim=-1).cpu()
         first = max(i * 10, 1)

@@ -341,6 +341,16 @@ def test_generate_scores_the_prompt_from_logprob_start_len(server, engine):
     assert [t[0][1] for t in got["output_top_logprobs"]] == [
         e[1] for e in got["output_token_logprobs"]
     ]
+    # sampled, three alternatives a position: the engine's, through the server
+    sampled = {"max_new_tokens": 5, "temperature": 0.8, "seed": 3}
+    want = engine.generate(input_ids=ids, sampling_params=sampled, return_logprob=True,
+                           top_logprobs_num=3)["meta_info"]  # fmt: skip
+    body3 = dict(body, sampling_params=sampled, top_logprobs_num=3, logprob_start_len=-1)
+    got3 = server.http.post("/generate", json=body3).json()["meta_info"]
+    assert "input_token_logprobs" not in got3
+    for alts, exp in zip(got3["output_top_logprobs"], want["output_top_logprobs"], strict=True):
+        assert [a[1] for a in alts] == [e[1] for e in exp]
+        assert [a[0] for a in alts] == pytest.approx([e[0] for e in exp], abs=1e-5)
     from_zero = dict(body, logprob_start_len=0, top_logprobs_num=0)
     first = server.http.post("/generate", json=from_zero).json()["meta_info"]
     assert first["input_token_logprobs"][0] == [None, ids[0], engine.tokenizer.decode([ids[0]])]

@@ -200,12 +200,22 @@ def test_logprobs_at_temperature_above_zero(client):
     r = client.post("/v1/chat/completions", json=chat)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["logprobs"]["content"]) >= 1
-    # the top-1 alternative needs greedy decoding; the error names the field as sent
-    r = client.post("/v1/completions", json={**body, "logprobs": 1})
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "logprobs"
-    r = client.post("/v1/chat/completions", json={**chat, "top_logprobs": 1})
-    assert r.json()["error"]["param"] == "top_logprobs"
+    # the most likely tokens at every temperature (the raw distribution's); each list holds
+    # the chosen token's own value where the token is among them
+    r = client.post("/v1/completions", json={**body, "logprobs": 3})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) <= 3 and list(top.values()) == sorted(top.values(), reverse=True)
+        assert value <= max(top.values()) and (tok not in top or top[tok] == value)
+    r = client.post("/v1/chat/completions", json={**chat, "top_logprobs": 5})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert all(len(c["top_logprobs"]) == 5 for c in content)
+    # past 20 the error names the field as sent
+    r = client.post("/v1/completions", json={**body, "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    r = client.post("/v1/chat/completions", json={**chat, "top_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 def test_health_generate_answers_for_a_busy_server_with_a_queue(client):

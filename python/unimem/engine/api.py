@@ -49,7 +49,7 @@ from unimem.engine.args import (
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
 from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
-from unimem.engine.prompt_logprobs import check_options
+from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
 from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.spec import LayerKind
@@ -424,9 +424,9 @@ class Engine:
         ``(logprob, token_id, None)`` triple per output token; with ``logprob_start_len`` >= 0
         also ``input_token_logprobs``, the prompt's from that position (position 0's logprob
         None; :mod:`unimem.engine.prompt_logprobs`), and with ``top_logprobs_num`` k > 0
-        ``input_top_logprobs``: the k most likely tokens at each of those positions, as
-        triples (None where not scored). SGLang's arguments; ``top_logprobs_num`` scores
-        prompt positions only (at most 20): there are no top tokens of output positions)."""
+        (at most 20) ``output_top_logprobs`` and ``input_top_logprobs``: the k most likely
+        tokens at each output / scored prompt position, as triples, most likely first (None
+        where not scored). SGLang's arguments)."""
         if self.core is None:
             raise ValueError("this engine ran the ranks of node_rank > 0: generate on node 0")
         prompts, single = self._prompts(prompt, input_ids)
@@ -437,11 +437,12 @@ class Engine:
                 f"got {logprob_start_len!r}"
             )
         start = logprob_start_len if return_logprob and logprob_start_len >= 0 else None
-        top = top_logprobs_num if start is not None else 0
+        top = top_logprobs_num if return_logprob else 0
         for i, ids in enumerate(prompts):
             self._check_request(i, ids, params[i])
             try:
-                check_options(len(ids), start, top)
+                check_options(len(ids), start, top if start is not None else 0)
+                check_top_logprobs(top, engine_logprobs=True)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
         reqs = [self._submit(ids, p, start, top) for ids, p in zip(prompts, params, strict=True)]
@@ -507,7 +508,12 @@ class Engine:
             stops.update(self.eos_token_ids)
         scored = {} if start is None else dict(prompt_logprobs_from=start, prompt_top_logprobs=top)
         return self.core.submit(
-            ids, params.max_new_tokens, stop_token_ids=stops, sampling=params.sampling, **scored
+            ids,
+            params.max_new_tokens,
+            stop_token_ids=stops,
+            sampling=params.sampling,
+            top_logprobs=top,
+            **scored,
         )
 
     def _result(self, req: Request, return_logprob: bool) -> dict:
@@ -528,6 +534,10 @@ class Engine:
         if return_logprob:
             meta["output_token_logprobs"] = [
                 (lp, tok, None) for lp, tok in zip(req.output_logprobs, req.output, strict=True)
+            ]
+        if req.top_logprobs_k:
+            meta["output_top_logprobs"] = [
+                [(lp, i, None) for i, lp in alts] for alts in req.output_top_logprobs
             ]
         start = req.prompt_logprobs_from
         if start is not None:

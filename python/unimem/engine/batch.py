@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from unimem.engine.prompt_logprobs import StagedPromptLogprobs
 from unimem.engine.request import Request
+from unimem.engine.step_io import StagedTopLogprobs
 from unimem.models.forward_context import ForwardMode
 
 __all__ = ["Batch"]
@@ -26,7 +27,9 @@ class Batch:
     request ``i`` (extend: the chunk reaches the end of the known tokens; decode and verify:
     always). ``epochs``: the requests' epochs when the batch was launched.
     ``prompt_logprobs``: an extend's prompt log-probabilities on their way to the host (set
-    by the runner at launch, :mod:`unimem.engine.prompt_logprobs`), else None."""
+    by the runner at launch, :mod:`unimem.engine.prompt_logprobs`), else None;
+    ``top_logprobs``: the step's output rows' top log-probabilities, where a request asked
+    for them (set by the runner at launch), else None."""
 
     mode: ForwardMode
     reqs: list[Request]
@@ -35,6 +38,7 @@ class Batch:
     samples: list[bool] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
     prompt_logprobs: StagedPromptLogprobs | None = None
+    top_logprobs: StagedTopLogprobs | None = None
 
     def __post_init__(self) -> None:
         self.mode = ForwardMode(self.mode)

@@ -19,7 +19,7 @@ from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
 from unimem.engine.batch import Batch
 from unimem.engine.prefill_delay import PrefillDelayer
-from unimem.engine.prompt_logprobs import check_options
+from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
 from unimem.engine.request import Request
 from unimem.engine.runner import ModelRunner
 from unimem.engine.sampling import GREEDY, SamplingOptions, default_seed, seed_to_int64
@@ -186,19 +186,24 @@ class EngineCore:
         *,
         prompt_logprobs_from: int | None = None,
         prompt_top_logprobs: int = 0,
+        top_logprobs: int = 0,
     ) -> Request:
         """Queue a request of ``prompt`` token ids for up to ``max_new_tokens`` output tokens,
         ending early at any of ``stop_token_ids`` (kept as its last output token), picked by
         ``sampling`` (None: greedy; a seedless one gets a seed from the engine's
         ``random_seed`` and the request id). ``prompt_logprobs_from``: also score the prompt
         from that position, with the ``prompt_top_logprobs`` most likely tokens at each
-        (:mod:`unimem.engine.prompt_logprobs`). ``ValueError`` naming the problem
+        (:mod:`unimem.engine.prompt_logprobs`); ``top_logprobs``: each output token's that
+        many most likely tokens too (``Request.output_top_logprobs``; needs an engine built
+        with ``logprobs``; a step with such a request runs eagerly). ``ValueError`` naming
+        the problem
         (:meth:`check_request`, :meth:`check_sampling`,
         :func:`~unimem.engine.prompt_logprobs.check_options`), before anything is queued."""
         self.check_request(prompt, max_new_tokens)
         sampling = GREEDY if sampling is None else sampling
         self.check_sampling(sampling)
         check_options(len(prompt), prompt_logprobs_from, prompt_top_logprobs)
+        check_top_logprobs(top_logprobs, self.runner.logprobs)
         rid = self._next_rid
         seed = default_seed(self.random_seed, rid) if sampling.seed is None else sampling.seed
         stops = frozenset(int(t) for t in stop_token_ids)
@@ -216,6 +221,7 @@ class EngineCore:
             req.prompt_logprobs = [None] * len(req.prompt)
             if prompt_top_logprobs:
                 req.prompt_top_logprobs = [None] * len(req.prompt)
+        req.top_logprobs_k = top_logprobs
         self._next_rid += 1
         self.scheduler.add(req)
         return req
@@ -273,16 +279,17 @@ class EngineCore:
         tokens, counts, logprobs = staged.read()
         if batch.prompt_logprobs is not None:  # before complete(): it may finish requests
             batch.prompt_logprobs.apply(batch.reqs, batch.epochs)
+        tops = batch.top_logprobs.read() if batch.top_logprobs is not None else None
         if batch.mode is ForwardMode.VERIFY:
             committed = [row[:c] for row, c in zip(tokens, counts, strict=True)]
             lps = None
             if logprobs is not None:
                 lps = [row[:c] for row, c in zip(logprobs, counts, strict=True)]
             lens = staged.verify_lens.tolist() if staged.verify_lens is not None else None
-            self.scheduler.complete_verify(batch, committed, lps, lens)
+            self.scheduler.complete_verify(batch, committed, lps, lens, tops)
         else:
             lps = None if logprobs is None else [row[0] for row in logprobs]
-            self.scheduler.complete(batch, [row[0] for row in tokens], lps)
+            self.scheduler.complete(batch, [row[0] for row in tokens], lps, tops)
 
     def run(self, on_step: Callable[[EngineCore], None] | None = None) -> list[Request]:
         """Step until every submitted request finished; returns them in finishing order."""

@@ -49,12 +49,13 @@ __all__ = [
     "StagedPromptLogprobs",
     "cache_match_limit",
     "check_options",
+    "check_top_logprobs",
     "plan",
     "score_rows",
 ]
 
 MAX_TOP_LOGPROBS = 20
-"""Most top tokens a prompt position reports (OpenAI's chat limit)."""
+"""Most top tokens a prompt or output position reports (OpenAI's chat limit)."""
 
 PIECE_BYTES = 64 << 20
 """Most bytes of float32 logits one piece of :func:`score_rows` holds (64 rows of a
@@ -84,6 +85,20 @@ def check_options(prompt_len: int, start: int | None, top_k: int) -> None:
         raise ValueError(
             f"request rejected: prompt_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_k}"
         )
+
+
+def check_top_logprobs(top_k: int, engine_logprobs: bool) -> None:
+    """``ValueError`` naming the option when an output token's top count ``top_k`` is not an
+    int in ``[0, MAX_TOP_LOGPROBS]``, or is asked of an engine that computes no
+    log-probabilities."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"request rejected: top_logprobs must be an int, got {top_k!r}")
+    if not 0 <= top_k <= MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"request rejected: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_k}"
+        )
+    if top_k and not engine_logprobs:
+        raise ValueError("request rejected: top_logprobs needs an engine built with logprobs=True")
 
 
 def cache_match_limit(req: Request) -> int | None:

@@ -64,7 +64,10 @@ class Request:
     ``prompt_logprobs[j]`` then holds position ``j``'s (None before that position and at
     position 0) and, with ``prompt_top_logprobs_k`` > 0, ``prompt_top_logprobs[j]`` the most
     likely tokens there as ``(token id, log-probability)`` pairs
-    (:mod:`unimem.engine.prompt_logprobs`). ``error``: why the engine failed
+    (:mod:`unimem.engine.prompt_logprobs`). ``top_logprobs_k`` > 0: each output token's
+    ``top_logprobs_k`` most likely tokens under the raw distribution too, in
+    ``output_top_logprobs`` (``(token id, log-probability)`` pairs, most likely first).
+    ``error``: why the engine failed
     the request (an internal fault met it; ``finish_reason`` is then "abort"), else None.
 
     One step late: ``kv_len`` and ``output`` are what the host has *read*; launched steps not
@@ -99,6 +102,8 @@ class Request:
     prompt_top_logprobs_k: int = 0
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    top_logprobs_k: int = 0
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
     sampling: SamplingOptions = GREEDY
     seed: int = 0
@@ -109,9 +114,15 @@ class Request:
         s = self.sampling
         return (float(s.temperature), int(s.top_k), float(s.top_p), float(s.min_p), self.seed)
 
-    def append_output(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
-        """Append sampled ``tokens`` (with their ``logprobs``), up to ``max_new_tokens`` and
-        up to and including the first stop token; nothing once finished."""
+    def append_output(
+        self,
+        tokens: list[int],
+        logprobs: list[float] | None = None,
+        tops: list[list[tuple[int, float]]] | None = None,
+    ) -> None:
+        """Append sampled ``tokens`` (with their ``logprobs`` and top log-probabilities
+        ``tops``, cut to ``top_logprobs_k``), up to ``max_new_tokens`` and up to and including
+        the first stop token; nothing once finished."""
         if self.aborted or self.stopped:
             return
         room = self.max_new_tokens - len(self.output)
@@ -128,15 +139,25 @@ class Request:
         self.output.extend(take)
         if logprobs is not None:
             self.output_logprobs.extend(logprobs[: len(take)])
+        if tops is not None and self.top_logprobs_k:
+            k = self.top_logprobs_k
+            self.output_top_logprobs.extend(t[:k] for t in tops[: len(take)])
 
-    def append_token(self, token: int, logprob: float | None = None) -> None:
-        """:meth:`append_output` of one token (and its ``logprob``), without building lists:
-        a decode step's accounting calls it for every request."""
+    def append_token(
+        self,
+        token: int,
+        logprob: float | None = None,
+        top: list[tuple[int, float]] | None = None,
+    ) -> None:
+        """:meth:`append_output` of one token (and its ``logprob`` and ``top``), without
+        building lists: a decode step's accounting calls it for every request."""
         if self.aborted or self.stopped or len(self.output) >= self.max_new_tokens:
             return
         self.output.append(token)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None and self.top_logprobs_k:
+            self.output_top_logprobs.append(top[: self.top_logprobs_k])
         if token in self.stop_token_ids:
             self.stopped = True
 

@@ -59,6 +59,7 @@ from unimem.engine.step_io import (
     DeviceRequestState,
     DeviceSamplingState,
     SamplingRows,
+    StagedTopLogprobs,
     StepLanes,
     StepOutputs,
 )
@@ -70,7 +71,14 @@ from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardMode
 from unimem.models.paged_context import PagedContext, PagedLayers
-from unimem.models.sampler import CUT_RULES, SORTED, batch_cut_rule, sample, token_logprobs
+from unimem.models.sampler import (
+    CUT_RULES,
+    SORTED,
+    batch_cut_rule,
+    sample,
+    token_logprobs,
+    top_logprobs,
+)
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.draft_runner import DraftRunner
 from unimem.speculative.verify_step import VerifyLanes, VerifyStep
@@ -275,9 +283,14 @@ class ModelRunner:
         are in ``self.out`` lanes ``:len(batch.reqs)`` (valid until the next launch):
         extend/decode lane ``i`` sampled ``out.tokens[i, 0]`` (meaningful where
         ``batch.samples[i]``), verify lane ``i`` committed ``out.tokens[i, :out.counts[i]]``.
-        Returns the number of lanes."""
+        Returns the number of lanes. A batch with a request asking for top log-probabilities
+        (``Request.top_logprobs_k``) runs eagerly (the recorded steps compute none) and leaves
+        them in ``batch.top_logprobs``."""
+        top_k = max(r.top_logprobs_k for r in batch.reqs) if batch.reqs else 0
+        if top_k and not self.logprobs:
+            raise ValueError("top log-probabilities need a runner built with logprobs=True")
         if batch.mode is ForwardMode.EXTEND:
-            self._extend(batch)
+            self._extend(batch, top_k)
             return len(batch.reqs)
         step = ForwardMode.VERIFY if self.chain is not None else ForwardMode.DECODE
         if batch.mode is not step:
@@ -294,10 +307,12 @@ class ModelRunner:
         )
         rule = self.step_rule(batch.reqs)
         graphs = self.graphs if rule is None else self.sample_graphs.get(rule)
-        if graphs is not None:
+        if graphs is not None and not top_k:
             graphs.replay(width)
         else:
-            self.eager_step(width, rule)
+            top = self.eager_step(width, rule, top_k)
+            if top is not None:
+                batch.top_logprobs = StagedTopLogprobs.stage(*top, bs)
         return bs
 
     @staticmethod
@@ -308,25 +323,26 @@ class ModelRunner:
             return None
         return batch_cut_rule(r.sampling.cut_rule for r in reqs)
 
-    def eager_step(self, width: int, rule: str | None = None) -> None:
+    def eager_step(
+        self, width: int, rule: str | None = None, top_k: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decode (or verify) step of ``width`` staged lanes run eagerly: the greedy one
-        (``rule`` None) or the sampled one of ``rule`` (:meth:`step_rule`)."""
+        (``rule`` None) or the sampled one of ``rule`` (:meth:`step_rule`). ``top_k``: also
+        each output row's most likely tokens, returned as ``(values [width, rows, k], ids)``
+        (:func:`~unimem.models.sampler.top_logprobs`); else None."""
         if rule is None:
-            self._uniform_step(width)
-        else:
-            self._sampling_step(width, rule)
+            return self._uniform_step(width, top_k)
+        return self._sampling_step(width, rule, top_k)
 
-    def _uniform_step(self, width: int) -> None:
+    def _uniform_step(self, width: int, top_k: int = 0):
         if self.chain is not None:
-            self._verify_step(width)
-        else:
-            self._decode_step(width)
+            return self._verify_step(width, top_k=top_k)
+        return self._decode_step(width, top_k=top_k)
 
-    def _sampling_step(self, width: int, rule: str = SORTED) -> None:
+    def _sampling_step(self, width: int, rule: str = SORTED, top_k: int = 0):
         if self.chain is not None:
-            self._verify_step(width, draw=True, rule=rule)
-        else:
-            self._decode_step(width, draw=True, rule=rule)
+            return self._verify_step(width, draw=True, rule=rule, top_k=top_k)
+        return self._decode_step(width, draw=True, rule=rule, top_k=top_k)
 
     @staticmethod
     def _pick(
@@ -341,7 +357,7 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- extend
 
-    def _extend(self, batch: Batch) -> None:
+    def _extend(self, batch: Batch, top_k: int = 0) -> None:
         """A ragged chunk per request from host-known tokens; the sample of each lane and
         the request's next token (the sample where the chunk reaches the end of the known
         tokens, else the next known token) and length go to the device state. With a
@@ -358,6 +374,7 @@ class ModelRunner:
         scored = prompt_logprobs.plan(reqs, starts, lens)
         if (
             scored is None
+            and not top_k
             and self.extend_lanes
             and bs <= self.extend_lanes[-1]
             and len(ids) <= self.extend_tokens[-1]
@@ -394,11 +411,14 @@ class ModelRunner:
         rule = self.step_rule(reqs)
         if rule is not None:  # the lanes sample under the batch's cut-off rule, as its steps
             params = DeviceSamplingState.lanes(floats, ints, rule)
-        hidden = self._extend_forward(
+        hidden, top = self._extend_forward(
             rows, prefix, ext, vslots, nxt, input_ids, params, bs,
             num_tokens=len(ids), max_seqlen_q=max(lens),
             cu_seqlens_host=[0, *itertools.accumulate(lens)], hidden_rows=hidden_rows,
+            top_k=top_k,
         )  # fmt: skip
+        if top is not None:
+            batch.top_logprobs = StagedTopLogprobs.stage(*top, bs)
         if scored is not None:
             values, top_ids = prompt_logprobs.score_rows(
                 self.model.head_logits, hidden, picks.long(), targets.long(), scored.top_k,
@@ -423,7 +443,8 @@ class ModelRunner:
         max_seqlen_q: int,
         cu_seqlens_host: list[int] | None = None,
         hidden_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        top_k: int = 0,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """An extend's body, ragged or padded: its metadata from the live tables, the
         forward, the drafter's context K/V for every token consumed, each lane's sample at
         its last row (its next token: ``nxt`` where known, else the sample) and new length
@@ -431,8 +452,9 @@ class ModelRunner:
         into ``out``. ``hidden_rows``: the rows whose final hidden states the forward
         returns and each lane's last row among them (a
         :class:`~unimem.engine.prompt_logprobs.PromptRows`' ``hidden_rows`` and
-        ``head_rows``); default each lane's last row. Returns those hidden states. Device
-        work only."""
+        ``head_rows``); default each lane's last row. Returns those hidden states and, with
+        ``top_k``, the lanes' samples' top log-probabilities (``[lanes, 1, k]`` values and
+        ids; else None). Device work only."""
         pool = self.pool
         meta = self.builder.extend(
             pool.req_to_token, rows, prefix, ext, pool.full_v2p, pool.swa_v2p,
@@ -459,7 +481,19 @@ class ModelRunner:
         self.out.counts[:lanes] = 1
         if self.logprobs:
             self.out.logprobs[:lanes, 0] = token_logprobs(logits[:lanes], sampled[:lanes])
-        return hidden
+        top = None
+        if top_k:
+            top = self._top(logits[:lanes], sampled[:lanes], self.out.logprobs[:lanes, 0], top_k)
+        return hidden, top
+
+    @staticmethod
+    def _top(
+        logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~unimem.models.sampler.top_logprobs` of one output row per lane, shaped
+        ``[lanes, 1, k]``."""
+        values, ids = top_logprobs(logits, k, tokens, logprobs)
+        return values[:, None], ids[:, None]
 
     def _launch_padded_extend(
         self,
@@ -525,11 +559,13 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- decode
 
-    def _decode_step(self, width: int, draw: bool = False, rule: str = SORTED) -> None:
+    def _decode_step(
+        self, width: int, draw: bool = False, rule: str = SORTED, top_k: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One token per lane: each lane feeds its row's next token at its row's length and
         picks the next by argmax, or with ``draw`` by its row's sampling parameters
-        (``rule``: the host's promise of :class:`SamplingRows`). Device inputs only
-        (capturable)."""
+        (``rule``: the host's promise of :class:`SamplingRows`). ``top_k``: also return the
+        rows' top log-probabilities (:meth:`eager_step`). Device inputs only (capturable)."""
         rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
         seq_lens, input_ids = self.state.read(rows)
         pool = self.pool
@@ -543,7 +579,9 @@ class ModelRunner:
             # argmax and its log-probability in one pass, written into the step's outputs
             sampled, _ = greedy_logprob(logits, self.out.logprobs[:width, 0])
             self.state.commit(rows, seq_lens, sampled, sampled[:, None], self.out)
-            return
+            if top_k:
+                return self._top(logits, sampled, self.out.logprobs[:width, 0], top_k)
+            return None
         params = self.sampling.read(rows, rule) if draw else None
         # the input token sits at index seq_lens; the sampled one at seq_lens + 1 (a sampling
         # lane's position; greedy picks need none)
@@ -552,6 +590,9 @@ class ModelRunner:
         self.state.commit(rows, seq_lens, sampled, sampled[:, None], self.out)
         if self.logprobs:
             self.out.logprobs[:width, 0] = token_logprobs(logits, sampled)
+        if top_k:
+            return self._top(logits, sampled, self.out.logprobs[:width, 0], top_k)
+        return None
 
     def _state_slots(self, vslots: torch.Tensor) -> torch.Tensor | None:
         if not self.spec.has(LayerKind.STATE):
@@ -560,7 +601,9 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- verify
 
-    def _verify_step(self, width: int, draw: bool = False, rule: str = SORTED) -> None:
+    def _verify_step(
+        self, width: int, draw: bool = False, rule: str = SORTED, top_k: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One chain step for every lane
         (:meth:`~unimem.speculative.verify_step.VerifyStep.run`): the lanes' rows, slots,
         lengths and anchors from the device state, and with ``draw`` their sampling
@@ -577,8 +620,9 @@ class ModelRunner:
         def commit(bonus, tokens, accepted, write_slots):
             return self.state.commit(rows, seq_lens, bonus, tokens, self.out, accepted, write_slots)
 
-        result = self.verifier.run(lanes, params, commit)
+        result = self.verifier.run(lanes, params, commit, top_k)
         if result.lengths is not None:
             self.out.verify_lens[:width] = result.lengths
         if result.logprobs is not None:
             self.out.logprobs[:width] = result.logprobs
+        return result.top

@@ -268,10 +268,15 @@ class Scheduler:
         r.inflight.clear()
 
     def complete(
-        self, batch: Batch, new_tokens: list[int], logprobs: list[float] | None = None
+        self,
+        batch: Batch,
+        new_tokens: list[int],
+        logprobs: list[float] | None = None,
+        tops: list[list[list[tuple[int, float]]]] | None = None,
     ) -> None:
         """Account a finished extend or decode step: advance lengths, append the sampled
-        tokens (and their ``logprobs``, if given) of the requests with ``batch.samples[i]``,
+        tokens (and their ``logprobs`` and top log-probabilities ``tops[i][0]``, if given)
+        of the requests with ``batch.samples[i]``,
         then cache / retire SWA pages / release finished requests. Results of requests that
         finished or restarted since the launch are dropped."""
         live = []
@@ -285,7 +290,8 @@ class Scheduler:
             req.kv_len += n
             req.forward_steps += 1
             if samples[i]:
-                req.append_token(tok, None if logprobs is None else logprobs[i])
+                top = None if tops is None else tops[i][0]
+                req.append_token(tok, None if logprobs is None else logprobs[i], top)
             live.append((req, step.snapshot))
         self._end_step(live)
 
@@ -295,9 +301,11 @@ class Scheduler:
         committed: list[list[int]],
         logprobs: list[list[float]] | None = None,
         verify_lens: list[int] | None = None,
+        tops: list[list[list[tuple[int, float]]]] | None = None,
     ) -> None:
         """Account a verify step: ``committed[i]`` are the ``accepted + 1`` tokens request
-        ``i`` committed (accepted drafts, then the bonus), ``logprobs[i]`` theirs if given,
+        ``i`` committed (accepted drafts, then the bonus), ``logprobs[i]`` and ``tops[i]``
+        (their top log-probabilities, a list per verified row) theirs if given,
         ``verify_lens[i]`` the rows it verified (default ``gamma + 1``). Its length advances
         by the committed tokens (the anchor and the accepted drafts are now in memory; the
         bonus is the next anchor); output beyond ``max_new_tokens`` or a stop token is
@@ -310,8 +318,11 @@ class Scheduler:
         running = RequestStatus.RUNNING
         lens = repeat(self.gamma + 1) if verify_lens is None else verify_lens
         lps = repeat(None) if logprobs is None else logprobs
+        top_rows = repeat(None) if tops is None else tops
         epochs = batch.epochs
-        for i, (req, toks, n, lp) in enumerate(zip(batch.reqs, committed, lens, lps, strict=False)):
+        for i, (req, toks, n, lp, top) in enumerate(
+            zip(batch.reqs, committed, lens, lps, top_rows, strict=False)
+        ):
             # a result of a run that finished or restarted since the launch is dropped
             if req.status is not running or req.epoch != epochs[i]:
                 continue
@@ -323,7 +334,7 @@ class Scheduler:
             req.verified_tokens += k
             req.verified_rows += n
             rows += n
-            req.append_output(toks, lp)
+            req.append_output(toks, lp, top)
             live.append((req, step.snapshot))
         if live:
             self.verify_batches += 1

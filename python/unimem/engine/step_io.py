@@ -44,6 +44,7 @@ __all__ = [
     "ResultRing",
     "SamplingRows",
     "StagedResult",
+    "StagedTopLogprobs",
     "StepLanes",
     "StepOutputs",
 ]
@@ -233,6 +234,42 @@ class StagedResult:
             self.event.synchronize()
         logprobs = self.logprobs.tolist() if self.logprobs is not None else None
         return self.tokens.tolist(), self.counts.tolist(), logprobs
+
+
+@dataclass
+class StagedTopLogprobs:
+    """Host copies of one eager step's top log-probabilities (``values [bs, rows, k]``
+    float32, ``ids [bs, rows, k]`` int64: lane ``b``'s row ``j`` is its output token ``j``'s
+    distribution), valid once ``event`` completed (None: a CPU run)."""
+
+    values: torch.Tensor
+    ids: torch.Tensor
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def stage(cls, values: torch.Tensor, ids: torch.Tensor, bs: int) -> StagedTopLogprobs:
+        """Copy lanes ``:bs`` to pinned host memory without blocking, stream-ordered after
+        the step, with an event behind the copies."""
+        values, ids = values[:bs], ids[:bs]
+        if values.device.type != "cuda":
+            return cls(values, ids, None)
+        host_v = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host_i = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host_v.copy_(values, non_blocking=True)
+        host_i.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host_v, host_i, event)
+
+    def read(self) -> list[list[list[tuple[int, float]]]]:
+        """Per lane, per row, the ``(token id, log-probability)`` pairs, most likely first;
+        waits for the copies."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [
+            [list(zip(ids, vals, strict=True)) for ids, vals in zip(lane_i, lane_v, strict=True)]
+            for lane_i, lane_v in zip(self.ids.tolist(), self.values.tolist(), strict=True)
+        ]
 
 
 class ResultRing:

@@ -71,6 +71,7 @@ __all__ = [
     "sample",
     "tempered_keep_threshold",
     "token_logprobs",
+    "top_logprobs",
 ]
 
 
@@ -145,6 +146,22 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return (chosen - torch.logsumexp(logits, dim=-1)).float()
     top, top_lp = greedy_logprob(logits)
     return (chosen - logits.gather(1, top[:, None])[:, 0]) + top_lp
+
+
+def top_logprobs(
+    logits: torch.Tensor, k: int, chosen: torch.Tensor, chosen_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of each row under ``log_softmax(logits)`` (``logits [N,
+    V]``, the raw distribution, before temperature and filters): ``(values [N, k] float32,
+    ids [N, k] int64)``, most likely first. ``chosen [N]`` / ``chosen_logprobs [N]``: the
+    rows' output tokens and the log-probabilities the step reported for them; where a chosen
+    token is among the top ones its value is that one bit for bit (a client comparing a
+    token's log-probability with its top list's, as lm-eval's ``is_greedy`` does, sees them
+    equal)."""
+    top, ids = torch.topk(logits, k, dim=-1)
+    values = (top - torch.logsumexp(logits, dim=-1, keepdim=True)).float()
+    same = ids == chosen.long()[:, None]
+    return torch.where(same, chosen_logprobs.float()[:, None], values), ids
 
 
 # ------------------------------------------------------------------- counter-based noise

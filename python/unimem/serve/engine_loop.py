@@ -71,7 +71,9 @@ class Delta:
     ``cached_tokens`` (prefix-cache hits) and ``error`` (a message if the engine could not
     run the request: then no tokens follow) with the HTTP ``status`` it is answered with.
     ``prompt``: the prompt's log-probabilities, on the first delta with tokens of a request
-    that asked for them (its prefill is done by then)."""
+    that asked for them (its prefill is done by then); ``tops``: each token's most likely
+    tokens as ``(id, log-probability)`` pairs, where the request asked for them (else
+    empty)."""
 
     tokens: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
@@ -80,6 +82,7 @@ class Delta:
     error: str | None = None
     status: int = 400
     prompt: PromptScores | None = None
+    tops: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass
@@ -92,7 +95,8 @@ class Submission:
     the metrics leave out. ``stream_interval``: this request's (:class:`EngineLoop`); None:
     the loop's. ``prompt_logprobs_from`` / ``prompt_top_logprobs``: score the prompt from
     that position, with that many top tokens (:meth:`EngineCore.submit
-    <unimem.engine.core.EngineCore.submit>`); None: not at all."""
+    <unimem.engine.core.EngineCore.submit>`); None: not at all. ``top_logprobs``: each output
+    token's that many most likely tokens."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -105,6 +109,7 @@ class Submission:
     stream_interval: int | None = None
     prompt_logprobs_from: int | None = None
     prompt_top_logprobs: int = 0
+    top_logprobs: int = 0
 
 
 class Handle:
@@ -368,6 +373,8 @@ class EngineLoop:
                     prompt_logprobs_from=s.prompt_logprobs_from,
                     prompt_top_logprobs=s.prompt_top_logprobs,
                 )
+            if s.top_logprobs:
+                kw["top_logprobs"] = s.top_logprobs
             h.req = self.core.submit(
                 s.prompt,
                 s.max_new_tokens,
@@ -414,7 +421,11 @@ class EngineLoop:
                 if first and toks and r.prompt_logprobs_from is not None:
                     prompt = _prompt_scores(r)  # the first tokens: the prefill is done
                 cached = r.cached_tokens if done else 0
-                self._outbox.append((h, Delta(toks, lps, reason, cached, error, prompt=prompt)))
+                tops = ()
+                if r.top_logprobs_k:
+                    tops = tuple(tuple(t) for t in r.output_top_logprobs[n - len(toks) : n])
+                delta = Delta(toks, lps, reason, cached, error, prompt=prompt, tops=tops)
+                self._outbox.append((h, delta))
             if not done:
                 still.append(h)
         self._active = still

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from unimem.engine.prompt_logprobs import MAX_TOP_LOGPROBS
 from unimem.engine.sampling import SamplingOptions
 from unimem.serve.args import ServerOptions
 from unimem.serve.detokenize import IncrementalDetokenizer, StopMatcher
@@ -69,11 +70,12 @@ them."""
 @dataclass
 class GenParams:
     """A request's generation parameters, named as SGLang names them. ``max_new_tokens``
-    None: up to the end of the context. ``top_logprobs``: 0, or 1 (the most likely token
-    beside the chosen one: the chosen one itself under greedy decoding; at scored prompt
-    positions, the most likely token there). ``prompt_logprobs_from``: score the prompt from
-    that position (None: not at all; :mod:`unimem.engine.prompt_logprobs`), spelled
-    ``prompt_logprobs_field`` in the request."""
+    None: up to the end of the context. ``top_logprobs``: how many of the most likely
+    tokens (raw distribution) each output position — and each scored prompt position —
+    reports, 0 to :data:`~unimem.engine.prompt_logprobs.MAX_TOP_LOGPROBS`.
+    ``prompt_logprobs_from``: score the prompt from that position (None: not at all;
+    :mod:`unimem.engine.prompt_logprobs`), spelled ``prompt_logprobs_field`` in the
+    request."""
 
     max_new_tokens: int | None = None
     temperature: float = DEFAULT_TEMPERATURE
@@ -109,7 +111,8 @@ class Piece:
     """New output of a request: ``text`` (may be empty), ``token_ids`` and ``logprobs``
     behind it; ``finish_reason`` ("stop", "length", "abort") and ``matched`` (the stop token
     id or stop string, if any) on the last piece; ``prompt``: the prompt's log-probabilities
-    on the first piece with tokens of a request that asked for them."""
+    on the first piece with tokens of a request that asked for them; ``top_logprobs``: each
+    token's most likely tokens (``(id, log-probability)`` pairs) where asked for."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
@@ -117,6 +120,7 @@ class Piece:
     finish_reason: str | None = None
     matched: int | str | None = None
     prompt: PromptScores | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
 
 
 class Serving:
@@ -265,24 +269,15 @@ class Serving:
         if p.stop and self.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer", param="stop")
         top = p.top_logprobs_field
-        if p.top_logprobs not in (0, 1):
+        k = p.top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
             raise ApiError(
                 400,
-                f"{top}: only 0 or 1 are supported, got {p.top_logprobs}",
+                f"{top} must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}",
                 param=top,
-                code="unsupported_value",
+                code="invalid_value",
             )
         sampling = self.sampling_options(p)
-        if p.top_logprobs and sampling is not None:
-            # The engine reports the chosen token's log-probability at every temperature;
-            # the most likely token beside it is the chosen one only under greedy decoding.
-            raise ApiError(
-                400,
-                f"{top} 1 (the most likely token) needs temperature 0; at temperature > 0 "
-                f"ask for the chosen tokens' log-probabilities only ({top} 0)",
-                param=top,
-                code="unsupported_value",
-            )
         start = p.prompt_logprobs_from
         if start is not None and (
             isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(prompt)
@@ -303,8 +298,9 @@ class Serving:
         if not p.ignore_eos:
             stops |= self.eos_token_ids
         sub = Submission(prompt, n, frozenset(stops), sampling, sink=_no_sink)
+        sub.top_logprobs = k
         if start is not None:
-            sub.prompt_logprobs_from, sub.prompt_top_logprobs = start, p.top_logprobs
+            sub.prompt_logprobs_from, sub.prompt_top_logprobs = start, k
         return sub
 
     async def drain(self, timeout: float) -> None:
@@ -365,6 +361,7 @@ async def next_delta(queue: asyncio.Queue, held: deque) -> Delta | None:
             nxt.finish_reason,
             nxt.cached_tokens,
             prompt=delta.prompt if delta.prompt is not None else nxt.prompt,
+            tops=delta.tops + nxt.tops,
         )
     return delta
 
@@ -474,7 +471,7 @@ class Generation:
             self.cached_tokens = d.cached_tokens
         if self.detok is None:
             self.finish_reason = reason
-            return Piece("", toks, lps, reason, matched, d.prompt)
+            return Piece("", toks, lps, reason, matched, d.prompt, list(d.tops))
         text = self.detok.push(text_ids)
         if reason is not None:
             text += self.detok.finish()
@@ -486,7 +483,7 @@ class Generation:
         elif reason is not None:
             ready += self.stopper.flush()
         self.finish_reason = reason
-        return Piece(ready, toks, lps, reason, matched, d.prompt)
+        return Piece(ready, toks, lps, reason, matched, d.prompt, list(d.tops))
 
     async def collect(self) -> Piece:
         """Run to the end; one piece with all the text, ids and log-probabilities. Without
@@ -500,6 +497,7 @@ class Generation:
             out.text += piece.text
             out.token_ids += piece.token_ids
             out.logprobs += piece.logprobs
+            out.top_logprobs += piece.top_logprobs
             out.finish_reason, out.matched = piece.finish_reason, piece.matched
             if piece.prompt is not None:
                 out.prompt = piece.prompt

@@ -124,6 +124,7 @@ def _result(
     last: Piece,
     logprobs: _Logprobs | None,
     prompt: PromptScores | None = None,
+    tops: list | None = None,
 ) -> dict:
     meta = {
         "id": rid,
@@ -134,7 +135,7 @@ def _result(
         "e2e_latency": time.monotonic() - gen.arrival,
     }
     if logprobs is not None:
-        meta.update(logprobs.fields(ids, lps, prompt))
+        meta.update(logprobs.fields(ids, lps, prompt, tops or []))
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
@@ -142,9 +143,9 @@ class _Logprobs:
     """SGLang's log-probability fields of ``meta_info``: ``output_token_logprobs``
     (``[logprob, id, text]`` per output token), with ``start`` >= 0 (``logprob_start_len``)
     ``input_token_logprobs`` from that prompt position (position 0's logprob None), and with
-    ``top`` (``top_logprobs_num`` 1) ``input_top_logprobs`` / ``output_top_logprobs`` (a list
-    of ``[logprob, id, text]`` per position; None where not scored). ``token_text``: the
-    entries' text (``return_text_in_logprobs``), else None."""
+    ``top`` (``top_logprobs_num``) > 0 ``output_top_logprobs`` / ``input_top_logprobs`` (a
+    list of ``[logprob, id, text]`` per position, most likely first; None where not scored).
+    ``token_text``: the entries' text (``return_text_in_logprobs``), else None."""
 
     def __init__(self, start: int, top: int, token_text=None) -> None:
         self.start, self.top, self.token_text = start, top, token_text
@@ -152,12 +153,13 @@ class _Logprobs:
     def _entry(self, lp, tok) -> list:
         return [lp, tok, self.token_text(tok) if self.token_text else None]
 
-    def fields(self, ids: list[int], lps: list[float], prompt: PromptScores | None) -> dict:
+    def fields(
+        self, ids: list[int], lps: list[float], prompt: PromptScores | None, tops: list
+    ) -> dict:
         outputs = [self._entry(lp, t) for lp, t in zip(lps, ids, strict=True)]
         out = {"output_token_logprobs": outputs}
         if self.top:
-            # the greedy token is the most likely one (GenParams allows top 1 only greedy)
-            out["output_top_logprobs"] = [[e] for e in outputs]
+            out["output_top_logprobs"] = [[self._entry(lp, i) for i, lp in alts] for alts in tops]
         if self.start >= 0 and prompt is not None:
             span = range(self.start, len(prompt.token_ids))
             out["input_token_logprobs"] = [
@@ -250,6 +252,7 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
                     o,
                     logprobs,
                     o.prompt,
+                    o.top_logprobs,
                 )
                 for i, (g, o) in enumerate(zip(gens, outs, strict=True))
             ]
@@ -259,16 +262,18 @@ def native_router(serving: Serving, metrics: ServerMetrics) -> APIRouter:
         first = await it.__anext__()
 
         async def events():
-            text, ids, lps = "", [], []
+            text, ids, lps, tops = "", [], [], []
             piece, prompt = first, first.prompt
             try:
                 while piece is not None:
                     text += piece.text
                     ids += piece.token_ids
                     lps += piece.logprobs
+                    tops += piece.top_logprobs
                     prompt = prompt or piece.prompt
                     if piece.text or piece.token_ids or piece.finish_reason is not None:
-                        yield sse(_result(gen, rid, text, ids, lps, piece, logprobs, prompt))
+                        res = _result(gen, rid, text, ids, lps, piece, logprobs, prompt, tops)
+                        yield sse(res)
                     piece = await anext(it, None)
             except ApiError as e:
                 yield sse(error_body(e))

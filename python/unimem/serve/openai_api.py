@@ -189,34 +189,37 @@ class _Route:
         self.kind = kind  # "completion" or "chat"
 
     def logprobs(self, piece: Piece, top: int, offset: int) -> dict | None:
+        """A choice's ``logprobs`` for ``piece``: each token's log-probability and, with
+        ``top`` > 0, its most likely tokens (the engine's, :class:`Piece`'s
+        ``top_logprobs``) — chat's ``content`` list, or a completion's ``tokens`` /
+        ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` (with an echoed, scored
+        prompt's tokens first)."""
         s = self.serving
-        toks = [s.token_text(t) for t in piece.token_ids]
+        text = s.token_text
+        toks = [text(t) for t in piece.token_ids]
+        tops = piece.top_logprobs if top else [()] * len(toks)
         if self.kind == "chat":
+
+            def entry(t: str, lp: float) -> dict:
+                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
             return {
                 "content": [
-                    {
-                        "token": t,
-                        "logprob": lp,
-                        "bytes": list(t.encode()),
-                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}]
-                        if top
-                        else [],
-                    }
-                    for t, lp in zip(toks, piece.logprobs, strict=True)
+                    {**entry(t, lp), "top_logprobs": [entry(text(i), v) for i, v in alts]}
+                    for t, lp, alts in zip(toks, piece.logprobs, tops, strict=True)
                 ]
             }
         lps: list[float | None] = list(piece.logprobs)
-        tops: list[dict | None] = [{t: lp} for t, lp in zip(toks, lps, strict=True)]
+        top_maps: list[dict | None] = [{text(i): v for i, v in alts} for alts in tops]
         scored = piece.prompt
         if scored is not None:  # echo: the prompt's tokens come first, as scored
-            texts = [s.token_text(t) for t in scored.token_ids]
+            texts = [text(t) for t in scored.token_ids]
             prompt_tops: list[dict | None] = [None] * len(texts)
             if scored.top is not None:
                 prompt_tops = [
-                    None if at is None else {s.token_text(i): lp for i, lp in at}
-                    for at in scored.top
+                    None if alts is None else {text(i): v for i, v in alts} for alts in scored.top
                 ]
-            toks, lps, tops = texts + toks, list(scored.logprobs) + lps, prompt_tops + tops
+            toks, lps, top_maps = texts + toks, list(scored.logprobs) + lps, prompt_tops + top_maps
         offsets, pos = [], offset
         for t in toks:
             offsets.append(pos)
@@ -224,7 +227,7 @@ class _Route:
         return {
             "tokens": toks,
             "token_logprobs": lps,
-            "top_logprobs": tops if top else None,
+            "top_logprobs": top_maps if top else None,
             "text_offset": offsets,
         }
 
@@ -354,13 +357,6 @@ def openai_router(serving: Serving) -> APIRouter:
         echo = None
         if body.echo:
             echo = _prompt_texts(serving, body.prompt, prompts)
-        if lp is not None and lp not in (0, 1):
-            raise ApiError(
-                400,
-                f"logprobs: only 0 or 1 are supported, got {lp}",
-                param="logprobs",
-                code="unsupported_value",
-            )
         params = _params(body, body.max_tokens, "max_tokens", serving.engine.sampling_defaults)
         params.top_logprobs = lp or 0
         params.top_logprobs_field = "logprobs"

@@ -93,8 +93,8 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields, SGLangCompletionFields):
     """``POST /v1/completions``. ``prompt``: a string or a list of token ids, or a batch of
-    either (a list of them: a choice per prompt). ``logprobs``: 0 or 1 (the chosen token's
-    log-probability; with 1 its top-1 alternative as well, under greedy decoding). ``echo``:
+    either (a list of them: a choice per prompt). ``logprobs``: k in 0 .. 20 (the chosen
+    token's log-probability and the k most likely tokens at its position). ``echo``:
     each choice's text starts with its prompt; with ``logprobs``, so do its log-probabilities
     (the prompt's tokens scored by the model, the first one None: what lm-eval's
     log-likelihood tasks read)."""
@@ -110,7 +110,7 @@ class CompletionRequest(_SamplingFields, SGLangCompletionFields):
 class ChatCompletionRequest(_SamplingFields, SGLangChatFields):
     """``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template.
     ``max_completion_tokens`` is ``max_tokens``' newer name. ``logprobs`` with
-    ``top_logprobs`` 0 or 1."""
+    ``top_logprobs`` 0 .. 20."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -143,7 +143,8 @@ class GenerateRequest(_Body, SGLangGenerateFields):
     (a list of ids or a list of such lists), ``sampling_params`` (SGLang's names),
     ``stream``, ``return_logprob`` with ``logprob_start_len`` (-1: the output tokens only; a
     prompt position: the prompt's tokens from there too, ``meta_info.input_token_logprobs``)
-    and ``top_logprobs_num`` (0 or 1), ``rid`` (ignored beyond being echoed)."""
+    and ``top_logprobs_num`` (0 .. 20, output and scored prompt positions), ``rid``
+    (ignored beyond being echoed)."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None

@@ -47,7 +47,7 @@ from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardMode
 from unimem.models.paged_context import GdnVerifyBuffers, PackedLanes, PagedContext, PagedLayers
-from unimem.models.sampler import SamplingRows, filtered_token_stats
+from unimem.models.sampler import SamplingRows, filtered_token_stats, top_logprobs
 from unimem.speculative import spec_sampling
 from unimem.speculative.accept import greedy_accept
 from unimem.speculative.chain import DsparkChain
@@ -102,10 +102,14 @@ class VerifyResult(NamedTuple):
     """What a verify step leaves for the caller besides what it committed: ``lengths [W]``
     int32, the rows each lane verified (a ragged step; None for a fixed one), and
     ``logprobs [W, gamma + 1]`` float32, each committed-row token's log-probability under the
-    target's raw distribution (None unless asked for)."""
+    target's raw distribution (None unless asked for); ``top``: with ``top_k`` k > 0, each
+    row's k most likely tokens under that distribution, ``(values [W, gamma + 1, k] float32,
+    ids [W, gamma + 1, k] int64)`` (:func:`~unimem.models.sampler.top_logprobs`), else
+    None."""
 
     lengths: torch.Tensor | None
     logprobs: torch.Tensor | None
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class VerifyStep:
@@ -216,14 +220,33 @@ class VerifyStep:
             )  # fmt: skip
 
     def run(
-        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows
+        self,
+        lanes: VerifyLanes,
+        params: SamplingRows | None,
+        commit: CommitRows,
+        top_k: int = 0,
     ) -> VerifyResult:
         """One chain step for every lane of ``lanes`` (module docstring); ``params``: the
-        lanes' sampling parameters when some lane samples (None: all greedy). Device inputs
-        only (capturable)."""
+        lanes' sampling parameters when some lane samples (None: all greedy); ``top_k``: also
+        each row's most likely tokens (needs ``logprobs``; eager steps only: no recorded
+        graph computes them). Device inputs only (capturable)."""
+        if top_k and not self.logprobs:
+            raise ValueError("top_k log-probabilities need a verify step built with logprobs")
         if self.chain.adaptive:
-            return self._ragged(lanes, params, commit)
-        return self._fixed(lanes, params, commit)
+            return self._ragged(lanes, params, commit, top_k)
+        return self._fixed(lanes, params, commit, top_k)
+
+    @staticmethod
+    def _top(
+        logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:func:`~unimem.models.sampler.top_logprobs` of the uniform rows ``logits [W * vw,
+        V]`` for the committed-row ``tokens`` / ``logprobs [W, vw]``, shaped ``[W, vw, k]``."""
+        if not k:
+            return None
+        values, ids = top_logprobs(logits, k, tokens.reshape(-1), logprobs.reshape(-1))
+        shape = (*tokens.shape, k)
+        return values.reshape(shape), ids.reshape(shape)
 
     def _context(self, meta, lanes, rows: int, packed: PackedLanes | None = None) -> PagedContext:
         """The target verify's forward context over ``rows`` rows of ``meta``."""
@@ -234,7 +257,7 @@ class VerifyStep:
         )  # fmt: skip
 
     def _fixed(
-        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows
+        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows, top_k: int = 0
     ) -> VerifyResult:
         """``gamma + 1`` rows for every lane (module docstring, steps 1-5)."""
         gamma, vw = self.chain.gamma, self.width
@@ -278,10 +301,10 @@ class VerifyStep:
         if self.logprobs:
             chosen = logits.gather(1, tokens.reshape(-1, 1))[:, 0]
             logprobs = (chosen - lse[0]).float().reshape(width, vw)
-        return VerifyResult(None, logprobs)
+        return VerifyResult(None, logprobs, self._top(logits, tokens, logprobs, top_k))
 
     def _ragged(
-        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows
+        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows, top_k: int = 0
     ) -> VerifyResult:
         """The verify step with per-lane lengths ``L_b`` in ``1 .. gamma + 1``, packed
         (``docs/spec_decoding.md``, "Adaptive verify lengths"). Every shape depends on the
@@ -386,7 +409,8 @@ class VerifyStep:
         elif self.logprobs:
             chosen = uniform_logits.gather(1, tokens.reshape(-1, 1))[:, 0]
             logprobs = (chosen - raw_lse[0]).float().reshape(width, vw)
-        return VerifyResult(lengths, logprobs)
+        top = self._top(logits[src], tokens, logprobs, top_k) if top_k else None
+        return VerifyResult(lengths, logprobs, top)
 
     def _sampled_accept(
         self,
