@@ -318,6 +318,39 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, engine
     assert first.tokens == whole.tokens
 
 
+def test_logit_bias_and_min_tokens_are_the_engines(server, engine):
+    """``logit_bias`` (OpenAI's, token ids as strings) and ``min_tokens`` (vLLM's and
+    SGLang's; ``/generate``'s ``min_new_tokens``): the engine's outputs for the same
+    adjustments, through both routes; bad values name their field."""
+    ids = [5, 6, 7, 8, 9]
+    plain = engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    favoured = (plain[0] + 7) % 100 + 10
+    sp = dict(GREEDY, logit_bias={str(favoured): 8.0}, stop_token_ids=[plain[1]],
+              min_new_tokens=4)  # fmt: skip
+    want = engine.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+    assert want != plain and len(want) >= 4 and plain[1] not in want[:4]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0,
+            "logit_bias": {str(favoured): 8.0}, "stop_token_ids": [plain[1]],
+            "min_tokens": 4}  # fmt: skip
+    r = server.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    assert text == engine.tokenizer.decode(want, skip_special_tokens=True)
+    got = server.http.post("/generate", json={"input_ids": ids, "sampling_params": sp}).json()
+    assert got["output_ids"] == want
+    for bad, param in (
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"min_tokens": 13}, "min_tokens"),
+    ):
+        r = server.http.post("/v1/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    too_many = {"input_ids": ids, "sampling_params": dict(sp, min_new_tokens=99)}
+    r = server.http.post("/generate", json=too_many)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "sampling_params.min_new_tokens"
+
+
 def test_generate_scores_the_prompt_from_logprob_start_len(server, engine):
     ids = [5, 6, 7, 8, 9, 10]
     sp = {"max_new_tokens": 3, "temperature": 0.0}

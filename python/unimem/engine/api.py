@@ -48,6 +48,7 @@ from unimem.engine.args import (
 )
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
+from unimem.engine.logit_bias import check_options as check_adjustments
 from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
 from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
 from unimem.engine.request import Request
@@ -129,6 +130,8 @@ SAMPLING_KEYS = (
     "seed",
     "ignore_eos",
     "stop_token_ids",
+    "min_new_tokens",
+    "logit_bias",
 )
 
 
@@ -136,7 +139,9 @@ class SamplingParams:
     """Validated sampling parameters of one request: ``max_new_tokens``, ``ignore_eos``,
     ``stop_token_ids`` and :class:`~unimem.engine.sampling.SamplingOptions`
     (``temperature`` 0 — the default — is greedy; ``top_p``, ``top_k`` (-1: off), ``min_p``,
-    ``seed``) as ``self.sampling``. ``defaults`` (the checkpoint's, see
+    ``seed``) as ``self.sampling``; ``min_new_tokens`` and ``logit_bias`` (token id, an int
+    or its string, -> bias) as :mod:`unimem.engine.logit_bias` takes them (checked at
+    submission). ``defaults`` (the checkpoint's, see
     :attr:`Engine.sampling_defaults`) fill the keys the request leaves out or sets to None.
     ``ValueError`` naming the key."""
 
@@ -173,10 +178,21 @@ class SamplingParams:
             raise ValueError(
                 f"sampling_params.stop_token_ids must be a list of ints, got {stops!r}"
             )
+        bias = params.get("logit_bias") or {}
+        if not isinstance(bias, Mapping):
+            raise ValueError(f"sampling_params.logit_bias must be a mapping, got {bias!r}")
+        try:
+            bias = {int(t): v for t, v in bias.items()}
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"sampling_params.logit_bias keys must be token ids, got {list(bias)!r}"
+            ) from None
         self.max_new_tokens: int = n
         self.ignore_eos: bool = ignore_eos
         self.stop_token_ids: tuple[int, ...] = tuple(stops)
         self.sampling: SamplingOptions = sampling
+        self.min_new_tokens = params.get("min_new_tokens") or 0
+        self.logit_bias: dict[int, float] = bias
 
 
 class Engine:
@@ -499,6 +515,11 @@ class Engine:
             )
         self.core.check_request(ids, params.max_new_tokens)
         self.core.check_sampling(params.sampling)
+        try:
+            n = params.max_new_tokens
+            check_adjustments(params.logit_bias, params.min_new_tokens, n, vocab)
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from None
 
     def _submit(
         self, ids: list[int], params: SamplingParams, start: int | None = None, top: int = 0
@@ -513,6 +534,8 @@ class Engine:
             stop_token_ids=stops,
             sampling=params.sampling,
             top_logprobs=top,
+            logit_bias=params.logit_bias,
+            min_tokens=params.min_new_tokens,
             **scored,
         )
 

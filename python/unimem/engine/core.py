@@ -13,11 +13,12 @@ state checkpoints are snapshots taken at launch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
 from unimem.engine.batch import Batch
+from unimem.engine.logit_bias import check_options as check_adjustments
 from unimem.engine.prefill_delay import PrefillDelayer
 from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
 from unimem.engine.request import Request
@@ -187,6 +188,8 @@ class EngineCore:
         prompt_logprobs_from: int | None = None,
         prompt_top_logprobs: int = 0,
         top_logprobs: int = 0,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int = 0,
     ) -> Request:
         """Queue a request of ``prompt`` token ids for up to ``max_new_tokens`` output tokens,
         ending early at any of ``stop_token_ids`` (kept as its last output token), picked by
@@ -195,8 +198,9 @@ class EngineCore:
         from that position, with the ``prompt_top_logprobs`` most likely tokens at each
         (:mod:`unimem.engine.prompt_logprobs`); ``top_logprobs``: each output token's that
         many most likely tokens too (``Request.output_top_logprobs``; needs an engine built
-        with ``logprobs``; a step with such a request runs eagerly). ``ValueError`` naming
-        the problem
+        with ``logprobs``; a step with such a request runs eagerly). ``logit_bias`` (token id
+        -> bias) and ``min_tokens`` (stop tokens suppressed until the output has that many):
+        :mod:`unimem.engine.logit_bias`. ``ValueError`` naming the problem
         (:meth:`check_request`, :meth:`check_sampling`,
         :func:`~unimem.engine.prompt_logprobs.check_options`), before anything is queued."""
         self.check_request(prompt, max_new_tokens)
@@ -204,6 +208,8 @@ class EngineCore:
         self.check_sampling(sampling)
         check_options(len(prompt), prompt_logprobs_from, prompt_top_logprobs)
         check_top_logprobs(top_logprobs, self.runner.logprobs)
+        vocab = self.model.config.vocab_size
+        bias = check_adjustments(logit_bias, min_tokens, max_new_tokens, vocab)
         rid = self._next_rid
         seed = default_seed(self.random_seed, rid) if sampling.seed is None else sampling.seed
         stops = frozenset(int(t) for t in stop_token_ids)
@@ -222,6 +228,7 @@ class EngineCore:
             if prompt_top_logprobs:
                 req.prompt_top_logprobs = [None] * len(req.prompt)
         req.top_logprobs_k = top_logprobs
+        req.logit_bias, req.min_tokens = bias, min_tokens
         self._next_rid += 1
         self.scheduler.add(req)
         return req

@@ -67,7 +67,8 @@ class Request:
     (:mod:`unimem.engine.prompt_logprobs`). ``top_logprobs_k`` > 0: each output token's
     ``top_logprobs_k`` most likely tokens under the raw distribution too, in
     ``output_top_logprobs`` (``(token id, log-probability)`` pairs, most likely first).
-    ``error``: why the engine failed
+    ``logit_bias`` (sorted ``(token id, bias)`` pairs) and ``min_tokens``: the logit
+    adjustments of :mod:`unimem.engine.logit_bias`. ``error``: why the engine failed
     the request (an internal fault met it; ``finish_reason`` is then "abort"), else None.
 
     One step late: ``kv_len`` and ``output`` are what the host has *read*; launched steps not
@@ -104,6 +105,8 @@ class Request:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     top_logprobs_k: int = 0
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
     error: str | None = None
     sampling: SamplingOptions = GREEDY
     seed: int = 0

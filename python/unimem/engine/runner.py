@@ -46,13 +46,14 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import MetadataBuilder
-from unimem.engine import prompt_logprobs
+from unimem.engine import logit_bias, prompt_logprobs
 from unimem.engine.batch import Batch
 from unimem.engine.cuda_graphs import StepGraphs, default_buckets
 from unimem.engine.step_io import (
@@ -66,10 +67,11 @@ from unimem.engine.step_io import (
 from unimem.memory.pool import MemoryPool
 from unimem.memory.spec import LayerKind
 from unimem.memory.staging import upload_int32, upload_int32_into
-from unimem.models import gdn_prefill
+from unimem.models import gdn_prefill, logit_adjustments
 from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardMode
+from unimem.models.logit_adjustments import LaneAdjustments
 from unimem.models.paged_context import PagedContext, PagedLayers
 from unimem.models.sampler import (
     CUT_RULES,
@@ -94,6 +96,16 @@ EXTEND_LANES = (1, 2, 4, 8)
 
 EXTEND_TOKENS = (16, 32, 64, 128, 256)
 """Token buckets of padded extend steps."""
+
+
+@dataclass(frozen=True)
+class EagerExtras:
+    """What an eager step does beyond a recorded one: ``top_k`` > 0 — return each output
+    row's most likely tokens (:func:`~unimem.models.sampler.top_logprobs`); ``adjust`` —
+    adjust the rows' logits before the pick (:mod:`unimem.engine.logit_bias`, uploaded)."""
+
+    top_k: int = 0
+    adjust: LaneAdjustments | None = None
 
 
 class ModelRunner:
@@ -307,10 +319,12 @@ class ModelRunner:
         )
         rule = self.step_rule(batch.reqs)
         graphs = self.graphs if rule is None else self.sample_graphs.get(rule)
-        if graphs is not None and not top_k:
+        adjust = logit_bias.plan(batch.reqs, width)
+        if graphs is not None and not top_k and adjust is None:
             graphs.replay(width)
         else:
-            top = self.eager_step(width, rule, top_k)
+            extras = EagerExtras(top_k, adjust.upload(self.device) if adjust else None)
+            top = self.eager_step(width, rule, extras)
             if top is not None:
                 batch.top_logprobs = StagedTopLogprobs.stage(*top, bs)
         return bs
@@ -324,25 +338,26 @@ class ModelRunner:
         return batch_cut_rule(r.sampling.cut_rule for r in reqs)
 
     def eager_step(
-        self, width: int, rule: str | None = None, top_k: int = 0
+        self, width: int, rule: str | None = None, extras: EagerExtras | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decode (or verify) step of ``width`` staged lanes run eagerly: the greedy one
-        (``rule`` None) or the sampled one of ``rule`` (:meth:`step_rule`). ``top_k``: also
-        each output row's most likely tokens, returned as ``(values [width, rows, k], ids)``
+        (``rule`` None) or the sampled one of ``rule`` (:meth:`step_rule`), with ``extras``
+        (:class:`EagerExtras`). Returns, with ``extras.top_k``, each output row's most
+        likely tokens as ``(values [width, rows, k], ids)``
         (:func:`~unimem.models.sampler.top_logprobs`); else None."""
         if rule is None:
-            return self._uniform_step(width, top_k)
-        return self._sampling_step(width, rule, top_k)
+            return self._uniform_step(width, extras)
+        return self._sampling_step(width, rule, extras)
 
-    def _uniform_step(self, width: int, top_k: int = 0):
+    def _uniform_step(self, width: int, extras: EagerExtras | None = None):
         if self.chain is not None:
-            return self._verify_step(width, top_k=top_k)
-        return self._decode_step(width, top_k=top_k)
+            return self._verify_step(width, extras=extras)
+        return self._decode_step(width, extras=extras)
 
-    def _sampling_step(self, width: int, rule: str = SORTED, top_k: int = 0):
+    def _sampling_step(self, width: int, rule: str = SORTED, extras: EagerExtras | None = None):
         if self.chain is not None:
-            return self._verify_step(width, draw=True, rule=rule, top_k=top_k)
-        return self._decode_step(width, draw=True, rule=rule, top_k=top_k)
+            return self._verify_step(width, draw=True, rule=rule, extras=extras)
+        return self._decode_step(width, draw=True, rule=rule, extras=extras)
 
     @staticmethod
     def _pick(
@@ -372,9 +387,11 @@ class ModelRunner:
             for r, s, n, sampled in zip(reqs, starts, lens, batch.samples, strict=True)
         ]
         scored = prompt_logprobs.plan(reqs, starts, lens)
+        adjust = logit_bias.plan(reqs, bs)
         if (
             scored is None
             and not top_k
+            and adjust is None
             and self.extend_lanes
             and bs <= self.extend_lanes[-1]
             and len(ids) <= self.extend_tokens[-1]
@@ -415,7 +432,7 @@ class ModelRunner:
             rows, prefix, ext, vslots, nxt, input_ids, params, bs,
             num_tokens=len(ids), max_seqlen_q=max(lens),
             cu_seqlens_host=[0, *itertools.accumulate(lens)], hidden_rows=hidden_rows,
-            top_k=top_k,
+            extras=EagerExtras(top_k, adjust.upload(self.device) if adjust else None),
         )  # fmt: skip
         if top is not None:
             batch.top_logprobs = StagedTopLogprobs.stage(*top, bs)
@@ -443,7 +460,7 @@ class ModelRunner:
         max_seqlen_q: int,
         cu_seqlens_host: list[int] | None = None,
         hidden_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-        top_k: int = 0,
+        extras: EagerExtras | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """An extend's body, ragged or padded: its metadata from the live tables, the
         forward, the drafter's context K/V for every token consumed, each lane's sample at
@@ -452,9 +469,10 @@ class ModelRunner:
         into ``out``. ``hidden_rows``: the rows whose final hidden states the forward
         returns and each lane's last row among them (a
         :class:`~unimem.engine.prompt_logprobs.PromptRows`' ``hidden_rows`` and
-        ``head_rows``); default each lane's last row. Returns those hidden states and, with
-        ``top_k``, the lanes' samples' top log-probabilities (``[lanes, 1, k]`` values and
-        ids; else None). Device work only."""
+        ``head_rows``); default each lane's last row. ``extras``: the ragged extend's
+        (:class:`EagerExtras`): its adjustments apply to the lanes' last rows before the
+        pick. Returns those hidden states and, with ``extras.top_k``, the lanes' samples' top
+        log-probabilities (``[lanes, 1, k]`` values and ids; else None). Device work only."""
         pool = self.pool
         meta = self.builder.extend(
             pool.req_to_token, rows, prefix, ext, pool.full_v2p, pool.swa_v2p,
@@ -472,6 +490,9 @@ class ModelRunner:
         if hidden_rows is not None:
             ctx.head_indices = hidden_rows[1].long()
         logits, hidden = self.model.forward_with_hidden(input_ids.long(), ctx)
+        top_k, adjust = (0, None) if extras is None else (extras.top_k, extras.adjust)
+        if adjust is not None:  # the sampled token's index is the number of tokens consumed
+            logit_adjustments.apply(logits, self._arange[: logits.shape[0]], prefix + ext, adjust)
         if self.drafts is not None:
             self.drafts.write_context(ctx.hidden, meta)
         # the sampled token's index in prompt + output is the number of tokens consumed
@@ -560,12 +581,17 @@ class ModelRunner:
     # ----------------------------------------------------------------------------- decode
 
     def _decode_step(
-        self, width: int, draw: bool = False, rule: str = SORTED, top_k: int = 0
+        self,
+        width: int,
+        draw: bool = False,
+        rule: str = SORTED,
+        extras: EagerExtras | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One token per lane: each lane feeds its row's next token at its row's length and
         picks the next by argmax, or with ``draw`` by its row's sampling parameters
-        (``rule``: the host's promise of :class:`SamplingRows`). ``top_k``: also return the
-        rows' top log-probabilities (:meth:`eager_step`). Device inputs only (capturable)."""
+        (``rule``: the host's promise of :class:`SamplingRows`). ``extras`` (eager steps):
+        adjust the rows' logits first, and return their top log-probabilities
+        (:meth:`eager_step`). Device inputs only (capturable)."""
         rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
         seq_lens, input_ids = self.state.read(rows)
         pool = self.pool
@@ -575,6 +601,9 @@ class ModelRunner:
             self._arange[:width],
         )  # fmt: skip
         logits = self.model.forward(input_ids, ctx)
+        top_k, adjust = (0, None) if extras is None else (extras.top_k, extras.adjust)
+        if adjust is not None:  # the input token sits at index seq_lens, the pick one past it
+            logit_adjustments.apply(logits, self._arange[:width], seq_lens.long() + 1, adjust)
         if not draw and self.logprobs and logits.dtype == torch.float32:
             # argmax and its log-probability in one pass, written into the step's outputs
             sampled, _ = greedy_logprob(logits, self.out.logprobs[:width, 0])
@@ -602,7 +631,11 @@ class ModelRunner:
     # ----------------------------------------------------------------------------- verify
 
     def _verify_step(
-        self, width: int, draw: bool = False, rule: str = SORTED, top_k: int = 0
+        self,
+        width: int,
+        draw: bool = False,
+        rule: str = SORTED,
+        extras: EagerExtras | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One chain step for every lane
         (:meth:`~unimem.speculative.verify_step.VerifyStep.run`): the lanes' rows, slots,
@@ -620,7 +653,8 @@ class ModelRunner:
         def commit(bonus, tokens, accepted, write_slots):
             return self.state.commit(rows, seq_lens, bonus, tokens, self.out, accepted, write_slots)
 
-        result = self.verifier.run(lanes, params, commit, top_k)
+        top_k, adjust = (0, None) if extras is None else (extras.top_k, extras.adjust)
+        result = self.verifier.run(lanes, params, commit, top_k, adjust)
         if result.lengths is not None:
             self.out.verify_lens[:width] = result.lengths
         if result.logprobs is not None:

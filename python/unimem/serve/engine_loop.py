@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 
@@ -96,7 +96,8 @@ class Submission:
     the loop's. ``prompt_logprobs_from`` / ``prompt_top_logprobs``: score the prompt from
     that position, with that many top tokens (:meth:`EngineCore.submit
     <unimem.engine.core.EngineCore.submit>`); None: not at all. ``top_logprobs``: each output
-    token's that many most likely tokens."""
+    token's that many most likely tokens. ``logit_bias``, ``min_tokens``: the logit
+    adjustments (:mod:`unimem.engine.logit_bias`)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -110,6 +111,8 @@ class Submission:
     prompt_logprobs_from: int | None = None
     prompt_top_logprobs: int = 0
     top_logprobs: int = 0
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
 
 
 class Handle:
@@ -375,6 +378,8 @@ class EngineLoop:
                 )
             if s.top_logprobs:
                 kw["top_logprobs"] = s.top_logprobs
+            if s.logit_bias or s.min_tokens:
+                kw.update(logit_bias=s.logit_bias, min_tokens=s.min_tokens)
             h.req = self.core.submit(
                 s.prompt,
                 s.max_new_tokens,

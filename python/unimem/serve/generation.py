@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from unimem.engine.logit_bias import check_options as check_adjustments
 from unimem.engine.prompt_logprobs import MAX_TOP_LOGPROBS
 from unimem.engine.sampling import SamplingOptions
 from unimem.serve.args import ServerOptions
@@ -75,7 +76,8 @@ class GenParams:
     reports, 0 to :data:`~unimem.engine.prompt_logprobs.MAX_TOP_LOGPROBS`.
     ``prompt_logprobs_from``: score the prompt from that position (None: not at all;
     :mod:`unimem.engine.prompt_logprobs`), spelled ``prompt_logprobs_field`` in the
-    request."""
+    request. ``logit_bias`` / ``min_tokens``: :mod:`unimem.engine.logit_bias`, spelled
+    ``min_tokens_field``."""
 
     max_new_tokens: int | None = None
     temperature: float = DEFAULT_TEMPERATURE
@@ -92,9 +94,12 @@ class GenParams:
     no_stop_trim: bool = False  # keep the matched stop string / stop token's text
     skip_special_tokens: bool = True
     prompt_logprobs_from: int | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     max_tokens_field: str = "max_tokens"  # how the request spelled it (errors name it)
     top_logprobs_field: str = "top_logprobs"
     prompt_logprobs_field: str = "logprob_start_len"
+    min_tokens_field: str = "min_tokens"
 
     @classmethod
     def with_defaults(cls, defaults: Mapping, **fields) -> GenParams:
@@ -294,11 +299,17 @@ class Serving:
             self.core.check_request(prompt, n)
         except ValueError as e:
             raise ApiError(400, str(e), param=name, code="context_length_exceeded") from None
+        try:
+            check_adjustments(p.logit_bias, p.min_tokens, n, self.vocab_size)
+        except ValueError as e:
+            param = "logit_bias" if "logit_bias" in str(e) else p.min_tokens_field
+            raise ApiError(400, str(e), param=param, code="invalid_value") from None
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops |= self.eos_token_ids
         sub = Submission(prompt, n, frozenset(stops), sampling, sink=_no_sink)
         sub.top_logprobs = k
+        sub.logit_bias, sub.min_tokens = p.logit_bias, p.min_tokens
         if start is not None:
             sub.prompt_logprobs_from, sub.prompt_top_logprobs = start, k
         return sub
@@ -329,6 +340,30 @@ class Serving:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def token_bias(raw: Mapping | None, name: str) -> dict[int, float] | None:
+    """A request's ``logit_bias`` (JSON keys are strings: token ids) as ``{id: bias}``; 400
+    naming ``name`` for a key that is not a token id or a value that is not a number (ranges:
+    :meth:`Serving.prepare`)."""
+    if not raw:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ApiError(400, f"{name} must be an object", param=name, code="invalid_value")
+    out = {}
+    for key, value in raw.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise ApiError(
+                400, f"{name}: key {key!r} is not a token id", param=name, code="invalid_value"
+            ) from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(
+                400, f"{name}: {key!r} must map to a number", param=name, code="invalid_value"
+            )
+        out[tok] = float(value)
+    return out
 
 
 def _no_sink(delta: Delta) -> None:  # replaced by Generation before submission

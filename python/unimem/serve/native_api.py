@@ -4,7 +4,8 @@
 ``/generate`` takes ``text`` or ``input_ids`` (one prompt, or a list of them without
 ``stream``), ``sampling_params`` with SGLang's names (``max_new_tokens`` — default 128 —,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``,
-``ignore_eos``, ``n``, ``no_stop_trim``, ``skip_special_tokens``), ``stream`` and
+``ignore_eos``, ``n``, ``no_stop_trim``, ``skip_special_tokens``, ``min_new_tokens``,
+``logit_bias``), ``stream`` and
 ``return_logprob`` (with ``logprob_start_len`` and ``top_logprobs_num``: the prompt's
 log-probabilities, :class:`_Logprobs`); it answers ``{"text", "output_ids", "meta_info"}`` with
 ``meta_info.finish_reason`` as SGLang spells it (``{"type": "stop", "matched": ...}``,
@@ -30,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from unimem.serve.engine_loop import PromptScores
 from unimem.serve.errors import ApiError, error_body
-from unimem.serve.generation import Generation, GenParams, Piece, Serving
+from unimem.serve.generation import Generation, GenParams, Piece, Serving, token_bias
 from unimem.serve.metrics import CONTENT_TYPE, ServerMetrics
 from unimem.serve.openai_api import SSE_HEADERS, read_json, sse
 from unimem.serve.protocol import GenerateRequest, parse_body
@@ -55,6 +56,8 @@ SAMPLING_KEYS = (
     "n",
     "no_stop_trim",
     "skip_special_tokens",
+    "min_new_tokens",
+    "logit_bias",
 )
 
 HEALTH_POLL_S = 0.05
@@ -102,6 +105,9 @@ def _gen_params(raw: dict | None, where: str, defaults: Mapping) -> GenParams:
     if isinstance(p.n, bool) or not isinstance(p.n, int):
         raise ApiError(400, f"{where}.n must be an int", param=f"{where}.n")
     p.stop, p.stop_token_ids, p.ignore_eos = tuple(stop), tuple(ids), ignore
+    p.logit_bias = token_bias(raw.get("logit_bias"), f"{where}.logit_bias")
+    p.min_tokens = raw.get("min_new_tokens") or 0
+    p.min_tokens_field = f"{where}.min_new_tokens"
     return p
 
 

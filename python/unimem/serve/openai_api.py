@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from unimem.serve.chat_template import KNOWN_TEMPLATES
 from unimem.serve.errors import ApiError, error_body
-from unimem.serve.generation import Generation, GenParams, Piece, Serving
+from unimem.serve.generation import Generation, GenParams, Piece, Serving, token_bias
 from unimem.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -107,6 +107,8 @@ def _params(body, max_tokens: int | None, max_field: str, defaults: Mapping) -> 
         value = getattr(body, name)
         if value is not None:
             setattr(p, name, value)
+    p.logit_bias = token_bias(body.logit_bias, "logit_bias")
+    p.min_tokens = body.min_tokens
     return p
 
 

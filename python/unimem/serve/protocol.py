@@ -68,8 +68,10 @@ class ChatMessage(_Body):
 
 
 class _SamplingFields(_Body):
-    """What the OpenAI routes share: sampling, stopping, streaming, and the OpenAI fields
-    unimem refuses when set (:func:`refuse_unsupported`)."""
+    """What the OpenAI routes share: sampling, stopping, streaming, ``logit_bias`` (token
+    id, as a string, -> bias in [-100, 100]) and ``min_tokens`` (vLLM's and SGLang's: stop
+    tokens suppressed until the output has that many), and the OpenAI fields unimem refuses
+    when set (:func:`refuse_unsupported`)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -89,6 +91,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
 
 
 class CompletionRequest(_SamplingFields, SGLangCompletionFields):
@@ -160,7 +163,6 @@ UNSUPPORTED_FIELDS = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
-    "logit_bias": {},
     "suffix": "",
     "best_of": 1,
     "tools": [],

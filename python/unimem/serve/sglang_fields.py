@@ -29,7 +29,8 @@ field (route)                     status        meaning here
 ================================  ============  ==============================================
 
 Fields the router forwards only when the client set them (``regex``, ``json_schema``,
-``lora_path``, ``min_tokens``, ...) stay unrecognised: a 400 names them.
+``lora_path``, ...) stay unrecognised: a 400 names them (``min_tokens``, ``logit_bias``: see
+``protocol.py``).
 """
 
 from __future__ import annotations

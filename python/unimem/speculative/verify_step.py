@@ -43,9 +43,11 @@ from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import MetadataBuilder
 from unimem.memory.pool import MemoryPool
 from unimem.memory.staging import upload_int32
+from unimem.models import logit_adjustments
 from unimem.models.base import CausalLM
 from unimem.models.batch_invariant import gdn_batch_invariant
 from unimem.models.forward_context import ForwardMode
+from unimem.models.logit_adjustments import LaneAdjustments
 from unimem.models.paged_context import GdnVerifyBuffers, PackedLanes, PagedContext, PagedLayers
 from unimem.models.sampler import SamplingRows, filtered_token_stats, top_logprobs
 from unimem.speculative import spec_sampling
@@ -225,16 +227,19 @@ class VerifyStep:
         params: SamplingRows | None,
         commit: CommitRows,
         top_k: int = 0,
+        adjust: LaneAdjustments | None = None,
     ) -> VerifyResult:
         """One chain step for every lane of ``lanes`` (module docstring); ``params``: the
-        lanes' sampling parameters when some lane samples (None: all greedy); ``top_k``: also
-        each row's most likely tokens (needs ``logprobs``; eager steps only: no recorded
-        graph computes them). Device inputs only (capturable)."""
+        lanes' sampling parameters when some lane samples (None: all greedy). Eager steps
+        only (no recorded graph does either): ``top_k``, also each row's most likely tokens
+        (needs ``logprobs``); ``adjust``, the lanes' logit adjustments, applied to the target
+        rows before the acceptance (:mod:`unimem.models.logit_adjustments`). Device inputs only
+        (capturable)."""
         if top_k and not self.logprobs:
             raise ValueError("top_k log-probabilities need a verify step built with logprobs")
         if self.chain.adaptive:
-            return self._ragged(lanes, params, commit, top_k)
-        return self._fixed(lanes, params, commit, top_k)
+            return self._ragged(lanes, params, commit, top_k, adjust)
+        return self._fixed(lanes, params, commit, top_k, adjust)
 
     @staticmethod
     def _top(
@@ -257,7 +262,12 @@ class VerifyStep:
         )  # fmt: skip
 
     def _fixed(
-        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows, top_k: int = 0
+        self,
+        lanes: VerifyLanes,
+        params: SamplingRows | None,
+        commit: CommitRows,
+        top_k: int = 0,
+        adjust: LaneAdjustments | None = None,
     ) -> VerifyResult:
         """``gamma + 1`` rows for every lane (module docstring, steps 1-5)."""
         gamma, vw = self.chain.gamma, self.width
@@ -277,6 +287,10 @@ class VerifyStep:
         input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
         ctx = self._context(meta, lanes, width * vw)
         logits = self.model.forward(input_ids, ctx)
+        if adjust is not None:  # row (b, j) produces the token at index seq_lens[b] + 1 + j
+            lane = self._arange[: width * vw] // vw
+            produced = seq_lens.long()[lane] + 1 + self._arange[: width * vw] % vw
+            logit_adjustments.apply(logits, lane, produced, adjust)
         if params is None:
             # the rows' argmax, the accepted prefix and the bonus token in two launches; with
             # log-probabilities each row's log-sum-exp in the same pass over the logits
@@ -304,7 +318,12 @@ class VerifyStep:
         return VerifyResult(None, logprobs, self._top(logits, tokens, logprobs, top_k))
 
     def _ragged(
-        self, lanes: VerifyLanes, params: SamplingRows | None, commit: CommitRows, top_k: int = 0
+        self,
+        lanes: VerifyLanes,
+        params: SamplingRows | None,
+        commit: CommitRows,
+        top_k: int = 0,
+        adjust: LaneAdjustments | None = None,
     ) -> VerifyResult:
         """The verify step with per-lane lengths ``L_b`` in ``1 .. gamma + 1``, packed
         (``docs/spec_decoding.md``, "Adaptive verify lengths"). Every shape depends on the
@@ -375,6 +394,9 @@ class VerifyStep:
         lanes_of_rows = PackedLanes(packed.valid, packed.uniform_index, vw)
         ctx = self._context(meta, lanes, n_rows, lanes_of_rows)
         logits = self.model.forward(input_ids, ctx)
+        if adjust is not None:  # packed row (b, j) produces the token at seq_lens[b] + 1 + j
+            produced = seq_lens.long()[packed.lane] + 1 + packed.offset
+            logit_adjustments.apply(logits, packed.lane, produced, adjust)
         # the packed row of (lane b, column j): cu[b] + min(j, L_b - 1) (columns past a lane's
         # length repeat its last row; the accept never reads them)
         cols = torch.minimum(self._arange[:vw][None, :], lengths.long()[:, None] - 1)
