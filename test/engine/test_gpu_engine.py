@@ -171,8 +171,9 @@ def test_engine_records_the_cuda_graph_bs_it_is_given(tmp_path):
 
 
 def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
-    """Requests scoring their prompts (:mod:`unimem.engine.prompt_logprobs`) and asking for
-    their outputs' top tokens (those steps run eagerly) beside plain ones on the CUDA-graph
+    """Requests scoring their prompts (:mod:`unimem.engine.prompt_logprobs`), asking for
+    their outputs' top tokens, or adjusting their logits (``logit_bias``, ``min_tokens``; all
+    of those steps run eagerly) beside plain ones on the CUDA-graph
     engine with FA4, chunked (128-token chunks of 150-token prompts) and under
     ``set_sync_debug_mode("error")``: each output's top token is the greedy output itself,
     every scored position equals the dense oracle's
@@ -192,6 +193,10 @@ def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
             kw = {}
             if scored and i % 2 == 0:
                 kw = dict(prompt_logprobs_from=i * 10, prompt_top_logprobs=2, top_logprobs=3)
+            if i == 1:  # logit adjustments, in both runs
+                kw = dict(logit_bias={7: 100.0})
+            if i == 3:
+                kw = dict(stop_token_ids=range(10, cfg.vocab_size), min_tokens=10)
             reqs.append(eng.submit(p, 20, **kw))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -201,6 +206,8 @@ def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
             torch.cuda.set_sync_debug_mode("default")
         outs.append([r.output for r in reqs])
     assert outs[0] == outs[1]
+    assert reqs[1].output == [7] * 20  # its bias wins every pick
+    assert len(reqs[3].output) == 11 and all(t < 10 for t in reqs[3].output[:10])
     for i in (0, 2, 4):
         req = reqs[i]
         assert [t[0][0] for t in req.output_top_logprobs] == req.output
