@@ -207,7 +207,8 @@ def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
         outs.append([r.output for r in reqs])
     assert outs[0] == outs[1]
     assert reqs[1].output == [7] * 20  # its bias wins every pick
-    assert len(reqs[3].output) == 11 and all(t < 10 for t in reqs[3].output[:10])
+    held = reqs[3].output  # no stop token for 10 outputs, then (nearly any token) one ends it
+    assert len(held) > 10 and all(t < 10 for t in held[:10]) and held[-1] >= 10
     for i in (0, 2, 4):
         req = reqs[i]
         assert [t[0][0] for t in req.output_top_logprobs] == req.output
