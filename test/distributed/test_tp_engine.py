@@ -82,6 +82,27 @@ def test_text_prompt_and_stop_token(engines):
     assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
+def test_logprob_options_and_adjustments_reach_every_rank(engines):
+    """Prompt log-probabilities (the LM head's vocabulary gather is a collective: every rank
+    must score the same rows), top log-probabilities and logit adjustments, under tensor
+    parallelism and DSPARK: the unsharded engine's."""
+    ref, tp = engines
+    prompts = tp_checks.prompts(500)[:2]
+    params = {"max_new_tokens": OUT, "ignore_eos": True, "logit_bias": {7: 2.5},
+              "min_new_tokens": 3}  # fmt: skip
+    kw = dict(return_logprob=True, logprob_start_len=1, top_logprobs_num=3)
+    want = ref.generate(input_ids=prompts, sampling_params=params, **kw)
+    got = tp.generate(input_ids=prompts, sampling_params=params, **kw)
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        gm, wm = g["meta_info"], w["meta_info"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            assert [e[1] for e in gm[key]] == [e[1] for e in wm[key]]
+            assert [e[0] for e in gm[key]] == pytest.approx([e[0] for e in wm[key]], abs=1e-9)
+        for key in ("input_top_logprobs", "output_top_logprobs"):
+            assert [[e[1] for e in t] for t in gm[key]] == [[e[1] for e in t] for t in wm[key]]
+
+
 def test_abort_reaches_every_rank(engines):
     _, tp = engines
     core = tp.core
