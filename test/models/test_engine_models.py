@@ -123,7 +123,7 @@ def test_bad_arguments_fail_before_anything_runs(checkpoint):
     ctx = engine.context_length
     bad = [
         ({"max_new_tokens": 4, "top_q": 1}, [prompts[0]], "unknown key 'top_q'"),
-        ({"max_new_tokens": 0}, [prompts[0]], "max_new_tokens"),
+        ({"max_new_tokens": -1}, [prompts[0]], "max_new_tokens"),
         ({"temperature": -0.7}, [prompts[0]], "sampling_params.temperature must be >= 0"),
         ({"top_p": 0}, [prompts[0]], "sampling_params.top_p"),
         ({"max_new_tokens": 4}, [prompts[0], []], "request 1: the prompt is empty"),

@@ -351,6 +351,40 @@ def test_logit_bias_and_min_tokens_are_the_engines(server, engine):
     assert r.json()["error"]["param"] == "sampling_params.min_new_tokens"
 
 
+def test_zero_output_tokens_score_the_prompt_only(server, engine):
+    """A prefill: ``max_new_tokens: 0`` (SGLang's) / ``max_tokens: 0`` with ``echo`` and
+    ``logprobs`` (a legacy completions client's): the prompt's log-probabilities, no output
+    token, finish reason length; the same through ``Engine.generate``."""
+    ids = [5, 6, 7, 8, 9, 10]
+    want = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
+                           return_logprob=True, logprob_start_len=0)  # fmt: skip
+    assert want["output_ids"] == [] and want["meta_info"]["completion_tokens"] == 0
+    assert want["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert [e[1] for e in want["meta_info"]["input_token_logprobs"]] == ids
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True, "logprob_start_len": 0}  # fmt: skip
+    got = server.http.post("/generate", json=body).json()
+    assert got["output_ids"] == [] and got["meta_info"]["output_token_logprobs"] == []
+    assert [e[1] for e in got["meta_info"]["input_token_logprobs"]] == ids
+    assert got["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    comp = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}
+    for stream in (False, True):
+        r = server.http.post("/v1/completions", json=dict(comp, stream=stream))
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")]  # fmt: skip
+            choice = chunks[0]["choices"][0]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            choice = r.json()["choices"][0]
+            assert r.json()["usage"]["completion_tokens"] == 0
+            assert choice["finish_reason"] == "length"
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+        assert choice["text"] == engine.tokenizer.decode(ids)
+
+
 def test_generate_scores_the_prompt_from_logprob_start_len(server, engine):
     ids = [5, 6, 7, 8, 9, 10]
     sp = {"max_new_tokens": 3, "temperature": 0.0}
@@ -651,7 +685,7 @@ def _bad_requests(server, engine):
         ("not an object", "/v1/completions", b"[1, 2]", AUTH, 400),
         ("a LoRA adapter", "/v1/completions", {**ok, "model": f"{MODEL}:sql"}, AUTH, 400),
         ("prompt past context", "/v1/completions", {**ok, "prompt": long_prompt}, AUTH, 400),
-        ("max_tokens 0", "/v1/completions", {**ok, "max_tokens": 0}, AUTH, 400),
+        ("max_tokens -1", "/v1/completions", {**ok, "max_tokens": -1}, AUTH, 400),
         (
             "max_tokens -3",
             "/v1/chat/completions",
@@ -734,7 +768,7 @@ def test_openai_client_raises_typed_errors(server):
         server.client.completions.create(model="tiny:adapter", prompt="w5", max_tokens=2)
     assert e.value.body["param"] == "model" and "adapter" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        server.client.completions.create(model=MODEL, prompt="w5", max_tokens=0)
+        server.client.completions.create(model=MODEL, prompt="w5", max_tokens=-1)
     assert e.value.body["param"] == "max_tokens"
     anon = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -33,6 +33,7 @@ runs them together with continuous batching and returns one dict per request, in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -157,8 +158,8 @@ class SamplingParams:
             if params.get(key) is None:
                 params[key] = value
         n = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"sampling_params.max_new_tokens must be an int >= 1, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"sampling_params.max_new_tokens must be an int >= 0, got {n!r}")
         options = {
             key: params[key]
             for key in ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -463,7 +464,10 @@ class Engine:
                 raise ValueError(f"request {i}: {e}") from None
         reqs = [self._submit(ids, p, start, top) for ids, p in zip(prompts, params, strict=True)]
         self.core.run()
-        outs = [self._result(r, return_logprob) for r in reqs]
+        outs = [
+            self._result(r, return_logprob, discard=p.max_new_tokens == 0)
+            for r, p in zip(reqs, params, strict=True)
+        ]
         return outs[0] if single else outs
 
     def _prompts(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
@@ -507,13 +511,13 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {i}: token id {bad[0]} outside the vocabulary [0, {vocab})")
-        total = len(ids) + params.max_new_tokens
+        total = len(ids) + max(params.max_new_tokens, 1)
         if total > self.context_length:
             raise ValueError(
                 f"request {i}: prompt {len(ids)} + max_new_tokens {params.max_new_tokens} "
                 f"tokens exceed the context length {self.context_length}"
             )
-        self.core.check_request(ids, params.max_new_tokens)
+        self.core.check_request(ids, max(params.max_new_tokens, 1))
         self.core.check_sampling(params.sampling)
         try:
             n = params.max_new_tokens
@@ -530,7 +534,7 @@ class Engine:
         scored = {} if start is None else dict(prompt_logprobs_from=start, prompt_top_logprobs=top)
         return self.core.submit(
             ids,
-            params.max_new_tokens,
+            max(params.max_new_tokens, 1),  # 0 (a prefill): one sampled, left out (_result)
             stop_token_ids=stops,
             sampling=params.sampling,
             top_logprobs=top,
@@ -539,7 +543,12 @@ class Engine:
             **scored,
         )
 
-    def _result(self, req: Request, return_logprob: bool) -> dict:
+    def _result(self, req: Request, return_logprob: bool, discard: bool = False) -> dict:
+        """SGLang's result of ``req``; ``discard``: it asked for 0 output tokens (its one
+        sampled token is left out, finish reason length 0)."""
+        if discard:
+            req = dataclasses.replace(req, output=[], output_logprobs=[], output_top_logprobs=[])
+            req.stopped = False
         if req.finish_reason == "stop":
             finish = {"type": "stop", "matched": req.output[-1]}
         else:

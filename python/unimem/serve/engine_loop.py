@@ -97,7 +97,9 @@ class Submission:
     that position, with that many top tokens (:meth:`EngineCore.submit
     <unimem.engine.core.EngineCore.submit>`); None: not at all. ``top_logprobs``: each output
     token's that many most likely tokens. ``logit_bias``, ``min_tokens``: the logit
-    adjustments (:mod:`unimem.engine.logit_bias`)."""
+    adjustments (:mod:`unimem.engine.logit_bias`). ``discard_output``: the HTTP side asked
+    for no output token (a prefill); the engine still samples one, which the response
+    leaves out."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -113,6 +115,7 @@ class Submission:
     top_logprobs: int = 0
     logit_bias: Mapping[int, float] | None = None
     min_tokens: int = 0
+    discard_output: bool = False
 
 
 class Handle:

@@ -245,9 +245,9 @@ class Serving:
         n, name = p.max_new_tokens, p.max_tokens_field
         if n is None:
             n = room
-        elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        elif isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ApiError(
-                400, f"{name} must be an int >= 1, got {n!r}", param=name, code="invalid_value"
+                400, f"{name} must be an int >= 0, got {n!r}", param=name, code="invalid_value"
             )
         elif n > room:
             raise ApiError(
@@ -295,8 +295,11 @@ class Serving:
                 param=field_name,
                 code="invalid_value",
             )
+        # 0 output tokens (a prefill: SGLang's max_new_tokens 0, a legacy completion's echo
+        # with max_tokens 0): the engine samples one, which the response leaves out
+        discard = n == 0
         try:
-            self.core.check_request(prompt, n)
+            self.core.check_request(prompt, max(n, 1))
         except ValueError as e:
             raise ApiError(400, str(e), param=name, code="context_length_exceeded") from None
         try:
@@ -307,7 +310,8 @@ class Serving:
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops |= self.eos_token_ids
-        sub = Submission(prompt, n, frozenset(stops), sampling, sink=_no_sink)
+        sub = Submission(prompt, max(n, 1), frozenset(stops), sampling, sink=_no_sink)
+        sub.discard_output = discard
         sub.top_logprobs = k
         sub.logit_bias, sub.min_tokens = p.logit_bias, p.min_tokens
         if start is not None:
@@ -431,6 +435,7 @@ class Generation:
         self.cached_tokens = 0
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.discard = sub.discard_output  # 0 output tokens asked for: none reported
         self.arrival = sub.arrival
         self.disconnected = False  # the client went away (not the server ending it)
 
@@ -493,6 +498,12 @@ class Generation:
                 code = "engine_error" if not self.serving.loop.alive else "service_unavailable"
                 raise ApiError(503, d.error, code=code, headers=headers)
             raise ApiError(d.status, d.error, code="invalid_value")
+        if self.discard:  # the one token the engine sampled is not part of the response
+            reason = "length" if d.finish_reason is not None else None
+            if reason is not None:
+                self.cached_tokens = d.cached_tokens
+            self.finish_reason = reason
+            return Piece("", finish_reason=reason, prompt=d.prompt)
         toks, lps = list(d.tokens), list(d.logprobs)
         self.output_ids += toks
         self.completion_tokens += len(toks)
