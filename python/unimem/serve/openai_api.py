@@ -24,9 +24,11 @@ draws its own). An engine error or a client that goes away ends all.
 
 ``echo`` with ``logprobs`` on a completion scores the prompt
 (:mod:`unimem.engine.prompt_logprobs`): each choice's ``logprobs`` starts with the prompt's
-tokens, their log-probabilities (None for the first) and, with ``logprobs: 1``, the most
-likely token at each — a request as lm-eval's ``local-completions`` sends it for
-log-likelihood tasks (``max_tokens: 1``, ``temperature: 0``, token-id prompts).
+tokens, their log-probabilities (None for the first) and, with ``logprobs: k``, the k most
+likely tokens at each — a request as lm-eval's ``local-completions`` sends it for
+log-likelihood tasks (``max_tokens: 1``, ``logprobs: 1``, ``temperature: 0``, token-id
+prompts); ``max_tokens: 0`` scores the prompt alone. ``logprobs: k`` / chat's
+``top_logprobs: k`` (up to 20) list each output token's k most likely tokens.
 """
 
 from __future__ import annotations
