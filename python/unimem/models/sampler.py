@@ -152,7 +152,7 @@ def top_logprobs(
     logits: torch.Tensor, k: int, chosen: torch.Tensor, chosen_logprobs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` most likely tokens of each row under ``log_softmax(logits)`` (``logits [N,
-    V]``, the raw distribution, before temperature and filters): ``(values [N, k] float32,
+    V]``: a step's, before temperature and filters): ``(values [N, k] float32,
     ids [N, k] int64)``, most likely first. ``chosen [N]`` / ``chosen_logprobs [N]``: the
     rows' output tokens and the log-probabilities the step reported for them; where a chosen
     token is among the top ones its value is that one bit for bit (a client comparing a

@@ -104,8 +104,9 @@ class VerifyResult(NamedTuple):
     """What a verify step leaves for the caller besides what it committed: ``lengths [W]``
     int32, the rows each lane verified (a ragged step; None for a fixed one), and
     ``logprobs [W, gamma + 1]`` float32, each committed-row token's log-probability under the
-    target's raw distribution (None unless asked for); ``top``: with ``top_k`` k > 0, each
-    row's k most likely tokens under that distribution, ``(values [W, gamma + 1, k] float32,
+    target's distribution — raw, or adjusted where the step had logit adjustments — (None
+    unless asked for); ``top``: with ``top_k`` k > 0, each row's k most likely tokens under
+    that distribution, ``(values [W, gamma + 1, k] float32,
     ids [W, gamma + 1, k] int64)`` (:func:`~unimem.models.sampler.top_logprobs`), else
     None."""
 
