@@ -1,8 +1,8 @@
-"""``logit_bias`` and ``min_tokens`` in the engine (float64 ``tiny`` preset, CPU): greedy
-outputs — plain decoding and DSPARK verify steps, fixed and adaptive lengths — equal the dense
-oracle's greedy decoding of the adjusted logits, and so do their log-probabilities; sampled
-requests never produce a token biased by -100 nor stop before ``min_tokens``; requests beside
-them are unchanged; bad values are refused before queuing."""
+"""Penalties, ``logit_bias`` and ``min_tokens`` in the engine (float64 ``tiny`` preset,
+CPU): greedy outputs — plain decoding and DSPARK verify steps, fixed and adaptive lengths —
+equal the dense oracle's greedy decoding of the adjusted logits, and so do their
+log-probabilities; sampled requests never produce a token biased by -100 nor stop before
+``min_tokens``; requests beside them are unchanged; bad values are refused before queuing."""
 
 from __future__ import annotations
 
@@ -41,13 +41,21 @@ def _prompts(cfg, n, length):
     return torch.randint(0, cfg.vocab_size, (n, length), generator=g).tolist()
 
 
-def _oracle(model, prompt, n, bias=(), stops=frozenset(), min_tokens=0):
+def _oracle(model, prompt, n, bias=(), stops=frozenset(), min_tokens=0, penalties=None):
     """Greedy decoding of the dense oracle's adjusted logits: ``(tokens, logprobs)``, ending
-    at a stop token (kept) or after ``n`` tokens."""
+    at a stop token (kept) or after ``n`` tokens. ``penalties``: (presence, frequency,
+    repetition) as SGLang and vLLM define them."""
     toks, lps = list(prompt), []
     while len(toks) - len(prompt) < n:
         (logits,) = model.reference_forward([torch.tensor(toks)])
         row = logits[-1].double().clone()
+        if penalties is not None:
+            presence, frequency, repetition = penalties
+            out = toks[len(prompt) :]
+            for t in set(toks):
+                row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
+                c = out.count(t)
+                row[t] -= frequency * c + presence * (c > 0)
         for t, b in bias:
             row[t] += b
         if len(toks) - len(prompt) < min_tokens:
@@ -83,6 +91,32 @@ def test_greedy_outputs_follow_the_adjusted_logits(tiny, chain_kind):
     assert c.output == _oracle(model, prompts[2], 8)[0]
 
 
+@pytest.mark.parametrize("chain_kind", [None, "fixed", "adaptive"])
+def test_greedy_outputs_follow_the_penalised_logits(tiny, chain_kind):
+    """Penalties that change the greedy output (the random model never repeats a token, so
+    the changing ones reward repeats: a repetition penalty below 1, negative presence and
+    frequency ones) and positive ones, with the verify step's drafts counted before each
+    row; every step in flight is read first, so each request's whole output is known when its
+    step is planned."""
+    cfg, model = tiny
+    prompts = _prompts(cfg, 3, 12)
+    eng = _engine(cfg, model, chain_kind)
+    settings = [(0.0, 0.0, 0.5), (-2.0, -1.0, 1.0), (1.0, 0.5, 1.3)]
+    reqs = []
+    for p, pen in zip(prompts, settings, strict=True):
+        kw = {}
+        if pen is not None:
+            kw = dict(presence_penalty=pen[0], frequency_penalty=pen[1], repetition_penalty=pen[2])
+        reqs.append(eng.submit(p, 10, **kw))
+    eng.run()
+    for req, p, pen in zip(reqs, prompts, settings, strict=True):
+        want, lps = _oracle(model, p, 10, penalties=pen)
+        assert req.output == want
+        assert req.output_logprobs == pytest.approx(lps, abs=1e-6)
+    for p, pen in zip(prompts[:2], settings[:2], strict=True):
+        assert _oracle(model, p, 10, penalties=pen)[0] != _oracle(model, p, 10)[0]
+
+
 @pytest.mark.parametrize("chain_kind", [None, "fixed"])
 def test_sampled_requests_keep_their_adjustments(tiny, chain_kind):
     cfg, model = tiny
@@ -110,6 +144,9 @@ def test_sampled_requests_keep_their_adjustments(tiny, chain_kind):
         (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300"),
         (dict(min_tokens=3), r"outside \[0, max_new_tokens 2\]"),
         (dict(min_tokens=-1), "outside"),
+        (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), r"repetition_penalty must be in \(0, 2\]"),
     ],
 )
 def test_bad_adjustments_are_refused_before_queuing(tiny, kwargs, message):

@@ -351,6 +351,31 @@ def test_logit_bias_and_min_tokens_are_the_engines(server, engine):
     assert r.json()["error"]["param"] == "sampling_params.min_new_tokens"
 
 
+def test_penalties_are_the_engines(server, engine):
+    """``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` through both
+    routes: the engine's outputs for the same penalties (ones that change the tiny model's
+    greedy output); out-of-range values name their field."""
+    ids = [5, 6, 7, 8, 9]
+    pens = {"presence_penalty": -2.0, "frequency_penalty": -1.0, "repetition_penalty": 0.5}
+    want = engine.generate(input_ids=ids, sampling_params={**GREEDY, **pens})["output_ids"]
+    assert want != engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    got = server.http.post(
+        "/generate", json={"input_ids": ids, "sampling_params": {**GREEDY, **pens}}
+    )
+    assert got.json()["output_ids"] == want
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0, **pens}
+    r = server.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == engine.tokenizer.decode(want, skip_special_tokens=True)
+    for name, bad in (
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+    ):
+        r = server.http.post("/v1/completions", json={**body, name: bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
 def test_zero_output_tokens_score_the_prompt_only(server, engine):
     """A prefill: ``max_new_tokens: 0`` (SGLang's) / ``max_tokens: 0`` with ``echo`` and
     ``logprobs`` (a legacy completions client's): the prompt's log-probabilities, no output

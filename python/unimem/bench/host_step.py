@@ -79,17 +79,17 @@ class StubRunner(ModelRunner):
         self._tokens = torch.full((self.max_bs, width), TOKEN, dtype=torch.int64)
         self._k = 0
 
-    def _extend(self, batch) -> None:
+    def _extend(self, batch, top_k: int = 0) -> None:
         bs = len(batch.reqs)
         self.out.tokens[:bs, 0] = TOKEN
         self.out.counts[:bs] = 1
 
-    def _verify_step(self, width: int, draw: bool = False) -> None:
+    def _verify_step(self, width: int, draw: bool = False, rule=None, extras=None) -> None:
         self.out.tokens[:width] = self._tokens[:width]
         self.out.counts[:width] = self._counts[self._k % self.PATTERNS, :width]
         self._k += 1
 
-    def _decode_step(self, width: int, draw: bool = False) -> None:
+    def _decode_step(self, width: int, draw: bool = False, rule=None, extras=None) -> None:
         self.out.tokens[:width, 0] = TOKEN
         self.out.counts[:width] = 1
 

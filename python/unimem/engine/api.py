@@ -41,6 +41,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from unimem.cache import CacheStats, PrefixCache
+from unimem.engine.adjustments import NEUTRAL_PENALTIES, check_penalties
+from unimem.engine.adjustments import check_options as check_adjustments
 from unimem.engine.args import (
     DEFAULT_CPU_MAX_RUNNING,
     DEFAULT_CUDA_MAX_RUNNING,
@@ -49,7 +51,6 @@ from unimem.engine.args import (
 )
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
-from unimem.engine.logit_bias import check_options as check_adjustments
 from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
 from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
 from unimem.engine.request import Request
@@ -133,6 +134,9 @@ SAMPLING_KEYS = (
     "stop_token_ids",
     "min_new_tokens",
     "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 
 
@@ -140,8 +144,9 @@ class SamplingParams:
     """Validated sampling parameters of one request: ``max_new_tokens``, ``ignore_eos``,
     ``stop_token_ids`` and :class:`~unimem.engine.sampling.SamplingOptions`
     (``temperature`` 0 — the default — is greedy; ``top_p``, ``top_k`` (-1: off), ``min_p``,
-    ``seed``) as ``self.sampling``; ``min_new_tokens`` and ``logit_bias`` (token id, an int
-    or its string, -> bias) as :mod:`unimem.engine.logit_bias` takes them (checked at
+    ``seed``) as ``self.sampling``; ``min_new_tokens``, ``logit_bias`` (token id, an int
+    or its string, -> bias) and the penalties (``presence_penalty``, ``frequency_penalty``,
+    ``repetition_penalty``) as :mod:`unimem.engine.adjustments` takes them (checked before
     submission). ``defaults`` (the checkpoint's, see
     :attr:`Engine.sampling_defaults`) fill the keys the request leaves out or sets to None.
     ``ValueError`` naming the key."""
@@ -194,6 +199,14 @@ class SamplingParams:
         self.sampling: SamplingOptions = sampling
         self.min_new_tokens = params.get("min_new_tokens") or 0
         self.logit_bias: dict[int, float] = bias
+        self.penalties = tuple(
+            params[key] if params.get(key) is not None else neutral
+            for key, neutral in zip(
+                ("presence_penalty", "frequency_penalty", "repetition_penalty"),
+                NEUTRAL_PENALTIES,
+                strict=True,
+            )
+        )
 
 
 class Engine:
@@ -522,6 +535,7 @@ class Engine:
         try:
             n = params.max_new_tokens
             check_adjustments(params.logit_bias, params.min_new_tokens, n, vocab)
+            check_penalties(*params.penalties)
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
 
@@ -540,6 +554,9 @@ class Engine:
             top_logprobs=top,
             logit_bias=params.logit_bias,
             min_tokens=params.min_new_tokens,
+            presence_penalty=params.penalties[0],
+            frequency_penalty=params.penalties[1],
+            repetition_penalty=params.penalties[2],
             **scored,
         )
 

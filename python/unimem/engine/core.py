@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from unimem.attention.backend import AttentionBackend
 from unimem.cache import PrefixCache
+from unimem.engine.adjustments import check_options as check_adjustments
+from unimem.engine.adjustments import check_penalties, needs_exact_history
 from unimem.engine.batch import Batch
-from unimem.engine.logit_bias import check_options as check_adjustments
 from unimem.engine.prefill_delay import PrefillDelayer
 from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
-from unimem.engine.request import Request
+from unimem.engine.request import Request, RequestStatus
 from unimem.engine.runner import ModelRunner
 from unimem.engine.sampling import GREEDY, SamplingOptions, default_seed, seed_to_int64
 from unimem.engine.scheduler import Scheduler
@@ -112,6 +113,7 @@ class EngineCore:
         )
         self.results = ResultRing(max_running, self.runner.width, pool.device, logprobs=logprobs)
         self._pending: tuple[Batch, StagedResult] | None = None
+        self._penalised: list[Request] = []  # unfinished requests with penalties
         self._next_rid = 0
         self.steps = 0
 
@@ -190,6 +192,9 @@ class EngineCore:
         top_logprobs: int = 0,
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> Request:
         """Queue a request of ``prompt`` token ids for up to ``max_new_tokens`` output tokens,
         ending early at any of ``stop_token_ids`` (kept as its last output token), picked by
@@ -198,9 +203,10 @@ class EngineCore:
         from that position, with the ``prompt_top_logprobs`` most likely tokens at each
         (:mod:`unimem.engine.prompt_logprobs`); ``top_logprobs``: each output token's that
         many most likely tokens too (``Request.output_top_logprobs``; needs an engine built
-        with ``logprobs``; a step with such a request runs eagerly). ``logit_bias`` (token id
-        -> bias) and ``min_tokens`` (stop tokens suppressed until the output has that many):
-        :mod:`unimem.engine.logit_bias`. ``ValueError`` naming the problem
+        with ``logprobs``; a step with such a request runs eagerly). The penalties,
+        ``logit_bias`` (token id -> bias) and ``min_tokens`` (stop tokens suppressed until the
+        output has that many): :mod:`unimem.engine.adjustments`. ``ValueError`` naming the
+        problem
         (:meth:`check_request`, :meth:`check_sampling`,
         :func:`~unimem.engine.prompt_logprobs.check_options`), before anything is queued."""
         self.check_request(prompt, max_new_tokens)
@@ -210,6 +216,7 @@ class EngineCore:
         check_top_logprobs(top_logprobs, self.runner.logprobs)
         vocab = self.model.config.vocab_size
         bias = check_adjustments(logit_bias, min_tokens, max_new_tokens, vocab)
+        penalties = check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
         rid = self._next_rid
         seed = default_seed(self.random_seed, rid) if sampling.seed is None else sampling.seed
         stops = frozenset(int(t) for t in stop_token_ids)
@@ -228,7 +235,9 @@ class EngineCore:
             if prompt_top_logprobs:
                 req.prompt_top_logprobs = [None] * len(req.prompt)
         req.top_logprobs_k = top_logprobs
-        req.logit_bias, req.min_tokens = bias, min_tokens
+        req.logit_bias, req.min_tokens, req.penalties = bias, min_tokens, penalties
+        if needs_exact_history(req):
+            self._penalised.append(req)
         self._next_rid += 1
         self.scheduler.add(req)
         return req
@@ -259,7 +268,13 @@ class EngineCore:
 
     def step(self) -> bool:
         """Launch one batch and read the previous one's results; False when there is
-        nothing left to do (every result read)."""
+        nothing left to do (every result read). With a penalised request running, the step
+        in flight is read first: penalties need its whole output
+        (:func:`~unimem.engine.adjustments.needs_exact_history`)."""
+        if self._penalised and self._pending is not None:
+            self._penalised = [r for r in self._penalised if r.status is not RequestStatus.FINISHED]
+            if any(r.status is RequestStatus.RUNNING for r in self._penalised):
+                self.drain()
         batch = self.scheduler.next_batch(drain=self.drain)
         if batch is None:  # next_batch drained the pipeline before giving up
             return False

@@ -67,8 +67,9 @@ class Request:
     (:mod:`unimem.engine.prompt_logprobs`). ``top_logprobs_k`` > 0: each output token's
     ``top_logprobs_k`` most likely tokens under the raw distribution too, in
     ``output_top_logprobs`` (``(token id, log-probability)`` pairs, most likely first).
-    ``logit_bias`` (sorted ``(token id, bias)`` pairs) and ``min_tokens``: the logit
-    adjustments of :mod:`unimem.engine.logit_bias`. ``error``: why the engine failed
+    ``penalties`` (presence, frequency, repetition), ``logit_bias`` (sorted ``(token id,
+    bias)`` pairs) and ``min_tokens``: the logit adjustments of
+    :mod:`unimem.engine.adjustments`. ``error``: why the engine failed
     the request (an internal fault met it; ``finish_reason`` is then "abort"), else None.
 
     One step late: ``kv_len`` and ``output`` are what the host has *read*; launched steps not
@@ -107,6 +108,7 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
     error: str | None = None
     sampling: SamplingOptions = GREEDY
     seed: int = 0

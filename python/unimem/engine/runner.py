@@ -53,7 +53,7 @@ import torch
 
 from unimem.attention.backend import AttentionBackend
 from unimem.attention.metadata import MetadataBuilder
-from unimem.engine import logit_bias, prompt_logprobs
+from unimem.engine import adjustments, prompt_logprobs
 from unimem.engine.batch import Batch
 from unimem.engine.cuda_graphs import StepGraphs, default_buckets
 from unimem.engine.step_io import (
@@ -102,7 +102,7 @@ EXTEND_TOKENS = (16, 32, 64, 128, 256)
 class EagerExtras:
     """What an eager step does beyond a recorded one: ``top_k`` > 0 — return each output
     row's most likely tokens (:func:`~unimem.models.sampler.top_logprobs`); ``adjust`` —
-    adjust the rows' logits before the pick (:mod:`unimem.engine.logit_bias`, uploaded)."""
+    adjust the rows' logits before the pick (:mod:`unimem.engine.adjustments`, uploaded)."""
 
     top_k: int = 0
     adjust: LaneAdjustments | None = None
@@ -319,7 +319,7 @@ class ModelRunner:
         )
         rule = self.step_rule(batch.reqs)
         graphs = self.graphs if rule is None else self.sample_graphs.get(rule)
-        adjust = logit_bias.plan(batch.reqs, width)
+        adjust = adjustments.plan(batch.reqs, width)
         if graphs is not None and not top_k and adjust is None:
             graphs.replay(width)
         else:
@@ -387,7 +387,7 @@ class ModelRunner:
             for r, s, n, sampled in zip(reqs, starts, lens, batch.samples, strict=True)
         ]
         scored = prompt_logprobs.plan(reqs, starts, lens)
-        adjust = logit_bias.plan(reqs, bs)
+        adjust = adjustments.plan(reqs, bs)
         if (
             scored is None
             and not top_k

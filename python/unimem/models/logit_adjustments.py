@@ -1,12 +1,28 @@
-"""Per-lane logit adjustments of a step: additive biases on some tokens, and stop tokens
-suppressed (``-inf``) in the rows that produce a token before a given index — the device side
-of requests' ``logit_bias`` and ``min_tokens`` (:mod:`unimem.engine.logit_bias` plans them).
-Pure tensor work: the steps call :func:`apply` on the logits rows they pick from, before the
-pick."""
+"""Per-lane logit adjustments of a step — the device side of requests' penalties,
+``logit_bias`` and ``min_tokens`` (:mod:`unimem.engine.adjustments` plans them). Pure tensor
+work: the steps call :func:`apply` on the logits rows they pick from, before the pick.
+
+In order, for a row of lane ``b`` producing the token at index ``i`` of its request's prompt +
+output, after the tokens ``h`` before it (the lane's history — prompt and output so far — and,
+in a verify step, the drafts before the row):
+
+1. penalties (SGLang's and vLLM's definitions): for every token ``t`` seen in ``h``, the
+   repetition penalty ``r`` scales its logit (``/ r`` where positive, ``* r`` otherwise); then
+   ``frequency * count(t) + presence * [count(t) > 0]`` is subtracted, counting ``t`` among
+   the output tokens of ``h`` (prompt tokens count for the repetition penalty only);
+2. ``logit_bias``: an additive bias on chosen tokens;
+3. ``min_tokens``: the stop tokens at ``-inf`` while ``i < stop_until``.
+
+Penalties are computed sparsely over the history's distinct tokens (``hist_*``, padded per
+lane), plus, in a verify step, the drafts before each row — never a vocabulary-sized count per
+row. Several entries of a row may name one token (a draft repeating a history token, or
+padding): each computes that token's value from the same counts, so the scatter writes one
+value.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,39 +33,101 @@ __all__ = ["LaneAdjustments", "apply"]
 class LaneAdjustments:
     """One step's adjustments, lane by lane (``W`` lanes; padding lanes adjust nothing):
     ``bias_ids / bias_values [W, M]`` (int64 / float32; padding entries bias token 0 by 0),
-    ``stop_ids / stop_values [W, S]`` (the stop tokens and ``-inf``; padding 0 and 0) and
+    ``stop_ids / stop_values [W, S]`` (the stop tokens and ``-inf``; padding 0 and 0),
     ``stop_until [W]`` int64 (a row producing token index ``i`` suppresses its lane's stops
-    while ``i < stop_until``; 0: never). Host tensors from
-    :func:`unimem.engine.logit_bias.plan`, device ones from :meth:`upload`."""
+    while ``i < stop_until``; 0: never). Penalties (None when no lane has any):
+    ``penalties [W, 3]`` float32 (presence, frequency, repetition; neutral 0, 0, 1),
+    ``hist_ids [W, U]`` int64 (the distinct tokens of the lane's prompt and output; padding
+    repeats the lane's first entry), ``hist_counts [W, U]`` float32 (each one's count among
+    the output tokens; padding repeats it too). Host tensors from
+    :func:`unimem.engine.adjustments.plan`, device ones from :meth:`upload`."""
 
     bias_ids: torch.Tensor
     bias_values: torch.Tensor
     stop_ids: torch.Tensor
     stop_values: torch.Tensor
     stop_until: torch.Tensor
+    penalties: torch.Tensor | None = None
+    hist_ids: torch.Tensor | None = None
+    hist_counts: torch.Tensor | None = None
 
     def upload(self, device: torch.device) -> LaneAdjustments:
         """Device copies in two non-blocking copies (from pinned memory on CUDA)."""
-        ints = torch.cat([self.bias_ids, self.stop_ids, self.stop_until[:, None]], dim=1)
-        floats = torch.cat([self.bias_values, self.stop_values], dim=1)
+        int_parts = [self.bias_ids, self.stop_ids, self.stop_until[:, None]]
+        float_parts = [self.bias_values, self.stop_values]
+        if self.penalties is not None:
+            int_parts.append(self.hist_ids)
+            float_parts += [self.penalties, self.hist_counts]
+        ints, floats = torch.cat(int_parts, dim=1), torch.cat(float_parts, dim=1)
         if device.type == "cuda":
             ints = ints.pin_memory().to(device, non_blocking=True)
             floats = floats.pin_memory().to(device, non_blocking=True)
         else:
             ints, floats = ints.to(device), floats.to(device)
-        m = self.bias_ids.shape[1]
-        bias, stops = (ints[:, :m], floats[:, :m]), (ints[:, m:-1], floats[:, m:])
-        return LaneAdjustments(*bias, *stops, ints[:, -1])
+        m, s = self.bias_ids.shape[1], self.stop_ids.shape[1]
+        out = LaneAdjustments(
+            ints[:, :m], floats[:, :m], ints[:, m : m + s], floats[:, m : m + s], ints[:, m + s]
+        )
+        if self.penalties is None:
+            return out
+        f = m + s
+        return replace(
+            out,
+            penalties=floats[:, f : f + 3],
+            hist_ids=ints[:, m + s + 1 :],
+            hist_counts=floats[:, f + 3 :],
+        )
 
 
 def apply(
-    logits: torch.Tensor, lanes: torch.Tensor, produced: torch.Tensor, adj: LaneAdjustments
+    logits: torch.Tensor,
+    lanes: torch.Tensor,
+    produced: torch.Tensor,
+    adj: LaneAdjustments,
+    drafts: torch.Tensor | None = None,
+    columns: torch.Tensor | None = None,
 ) -> None:
-    """Adjust ``logits [R, V]`` in place: row ``r`` belongs to lane ``lanes[r]`` and produces
-    the token at index ``produced[r]`` of its request's prompt + output (both ``[R]`` int64
-    device tensors); ``adj`` on the same device. Device work only."""
+    """Adjust ``logits [R, V]`` in place (module docstring): row ``r`` belongs to lane
+    ``lanes[r]`` and produces the token at index ``produced[r]`` of its request's prompt +
+    output (both ``[R]`` int64). A verify step's rows also pass the lanes' drafts ``drafts
+    [W, g]`` and each row's column ``columns[R]`` (the drafts ``[:column]`` precede it).
+    Tensors on ``logits``' device. Device work only."""
     lanes = lanes.long()
+    if adj.penalties is not None:
+        _penalize(logits, lanes, adj, drafts, columns)
     logits.scatter_add_(1, adj.bias_ids[lanes], adj.bias_values[lanes].to(logits.dtype))
     suppress = produced.long() < adj.stop_until[lanes]
     values = torch.where(suppress[:, None], adj.stop_values[lanes], 0.0)
     logits.scatter_add_(1, adj.stop_ids[lanes], values.to(logits.dtype))
+
+
+def _penalize(
+    logits: torch.Tensor,
+    lanes: torch.Tensor,
+    adj: LaneAdjustments,
+    drafts: torch.Tensor | None,
+    columns: torch.Tensor | None,
+) -> None:
+    ids = adj.hist_ids[lanes]  # [R, U]
+    counts = adj.hist_counts[lanes]
+    seen = torch.ones_like(counts, dtype=torch.bool)
+    if drafts is not None:
+        d = drafts.long()[lanes]  # [R, g]
+        g = d.shape[1]
+        before = torch.arange(g, device=d.device)[None, :] < columns.long()[:, None]  # [R, g]
+        # the drafts before a row are output tokens too
+        counts = counts + ((ids[:, :, None] == d[:, None, :]) & before[:, None, :]).sum(-1)
+        in_hist = d[:, :, None] == ids[:, None, :]  # [R, g, U]
+        d_counts = (in_hist * adj.hist_counts[lanes][:, None, :]).amax(-1)
+        d_counts = d_counts + ((d[:, :, None] == d[:, None, :]) & before[:, None, :]).sum(-1)
+        d_seen = in_hist.any(-1) | (d_counts > 0)
+        ids = torch.cat([ids, d], dim=1)
+        counts = torch.cat([counts, d_counts.to(counts.dtype)], dim=1)
+        seen = torch.cat([seen, d_seen], dim=1)
+    pen = adj.penalties[lanes].to(logits.dtype)  # [R, 3]
+    x = logits.gather(1, ids)
+    rep = pen[:, 2:3]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    c = counts.to(logits.dtype)
+    x = x - pen[:, 1:2] * c - pen[:, 0:1] * (c > 0).to(logits.dtype)
+    logits.scatter_(1, ids, x)

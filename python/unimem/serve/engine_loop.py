@@ -96,8 +96,9 @@ class Submission:
     the loop's. ``prompt_logprobs_from`` / ``prompt_top_logprobs``: score the prompt from
     that position, with that many top tokens (:meth:`EngineCore.submit
     <unimem.engine.core.EngineCore.submit>`); None: not at all. ``top_logprobs``: each output
-    token's that many most likely tokens. ``logit_bias``, ``min_tokens``: the logit
-    adjustments (:mod:`unimem.engine.logit_bias`). ``discard_output``: the HTTP side asked
+    token's that many most likely tokens. ``logit_bias``, ``min_tokens``, ``penalties``
+    (presence, frequency, repetition): the logit adjustments
+    (:mod:`unimem.engine.adjustments`). ``discard_output``: the HTTP side asked
     for no output token (a prefill); the engine still samples one, which the response
     leaves out."""
 
@@ -115,6 +116,7 @@ class Submission:
     top_logprobs: int = 0
     logit_bias: Mapping[int, float] | None = None
     min_tokens: int = 0
+    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
     discard_output: bool = False
 
 
@@ -383,6 +385,13 @@ class EngineLoop:
                 kw["top_logprobs"] = s.top_logprobs
             if s.logit_bias or s.min_tokens:
                 kw.update(logit_bias=s.logit_bias, min_tokens=s.min_tokens)
+            if s.penalties != (0.0, 0.0, 1.0):
+                presence, frequency, repetition = s.penalties
+                kw.update(
+                    presence_penalty=presence,
+                    frequency_penalty=frequency,
+                    repetition_penalty=repetition,
+                )
             h.req = self.core.submit(
                 s.prompt,
                 s.max_new_tokens,

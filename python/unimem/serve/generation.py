@@ -30,7 +30,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from unimem.engine.logit_bias import check_options as check_adjustments
+from unimem.engine.adjustments import check_options as check_adjustments
+from unimem.engine.adjustments import check_penalties
 from unimem.engine.prompt_logprobs import MAX_TOP_LOGPROBS
 from unimem.engine.sampling import SamplingOptions
 from unimem.serve.args import ServerOptions
@@ -76,8 +77,8 @@ class GenParams:
     reports, 0 to :data:`~unimem.engine.prompt_logprobs.MAX_TOP_LOGPROBS`.
     ``prompt_logprobs_from``: score the prompt from that position (None: not at all;
     :mod:`unimem.engine.prompt_logprobs`), spelled ``prompt_logprobs_field`` in the
-    request. ``logit_bias`` / ``min_tokens``: :mod:`unimem.engine.logit_bias`, spelled
-    ``min_tokens_field``."""
+    request. The penalties, ``logit_bias`` / ``min_tokens``: :mod:`unimem.engine.adjustments`
+    (``min_tokens`` spelled ``min_tokens_field``)."""
 
     max_new_tokens: int | None = None
     temperature: float = DEFAULT_TEMPERATURE
@@ -96,6 +97,9 @@ class GenParams:
     prompt_logprobs_from: int | None = None
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens_field: str = "max_tokens"  # how the request spelled it (errors name it)
     top_logprobs_field: str = "top_logprobs"
     prompt_logprobs_field: str = "logprob_start_len"
@@ -307,13 +311,20 @@ class Serving:
         except ValueError as e:
             param = "logit_bias" if "logit_bias" in str(e) else p.min_tokens_field
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
+        try:
+            penalties = check_penalties(
+                p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            )
+        except ValueError as e:
+            param = str(e).split(": ", 1)[1].split(" ", 1)[0]  # the penalty's name
+            raise ApiError(400, str(e), param=param, code="invalid_value") from None
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops |= self.eos_token_ids
         sub = Submission(prompt, max(n, 1), frozenset(stops), sampling, sink=_no_sink)
         sub.discard_output = discard
         sub.top_logprobs = k
-        sub.logit_bias, sub.min_tokens = p.logit_bias, p.min_tokens
+        sub.logit_bias, sub.min_tokens, sub.penalties = p.logit_bias, p.min_tokens, penalties
         if start is not None:
             sub.prompt_logprobs_from, sub.prompt_top_logprobs = start, k
         return sub

@@ -5,7 +5,7 @@
 ``stream``), ``sampling_params`` with SGLang's names (``max_new_tokens`` — default 128 —,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``,
 ``ignore_eos``, ``n``, ``no_stop_trim``, ``skip_special_tokens``, ``min_new_tokens``,
-``logit_bias``), ``stream`` and
+``logit_bias``, the penalties), ``stream`` and
 ``return_logprob`` (with ``logprob_start_len`` and ``top_logprobs_num``: the prompt's
 log-probabilities, :class:`_Logprobs`); it answers ``{"text", "output_ids", "meta_info"}`` with
 ``meta_info.finish_reason`` as SGLang spells it (``{"type": "stop", "matched": ...}``,
@@ -58,6 +58,9 @@ SAMPLING_KEYS = (
     "skip_special_tokens",
     "min_new_tokens",
     "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 
 HEALTH_POLL_S = 0.05
@@ -78,7 +81,10 @@ def _gen_params(raw: dict | None, where: str, defaults: Mapping) -> GenParams:
     p = GenParams.with_defaults(
         defaults, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, max_tokens_field=f"{where}.max_new_tokens"
     )
-    for key in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n"):
+    for key in (
+        "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n",
+        "presence_penalty", "frequency_penalty", "repetition_penalty",
+    ):  # fmt: skip
         if raw.get(key) is not None:
             setattr(p, key, raw[key])
     stop = raw.get("stop")

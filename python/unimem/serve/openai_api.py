@@ -111,6 +111,10 @@ def _params(body, max_tokens: int | None, max_field: str, defaults: Mapping) -> 
             setattr(p, name, value)
     p.logit_bias = token_bias(body.logit_bias, "logit_bias")
     p.min_tokens = body.min_tokens
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(p, name, value)
     return p
 
 

@@ -68,10 +68,11 @@ class ChatMessage(_Body):
 
 
 class _SamplingFields(_Body):
-    """What the OpenAI routes share: sampling, stopping, streaming, ``logit_bias`` (token
-    id, as a string, -> bias in [-100, 100]) and ``min_tokens`` (vLLM's and SGLang's: stop
-    tokens suppressed until the output has that many), and the OpenAI fields unimem refuses
-    when set (:func:`refuse_unsupported`)."""
+    """What the OpenAI routes share: sampling, stopping, streaming, the penalties
+    (``presence_penalty`` / ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` in (0,
+    2], SGLang's and vLLM's), ``logit_bias`` (token id, as a string, -> bias in [-100, 100])
+    and ``min_tokens`` (vLLM's and SGLang's: stop tokens suppressed until the output has that
+    many), and the OpenAI fields unimem refuses when set (:func:`refuse_unsupported`)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -160,9 +161,6 @@ class GenerateRequest(_Body, SGLangGenerateFields):
 
 
 UNSUPPORTED_FIELDS = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
     "suffix": "",
     "best_of": 1,
     "tools": [],

@@ -291,7 +291,8 @@ class VerifyStep:
         if adjust is not None:  # row (b, j) produces the token at index seq_lens[b] + 1 + j
             lane = self._arange[: width * vw] // vw
             produced = seq_lens.long()[lane] + 1 + self._arange[: width * vw] % vw
-            logit_adjustments.apply(logits, lane, produced, adjust)
+            columns = self._arange[: width * vw] % vw
+            logit_adjustments.apply(logits, lane, produced, adjust, draft, columns)
         if params is None:
             # the rows' argmax, the accepted prefix and the bonus token in two launches; with
             # log-probabilities each row's log-sum-exp in the same pass over the logits
@@ -397,7 +398,7 @@ class VerifyStep:
         logits = self.model.forward(input_ids, ctx)
         if adjust is not None:  # packed row (b, j) produces the token at seq_lens[b] + 1 + j
             produced = seq_lens.long()[packed.lane] + 1 + packed.offset
-            logit_adjustments.apply(logits, packed.lane, produced, adjust)
+            logit_adjustments.apply(logits, packed.lane, produced, adjust, draft, packed.offset)
         # the packed row of (lane b, column j): cu[b] + min(j, L_b - 1) (columns past a lane's
         # length repeat its last row; the accept never reads them)
         cols = torch.minimum(self._arange[:vw][None, :], lengths.long()[:, None] - 1)
