@@ -211,6 +211,14 @@ def test_logprobs_at_temperature_above_zero(client):
     r = client.post("/v1/chat/completions", json={**chat, "top_logprobs": 5})
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert all(len(c["top_logprobs"]) == 5 for c in content)
+    # streamed: every chunk's tokens carry theirs
+    r = client.post("/v1/chat/completions", json={**chat, "top_logprobs": 2, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    streamed = [
+        c for chunk in chunks for ch in chunk["choices"] if ch["logprobs"]
+        for c in ch["logprobs"]["content"]
+    ]  # fmt: skip
+    assert len(streamed) == 4 and all(len(c["top_logprobs"]) == 2 for c in streamed)
     # past 20 the error names the field as sent
     r = client.post("/v1/completions", json={**body, "logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
