@@ -82,6 +82,22 @@ def test_output_top_logprobs_are_the_oracles(tiny, chain_kind, temperature):
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-9)
 
 
+def test_the_runner_looks_for_extras_only_while_a_request_has_some(tiny):
+    """The engine clears ``ModelRunner.extras_live`` while no unfinished request has extras
+    (the steps then skip looking for them), and sets it while one does."""
+    cfg, model = tiny
+    eng = _engine(cfg, model, None)
+    assert not eng.runner.extras_live
+    plain = eng.submit(list(range(1, 9)), 3)
+    assert not eng.runner.extras_live
+    scored = eng.submit(list(range(1, 9)), 3, top_logprobs=2)
+    assert eng.runner.extras_live
+    eng.run()
+    eng.step()  # nothing left: the next step prunes the finished requests
+    assert not eng.runner.extras_live
+    assert len(scored.output_top_logprobs) == 3 and plain.output_top_logprobs == []
+
+
 @pytest.mark.parametrize(
     ("value", "logprobs", "message"),
     [(21, True, "must be in"), (-1, True, "must be in"), (True, True, "must be an int"),

@@ -114,6 +114,8 @@ class EngineCore:
         self.results = ResultRing(max_running, self.runner.width, pool.device, logprobs=logprobs)
         self._pending: tuple[Batch, StagedResult] | None = None
         self._penalised: list[Request] = []  # unfinished requests with penalties
+        self._extras: list[Request] = []  # unfinished requests with Request.has_extras
+        self.runner.extras_live = False
         self._next_rid = 0
         self.steps = 0
 
@@ -238,6 +240,9 @@ class EngineCore:
         req.logit_bias, req.min_tokens, req.penalties = bias, min_tokens, penalties
         if needs_exact_history(req):
             self._penalised.append(req)
+        if req.has_extras:
+            self._extras.append(req)
+            self.runner.extras_live = True
         self._next_rid += 1
         self.scheduler.add(req)
         return req
@@ -271,6 +276,9 @@ class EngineCore:
         nothing left to do (every result read). With a penalised request running, the step
         in flight is read first: penalties need its whole output
         (:func:`~unimem.engine.adjustments.needs_exact_history`)."""
+        if self._extras:  # the runner looks for extras only while a request has some
+            self._extras = [r for r in self._extras if r.status is not RequestStatus.FINISHED]
+            self.runner.extras_live = bool(self._extras)
         if self._penalised and self._pending is not None:
             self._penalised = [r for r in self._penalised if r.status is not RequestStatus.FINISHED]
             if any(r.status is RequestStatus.RUNNING for r in self._penalised):

@@ -167,6 +167,18 @@ class Request:
             self.stopped = True
 
     @property
+    def has_extras(self) -> bool:
+        """Whether the request asks for anything a recorded step does not do: prompt or top
+        log-probabilities, or logit adjustments."""
+        return (
+            self.prompt_logprobs_from is not None
+            or self.top_logprobs_k > 0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.penalties != (0.0, 0.0, 1.0)
+        )
+
+    @property
     def finish_reason(self) -> str | None:
         """``"abort"`` (aborted), ``"stop"`` (a stop token), ``"length"``
         (``max_new_tokens``), or None while running."""

@@ -153,6 +153,10 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.logprobs = logprobs
+        self.extras_live = True
+        """Whether a batch may hold a request with per-request extras (top log-probabilities,
+        prompt scoring, logit adjustments). The engine clears it while none is unfinished, so
+        that the steps skip looking for them; True (look) for any other caller."""
         self.pool = pool
         self.backend = backend
         self.spec = pool.spec
@@ -298,7 +302,8 @@ class ModelRunner:
         Returns the number of lanes. A batch with a request asking for top log-probabilities
         (``Request.top_logprobs_k``) runs eagerly (the recorded steps compute none) and leaves
         them in ``batch.top_logprobs``."""
-        top_k = max(r.top_logprobs_k for r in batch.reqs) if batch.reqs else 0
+        extras = self.extras_live and batch.reqs
+        top_k = max(r.top_logprobs_k for r in batch.reqs) if extras else 0
         if top_k and not self.logprobs:
             raise ValueError("top log-probabilities need a runner built with logprobs=True")
         if batch.mode is ForwardMode.EXTEND:
@@ -319,7 +324,7 @@ class ModelRunner:
         )
         rule = self.step_rule(batch.reqs)
         graphs = self.graphs if rule is None else self.sample_graphs.get(rule)
-        adjust = adjustments.plan(batch.reqs, width)
+        adjust = adjustments.plan(batch.reqs, width) if extras else None
         if graphs is not None and not top_k and adjust is None:
             graphs.replay(width)
         else:
@@ -386,8 +391,8 @@ class ModelRunner:
             -1 if sampled else r.tokens[s + n]
             for r, s, n, sampled in zip(reqs, starts, lens, batch.samples, strict=True)
         ]
-        scored = prompt_logprobs.plan(reqs, starts, lens)
-        adjust = adjustments.plan(reqs, bs)
+        scored = prompt_logprobs.plan(reqs, starts, lens) if self.extras_live else None
+        adjust = adjustments.plan(reqs, bs) if self.extras_live else None
         if (
             scored is None
             and not top_k
