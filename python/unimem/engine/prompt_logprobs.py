@@ -31,6 +31,9 @@ Where they come from — the extend chunks that compute those rows:
   again).
 
 Every tensor-parallel rank runs the same pieces (the head's gather is a collective).
+
+The limit on top tokens (:data:`MAX_TOP_LOGPROBS`) and its check for output positions
+(:func:`check_top_logprobs`) live here too: one limit for prompt and output positions.
 """
 
 from __future__ import annotations
