@@ -65,7 +65,7 @@ class Request:
     position 0) and, with ``prompt_top_logprobs_k`` > 0, ``prompt_top_logprobs[j]`` the most
     likely tokens there as ``(token id, log-probability)`` pairs
     (:mod:`unimem.engine.prompt_logprobs`). ``top_logprobs_k`` > 0: each output token's
-    ``top_logprobs_k`` most likely tokens under the raw distribution too, in
+    ``top_logprobs_k`` most likely tokens under the distribution it was picked from too, in
     ``output_top_logprobs`` (``(token id, log-probability)`` pairs, most likely first).
     ``penalties`` (presence, frequency, repetition), ``logit_bias`` (sorted ``(token id,
     bias)`` pairs) and ``min_tokens``: the logit adjustments of
