@@ -228,3 +228,35 @@ def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
         assert any(clear)
         for top, argmax, ok in zip(tops, rows.argmax(-1).tolist(), clear, strict=True):
             assert top == argmax or not ok
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_penalised_requests_on_the_graph_engine(speculative):
+    """Penalties on the CUDA-graph engine with FA4 (their steps eager, the step in flight read
+    before each is planned), plain decoding and DSPARK: rewarding repeats (negative presence
+    and frequency penalties, a repetition penalty below 1) collapses a request's output onto
+    few tokens, while the request beside it does not (its steps may run in other batch
+    sizes than without the penalties — the step in flight is read first —, so its bf16
+    output need not be the same bits)."""
+    cfg = preset("gpu_test")
+    dev = torch.device("cuda")
+    model = HybridModel(cfg, seed=4, device=dev)
+    prompts = _prompts(cfg, 2, 60)
+    chain, lanes = None, ()
+    if speculative:
+        drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)
+        chain, lanes = DsparkChain(drafter, 3), drafter.config.lanes()
+    spec = memory_spec(cfg, 16, lanes)
+    outs = []
+    for penalised in (False, True):
+        pool = UnifiedMemory(spec, 64 * MB, 4, cfg.max_context, dev)
+        eng = EngineCore(model, pool, _fa4(), 4, 128, chain=chain, cuda_graphs=True, logprobs=True)
+        kw = {}
+        if penalised:
+            kw = dict(presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=0.5)
+        reqs = [eng.submit(prompts[0], 40, **kw), eng.submit(prompts[1], 40)]
+        eng.run()
+        outs.append([r.output for r in reqs])
+    plain, penal = outs
+    assert len(set(penal[0])) <= 4 < len(set(plain[0]))
+    assert len(penal[1]) == 40 and len(set(penal[1])) > 4
