@@ -108,6 +108,10 @@ class EagerExtras:
     adjust: LaneAdjustments | None = None
 
 
+NO_EXTRAS = EagerExtras()
+"""A recorded step's: nothing beyond it."""
+
+
 class ModelRunner:
     """Forward of scheduled batches over ``pool`` with ``backend``; with ``chain``, also the
     verify step of chain speculative decoding (module docstring).
@@ -343,7 +347,7 @@ class ModelRunner:
         return batch_cut_rule(r.sampling.cut_rule for r in reqs)
 
     def eager_step(
-        self, width: int, rule: str | None = None, extras: EagerExtras | None = None
+        self, width: int, rule: str | None = None, extras: EagerExtras = NO_EXTRAS
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decode (or verify) step of ``width`` staged lanes run eagerly: the greedy one
         (``rule`` None) or the sampled one of ``rule`` (:meth:`step_rule`), with ``extras``
@@ -354,12 +358,12 @@ class ModelRunner:
             return self._uniform_step(width, extras)
         return self._sampling_step(width, rule, extras)
 
-    def _uniform_step(self, width: int, extras: EagerExtras | None = None):
+    def _uniform_step(self, width: int, extras: EagerExtras = NO_EXTRAS):
         if self.chain is not None:
             return self._verify_step(width, extras=extras)
         return self._decode_step(width, extras=extras)
 
-    def _sampling_step(self, width: int, rule: str = SORTED, extras: EagerExtras | None = None):
+    def _sampling_step(self, width: int, rule: str = SORTED, extras: EagerExtras = NO_EXTRAS):
         if self.chain is not None:
             return self._verify_step(width, draw=True, rule=rule, extras=extras)
         return self._decode_step(width, draw=True, rule=rule, extras=extras)
@@ -465,7 +469,7 @@ class ModelRunner:
         max_seqlen_q: int,
         cu_seqlens_host: list[int] | None = None,
         hidden_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-        extras: EagerExtras | None = None,
+        extras: EagerExtras = NO_EXTRAS,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """An extend's body, ragged or padded: its metadata from the live tables, the
         forward, the drafter's context K/V for every token consumed, each lane's sample at
@@ -495,7 +499,7 @@ class ModelRunner:
         if hidden_rows is not None:
             ctx.head_indices = hidden_rows[1].long()
         logits, hidden = self.model.forward_with_hidden(input_ids.long(), ctx)
-        top_k, adjust = (0, None) if extras is None else (extras.top_k, extras.adjust)
+        top_k, adjust = extras.top_k, extras.adjust
         if adjust is not None:  # the sampled token's index is the number of tokens consumed
             logit_adjustments.apply(logits, self._arange[: logits.shape[0]], prefix + ext, adjust)
         if self.drafts is not None:
@@ -590,7 +594,7 @@ class ModelRunner:
         width: int,
         draw: bool = False,
         rule: str = SORTED,
-        extras: EagerExtras | None = None,
+        extras: EagerExtras = NO_EXTRAS,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One token per lane: each lane feeds its row's next token at its row's length and
         picks the next by argmax, or with ``draw`` by its row's sampling parameters
@@ -606,7 +610,7 @@ class ModelRunner:
             self._arange[:width],
         )  # fmt: skip
         logits = self.model.forward(input_ids, ctx)
-        top_k, adjust = (0, None) if extras is None else (extras.top_k, extras.adjust)
+        top_k, adjust = extras.top_k, extras.adjust
         if adjust is not None:  # the input token sits at index seq_lens, the pick one past it
             logit_adjustments.apply(logits, self._arange[:width], seq_lens.long() + 1, adjust)
         if not draw and self.logprobs and logits.dtype == torch.float32:
@@ -640,7 +644,7 @@ class ModelRunner:
         width: int,
         draw: bool = False,
         rule: str = SORTED,
-        extras: EagerExtras | None = None,
+        extras: EagerExtras = NO_EXTRAS,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One chain step for every lane
         (:meth:`~unimem.speculative.verify_step.VerifyStep.run`): the lanes' rows, slots,
@@ -658,7 +662,7 @@ class ModelRunner:
         def commit(bonus, tokens, accepted, write_slots):
             return self.state.commit(rows, seq_lens, bonus, tokens, self.out, accepted, write_slots)
 
-        top_k, adjust = (0, None) if extras is None else (extras.top_k, extras.adjust)
+        top_k, adjust = extras.top_k, extras.adjust
         result = self.verifier.run(lanes, params, commit, top_k, adjust)
         if result.lengths is not None:
             self.out.verify_lens[:width] = result.lengths
