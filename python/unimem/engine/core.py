@@ -113,7 +113,6 @@ class EngineCore:
         )
         self.results = ResultRing(max_running, self.runner.width, pool.device, logprobs=logprobs)
         self._pending: tuple[Batch, StagedResult] | None = None
-        self._penalised: list[Request] = []  # unfinished requests with penalties
         self._extras: list[Request] = []  # unfinished requests with Request.has_extras
         self.runner.extras_live = False
         self._next_rid = 0
@@ -238,8 +237,6 @@ class EngineCore:
                 req.prompt_top_logprobs = [None] * len(req.prompt)
         req.top_logprobs_k = top_logprobs
         req.logit_bias, req.min_tokens, req.penalties = bias, min_tokens, penalties
-        if needs_exact_history(req):
-            self._penalised.append(req)
         if req.has_extras:
             self._extras.append(req)
             self.runner.extras_live = True
@@ -279,10 +276,10 @@ class EngineCore:
         if self._extras:  # the runner looks for extras only while a request has some
             self._extras = [r for r in self._extras if r.status is not RequestStatus.FINISHED]
             self.runner.extras_live = bool(self._extras)
-        if self._penalised and self._pending is not None:
-            self._penalised = [r for r in self._penalised if r.status is not RequestStatus.FINISHED]
-            if any(r.status is RequestStatus.RUNNING for r in self._penalised):
-                self.drain()
+        if self._pending is not None and any(
+            r.status is RequestStatus.RUNNING and needs_exact_history(r) for r in self._extras
+        ):
+            self.drain()
         batch = self.scheduler.next_batch(drain=self.drain)
         if batch is None:  # next_batch drained the pipeline before giving up
             return False
