@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from unimem.engine.request import Request, RequestStatus
+from unimem.engine.step_io import stage_to_host
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -212,14 +213,7 @@ class StagedPromptLogprobs:
     ) -> StagedPromptLogprobs:
         """Copy the device results to pinned host memory without blocking, stream-ordered
         after the step, with an event behind the copies."""
-        if values.device.type != "cuda":
-            return cls(values, ids, owners, None)
-        host_v = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host_i = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host_v.copy_(values, non_blocking=True)
-        host_i.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        (host_v, host_i), event = stage_to_host(values, ids)
         return cls(host_v, host_i, owners, event)
 
     def apply(self, reqs: Sequence[Request], epochs: Sequence[int]) -> None:

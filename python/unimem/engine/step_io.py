@@ -45,6 +45,7 @@ __all__ = [
     "SamplingRows",
     "StagedResult",
     "StagedTopLogprobs",
+    "stage_to_host",
     "StepLanes",
     "StepOutputs",
 ]
@@ -236,6 +237,23 @@ class StagedResult:
         return self.tokens.tolist(), self.counts.tolist(), logprobs
 
 
+def stage_to_host(
+    *tensors: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
+    """Host copies of device ``tensors``, stream-ordered after the work that writes them:
+    on CUDA, fresh pinned buffers filled without blocking and the event recorded behind the
+    copies (wait on it before reading); elsewhere the tensors themselves and None. For the
+    step results that only some steps produce (the ring's fixed sets hold the others)."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    hosts = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+    for host, t in zip(hosts, tensors, strict=True):
+        host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return hosts, event
+
+
 @dataclass
 class StagedTopLogprobs:
     """Host copies of one eager step's top log-probabilities (``values [bs, rows, k]``
@@ -250,15 +268,7 @@ class StagedTopLogprobs:
     def stage(cls, values: torch.Tensor, ids: torch.Tensor, bs: int) -> StagedTopLogprobs:
         """Copy lanes ``:bs`` to pinned host memory without blocking, stream-ordered after
         the step, with an event behind the copies."""
-        values, ids = values[:bs], ids[:bs]
-        if values.device.type != "cuda":
-            return cls(values, ids, None)
-        host_v = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host_i = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host_v.copy_(values, non_blocking=True)
-        host_i.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        (host_v, host_i), event = stage_to_host(values[:bs], ids[:bs])
         return cls(host_v, host_i, event)
 
     def read(self) -> list[list[list[tuple[int, float]]]]:
