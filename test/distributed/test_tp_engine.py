@@ -10,6 +10,8 @@ suite on the host could take it between the guess and the bind)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import tiny_qwen3_next
 import tiny_tokenizer
@@ -101,6 +103,27 @@ def test_logprob_options_and_adjustments_reach_every_rank(engines):
             assert [e[0] for e in gm[key]] == pytest.approx([e[0] for e in wm[key]], abs=1e-9)
         for key in ("input_top_logprobs", "output_top_logprobs"):
             assert [[e[1] for e in t] for t in gm[key]] == [[e[1] for e in t] for t in wm[key]]
+
+
+def test_grammars_reach_every_rank(engines):
+    """Structured output under tensor parallelism and DSPARK: every rank compiles the
+    request's grammar and masks the same rows (verify rows after the drafts they follow);
+    greedy outputs are the unsharded engine's (which does not speculate: sampled ones differ
+    from its draws), sampled ones follow the grammar."""
+    ref, tp = engines
+    prompts = tp_checks.prompts(500)[:2]
+    regex = "(w1[0-9]|w2[0-9])+w3[0-9]"
+    greedy = {"max_new_tokens": OUT, "regex": regex}
+    want = ref.generate(input_ids=prompts, sampling_params=greedy)
+    got = tp.generate(input_ids=prompts, sampling_params=greedy)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert [g["meta_info"]["finish_reason"] for g in got] == [
+        w["meta_info"]["finish_reason"] for w in want
+    ]
+    sampled = dict(greedy, temperature=0.8, seed=5, max_new_tokens=24)
+    for out in tp.generate(input_ids=prompts, sampling_params=sampled):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert re.fullmatch(regex, "".join(out["text"].split()))
 
 
 def test_abort_reaches_every_rank(engines):

@@ -260,3 +260,47 @@ def test_penalised_requests_on_the_graph_engine(speculative):
     plain, penal = outs
     assert len(set(penal[0])) <= 4 < len(set(plain[0]))
     assert len(penal[1]) == 40 and len(set(penal[1])) > 4
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_constrained_requests_on_the_graph_engine(speculative):
+    """Structured output on the CUDA-graph engine with FA4, plain decoding and DSPARK (its
+    verify steps, eager, read their drafts back to mask each row): greedy and sampled
+    constrained requests follow their regex and end on EOS, beside an unconstrained request
+    that runs its full length."""
+    import re
+
+    xgr = pytest.importorskip("xgrammar")
+    del xgr
+    from unimem.engine.grammar import GrammarBackend, GrammarSpec
+    from unimem.engine.sampling import SamplingOptions
+
+    cfg = preset("gpu_test")
+    dev = torch.device("cuda")
+    model = HybridModel(cfg, seed=4, device=dev)
+    alphabet = "0123456789abc-"
+    vocab = ["", "", "", ""] + [alphabet[i % len(alphabet)] for i in range(cfg.vocab_size - 4)]
+    backend = GrammarBackend(cfg.vocab_size, [1], vocab=vocab)
+    prompts = _prompts(cfg, 3, 40)
+    chain, lanes = None, ()
+    if speculative:
+        drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)
+        chain, lanes = DsparkChain(drafter, 3), drafter.config.lanes()
+    pool = UnifiedMemory(memory_spec(cfg, 16, lanes), 64 * MB, 4, cfg.max_context, dev)
+    eng = EngineCore(
+        model, pool, _fa4(), 4, 128, chain=chain, cuda_graphs=True, logprobs=True,
+        grammar_backend=backend,
+    )  # fmt: skip
+    regex = "[0-9]{3,8}-[a-c]{2,6}"
+    spec = GrammarSpec("regex", regex)
+    sampled = SamplingOptions(temperature=0.8, seed=3)
+    reqs = [
+        eng.submit(prompts[0], 24, stop_token_ids=[1], grammar=spec),
+        eng.submit(prompts[1], 24, stop_token_ids=[1], grammar=spec, sampling=sampled),
+        eng.submit(prompts[2], 40),
+    ]
+    eng.run()
+    for req in reqs[:2]:
+        assert req.error is None and req.finish_reason == "stop" and req.output[-1] == 1
+        assert re.fullmatch(regex, "".join(vocab[t] for t in req.output[:-1]))
+    assert len(reqs[2].output) == 40

@@ -148,6 +148,13 @@ def test_quantization_flag():
     assert engine.quantization is None
 
 
+def test_grammar_backend_flag():
+    engine, _ = parse_args(["--model-path", "/m"])
+    assert engine.grammar_backend == "xgrammar"  # SGLang's default
+    engine, _ = parse_args(["--model-path", "/m", "--grammar-backend", "none"])
+    assert engine.grammar_backend == "none"
+
+
 def test_deterministic_inference_flag():
     engine, _ = parse_args(
         ["--model-path", "/m", "--device", "cuda", "--enable-deterministic-inference"]
@@ -169,6 +176,7 @@ def test_deterministic_inference_flag():
         (["--tp-size", "0"], "--tp-size must be a positive int"),
         (["--tp=2"], "--tp is an SGLang flag"),
         (["--quantization", "awq"], "invalid choice: 'awq'"),
+        (["--grammar-backend", "outlines"], "invalid choice: 'outlines'"),
         (["--trust-remote-code"], "--trust-remote-code is an SGLang flag"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--page-size", "0"], "--page-size must be a positive int"),

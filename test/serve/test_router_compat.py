@@ -151,10 +151,14 @@ def test_continue_final_message_and_logprob_text(client):
     "route,body,field",
     [
         ("/v1/completions", {"prompt": "w5", "return_hidden_states": True}, "return_hidden_states"),
-        ("/v1/completions", {"prompt": "w5", "regex": "w[0-9]"}, "regex"),
+        ("/v1/completions", {"prompt": "w5", "lora_path": "adapter"}, "lora_path"),
         ("/generate", {"text": "w5", "background": True}, "background"),
         ("/generate", {"text": "w5", "return_entropy": True}, "return_entropy"),
-        ("/generate", {"text": "w5", "sampling_params": {"json_schema": "{}"}}, "json_schema"),
+        (
+            "/generate",
+            {"text": "w5", "sampling_params": {"structural_tag": "{}"}},
+            "structural_tag",
+        ),
     ],
 )
 def test_unhonoured_fields_are_refused_by_name(client, route, body, field):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -349,6 +350,58 @@ def test_logit_bias_and_min_tokens_are_the_engines(server, engine):
     r = server.http.post("/generate", json=too_many)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "sampling_params.min_new_tokens"
+
+
+def test_structured_output_is_the_engines(server, engine):
+    """SGLang's ``regex`` / ``ebnf`` and ``/generate``'s ``json_schema``, and OpenAI's
+    ``response_format``, through the ``openai`` client and ``/generate``: the engine's outputs
+    for the same grammar, which the output follows and which ends the request (on EOS);
+    grammars that do not compile, that the word vocabulary cannot spell, or two at once are
+    refused naming their field. (The tiny model's word vocabulary spells no JSON: JSON
+    output is the engine tests' and the real model's.)"""
+    ids = [5, 6, 7, 8, 9]
+    regex = "w1[0-3](w2[0-3]){1,3}"
+    sp = dict(GREEDY, regex=regex)
+    want = engine.generate(input_ids=ids, sampling_params=sp)
+    assert want["meta_info"]["finish_reason"] == {"type": "stop", "matched": 1}
+    words = engine.tokenizer.decode(want["output_ids"], skip_special_tokens=True).split()
+    assert re.fullmatch(regex, "".join(words))
+    got = server.http.post("/generate", json={"input_ids": ids, "sampling_params": sp}).json()
+    assert got["output_ids"] == want["output_ids"]
+    text = " ".join(words)
+    got = server.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=12, temperature=0, extra_body={"regex": regex}
+    )
+    assert got.choices[0].text == text and got.choices[0].finish_reason == "stop"
+    ebnf = 'root ::= "w14" ("w15" | "w16")'
+    want = engine.generate(input_ids=ids, sampling_params=dict(GREEDY, ebnf=ebnf))["output_ids"]
+    assert engine.tokenizer.decode(want[:-1]).split()[0] == "w14" and len(want) == 3
+    msgs = [{"role": "user", "content": "w5 w6"}]
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=12, temperature=0, extra_body={"ebnf": ebnf}
+    )
+    assert chat.choices[0].message.content.split()[0] == "w14"
+    assert chat.choices[0].finish_reason == "stop"
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for bad, param in (
+        ({"regex": "w1[0-"}, "regex"),
+        ({"ebnf": "root ::= nothing"}, "ebnf"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),  # no JSON spelling
+        ({"response_format": schema}, "response_format"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"regex": "w4", "ebnf": 'root ::= "w4"'}, "ebnf"),
+    ):
+        r = server.http.post("/v1/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    r = server.http.post(
+        "/generate", json={"input_ids": ids, "sampling_params": {"json_schema": "{}"}}
+    )
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "sampling_params.json_schema"
+    plain = server.http.post("/v1/completions", json={**body, "response_format": {"type": "text"}})
+    assert plain.status_code == 200
 
 
 def test_penalties_are_the_engines(server, engine):
@@ -820,7 +873,7 @@ def test_models_info_health_flush(server):
     assert si["server_args"]["mamba_track_interval"] == TRACK
     # the start-up's phases in the order they ran (CPU: no graphs)
     phases = si["startup_seconds"]
-    assert list(phases) == ["checkpoint", "pools", "step_loop", "warm_up"]
+    assert list(phases) == ["checkpoint", "grammar", "pools", "step_loop", "warm_up"]
     assert all(sec >= 0 for sec in phases.values()) and phases["checkpoint"] > 0
     assert server.http.post("/flush_cache").status_code == 200
 

@@ -660,7 +660,12 @@ def test_generation_budget_keeps_the_first_round_and_stops_between_rounds(gemma,
     assert 0 < len(text.sequences) == len(text.prompt_lens) <= 4
     seconds = text.info["seconds"]  # the engine's start-up is reported apart
     assert 0 < seconds["engine_start"] < seconds["generation"]
-    assert list(text.info["engine_startup_seconds"]) == ["checkpoint", "pools", "step_loop"]
+    assert list(text.info["engine_startup_seconds"]) == [
+        "checkpoint",
+        "grammar",
+        "pools",
+        "step_loop",
+    ]
     assert text.info["continuation_tok_s"] > 0
 
 

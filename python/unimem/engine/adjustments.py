@@ -1,6 +1,6 @@
 """Per-request logit adjustments: penalties (``presence_penalty``, ``frequency_penalty``,
-``repetition_penalty``), OpenAI's ``logit_bias`` and ``min_tokens`` (SGLang's
-``min_new_tokens``).
+``repetition_penalty``), OpenAI's ``logit_bias``, ``min_tokens`` (SGLang's
+``min_new_tokens``) and a grammar's masks (structured output, :mod:`unimem.engine.grammar`).
 
 A request's adjustments (``Request.penalties``, ``Request.logit_bias``,
 ``Request.min_tokens``) apply on the device to the logits rows a step picks from — an
@@ -15,7 +15,9 @@ at index ``i`` of prompt + output suppresses the stops while ``i < len(prompt) +
 min_tokens``), so it is exact whatever the host has read of the steps in flight. Penalties
 need the whole history: the engine reads every step in flight before it plans a batch with a
 penalised request (:func:`needs_exact_history`; that batch loses the overlap of the host with
-the device), and a verify step adds the drafts before each row on the device.
+the device), and a verify step adds the drafts before each row on the device. So does a
+grammar, whose matcher must have read the whole output; its verify steps read their drafts
+back to walk them (:class:`~unimem.engine.grammar.StepMasks`).
 
 A step with such a request runs eagerly (the recorded CUDA graphs carry no adjustments); a
 request whose output has reached ``min_tokens`` (as the host has read it) with no bias or
@@ -32,6 +34,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from unimem.engine.grammar import StepMasks
 from unimem.engine.request import Request
 from unimem.models.logit_adjustments import LaneAdjustments
 
@@ -112,16 +115,18 @@ def check_penalties(presence: float, frequency: float, repetition: float) -> tup
 
 
 def needs_exact_history(req: Request) -> bool:
-    """Whether planning ``req``'s next step needs its whole output read (penalties)."""
-    return req.penalties != NEUTRAL_PENALTIES
+    """Whether planning ``req``'s next step needs its whole output read (penalties, a
+    grammar)."""
+    return req.penalties != NEUTRAL_PENALTIES or req.grammar is not None
 
 
 def needs_adjusting(req: Request) -> bool:
-    """Whether ``req``'s next step must adjust its logits: it has penalties or a bias, or
-    its output (as read) is still short of ``min_tokens`` (a step in flight may have reached
-    it: the device decides per row)."""
+    """Whether ``req``'s next step must adjust its logits: it has penalties, a bias or a
+    grammar, or its output (as read) is still short of ``min_tokens`` (a step in flight may
+    have reached it: the device decides per row)."""
     return (
-        bool(req.logit_bias)
+        req.grammar is not None
+        or bool(req.logit_bias)
         or len(req.output) < req.min_tokens
         or req.penalties != NEUTRAL_PENALTIES
     )
@@ -176,6 +181,19 @@ def plan(reqs: Sequence[Request], width: int) -> LaneAdjustments | None:
             stop_ids[lane, : len(stops)] = torch.tensor(stops)
             stop_values[lane, : len(stops)] = float("-inf")
             stop_until[lane] = len(r.prompt) + r.min_tokens
+    grammar = None
+    states = [r.grammar for r in reqs]
+    if any(st is not None for st in states):
+        words = next(st.words for st in states if st is not None)
+        grammar = StepMasks(states + [None] * (width - len(reqs)), words)
     return LaneAdjustments(
-        bias_ids, bias_values, stop_ids, stop_values, stop_until, penalties, hist_ids, hist_counts
+        bias_ids,
+        bias_values,
+        stop_ids,
+        stop_values,
+        stop_until,
+        penalties,
+        hist_ids,
+        hist_counts,
+        grammar,
     )

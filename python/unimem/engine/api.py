@@ -51,6 +51,7 @@ from unimem.engine.args import (
 )
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
+from unimem.engine.grammar import GrammarBackend, GrammarSpec
 from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
 from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
 from unimem.engine.request import Request
@@ -137,7 +138,29 @@ SAMPLING_KEYS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "json_schema",
+    "regex",
+    "ebnf",
 )
+
+
+def grammar_of(params: Mapping) -> GrammarSpec | None:
+    """SGLang's ``json_schema`` / ``regex`` / ``ebnf`` sampling parameter of ``params`` as a
+    :class:`GrammarSpec` (None if none is set); ``ValueError`` naming the key if more than
+    one is set or the value is not a non-empty string."""
+    given = [k for k in ("json_schema", "regex", "ebnf") if params.get(k) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"sampling_params: {' and '.join(given)} are exclusive: set one")
+    key = given[0]
+    value = params[key]
+    if not isinstance(value, str):
+        raise ValueError(f"sampling_params.{key} must be a string, got {type(value).__name__}")
+    try:
+        return GrammarSpec(key, value)
+    except ValueError as e:
+        raise ValueError(f"sampling_params.{e}") from None
 
 
 class SamplingParams:
@@ -147,8 +170,10 @@ class SamplingParams:
     ``seed``) as ``self.sampling``; ``min_new_tokens``, ``logit_bias`` (token id, an int
     or its string, -> bias) and the penalties (``presence_penalty``, ``frequency_penalty``,
     ``repetition_penalty``) as :mod:`unimem.engine.adjustments` takes them (checked before
-    submission). ``defaults`` (the checkpoint's, see
-    :attr:`Engine.sampling_defaults`) fill the keys the request leaves out or sets to None.
+    submission); at most one of ``json_schema`` (a JSON schema's text), ``regex`` and
+    ``ebnf`` as ``self.grammar`` (a :class:`~unimem.engine.grammar.GrammarSpec`, or None).
+    ``defaults`` (the checkpoint's, see :attr:`Engine.sampling_defaults`) fill the keys the
+    request leaves out or sets to None.
     ``ValueError`` naming the key."""
 
     def __init__(self, params: Mapping | None, defaults: Mapping | None = None) -> None:
@@ -199,6 +224,7 @@ class SamplingParams:
         self.sampling: SamplingOptions = sampling
         self.min_new_tokens = params.get("min_new_tokens") or 0
         self.logit_bias: dict[int, float] = bias
+        self.grammar = grammar_of(params)
         self.penalties = tuple(
             params[key] if params.get(key) is not None else neutral
             for key, neutral in zip(
@@ -298,6 +324,12 @@ class Engine:
         self.eos_token_ids = ckpt.eos_token_ids
         self.sampling_defaults = dict(ckpt.sampling_defaults)
         config = self.model.config
+        self.grammar_backend = None
+        if args.grammar_backend == "xgrammar" and ckpt.tokenizer is not None:
+            self.grammar_backend = GrammarBackend(
+                config.vocab_size, ckpt.eos_token_ids, tokenizer=ckpt.tokenizer
+            )
+            laps.lap("grammar")
         self.context_length = config.max_context
         sixteen_bit = config.dtype in (torch.bfloat16, torch.float16)
         backend_name = args.attention_backend or (
@@ -384,6 +416,7 @@ class Engine:
             random_seed=args.random_seed,
             prefill_delayer=args.prefill_delayer(),
             graph_buckets=graph_buckets(args.cuda_graph_bs, max_running),
+            grammar_backend=self.grammar_backend,
         )
         if groups is not None and groups.rank == 0:
             self.core = LeaderCore(*core_args, groups=groups, **core_kwargs)
@@ -536,6 +569,8 @@ class Engine:
             n = params.max_new_tokens
             check_adjustments(params.logit_bias, params.min_new_tokens, n, vocab)
             check_penalties(*params.penalties)
+            if params.grammar is not None:
+                self.core.grammar_state(params.grammar)  # compiles it (cached) or says why not
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
 
@@ -557,6 +592,7 @@ class Engine:
             presence_penalty=params.penalties[0],
             frequency_penalty=params.penalties[1],
             repetition_penalty=params.penalties[2],
+            grammar=params.grammar,
             **scored,
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from unimem.engine.grammar import grammar_available
 from unimem.engine.prefill_delay import DEFAULT_MAX_DELAY_PASSES, PrefillDelayer
 from unimem.models.model_path import DEFAULT_MODEL
 
@@ -23,6 +24,9 @@ DEFAULT_MAMBA_TRACK_INTERVAL = 512
 """Tokens between the recurrent-state checkpoints of cached prefixes (models with STATE
 layers) when ``mamba_track_interval`` is not given: a step that may end on one copies a
 state slot, and every checkpoint the cache keeps holds one (``docs/prefix_cache.md``)."""
+
+GRAMMAR_BACKENDS = ("xgrammar", "none")
+"""``grammar_backend`` choices (SGLang's default first)."""
 
 DEFAULT_CUDA_MAX_RUNNING = 256
 """``max_running_requests`` on CUDA when it is not given (and no graph size caps it)."""
@@ -148,6 +152,9 @@ class EngineArgs:
     ``prefill_delayer_queue_min_ratio``, also hold while fewer requests wait than that ratio
     of the running ones, at most ``prefill_delayer_max_delay_ms`` per episode
     (:mod:`unimem.engine.prefill_delay`).
+    ``grammar_backend`` (SGLang's name): "xgrammar" (the default) compiles and matches the
+    grammars of structured-output requests (:mod:`unimem.engine.grammar`); "none" refuses
+    them. SGLang's other backends ("outlines", "llguidance") are refused by name.
     """
 
     model_path: str | None = None
@@ -186,6 +193,7 @@ class EngineArgs:
     prefill_delayer_token_usage_low_watermark: float | None = None
     prefill_delayer_queue_min_ratio: float | None = None
     prefill_delayer_max_delay_ms: float | None = None
+    grammar_backend: str = "xgrammar"
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -264,6 +272,15 @@ class EngineArgs:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_METHODS} (or unset), "
                 f"got {self.quantization!r}"
+            )
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
+            )
+        if self.grammar_backend == "xgrammar" and not grammar_available():
+            raise ValueError(
+                "grammar_backend xgrammar: the package is not installed (pip install "
+                "xgrammar, or grammar_backend 'none')"
             )
         self._check_verify_lengths()
         self._check_radix_cache()

@@ -20,6 +20,7 @@ from unimem.cache import PrefixCache
 from unimem.engine.adjustments import check_options as check_adjustments
 from unimem.engine.adjustments import check_penalties, needs_exact_history
 from unimem.engine.batch import Batch
+from unimem.engine.grammar import GrammarBackend, GrammarSpec
 from unimem.engine.prefill_delay import PrefillDelayer
 from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
 from unimem.engine.request import Request, RequestStatus
@@ -61,6 +62,9 @@ class EngineCore:
     ``prefill_delayer``: hold admissions back while a saturated batch decodes
     (:mod:`unimem.engine.prefill_delay`); None: admit whenever something fits.
 
+    ``grammar_backend``: compiles and matches the grammars of structured-output requests
+    (:mod:`unimem.engine.grammar`); None: such requests are refused.
+
     With results read one step late, a speculative request may run one verify step past its
     end (its in-flight step finished it): every request reserves ``lookahead`` (``gamma + 1``)
     tokens of context and memory beyond its write window for that step.
@@ -81,8 +85,10 @@ class EngineCore:
         logprobs: bool = False,
         random_seed: int = 0,
         prefill_delayer: PrefillDelayer | None = None,
+        grammar_backend: GrammarBackend | None = None,
     ) -> None:
         self.model = model
+        self.grammar_backend = grammar_backend
         self.random_seed = random_seed
         self.pool = pool
         self.chain = chain
@@ -196,6 +202,7 @@ class EngineCore:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        grammar: GrammarSpec | None = None,
     ) -> Request:
         """Queue a request of ``prompt`` token ids for up to ``max_new_tokens`` output tokens,
         ending early at any of ``stop_token_ids`` (kept as its last output token), picked by
@@ -206,10 +213,11 @@ class EngineCore:
         many most likely tokens too (``Request.output_top_logprobs``; needs an engine built
         with ``logprobs``; a step with such a request runs eagerly). The penalties,
         ``logit_bias`` (token id -> bias) and ``min_tokens`` (stop tokens suppressed until the
-        output has that many): :mod:`unimem.engine.adjustments`. ``ValueError`` naming the
-        problem
-        (:meth:`check_request`, :meth:`check_sampling`,
-        :func:`~unimem.engine.prompt_logprobs.check_options`), before anything is queued."""
+        output has that many): :mod:`unimem.engine.adjustments`. ``grammar``: the output must
+        follow it (:mod:`unimem.engine.grammar`; the request stops once it is complete).
+        ``ValueError`` naming the problem (:meth:`check_request`, :meth:`check_sampling`,
+        :func:`~unimem.engine.prompt_logprobs.check_options`, a grammar that does not
+        compile or an engine without a grammar backend), before anything is queued."""
         self.check_request(prompt, max_new_tokens)
         sampling = GREEDY if sampling is None else sampling
         self.check_sampling(sampling)
@@ -218,9 +226,12 @@ class EngineCore:
         vocab = self.model.config.vocab_size
         bias = check_adjustments(logit_bias, min_tokens, max_new_tokens, vocab)
         penalties = check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
+        stops = frozenset(int(t) for t in stop_token_ids)
+        state = None
+        if grammar is not None:
+            state = self.grammar_state(grammar, stops)
         rid = self._next_rid
         seed = default_seed(self.random_seed, rid) if sampling.seed is None else sampling.seed
-        stops = frozenset(int(t) for t in stop_token_ids)
         req = Request(
             rid,
             [int(t) for t in prompt],
@@ -237,12 +248,29 @@ class EngineCore:
                 req.prompt_top_logprobs = [None] * len(req.prompt)
         req.top_logprobs_k = top_logprobs
         req.logit_bias, req.min_tokens, req.penalties = bias, min_tokens, penalties
+        req.grammar = state
         if req.has_extras:
             self._extras.append(req)
             self.runner.extras_live = True
         self._next_rid += 1
         self.scheduler.add(req)
         return req
+
+    def grammar_state(self, spec: GrammarSpec, stop_token_ids: Iterable[int] = ()):
+        """A fresh matcher of ``spec`` for a request ending at ``stop_token_ids``;
+        ``ValueError`` naming the problem if it does not compile or this engine has no grammar
+        backend (callers may use it to check a grammar before submitting)."""
+        if not isinstance(spec, GrammarSpec):
+            raise ValueError(f"request rejected: grammar must be a GrammarSpec, got {spec!r}")
+        if self.grammar_backend is None:
+            raise ValueError(
+                f"request rejected: {spec.kind} needs a grammar backend (this engine has none: "
+                "no tokenizer, or grammar_backend 'none')"
+            )
+        try:
+            return self.grammar_backend.state(spec, stop_token_ids)
+        except ValueError as e:
+            raise ValueError(f"request rejected: {e}") from None
 
     def restart_request_ids(self) -> None:
         """Number the next request 0 again, as in a fresh engine (after a warm-up: seedless

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from unimem.engine.grammar import GrammarState
 from unimem.engine.sampling import GREEDY, SamplingOptions
 from unimem.memory.pool import RequestMemory
 from unimem.models.forward_context import ForwardMode
@@ -69,7 +70,9 @@ class Request:
     ``output_top_logprobs`` (``(token id, log-probability)`` pairs, most likely first).
     ``penalties`` (presence, frequency, repetition), ``logit_bias`` (sorted ``(token id,
     bias)`` pairs) and ``min_tokens``: the logit adjustments of
-    :mod:`unimem.engine.adjustments`. ``error``: why the engine failed
+    :mod:`unimem.engine.adjustments`. ``grammar``: the matcher of a request whose output must
+    follow a grammar (:mod:`unimem.engine.grammar`; it reads each appended token, and the
+    request stops when it terminates). ``error``: why the engine failed
     the request (an internal fault met it; ``finish_reason`` is then "abort"), else None.
 
     One step late: ``kv_len`` and ``output`` are what the host has *read*; launched steps not
@@ -109,6 +112,7 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
+    grammar: GrammarState | None = None
     error: str | None = None
     sampling: SamplingOptions = GREEDY
     seed: int = 0
@@ -141,6 +145,8 @@ class Request:
                     take = take[: j + 1]
                     self.stopped = True
                     break
+        if self.grammar is not None:
+            take = self._follow_grammar(take)
         self.output.extend(take)
         if logprobs is not None:
             self.output_logprobs.extend(logprobs[: len(take)])
@@ -158,6 +164,8 @@ class Request:
         building lists: a decode step's accounting calls it for every request."""
         if self.aborted or self.stopped or len(self.output) >= self.max_new_tokens:
             return
+        if self.grammar is not None and not self._follow_grammar([token]):
+            return
         self.output.append(token)
         if logprob is not None:
             self.output_logprobs.append(logprob)
@@ -166,12 +174,29 @@ class Request:
         if token in self.stop_token_ids:
             self.stopped = True
 
+    def _follow_grammar(self, tokens: list[int]) -> list[int]:
+        """The leading ``tokens`` the grammar accepts: up to the one it terminates on (the
+        request stops), or up to one it refuses (an engine fault: the request ends with
+        ``error``)."""
+        n, ended = self.grammar.accept(tokens)
+        if ended:
+            self.stopped = True
+        elif n < len(tokens):
+            kind = self.grammar.spec.kind
+            if self.grammar.stuck:
+                self.error = f"no token of the model's vocabulary continues the {kind} here"
+            else:
+                self.error = f"internal error: token {tokens[n]} broke the request's {kind}"
+            self.aborted = True
+        return tokens[:n]
+
     @property
     def has_extras(self) -> bool:
         """Whether the request asks for anything a recorded step does not do: prompt or top
-        log-probabilities, or logit adjustments."""
+        log-probabilities, logit adjustments or a grammar."""
         return (
-            self.prompt_logprobs_from is not None
+            self.grammar is not None
+            or self.prompt_logprobs_from is not None
             or self.top_logprobs_k > 0
             or bool(self.logit_bias)
             or self.min_tokens > 0

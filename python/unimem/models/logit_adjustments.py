@@ -11,7 +11,9 @@ in a verify step, the drafts before the row):
    ``frequency * count(t) + presence * [count(t) > 0]`` is subtracted, counting ``t`` among
    the output tokens of ``h`` (prompt tokens count for the repetition penalty only);
 2. ``logit_bias``: an additive bias on chosen tokens;
-3. ``min_tokens``: the stop tokens at ``-inf`` while ``i < stop_until``.
+3. ``min_tokens``: the stop tokens at ``-inf`` while ``i < stop_until``;
+4. a grammar (structured output, :mod:`unimem.engine.grammar`): every token the lane's
+   grammar does not allow after ``h`` at ``-inf``.
 
 Penalties are computed sparsely over the history's distinct tokens (``hist_*``, padded per
 lane), plus, in a verify step, the drafts before each row — never a vocabulary-sized count per
@@ -22,6 +24,7 @@ value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,7 +42,13 @@ class LaneAdjustments:
     ``penalties [W, 3]`` float32 (presence, frequency, repetition; neutral 0, 0, 1),
     ``hist_ids [W, U]`` int64 (the distinct tokens of the lane's prompt and output; padding
     repeats the lane's first entry), ``hist_counts [W, U]`` float32 (each one's count among
-    the output tokens; padding repeats it too). Host tensors from
+    the output tokens; padding repeats it too). ``grammar`` (None when no lane has one):
+    called once by the step with its drafts ``[W, g]`` (a verify step) or None and the
+    logits' device, it returns ``(slots [W] int64, masks [G, C, words] int32)`` there: bit
+    ``t % 32`` of word ``t // 32`` of ``masks[slots[b], j]`` allows token ``t`` in lane
+    ``b``'s rows of column ``j`` (``slots[b]`` -1: the lane is unconstrained; ``C`` is ``g +
+    1`` in a verify step, else 1); it may wait for the drafts
+    (:class:`unimem.engine.grammar.StepMasks`). Host tensors from
     :func:`unimem.engine.adjustments.plan`, device ones from :meth:`upload`."""
 
     bias_ids: torch.Tensor
@@ -50,6 +59,9 @@ class LaneAdjustments:
     penalties: torch.Tensor | None = None
     hist_ids: torch.Tensor | None = None
     hist_counts: torch.Tensor | None = None
+    grammar: (
+        Callable[[torch.Tensor | None, torch.device], tuple[torch.Tensor, torch.Tensor]] | None
+    ) = None
 
     def upload(self, device: torch.device) -> LaneAdjustments:
         """Device copies in two non-blocking copies (from pinned memory on CUDA)."""
@@ -66,7 +78,12 @@ class LaneAdjustments:
             ints, floats = ints.to(device), floats.to(device)
         m, s = self.bias_ids.shape[1], self.stop_ids.shape[1]
         out = LaneAdjustments(
-            ints[:, :m], floats[:, :m], ints[:, m : m + s], floats[:, m : m + s], ints[:, m + s]
+            ints[:, :m],
+            floats[:, :m],
+            ints[:, m : m + s],
+            floats[:, m : m + s],
+            ints[:, m + s],
+            grammar=self.grammar,
         )
         if self.penalties is None:
             return out
@@ -91,7 +108,8 @@ def apply(
     ``lanes[r]`` and produces the token at index ``produced[r]`` of its request's prompt +
     output (both ``[R]`` int64). A verify step's rows also pass the lanes' drafts ``drafts
     [W, g]`` and each row's column ``columns[R]`` (the drafts ``[:column]`` precede it).
-    Tensors on ``logits``' device. Device work only."""
+    Tensors on ``logits``' device. Device work only, but for a grammar (``adj.grammar``):
+    its masks come from the host, and the constrained rows are found on the host."""
     lanes = lanes.long()
     if adj.penalties is not None:
         _penalize(logits, lanes, adj, drafts, columns)
@@ -99,6 +117,33 @@ def apply(
     suppress = produced.long() < adj.stop_until[lanes]
     values = torch.where(suppress[:, None], adj.stop_values[lanes], 0.0)
     logits.scatter_add_(1, adj.stop_ids[lanes], values.to(logits.dtype))
+    if adj.grammar is not None:
+        slots, masks = adj.grammar(drafts, logits.device)
+        cols = torch.zeros_like(lanes) if columns is None else columns.long()
+        mask_rows(logits, slots[lanes], cols, masks)
+
+
+MASK_CHUNK_ROWS = 64
+"""Rows unpacked at once by :func:`mask_rows` (bounds its temporaries to ``64 x vocab``)."""
+
+
+def mask_rows(
+    logits: torch.Tensor, slots: torch.Tensor, columns: torch.Tensor, masks: torch.Tensor
+) -> None:
+    """Set to ``-inf`` the logits of every token that ``masks[slots[r], columns[r]]`` (packed
+    bits, :class:`LaneAdjustments`' ``grammar``) does not allow, in the rows ``r`` of
+    ``logits [R, V]`` with ``slots[r] >= 0``, in place. Finds those rows on the host (one
+    sync)."""
+    rows = torch.nonzero(slots >= 0).reshape(-1)
+    if rows.numel() == 0:
+        return
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    for start in range(0, rows.numel(), MASK_CHUNK_ROWS):
+        r = rows[start : start + MASK_CHUNK_ROWS]
+        bits = masks[slots[r], columns[r]]  # [n, words]
+        allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(r.numel(), -1)[:, :vocab]
+        logits[r] = logits[r].masked_fill(~allowed, float("-inf"))
 
 
 def _penalize(

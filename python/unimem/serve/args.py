@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 from unimem.engine.args import (
     ATTENTION_BACKENDS,
+    GRAMMAR_BACKENDS,
     SAMPLED_VERIFY,
     UNSUPPORTED_SGLANG_ARGS,
     VERIFY_LENGTHS,
@@ -52,7 +53,6 @@ SGLANG_ONLY_FLAGS = frozenset(
         "--tool-call-parser",
         "--reasoning-parser",
         "--sampling-backend",
-        "--grammar-backend",
         "--is-embedding",
         "--json-model-override-args",
         "--download-dir",
@@ -249,6 +249,13 @@ def build_parser(prog: str = "python -m unimem.launch_server") -> argparse.Argum
         choices=("fp8",),
         help="fp8: quantise the linears at load (block-wise FP8 weights, per-token-group "
         "activations); an FP8 checkpoint runs in FP8 without it",
+    )
+    r.add_argument(
+        "--grammar-backend",
+        choices=GRAMMAR_BACKENDS,
+        default="xgrammar",
+        help="structured output (response_format, json_schema, regex, ebnf): xgrammar, or "
+        "none to refuse it",
     )
     r.add_argument("--speculative-algorithm", type=str.upper, choices=("DSPARK",))
     r.add_argument("--speculative-num-draft-tokens", type=int)

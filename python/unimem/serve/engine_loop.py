@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 from unimem.engine.api import cache_stats
 from unimem.engine.core import EngineCore
+from unimem.engine.grammar import GrammarSpec
 from unimem.engine.request import Request
 from unimem.engine.sampling import SamplingOptions
 from unimem.memory.spec import LayerKind
@@ -98,7 +99,8 @@ class Submission:
     <unimem.engine.core.EngineCore.submit>`); None: not at all. ``top_logprobs``: each output
     token's that many most likely tokens. ``logit_bias``, ``min_tokens``, ``penalties``
     (presence, frequency, repetition): the logit adjustments
-    (:mod:`unimem.engine.adjustments`). ``discard_output``: the HTTP side asked
+    (:mod:`unimem.engine.adjustments`). ``grammar``: structured output
+    (:mod:`unimem.engine.grammar`). ``discard_output``: the HTTP side asked
     for no output token (a prefill); the engine still samples one, which the response
     leaves out."""
 
@@ -117,6 +119,7 @@ class Submission:
     logit_bias: Mapping[int, float] | None = None
     min_tokens: int = 0
     penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
+    grammar: GrammarSpec | None = None
     discard_output: bool = False
 
 
@@ -385,6 +388,8 @@ class EngineLoop:
                 kw["top_logprobs"] = s.top_logprobs
             if s.logit_bias or s.min_tokens:
                 kw.update(logit_bias=s.logit_bias, min_tokens=s.min_tokens)
+            if s.grammar is not None:
+                kw["grammar"] = s.grammar
             if s.penalties != (0.0, 0.0, 1.0):
                 presence, frequency, repetition = s.penalties
                 kw.update(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from unimem.engine.adjustments import check_options as check_adjustments
 from unimem.engine.adjustments import check_penalties
+from unimem.engine.grammar import GrammarSpec
 from unimem.engine.prompt_logprobs import MAX_TOP_LOGPROBS
 from unimem.engine.sampling import SamplingOptions
 from unimem.serve.args import ServerOptions
@@ -78,7 +79,9 @@ class GenParams:
     ``prompt_logprobs_from``: score the prompt from that position (None: not at all;
     :mod:`unimem.engine.prompt_logprobs`), spelled ``prompt_logprobs_field`` in the
     request. The penalties, ``logit_bias`` / ``min_tokens``: :mod:`unimem.engine.adjustments`
-    (``min_tokens`` spelled ``min_tokens_field``)."""
+    (``min_tokens`` spelled ``min_tokens_field``). ``grammar``: the output must follow it
+    (structured output, :mod:`unimem.serve.structured`), set by the request's field
+    ``grammar_field``."""
 
     max_new_tokens: int | None = None
     temperature: float = DEFAULT_TEMPERATURE
@@ -104,6 +107,8 @@ class GenParams:
     top_logprobs_field: str = "top_logprobs"
     prompt_logprobs_field: str = "logprob_start_len"
     min_tokens_field: str = "min_tokens"
+    grammar: GrammarSpec | None = None
+    grammar_field: str = "response_format"
 
     @classmethod
     def with_defaults(cls, defaults: Mapping, **fields) -> GenParams:
@@ -318,6 +323,14 @@ class Serving:
         except ValueError as e:
             param = str(e).split(": ", 1)[1].split(" ", 1)[0]  # the penalty's name
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
+        if p.grammar is not None:
+            try:  # compiled here, off the engine thread (the compiler caches it for there)
+                self.core.grammar_state(p.grammar)
+            except ValueError as e:
+                msg = str(e).removeprefix("request rejected: ")
+                raise ApiError(
+                    400, f"{p.grammar_field}: {msg}", param=p.grammar_field, code="invalid_value"
+                ) from None
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops |= self.eos_token_ids
@@ -325,6 +338,7 @@ class Serving:
         sub.discard_output = discard
         sub.top_logprobs = k
         sub.logit_bias, sub.min_tokens, sub.penalties = p.logit_bias, p.min_tokens, penalties
+        sub.grammar = p.grammar
         if start is not None:
             sub.prompt_logprobs_from, sub.prompt_top_logprobs = start, k
         return sub

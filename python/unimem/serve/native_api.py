@@ -5,7 +5,8 @@
 ``stream``), ``sampling_params`` with SGLang's names (``max_new_tokens`` — default 128 —,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``,
 ``ignore_eos``, ``n``, ``no_stop_trim``, ``skip_special_tokens``, ``min_new_tokens``,
-``logit_bias``, the penalties), ``stream`` and
+``logit_bias``, the penalties, ``json_schema`` / ``regex`` / ``ebnf``: structured output),
+``stream`` and
 ``return_logprob`` (with ``logprob_start_len`` and ``top_logprobs_num``: the prompt's
 log-probabilities, :class:`_Logprobs`); it answers ``{"text", "output_ids", "meta_info"}`` with
 ``meta_info.finish_reason`` as SGLang spells it (``{"type": "stop", "matched": ...}``,
@@ -37,6 +38,7 @@ from unimem.serve.openai_api import SSE_HEADERS, read_json, sse
 from unimem.serve.protocol import GenerateRequest, parse_body
 from unimem.serve.router_compat import model_info, server_info
 from unimem.serve.sglang_fields import refuse_sglang_unsupported
+from unimem.serve.structured import grammar_of_fields
 
 __all__ = ["native_router"]
 
@@ -61,6 +63,9 @@ SAMPLING_KEYS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "json_schema",
+    "regex",
+    "ebnf",
 )
 
 HEALTH_POLL_S = 0.05
@@ -114,6 +119,8 @@ def _gen_params(raw: dict | None, where: str, defaults: Mapping) -> GenParams:
     p.logit_bias = token_bias(raw.get("logit_bias"), f"{where}.logit_bias")
     p.min_tokens = raw.get("min_new_tokens") or 0
     p.min_tokens_field = f"{where}.min_new_tokens"
+    fields = {key: raw.get(key) for key in ("json_schema", "regex", "ebnf")}
+    p.grammar, p.grammar_field = grammar_of_fields(fields, where)
     return p
 
 

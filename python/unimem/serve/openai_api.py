@@ -58,6 +58,7 @@ from unimem.serve.protocol import (
     refuse_unsupported,
 )
 from unimem.serve.sglang_fields import refuse_sglang_unsupported
+from unimem.serve.structured import grammar_of_fields
 
 __all__ = ["openai_router", "read_json", "sse"]
 
@@ -111,6 +112,10 @@ def _params(body, max_tokens: int | None, max_field: str, defaults: Mapping) -> 
             setattr(p, name, value)
     p.logit_bias = token_bias(body.logit_bias, "logit_bias")
     p.min_tokens = body.min_tokens
+    fields = {
+        key: getattr(body, key, None) for key in ("response_format", "json_schema", "regex", "ebnf")
+    }
+    p.grammar, p.grammar_field = grammar_of_fields(fields)
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
         if value is not None:

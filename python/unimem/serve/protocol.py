@@ -72,7 +72,8 @@ class _SamplingFields(_Body):
     (``presence_penalty`` / ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` in (0,
     2], SGLang's and vLLM's), ``logit_bias`` (token id, as a string, -> bias in [-100, 100])
     and ``min_tokens`` (vLLM's and SGLang's: stop tokens suppressed until the output has that
-    many), and the OpenAI fields unimem refuses when set (:func:`refuse_unsupported`)."""
+    many), SGLang's ``regex`` / ``ebnf`` (structured output, :mod:`unimem.serve.structured`),
+    and the OpenAI fields unimem refuses when set (:func:`refuse_unsupported`)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -93,6 +94,8 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_SamplingFields, SGLangCompletionFields):
@@ -109,6 +112,8 @@ class CompletionRequest(_SamplingFields, SGLangCompletionFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    json_schema: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, SGLangChatFields):
@@ -184,14 +189,6 @@ def refuse_unsupported(body: BaseModel) -> None:
                 param=name,
                 code="unsupported_parameter",
             )
-    fmt = getattr(body, "response_format", None)
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise ApiError(
-            400,
-            "response_format: only {'type': 'text'} is supported",
-            param="response_format",
-            code="unsupported_parameter",
-        )
 
 
 def check_unicode(data: Any) -> None:

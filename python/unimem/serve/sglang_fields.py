@@ -28,9 +28,10 @@ field (route)                     status        meaning here
 ``return_entropy`` (/generate)
 ================================  ============  ==============================================
 
-Fields the router forwards only when the client set them (``regex``, ``json_schema``,
-``lora_path``, ...) stay unrecognised: a 400 names them (``min_tokens``, ``logit_bias``: see
-``protocol.py``).
+Fields the router forwards only when the client set them are honoured where unimem implements
+them (``min_tokens``, ``logit_bias``, ``regex``, ``ebnf``, ``json_schema``: see
+``protocol.py``, :mod:`unimem.serve.structured`); the others (``lora_path``, ...) stay
+unrecognised: a 400 names them.
 """
 
 from __future__ import annotations
