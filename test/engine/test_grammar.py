@@ -228,7 +228,7 @@ def test_bad_grammars_are_refused_before_queuing(tiny):
     cfg, model, backend, _ = tiny
     (prompt,) = _prompts(cfg, 1, 8)
     eng = _engine(cfg, model, backend, None)
-    with pytest.raises(ValueError, match="regex does not compile"):
+    with pytest.raises(ValueError, match="regex does not compile: Regex parsing error at"):
         eng.submit(prompt, 4, grammar=GrammarSpec("regex", "[0-9"))
     with pytest.raises(ValueError, match="json_schema does not compile: not JSON"):
         eng.submit(prompt, 4, grammar=GrammarSpec("json_schema", "{'type': 1"))

@@ -29,6 +29,7 @@ complete (those of the request, else the model's EOS), even with ``ignore_eos``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,9 @@ __all__ = [
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
 """What a :class:`GrammarSpec` may be: a JSON schema (its text), any JSON value (no text), a
 regular expression, an EBNF grammar (xgrammar's GBNF dialect, root rule ``root``)."""
+
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
 def grammar_available() -> bool:
@@ -135,6 +139,7 @@ class GrammarBackend:
             return c.compile_grammar(spec.text)
         except (RuntimeError, ValueError, TypeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = _LOG_PREFIX.sub("", first)  # xgrammar's "[time] file.cc:line: "
             raise ValueError(f"{spec.kind} does not compile: {first}") from None
 
     def state(self, spec: GrammarSpec, stop_token_ids: Sequence[int] = ()) -> GrammarState:
