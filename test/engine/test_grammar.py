@@ -251,3 +251,19 @@ def test_bad_grammars_are_refused_before_queuing(tiny):
     ok = eng.submit(prompt, 4, stop_token_ids=[EOS])  # the engine still serves
     eng.run()
     assert len(ok.output) >= 1
+
+
+def test_retracted_constrained_requests_resume_where_their_grammar_stood(tiny):
+    """Under memory pressure requests are retracted and recomputed with their output kept;
+    their matchers, which read only that output, stay where they were: the outputs are the
+    oracle's."""
+    cfg, model, backend, vocab = tiny
+    prompts = _prompts(cfg, 4, 40)
+    pool = UnifiedMemory(memory_spec(cfg, 16), int(0.8 * (1 << 20)), 4, cfg.max_context)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), 4, 64, grammar_backend=backend)
+    spec = GrammarSpec("regex", "[a-z]{10,40}")
+    reqs = [eng.submit(p, 36, stop_token_ids=[EOS], grammar=spec) for p in prompts]
+    eng.run()
+    assert eng.scheduler.retractions > 0
+    for p, req in zip(prompts, reqs, strict=True):
+        assert req.error is None and req.output == _oracle(model, backend, p, 36, spec)[0]
