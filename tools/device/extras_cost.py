@@ -7,7 +7,7 @@ before each step: no overlap), or a regex grammar (structured output: masks from
 drafts read back in verify steps). Prints and writes (``--json``) tok/s and each round's
 ratio to the baseline rounds' mean (run first and last).
 
-    python tools/device/extras_cost.py --json extras_cost_h100.json
+    python tools/device/extras_cost.py --modes plain --json extras_cost_plain_h100.json
 """
 
 from __future__ import annotations
@@ -58,8 +58,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--modes", default="plain,dspark", help="comma-separated: plain, dspark")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in ("plain", "dspark") for m in modes):
+        raise SystemExit(f"--modes: plain and/or dspark, got {args.modes!r}")
     dev = torch.device("cuda")
     cfg = preset("small")
     model = HybridModel(cfg, seed=3, device=dev)
@@ -76,7 +80,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "modes": {},
     }
-    for mode in ("plain", "dspark"):
+    for mode in modes:
         chain, lanes = None, ()
         if mode == "dspark":
             drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)

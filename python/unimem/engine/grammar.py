@@ -54,7 +54,7 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
 def grammar_available() -> bool:
-    """Whether xgrammar can be imported (the ``grammar`` extra)."""
+    """Whether xgrammar can be imported."""
     try:
         import xgrammar  # noqa: F401
     except ImportError:
@@ -102,7 +102,7 @@ class GrammarBackend:
             import xgrammar as xgr
         except ImportError as e:
             raise ImportError(
-                "structured output needs xgrammar: pip install 'unimem[grammar]'"
+                "structured output needs xgrammar (a dependency of unimem): pip install xgrammar"
             ) from e
         if (tokenizer is None) == (vocab is None):
             raise ValueError("GrammarBackend takes exactly one of tokenizer and vocab")
