@@ -168,11 +168,6 @@ class GrammarState:
         """A mask came out empty: the grammar allows a continuation no token spells (the
         row was left unconstrained; the request ends with an error on its next token)."""
 
-    @property
-    def terminated(self) -> bool:
-        """The grammar is complete and a stop token was accepted: nothing may follow."""
-        return self.matcher.is_terminated()
-
     def accept(self, tokens: Sequence[int]) -> tuple[int, bool]:
         """Advance over ``tokens`` (output the host just read); returns ``(n, ended)``: the
         first ``n`` were accepted, and ``ended`` whether the matcher terminated on the
@@ -204,10 +199,7 @@ class GrammarState:
         walked = 0
         for j, tok in enumerate(drafts, start=1):
             tok = int(tok)
-            if (
-                not 0 <= tok < out.shape[1] * 32
-                or not (int(out[j - 1, tok >> 5]) >> (tok & 31)) & 1
-            ):
+            if not _allows(out[j - 1], tok):
                 break  # refused by the row before it (no matcher call: it would log a warning)
             if not self.matcher.accept_token(tok):
                 break
