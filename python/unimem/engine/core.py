@@ -20,7 +20,7 @@ from unimem.cache import PrefixCache
 from unimem.engine.adjustments import check_options as check_adjustments
 from unimem.engine.adjustments import check_penalties, needs_exact_history
 from unimem.engine.batch import Batch
-from unimem.engine.grammar import GrammarBackend, GrammarSpec
+from unimem.engine.grammar import GrammarBackend, GrammarSpec, GrammarState
 from unimem.engine.prefill_delay import PrefillDelayer
 from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
 from unimem.engine.request import Request, RequestStatus
@@ -256,7 +256,7 @@ class EngineCore:
         self.scheduler.add(req)
         return req
 
-    def grammar_state(self, spec: GrammarSpec, stop_token_ids: Iterable[int] = ()):
+    def grammar_state(self, spec: GrammarSpec, stop_token_ids: Iterable[int] = ()) -> GrammarState:
         """A fresh matcher of ``spec`` for a request ending at ``stop_token_ids``;
         ``ValueError`` naming the problem if it does not compile or this engine has no grammar
         backend (callers may use it to check a grammar before submitting)."""
