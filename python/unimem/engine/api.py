@@ -51,7 +51,7 @@ from unimem.engine.args import (
 )
 from unimem.engine.core import EngineCore
 from unimem.engine.distributed import LeaderCore, RankProcesses, TPGroups, follow, vocab_tables
-from unimem.engine.grammar import GrammarBackend, GrammarSpec
+from unimem.engine.grammar import GrammarBackend, grammar_of_fields
 from unimem.engine.pools import checkpoint_slots, plan_pools, tokens_for_budget
 from unimem.engine.prompt_logprobs import check_options, check_top_logprobs
 from unimem.engine.request import Request
@@ -144,25 +144,6 @@ SAMPLING_KEYS = (
 )
 
 
-def grammar_of(params: Mapping) -> GrammarSpec | None:
-    """SGLang's ``json_schema`` / ``regex`` / ``ebnf`` sampling parameter of ``params`` as a
-    :class:`GrammarSpec` (None if none is set); ``ValueError`` naming the key if more than
-    one is set or the value is not a non-empty string."""
-    given = [k for k in ("json_schema", "regex", "ebnf") if params.get(k) is not None]
-    if not given:
-        return None
-    if len(given) > 1:
-        raise ValueError(f"sampling_params: {' and '.join(given)} are exclusive: set one")
-    key = given[0]
-    value = params[key]
-    if not isinstance(value, str):
-        raise ValueError(f"sampling_params.{key} must be a string, got {type(value).__name__}")
-    try:
-        return GrammarSpec(key, value)
-    except ValueError as e:
-        raise ValueError(f"sampling_params.{e}") from None
-
-
 class SamplingParams:
     """Validated sampling parameters of one request: ``max_new_tokens``, ``ignore_eos``,
     ``stop_token_ids`` and :class:`~unimem.engine.sampling.SamplingOptions`
@@ -224,7 +205,8 @@ class SamplingParams:
         self.sampling: SamplingOptions = sampling
         self.min_new_tokens = params.get("min_new_tokens") or 0
         self.logit_bias: dict[int, float] = bias
-        self.grammar = grammar_of(params)
+        kinds = ("json_schema", "regex", "ebnf")
+        self.grammar, _ = grammar_of_fields({k: params.get(k) for k in kinds}, "sampling_params")
         self.penalties = tuple(
             params[key] if params.get(key) is not None else neutral
             for key, neutral in zip(

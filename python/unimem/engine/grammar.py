@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,10 +39,12 @@ import torch
 __all__ = [
     "GRAMMAR_KINDS",
     "GrammarBackend",
+    "GrammarFieldError",
     "GrammarSpec",
     "GrammarState",
     "StepMasks",
     "grammar_available",
+    "grammar_of_fields",
 ]
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
@@ -78,6 +80,44 @@ class GrammarSpec:
             raise ValueError(f"{self.kind} must be a string, got {type(self.text).__name__}")
         if self.kind != "json_object" and not self.text.strip():
             raise ValueError(f"{self.kind} is empty")
+
+
+class GrammarFieldError(ValueError):
+    """A request field that sets a grammar is wrong; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def grammar_of_fields(
+    fields: Mapping[str, GrammarSpec | str | None], where: str = ""
+) -> tuple[GrammarSpec | None, str]:
+    """The grammar that a request's ``fields`` ask for, and the field that set it (``where``
+    prefixes the names, e.g. ``sampling_params``); ``(None, "")`` when none does. A value is
+    None (unset), a :class:`GrammarSpec` (a field already parsed, e.g. OpenAI's
+    ``response_format``) or the text of a grammar of the key's kind (``json_schema``,
+    ``regex``, ``ebnf``). :class:`GrammarFieldError` naming the field for a value that is not
+    a string or is empty, or for two fields at once (the second)."""
+    found: list[tuple[GrammarSpec, str]] = []
+    for key, value in fields.items():
+        name = f"{where}.{key}" if where else key
+        if value is None:
+            continue
+        if isinstance(value, GrammarSpec):
+            found.append((value, name))
+            continue
+        if not isinstance(value, str):
+            msg = f"{name}: must be a string, got {type(value).__name__}"
+            raise GrammarFieldError(name, msg)
+        try:
+            found.append((GrammarSpec(key, value), name))
+        except ValueError as e:
+            raise GrammarFieldError(name, f"{name}: {e}") from None
+    if len(found) > 1:
+        names = " and ".join(f for _, f in found)
+        raise GrammarFieldError(found[1][1], f"{names} both constrain the output: set one")
+    return found[0] if found else (None, "")
 
 
 class GrammarBackend:

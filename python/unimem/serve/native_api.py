@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from unimem.engine.api import SAMPLING_KEYS as ENGINE_SAMPLING_KEYS
 from unimem.serve.engine_loop import PromptScores
 from unimem.serve.errors import ApiError, error_body
 from unimem.serve.generation import Generation, GenParams, Piece, Serving, token_bias
@@ -45,28 +46,9 @@ __all__ = ["native_router"]
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens``."""
 
-SAMPLING_KEYS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "n",
-    "no_stop_trim",
-    "skip_special_tokens",
-    "min_new_tokens",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "json_schema",
-    "regex",
-    "ebnf",
-)
+SAMPLING_KEYS = (*ENGINE_SAMPLING_KEYS, "stop", "n", "no_stop_trim", "skip_special_tokens")
+"""``sampling_params`` keys: the engine's (:data:`unimem.engine.api.SAMPLING_KEYS`) and those
+the server applies to text or choices."""
 
 HEALTH_POLL_S = 0.05
 """How often ``/health_generate`` looks for engine output."""

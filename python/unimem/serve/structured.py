@@ -16,7 +16,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from unimem.engine.grammar import GrammarSpec
+from unimem.engine.grammar import GrammarFieldError, GrammarSpec
+from unimem.engine.grammar import grammar_of_fields as engine_grammar_of_fields
 from unimem.serve.errors import ApiError
 
 __all__ = ["grammar_of_fields"]
@@ -54,23 +55,11 @@ def grammar_of_fields(fields: Mapping[str, Any], where: str = "") -> tuple[Gramm
     """The grammar that ``fields`` (request field -> value; None: unset) ask for and the name
     of the field that set it (``where`` prefixes it, e.g. ``sampling_params``); ``(None,
     "")`` when none does. 400 naming the field for two at once or a malformed one."""
-    name = (lambda key: f"{where}.{key}") if where else (lambda key: key)
-    found: list[tuple[GrammarSpec, str]] = []
-    for key, value in fields.items():
-        if value is None:
-            continue
-        if key == "response_format":
-            spec = _response_format(value, name(key))
-            if spec is not None:
-                found.append((spec, name(key)))
-            continue
-        if not isinstance(value, str):
-            raise _bad(name(key), f"must be a string, got {type(value).__name__}")
-        try:
-            found.append((GrammarSpec(key, value), name(key)))
-        except ValueError as e:
-            raise _bad(name(key), str(e)) from None
-    if len(found) > 1:
-        names = " and ".join(f for _, f in found)
-        raise ApiError(400, f"{names} both constrain the output: set one", param=found[1][1])
-    return found[0] if found else (None, "")
+    fields = dict(fields)
+    if fields.get("response_format") is not None:
+        name = f"{where}.response_format" if where else "response_format"
+        fields["response_format"] = _response_format(fields["response_format"], name)
+    try:
+        return engine_grammar_of_fields(fields, where)
+    except GrammarFieldError as e:
+        raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
