@@ -304,3 +304,65 @@ def test_constrained_requests_on_the_graph_engine(speculative):
         assert req.error is None and req.finish_reason == "stop" and req.output[-1] == 1
         assert re.fullmatch(regex, "".join(vocab[t] for t in req.output[:-1]))
     assert len(reqs[2].output) == 40
+
+
+@pytest.mark.parametrize("chain_kind", [None, "fixed", "adaptive"])
+def test_steps_with_extras_replay_their_forward_half(chain_kind):
+    """A batch with extras (a ``logit_bias`` that changes picks, top log-probabilities, a
+    sampled request) on the CUDA-graph engine with FA4 replays the recorded forward half of
+    its step and runs the LM head, the adjustments, the pick (or the chain's acceptance) and
+    the commits eagerly after it, with no host sync: its tokens, log-probabilities and top
+    log-probabilities equal, bit for bit, those of the same engine running those steps
+    eagerly from end to end (its forward halves dropped)."""
+    from unimem.engine.runner import ModelRunner
+    from unimem.engine.sampling import SamplingOptions
+
+    cfg = preset("gpu_test")
+    dev = torch.device("cuda")
+    model = HybridModel(cfg, seed=4, device=dev)
+    prompts = _prompts(cfg, 4, 40)
+    chain, lanes = None, ()
+    if chain_kind is not None:
+        drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)
+        kw = dict(verify_lengths="adaptive", verify_budget=8) if chain_kind == "adaptive" else {}
+        chain, lanes = DsparkChain(drafter, 3, **kw), drafter.config.lanes()
+    spec = memory_spec(cfg, 16, lanes)
+    replays = []
+    finish = ModelRunner.finish_half
+
+    def counted(self, *args, **kwargs):
+        replays.append(args[0])
+        return finish(self, *args, **kwargs)
+
+    runs = []
+    for halves in (True, False):
+        pool = UnifiedMemory(spec, 64 * MB, 4, cfg.max_context, dev)
+        eng = EngineCore(model, pool, _fa4(), 4, 128, chain=chain, cuda_graphs=True, logprobs=True)
+        kinds = 4 if chain is not None else 1
+        assert len(eng.runner.forward_graphs) == kinds
+        if not halves:
+            eng.runner.forward_graphs = {}
+        reqs = [
+            eng.submit(prompts[0], 24, logit_bias={9: 4.0, 11: 3.5}),
+            eng.submit(prompts[1], 24, top_logprobs=3),
+            eng.submit(prompts[2], 24, sampling=SamplingOptions(temperature=0.8, seed=7)),
+            eng.submit(prompts[3], 24),
+        ]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        ModelRunner.finish_half = counted
+        try:
+            eng.run()
+        finally:
+            ModelRunner.finish_half = finish
+            torch.cuda.set_sync_debug_mode("default")
+        runs.append([(r.output, r.output_logprobs, r.output_top_logprobs, r.error) for r in reqs])
+        if halves:
+            assert len(replays) > 5, "the steps with extras did not replay their forward half"
+        else:
+            assert len(replays) == 0
+        replays.clear()
+    assert runs[0] == runs[1]
+    assert all(err is None for *_, err in runs[0])
+    assert any(t in (9, 11) for t in runs[0][0][0])  # the bias changed picks
+    assert all(len(t) == 3 for t in runs[0][1][2])

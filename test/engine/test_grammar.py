@@ -48,14 +48,14 @@ def tiny():
     return cfg, HybridModel(cfg, seed=31), backend, vocab
 
 
-def _engine(cfg, model, backend, chain_kind: str | None, control=None):
+def _engine(cfg, model, backend, chain_kind: str | None, control=None, halves: bool = False):
     chain, lanes = None, ()
     if chain_kind is not None:
         drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=2)
         kw = dict(verify_lengths="adaptive", verify_budget=8) if chain_kind == "adaptive" else {}
         chain, lanes = DsparkChain(drafter, 3, control, **kw), drafter.config.lanes()
     pool = UnifiedMemory(memory_spec(cfg, 16, lanes), 8 << 20, 4, cfg.max_context)
-    return EngineCore(
+    eng = EngineCore(
         model,
         pool,
         TorchReferenceBackend(),
@@ -65,6 +65,8 @@ def _engine(cfg, model, backend, chain_kind: str | None, control=None):
         logprobs=True,
         grammar_backend=backend,
     )
+    eng.runner.eager_halves = halves  # the split step a graph engine takes
+    return eng
 
 
 def _prompts(cfg, n, length):
@@ -104,12 +106,13 @@ REGEX = "[0-9]{2,4}-[a-c]{1,3}"
 
 
 @pytest.mark.parametrize("chain_kind", [None, "fixed", "adaptive"])
-def test_greedy_constrained_outputs_follow_the_masked_logits(tiny, chain_kind):
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
+def test_greedy_constrained_outputs_follow_the_masked_logits(tiny, chain_kind, halves):
     cfg, model, backend, vocab = tiny
     prompts = _prompts(cfg, 3, 16)
     spec = GrammarSpec("regex", REGEX)
     enum = GrammarSpec("json_schema", json.dumps({"enum": ["yes", "no", "maybe"]}))
-    eng = _engine(cfg, model, backend, chain_kind)
+    eng = _engine(cfg, model, backend, chain_kind, halves=halves)
     a = eng.submit(prompts[0], 12, stop_token_ids=[EOS], grammar=spec)
     b = eng.submit(prompts[1], 12, stop_token_ids=[EOS], grammar=enum)
     c = eng.submit(prompts[2], 12, stop_token_ids=[EOS])
@@ -170,7 +173,8 @@ def test_fill_masks_each_row_after_the_drafts_before_it(tiny):
 
 
 @pytest.mark.parametrize("chain_kind", [None, "fixed"])
-def test_sampled_constrained_outputs_follow_the_grammar(tiny, chain_kind):
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
+def test_sampled_constrained_outputs_follow_the_grammar(tiny, chain_kind, halves):
     cfg, model, backend, vocab = tiny
     prompts = _prompts(cfg, 4, 10)
     schema = {
@@ -185,7 +189,7 @@ def test_sampled_constrained_outputs_follow_the_grammar(tiny, chain_kind):
         GrammarSpec("ebnf", 'root ::= "[" item ("," item)* "]"\nitem ::= [a-c] | [0-9]+'),
         GrammarSpec("json_object"),
     ]
-    eng = _engine(cfg, model, backend, chain_kind)
+    eng = _engine(cfg, model, backend, chain_kind, halves=halves)
     reqs = []
     for seed in range(2):
         for p, spec in zip(prompts, specs, strict=True):

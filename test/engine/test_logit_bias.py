@@ -26,14 +26,16 @@ def tiny():
     return cfg, HybridModel(cfg, seed=31)
 
 
-def _engine(cfg, model, chain_kind: str | None):
+def _engine(cfg, model, chain_kind: str | None, halves: bool = False):
     chain, lanes = None, ()
     if chain_kind is not None:
         drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=2)
         kw = dict(verify_lengths="adaptive", verify_budget=8) if chain_kind == "adaptive" else {}
         chain, lanes = DsparkChain(drafter, 3, **kw), drafter.config.lanes()
     pool = UnifiedMemory(memory_spec(cfg, 16, lanes), 8 << 20, 3, cfg.max_context)
-    return EngineCore(model, pool, TorchReferenceBackend(), 3, 64, chain=chain, logprobs=True)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), 3, 64, chain=chain, logprobs=True)
+    eng.runner.eager_halves = halves  # the split step a graph engine takes
+    return eng
 
 
 def _prompts(cfg, n, length):
@@ -69,7 +71,8 @@ def _oracle(model, prompt, n, bias=(), stops=frozenset(), min_tokens=0, penaltie
 
 
 @pytest.mark.parametrize("chain_kind", [None, "fixed", "adaptive"])
-def test_greedy_outputs_follow_the_adjusted_logits(tiny, chain_kind):
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
+def test_greedy_outputs_follow_the_adjusted_logits(tiny, chain_kind, halves):
     cfg, model = tiny
     prompts = _prompts(cfg, 3, 20)
     plain, _ = _oracle(model, prompts[0], 8)
@@ -77,7 +80,7 @@ def test_greedy_outputs_follow_the_adjusted_logits(tiny, chain_kind):
     bias = ((plain[0], -4.0), ((plain[0] + 1) % cfg.vocab_size, 3.0))
     # the plain output's third token stops the second request, unless min_tokens holds it
     stop = _oracle(model, prompts[1], 8)[0][2]
-    eng = _engine(cfg, model, chain_kind)
+    eng = _engine(cfg, model, chain_kind, halves)
     a = eng.submit(prompts[0], 8, logit_bias=dict(bias))
     b = eng.submit(prompts[1], 8, stop_token_ids=[stop], min_tokens=6)
     c = eng.submit(prompts[2], 8)
@@ -92,7 +95,8 @@ def test_greedy_outputs_follow_the_adjusted_logits(tiny, chain_kind):
 
 
 @pytest.mark.parametrize("chain_kind", [None, "fixed", "adaptive"])
-def test_greedy_outputs_follow_the_penalised_logits(tiny, chain_kind):
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
+def test_greedy_outputs_follow_the_penalised_logits(tiny, chain_kind, halves):
     """Penalties that change the greedy output (the random model never repeats a token, so
     the changing ones reward repeats: a repetition penalty below 1, negative presence and
     frequency ones) and positive ones, with the verify step's drafts counted before each
@@ -100,7 +104,7 @@ def test_greedy_outputs_follow_the_penalised_logits(tiny, chain_kind):
     step is planned."""
     cfg, model = tiny
     prompts = _prompts(cfg, 3, 12)
-    eng = _engine(cfg, model, chain_kind)
+    eng = _engine(cfg, model, chain_kind, halves)
     settings = [(0.0, 0.0, 0.5), (-2.0, -1.0, 1.0), (1.0, 0.5, 1.3)]
     reqs = []
     for p, pen in zip(prompts, settings, strict=True):
@@ -118,11 +122,12 @@ def test_greedy_outputs_follow_the_penalised_logits(tiny, chain_kind):
 
 
 @pytest.mark.parametrize("chain_kind", [None, "fixed"])
-def test_sampled_requests_keep_their_adjustments(tiny, chain_kind):
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
+def test_sampled_requests_keep_their_adjustments(tiny, chain_kind, halves):
     cfg, model = tiny
     prompts = _prompts(cfg, 2, 16)
     sampling = SamplingOptions(temperature=1.0, seed=9)
-    eng = _engine(cfg, model, chain_kind)
+    eng = _engine(cfg, model, chain_kind, halves)
     # the 40 most likely first tokens are forbidden; all but ten tokens stop the other
     # request, but not before its fifth token
     (logits,) = model.reference_forward([torch.tensor(prompts[0])])

@@ -27,14 +27,16 @@ def tiny():
     return cfg, HybridModel(cfg, seed=21)
 
 
-def _engine(cfg, model, chain_kind: str | None, logprobs: bool = True):
+def _engine(cfg, model, chain_kind: str | None, logprobs: bool = True, halves: bool = False):
     chain, lanes = None, ()
     if chain_kind is not None:
         drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=2)
         kw = dict(verify_lengths="adaptive", verify_budget=8) if chain_kind == "adaptive" else {}
         chain, lanes = DsparkChain(drafter, 3, **kw), drafter.config.lanes()
     pool = UnifiedMemory(memory_spec(cfg, 16, lanes), 8 << 20, 3, cfg.max_context)
-    return EngineCore(model, pool, TorchReferenceBackend(), 3, 64, chain=chain, logprobs=logprobs)
+    eng = EngineCore(model, pool, TorchReferenceBackend(), 3, 64, chain=chain, logprobs=logprobs)
+    eng.runner.eager_halves = halves  # the split step a graph engine takes
+    return eng
 
 
 def _prompts(cfg, n, length):
@@ -60,11 +62,12 @@ def _check(model, req, k):
 
 @pytest.mark.parametrize("chain_kind", [None, "fixed", "adaptive"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_output_top_logprobs_are_the_oracles(tiny, chain_kind, temperature):
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
+def test_output_top_logprobs_are_the_oracles(tiny, chain_kind, temperature, halves):
     cfg, model = tiny
     prompts = _prompts(cfg, 3, 20)
     sampling = SamplingOptions(temperature=temperature, seed=5) if temperature else None
-    eng = _engine(cfg, model, chain_kind)
+    eng = _engine(cfg, model, chain_kind, halves=halves)
     reqs = [
         eng.submit(prompts[0], 9, sampling=sampling, top_logprobs=4),
         eng.submit(prompts[1], 9, sampling=sampling),

@@ -5,7 +5,10 @@ runs the same prompts; in every round but the baselines one request carries an e
 ``logit_bias``, top-5 log-probabilities, penalties (which also read the step in flight
 before each step: no overlap), or a regex grammar (structured output: masks from the host,
 drafts read back in verify steps). Prints and writes (``--json``) tok/s and each round's
-ratio to the baseline rounds' mean (run first and last).
+ratio to the baseline rounds' mean (run first and last), and per engine its start-up's
+CUDA-graph capture seconds, the number of recorded forward-half kinds (the steps with
+extras replay them), the bytes of their stable outputs and the memory the process holds
+once the engine is built (pool, weights and graphs).
 
     python tools/device/extras_cost.py --modes plain --json extras_cost_plain_h100.json
 """
@@ -92,6 +95,13 @@ def main() -> None:
             model, pool, FA4Backend(), args.requests, 8192, chain=chain, cuda_graphs=True,
             logprobs=True, grammar_backend=backend,
         )  # fmt: skip
+        runner = eng.runner
+        setup = {
+            "capture_seconds": round(runner.capture_seconds, 2),
+            "forward_half_kinds": len(runner.forward_graphs),
+            "stable_outputs_mib": round(runner.kept.nbytes() / 2**20, 1),
+            "reserved_mib": round(torch.cuda.memory_reserved() / 2**20),
+        }
         for name in EXTRAS:  # warm-up: every eager variant compiles here, not in a timed round
             _round(eng, prompts[:4], 16, EXTRAS[name])
         rows = {}
@@ -101,8 +111,8 @@ def main() -> None:
         base = (rows["none"]["tok_s"] + rows["none_again"]["tok_s"]) / 2
         for row in rows.values():
             row["ratio"] = round(row["tok_s"] / base, 3)
-        report["modes"][mode] = rows
-        print(mode, json.dumps(rows), flush=True)
+        report["modes"][mode] = {"setup": setup, "rounds": rows}
+        print(mode, json.dumps(setup), json.dumps(rows), flush=True)
         del eng, pool
         torch.cuda.empty_cache()
     if args.json:

@@ -1,11 +1,13 @@
 """CUDA graphs of a uniform step (decode or verify), one per batch-size bucket.
 
-A step function ``step(width)`` runs a whole decode or verify step for the first ``width``
-lanes of the runner's capture-stable buffers (:mod:`unimem.engine.step_io`): it reads its
-inputs from device buffers only, builds the step's attention metadata from the live
-``v2p`` tables (``MetadataBuilder.decode``/``verify``), runs every kernel and writes its
-outputs into fixed buffers. It never reads the device on the host and allocates only from
-the caching allocator — so it can be recorded.
+A step function ``step(width)`` runs a whole decode or verify step (or the forward half of
+one) for the first ``width`` lanes of the runner's capture-stable buffers
+(:mod:`unimem.engine.step_io`): it reads its inputs from device buffers only, builds the
+step's attention metadata from the live ``v2p`` tables (``MetadataBuilder.decode``/
+``verify``), runs every kernel and writes its outputs into fixed buffers, or returns them.
+It never reads the device on the host and allocates only from the caching allocator — so it
+can be recorded. What the recorded call returned stays valid for every replay of that
+bucket (:meth:`StepGraphs.replay` returns it): tensors the graph writes on each replay.
 
 :class:`StepGraphs` records it once per bucket and replays the smallest bucket that holds a
 batch; the lanes past the batch are padding (row 0, slot -1: sink reads, no state writes).
@@ -46,7 +48,7 @@ class StepGraphs:
 
     def __init__(
         self,
-        step: Callable[[int], None],
+        step: Callable[[int], object],
         prepare: Callable[[int], None],
         buckets: Sequence[int],
         device: torch.device,
@@ -59,8 +61,11 @@ class StepGraphs:
         self.buckets = tuple(sorted(set(buckets)))
         self.device = device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # graphs that never replay at once may share one pool (their outputs live in the
-        # runner's fixed buffers, not in the pool)
+        self.outputs: dict[int, object] = {}
+        """What the recorded ``step(width)`` returned, per bucket."""
+        # graphs that never replay at once may share one pool: their outputs are either in
+        # the runner's fixed buffers or held here (tensors of the pool that later captures
+        # do not reuse), and are read before any other graph of the pool replays
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         pool = self.pool
         side = torch.cuda.Stream(device)
@@ -73,7 +78,7 @@ class StepGraphs:
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                step(width)
+                self.outputs[width] = step(width)
             self.graphs[width] = graph
         torch.cuda.synchronize(device)
 
@@ -88,5 +93,8 @@ class StepGraphs:
                 return width
         raise ValueError(f"batch of {bs} exceeds the largest captured batch {self.max_bs}")
 
-    def replay(self, width: int) -> None:
+    def replay(self, width: int) -> object:
+        """Replay bucket ``width``; returns what its recorded step returned (now rewritten
+        by this replay)."""
         self.graphs[width].replay()
+        return self.outputs[width]

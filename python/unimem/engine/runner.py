@@ -32,11 +32,20 @@ Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
 Every step writes ``StepOutputs`` (tokens and counts per lane) for the caller to copy to the
 host and read one step late. Decode and verify read only device buffers, so with
 ``cuda_graphs`` they are recorded per batch-size bucket (:class:`StepGraphs`) and replayed.
-Decode and verify are each recorded twice: a greedy variant (argmax and greedy accept
-only: a greedy batch pays nothing for sampling) and a sampling variant; the host picks one per
-batch from the requests' options, which it knows. A lane's sample depends only on its logits,
-its row's parameters and the position of the sampled token (see :mod:`unimem.models.sampler`;
-in verify, :mod:`unimem.speculative.spec_sampling`), never on its batch.
+Decode and verify are each recorded as a greedy variant (argmax and greedy accept only: a
+greedy batch pays nothing for sampling) and a sampling variant per cut-off rule; the host
+picks one per batch from the requests' options, which it knows. A batch with per-request
+extras (logit adjustments — penalties, ``logit_bias``, ``min_tokens``, a grammar — or top
+log-probabilities) replays the step's *forward half* instead — the draft and the target
+forward, stopping before the LM head (:meth:`ModelRunner.forward_half`, recorded per bucket
+and, for verify, per variant) — and runs the rest eagerly: the LM head, the adjustments
+(a grammar's walk of the drafts on the host among them), the pick or the acceptance, the
+commits (:meth:`ModelRunner.finish_half`). Its tokens are those of the whole step run
+eagerly; the forward, most of a step's launches, stays a replay.
+
+A lane's sample depends only on its logits, its row's parameters and the position of the
+sampled token (see :mod:`unimem.models.sampler`; in verify,
+:mod:`unimem.speculative.spec_sampling`), never on its batch.
 """
 
 from __future__ import annotations
@@ -81,9 +90,10 @@ from unimem.models.sampler import (
     token_logprobs,
     top_logprobs,
 )
+from unimem.models.stable_outputs import StableOutputs
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.draft_runner import DraftRunner
-from unimem.speculative.verify_step import VerifyLanes, VerifyStep
+from unimem.speculative.verify_step import VerifyForward, VerifyLanes, VerifyStep
 from unimem_kernel import envs
 from unimem_kernel.greedy_pick import greedy_logprob
 
@@ -221,6 +231,17 @@ class ModelRunner:
         self.sample_graphs: dict[str, StepGraphs] = {}
         """Graphs of the steps that sample, one set per cut-off rule (:data:`CUT_RULES`), in
         one memory pool."""
+        self.forward_graphs: dict[str | None, StepGraphs] = {}
+        """Recorded forward halves (:meth:`forward_half`) for the steps with extras: decode's
+        under None (its forward does not sample), verify's per rule (None: greedy drafts,
+        else the cut-off rule of the sampled drafts)."""
+        self.kept = StableOutputs()
+        """Where the recorded forward halves leave their hidden rows and draft
+        distributions: one buffer each for every bucket."""
+        self.eager_halves = False
+        """Test hook: without graphs, a step with extras runs as its two halves
+        (:meth:`forward_half` with fresh stable outputs, then :meth:`finish_half`) — the path
+        a graph engine takes — instead of :meth:`eager_step`."""
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError("cuda_graphs needs a pool on a CUDA device")
@@ -240,6 +261,11 @@ class ModelRunner:
                     )  # fmt: skip
                     self.sample_graphs[rule] = graphs
                     pool = graphs.pool
+                for rule in (None, *CUT_RULES) if chain is not None else (None,):
+                    self.forward_graphs[rule] = StepGraphs(
+                        functools.partial(self.forward_half, rule=rule),
+                        self.lanes.pad, buckets, self.device, pool=pool,
+                    )  # fmt: skip
                 for lanes in self.extend_lanes:
                     for rule in (None, *CUT_RULES):
                         graphs = StepGraphs(
@@ -251,9 +277,10 @@ class ModelRunner:
             self.capture_seconds = time.perf_counter() - t0
             log.info(
                 "captured %d CUDA graphs in %.1f s: %d batch sizes (1 .. %d) x %d step kinds"
-                " and %d padded extends",
-                len(buckets) * (1 + len(CUT_RULES)), self.capture_seconds,
-                len(buckets), max(buckets), 1 + len(CUT_RULES),
+                " and %d forward halves, and %d padded extends",
+                len(buckets) * (1 + len(CUT_RULES) + len(self.forward_graphs)),
+                self.capture_seconds, len(buckets), max(buckets), 1 + len(CUT_RULES),
+                len(self.forward_graphs),
                 (1 + len(CUT_RULES)) * len(self.extend_lanes) * len(self.extend_tokens),
             )  # fmt: skip
 
@@ -304,8 +331,9 @@ class ModelRunner:
         extend/decode lane ``i`` sampled ``out.tokens[i, 0]`` (meaningful where
         ``batch.samples[i]``), verify lane ``i`` committed ``out.tokens[i, :out.counts[i]]``.
         Returns the number of lanes. A batch with a request asking for top log-probabilities
-        (``Request.top_logprobs_k``) runs eagerly (the recorded steps compute none) and leaves
-        them in ``batch.top_logprobs``."""
+        (``Request.top_logprobs_k``) or adjusting its logits replays only the forward half of
+        its step and runs the rest eagerly (module docstring; eagerly throughout without
+        graphs), and leaves the top log-probabilities in ``batch.top_logprobs``."""
         extras = self.extras_live and batch.reqs
         top_k = max(r.top_logprobs_k for r in batch.reqs) if extras else 0
         if top_k and not self.logprobs:
@@ -333,7 +361,14 @@ class ModelRunner:
             graphs.replay(width)
         else:
             extras = EagerExtras(top_k, adjust.upload(self.device) if adjust else None)
-            top = self.eager_step(width, rule, extras)
+            halves = self.forward_graphs.get(rule if self.chain is not None else None)
+            if halves is not None:
+                top = self.finish_half(width, halves.replay(width), rule, extras)
+            elif self.eager_halves:
+                half = self.forward_half(width, rule, StableOutputs())
+                top = self.finish_half(width, half, rule, extras)
+            else:
+                top = self.eager_step(width, rule, extras)
             if top is not None:
                 batch.top_logprobs = StagedTopLogprobs.stage(*top, bs)
         return bs
@@ -357,6 +392,40 @@ class ModelRunner:
         if rule is None:
             return self._uniform_step(width, extras)
         return self._sampling_step(width, rule, extras)
+
+    def forward_half(
+        self, width: int, rule: str | None = None, kept: StableOutputs | None = None
+    ) -> VerifyForward | tuple[torch.Tensor, torch.Tensor]:
+        """The first half of the decode (or verify) step of ``width`` staged lanes: the
+        forward up to the final-normed hidden states, before the LM head (a verify also drafts
+        first, greedily or, with ``rule``, sampled under that cut-off rule). Its outputs that
+        grow with the batch go to ``kept`` (default :attr:`kept`). Returns what
+        :meth:`finish_half` takes: decode's ``(seq_lens [width] int32, final hidden [width,
+        d_model])``, verify's :class:`~unimem.speculative.verify_step.VerifyForward`. Device
+        inputs only (recorded per bucket); nothing is committed."""
+        kept = self.kept if kept is None else kept
+        if self.chain is not None:
+            lanes, params = self._verify_lanes(width, rule)
+            return self.verifier.forward(lanes, params, kept)
+        seq_lens, _, final = self._decode_forward(width, head=False)
+        return seq_lens, kept.keep("decode.final", final)
+
+    def finish_half(
+        self,
+        width: int,
+        half: VerifyForward | tuple[torch.Tensor, torch.Tensor],
+        rule: str | None = None,
+        extras: EagerExtras = NO_EXTRAS,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rest of the step whose :meth:`forward_half` (same ``width`` and ``rule``, just
+        run or replayed) left ``half``: the LM head, ``extras``, the pick (or the chain's
+        acceptance) and the commits; returns as :meth:`eager_step`."""
+        if self.chain is not None:
+            lanes, params = self._verify_lanes(width, rule)
+            return self._verify_finish(width, lanes, params, half, extras)
+        seq_lens, final = half
+        logits = self.model.head_logits(final)
+        return self._decode_finish(width, seq_lens, logits, rule is not None, rule, extras)
 
     def _uniform_step(self, width: int, extras: EagerExtras = NO_EXTRAS):
         if self.chain is not None:
@@ -601,6 +670,14 @@ class ModelRunner:
         (``rule``: the host's promise of :class:`SamplingRows`). ``extras`` (eager steps):
         adjust the rows' logits first, and return their top log-probabilities
         (:meth:`eager_step`). Device inputs only (capturable)."""
+        seq_lens, logits, _ = self._decode_forward(width)
+        return self._decode_finish(width, seq_lens, logits, draw, rule, extras)
+
+    def _decode_forward(
+        self, width: int, head: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The decode step's forward: ``(seq_lens [width] int32, logits [width, vocab] or
+        None where not ``head``, final-normed hidden [width, d_model])``."""
         rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
         seq_lens, input_ids = self.state.read(rows)
         pool = self.pool
@@ -609,7 +686,21 @@ class ModelRunner:
             ForwardMode.DECODE, meta, self.layers, self.backend, self._state_slots(vslots),
             self._arange[:width],
         )  # fmt: skip
-        logits = self.model.forward(input_ids, ctx)
+        ctx.run_head = head
+        out = self.model.forward_with_hidden(input_ids, ctx)
+        return seq_lens, out.logits, out.hidden
+
+    def _decode_finish(
+        self,
+        width: int,
+        seq_lens: torch.Tensor,
+        logits: torch.Tensor,
+        draw: bool,
+        rule: str | None,
+        extras: EagerExtras,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode step's pick over its forward's ``logits`` and the commit."""
+        rows = self.lanes.rows(width)
         top_k, adjust = extras.top_k, extras.adjust
         if adjust is not None:  # the input token sits at index seq_lens, the pick one past it
             logit_adjustments.apply(logits, self._arange[:width], seq_lens.long() + 1, adjust)
@@ -652,18 +743,37 @@ class ModelRunner:
         parameters (``rule``: the host's promise of :class:`SamplingRows`); each
         lane's row is committed into the device state and the step's outputs. Device inputs
         only (capturable)."""
+        lanes, params = self._verify_lanes(width, rule if draw else None)
+        half = self.verifier.forward(lanes, params)
+        return self._verify_finish(width, lanes, params, half, extras)
+
+    def _verify_lanes(
+        self, width: int, rule: str | None
+    ) -> tuple[VerifyLanes, SamplingRows | None]:
+        """The verify step's lanes from the device state, and with ``rule`` (the host's
+        promise of :class:`SamplingRows`) their sampling parameters."""
         rows, vslots = self.lanes.rows(width), self.lanes.vslots(width)
         seq_lens, anchors = self.state.read(rows)
         lanes = VerifyLanes(
             rows, vslots, self.lanes.rids(width), seq_lens, anchors, self._state_slots(vslots)
         )
-        params = self.sampling.read(rows, rule) if draw else None
+        return lanes, (self.sampling.read(rows, rule) if rule is not None else None)
+
+    def _verify_finish(
+        self,
+        width: int,
+        lanes: VerifyLanes,
+        params: SamplingRows | None,
+        half: VerifyForward,
+        extras: EagerExtras,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The verify step's acceptance and commits over its forward ``half``."""
+        rows, seq_lens = lanes.rows, lanes.seq_lens
 
         def commit(bonus, tokens, accepted, write_slots):
             return self.state.commit(rows, seq_lens, bonus, tokens, self.out, accepted, write_slots)
 
-        top_k, adjust = extras.top_k, extras.adjust
-        result = self.verifier.run(lanes, params, commit, top_k, adjust)
+        result = self.verifier.finish(half, lanes, params, commit, extras.top_k, extras.adjust)
         if result.lengths is not None:
             self.out.verify_lens[:width] = result.lengths
         if result.logprobs is not None:

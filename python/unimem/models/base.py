@@ -38,9 +38,10 @@ class ModelOutput(NamedTuple):
     """Result of :meth:`CausalLM.forward_with_hidden`: ``hidden [N, d_model]``, the
     final-normed hidden states the LM head reads (``config.dtype``), of the rows
     ``ctx.logits_indices``, and ``logits [M, vocab]`` (float32, or float64 for float64
-    models) of those of them that ``ctx.head_indices`` picks (all: ``M == N``)."""
+    models) of those of them that ``ctx.head_indices`` picks (all: ``M == N``); None where
+    ``ctx.run_head`` is False."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     hidden: torch.Tensor
 
 
@@ -108,6 +109,12 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def lm_head_weight(self) -> torch.Tensor:
         """The LM head ``[vocab, d_model]`` (the embedding table when tied)."""
+
+    def output(self, hidden: torch.Tensor, ctx: ForwardContext) -> ModelOutput:
+        """What :meth:`forward_with_hidden` returns for the final-normed ``hidden`` rows:
+        their logits (those ``ctx.head_indices`` picks) unless ``ctx.run_head`` is False."""
+        logits = self.head_logits(ctx.head_rows(hidden)) if ctx.run_head else None
+        return ModelOutput(logits, hidden)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: ``logits [N, vocab]`` (float32, or float64 for a float64 model) of

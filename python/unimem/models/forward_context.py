@@ -69,6 +69,9 @@ class ForwardContext(ABC):
       states of every row of such a request but logits only for each request's last row;
       the engine runs the LM head over the other rows itself, in bounded pieces
       (:mod:`unimem.engine.prompt_logprobs`).
+    * ``run_head`` bool (default True): False — the model stops at the final-normed hidden
+      states and returns no logits; the caller runs :meth:`~unimem.models.base.CausalLM.
+      head_logits` on them itself (a recorded forward whose pick runs eagerly after it).
 
     Calling protocol: one forward per context; the model calls ``attention`` or ``gdn``
     exactly once per layer, in layer order, then ``capture_hidden`` after each layer.
@@ -87,6 +90,7 @@ class ForwardContext(ABC):
         self.cu_seqlens_q = cu_seqlens_q
         self.logits_indices = logits_indices
         self.head_indices: torch.Tensor | None = None
+        self.run_head = True
 
     def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows of ``hidden [N, d]`` (the :meth:`logits_rows` of the final-normed stream)

@@ -609,7 +609,7 @@ class Gemma3ForCausalLM(CausalLM):
                 ctx.capture_hidden(i, x)
         if hidden is None:
             hidden = gemma_rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
-        return ModelOutput(self.head_logits(ctx.head_rows(hidden)), hidden)
+        return self.output(hidden, ctx)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head, then ``final_logit_softcapping`` where the config sets one."""

@@ -478,7 +478,7 @@ class GptOssForCausalLM(CausalLM):
             x, h = layer(i, x, h, rope, ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
-        return ModelOutput(self.head_logits(ctx.head_rows(hidden)), hidden)
+        return self.output(hidden, ctx)
 
     @property
     def embed_weight(self) -> torch.Tensor:

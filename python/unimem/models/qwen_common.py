@@ -588,7 +588,7 @@ class QwenHybridForCausalLM(CausalLM):
             x, h = layer(i, x, h, self.rotary, cos_sin, ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = zero_centered_rms_norm(ctx.logits_rows(x), self.model.norm.weight, c.rms_eps)
-        return ModelOutput(self.head_logits(ctx.head_rows(hidden)), hidden)
+        return self.output(hidden, ctx)
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -330,7 +330,7 @@ class HybridModel(CausalLM):
             x, h = layer(i, x, h, rope, ctx, next_norm)
             ctx.capture_hidden(i, x)
         hidden = rms_norm(ctx.logits_rows(x), self.final_norm, c.rms_eps)
-        return ModelOutput(self.head_logits(ctx.head_rows(hidden)), hidden)
+        return self.output(hidden, ctx)
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -50,11 +50,17 @@ from unimem.models.forward_context import ForwardMode
 from unimem.models.logit_adjustments import LaneAdjustments
 from unimem.models.paged_context import GdnVerifyBuffers, PackedLanes, PagedContext, PagedLayers
 from unimem.models.sampler import SamplingRows, filtered_token_stats, top_logprobs
+from unimem.models.stable_outputs import StableOutputs
 from unimem.speculative import spec_sampling
 from unimem.speculative.accept import greedy_accept
 from unimem.speculative.chain import DsparkChain
 from unimem.speculative.draft_runner import DraftRunner
-from unimem.speculative.verify_lengths import allocate_lengths, packed_layout, packed_rows
+from unimem.speculative.verify_lengths import (
+    PackedRows,
+    allocate_lengths,
+    packed_layout,
+    packed_rows,
+)
 from unimem_kernel import gdn as gdn_ops
 from unimem_kernel import gdn_reference
 from unimem_kernel.greedy_accept import greedy_verify_accept
@@ -62,7 +68,14 @@ from unimem_kernel.greedy_pick import greedy_logprob
 from unimem_kernel.residual_draw import residual_draw
 from unimem_kernel.state_commit import StateCommitPlan, commit_states_multi
 
-__all__ = ["GDN_REPLAY_COMMIT", "CommitRows", "VerifyLanes", "VerifyResult", "VerifyStep"]
+__all__ = [
+    "GDN_REPLAY_COMMIT",
+    "CommitRows",
+    "VerifyForward",
+    "VerifyLanes",
+    "VerifyResult",
+    "VerifyStep",
+]
 
 GDN_REPLAY_COMMIT = True
 """Default of :class:`VerifyStep`'s ``gdn_replay_commit``: a verify keeps per GDN layer only
@@ -113,6 +126,27 @@ class VerifyResult(NamedTuple):
     lengths: torch.Tensor | None
     logprobs: torch.Tensor | None
     top: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class VerifyForward(NamedTuple):
+    """What a verify step's first half (:meth:`VerifyStep.forward`: draft and target forward)
+    leaves to its second (:meth:`VerifyStep.finish`: accept and commit): the step's ``meta``
+    (its write window; in the builder's buffers), ``draft [W, gamma]`` int64, the sampled
+    lanes' ``proposals`` (None in a greedy step), and the target's rows — ``logits [rows,
+    vocab]``, or, from a head-less forward, None and ``final [rows, d_model]``, the
+    final-normed hidden states the LM head reads — with ``captured``, the residual stream
+    after each of the drafter's target layers (``{layer: [rows, d_model]}``). A ragged step
+    also leaves each lane's ``lengths [W]`` int32 and the rows' ``packed`` layout (None in a
+    fixed step)."""
+
+    meta: object
+    draft: torch.Tensor
+    proposals: spec_sampling.Proposals | None
+    logits: torch.Tensor | None
+    final: torch.Tensor | None
+    captured: dict[int, torch.Tensor]
+    lengths: torch.Tensor | None = None
+    packed: PackedRows | None = None
 
 
 class VerifyStep:
@@ -238,9 +272,52 @@ class VerifyStep:
         (capturable)."""
         if top_k and not self.logprobs:
             raise ValueError("top_k log-probabilities need a verify step built with logprobs")
+        return self.finish(self.forward(lanes, params), lanes, params, commit, top_k, adjust)
+
+    def forward(
+        self, lanes: VerifyLanes, params: SamplingRows | None, kept: StableOutputs | None = None
+    ) -> VerifyForward:
+        """The step's first half: the write window and the draft (module docstring, steps
+        1-2; a ragged step also plans its lengths and packs its rows) and the target forward
+        (step 3). ``kept``: a head-less forward (the LM head runs in :meth:`finish`) whose
+        outputs that grow with the batch — the final and captured hidden rows, the draft
+        block's distributions — are copied into ``kept``'s buffers, so that a forward
+        recorded per batch bucket holds them once (:mod:`unimem.models.stable_outputs`).
+        Device inputs only (capturable); nothing is committed."""
         if self.chain.adaptive:
-            return self._ragged(lanes, params, commit, top_k, adjust)
-        return self._fixed(lanes, params, commit, top_k, adjust)
+            fwd = self._ragged_forward(lanes, params, head=kept is None)
+        else:
+            fwd = self._fixed_forward(lanes, params, head=kept is None)
+        if kept is None:
+            return fwd
+        proposals = fwd.proposals
+        if proposals is not None:
+            proposals = proposals._replace(q_draft=kept.keep("verify.q_draft", proposals.q_draft))
+        return fwd._replace(
+            proposals=proposals,
+            final=kept.keep("verify.final", fwd.final),
+            captured={i: kept.keep(f"verify.captured.{i}", h) for i, h in fwd.captured.items()},
+        )
+
+    def finish(
+        self,
+        fwd: VerifyForward,
+        lanes: VerifyLanes,
+        params: SamplingRows | None,
+        commit: CommitRows,
+        top_k: int = 0,
+        adjust: LaneAdjustments | None = None,
+    ) -> VerifyResult:
+        """The step's second half over :meth:`forward`'s ``fwd`` for the same ``lanes`` and
+        ``params``: the LM head where the forward was head-less, the adjustments, the
+        acceptance and the commits (module docstring, steps 4-5); ``top_k`` and ``adjust`` as
+        :meth:`run`. Device inputs only (capturable)."""
+        if top_k and not self.logprobs:
+            raise ValueError("top_k log-probabilities need a verify step built with logprobs")
+        logits = fwd.logits if fwd.logits is not None else self.model.head_logits(fwd.final)
+        if self.chain.adaptive:
+            return self._ragged_finish(fwd, logits, lanes, params, commit, top_k, adjust)
+        return self._fixed_finish(fwd, logits, lanes, params, commit, top_k, adjust)
 
     @staticmethod
     def _top(
@@ -254,23 +331,30 @@ class VerifyStep:
         shape = (*tokens.shape, k)
         return values.reshape(shape), ids.reshape(shape)
 
-    def _context(self, meta, lanes, rows: int, packed: PackedLanes | None = None) -> PagedContext:
-        """The target verify's forward context over ``rows`` rows of ``meta``."""
-        return PagedContext(
+    def _target(
+        self,
+        input_ids: torch.Tensor,
+        meta,
+        lanes: VerifyLanes,
+        rows: int,
+        head: bool,
+        packed: PackedLanes | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, torch.Tensor]]:
+        """The target verify's forward over ``rows`` rows of ``meta``: ``(logits, None,
+        captured)``, or head-less (``head`` False) ``(None, final hidden rows, captured)``."""
+        ctx = PagedContext(
             ForwardMode.VERIFY, meta, self.layers, self.backend, lanes.state_slots,
             self._arange[:rows], capture=self.drafts.target_layers, packed=packed,
             verify_buffers=self.buffers,
         )  # fmt: skip
+        ctx.run_head = head
+        out = self.model.forward_with_hidden(input_ids, ctx)
+        return out.logits, (None if head else out.hidden), ctx.hidden
 
-    def _fixed(
-        self,
-        lanes: VerifyLanes,
-        params: SamplingRows | None,
-        commit: CommitRows,
-        top_k: int = 0,
-        adjust: LaneAdjustments | None = None,
-    ) -> VerifyResult:
-        """``gamma + 1`` rows for every lane (module docstring, steps 1-5)."""
+    def _fixed_forward(
+        self, lanes: VerifyLanes, params: SamplingRows | None, head: bool = True
+    ) -> VerifyForward:
+        """``gamma + 1`` rows for every lane (module docstring, steps 1-3)."""
         gamma, vw = self.chain.gamma, self.width
         rows, seq_lens, anchors = lanes.rows, lanes.seq_lens, lanes.anchors
         width = rows.shape[0]
@@ -286,8 +370,23 @@ class VerifyStep:
                 rows, seq_lens, anchors, lanes.rids, params
             )
         input_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
-        ctx = self._context(meta, lanes, width * vw)
-        logits = self.model.forward(input_ids, ctx)
+        logits, final, captured = self._target(input_ids, meta, lanes, width * vw, head)
+        return VerifyForward(meta, draft, proposals, logits, final, captured)
+
+    def _fixed_finish(
+        self,
+        fwd: VerifyForward,
+        logits: torch.Tensor,
+        lanes: VerifyLanes,
+        params: SamplingRows | None,
+        commit: CommitRows,
+        top_k: int = 0,
+        adjust: LaneAdjustments | None = None,
+    ) -> VerifyResult:
+        """Steps 4-5 of a fixed step over its rows' ``logits``."""
+        vw, seq_lens = self.width, lanes.seq_lens
+        width = seq_lens.shape[0]
+        meta, draft, proposals = fwd.meta, fwd.draft, fwd.proposals
         if adjust is not None:  # row (b, j) produces the token at index seq_lens[b] + 1 + j
             lane = self._arange[: width * vw] // vw
             produced = seq_lens.long()[lane] + 1 + self._arange[: width * vw] % vw
@@ -312,21 +411,16 @@ class VerifyStep:
         committed = dataclasses.replace(
             meta, full_write_slots=full, swa_write_slots=swa[0] if swa else None
         )
-        self.drafts.write_context(ctx.hidden, committed)
+        self.drafts.write_context(fwd.captured, committed)
         logprobs = None
         if self.logprobs:
             chosen = logits.gather(1, tokens.reshape(-1, 1))[:, 0]
             logprobs = (chosen - lse[0]).float().reshape(width, vw)
         return VerifyResult(None, logprobs, self._top(logits, tokens, logprobs, top_k))
 
-    def _ragged(
-        self,
-        lanes: VerifyLanes,
-        params: SamplingRows | None,
-        commit: CommitRows,
-        top_k: int = 0,
-        adjust: LaneAdjustments | None = None,
-    ) -> VerifyResult:
+    def _ragged_forward(
+        self, lanes: VerifyLanes, params: SamplingRows | None, head: bool = True
+    ) -> VerifyForward:
         """The verify step with per-lane lengths ``L_b`` in ``1 .. gamma + 1``, packed
         (``docs/spec_decoding.md``, "Adaptive verify lengths"). Every shape depends on the
         lanes' width alone:
@@ -345,6 +439,8 @@ class VerifyStep:
            lanes);
         6. commit as the fixed step (GDN states after row ``accepted`` of the uniform
            record; drafter context for the committed packed rows), and return the lengths.
+
+        Steps 1-4 here, 5-6 in :meth:`_ragged_finish`.
         """
         vw = self.width
         rows, seq_lens, anchors = lanes.rows, lanes.seq_lens, lanes.anchors
@@ -394,8 +490,24 @@ class VerifyStep:
         uniform_ids = torch.cat([anchors[:, None], draft], dim=1).reshape(-1)
         input_ids = torch.cat([uniform_ids, uniform_ids.new_zeros(1)])[packed.uniform_index]
         lanes_of_rows = PackedLanes(packed.valid, packed.uniform_index, vw)
-        ctx = self._context(meta, lanes, n_rows, lanes_of_rows)
-        logits = self.model.forward(input_ids, ctx)
+        logits, final, captured = self._target(input_ids, meta, lanes, n_rows, head, lanes_of_rows)
+        return VerifyForward(meta, draft, proposals, logits, final, captured, lengths, packed)
+
+    def _ragged_finish(
+        self,
+        fwd: VerifyForward,
+        logits: torch.Tensor,
+        lanes: VerifyLanes,
+        params: SamplingRows | None,
+        commit: CommitRows,
+        top_k: int = 0,
+        adjust: LaneAdjustments | None = None,
+    ) -> VerifyResult:
+        """Steps 5-6 of a ragged step over its packed rows' ``logits``."""
+        vw, seq_lens = self.width, lanes.seq_lens
+        width = seq_lens.shape[0]
+        meta, draft, proposals = fwd.meta, fwd.draft, fwd.proposals
+        lengths, packed = fwd.lengths, fwd.packed
         if adjust is not None:  # packed row (b, j) produces the token at seq_lens[b] + 1 + j
             produced = seq_lens.long()[packed.lane] + 1 + packed.offset
             logit_adjustments.apply(logits, packed.lane, produced, adjust, draft, packed.offset)
@@ -421,7 +533,7 @@ class VerifyStep:
             bonus = tokens.gather(1, accepted.long()[:, None])[:, 0]
         self.commit_gdn(accepted, lanes.vslots, lanes.state_slots)
         keep = packed.valid & (packed.offset <= accepted.long()[packed.lane])
-        self.drafts.write_context(ctx.hidden, meta, keep)
+        self.drafts.write_context(fwd.captured, meta, keep)
         commit(bonus, tokens, accepted, ())
         logprobs = None
         if self.logprobs and params is None:
