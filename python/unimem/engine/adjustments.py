@@ -19,8 +19,9 @@ the device), and a verify step adds the drafts before each row on the device. So
 grammar, whose matcher must have read the whole output; its verify steps read their drafts
 back to walk them (:class:`~unimem.engine.grammar.StepMasks`).
 
-A step with such a request runs eagerly (the recorded CUDA graphs carry no adjustments); a
-request whose output has reached ``min_tokens`` (as the host has read it) with no bias or
+A step with such a request replays only the recorded forward half of its step and applies
+the adjustments eagerly after it (:meth:`unimem.engine.runner.ModelRunner.finish_half`; the
+recorded whole steps carry none); a request whose output has reached ``min_tokens`` (as the host has read it) with no bias or
 penalty no longer holds its batch there. The host packs a step's adjustments per lane
 (:func:`plan`), uploads them in two non-blocking copies
 (:meth:`~unimem.models.logit_adjustments.LaneAdjustments.upload`), and the steps call

@@ -14,7 +14,8 @@ adjustments (:func:`unimem.models.logit_adjustments.apply`), so argmax, sampling
 chain's acceptance all pick from the grammar's tokens (speculative sampling stays exact
 against the constrained target distribution). A matcher must have read its request's whole
 output first: a batch with a constrained request reads the step in flight before it is
-planned (:func:`unimem.engine.adjustments.needs_exact_history`) and runs eagerly.
+planned (:func:`unimem.engine.adjustments.needs_exact_history`), and its steps apply the
+masks eagerly after the recorded forward half.
 
 In a DSPARK verify step row ``j`` of a lane follows the drafts ``d_1 .. d_j``, which the step
 itself drafts on the device: the step reads the drafts back (one host sync, in batches with a
