@@ -306,21 +306,29 @@ def test_constrained_requests_on_the_graph_engine(speculative):
     assert len(reqs[2].output) == 40
 
 
+@pytest.mark.parametrize("layers", ["hybrid", "attention"])
 @pytest.mark.parametrize("chain_kind", [None, "fixed", "adaptive"])
-def test_steps_with_extras_replay_their_forward_half(chain_kind):
+def test_steps_with_extras_replay_their_forward_half(chain_kind, layers):
     """A batch with extras (a ``logit_bias`` that changes picks, top log-probabilities, a
     sampled request) on the CUDA-graph engine with FA4 replays the recorded forward half of
     its step and runs the LM head, the adjustments, the pick (or the chain's acceptance) and
     the commits eagerly after it, with no host sync: its tokens, log-probabilities and top
     log-probabilities equal, bit for bit, those of the same engine running those steps
-    eagerly from end to end (its forward halves dropped)."""
+    eagerly from end to end (its forward halves dropped). On a model without recurrent
+    state (``attention``) the requests' short extend replays the padded extend's forward half
+    likewise."""
+    import dataclasses
+
     from unimem.engine.runner import ModelRunner
     from unimem.engine.sampling import SamplingOptions
 
     cfg = preset("gpu_test")
+    padded = layers == "attention"  # no recurrent state: short extends run padded
+    if padded:
+        cfg = dataclasses.replace(cfg, layer_pattern=("swa", "full", "swa", "full"))
     dev = torch.device("cuda")
     model = HybridModel(cfg, seed=4, device=dev)
-    prompts = _prompts(cfg, 4, 40)
+    prompts = _prompts(cfg, 4, 24)  # one padded extend of 4 lanes, 96 tokens
     chain, lanes = None, ()
     if chain_kind is not None:
         drafter = DsparkDrafter(draft_config_for(cfg), model.embed, model.lm_head, seed=5)
@@ -329,19 +337,26 @@ def test_steps_with_extras_replay_their_forward_half(chain_kind):
     spec = memory_spec(cfg, 16, lanes)
     replays = []
     finish = ModelRunner.finish_half
+    extend_finish = ModelRunner._extend_padded_finish
 
     def counted(self, *args, **kwargs):
-        replays.append(args[0])
+        replays.append("step")
         return finish(self, *args, **kwargs)
+
+    def counted_extend(self, *args, **kwargs):
+        replays.append("extend")
+        return extend_finish(self, *args, **kwargs)
 
     runs = []
     for halves in (True, False):
-        pool = UnifiedMemory(spec, 64 * MB, 4, cfg.max_context, dev)
-        eng = EngineCore(model, pool, _fa4(), 4, 128, chain=chain, cuda_graphs=True, logprobs=True)
+        pool = UnifiedMemory(spec, 64 * MB, 8, cfg.max_context, dev)
+        eng = EngineCore(model, pool, _fa4(), 8, 128, chain=chain, cuda_graphs=True, logprobs=True)
         kinds = 4 if chain is not None else 1
         assert len(eng.runner.forward_graphs) == kinds
+        assert (4 in eng.runner.extend_halves) is padded
         if not halves:
             eng.runner.forward_graphs = {}
+            eng.runner.extend_halves = {}
         reqs = [
             eng.submit(prompts[0], 24, logit_bias={9: 4.0, 11: 3.5}),
             eng.submit(prompts[1], 24, top_logprobs=3),
@@ -351,16 +366,19 @@ def test_steps_with_extras_replay_their_forward_half(chain_kind):
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         ModelRunner.finish_half = counted
+        ModelRunner._extend_padded_finish = counted_extend
         try:
             eng.run()
         finally:
             ModelRunner.finish_half = finish
+            ModelRunner._extend_padded_finish = extend_finish
             torch.cuda.set_sync_debug_mode("default")
         runs.append([(r.output, r.output_logprobs, r.output_top_logprobs, r.error) for r in reqs])
         if halves:
-            assert len(replays) > 5, "the steps with extras did not replay their forward half"
+            assert replays.count("step") > 5, "the steps with extras replayed no forward half"
+            assert (replays.count("extend") > 0) is padded
         else:
-            assert len(replays) == 0
+            assert not replays
         replays.clear()
     assert runs[0] == runs[1]
     assert all(err is None for *_, err in runs[0])

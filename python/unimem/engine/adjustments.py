@@ -21,9 +21,9 @@ back to walk them (:class:`~unimem.engine.grammar.StepMasks`).
 
 A step with such a request replays only the recorded forward half of its step and applies
 the adjustments eagerly after it (:meth:`unimem.engine.runner.ModelRunner.finish_half`; the
-recorded whole steps carry none); a request whose output has reached ``min_tokens`` (as the host has read it) with no bias or
-penalty no longer holds its batch there. The host packs a step's adjustments per lane
-(:func:`plan`), uploads them in two non-blocking copies
+recorded whole steps carry none); a request whose output has reached ``min_tokens`` (as the
+host has read it) with no bias or penalty no longer holds its batch there. The host packs a
+step's adjustments per lane (:func:`plan`), uploads them in two non-blocking copies
 (:meth:`~unimem.models.logit_adjustments.LaneAdjustments.upload`), and the steps call
 :func:`~unimem.models.logit_adjustments.apply`.
 """

@@ -17,8 +17,10 @@ Steps (:meth:`ModelRunner.launch`), none of which reads the device on the host:
   ``[-1]`` tokens) runs padded to a (requests, tokens) bucket from capture-stable inputs:
   lanes past the batch on row 0 with no tokens, one more lane on row 0 holding the padding
   tokens (its K/V go to the sink slots, its outputs are never read) — with ``cuda_graphs``
-  recorded per bucket and replayed, otherwise run eagerly (the same function). An extend in
-  which a request scores its prompt (:mod:`unimem.engine.prompt_logprobs`) runs ragged: its
+  recorded per bucket and replayed, otherwise run eagerly (the same function); one with
+  extras (top log-probabilities, logit adjustments) replays the bucket's recorded forward
+  half and picks eagerly after it (as decode and verify do, below). An extend in which a
+  request scores its prompt (:mod:`unimem.engine.prompt_logprobs`) runs ragged: its
   forward returns every row of that request, which the LM head scores in bounded pieces;
 - *decode*: each lane feeds its row's next token at its row's length (both on the device),
   samples (:func:`unimem.models.sampler.sample` with its row's parameters, or plain argmax
@@ -225,6 +227,9 @@ class ModelRunner:
         self.extend_graphs: dict[tuple[int, str | None], StepGraphs] = {}
         """Recorded padded extends, per (request bucket, the step's rule: None where no lane
         samples, else the cut-off rule of :meth:`step_rule`), each over the token buckets."""
+        self.extend_halves: dict[int, StepGraphs] = {}
+        """Recorded forward halves of padded extends (:meth:`_extend_padded_half`), per
+        request bucket over the token buckets: an extend with extras replays one."""
         self.capture_seconds: float | None = None
         """Seconds the start-up's CUDA-graph captures took (None: no graphs)."""
         self.graphs: StepGraphs | None = None
@@ -274,14 +279,19 @@ class ModelRunner:
                             self.extend_tokens, self.device, pool=pool,
                         )  # fmt: skip
                         self.extend_graphs[(lanes, rule)] = graphs
+                    self.extend_halves[lanes] = StepGraphs(
+                        functools.partial(self._extend_padded_half, lanes),
+                        functools.partial(self._pad_extend, lanes),
+                        self.extend_tokens, self.device, pool=pool,
+                    )  # fmt: skip
             self.capture_seconds = time.perf_counter() - t0
             log.info(
                 "captured %d CUDA graphs in %.1f s: %d batch sizes (1 .. %d) x %d step kinds"
-                " and %d forward halves, and %d padded extends",
+                " and %d forward halves, and %d padded extends (and their forward halves)",
                 len(buckets) * (1 + len(CUT_RULES) + len(self.forward_graphs)),
                 self.capture_seconds, len(buckets), max(buckets), 1 + len(CUT_RULES),
                 len(self.forward_graphs),
-                (1 + len(CUT_RULES)) * len(self.extend_lanes) * len(self.extend_tokens),
+                (2 + len(CUT_RULES)) * len(self.extend_lanes) * len(self.extend_tokens),
             )  # fmt: skip
 
     @property
@@ -465,17 +475,15 @@ class ModelRunner:
             for r, s, n, sampled in zip(reqs, starts, lens, batch.samples, strict=True)
         ]
         scored = prompt_logprobs.plan(reqs, starts, lens) if self.extras_live else None
-        adjust = adjustments.plan(reqs, bs) if self.extras_live else None
         if (
             scored is None
-            and not top_k
-            and adjust is None
             and self.extend_lanes
             and bs <= self.extend_lanes[-1]
             and len(ids) <= self.extend_tokens[-1]
         ):
-            self._launch_padded_extend(reqs, starts, lens, known_next, ids)
+            self._launch_padded_extend(batch, known_next, ids, top_k)
             return
+        adjust = adjustments.plan(reqs, bs) if self.extras_live else None
         extra = []
         if scored is not None:
             extra = scored.hidden_rows + scored.head_rows + scored.picks + scored.targets
@@ -551,6 +559,29 @@ class ModelRunner:
         (:class:`EagerExtras`): its adjustments apply to the lanes' last rows before the
         pick. Returns those hidden states and, with ``extras.top_k``, the lanes' samples' top
         log-probabilities (``[lanes, 1, k]`` values and ids; else None). Device work only."""
+        logits, hidden = self._extend_body(
+            rows, prefix, ext, vslots, input_ids, num_tokens=num_tokens,
+            max_seqlen_q=max_seqlen_q, cu_seqlens_host=cu_seqlens_host, hidden_rows=hidden_rows,
+        )  # fmt: skip
+        return hidden, self._extend_pick(rows, prefix, ext, nxt, logits, params, lanes, extras)
+
+    def _extend_body(
+        self,
+        rows: torch.Tensor,
+        prefix: torch.Tensor,
+        ext: torch.Tensor,
+        vslots: torch.Tensor,
+        input_ids: torch.Tensor,
+        *,
+        num_tokens: int,
+        max_seqlen_q: int,
+        cu_seqlens_host: list[int] | None = None,
+        hidden_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        head: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """An extend's metadata, forward and drafter context K/V (:meth:`_extend_forward`):
+        ``(logits of the returned rows, or None where not ``head``; their final-normed hidden
+        states)``."""
         pool = self.pool
         meta = self.builder.extend(
             pool.req_to_token, rows, prefix, ext, pool.full_v2p, pool.swa_v2p,
@@ -567,12 +598,30 @@ class ModelRunner:
         )  # fmt: skip
         if hidden_rows is not None:
             ctx.head_indices = hidden_rows[1].long()
+        ctx.run_head = head
         logits, hidden = self.model.forward_with_hidden(input_ids.long(), ctx)
+        if self.drafts is not None:
+            self.drafts.write_context(ctx.hidden, meta)
+        return logits, hidden
+
+    def _extend_pick(
+        self,
+        rows: torch.Tensor,
+        prefix: torch.Tensor,
+        ext: torch.Tensor,
+        nxt: torch.Tensor,
+        logits: torch.Tensor,
+        params: SamplingRows | None,
+        lanes: int,
+        extras: EagerExtras = NO_EXTRAS,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An extend's pick over its lanes' last-row ``logits`` (:meth:`_extend_forward`):
+        ``extras`` applied, each lane's sample and next token and new length into the device
+        state, the first ``lanes`` lanes' samples into ``out``; returns the top
+        log-probabilities with ``extras.top_k``."""
         top_k, adjust = extras.top_k, extras.adjust
         if adjust is not None:  # the sampled token's index is the number of tokens consumed
             logit_adjustments.apply(logits, self._arange[: logits.shape[0]], prefix + ext, adjust)
-        if self.drafts is not None:
-            self.drafts.write_context(ctx.hidden, meta)
         # the sampled token's index in prompt + output is the number of tokens consumed
         sampled = self._pick(logits, params, (prefix + ext).long())
         self.state.write(rows, prefix + ext, torch.where(nxt >= 0, nxt.long(), sampled))
@@ -580,10 +629,9 @@ class ModelRunner:
         self.out.counts[:lanes] = 1
         if self.logprobs:
             self.out.logprobs[:lanes, 0] = token_logprobs(logits[:lanes], sampled[:lanes])
-        top = None
         if top_k:
-            top = self._top(logits[:lanes], sampled[:lanes], self.out.logprobs[:lanes, 0], top_k)
-        return hidden, top
+            return self._top(logits[:lanes], sampled[:lanes], self.out.logprobs[:lanes, 0], top_k)
+        return None
 
     @staticmethod
     def _top(
@@ -595,15 +643,14 @@ class ModelRunner:
         return values[:, None], ids[:, None]
 
     def _launch_padded_extend(
-        self,
-        reqs: Sequence,
-        starts: list[int],
-        lens: list[int],
-        known_next: list[int],
-        ids: list[int],
+        self, batch: Batch, known_next: list[int], ids: list[int], top_k: int = 0
     ) -> None:
         """Stage a short extend into the padded inputs (one non-blocking copy) and run its
-        bucket: replay its graph, or run the padded step eagerly."""
+        bucket: replay its graph, or run the padded step eagerly. With extras (``top_k``,
+        logit adjustments) replay the bucket's forward half and pick eagerly after it
+        (:meth:`_extend_padded_half`, :meth:`_extend_padded_finish`), leaving the top
+        log-probabilities in ``batch.top_logprobs``."""
+        reqs, starts, lens = batch.reqs, batch.starts, batch.lens
         bs, total = len(reqs), len(ids)
         lanes = next(b for b in self.extend_lanes if b >= bs)
         tokens = next(t for t in self.extend_tokens if t >= total)
@@ -621,11 +668,28 @@ class ModelRunner:
         floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
         self.sampling.write(self._xin[:bs], floats, ints)
         rule = self.step_rule(reqs)
-        graphs = self.extend_graphs.get((lanes, rule))
-        if graphs is not None:
-            graphs.replay(tokens)
+        adjust = adjustments.plan(reqs, lanes + 1) if self.extras_live else None
+        if not top_k and adjust is None:
+            graphs = self.extend_graphs.get((lanes, rule))
+            if graphs is not None:
+                graphs.replay(tokens)
+            else:
+                self._extend_padded(lanes, tokens, rule=rule)
+            return
+        extras = EagerExtras(top_k, adjust.upload(self.device) if adjust else None)
+        halves = self.extend_halves.get(lanes)
+        if halves is not None:
+            hidden = halves.replay(tokens)
+        elif self.eager_halves:
+            hidden = self._extend_padded_half(lanes, tokens, StableOutputs())
         else:
-            self._extend_padded(lanes, tokens, rule=rule)
+            hidden = None
+        if hidden is None:
+            top = self._extend_padded(lanes, tokens, rule=rule, extras=extras)
+        else:
+            top = self._extend_padded_finish(lanes, tokens, hidden, rule, extras)
+        if top is not None:
+            batch.top_logprobs = StagedTopLogprobs.stage(*top, bs)
 
     def _extend_views(self, lanes: int, tokens: int) -> tuple[torch.Tensor, ...]:
         """``(rows, prefix, ext, vslots, known_next, input_ids)`` of a padded extend of
@@ -642,19 +706,56 @@ class ModelRunner:
             t.fill_(value)
         ext[lanes].fill_(tokens)
 
-    def _extend_padded(self, lanes: int, tokens: int, rule: str | None = None) -> None:
+    def _extend_padded(
+        self,
+        lanes: int,
+        tokens: int,
+        rule: str | None = None,
+        extras: EagerExtras = NO_EXTRAS,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The extend of the staged padded inputs (:meth:`_extend_views`): device inputs
         only, so it can be recorded. Each real lane runs :meth:`_extend`'s body
         (:meth:`_extend_forward`); the padding lanes sit on row 0 (their K/V go to the sink
         slots; the request state's row 0 is never written) and their outputs are not
         stored. ``rule``: None where no lane samples, else the cut-off rule the sampled lanes
-        promise (:meth:`step_rule`)."""
+        promise (:meth:`step_rule`). ``extras`` (eager only): as :meth:`_extend_forward`'s,
+        over the ``lanes + 1`` lanes; returns its top log-probabilities."""
         rows, prefix, ext, vslots, nxt, input_ids = self._extend_views(lanes, tokens)
         params = self.sampling.read(rows, rule) if rule is not None else None
-        self._extend_forward(
+        _, top = self._extend_forward(
             rows, prefix, ext, vslots, nxt, input_ids, params, lanes,
-            num_tokens=tokens, max_seqlen_q=tokens,
+            num_tokens=tokens, max_seqlen_q=tokens, extras=extras,
         )  # fmt: skip
+        return top
+
+    def _extend_padded_half(
+        self, lanes: int, tokens: int, kept: StableOutputs | None = None
+    ) -> torch.Tensor:
+        """The forward half of :meth:`_extend_padded` (recorded per bucket, for extends with
+        extras): metadata, forward and drafter context K/V, stopping before the LM head.
+        Returns the lanes' last-row final hidden states ``[lanes + 1, d_model]``, kept in
+        ``kept`` (default :attr:`kept`; one buffer per request bucket)."""
+        rows, prefix, ext, vslots, _, input_ids = self._extend_views(lanes, tokens)
+        _, hidden = self._extend_body(
+            rows, prefix, ext, vslots, input_ids, num_tokens=tokens, max_seqlen_q=tokens,
+            head=False,
+        )  # fmt: skip
+        return (self.kept if kept is None else kept).keep(f"extend.final.{lanes}", hidden)
+
+    def _extend_padded_finish(
+        self,
+        lanes: int,
+        tokens: int,
+        hidden: torch.Tensor,
+        rule: str | None,
+        extras: EagerExtras,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rest of :meth:`_extend_padded` after its forward half left ``hidden``: the LM
+        head, ``extras``, the pick and the state (:meth:`_extend_pick`)."""
+        rows, prefix, ext, _, nxt, _ = self._extend_views(lanes, tokens)
+        params = self.sampling.read(rows, rule) if rule is not None else None
+        logits = self.model.head_logits(hidden)
+        return self._extend_pick(rows, prefix, ext, nxt, logits, params, lanes, extras)
 
     # ----------------------------------------------------------------------------- decode
 
