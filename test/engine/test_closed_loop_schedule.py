@@ -31,10 +31,10 @@ def test_closed_loop_keeps_conc_in_flight_and_equals_generate(gemma2_ckpt):
     lanes = []
     launch = eng.core.runner.launch
 
-    def spy(batch):
+    def spy(batch, in_flight=None):
         if batch.mode.name == "DECODE":
             lanes.append(len(batch.reqs))
-        return launch(batch)
+        return launch(batch, in_flight)
 
     eng.core.runner.launch = spy
     got = dr._closed_loop(eng, ids, params, 3)

@@ -232,12 +232,12 @@ def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_penalised_requests_on_the_graph_engine(speculative):
-    """Penalties on the CUDA-graph engine with FA4 (their steps eager, the step in flight read
-    before each is planned), plain decoding and DSPARK: rewarding repeats (negative presence
-    and frequency penalties, a repetition penalty below 1) collapses a request's output onto
-    few tokens, while the request beside it does not (its steps may run in other batch
-    sizes than without the penalties — the step in flight is read first —, so its bf16
-    output need not be the same bits)."""
+    """Penalties on the CUDA-graph engine with FA4 (their steps replay the forward half, the
+    step in flight's committed tokens added to the history on the device), plain decoding
+    and DSPARK: rewarding repeats (negative presence and frequency penalties, a repetition
+    penalty below 1) collapses a request's output onto few tokens, while the request beside
+    it does not (its steps may run in other batch sizes than without the penalties, so its
+    bf16 output need not be the same bits)."""
     cfg = preset("gpu_test")
     dev = torch.device("cuda")
     model = HybridModel(cfg, seed=4, device=dev)

@@ -100,8 +100,8 @@ def test_greedy_outputs_follow_the_penalised_logits(tiny, chain_kind, halves):
     """Penalties that change the greedy output (the random model never repeats a token, so
     the changing ones reward repeats: a repetition penalty below 1, negative presence and
     frequency ones) and positive ones, with the verify step's drafts counted before each
-    row; every step in flight is read first, so each request's whole output is known when its
-    step is planned."""
+    row and the step in flight's committed tokens (which the host has not read when it plans
+    the next step) added on the device."""
     cfg, model = tiny
     prompts = _prompts(cfg, 3, 12)
     eng = _engine(cfg, model, chain_kind, halves)
@@ -160,3 +160,24 @@ def test_bad_adjustments_are_refused_before_queuing(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message):
         eng.submit(list(range(5)), 2, **kwargs)
     assert eng.scheduler.idle
+
+
+def test_the_plan_names_each_penalised_lane_in_the_step_in_flight(tiny):
+    """A penalised lane's row in the outputs of the step in flight (its committed tokens
+    are added on the device): decode and verify lanes of the same epoch; an extend's lanes
+    only where they sampled; -1 for a lane it does not hold, a request restarted since, or
+    no step in flight."""
+    from unimem.engine.adjustments import plan
+    from unimem.engine.batch import Batch
+    from unimem.models.forward_context import ForwardMode
+
+    cfg, model = tiny
+    eng = _engine(cfg, model, None)
+    a, b, c, d = (eng.submit(p, 8, presence_penalty=0.5) for p in _prompts(cfg, 4, 6))
+    decode = Batch(ForwardMode.DECODE, [d, a, b], [1, 1, 1], epochs=[0, 0, 0])
+    assert plan([a, b, c], 4, decode).in_flight_lanes.tolist() == [1, 2, -1, -1]
+    assert plan([a, b, c], 4).in_flight_lanes.tolist() == [-1] * 4
+    b.epoch += 1  # retracted and restarted since the step in flight was launched
+    assert plan([a, b], 2, decode).in_flight_lanes.tolist() == [1, -1]
+    extend = Batch(ForwardMode.EXTEND, [a, c], [6, 6], [0, 0], [False, True], epochs=[0, 0])
+    assert plan([a, c], 2, extend).in_flight_lanes.tolist() == [-1, 1]

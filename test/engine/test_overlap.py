@@ -76,7 +76,9 @@ def test_step_k_is_read_after_step_k_plus_1_is_launched(tiny, speculative):
     log = _record(eng)
     lanes_run = []
     launch = eng.runner.launch
-    eng.runner.launch = lambda batch: lanes_run.append(len(batch.reqs)) or launch(batch)
+    eng.runner.launch = lambda batch, in_flight=None: (
+        lanes_run.append(len(batch.reqs)) or launch(batch, in_flight)
+    )
     for p in prompts:
         eng.submit(p, 12)
     done = eng.run()

@@ -153,7 +153,7 @@ def _run(gemma2_ckpt, monkeypatch, **delay):
     modes = Counter()
     launch = eng.core.runner.launch
     monkeypatch.setattr(
-        eng.core.runner, "launch", lambda b: modes.update([b.mode.name]) or launch(b)
+        eng.core.runner, "launch", lambda b, f=None: modes.update([b.mode.name]) or launch(b, f)
     )
     outs = eng.generate(input_ids=prompts, sampling_params=params)
     delayer = eng.core.scheduler.delayer

@@ -321,9 +321,9 @@ def _run(
     launch = engine.core.runner.launch
     started: list[tuple[float, str, int]] = []  # (host time at launch, step kind, lanes)
 
-    def timed_launch(batch):
+    def timed_launch(batch, in_flight=None):
         started.append((time.perf_counter(), batch.mode.name, len(batch.reqs)))
-        return launch(batch)
+        return launch(batch, in_flight)
 
     engine.core.runner.launch = timed_launch
     try:

@@ -123,13 +123,13 @@ def run_variant(name: str, args) -> dict:
     launch = core.runner.launch
     starts: list[tuple[float, str, int]] = []  # (perf_counter at launch, mode, lanes)
 
-    def counting(batch):
+    def counting(batch, in_flight=None):
         nonlocal decode_lanes
         modes[batch.mode.name] += 1
         if batch.mode.name == "DECODE":
             decode_lanes += len(batch.reqs)
         starts.append((time.perf_counter(), batch.mode.name, len(batch.reqs)))
-        return launch(batch)
+        return launch(batch, in_flight)
 
     # a first short wave of the same shapes compiles what the engine's start-up did not (the
     # extend step's kernels, FA4's prefill variants): timed apart from the measured wave

@@ -79,7 +79,7 @@ class StubRunner(ModelRunner):
         self._tokens = torch.full((self.max_bs, width), TOKEN, dtype=torch.int64)
         self._k = 0
 
-    def _extend(self, batch, top_k: int = 0) -> None:
+    def _extend(self, batch, top_k: int = 0, in_flight=None) -> None:
         bs = len(batch.reqs)
         self.out.tokens[:bs, 0] = TOKEN
         self.out.counts[:bs] = 1

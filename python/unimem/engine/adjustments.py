@@ -13,11 +13,14 @@ distribution, the one the token came from (before temperature and filters).
 ``min_tokens`` is decided on the device from each row's position (a row producing the token
 at index ``i`` of prompt + output suppresses the stops while ``i < len(prompt) +
 min_tokens``), so it is exact whatever the host has read of the steps in flight. Penalties
-need the whole history: the engine reads every step in flight before it plans a batch with a
-penalised request (:func:`needs_exact_history`; that batch loses the overlap of the host with
-the device), and a verify step adds the drafts before each row on the device. So does a
-grammar, whose matcher must have read the whole output; its verify steps read their drafts
-back to walk them (:class:`~unimem.engine.grammar.StepMasks`).
+need the whole history, which the device completes: the host packs the output it has read,
+and the step adds, on the device, what the step still in flight committed for the lane (its
+outputs, read before this step writes its own; :func:`plan`'s ``in_flight``) and, in a
+verify step, the drafts before each row — so a penalised batch keeps the overlap of the host
+with the device. A grammar cannot: its matcher, on the host, must have read the whole output,
+so the engine reads the step in flight before it plans a batch with a constrained request
+(:func:`needs_exact_history`), and its verify steps read their drafts back to walk them
+(:class:`~unimem.engine.grammar.StepMasks`).
 
 A step with such a request replays only the recorded forward half of its step and applies
 the adjustments eagerly after it (:meth:`unimem.engine.runner.ModelRunner.finish_half`; the
@@ -35,8 +38,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from unimem.engine.batch import Batch
 from unimem.engine.grammar import StepMasks
 from unimem.engine.request import Request
+from unimem.models.forward_context import ForwardMode
 from unimem.models.logit_adjustments import LaneAdjustments
 
 __all__ = [
@@ -116,9 +121,9 @@ def check_penalties(presence: float, frequency: float, repetition: float) -> tup
 
 
 def needs_exact_history(req: Request) -> bool:
-    """Whether planning ``req``'s next step needs its whole output read (penalties, a
-    grammar)."""
-    return req.penalties != NEUTRAL_PENALTIES or req.grammar is not None
+    """Whether planning ``req``'s next step needs its whole output read on the host: a
+    grammar (penalties complete theirs on the device, :func:`plan`)."""
+    return req.grammar is not None
 
 
 def needs_adjusting(req: Request) -> bool:
@@ -143,9 +148,15 @@ def _history(r: Request) -> tuple[list[int], list[float]]:
     return ids.tolist(), counts.tolist()
 
 
-def plan(reqs: Sequence[Request], width: int) -> LaneAdjustments | None:
+def plan(
+    reqs: Sequence[Request], width: int, in_flight: Batch | None = None
+) -> LaneAdjustments | None:
     """The adjustments of a step whose first lanes are ``reqs`` (then padding up to
-    ``width``), or None when no lane needs any (:func:`needs_adjusting`)."""
+    ``width``), or None when no lane needs any (:func:`needs_adjusting`). ``in_flight``:
+    the step launched before this one whose results the host has not read (None: every step
+    read); a penalised decode or verify lane whose request it holds, in the same epoch, gets
+    that step's lane as ``in_flight_lanes`` (the device adds what it committed to the
+    history)."""
     if not any(needs_adjusting(r) for r in reqs):
         return None
     m = max(1, max(len(r.logit_bias) for r in reqs))
@@ -157,8 +168,13 @@ def plan(reqs: Sequence[Request], width: int) -> LaneAdjustments | None:
     stop_values = torch.zeros(width, s, dtype=torch.float32)
     stop_until = torch.zeros(width, dtype=torch.int64)
     penalised = [lane for lane, r in enumerate(reqs) if r.penalties != NEUTRAL_PENALTIES]
-    penalties = hist_ids = hist_counts = None
+    penalties = hist_ids = hist_counts = in_flight_lanes = None
     if penalised:
+        in_flight_lanes = torch.full((width,), -1, dtype=torch.int64)
+        if in_flight is not None:
+            held = _in_flight_lanes(in_flight)
+            for lane in penalised:
+                in_flight_lanes[lane] = held.get((reqs[lane].rid, reqs[lane].epoch), -1)
         histories = {lane: _history(reqs[lane]) for lane in penalised}
         u = max(len(ids) for ids, _ in histories.values())
         penalties = torch.tensor([NEUTRAL_PENALTIES] * width, dtype=torch.float32)
@@ -196,5 +212,18 @@ def plan(reqs: Sequence[Request], width: int) -> LaneAdjustments | None:
         penalties,
         hist_ids,
         hist_counts,
-        grammar,
+        in_flight_lanes,
+        grammar=grammar,
     )
+
+
+def _in_flight_lanes(batch: Batch) -> dict[tuple[int, int], int]:
+    """``(rid, epoch) -> lane`` of the lanes of ``batch`` (launched, results unread) that
+    committed output tokens: every lane of a decode or verify step, an extend's sampling
+    lanes."""
+    extend = batch.mode is ForwardMode.EXTEND
+    return {
+        (r.rid, epoch): lane
+        for lane, (r, epoch) in enumerate(zip(batch.reqs, batch.epochs, strict=True))
+        if not extend or batch.samples[lane]
+    }

@@ -298,9 +298,10 @@ class EngineCore:
 
     def step(self) -> bool:
         """Launch one batch and read the previous one's results; False when there is
-        nothing left to do (every result read). With a penalised request running, the step
-        in flight is read first: penalties need its whole output
-        (:func:`~unimem.engine.adjustments.needs_exact_history`)."""
+        nothing left to do (every result read). With a constrained request running, the step
+        in flight is read first: its grammar needs its whole output
+        (:func:`~unimem.engine.adjustments.needs_exact_history`); penalties read what the
+        step in flight committed on the device (the runner's ``in_flight``)."""
         if self._extras:  # the runner looks for extras only while a request has some
             self._extras = [r for r in self._extras if r.status is not RequestStatus.FINISHED]
             self.runner.extras_live = bool(self._extras)
@@ -311,7 +312,8 @@ class EngineCore:
         batch = self.scheduler.next_batch(drain=self.drain)
         if batch is None:  # next_batch drained the pipeline before giving up
             return False
-        bs = self.runner.launch(batch)
+        in_flight = self._pending[0] if self._pending is not None else None
+        bs = self.runner.launch(batch, in_flight)
         self.scheduler.launched(batch)
         staged = self.results.stage(self.runner.out, bs)
         previous, self._pending = self._pending, (batch, staged)

@@ -52,6 +52,7 @@ sampled token (see :mod:`unimem.models.sampler`; in verify,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -335,7 +336,7 @@ class ModelRunner:
     # ----------------------------------------------------------------------------- launch
 
     @torch.inference_mode()
-    def launch(self, batch: Batch) -> int:
+    def launch(self, batch: Batch, in_flight: Batch | None = None) -> int:
         """Run ``batch`` (queued on the current stream; nothing is read back). Its results
         are in ``self.out`` lanes ``:len(batch.reqs)`` (valid until the next launch):
         extend/decode lane ``i`` sampled ``out.tokens[i, 0]`` (meaningful where
@@ -343,13 +344,16 @@ class ModelRunner:
         Returns the number of lanes. A batch with a request asking for top log-probabilities
         (``Request.top_logprobs_k``) or adjusting its logits replays only the forward half of
         its step and runs the rest eagerly (module docstring; eagerly throughout without
-        graphs), and leaves the top log-probabilities in ``batch.top_logprobs``."""
+        graphs), and leaves the top log-probabilities in ``batch.top_logprobs``.
+        ``in_flight``: the batch launched before this one whose results the host has not read
+        (None: all read); penalties add its committed tokens on the device
+        (:func:`unimem.engine.adjustments.plan`)."""
         extras = self.extras_live and batch.reqs
         top_k = max(r.top_logprobs_k for r in batch.reqs) if extras else 0
         if top_k and not self.logprobs:
             raise ValueError("top log-probabilities need a runner built with logprobs=True")
         if batch.mode is ForwardMode.EXTEND:
-            self._extend(batch, top_k)
+            self._extend(batch, top_k, in_flight)
             return len(batch.reqs)
         step = ForwardMode.VERIFY if self.chain is not None else ForwardMode.DECODE
         if batch.mode is not step:
@@ -366,11 +370,11 @@ class ModelRunner:
         )
         rule = self.step_rule(batch.reqs)
         graphs = self.graphs if rule is None else self.sample_graphs.get(rule)
-        adjust = adjustments.plan(batch.reqs, width) if extras else None
+        adjust = adjustments.plan(batch.reqs, width, in_flight) if extras else None
         if graphs is not None and not top_k and adjust is None:
             graphs.replay(width)
         else:
-            extras = EagerExtras(top_k, adjust.upload(self.device) if adjust else None)
+            extras = self._extras(top_k, adjust)
             halves = self.forward_graphs.get(rule if self.chain is not None else None)
             if halves is not None:
                 top = self.finish_half(width, halves.replay(width), rule, extras)
@@ -382,6 +386,17 @@ class ModelRunner:
             if top is not None:
                 batch.top_logprobs = StagedTopLogprobs.stage(*top, bs)
         return bs
+
+    def _extras(self, top_k: int, adjust: LaneAdjustments | None) -> EagerExtras:
+        """A step's :class:`EagerExtras`: its adjustments uploaded, with penalties reading the
+        step in flight's committed tokens from :attr:`out` (before this step writes it)."""
+        if adjust is None:
+            return EagerExtras(top_k)
+        adjust = adjust.upload(self.device)
+        if adjust.in_flight_lanes is not None:
+            outputs = (self.out.tokens, self.out.counts)
+            adjust = dataclasses.replace(adjust, in_flight_outputs=outputs)
+        return EagerExtras(top_k, adjust)
 
     @staticmethod
     def step_rule(reqs) -> str | None:
@@ -460,7 +475,7 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- extend
 
-    def _extend(self, batch: Batch, top_k: int = 0) -> None:
+    def _extend(self, batch: Batch, top_k: int = 0, in_flight: Batch | None = None) -> None:
         """A ragged chunk per request from host-known tokens; the sample of each lane and
         the request's next token (the sample where the chunk reaches the end of the known
         tokens, else the next known token) and length go to the device state. With a
@@ -481,9 +496,9 @@ class ModelRunner:
             and bs <= self.extend_lanes[-1]
             and len(ids) <= self.extend_tokens[-1]
         ):
-            self._launch_padded_extend(batch, known_next, ids, top_k)
+            self._launch_padded_extend(batch, known_next, ids, top_k, in_flight)
             return
-        adjust = adjustments.plan(reqs, bs) if self.extras_live else None
+        adjust = adjustments.plan(reqs, bs, in_flight) if self.extras_live else None
         extra = []
         if scored is not None:
             extra = scored.hidden_rows + scored.head_rows + scored.picks + scored.targets
@@ -518,7 +533,7 @@ class ModelRunner:
             rows, prefix, ext, vslots, nxt, input_ids, params, bs,
             num_tokens=len(ids), max_seqlen_q=max(lens),
             cu_seqlens_host=[0, *itertools.accumulate(lens)], hidden_rows=hidden_rows,
-            extras=EagerExtras(top_k, adjust.upload(self.device) if adjust else None),
+            extras=self._extras(top_k, adjust),
         )  # fmt: skip
         if top is not None:
             batch.top_logprobs = StagedTopLogprobs.stage(*top, bs)
@@ -643,7 +658,12 @@ class ModelRunner:
         return values[:, None], ids[:, None]
 
     def _launch_padded_extend(
-        self, batch: Batch, known_next: list[int], ids: list[int], top_k: int = 0
+        self,
+        batch: Batch,
+        known_next: list[int],
+        ids: list[int],
+        top_k: int = 0,
+        in_flight: Batch | None = None,
     ) -> None:
         """Stage a short extend into the padded inputs (one non-blocking copy) and run its
         bucket: replay its graph, or run the padded step eagerly. With extras (``top_k``,
@@ -668,7 +688,7 @@ class ModelRunner:
         floats, ints = self.sampling.upload([r.sampling_row for r in reqs])
         self.sampling.write(self._xin[:bs], floats, ints)
         rule = self.step_rule(reqs)
-        adjust = adjustments.plan(reqs, lanes + 1) if self.extras_live else None
+        adjust = adjustments.plan(reqs, lanes + 1, in_flight) if self.extras_live else None
         if not top_k and adjust is None:
             graphs = self.extend_graphs.get((lanes, rule))
             if graphs is not None:
@@ -676,7 +696,7 @@ class ModelRunner:
             else:
                 self._extend_padded(lanes, tokens, rule=rule)
             return
-        extras = EagerExtras(top_k, adjust.upload(self.device) if adjust else None)
+        extras = self._extras(top_k, adjust)
         halves = self.extend_halves.get(lanes)
         if halves is not None:
             hidden = halves.replay(tokens)

@@ -3,8 +3,9 @@
 work: the steps call :func:`apply` on the logits rows they pick from, before the pick.
 
 In order, for a row of lane ``b`` producing the token at index ``i`` of its request's prompt +
-output, after the tokens ``h`` before it (the lane's history — prompt and output so far — and,
-in a verify step, the drafts before the row):
+output, after the tokens ``h`` before it (the lane's history — prompt and output so far, which
+is the host's history plus what the step in flight committed for it, read on the device —
+and, in a verify step, the drafts before the row):
 
 1. penalties (SGLang's and vLLM's definitions): for every token ``t`` seen in ``h``, the
    repetition penalty ``r`` scales its logit (``/ r`` where positive, ``* r`` otherwise); then
@@ -15,11 +16,13 @@ in a verify step, the drafts before the row):
 4. a grammar (structured output, :mod:`unimem.engine.grammar`): every token the lane's
    grammar does not allow after ``h`` at ``-inf``.
 
-Penalties are computed sparsely over the history's distinct tokens (``hist_*``, padded per
-lane), plus, in a verify step, the drafts before each row — never a vocabulary-sized count per
-row. Several entries of a row may name one token (a draft repeating a history token, or
-padding): each computes that token's value from the same counts, so the scatter writes one
-value.
+Penalties are computed sparsely over the history's distinct tokens as the host has read it
+(``hist_*``, padded per lane), plus the step in flight's committed tokens for the lane (read
+from its outputs on the device: the host need not wait for that step to plan this one) and,
+in a verify step, the drafts before each row — never a vocabulary-sized count per row.
+Several entries of a row may name one token (a draft repeating a history token, padding, an
+in-flight entry past the lane's count): each computes that token's value from the same
+counts, so the scatter writes one value.
 """
 
 from __future__ import annotations
@@ -42,7 +45,12 @@ class LaneAdjustments:
     ``penalties [W, 3]`` float32 (presence, frequency, repetition; neutral 0, 0, 1),
     ``hist_ids [W, U]`` int64 (the distinct tokens of the lane's prompt and output; padding
     repeats the lane's first entry), ``hist_counts [W, U]`` float32 (each one's count among
-    the output tokens; padding repeats it too). ``grammar`` (None when no lane has one):
+    the output tokens of ``h``; padding repeats it too), ``in_flight_lanes [W]`` int64 (the
+    lane's row in the outputs of the step still in flight, whose committed tokens the host
+    has not read into ``hist_*``; -1: none) and, set by the step after :meth:`upload`,
+    ``in_flight_outputs`` (that step's ``(tokens [B, P], counts [B])`` on the device, read
+    before this step writes its own; None: nothing in flight). ``grammar`` (None when no lane
+    has one):
     called once by the step with its drafts ``[W, g]`` (a verify step) or None and the
     logits' device, it returns ``(slots [W] int64, masks [G, C, words] int32)`` there: bit
     ``t % 32`` of word ``t // 32`` of ``masks[slots[b], j]`` allows token ``t`` in lane
@@ -59,6 +67,8 @@ class LaneAdjustments:
     penalties: torch.Tensor | None = None
     hist_ids: torch.Tensor | None = None
     hist_counts: torch.Tensor | None = None
+    in_flight_lanes: torch.Tensor | None = None
+    in_flight_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
     grammar: (
         Callable[[torch.Tensor | None, torch.device], tuple[torch.Tensor, torch.Tensor]] | None
     ) = None
@@ -68,7 +78,7 @@ class LaneAdjustments:
         int_parts = [self.bias_ids, self.stop_ids, self.stop_until[:, None]]
         float_parts = [self.bias_values, self.stop_values]
         if self.penalties is not None:
-            int_parts.append(self.hist_ids)
+            int_parts += [self.in_flight_lanes[:, None], self.hist_ids]
             float_parts += [self.penalties, self.hist_counts]
         ints, floats = torch.cat(int_parts, dim=1), torch.cat(float_parts, dim=1)
         if device.type == "cuda":
@@ -91,7 +101,8 @@ class LaneAdjustments:
         return replace(
             out,
             penalties=floats[:, f : f + 3],
-            hist_ids=ints[:, m + s + 1 :],
+            in_flight_lanes=ints[:, m + s + 1],
+            hist_ids=ints[:, m + s + 2 :],
             hist_counts=floats[:, f + 3 :],
         )
 
@@ -156,13 +167,27 @@ def _penalize(
     ids = adj.hist_ids[lanes]  # [R, U]
     counts = adj.hist_counts[lanes]
     seen = torch.ones_like(counts, dtype=torch.bool)
+    # output tokens the host's history lacks, each entry with whether it precedes the row:
+    # the step in flight's committed tokens (all of them precede every row of the lane),
+    # then a verify step's drafts (those before the row's column)
+    extra, precedes = [], []
+    if adj.in_flight_outputs is not None and adj.in_flight_lanes is not None:
+        tokens, n = adj.in_flight_outputs
+        lane_rows = adj.in_flight_lanes[lanes]  # [R]
+        src = lane_rows.clamp(min=0)
+        p = torch.arange(tokens.shape[1], device=tokens.device)
+        extra.append(tokens[src].long())
+        precedes.append((p[None, :] < n[src].long()[:, None]) & (lane_rows >= 0)[:, None])
     if drafts is not None:
-        d = drafts.long()[lanes]  # [R, g]
-        g = d.shape[1]
-        before = torch.arange(g, device=d.device)[None, :] < columns.long()[:, None]  # [R, g]
-        # the drafts before a row are output tokens too
+        g = drafts.shape[1]
+        extra.append(drafts.long()[lanes])  # [R, g]
+        precedes.append(torch.arange(g, device=drafts.device)[None, :] < columns.long()[:, None])
+    if extra:
+        d = torch.cat(extra, dim=1)
+        before = torch.cat(precedes, dim=1)
+        # the tokens before a row are output tokens too
         counts = counts + ((ids[:, :, None] == d[:, None, :]) & before[:, None, :]).sum(-1)
-        in_hist = d[:, :, None] == ids[:, None, :]  # [R, g, U]
+        in_hist = d[:, :, None] == ids[:, None, :]  # [R, extra, U]
         d_counts = (in_hist * adj.hist_counts[lanes][:, None, :]).amax(-1)
         d_counts = d_counts + ((d[:, :, None] == d[:, None, :]) & before[:, None, :]).sum(-1)
         d_seen = in_hist.any(-1) | (d_counts > 0)
