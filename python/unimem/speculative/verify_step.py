@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from unimem.attention.backend import AttentionBackend
-from unimem.attention.metadata import MetadataBuilder
+from unimem.attention.metadata import AttentionMetadata, MetadataBuilder
 from unimem.memory.pool import MemoryPool
 from unimem.memory.staging import upload_int32
 from unimem.models import logit_adjustments
@@ -139,7 +139,7 @@ class VerifyForward(NamedTuple):
     also leaves each lane's ``lengths [W]`` int32 and the rows' ``packed`` layout (None in a
     fixed step)."""
 
-    meta: object
+    meta: AttentionMetadata
     draft: torch.Tensor
     proposals: spec_sampling.Proposals | None
     logits: torch.Tensor | None
