@@ -2,13 +2,15 @@
 preset on FA4 with CUDA graphs, ``--requests`` greedy requests decoding ``--tokens`` each,
 plain decoding and DSPARK (gamma 7, the raw drafter), in one engine per mode. Each round
 runs the same prompts; in every round but the baselines one request carries an extra:
-``logit_bias``, top-5 log-probabilities, penalties (which also read the step in flight
-before each step: no overlap), or a regex grammar (structured output: masks from the host,
-drafts read back in verify steps). Prints and writes (``--json``) tok/s and each round's
-ratio to the baseline rounds' mean (run first and last), and per engine its start-up's
-CUDA-graph capture seconds, the number of recorded forward-half kinds (the steps with
-extras replay them), the bytes of their stable outputs and the memory the process holds
-once the engine is built (pool, weights and graphs).
+``logit_bias``, top-5 log-probabilities, penalties (the step in flight's tokens added to the
+history on the device), or a regex grammar (structured output: masks from the host, which
+reads the step in flight first; drafts read back in verify steps). Prints and writes
+(``--json``) tok/s and each round's ratio to the baseline rounds' mean (run first and last)
+— each extra's round as the engine runs it (the recorded forward half replayed, the rest
+eager) and, with ``--whole-eager`` (the default), again with the halves dropped (the whole
+step eager: the cost before the split) — and per engine its start-up's CUDA-graph capture
+seconds, the number of recorded forward-half kinds, the bytes of their stable outputs and
+the memory the process holds once the engine is built (pool, weights and graphs).
 
     python tools/device/extras_cost.py --modes plain --json extras_cost_plain_h100.json
 """
@@ -62,6 +64,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--modes", default="plain,dspark", help="comma-separated: plain, dspark")
+    ap.add_argument(
+        "--whole-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run each extra's round with the forward halves dropped (every step with "
+        "extras eager from end to end, as before the split), in the same engine",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -108,6 +117,12 @@ def main() -> None:
         for name in [*EXTRAS, "none_again"]:
             tok_s, out = _round(eng, prompts, args.tokens, EXTRAS.get(name, {}))
             rows[name] = {"tok_s": round(tok_s, 1), "tokens": out}
+        if args.whole_eager:  # the same rounds with the forward halves dropped: as before them
+            runner.forward_graphs, runner.extend_halves = {}, {}
+            for name in EXTRAS:
+                if name != "none":
+                    tok_s, out = _round(eng, prompts, args.tokens, EXTRAS[name])
+                    rows[f"{name}_whole_eager"] = {"tok_s": round(tok_s, 1), "tokens": out}
         base = (rows["none"]["tok_s"] + rows["none_again"]["tok_s"]) / 2
         for row in rows.values():
             row["ratio"] = round(row["tok_s"] / base, 3)
