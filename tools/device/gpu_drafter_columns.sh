@@ -42,7 +42,7 @@ for decay in ${DECAYS:-1 0.7}; do
     --out "/tmp/columns_$decay" --init "$shipped" --text-cache "$text" \
     --bos-prompts 65536 --prompt-len 24 --gen-len 128 --gen-chunk 4096 \
     --gen-time-budget "${GEN_BUDGET:-60}" --temperatures 0.7,0.7,0 --max-running 512 \
-    --gamma 7 --steps 1000000 --batch 64 --anchors-per-step 48 --lr 3e-4 --warmup 50 \
+    --gamma 7 --steps 1000000 --batch 64 --anchors-per-step 48 --lr 7e-4 --warmup 50 \
     --time-budget "$budget" --eval-every 100000 --head-steps 0 --states per-batch \
     --soft-top-k 64 --soft-loss tv --soft-temperature 0.7 --soft-weight 1 \
     --position-decay "$decay" --no-progress || status=1
