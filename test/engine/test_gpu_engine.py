@@ -172,8 +172,9 @@ def test_engine_records_the_cuda_graph_bs_it_is_given(tmp_path):
 
 def test_scored_prompts_on_the_graph_path_are_sync_free_and_the_oracles():
     """Requests scoring their prompts (:mod:`unimem.engine.prompt_logprobs`), asking for
-    their outputs' top tokens, or adjusting their logits (``logit_bias``, ``min_tokens``; all
-    of those steps run eagerly) beside plain ones on the CUDA-graph
+    their outputs' top tokens, or adjusting their logits (``logit_bias``, ``min_tokens``; the
+    prompt scoring extends ragged and eager, the others replaying their steps' forward
+    halves) beside plain ones on the CUDA-graph
     engine with FA4, chunked (128-token chunks of 150-token prompts) and under
     ``set_sync_debug_mode("error")``: each output's top token is the greedy output itself,
     every scored position equals the dense oracle's
@@ -265,9 +266,9 @@ def test_penalised_requests_on_the_graph_engine(speculative):
 @pytest.mark.parametrize("speculative", [False, True])
 def test_constrained_requests_on_the_graph_engine(speculative):
     """Structured output on the CUDA-graph engine with FA4, plain decoding and DSPARK (its
-    verify steps, eager, read their drafts back to mask each row): greedy and sampled
-    constrained requests follow their regex and end on EOS, beside an unconstrained request
-    that runs its full length."""
+    verify steps replay their forward half, then read their drafts back to mask each row):
+    greedy and sampled constrained requests follow their regex and end on EOS, beside an
+    unconstrained request that runs its full length."""
     import re
 
     xgr = pytest.importorskip("xgrammar")
