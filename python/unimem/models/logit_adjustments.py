@@ -78,7 +78,10 @@ class LaneAdjustments:
         int_parts = [self.bias_ids, self.stop_ids, self.stop_until[:, None]]
         float_parts = [self.bias_values, self.stop_values]
         if self.penalties is not None:
-            int_parts += [self.in_flight_lanes[:, None], self.hist_ids]
+            in_flight = self.in_flight_lanes
+            if in_flight is None:  # nothing in flight
+                in_flight = torch.full_like(self.stop_until, -1)
+            int_parts += [in_flight[:, None], self.hist_ids]
             float_parts += [self.penalties, self.hist_counts]
         ints, floats = torch.cat(int_parts, dim=1), torch.cat(float_parts, dim=1)
         if device.type == "cuda":
