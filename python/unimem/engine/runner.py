@@ -420,25 +420,27 @@ class ModelRunner:
 
     def forward_half(
         self, width: int, rule: str | None = None, kept: StableOutputs | None = None
-    ) -> VerifyForward | tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple:
         """The first half of the decode (or verify) step of ``width`` staged lanes: the
         forward up to the final-normed hidden states, before the LM head (a verify also drafts
         first, greedily or, with ``rule``, sampled under that cut-off rule). Its outputs that
         grow with the batch go to ``kept`` (default :attr:`kept`). Returns what
         :meth:`finish_half` takes: decode's ``(seq_lens [width] int32, final hidden [width,
-        d_model])``, verify's :class:`~unimem.speculative.verify_step.VerifyForward`. Device
-        inputs only (recorded per bucket); nothing is committed."""
+        d_model])``, verify's ``(lanes, sampling rows or None,``
+        :class:`~unimem.speculative.verify_step.VerifyForward` ``)``, the lanes and rows read
+        once for both halves. Device inputs only (recorded per bucket); nothing is
+        committed."""
         kept = self.kept if kept is None else kept
         if self.chain is not None:
             lanes, params = self._verify_lanes(width, rule)
-            return self.verifier.forward(lanes, params, kept)
+            return lanes, params, self.verifier.forward(lanes, params, kept)
         seq_lens, _, final = self._decode_forward(width, head=False)
         return seq_lens, kept.keep("decode.final", final)
 
     def finish_half(
         self,
         width: int,
-        half: VerifyForward | tuple[torch.Tensor, torch.Tensor],
+        half: tuple,
         rule: str | None = None,
         extras: EagerExtras = NO_EXTRAS,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -446,8 +448,8 @@ class ModelRunner:
         run or replayed) left ``half``: the LM head, ``extras``, the pick (or the chain's
         acceptance) and the commits; returns as :meth:`eager_step`."""
         if self.chain is not None:
-            lanes, params = self._verify_lanes(width, rule)
-            return self._verify_finish(width, lanes, params, half, extras)
+            lanes, params, forward = half
+            return self._verify_finish(width, lanes, params, forward, extras)
         seq_lens, final = half
         logits = self.model.head_logits(final)
         return self._decode_finish(width, seq_lens, logits, rule is not None, rule, extras)
