@@ -11,28 +11,25 @@
 #        the extra; 128 output tokens so both modes fit one call): tok/s per extra against
 #        the baseline rounds, capture seconds, forward-half kinds, stable-output bytes
 #        -> extras_cost_TAG.json (TAG: h100 or h200, the card it ran on)
-# Output goes to $OUT (the device tool's folder) or ./gpu-out. Exit 1 if any part failed.
+# Output goes to $OUT (the device tool's folder) or ./gpu-out, the log to gpu_extras.log; each
+# command under `timeout $STEP_TIMEOUT` (default 420 s). Exit 1 if any part failed.
 set -uo pipefail
-out=${OUT:-gpu-out}
-mkdir -p "$out"
-export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+source tools/device/gpu_env.sh
+gpu_outputs gpu_extras
+step_timeout=${STEP_TIMEOUT:-420}
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests cost)
-gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())")
-case "$gpu" in *H200*) tag=h200 ;; *H100*) tag=h100 ;; *) tag=gpu ;; esac
-echo "$gpu" | tee "$out/env.txt"
+gpu_banner
 failed=()
 for part in "${parts[@]}"; do
+  say "part $part"
   case "$part" in
-    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
+    tests) run python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
              test/engine/test_gpu_engine.py \
-             -k "forward_half or penalised or constrained or sync_free_and_the_oracles" 2>&1 \
-             | tee "$out/extras_tests.txt"
-           [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=(tests) ;;
-    cost) timeout 420 python3 tools/device/extras_cost.py --modes plain,dspark --tokens 128 \
-             --json "$out/extras_cost_$tag.json" 2>&1 | tee "$out/extras_cost.txt"
-          [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=(cost) ;;
+             -k "forward_half or penalised or constrained or sync_free_and_the_oracles" \
+             || failed+=(tests) ;;
+    cost) run python3 tools/device/extras_cost.py --modes plain,dspark --tokens 128 \
+            --json "$out/extras_cost_$(gpu_tag).json" || failed+=(cost) ;;
     *) echo "gpu_extras.sh: unknown part $part" >&2; failed+=("$part") ;;
   esac
 done
