@@ -36,12 +36,17 @@ def _params(n: int) -> list[dict]:
     return [{"max_new_tokens": 6, **(sampled if i % 3 == 1 else {})} for i in range(n)]
 
 
-def _run(ckpt, monkeypatch, padded: bool, **extra):
+def _engine(ckpt, monkeypatch, padded: bool, **extra) -> Engine:
+    """A CPU engine over ``ckpt`` with padded extends on or off."""
     monkeypatch.setenv("UNIMEM_EXTEND_GRAPHS", "on" if padded else "off")
-    eng = Engine(
+    return Engine(
         model_path=str(ckpt), device="cpu", dtype="float32", page_size=4,
         max_total_tokens=4096, max_running_requests=6, context_length=512, **extra,
     )  # fmt: skip
+
+
+def _run(ckpt, monkeypatch, padded: bool, **extra):
+    eng = _engine(ckpt, monkeypatch, padded, **extra)
     runner = eng.core.runner
     calls = []
     real = runner._extend_padded
@@ -97,11 +102,7 @@ def _extras_params(n: int, vocab: int) -> list[dict]:
 
 
 def _run_extras(ckpt, monkeypatch, padded: bool, halves: bool, **extra):
-    monkeypatch.setenv("UNIMEM_EXTEND_GRAPHS", "on" if padded else "off")
-    eng = Engine(
-        model_path=str(ckpt), device="cpu", dtype="float32", page_size=4,
-        max_total_tokens=4096, max_running_requests=6, context_length=512, **extra,
-    )  # fmt: skip
+    eng = _engine(ckpt, monkeypatch, padded, **extra)
     runner = eng.core.runner
     runner.eager_halves = halves
     calls = []  # ("halves" | "whole", lanes, tokens) of the padded extends with extras
